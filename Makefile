@@ -1,0 +1,31 @@
+# Two entry points: `make demo` and `make test`. Each sets itself up idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
+
+.PHONY: demo test lint test-sqlite test-postgres migrate
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+migrate: $(VENV)/.installed
+	$(PY) manage.py migrate --noinput
+
+demo: migrate
+	$(PY) manage.py up --demo
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) manage.py makemigrations --check --dry-run
+
+test-sqlite: $(VENV)/.installed
+	$(PY) -m pytest
+
+test-postgres: $(VENV)/.installed
+	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest
+
+test: lint test-sqlite test-postgres

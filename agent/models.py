@@ -1,0 +1,1 @@
+"""The agent owns no tables: it runs on the GPU nodes."""

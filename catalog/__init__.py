@@ -1,0 +1,1 @@
+"""Catalog: the models operators serve, their aliases and deployment profiles."""

@@ -1,0 +1,118 @@
+"""Catalog models: a served Model, its Aliases and its ordered Profiles."""
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+
+from .choices import Engine
+
+public_name_validator = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
+    "Use letters, digits and . _ : / - (starting with a letter or digit).",
+)
+gpu_class_validator = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", "Use letters, digits and . _ - (e.g. H100-80GB)."
+)
+
+
+class Model(models.Model):
+    """A model served under a public name, with the source its weights come from."""
+
+    name = models.CharField(max_length=200, unique=True, validators=[public_name_validator])
+    source = models.CharField(
+        max_length=500, help_text="Where the engine loads weights from: a hub repository id or a local path."
+    )
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self):
+        # Another model's name is caught by the unique constraint; an alias is not.
+        alias = Alias.objects.filter(name=self.name).select_related("model").first() if self.name else None
+        if alias is not None:
+            raise ValidationError({"name": f"“{self.name}” is already an alias of model “{alias.model.name}”"})
+
+
+class Alias(models.Model):
+    """Another public name a model answers to; unique across all names and aliases."""
+
+    model = models.ForeignKey(Model, related_name="aliases", on_delete=models.CASCADE)
+    name = models.CharField(max_length=200, unique=True, validators=[public_name_validator])
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name_plural = "aliases"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self):
+        if not self.name:
+            return
+        clash = Model.objects.filter(name=self.name).first()
+        if clash is not None:
+            raise ValidationError({"name": f"“{self.name}” is already the name of model “{clash.name}”"})
+
+
+class Profile(models.Model):
+    """One way to deploy a model: engine, GPU shape, replica bounds and priority.
+
+    A model's profiles are tried in order when a new replica is placed.
+    """
+
+    model = models.ForeignKey(Model, related_name="profiles", on_delete=models.CASCADE)
+    order = models.PositiveSmallIntegerField(default=0, help_text="Lower is tried first.")
+    engine = models.CharField(max_length=16, choices=Engine.choices, default=Engine.VLLM)
+    gpu_class = models.CharField(max_length=64, validators=[gpu_class_validator], help_text="e.g. H100-80GB")
+    gpus_per_node = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    nodes_per_replica = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    min_replicas = models.PositiveSmallIntegerField(default=0)
+    max_replicas = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    priority = models.SmallIntegerField(default=0, help_text="Higher is preferred and evicted last.")
+    pool = models.CharField(max_length=64, default="default")
+    weight = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    idle_timeout_seconds = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Stop replicas above min after this long unused; empty = never."
+    )
+    engine_args = models.JSONField(default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].')
+
+    class Meta:
+        ordering = ["model", "order", "id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(max_replicas__gte=models.F("min_replicas")), name="profile_max_replicas_gte_min"
+            ),
+            models.CheckConstraint(condition=models.Q(gpus_per_node__gte=1), name="profile_gpus_per_node_gte_1"),
+            models.CheckConstraint(condition=models.Q(nodes_per_replica__gte=1), name="profile_nodes_per_replica_gte_1"),
+            models.CheckConstraint(condition=models.Q(max_replicas__gte=1), name="profile_max_replicas_gte_1"),
+            models.CheckConstraint(condition=models.Q(weight__gte=1), name="profile_weight_gte_1"),
+        ]
+
+    def __str__(self) -> str:
+        shape = f"{self.gpus_per_node}x{self.gpu_class}"
+        if self.nodes_per_replica > 1:
+            shape = f"{self.nodes_per_replica} nodes of {shape}"
+        return f"{self.model_id and self.model.name} on {shape} ({self.get_engine_display()})"
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.gpus_per_node * self.nodes_per_replica
+
+    def clean(self):
+        errors = {}
+        if not isinstance(self.engine_args, list) or not all(isinstance(a, str) for a in self.engine_args):
+            errors["engine_args"] = "Engine args must be a JSON list of strings (an argv), not a shell string."
+        if self.min_replicas is not None and self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            errors["max_replicas"] = f"Max replicas ({self.max_replicas}) is below min replicas ({self.min_replicas})."
+        if self.engine == Engine.LLAMACPP and (self.nodes_per_replica or 1) > 1:
+            errors["nodes_per_replica"] = "llama.cpp replicas run on one node; set nodes per replica to 1."
+        if self.gpus_per_node and self.gpus_per_node > 16:
+            errors["gpus_per_node"] = "No node carries more than 16 GPUs; check GPUs per node."
+        if errors:
+            raise ValidationError(errors)

@@ -1,0 +1,48 @@
+"""Fixtures shared by every app's tests."""
+
+import os
+import socket
+
+import pytest
+
+REDIS_TEST_URL = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/15")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url():
+    """The real Redis server, on a database of its own, emptied before and after."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_TEST_URL)
+    client.flushdb()
+    yield REDIS_TEST_URL
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def redis_settings(settings, redis_url):
+    """Distributed mode for one test: REDIS_URL set and a fresh hub."""
+    from reconciler.backends import reset_hub
+
+    settings.REDIS_URL = redis_url
+    reset_hub()
+    yield redis_url
+    reset_hub()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_hub():
+    """Each test starts with an empty embedded hub."""
+    from reconciler.backends import reset_hub
+
+    reset_hub()
+    yield
+    reset_hub()

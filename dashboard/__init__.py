@@ -1,0 +1,1 @@
+"""Dashboard: the operators' view (cluster summary, ctl_status, /admin index)."""

@@ -1,0 +1,1 @@
+"""The dashboard owns no tables: it renders the cluster summary."""

@@ -1,0 +1,1 @@
+"""Inventory: GPU nodes, their GPUs and credentials, and the agent WebSocket."""

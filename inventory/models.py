@@ -1,0 +1,95 @@
+"""Inventory models: Node, GPU and the per-node NodeCredential."""
+
+import hashlib
+import secrets
+
+from django.core.validators import RegexValidator
+from django.db import models
+
+from .choices import GPUHealth, NodeState
+
+# Node names become channel-layer group names, which allow only these characters.
+node_name_validator = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", "Use letters, digits and . _ - (at most 63 characters)."
+)
+
+
+class NodeQuerySet(models.QuerySet):
+    def schedulable(self):
+        """Nodes the placer may put new shards on."""
+        return self.filter(schedulable=True, state=NodeState.READY)
+
+
+class Node(models.Model):
+    """A GPU machine running an agent."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[node_name_validator])
+    address = models.CharField(max_length=255, blank=True, help_text="Host or IP engines are reached on.")
+    fabric = models.CharField(max_length=64, blank=True, help_text="Interconnect domain, e.g. an InfiniBand fabric.")
+    labels = models.JSONField(default=dict, blank=True)
+    schedulable = models.BooleanField(default=True, help_text="Cordoned nodes get no new shards.")
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.NEW)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    agent_version = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = NodeQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class GPU(models.Model):
+    """One GPU of a node, as its agent last reported it."""
+
+    node = models.ForeignKey(Node, related_name="gpus", on_delete=models.CASCADE)
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=128)
+    gpu_class = models.CharField(max_length=64)
+    memory_mb = models.PositiveIntegerField(default=0)
+    health = models.CharField(max_length=16, choices=GPUHealth.choices, default=GPUHealth.HEALTHY)
+    # When it last turned healthy; an unhealthy GPU returns to service only after a quarantine.
+    healthy_since = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["node", "index"]
+        verbose_name = "GPU"
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_index_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/gpu{self.index} ({self.gpu_class})"
+
+
+def hash_token(token: str) -> str:
+    """Tokens are long random strings, so one round of SHA-256 is enough to store them."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class NodeCredentialQuerySet(models.QuerySet):
+    def verify(self, node_name: str, token: str):
+        """The credential for `node_name` if `token` matches it, else None."""
+        cred = self.filter(node__name=node_name).select_related("node").first()
+        if cred is None or not secrets.compare_digest(cred.token_hash, hash_token(token)):
+            return None
+        return cred
+
+
+class NodeCredential(models.Model):
+    """The secret a node's agent authenticates with, issued at enrolment (stored hashed)."""
+
+    node = models.OneToOneField(Node, related_name="credential", on_delete=models.CASCADE)
+    token_hash = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=16, help_text="The first characters of the token, to recognise it.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = NodeCredentialQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"{self.node.name} ({self.prefix}…)"
+
+    @staticmethod
+    def new_token() -> str:
+        return "llmgw-node-" + secrets.token_urlsafe(32)

@@ -1,0 +1,20 @@
+"""Control-plane ASGI app: Django over HTTP, the agent consumer over WebSocket."""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from inventory.consumers import AgentConsumer  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": URLRouter([path("agent/ws", AgentConsumer.as_asgi())]),
+    }
+)

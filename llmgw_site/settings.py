@@ -1,0 +1,193 @@
+"""Django settings for llmgw, all taken from the environment (see README).
+
+Unset DATABASE_URL means SQLite in var/; unset REDIS_URL means embedded mode,
+with in-process channel layer, endpoint list, usage store and activation queue.
+"""
+
+import secrets
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from .env import env_bool, env_float, env_int, env_port_range, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("LLMGW_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = env_bool("DEBUG", False)
+DATABASE_URL = env_str("DATABASE_URL")
+REDIS_URL = env_str("REDIS_URL") or None
+EMBEDDED = REDIS_URL is None
+
+
+def _secret_key() -> str:
+    key = env_str("SECRET_KEY")
+    if key:
+        return key
+    if DATABASE_URL is None:
+        # Embedded mode on one box: a random key kept beside the SQLite file,
+        # so sessions survive restarts without a shared, guessable default.
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        path = VAR_DIR / "secret_key"
+        if not path.exists():
+            path.write_text(secrets.token_urlsafe(50))
+            path.chmod(0o600)
+        return path.read_text().strip()
+    raise ImproperlyConfigured("SECRET_KEY must be set when DATABASE_URL is set")
+
+
+SECRET_KEY = _secret_key()
+ALLOWED_HOSTS = [h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_prometheus",
+    "catalog",
+    "inventory",
+    "reconciler",
+    "router",
+    "dashboard",
+    "agent",
+]
+
+MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
+]
+
+ROOT_URLCONF = "llmgw_site.urls"
+ASGI_APPLICATION = "llmgw_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if DATABASE_URL:
+    try:
+        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+    except Exception as exc:  # dj-database-url raises several types for bad URLs
+        raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from None
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": VAR_DIR / "llmgw.sqlite3"}}
+
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The ticker, the agent consumer and admin write from different threads:
+    # WAL and IMMEDIATE transactions turn lock upgrades into short waits.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+    )
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+if EMBEDDED:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+else:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": "llmgw:asgi"},
+        }
+    }
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+
+# --- llmgw -------------------------------------------------------------------
+LLMGW_HOST = env_str("LLMGW_HOST", "127.0.0.1")
+LLMGW_PORT = env_int("LLMGW_PORT", 8000, 1, 65535)
+LLMGW_ROUTER_PORT = env_int("LLMGW_ROUTER_PORT", 8080, 1, 65535)
+# Seconds between reconcile ticks (Celery beat in distributed mode).
+LLMGW_TICK_SECONDS = env_float("LLMGW_TICK_SECONDS", 2.0, minimum=0.1)
+LLMGW_LEASE_NAME = "reconciler"
+LLMGW_LEASE_TTL_SECONDS = env_float("LLMGW_LEASE_TTL_SECONDS", 15.0, minimum=1.0)
+LLMGW_HEARTBEAT_SECONDS = env_float("LLMGW_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
+LLMGW_UNREACHABLE_AFTER_SECONDS = env_float("LLMGW_UNREACHABLE_AFTER_SECONDS", 20.0, minimum=1.0)
+LLMGW_LOST_AFTER_SECONDS = env_float("LLMGW_LOST_AFTER_SECONDS", 120.0, minimum=1.0)
+LLMGW_SHARD_START_TIMEOUT_SECONDS = env_float("LLMGW_SHARD_START_TIMEOUT_SECONDS", 900.0, minimum=1.0)
+LLMGW_BACKOFF_BASE_SECONDS = env_float("LLMGW_BACKOFF_BASE_SECONDS", 5.0, minimum=0.0)
+LLMGW_BACKOFF_MAX_SECONDS = env_float("LLMGW_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)
+LLMGW_ENGINE_PORT_RANGE = env_port_range("LLMGW_ENGINE_PORT_RANGE", (20000, 29999))
+# How long the router holds a request for a model that is starting.
+LLMGW_ACTIVATION_TIMEOUT_SECONDS = env_float("LLMGW_ACTIVATION_TIMEOUT_SECONDS", 120.0, minimum=0.0)
+# Router backstop: re-read the endpoint list this often even without a push.
+LLMGW_ROUTER_POLL_SECONDS = env_float("LLMGW_ROUTER_POLL_SECONDS", 5.0, minimum=0.1)
+LLMGW_USAGE_FLUSH_SECONDS = env_float("LLMGW_USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+
+if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
+    raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
+
+# --- Celery (distributed mode) ------------------------------------------------
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {
+    "reconcile-tick": {
+        "task": "reconciler.tasks.tick",
+        "schedule": LLMGW_TICK_SECONDS,
+        # A tick that could not start within its interval is superseded by the next.
+        "options": {"expires": LLMGW_TICK_SECONDS},
+    },
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}},
+}

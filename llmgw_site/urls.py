@@ -1,0 +1,9 @@
+"""Control-plane URLs: admin (with the dashboard as its index), API, metrics."""
+
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("", include("django_prometheus.urls")),
+]

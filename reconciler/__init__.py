@@ -1,0 +1,1 @@
+"""Reconciler: replicas, shards, GPU assignments, the lease and the tick."""

@@ -1,0 +1,101 @@
+"""Reconciler models: Replica, Shard, GPUAssignment and the leader Lease."""
+
+from django.db import models
+from django.utils import timezone
+
+from .choices import PLACED_STATES, ReplicaState, ShardState
+
+
+class ReplicaQuerySet(models.QuerySet):
+    def placed(self):
+        """Replicas holding GPUs (starting, ready or stopping)."""
+        return self.filter(state__in=PLACED_STATES)
+
+    def ready(self):
+        return self.filter(state=ReplicaState.READY)
+
+
+class Replica(models.Model):
+    """One running (or wanted) copy of a model under one profile.
+
+    `last_used` is null when unknown (DESIGN invariant 3): never treat null as idle.
+    """
+
+    model = models.ForeignKey("catalog.Model", related_name="replicas", on_delete=models.CASCADE)
+    profile = models.ForeignKey("catalog.Profile", related_name="replicas", on_delete=models.CASCADE)
+    state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING)
+    endpoint_url = models.CharField(max_length=255, blank=True)
+    placement_error = models.TextField(blank=True, help_text="Why the last placement attempt found no room.")
+    last_error = models.TextField(blank=True)
+    failure_count = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    epoch = models.BigIntegerField(default=0, help_text="Lease epoch of the leader that placed it.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    last_used = models.DateTimeField(null=True, blank=True)
+
+    objects = ReplicaQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"replica {self.pk} of {self.model.name}"
+
+    def idle_seconds(self, now=None) -> float | None:
+        """Seconds since last use, or None when unknown (never 0 for unknown)."""
+        if self.last_used is None:
+            return None
+        return max(0.0, ((now or timezone.now()) - self.last_used).total_seconds())
+
+
+class Shard(models.Model):
+    """The part of a replica that runs on one node (rank 0 is the head)."""
+
+    replica = models.ForeignKey(Replica, related_name="shards", on_delete=models.CASCADE)
+    node = models.ForeignKey("inventory.Node", related_name="shards", on_delete=models.CASCADE)
+    rank = models.PositiveSmallIntegerField(default=0)
+    port = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=ShardState.choices, default=ShardState.ASSIGNED)
+    message = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["replica", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["replica", "rank"], name="shard_unique_rank_per_replica"),
+            models.UniqueConstraint(fields=["node", "port"], name="shard_unique_port_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return f"shard {self.pk} (replica {self.replica_id} rank {self.rank} on {self.node.name}:{self.port})"
+
+
+class GPUAssignment(models.Model):
+    """A GPU held by a shard. The unique constraint is DESIGN invariant 2."""
+
+    gpu = models.ForeignKey("inventory.GPU", related_name="assignments", on_delete=models.CASCADE)
+    shard = models.ForeignKey(Shard, related_name="gpu_assignments", on_delete=models.CASCADE)
+
+    class Meta:
+        verbose_name = "GPU assignment"
+        constraints = [models.UniqueConstraint(fields=["gpu"], name="gpu_held_by_at_most_one_shard")]
+
+    def __str__(self) -> str:
+        return f"GPU {self.gpu_id} → shard {self.shard_id}"
+
+
+class Lease(models.Model):
+    """The leader lease row (DESIGN invariant 1). Written only by reconciler.lease.
+
+    `expires_at` is seconds since the Unix epoch by the database's clock.
+    """
+
+    name = models.CharField(max_length=64, primary_key=True)
+    owner = models.CharField(max_length=64)
+    epoch = models.BigIntegerField(default=1)
+    expires_at = models.FloatField()
+
+    def __str__(self) -> str:
+        return f"{self.name} held by {self.owner} (epoch {self.epoch})"
