@@ -42,7 +42,7 @@ ALLOWED_HOSTS = [h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhos
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "dashboard.apps.FleetAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -157,6 +157,10 @@ LLMGW_LEASE_TTL_SECONDS = env_float("LLMGW_LEASE_TTL_SECONDS", 15.0, minimum=1.0
 LLMGW_HEARTBEAT_SECONDS = env_float("LLMGW_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
 LLMGW_UNREACHABLE_AFTER_SECONDS = env_float("LLMGW_UNREACHABLE_AFTER_SECONDS", 20.0, minimum=1.0)
 LLMGW_LOST_AFTER_SECONDS = env_float("LLMGW_LOST_AFTER_SECONDS", 120.0, minimum=1.0)
+# An unhealthy GPU must report healthy this long before it is used again.
+LLMGW_GPU_QUARANTINE_SECONDS = env_float("LLMGW_GPU_QUARANTINE_SECONDS", 300.0, minimum=0.0)
+# A shard still "assigned" (start sent, no answer) this long gets its start command again.
+LLMGW_START_RESEND_SECONDS = env_float("LLMGW_START_RESEND_SECONDS", 10.0, minimum=0.5)
 LLMGW_SHARD_START_TIMEOUT_SECONDS = env_float("LLMGW_SHARD_START_TIMEOUT_SECONDS", 900.0, minimum=1.0)
 LLMGW_BACKOFF_BASE_SECONDS = env_float("LLMGW_BACKOFF_BASE_SECONDS", 5.0, minimum=0.0)
 LLMGW_BACKOFF_MAX_SECONDS = env_float("LLMGW_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)

@@ -13,6 +13,7 @@ inside the tick); router methods are coroutines (they run on the router's loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,10 +58,8 @@ class InProcessHub:
             self._table = table
             watchers = list(self._watchers)
         for loop, queue in watchers:
-            try:
+            with contextlib.suppress(RuntimeError):  # that router's loop has closed
                 loop.call_soon_threadsafe(queue.put_nowait, table)
-            except RuntimeError:  # that router's loop has closed
-                pass
         return True
 
     def collect_usage(self) -> dict[str, float]:
@@ -177,10 +176,8 @@ class RedisHub:
                 log.warning("endpoint subscription failed, retrying: %s", exc)
                 await asyncio.sleep(1)
             finally:
-                try:
+                with contextlib.suppress(Exception):
                     await pubsub.aclose()
-                except Exception:
-                    pass
 
     async def record_usage(self, stamps: dict[str, float]) -> None:
         if stamps:

@@ -1,0 +1,18 @@
+"""The admin site whose index page is the cluster dashboard."""
+
+from django.contrib.admin import AdminSite
+
+
+class FleetAdminSite(AdminSite):
+    """Django admin for llmgw; its index shows the cluster summary above the app list."""
+
+    site_header = "llmgw"
+    site_title = "llmgw"
+    index_title = "Fleet"
+    index_template = "dashboard/admin_index.html"
+
+    def index(self, request, extra_context=None):
+        # Imported here: the site is built while apps load, before models are ready.
+        from .views import dashboard_context
+
+        return super().index(request, extra_context={**dashboard_context(), **(extra_context or {})})

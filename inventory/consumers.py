@@ -1,0 +1,102 @@
+"""The WebSocket consumer that node agents connect to at /agent/ws.
+
+Thin: it authenticates the node (DESIGN invariant 8), validates each message
+with agent.protocol, hands it to one service function, and relays commands
+that arrive on the node's channel-layer group (invariant 9).
+"""
+
+import json
+import logging
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from agent import protocol
+from reconciler.dispatch import node_group
+
+from . import services
+from .models import NodeCredential
+
+log = logging.getLogger(__name__)
+
+
+def _credentials(scope) -> tuple[str, str]:
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    auth = headers.get("authorization", "")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    return headers.get("x-llmgw-node", "").strip(), token
+
+
+class AgentConsumer(AsyncJsonWebsocketConsumer):
+    """One node agent's stream."""
+
+    node_name = None
+
+    async def connect(self):
+        name, token = _credentials(self.scope)
+        cred = await database_sync_to_async(NodeCredential.objects.verify)(name, token) if name and token else None
+        if cred is None:
+            log.warning("agent connection refused: bad or missing credential for node %r", name)
+            # Closing before accept makes the handshake fail with HTTP 403.
+            await self.close(code=protocol.CLOSE_UNAUTHORIZED)
+            return
+        self.node_name, self.node_id = name, cred.node_id
+        self.group = node_group(name)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        # A second connection for the same node replaces the first.
+        await self.channel_layer.group_send(self.group, {"type": "agent.superseded", "by": self.channel_name})
+        log.info("agent connected: %s", name)
+
+    async def disconnect(self, code):
+        if self.node_name:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+            log.info("agent disconnected: %s (code %s)", self.node_name, code)
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        try:
+            message = protocol.parse_agent_message(json.loads(text_data if text_data is not None else bytes_data))
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError and ProtocolError are ValueErrors
+            await self.send_json({"type": protocol.ERROR, "v": protocol.PROTOCOL_VERSION, "message": str(exc)})
+            return
+        await self.handle(message)
+
+    async def handle(self, message: dict):
+        from reconciler import services as reconciler_services
+
+        kind = message["type"]
+        if kind == protocol.HELLO:
+            if message["node"] != self.node_name:
+                await self.send_json(
+                    {
+                        "type": protocol.ERROR,
+                        "v": protocol.PROTOCOL_VERSION,
+                        "message": f"hello names node “{message['node']}” but this credential is for “{self.node_name}”",
+                    }
+                )
+                return
+            node = await database_sync_to_async(services.register_node)(self.node_id, message)
+            await database_sync_to_async(reconciler_services.reconcile_reported_shards)(node, message["shards"])
+        elif kind == protocol.HEARTBEAT:
+            await database_sync_to_async(services.record_heartbeat)(self.node_id, message)
+        elif kind == protocol.SHARD_STATUS:
+            await database_sync_to_async(self._shard_status)(message)
+
+    def _shard_status(self, message: dict):
+        from reconciler import services as reconciler_services
+
+        from .models import Node
+
+        node = Node.objects.get(pk=self.node_id)
+        reconciler_services.record_shard_status(
+            node, message["shard_id"], message["state"], message["message"], message["port"]
+        )
+
+    # -- channel-layer events ------------------------------------------------
+    async def agent_command(self, event):
+        await self.send_json(event["command"])
+
+    async def agent_superseded(self, event):
+        if event["by"] != self.channel_name:
+            log.info("agent stream for %s replaced by a newer connection", self.node_name)
+            await self.close(code=protocol.CLOSE_SUPERSEDED)

@@ -1,0 +1,128 @@
+"""Embedded mode: control plane, router, reconcile ticker (and demo agents) in one process.
+
+All of them share one event loop. Django's synchronous work (views, the agent
+consumer's writes, the tick) runs on asgiref's single sync thread, so SQLite
+sees one writer at a time, and the tick's channel-layer sends run on this loop,
+where the in-memory channel layer lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+
+import uvicorn
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+log = logging.getLogger("llmgw.up")
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the embedding process."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind a listening socket, or raise OSError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run_ticker(stop: asyncio.Event) -> None:
+    """Call the reconcile tick every interval, or sooner when the hub is woken."""
+    from reconciler.backends import get_hub
+    from reconciler.lease import get_leadership
+    from reconciler.services import tick
+
+    hub, leadership = get_hub(), get_leadership()
+    run_tick = sync_to_async(tick)
+    while not stop.is_set():
+        hub.wake.clear()
+        try:
+            await run_tick(leadership=leadership, hub=hub)
+        except Exception:  # a failed tick is retried on the next one, never fatal
+            log.exception("reconcile tick failed")
+        await asyncio.to_thread(hub.wake.wait, settings.LLMGW_TICK_SECONDS)
+    await sync_to_async(leadership.release)()
+
+
+async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=None) -> None:
+    """Run everything until SIGINT/SIGTERM; then stop engines, servers and the ticker."""
+    from agent.gpus import parse_fake_gpus
+    from agent.runtime import Agent
+    from reconciler.backends import get_hub
+    from router.app import create_app
+
+    control_sock, router_sock = bind(host, port), bind(host, router_port)
+    control = _Server(uvicorn.Config("llmgw_site.asgi:application", lifespan="off", log_level="warning"))
+    router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning"))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    tasks = [
+        asyncio.create_task(control.serve(sockets=[control_sock]), name="control-plane"),
+        asyncio.create_task(router.serve(sockets=[router_sock]), name="router"),
+        asyncio.create_task(run_ticker(stop), name="ticker"),
+    ]
+    while not (control.started and router.started):
+        if any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.05)
+
+    agents = []
+    if fleet is not None:
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        url = f"ws://{connect_host}:{port}/agent/ws"
+        for node in fleet.nodes:
+            agent = Agent(
+                [url],
+                node.name,
+                node.token,
+                parse_fake_gpus(node.fake_gpus, node.name),
+                address="127.0.0.1",
+                fabric=node.fabric,
+                heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
+                engine_python=sys.executable,
+            )
+            agents.append(agent)
+            tasks.append(asyncio.create_task(agent.run(), name=f"agent-{node.name}"))
+    if on_ready is not None:
+        on_ready()
+
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    failure = next((t for t in done if t is not stopper and t.exception() is not None), None)
+    if failure is not None:
+        log.error("%s stopped: %s", failure.get_name(), failure.exception())
+
+    # Shut down: engines first (while the control plane can still hear their
+    # last status), then the ticker, then the servers.
+    stop.set()
+    get_hub().wake.set()
+    await asyncio.gather(*(a.shutdown() for a in agents), return_exceptions=True)
+    control.should_exit = router.should_exit = True
+    await asyncio.wait(tasks, timeout=15)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if failure is not None:
+        raise failure.exception()

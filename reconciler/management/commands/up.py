@@ -1,0 +1,82 @@
+"""`manage.py up [--demo]`: run the whole of llmgw in one process (embedded mode)."""
+
+import asyncio
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise CommandError(f"port {value!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise CommandError(f"port {port} is outside 1-65535")
+    return port
+
+
+class Command(BaseCommand):
+    help = "Run the control plane, the router and the reconcile ticker in one process (SQLite by default)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--demo", action="store_true", help="Also create a demo catalog, key and three simulated nodes.")
+        parser.add_argument("--host", default=settings.LLMGW_HOST, help="Address to listen on (LLMGW_HOST).")
+        parser.add_argument("--port", default=str(settings.LLMGW_PORT), help="Control plane port (LLMGW_PORT).")
+        parser.add_argument(
+            "--router-port", default=str(settings.LLMGW_ROUTER_PORT), help="Router port (LLMGW_ROUTER_PORT)."
+        )
+
+    def handle(self, *args, demo, host, port, router_port, **options):
+        from llmgw_site import embedded
+
+        port, router_port = _port(port), _port(router_port)
+        if port == router_port:
+            raise CommandError("--port and --router-port must differ")
+        if host not in settings.ALLOWED_HOSTS and host not in ("0.0.0.0", "::"):
+            settings.ALLOWED_HOSTS.append(host)
+        call_command("migrate", interactive=False, verbosity=0)
+        fleet = None
+        if demo:
+            from llmgw_site.demo import create_demo_fleet
+
+            fleet = create_demo_fleet()
+
+        def announce():
+            self.stdout.write(self._banner(host, port, router_port, fleet))
+            self.stdout.flush()
+
+        try:
+            asyncio.run(embedded.serve(host, port, router_port, fleet, on_ready=announce))
+        except OSError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write("llmgw stopped.")
+
+    @staticmethod
+    def _node_text(node) -> str:
+        return f"{node.name} ({node.fake_gpus}, fabric {node.fabric})" if node.fabric else f"{node.name} ({node.fake_gpus})"
+
+    def _banner(self, host, port, router_port, fleet) -> str:
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        database = settings.DATABASES["default"]
+        where = f"SQLite at {database['NAME']}" if database["ENGINE"].endswith("sqlite3") else database["ENGINE"]
+        lines = [
+            self.style.SUCCESS(f"llmgw is up ({'embedded' if settings.EMBEDDED else 'Redis'} mode, {where})"),
+            f"  router (OpenAI API)   http://{shown}:{router_port}/v1",
+            f"  admin and dashboard   http://{shown}:{port}/admin/",
+            f"  REST API              http://{shown}:{port}/api/v1/status",
+        ]
+        if fleet is not None:
+            lines += [
+                f"  admin login           {fleet.admin_user} / {fleet.admin_password}",
+                f"  API key               {fleet.api_key}",
+                f"  nodes                 {', '.join(self._node_text(n) for n in fleet.nodes)}",
+                "",
+                "Try it (the first request starts the model, then answers):",
+                f"  curl http://{shown}:{router_port}/v1/chat/completions \\",
+                f'    -H "Authorization: Bearer {fleet.api_key}" -H "Content-Type: application/json" \\',
+                """    -d '{"model": "llama3", "messages": [{"role": "user", "content": "Hello!"}]}'""",
+            ]
+        lines += ["", "Ctrl-C stops everything, engines included.", ""]
+        return "\n".join(lines)

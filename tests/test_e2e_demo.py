@@ -1,0 +1,155 @@
+"""End to end: `manage.py up --demo` as a real process, an OpenAI client, ctl_status.
+
+A model with no replica is asked for; the router activates it, the reconciler
+places it on a simulated node, the agent starts the mock engine as a real
+subprocess, and the answer comes back. Then ctl_status shows its last use, and
+stopping `up` (gracefully or by SIGKILL) leaves no engine running.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from conftest import free_port
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "sk-llmgw-e2e-test-key-0123456789"
+
+
+def engine_pids(var_dir: Path) -> set[int]:
+    """Mock engine processes started for this test's `up` (found by their parent chain)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"agent.mock_engine" in cmdline and f"LLMGW_VAR_DIR={var_dir}".encode() in environ:
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def demo(tmp_path):
+    port, router_port = free_port(), free_port()
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")
+    } | {
+        "LLMGW_VAR_DIR": str(tmp_path),
+        "LLMGW_DEMO_API_KEY": API_KEY,
+        "LLMGW_DEMO_ADMIN_PASSWORD": "e2e-admin-password",
+        "LLMGW_PORT": str(port),
+        "LLMGW_ROUTER_PORT": str(router_port),
+        "LLMGW_TICK_SECONDS": "0.5",
+        "PYTHONUNBUFFERED": "1",
+    }
+    with open(tmp_path / "up.log", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "up", "--demo"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        base = f"http://127.0.0.1:{router_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200 and "API key" in (tmp_path / "up.log").read_text():
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("up --demo did not serve within 60 s:\n" + (tmp_path / "up.log").read_text())
+        yield {"proc": proc, "env": env, "router": base, "port": port, "var": tmp_path, "log": tmp_path / "up.log"}
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def ctl_status(env) -> dict:
+    out = subprocess.run(
+        [sys.executable, "manage.py", "ctl_status", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(predicate, timeout=20.0, interval=0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def test_demo_serves_a_cold_model_and_reports_its_last_use(demo):
+    banner = demo["log"].read_text()
+    assert API_KEY in banner and "e2e-admin-password" in banner
+
+    before = ctl_status(demo["env"])
+    assert not any(r["model"] == "llama-3.1-8b-instruct" for r in before["replica_list"])
+
+    client = OpenAI(base_url=demo["router"] + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+    reply = client.chat.completions.create(model="llama3", messages=[{"role": "user", "content": "hello there"}])
+    assert "llama-3.1-8b-instruct" in reply.choices[0].message.content
+    assert reply.usage.total_tokens > 0
+
+    chunks = list(
+        client.chat.completions.create(
+            model="llama-3.1-8b-instruct",
+            messages=[{"role": "user", "content": "stream please"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "llama-3.1-8b-instruct" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+    def used_replica():
+        status = ctl_status(demo["env"])
+        replicas = [r for r in status["replica_list"] if r["model"] == "llama-3.1-8b-instruct"]
+        return replicas if replicas and replicas[0]["idle_known"] else None
+
+    replicas = wait_for(used_replica)
+    assert replicas, ctl_status(demo["env"])
+    assert replicas[0]["state"] == "ready" and replicas[0]["idle_seconds"] >= 0
+
+    # Wrong key and unknown model are refused in OpenAI's shape.
+    bad = httpx.post(f"{demo['router']}/v1/chat/completions", headers={"Authorization": "Bearer nope"}, json={})
+    assert bad.status_code == 401 and "error" in bad.json()
+    unknown = httpx.post(
+        f"{demo['router']}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "no-such-model", "messages": []},
+    )
+    assert unknown.status_code == 404 and "no-such-model" in unknown.json()["error"]["message"]
+
+    # A graceful stop takes the engines with it.
+    engines = engine_pids(demo["var"])
+    assert engines, "the demo should be running engine processes"
+    demo["proc"].send_signal(signal.SIGINT)
+    assert demo["proc"].wait(30) == 0, demo["log"].read_text()
+    assert wait_for(lambda: not engine_pids(demo["var"]), timeout=10)
+
+
+def test_killing_up_leaves_no_engine_running(demo):
+    # bge-m3 has min_replicas=1, so an engine starts without any request.
+    assert wait_for(lambda: engine_pids(demo["var"]), timeout=30), demo["log"].read_text()
+    demo["proc"].kill()
+    demo["proc"].wait(10)
+    assert wait_for(lambda: not engine_pids(demo["var"]), timeout=10)
