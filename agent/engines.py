@@ -1,0 +1,117 @@
+"""Per-engine launch builders: the argv and environment that start one shard.
+
+Engines are always started from an argv list, never through a shell, so a
+model source or a profile's engine argument cannot inject a command.
+
+Multi-node rules (node_count > 1, rank 0 is the head):
+
+* vLLM spreads a replica over nodes with Ray: tensor parallel inside a node,
+  pipeline parallel across nodes. Rank 0 runs `vllm serve … --pipeline-parallel-size N
+  --distributed-executor-backend ray`; it expects a Ray head on the head node
+  at port 6379 (VLLM_RAY_PORT), which the node image provides. Every other rank
+  joins that cluster with `ray start --address=<head>:6379 --block` and serves
+  no HTTP, so it has no health path: the agent reports it ready once the join
+  process stays up. The profile's extra args are vLLM arguments and go to rank 0 only.
+* SGLang runs one `launch_server` per node with `--nnodes/--node-rank` and
+  rendezvous at `<head>:<port + 1>`; ranks above 0 serve no API.
+* llama.cpp runs on one node only.
+* The mock engine runs a full server on every rank, so simulated multi-node
+  replicas answer health checks everywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINES = ("vllm", "sglang", "llamacpp", "mock")
+VLLM_RAY_PORT = 6379
+# The mock engine is imported from this checkout, whatever directory the agent was started from.
+PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start one shard: argv (no shell), extra environment, and where it reports health.
+
+    `health_path` is None for ranks that serve no HTTP; those are ready once
+    their process has stayed up. `cwd` is None to inherit the agent's.
+    """
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str | None = "/health"
+    cwd: str | None = None
+
+
+def _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    if not isinstance(model, str) or not model:
+        raise ValueError("model name must be a non-empty string")
+    if not isinstance(source, str) or not source:
+        raise ValueError("model source must be a non-empty string")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65534:
+        # 65535 is excluded because SGLang's rendezvous uses port + 1.
+        raise ValueError(f"port must be an integer from 1 to 65534, got {port!r}")
+    if not isinstance(gpu_indices, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in gpu_indices
+    ):
+        raise ValueError(f"GPU indices must be a list of non-negative integers, got {gpu_indices!r}")
+    if len(set(gpu_indices)) != len(gpu_indices):
+        raise ValueError(f"GPU indices {gpu_indices} repeat a GPU")
+    if not gpu_indices and engine != "mock":
+        raise ValueError(f"engine {engine} needs at least one GPU")
+    if isinstance(node_count, bool) or not isinstance(node_count, int) or node_count < 1:
+        raise ValueError(f"node count must be a positive integer, got {node_count!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < node_count:
+        raise ValueError(f"rank must be from 0 to {node_count - 1}, got {rank!r}")
+    if node_count > 1 and (not isinstance(head_address, str) or not head_address):
+        raise ValueError("a replica spanning several nodes needs the head node's address")
+    if engine == "llamacpp" and node_count > 1:
+        raise ValueError("llama.cpp runs on one node; node count must be 1")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ValueError("engine args must be a list of strings (an argv), not a shell string")
+
+
+def build_launch(
+    engine: str,
+    *,
+    model: str,
+    source: str,
+    port: int,
+    gpu_indices: list[int],
+    rank: int,
+    node_count: int,
+    head_address: str,
+    args: list[str],
+    python: str = sys.executable,
+) -> Launch:
+    """The launch for one shard of `model` on this node; ValueError names any bad input."""
+    _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_indices)}
+    multi = node_count > 1
+
+    if engine == "vllm":
+        if rank > 0:
+            return Launch(["ray", "start", f"--address={head_address}:{VLLM_RAY_PORT}", "--block"], env, None)
+        argv = ["vllm", "serve", source, "--host", "0.0.0.0", "--port", str(port)]
+        argv += ["--served-model-name", model, "--tensor-parallel-size", str(len(gpu_indices))]
+        if multi:
+            argv += ["--pipeline-parallel-size", str(node_count), "--distributed-executor-backend", "ray"]
+        return Launch(argv + args, env)
+
+    if engine == "sglang":
+        argv = ["python", "-m", "sglang.launch_server", "--model-path", source, "--host", "0.0.0.0"]
+        argv += ["--port", str(port), "--served-model-name", model, "--tp-size", str(len(gpu_indices) * node_count)]
+        if multi:
+            argv += ["--nnodes", str(node_count), "--node-rank", str(rank), "--dist-init-addr", f"{head_address}:{port + 1}"]
+        return Launch(argv + args, env, "/health" if rank == 0 else None)
+
+    if engine == "llamacpp":
+        argv = ["llama-server", "-m", source, "--host", "0.0.0.0", "--port", str(port), "--alias", model, "-ngl", "999"]
+        return Launch(argv + args, env)
+
+    argv = [python, "-m", "agent.mock_engine", "--host", "0.0.0.0", "--port", str(port), "--model", model]
+    return Launch(argv + args, env, cwd=PROJECT_DIR)

@@ -1,0 +1,393 @@
+"""The bundled mock engine: a tiny OpenAI-compatible server for demos and tests.
+
+    python -m agent.mock_engine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
+
+It answers chat completions, completions (plain and SSE streaming, with usage),
+embeddings and the model list, and exposes `/health` and a vLLM-style
+`/metrics`, so the router's balancing and usage accounting work against it as
+they would against vLLM. Replies are deterministic and name the model that
+answered; a token is a word.
+
+This module imports nothing from Django: the agent starts one per simulated
+shard and the demo must be ready within a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import sys
+import time
+import uuid
+
+from aiohttp import web
+
+EMBEDDING_DIMENSIONS = 16
+# Simulated KV-cache slots, so gpu_cache_usage_perc moves with the running requests.
+CACHE_SLOTS = 32
+ECHO_WORDS = 12
+
+
+def openai_error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
+    """An error response in OpenAI's shape."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+class BadRequest(Exception):
+    """The request body is not what the endpoint accepts; the text says why."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def words(text: str) -> list[str]:
+    return text.split()
+
+
+def _content_text(content) -> str:
+    """Text of a chat message's content: a string or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise BadRequest("each content part must be an object", "messages")
+            if part.get("type") == "text":
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest("a text content part needs a string “text”", "messages")
+                texts.append(part["text"])
+        return " ".join(texts)
+    raise BadRequest("message content must be a string or a list of parts", "messages")
+
+
+class MockEngine:
+    """Request handling and the counters behind /metrics for one served model."""
+
+    def __init__(self, model: str, token_delay_ms: float = 0.0):
+        self.model = model
+        self.token_delay = token_delay_ms / 1000.0
+        self.running = 0
+        self.waiting = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_total = 0
+
+    # -- helpers ----------------------------------------------------------------
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("field “model” is required and must be a string", "model")
+        return body
+
+    def _wrong_model(self, body: dict):
+        if body["model"] != self.model:
+            return openai_error(
+                404,
+                f"The model `{body['model']}` does not exist (this engine serves `{self.model}`).",
+                param="model",
+                code="model_not_found",
+            )
+        return None
+
+    @staticmethod
+    def _max_tokens(body: dict) -> int | None:
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+        return value
+
+    @staticmethod
+    def _stream_flags(body: dict) -> tuple[bool, bool]:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("field “stream” must be a boolean", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("field “stream_options” must be an object", "stream_options")
+        return stream, bool(options.get("include_usage", False))
+
+    def reply_tokens(self, prompt: str, max_tokens: int | None) -> list[str]:
+        echo = words(prompt)[:ECHO_WORDS]
+        tokens = ["mock", "reply", "from", f"{self.model}:", *(echo or ["(empty)"])]
+        return tokens[:max_tokens] if max_tokens else tokens
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    async def _generate(self, request, body, kind: str, prompt_text: str, prompt_tokens: int):
+        """Shared path of chat and text completions, streaming or not."""
+        stream, include_usage = self._stream_flags(body)
+        max_tokens = self._max_tokens(body)
+        tokens = self.reply_tokens(prompt_text, max_tokens)
+        finish = "length" if max_tokens is not None and len(tokens) == max_tokens else "stop"
+        ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        self.prompt_tokens_total += prompt_tokens
+        self.running += 1
+        try:
+            if not stream:
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay * len(tokens))
+                self.generation_tokens_total += len(tokens)
+                text = " ".join(tokens)
+                if kind == "chat":
+                    choice = {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                    obj = "chat.completion"
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                    obj = "text_completion"
+                return web.json_response(
+                    {
+                        "id": ident,
+                        "object": obj,
+                        "created": created,
+                        "model": self.model,
+                        "choices": [choice],
+                        "usage": self._usage(prompt_tokens, len(tokens)),
+                    }
+                )
+            return await self._stream(request, kind, ident, created, tokens, finish, prompt_tokens, include_usage)
+        finally:
+            self.running -= 1
+            self.requests_total += 1
+
+    async def _stream(self, request, kind, ident, created, tokens, finish, prompt_tokens, include_usage):
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+        )
+        await response.prepare(request)
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        async def send(choices: list, usage=None):
+            chunk = {"id": ident, "object": obj, "created": created, "model": self.model, "choices": choices}
+            if include_usage:
+                chunk["usage"] = usage
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        def choice(text: str, finish_reason=None, role: bool = False):
+            if kind == "chat":
+                delta = {"role": "assistant", "content": text} if role else {"content": text}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+        if kind == "chat":
+            await send([choice("", role=True)])
+        for i, token in enumerate(tokens):
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            # Counted as produced, so /metrics moves while a stream is in flight.
+            self.generation_tokens_total += 1
+            await send([choice(token if i == 0 else " " + token)])
+        await send([choice("", finish_reason=finish)])
+        if include_usage:
+            await send([], usage=self._usage(prompt_tokens, len(tokens)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # -- routes -------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request):
+        body = await self._body(request)
+        if (wrong := self._wrong_model(body)) is not None:
+            return wrong
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("field “messages” must be a non-empty list", "messages")
+        texts, last_user = [], ""
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise BadRequest("each message must be an object with a string “role”", "messages")
+            text = _content_text(message.get("content"))
+            texts.append(text)
+            if message["role"] == "user":
+                last_user = text
+        prompt_tokens = sum(len(words(t)) for t in texts)
+        return await self._generate(request, body, "chat", last_user, prompt_tokens)
+
+    async def completions(self, request: web.Request):
+        body = await self._body(request)
+        if (wrong := self._wrong_model(body)) is not None:
+            return wrong
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompt = " ".join(prompt)
+        if not isinstance(prompt, str):
+            raise BadRequest("field “prompt” must be a string or a list of strings", "prompt")
+        return await self._generate(request, body, "completion", prompt, len(words(prompt)))
+
+    async def embeddings(self, request: web.Request):
+        body = await self._body(request)
+        if (wrong := self._wrong_model(body)) is not None:
+            return wrong
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
+            raise BadRequest("field “input” must be a string or a non-empty list of strings", "input")
+        dimensions = body.get("dimensions", EMBEDDING_DIMENSIONS)
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= 4096:
+            raise BadRequest("field “dimensions” must be an integer from 1 to 4096", "dimensions")
+        prompt_tokens = sum(len(words(i)) for i in inputs)
+        self.requests_total += 1
+        self.prompt_tokens_total += prompt_tokens
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding_vector(text, dimensions)}
+            for i, text in enumerate(inputs)
+        ]
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.model,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            }
+        )
+
+    async def models(self, request: web.Request):
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "llmgw-mock"}],
+            }
+        )
+
+    async def health(self, request: web.Request):
+        return web.Response(text="ok\n")
+
+    async def metrics(self, request: web.Request):
+        return web.Response(text=self.render_metrics(), content_type="text/plain", charset="utf-8")
+
+    def render_metrics(self) -> str:
+        """Prometheus text exposition with vLLM's metric names."""
+        escaped = self.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        label = f'{{model_name="{escaped}"}}'
+        cache = min(1.0, self.running / CACHE_SLOTS)
+        rows = [
+            ("vllm:num_requests_running", "gauge", "Number of requests currently running.", self.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
+            ("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage (1 means 100 percent).", cache),
+            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total),
+            ("vllm:generation_tokens_total", "counter", "Number of generation tokens.", self.generation_tokens_total),
+            ("vllm:request_success_total", "counter", "Number of finished requests.", self.requests_total),
+        ]
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
+        return "\n".join(lines) + "\n"
+
+
+def embedding_vector(text: str, dimensions: int) -> list[float]:
+    """A unit vector derived from a hash of `text`: the same input always gives the same vector."""
+    raw = b""
+    counter = 0
+    while len(raw) < dimensions * 4:
+        raw += hashlib.sha256(f"{counter}:{text}".encode()).digest()
+        counter += 1
+    values = [int.from_bytes(raw[i * 4 : i * 4 + 4], "big") / 2**31 - 1.0 for i in range(dimensions)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [round(v / norm, 6) for v in values]
+
+
+@web.middleware
+async def errors_in_openai_shape(request: web.Request, handler):
+    """Bad input and unknown routes answer in OpenAI's error shape, as the real engines do."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return openai_error(400, str(exc), param=exc.param)
+    except web.HTTPNotFound:
+        return openai_error(404, f"no route for {request.method} {request.path}", code="not_found")
+    except web.HTTPMethodNotAllowed:
+        return openai_error(405, f"method {request.method} is not allowed on {request.path}")
+
+
+def create_app(model: str, token_delay_ms: float = 0.0) -> web.Application:
+    """The aiohttp application serving `model`."""
+    engine = MockEngine(model, token_delay_ms)
+    app = web.Application(middlewares=[errors_in_openai_shape])
+    app["engine"] = engine
+    app.router.add_post("/v1/chat/completions", engine.chat_completions)
+    app.router.add_post("/v1/completions", engine.completions)
+    app.router.add_post("/v1/embeddings", engine.embeddings)
+    app.router.add_get("/v1/models", engine.models)
+    app.router.add_get("/health", engine.health)
+    app.router.add_get("/metrics", engine.metrics)
+    return app
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be from 1 to 65535, got {port}")
+    return port
+
+
+def _delay(text: str) -> float:
+    try:
+        delay = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token delay must be a number of milliseconds, got {text!r}") from None
+    if not 0 <= delay <= 60_000 or math.isnan(delay):
+        raise argparse.ArgumentTypeError(f"token delay must be from 0 to 60000 ms, got {text}")
+    return delay
+
+
+def _model(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("model name must not be empty")
+    return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m agent.mock_engine", description="llmgw's bundled mock engine.")
+    parser.add_argument("--port", type=_port, required=True, help="TCP port to listen on")
+    parser.add_argument("--model", type=_model, required=True, help="the model name this engine serves")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--token-delay-ms", type=_delay, default=0.0, help="wait this long per token (default 0)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    app = create_app(args.model, args.token_delay_ms)
+    print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
+    try:
+        # run_app turns SIGINT and SIGTERM into a graceful exit.
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
+    except OSError as exc:
+        print(f"mock engine cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print("mock engine stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Engine launch builders: exact argv and environment per engine and shape."""
+
+import pytest
+
+from agent.engines import PROJECT_DIR, build_launch
+
+BASE = {"model": "llama-70b", "source": "meta-llama/Llama-3.1-70B-Instruct", "port": 20000, "head_address": "", "args": []}
+
+
+def launch(engine, **overrides):
+    fields = {**BASE, "gpu_indices": [0, 1], "rank": 0, "node_count": 1, **overrides}
+    return build_launch(engine, python="/opt/py/bin/python", **fields)
+
+
+def test_vllm_single_node():
+    result = launch("vllm", gpu_indices=[2, 3], args=["--max-model-len", "8192"])
+    assert result.argv == [
+        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "0.0.0.0", "--port", "20000",
+        "--served-model-name", "llama-70b", "--tensor-parallel-size", "2", "--max-model-len", "8192",
+    ]  # fmt: skip
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert result.health_path == "/health"
+
+
+def test_vllm_head_of_two_nodes_adds_pipeline_parallelism_over_ray():
+    result = launch("vllm", gpu_indices=list(range(8)), node_count=2, head_address="10.0.0.1")
+    assert result.argv == [
+        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "0.0.0.0", "--port", "20000",
+        "--served-model-name", "llama-70b", "--tensor-parallel-size", "8",
+        "--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray",
+    ]  # fmt: skip
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+
+
+def test_vllm_other_ranks_join_the_heads_ray_cluster_and_serve_no_http():
+    result = launch("vllm", rank=1, node_count=2, head_address="10.0.0.1", args=["--max-model-len", "8192"])
+    assert result.argv == ["ray", "start", "--address=10.0.0.1:6379", "--block"]
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert result.health_path is None
+
+
+def test_sglang_single_node():
+    result = launch("sglang", args=["--mem-fraction-static", "0.8"])
+    assert result.argv == [
+        "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "2",
+        "--mem-fraction-static", "0.8",
+    ]  # fmt: skip
+    assert result.health_path == "/health"
+
+
+def test_sglang_second_rank_of_two_nodes_rendezvous_at_head_port_plus_one():
+    result = launch("sglang", gpu_indices=[0, 1, 2, 3], rank=1, node_count=2, head_address="10.0.0.1")
+    assert result.argv == [
+        "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "8",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20001",
+    ]  # fmt: skip
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert result.health_path is None
+
+
+def test_llamacpp():
+    result = launch("llamacpp", source="/models/qwen.gguf", gpu_indices=[5], args=["-c", "4096"])
+    assert result.argv == [
+        "llama-server", "-m", "/models/qwen.gguf", "--host", "0.0.0.0", "--port", "20000",
+        "--alias", "llama-70b", "-ngl", "999", "-c", "4096",
+    ]  # fmt: skip
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "5"}
+
+
+def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
+    result = launch("mock", args=["--token-delay-ms", "5"])
+    assert result.argv == [
+        "/opt/py/bin/python", "-m", "agent.mock_engine", "--host", "0.0.0.0", "--port", "20000",
+        "--model", "llama-70b", "--token-delay-ms", "5",
+    ]  # fmt: skip
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert result.cwd == PROJECT_DIR
+
+
+@pytest.mark.parametrize(
+    ("engine", "overrides", "problem"),
+    [
+        ("tgi", {}, "unknown engine 'tgi'"),
+        ("vllm", {"port": 0}, "port must be"),
+        ("vllm", {"port": "20000"}, "port must be"),
+        ("vllm", {"gpu_indices": []}, "needs at least one GPU"),
+        ("vllm", {"gpu_indices": [1, 1]}, "repeat a GPU"),
+        ("vllm", {"gpu_indices": [-1]}, "non-negative integers"),
+        ("vllm", {"rank": 2, "node_count": 2, "head_address": "h"}, "rank must be from 0 to 1"),
+        ("vllm", {"node_count": 2}, "head node's address"),
+        ("llamacpp", {"node_count": 2, "head_address": "h"}, "llama.cpp runs on one node"),
+        ("mock", {"args": "--max-model-len 8192"}, "not a shell string"),
+        ("mock", {"model": ""}, "model name"),
+        ("mock", {"source": ""}, "model source"),
+    ],
+)
+def test_bad_launch_input_is_refused_naming_the_problem(engine, overrides, problem):
+    with pytest.raises(ValueError, match=problem):
+        launch(engine, **overrides)

@@ -1,0 +1,1 @@
+"""REST API under /api/v1/: the cluster summary and read-only catalog, inventory and replica lists."""

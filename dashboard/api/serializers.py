@@ -1,0 +1,108 @@
+"""Read-only serializers for the REST API; related rows come from the viewsets' prefetches."""
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from catalog.models import Model, Profile
+from dashboard.summary import replica_idle
+from inventory.models import GPU, Node
+from reconciler.models import Replica
+
+
+class ProfileSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Profile
+        fields = [
+            "id",
+            "order",
+            "engine",
+            "gpu_class",
+            "gpus_per_node",
+            "nodes_per_replica",
+            "min_replicas",
+            "max_replicas",
+            "priority",
+            "pool",
+            "weight",
+            "idle_timeout_seconds",
+            "engine_args",
+        ]
+
+
+class ModelSerializer(serializers.ModelSerializer):
+    """A catalog model with its alias names and its profiles in placement order."""
+
+    aliases = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+    profiles = ProfileSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Model
+        fields = ["id", "name", "source", "enabled", "aliases", "profiles", "created_at", "updated_at"]
+
+
+class GPUSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = GPU
+        fields = ["index", "uuid", "gpu_class", "memory_mb", "health", "healthy_since"]
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    """A node with the GPUs its agent last reported."""
+
+    gpus = GPUSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Node
+        fields = ["id", "name", "address", "fabric", "labels", "schedulable", "state", "last_seen", "agent_version", "gpus"]
+
+
+class ReplicaSerializer(serializers.ModelSerializer):
+    """A replica with its nodes and idle time; unknown idle is -1 with idle_known false (DESIGN invariant 3)."""
+
+    model = serializers.SlugRelatedField(read_only=True, slug_field="name")
+    nodes = serializers.SerializerMethodField()
+    gpus = serializers.SerializerMethodField()
+    idle_seconds = serializers.SerializerMethodField()
+    idle_known = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Replica
+        fields = [
+            "id",
+            "model",
+            "profile",
+            "state",
+            "nodes",
+            "gpus",
+            "endpoint_url",
+            "placement_error",
+            "last_error",
+            "failure_count",
+            "created_at",
+            "started_at",
+            "ready_at",
+            "last_used",
+            "idle_seconds",
+            "idle_known",
+        ]
+
+    def _now(self):
+        # One "now" per response, so replicas in a list are comparable.
+        return self.context.setdefault("now", timezone.now())
+
+    def _shards(self, obj):
+        return sorted(obj.shards.all(), key=lambda shard: shard.rank)
+
+    def get_nodes(self, obj) -> list[str]:
+        return [shard.node.name for shard in self._shards(obj)]
+
+    def get_gpus(self, obj) -> int:
+        return sum(len(shard.gpu_assignments.all()) for shard in obj.shards.all())
+
+    def get_idle_seconds(self, obj) -> float:
+        return replica_idle(obj.last_used, self._now())[0]
+
+    def get_idle_known(self, obj) -> bool:
+        return obj.last_used is not None
+
+

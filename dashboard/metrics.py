@@ -1,0 +1,85 @@
+"""Fleet gauges for Prometheus, computed from `cluster_summary()` at scrape time (DESIGN invariant 6).
+
+Importing this module registers the collector once on prometheus_client's
+default REGISTRY, which django-prometheus serves at /metrics; llmgw_site.urls
+imports it.
+"""
+
+import logging
+
+from django.db import DatabaseError
+from prometheus_client.core import REGISTRY, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .summary import cluster_summary
+
+log = logging.getLogger(__name__)
+
+
+def _families() -> dict[str, GaugeMetricFamily]:
+    return {
+        "gpus": GaugeMetricFamily("llmgw_gpus", "GPUs by class and state.", labels=["gpu_class", "state"]),
+        "free": GaugeMetricFamily(
+            "llmgw_whole_free_nodes",
+            "Ready, schedulable nodes whose GPUs of the class are all free.",
+            labels=["fabric", "gpu_class"],
+        ),
+        "replicas": GaugeMetricFamily("llmgw_replicas", "Replicas by state.", labels=["state"]),
+        "models": GaugeMetricFamily(
+            "llmgw_model_replicas", "Replicas per model: wanted or ready.", labels=["model", "kind"]
+        ),
+        "nodes": GaugeMetricFamily(
+            "llmgw_nodes", "Nodes by state; `cordoned` overlaps the other states.", labels=["state"]
+        ),
+        "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
+    }
+
+
+class FleetCollector(Collector):
+    """Yields the fleet gauges from one cluster summary per scrape."""
+
+    def describe(self):
+        # Without describe(), registering would call collect() and query the database at import.
+        return list(_families().values())
+
+    def collect(self):
+        families = _families()
+        try:
+            summary = cluster_summary()
+        except DatabaseError:
+            # A scrape must not fail the process metrics with it; report the gap instead.
+            log.exception("cluster summary unavailable for /metrics")
+            families["up"].add_metric([], 0)
+            yield families["up"]
+            return
+        for row in summary["capacity"]:
+            for state in ("used", "free", "unhealthy", "unavailable"):
+                families["gpus"].add_metric([row["gpu_class"], state], row[state])
+        for row in summary["free_nodes"]:
+            families["free"].add_metric([row["fabric"], row["gpu_class"]], row["whole_free_nodes"])
+        for state, count in summary["replicas"].items():
+            if state != "total":
+                families["replicas"].add_metric([state], count)
+        for model in summary["models"]:
+            families["models"].add_metric([model["name"], "wanted"], model["wanted"])
+            families["models"].add_metric([model["name"], "ready"], model["ready"])
+        for state, count in summary["nodes"].items():
+            if state != "total":
+                families["nodes"].add_metric([state], count)
+        families["up"].add_metric([], 1)
+        yield from families.values()
+
+
+_collector: FleetCollector | None = None
+
+
+def register() -> FleetCollector:
+    """Register the collector on the default registry, once per process."""
+    global _collector
+    if _collector is None:
+        _collector = FleetCollector()
+        REGISTRY.register(_collector)
+    return _collector
+
+
+register()

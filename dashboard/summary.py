@@ -1,0 +1,242 @@
+"""The one cluster summary every operator surface renders (DESIGN invariant 6).
+
+`ctl_status`, the /admin dashboard, `/api/v1/status` and the fleet metrics all
+call `cluster_summary()`, so none of them can disagree with another or with the
+tables. It runs a fixed number of queries whatever the fleet size and returns
+only JSON-ready values (str, int, float, bool, None, lists and dicts).
+
+GPU states (DESIGN invariant 5, plus node availability), decided in this order:
+
+* unavailable — its node is unreachable, never connected (new) or cordoned;
+  health reported by such a node is stale or irrelevant, so the node decides;
+* unhealthy — reported unhealthy, or healthy for less than the quarantine
+  period (an unhealthy GPU that is also assigned is still unhealthy);
+* used — held by a shard (has a GPUAssignment);
+* free — the rest.
+
+GPUs on lost nodes are not counted at all. `total = used + free + unhealthy +
+unavailable` holds for every GPU class.
+"""
+
+from collections import Counter, defaultdict
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Count, Exists, OuterRef
+from django.utils import timezone
+
+from catalog.models import Model
+from inventory.choices import GPUHealth, NodeState
+from inventory.models import GPU, Node
+from reconciler.choices import ReplicaState
+from reconciler.models import GPUAssignment, Lease, Replica, Shard
+
+GPU_STATES = ("used", "free", "unhealthy", "unavailable")
+REPLICA_STATES = tuple(ReplicaState.values)
+# Replicas the demand side still wants running; STOPPING ones are on their way out.
+WANTED_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
+UNKNOWN_IDLE = -1.0
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def gpu_state(gpu: dict, now: datetime, quarantine: timedelta) -> str:
+    """The display state of one GPU row (values from `_gpu_rows`); see the module docstring."""
+    if gpu["node__state"] != NodeState.READY or not gpu["node__schedulable"]:
+        return "unavailable"
+    if gpu["health"] != GPUHealth.HEALTHY:
+        return "unhealthy"
+    # A null healthy_since means it has been healthy since the agent first reported it.
+    if gpu["healthy_since"] is not None and now - gpu["healthy_since"] < quarantine:
+        return "unhealthy"
+    if gpu["assigned"]:
+        return "used"
+    return "free"
+
+
+def _gpu_rows():
+    held = GPUAssignment.objects.filter(gpu=OuterRef("pk"))
+    return (
+        GPU.objects.exclude(node__state=NodeState.LOST)
+        .annotate(assigned=Exists(held))
+        .values(
+            "node_id",
+            "node__name",
+            "node__fabric",
+            "node__state",
+            "node__schedulable",
+            "gpu_class",
+            "health",
+            "healthy_since",
+            "assigned",
+        )
+    )
+
+
+def _leader(now: datetime) -> dict | None:
+    lease = Lease.objects.filter(name=settings.LLMGW_LEASE_NAME).first()
+    if lease is None:
+        return None
+    # expires_at is by the database's clock; the difference is for display only.
+    return {"owner": lease.owner, "epoch": lease.epoch, "expires_in_seconds": round(lease.expires_at - now.timestamp(), 3)}
+
+
+def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:
+    quarantine = timedelta(seconds=settings.LLMGW_GPU_QUARANTINE_SECONDS)
+    capacity: dict[str, Counter] = defaultdict(Counter)
+    # (node_id, gpu_class) -> [node name, fabric, all GPUs of the class free so far]
+    per_node_class: dict[tuple[int, str], list] = {}
+    for gpu in _gpu_rows():
+        state = gpu_state(gpu, now, quarantine)
+        capacity[gpu["gpu_class"]][state] += 1
+        if gpu["node__state"] == NodeState.READY and gpu["node__schedulable"]:
+            key = (gpu["node_id"], gpu["gpu_class"])
+            entry = per_node_class.setdefault(key, [gpu["node__name"], gpu["node__fabric"], True])
+            entry[2] = entry[2] and state == "free"
+
+    capacity_list = []
+    for gpu_class in sorted(capacity):
+        counts = capacity[gpu_class]
+        row = {"gpu_class": gpu_class, "total": sum(counts.values())}
+        row.update({state: counts[state] for state in GPU_STATES})
+        capacity_list.append(row)
+
+    # Every (fabric, class) with a ready, schedulable node is listed, even at 0,
+    # so a metric series drops to zero instead of vanishing.
+    groups: dict[tuple[str, str], list[str]] = {}
+    for (_node_id, gpu_class), (name, fabric, whole_free) in per_node_class.items():
+        names = groups.setdefault((fabric, gpu_class), [])
+        if whole_free:
+            names.append(name)
+    free_nodes = [
+        {"fabric": fabric, "gpu_class": gpu_class, "whole_free_nodes": len(names), "nodes": sorted(names)}
+        for (fabric, gpu_class), names in sorted(groups.items())
+    ]
+    return capacity_list, free_nodes
+
+
+def _node_counts() -> dict:
+    counts = {"total": 0, "ready": 0, "unreachable": 0, "lost": 0, "new": 0, "cordoned": 0}
+    for state, schedulable in Node.objects.values_list("state", "schedulable"):
+        counts["total"] += 1
+        counts[state] = counts.get(state, 0) + 1
+        if not schedulable:
+            counts["cordoned"] += 1
+    return counts
+
+
+def _shards_by_replica() -> tuple[dict[int, list[str]], dict[int, int]]:
+    nodes: dict[int, list[str]] = defaultdict(list)
+    gpus: dict[int, int] = Counter()
+    rows = (
+        Shard.objects.annotate(gpu_count=Count("gpu_assignments"))
+        .order_by("replica_id", "rank")
+        .values_list("replica_id", "node__name", "gpu_count")
+    )
+    for replica_id, node_name, gpu_count in rows:
+        nodes[replica_id].append(node_name)
+        gpus[replica_id] += gpu_count
+    return nodes, gpus
+
+
+def replica_idle(last_used: datetime | None, now: datetime) -> tuple[float, bool]:
+    """(idle seconds, known): unknown last use is -1 and not known (DESIGN invariant 3)."""
+    if last_used is None:
+        return UNKNOWN_IDLE, False
+    return round(max(0.0, (now - last_used).total_seconds()), 3), True
+
+
+def cluster_summary(now: datetime | None = None) -> dict:
+    """The state of the fleet, as plain JSON-ready data; see the module docstring.
+
+    Six queries whatever the fleet size: lease, GPUs, nodes, models,
+    replicas, shards (with their GPU counts) — and nothing per row.
+    """
+    now = now or timezone.now()
+    leader = _leader(now)
+    capacity, free_nodes = _capacity_and_free_nodes(now)
+    nodes = _node_counts()
+    shard_nodes, shard_gpus = _shards_by_replica()
+
+    replica_rows = list(
+        Replica.objects.order_by("id").values(
+            "id",
+            "model__name",
+            "profile_id",
+            "state",
+            "endpoint_url",
+            "ready_at",
+            "last_used",
+            "placement_error",
+        )
+    )
+    replica_counts = {state: 0 for state in REPLICA_STATES}
+    wanted: Counter = Counter()
+    ready: Counter = Counter()
+    unplaceable: Counter = Counter()
+    replica_list = []
+    for row in replica_rows:
+        state, model_name = row["state"], row["model__name"]
+        replica_counts[state] = replica_counts.get(state, 0) + 1
+        if state in WANTED_STATES:
+            wanted[model_name] += 1
+        if state == ReplicaState.READY:
+            ready[model_name] += 1
+        if state == ReplicaState.PENDING and row["placement_error"]:
+            unplaceable[(model_name, row["placement_error"])] += 1
+        idle_seconds, idle_known = replica_idle(row["last_used"], now)
+        replica_list.append(
+            {
+                "id": row["id"],
+                "model": model_name,
+                "profile_id": row["profile_id"],
+                "state": state,
+                "nodes": shard_nodes.get(row["id"], []),
+                "gpus": shard_gpus.get(row["id"], 0),
+                "endpoint": row["endpoint_url"],
+                "ready_at": _iso(row["ready_at"]),
+                "last_used": _iso(row["last_used"]),
+                "idle_seconds": idle_seconds,
+                "idle_known": idle_known,
+            }
+        )
+    replica_counts["total"] = len(replica_rows)
+
+    models = [
+        {"name": name, "enabled": enabled, "wanted": wanted[name], "ready": ready[name]}
+        for name, enabled in Model.objects.order_by("name").values_list("name", "enabled")
+    ]
+
+    return {
+        "generated_at": now.isoformat(),
+        "leader": leader,
+        "capacity": capacity,
+        "free_nodes": free_nodes,
+        "nodes": nodes,
+        "replicas": replica_counts,
+        "models": models,
+        "unplaceable": [
+            {"model": model, "reason": reason, "pending": count}
+            for (model, reason), count in sorted(unplaceable.items())
+        ],
+        "replica_list": replica_list,
+    }
+
+
+def format_idle(idle_seconds: float | None) -> str:
+    """A human idle time like `3m12s`; `-` when unknown (None or negative, DESIGN invariant 3)."""
+    if idle_seconds is None or idle_seconds < 0:
+        return "-"
+    seconds = int(idle_seconds)
+    days, seconds = divmod(seconds, 86400)
+    hours, seconds = divmod(seconds, 3600)
+    minutes, seconds = divmod(seconds, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{seconds:02d}s"
+    return f"{seconds}s"

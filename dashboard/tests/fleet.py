@@ -1,0 +1,55 @@
+"""Builders for fleet rows in tests: nodes with GPUs, models with a profile, placed replicas."""
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from catalog.models import Model, Profile
+from inventory.choices import GPUHealth, NodeState
+from inventory.models import GPU, Node
+from reconciler.choices import ReplicaState, ShardState
+from reconciler.models import GPUAssignment, Replica, Shard
+
+_ports = iter(range(21000, 29999))
+
+
+def make_node(name, *, gpus=4, gpu_class="H100-80GB", fabric="ib-a", state=NodeState.READY, schedulable=True):
+    """A node with `gpus` healthy GPUs of one class (long out of quarantine)."""
+    node = Node.objects.create(name=name, fabric=fabric, state=state, schedulable=schedulable, address="127.0.0.1")
+    long_ago = timezone.now() - timedelta(days=1)
+    GPU.objects.bulk_create(
+        GPU(node=node, index=i, uuid=f"GPU-{name}-{i}", gpu_class=gpu_class, memory_mb=81920, healthy_since=long_ago)
+        for i in range(gpus)
+    )
+    return node
+
+
+def make_model(name, *, gpu_class="H100-80GB", gpus_per_node=1, nodes_per_replica=1, enabled=True):
+    model = Model.objects.create(name=name, source=f"org/{name}", enabled=enabled)
+    profile = Profile.objects.create(
+        model=model, gpu_class=gpu_class, gpus_per_node=gpus_per_node, nodes_per_replica=nodes_per_replica
+    )
+    return model, profile
+
+
+def make_replica(profile, *, state=ReplicaState.READY, placement=(), last_used=None, endpoint="", error=""):
+    """A replica of `profile` with one shard per (node, [GPU indices]) in `placement`, rank in order."""
+    replica = Replica.objects.create(
+        model=profile.model,
+        profile=profile,
+        state=state,
+        endpoint_url=endpoint,
+        placement_error=error,
+        last_used=last_used,
+        ready_at=timezone.now() if state == ReplicaState.READY else None,
+    )
+    for rank, (node, indices) in enumerate(placement):
+        shard = Shard.objects.create(replica=replica, node=node, rank=rank, port=next(_ports), state=ShardState.READY)
+        GPUAssignment.objects.bulk_create(
+            GPUAssignment(gpu=gpu, shard=shard) for gpu in node.gpus.filter(index__in=indices)
+        )
+    return replica
+
+
+def set_gpu(node, index, *, health=GPUHealth.HEALTHY, healthy_since=None):
+    GPU.objects.filter(node=node, index=index).update(health=health, healthy_since=healthy_since)

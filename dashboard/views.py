@@ -1,0 +1,38 @@
+"""What the /admin index (the cluster dashboard) shows, built from the one cluster summary."""
+
+from .summary import cluster_summary, format_idle
+
+REFRESH_SECONDS = 10
+
+
+def _percent(part: int, total: int) -> float:
+    return round(100.0 * part / total, 2) if total else 0.0
+
+
+def dashboard_context(summary: dict | None = None) -> dict:
+    """Template context for the dashboard: the summary plus bar widths and idle text.
+
+    Only presentation is added here; every figure comes from `cluster_summary()`
+    (DESIGN invariant 6).
+    """
+    summary = summary if summary is not None else cluster_summary()
+    capacity = [
+        {
+            **row,
+            "bar": [
+                (state, _percent(row[state], row["total"]))
+                for state in ("used", "unhealthy", "unavailable", "free")
+                if row[state]
+            ],
+        }
+        for row in summary["capacity"]
+    ]
+    replicas = [
+        {**r, "idle": format_idle(r["idle_seconds"] if r["idle_known"] else None)} for r in summary["replica_list"]
+    ]
+    return {
+        "summary": summary,
+        "capacity": capacity,
+        "replica_rows": replicas,
+        "refresh_seconds": REFRESH_SECONDS,
+    }

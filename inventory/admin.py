@@ -1,0 +1,94 @@
+"""Inventory admin: nodes with their GPUs inline, cordon/uncordon, credentials and the GPU list.
+
+GPU rows are what agents report, so they are read-only here; enrolment (which
+issues a node's credential) is `manage.py enrol_node`, not an admin form.
+"""
+
+from collections import Counter
+
+from django.contrib import admin, messages
+
+from .models import GPU, Node, NodeCredential
+
+GPU_FIELDS = ["index", "uuid", "gpu_class", "memory_mb", "health", "healthy_since"]
+
+
+class GPUInline(admin.TabularInline):
+    model = GPU
+    fields = GPU_FIELDS
+    readonly_fields = GPU_FIELDS
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    """Nodes are enrolled with `manage.py enrol_node` (which issues the credential), so there is no add form;
+    the name is fixed because the agent's credential is bound to it (DESIGN invariant 8)."""
+
+    list_display = ["name", "state", "schedulable", "fabric", "gpu_summary", "address", "last_seen", "agent_version"]
+    list_filter = ["state", "schedulable", "fabric"]
+    search_fields = ["name", "address", "fabric"]
+    readonly_fields = ["name", "state", "last_seen", "agent_version", "created_at"]
+    fields = ["name", "address", "fabric", "labels", "schedulable", "state", "last_seen", "agent_version", "created_at"]
+    inlines = [GPUInline]
+    actions = ["cordon", "uncordon"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("gpus")
+
+    @admin.display(description="GPUs")
+    def gpu_summary(self, obj):
+        by_class = Counter(gpu.gpu_class for gpu in obj.gpus.all())
+        return ", ".join(f"{n}×{gpu_class}" for gpu_class, n in sorted(by_class.items())) or "-"
+
+    @admin.action(description="Cordon: place no new shards on the selected nodes", permissions=["change"])
+    def cordon(self, request, queryset):
+        count = queryset.update(schedulable=False)
+        self.message_user(request, f"Cordoned {count} node(s); running replicas stay until stopped.", messages.SUCCESS)
+
+    @admin.action(description="Uncordon: allow new shards on the selected nodes", permissions=["change"])
+    def uncordon(self, request, queryset):
+        count = queryset.update(schedulable=True)
+        self.message_user(request, f"Uncordoned {count} node(s).", messages.SUCCESS)
+
+
+@admin.register(GPU)
+class GPUAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "node", "index", "gpu_class", "memory_mb", "health", "healthy_since"]
+    list_filter = ["gpu_class", "health", "node__fabric"]
+    search_fields = ["node__name", "uuid", "gpu_class"]
+    list_select_related = ["node"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(NodeCredential)
+class NodeCredentialAdmin(admin.ModelAdmin):
+    """Read-only; deleting a credential lets the node be enrolled again with a new token."""
+
+    list_display = ["node", "prefix", "created_at"]
+    search_fields = ["node__name", "prefix"]
+    list_select_related = ["node"]
+    fields = ["node", "prefix", "created_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
