@@ -1,0 +1,99 @@
+"""Reconciler admin: replicas with "idle for" and a stop action; shards, GPU assignments and the lease read-only.
+
+These rows belong to the leader's reconcile tick; the admin only looks, and asks
+for a replica to be stopped through reconciler.services.
+"""
+
+from django.contrib import admin, messages
+from django.utils import timezone
+
+from dashboard.summary import format_idle
+
+from .models import GPUAssignment, Lease, Replica, Shard
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """A list and detail view only: nothing here may be added, changed or deleted by hand."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class ShardInline(admin.TabularInline):
+    model = Shard
+    fields = ["rank", "node", "port", "state", "message", "updated_at"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Replica)
+class ReplicaAdmin(ReadOnlyAdmin):
+    list_display = ["id", "model", "profile", "state", "node_names", "endpoint_url", "idle_for", "failure_count"]
+    list_filter = ["state", "model"]
+    search_fields = ["model__name", "endpoint_url", "shards__node__name"]
+    list_select_related = ["model", "profile", "profile__model"]
+    inlines = [ShardInline]
+    actions = ["stop_replicas"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("shards__node")
+
+    @admin.display(description="nodes")
+    def node_names(self, obj):
+        return ", ".join(s.node.name for s in sorted(obj.shards.all(), key=lambda s: s.rank)) or "-"
+
+    @admin.display(description="idle for")
+    def idle_for(self, obj):
+        # Unknown last use is "-", never a duration (DESIGN invariant 3).
+        return format_idle(obj.idle_seconds(timezone.now()))
+
+    def has_stop_permission(self, request):
+        return request.user.has_perm("reconciler.change_replica")
+
+    @admin.action(description="Stop the selected replicas", permissions=["stop"])
+    def stop_replicas(self, request, queryset):
+        # Imported here so this module loads even where reconciler.services is not present yet.
+        from reconciler.services import stop_replica
+
+        replicas = list(queryset.select_related("model").order_by("pk"))
+        for replica in replicas:
+            stop_replica(replica)
+        self.message_user(
+            request, f"Asked {len(replicas)} replica(s) to stop; the leader's next tick stops their shards.", messages.SUCCESS
+        )
+
+
+@admin.register(Shard)
+class ShardAdmin(ReadOnlyAdmin):
+    list_display = ["id", "replica", "rank", "node", "port", "state", "updated_at"]
+    list_filter = ["state", "node"]
+    search_fields = ["node__name", "replica__model__name"]
+    list_select_related = ["replica__model", "node"]
+
+
+@admin.register(GPUAssignment)
+class GPUAssignmentAdmin(ReadOnlyAdmin):
+    list_display = ["id", "gpu", "shard"]
+    search_fields = ["gpu__node__name", "gpu__uuid"]
+    list_select_related = ["gpu__node", "shard__node"]
+
+
+@admin.register(Lease)
+class LeaseAdmin(ReadOnlyAdmin):
+    list_display = ["name", "owner", "epoch", "expires_in"]
+
+    @admin.display(description="expires in")
+    def expires_in(self, obj):
+        # expires_at is by the database's clock; shown against ours for display only.
+        seconds = obj.expires_at - timezone.now().timestamp()
+        return f"{seconds:.1f}s" if seconds >= 0 else f"expired {-seconds:.1f}s ago"

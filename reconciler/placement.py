@@ -1,0 +1,140 @@
+"""Where a replica fits: pure functions over plain data, no ORM.
+
+The caller passes free capacity per (node, GPU class) — only healthy,
+out-of-quarantine, unassigned GPUs on ready, schedulable nodes count as free —
+and a profile's shape. `place` answers with a Placement (rank 0 first) or an
+Unplaceable whose reason is written in aggregate words for operators.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """Free GPUs of one class on one node, and how many GPUs of that class the node has."""
+
+    name: str
+    fabric: str
+    address: str
+    gpu_class: str
+    free: tuple[int, ...]
+    total: int
+
+    def __post_init__(self):
+        if len(set(self.free)) != len(self.free):
+            raise ValueError(f"node {self.name}: free GPU indices repeat: {sorted(self.free)}")
+        if len(self.free) > self.total:
+            raise ValueError(
+                f"node {self.name}: {len(self.free)} free {self.gpu_class} GPUs but only {self.total} in all"
+            )
+
+    @property
+    def whole(self) -> bool:
+        """Every GPU of the class on the node is free (a multi-node replica needs whole nodes)."""
+        return self.total > 0 and len(self.free) == self.total
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one replica of a profile needs."""
+
+    gpu_class: str
+    gpus_per_node: int
+    nodes_per_replica: int = 1
+
+    def __post_init__(self):
+        if not self.gpu_class:
+            raise ValueError("shape needs a GPU class")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be at least 1, got {self.gpus_per_node}")
+        if self.nodes_per_replica < 1:
+            raise ValueError(f"nodes_per_replica must be at least 1, got {self.nodes_per_replica}")
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """The GPUs one shard gets on one node."""
+
+    node: str
+    address: str
+    gpu_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A replica's shards, rank 0 (the head) first."""
+
+    shards: tuple[ShardPlacement, ...]
+
+
+@dataclass(frozen=True)
+class Unplaceable:
+    """No room for the replica; `reason` says why in aggregate terms."""
+
+    reason: str
+
+
+def place(capacity: Iterable[NodeCapacity], shape: Shape) -> Placement | Unplaceable:
+    """Choose GPUs for one replica of `shape` from `capacity`.
+
+    Single node: best fit, the node with the fewest free GPUs of the class that
+    still fits (ties by name), taking its lowest free indices. Multi-node: N
+    whole free nodes on one non-empty fabric (DESIGN invariant 5), choosing the
+    fabric with the fewest whole free nodes that still fits (ties by fabric
+    name) and its nodes by name.
+    """
+    candidates = [c for c in capacity if c.gpu_class == shape.gpu_class]
+    if not candidates:
+        return Unplaceable(f"no node has GPU class {shape.gpu_class}")
+    if shape.nodes_per_replica == 1:
+        return _place_single(candidates, shape)
+    return _place_multi(candidates, shape)
+
+
+def _place_single(candidates: list[NodeCapacity], shape: Shape) -> Placement | Unplaceable:
+    need = shape.gpus_per_node
+    fitting = [c for c in candidates if len(c.free) >= need]
+    if not fitting:
+        most = min(candidates, key=lambda c: (-len(c.free), c.name))
+        where = f"{len(most.free)} ({most.name})" if most.free else "0"
+        return Unplaceable(f"needs {need}×{shape.gpu_class} on one node; most free on one node: {where}")
+    best = min(fitting, key=lambda c: (len(c.free), c.name))
+    return Placement((ShardPlacement(best.name, best.address, tuple(sorted(best.free)[:need])),))
+
+
+def _place_multi(candidates: list[NodeCapacity], shape: Shape) -> Placement | Unplaceable:
+    need_nodes, need = shape.nodes_per_replica, shape.gpus_per_node
+    by_fabric: dict[str, list[NodeCapacity]] = defaultdict(list)
+    unfabricated = 0
+    for c in candidates:
+        if c.whole and len(c.free) >= need:
+            if c.fabric:
+                by_fabric[c.fabric].append(c)
+            else:
+                unfabricated += 1  # never combined: nothing says it can talk to another node fast
+    fitting = [f for f, nodes in by_fabric.items() if len(nodes) >= need_nodes]
+    if not fitting:
+        free = [f"{len(nodes)} on {fabric}" for fabric, nodes in sorted(by_fabric.items())]
+        if unfabricated:
+            free.append(f"{unfabricated} without a fabric")
+        return Unplaceable(
+            f"needs {need_nodes} whole {shape.gpu_class} nodes on one fabric; free: {', '.join(free) or 'none'}"
+        )
+    fabric = min(fitting, key=lambda f: (len(by_fabric[f]), f))
+    nodes = sorted(by_fabric[fabric], key=lambda c: c.name)[:need_nodes]
+    return Placement(tuple(ShardPlacement(c.name, c.address, tuple(sorted(c.free)[:need])) for c in nodes))
+
+
+def pick_port(used_ports: set[int], port_range: tuple[int, int]) -> int | None:
+    """The lowest port of the inclusive `port_range` not in `used_ports`, or None when all are taken."""
+    low, high = port_range
+    if not (0 < low <= high < 65536):
+        raise ValueError(f"port range {low}-{high} is not a valid range of TCP ports")
+    for port in range(low, high + 1):
+        if port not in used_ports:
+            return port
+    return None
