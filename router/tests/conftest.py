@@ -1,0 +1,246 @@
+"""Fixtures for the router tests: a stand-in engine (aiohttp) and the router under uvicorn, both on 127.0.0.1.
+
+Each runs on an event loop in a thread of its own, so tests are plain
+synchronous functions and talk to them over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from aiohttp import web
+
+from conftest import free_port
+from reconciler.backends import InProcessHub
+
+MODEL = "llama-3-8b"
+ALIAS = "llama"
+
+
+def make_table(endpoints=(), models=None) -> dict:
+    """An endpoint table in the shape the control plane publishes."""
+    if models is None:
+        models = {MODEL: {"aliases": [ALIAS]}}
+    rows = []
+    for i, ep in enumerate(endpoints):
+        row = {"replica_id": str(i + 1), "model": MODEL, "priority": 0, "weight": 1, "pool": "default"}
+        row.update(ep if isinstance(ep, dict) else {"url": ep})
+        rows.append(row)
+    return {"models": models, "endpoints": rows}
+
+
+class FakeEngine:
+    """An engine stand-in speaking enough of the OpenAI API; its failures and delays are set by the test."""
+
+    def __init__(self, name: str = "engine", *, status: int = 200, delay: float = 0.0):
+        self.name = name
+        self.status = status
+        self.delay = delay
+        self.port = free_port()
+        self.requests: list[dict] = []
+        self.active = 0
+        self.max_active = 0
+        # Streaming controls: hold after the first chunk until `release` is set, or stream without end.
+        self.hold_first_chunk = False
+        self.release = threading.Event()
+        self.released_in_time: bool | None = None
+        self.endless = False
+        self.stream_cut = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"engine-{name}")
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/embeddings", self._embedding)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(app), self._loop).result(5)
+        return self
+
+    async def _serve(self, app) -> None:
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _begin(self, request) -> dict:
+        body = await request.json()
+        self.requests.append(body)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return body
+
+    async def _chat(self, request):
+        body = await self._begin(request)
+        try:
+            if self.status != 200:
+                return web.json_response({"error": {"message": f"{self.name} is overloaded"}}, status=self.status)
+            if body.get("stream"):
+                return await self._stream(request, body)
+            return web.json_response({
+                "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            })
+        finally:
+            self.active -= 1
+
+    async def _stream(self, request, body):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+
+        def chunk(text):
+            data = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
+                    "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        await response.write(chunk("Hello"))
+        if self.hold_first_chunk:
+            loop = asyncio.get_running_loop()
+            self.released_in_time = await loop.run_in_executor(None, self.release.wait, 5)
+        if self.endless:
+            try:
+                while True:
+                    await asyncio.sleep(0.02)
+                    await response.write(chunk("."))
+            except (ConnectionError, RuntimeError):
+                self.stream_cut.set()
+                raise
+        for text in (" from", f" {self.name}"):
+            await response.write(chunk(text))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _completion(self, request):
+        body = await self._begin(request)
+        self.active -= 1
+        return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                                  "choices": [{"index": 0, "text": f"hi from {self.name}", "finish_reason": "stop"}]})
+
+    async def _embedding(self, request):
+        body = await self._begin(request)
+        self.active -= 1
+        return web.json_response({"object": "list", "model": body["model"],
+                                  "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]})
+
+
+class RouterServer:
+    """A router app served by uvicorn (uvloop + httptools, as in production) in a background thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.state = app.state
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="uvloop", http="httptools",
+                                lifespan="on", log_level="warning")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, daemon=True, name="router")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RouterServer:
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("router did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(5)
+
+
+def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01):
+    """Return predicate()'s first truthy value, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def start_engine():
+    started: list[FakeEngine] = []
+
+    def start(name: str = "engine", **kwargs) -> FakeEngine:
+        engine = FakeEngine(name, **kwargs).start()
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+_FIXTURE_HUB = object()
+
+
+@pytest.fixture
+def hub():
+    return InProcessHub()
+
+
+@pytest.fixture
+def start_router(hub):
+    """Start a router on the `hub` fixture, on the hub given, or with None on the settings' hub.
+
+    Intervals are short so tests stay fast.
+    """
+    from router.app import create_app
+
+    started: list[RouterServer] = []
+
+    def start(router_hub=_FIXTURE_HUB, **kwargs) -> RouterServer:
+        kwargs.setdefault("activation_timeout", 3.0)
+        kwargs.setdefault("poll_seconds", 0.5)
+        kwargs.setdefault("flush_seconds", 0.1)
+        kwargs.setdefault("connect_timeout", 1.0)
+        kwargs.setdefault("read_timeout", 5.0)
+        server = RouterServer(create_app(hub if router_hub is _FIXTURE_HUB else router_hub, **kwargs)).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def api_key(transactional_db):
+    """A valid bearer key, committed so the router's own thread can read it."""
+    from router.models import ApiKey
+
+    return ApiKey.issue("router tests")[1]
+
+
+@pytest.fixture
+def auth(api_key):
+    return {"Authorization": f"Bearer {api_key}"}

@@ -1,0 +1,339 @@
+"""The router over real HTTP: auth, errors in OpenAI's shape, proxying, streaming, balancing, retries."""
+
+import asyncio
+import threading
+
+import aiohttp
+import httpx
+import openai
+import pytest
+
+from conftest import free_port
+from router.models import ApiKey
+
+from .conftest import ALIAS, MODEL, make_table, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def assert_openai_error(response, status: int, code: str, mentions: str = ""):
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert mentions in error["message"]
+    return error
+
+
+def chat(router, headers, model=MODEL, **extra):
+    return httpx.post(f"{router.url}/v1/chat/completions", headers=headers, timeout=5,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def run_concurrently(router, headers, count: int, model=MODEL):
+    """Send `count` chat requests at once; return [(status, replica header)]."""
+
+    async def one(session):
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        async with session.post(f"{router.url}/v1/chat/completions", json=body, headers=headers) as response:
+            await response.read()
+            return response.status, response.headers.get("x-llmgw-replica")
+
+    async def many():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=8)) as session:
+            return await asyncio.gather(*(one(session) for _ in range(count)))
+
+    return asyncio.run(many())
+
+
+# -- auth and bad input -------------------------------------------------------------------
+
+
+def test_missing_key_is_401_in_openai_shape(start_router, hub, start_engine):
+    hub.publish_endpoints(make_table([start_engine().url]))
+    router = start_router()
+    assert_openai_error(chat(router, {}), 401, "invalid_api_key", "Missing API key")
+
+
+def test_wrong_key_is_401_and_only_one_database_lookup_is_made_for_it(start_router, hub, api_key):
+    hub.publish_endpoints(make_table())
+    router = start_router()
+    for _ in range(3):
+        assert_openai_error(chat(router, {"Authorization": "Bearer sk-wrong"}), 401, "invalid_api_key", "Invalid")
+    assert router.state.keys.lookups == 1
+
+
+def test_revoked_key_is_401(start_router, hub):
+    key, plaintext = ApiKey.issue("revoked")
+    key.active = False
+    key.save()
+    hub.publish_endpoints(make_table())
+    router = start_router()
+    assert_openai_error(chat(router, {"Authorization": f"Bearer {plaintext}"}), 401, "invalid_api_key")
+
+
+def test_non_bearer_authorization_is_401(start_router, hub, api_key):
+    router = start_router()
+    assert_openai_error(chat(router, {"Authorization": f"Basic {api_key}"}), 401, "invalid_api_key", "Bearer")
+
+
+def test_malformed_json_is_400_naming_the_problem(start_router, hub, auth):
+    hub.publish_endpoints(make_table())
+    router = start_router()
+    response = httpx.post(f"{router.url}/v1/chat/completions", headers=auth, content=b"{not json")
+    assert_openai_error(response, 400, "invalid_json", "not valid JSON")
+
+
+def test_body_that_is_not_an_object_is_400(start_router, hub, auth):
+    router = start_router()
+    response = httpx.post(f"{router.url}/v1/chat/completions", headers=auth, json=["model"])
+    assert_openai_error(response, 400, "invalid_body", "JSON object, not list")
+
+
+def test_body_without_a_string_model_is_400_naming_model(start_router, hub, auth):
+    router = start_router()
+    response = httpx.post(f"{router.url}/v1/chat/completions", headers=auth, json={"model": 7})
+    error = assert_openai_error(response, 400, "missing_model", '"model"')
+    assert error["param"] == "model"
+
+
+def test_unknown_model_is_404_naming_it(start_router, hub, auth, start_engine):
+    hub.publish_endpoints(make_table([start_engine().url]))
+    router = start_router()
+    assert_openai_error(chat(router, auth, model="gpt-17"), 404, "model_not_found", "`gpt-17`")
+
+
+def test_unknown_path_is_404_in_openai_shape(start_router):
+    router = start_router()
+    assert_openai_error(httpx.get(f"{router.url}/v2/anything"), 404, "not_found", "/v2/anything")
+
+
+def test_wrong_method_on_a_proxy_path_is_405_in_openai_shape(start_router):
+    router = start_router()
+    response = httpx.get(f"{router.url}/v1/chat/completions")
+    assert_openai_error(response, 405, "method_not_allowed")
+    assert response.headers["allow"] == "POST"
+
+
+# -- proxying --------------------------------------------------------------------------------
+
+
+def test_openai_client_gets_a_chat_completion_through_the_router(start_router, hub, api_key, start_engine):
+    engine = start_engine("a")
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=api_key, max_retries=0, timeout=5)
+    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert completion.choices[0].message.content == "hello from a"
+    assert completion.usage.total_tokens == 4
+
+
+def test_completions_and_embeddings_are_proxied(start_router, hub, auth, start_engine):
+    engine = start_engine("a")
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+    completion = httpx.post(f"{router.url}/v1/completions", headers=auth, json={"model": MODEL, "prompt": "x"})
+    embedding = httpx.post(f"{router.url}/v1/embeddings", headers=auth, json={"model": MODEL, "input": "x"})
+    assert completion.json()["choices"][0]["text"] == "hi from a"
+    assert embedding.json()["data"][0]["embedding"] == [0.1, 0.2]
+
+
+def test_alias_is_resolved_and_the_engine_sees_the_public_name(start_router, hub, auth, start_engine):
+    engine = start_engine()
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+    response = chat(router, auth, model=ALIAS, temperature=0.5)
+    assert response.status_code == 200
+    assert engine.requests[-1]["model"] == MODEL
+    assert engine.requests[-1]["temperature"] == 0.5
+
+
+def test_streaming_passes_each_chunk_through_before_the_engine_sends_the_next(
+    start_router, hub, api_key, start_engine
+):
+    engine = start_engine("s")
+    engine.hold_first_chunk = True  # the engine sends the rest only after we saw the first chunk
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=api_key, max_retries=0, timeout=10)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices[0].delta.content == "Hello"
+    engine.release.set()
+    rest = [c.choices[0].delta.content for c in chunks]
+    assert rest == [" from", " s"]
+    assert engine.released_in_time is True
+
+
+def test_models_lists_catalog_models_and_aliases(start_router, hub, auth):
+    hub.publish_endpoints({"models": {MODEL: {"aliases": [ALIAS]}, "qwen": {"aliases": []}}, "endpoints": []})
+    router = start_router()
+    listing = httpx.get(f"{router.url}/v1/models", headers=auth).json()
+    assert listing["object"] == "list"
+    assert [(m["id"], m["root"]) for m in listing["data"]] == [(MODEL, MODEL), (ALIAS, MODEL), ("qwen", "qwen")]
+    assert all(m["object"] == "model" for m in listing["data"])
+
+
+def test_models_requires_a_key(start_router):
+    router = start_router()
+    assert_openai_error(httpx.get(f"{router.url}/v1/models"), 401, "invalid_api_key")
+
+
+def test_health_counts_models_and_endpoints_and_metrics_count_requests(start_router, hub, auth, start_engine):
+    hub.publish_endpoints(make_table([start_engine().url]))
+    router = start_router()
+    assert chat(router, auth).status_code == 200
+    assert chat(router, auth, model="nope").status_code == 404
+    health = httpx.get(f"{router.url}/health")
+    assert health.status_code == 200
+    assert health.json() | {"table": None} == {
+        "status": "ok", "models": 1, "endpoints": 1, "in_flight": 0, "table": None,
+    }
+    metrics = httpx.get(f"{router.url}/metrics").text
+    assert f'llmgw_router_requests_total{{code="200",model="{MODEL}"}} 1.0' in metrics
+    assert 'llmgw_router_requests_total{code="404",model="-"} 1.0' in metrics
+    assert f'llmgw_router_upstream_latency_seconds_count{{model="{MODEL}"}} 1.0' in metrics
+    assert "llmgw_router_in_flight_requests 0.0" in metrics
+
+
+# -- balancing and retries ----------------------------------------------------------------------
+
+
+def test_requests_go_to_the_higher_priority_replica(start_router, hub, auth, start_engine):
+    low, high = start_engine("low"), start_engine("high")
+    hub.publish_endpoints(make_table([{"url": low.url, "priority": 0}, {"url": high.url, "priority": 1}]))
+    router = start_router()
+    results = run_concurrently(router, auth, 4)
+    assert [status for status, _ in results] == [200] * 4
+    assert (len(low.requests), len(high.requests)) == (0, 4)
+
+
+def test_concurrent_requests_spread_by_outstanding_requests(start_router, hub, auth, start_engine):
+    a, b = start_engine("a", delay=0.3), start_engine("b", delay=0.3)
+    hub.publish_endpoints(make_table([a.url, b.url]))
+    router = start_router()
+    results = run_concurrently(router, auth, 6)
+    assert sorted(replica for _, replica in results) == ["1", "1", "1", "2", "2", "2"]
+    assert a.max_active == b.max_active == 3
+
+
+def test_request_is_retried_on_another_replica_when_one_refuses_connections(start_router, hub, auth, start_engine):
+    live = start_engine("live")
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    hub.publish_endpoints(make_table([{"url": dead_url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    router = start_router()
+    response = chat(router, auth)
+    assert response.status_code == 200
+    assert response.headers["x-llmgw-replica"] == "2"
+    assert 'llmgw_router_retries_total{model="llama-3-8b"} 1.0' in httpx.get(f"{router.url}/metrics").text
+
+
+def test_request_is_retried_on_another_replica_when_one_answers_503(start_router, hub, auth, start_engine):
+    busy, live = start_engine("busy", status=503), start_engine("live")
+    hub.publish_endpoints(make_table([{"url": busy.url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    router = start_router()
+    response = chat(router, auth)
+    assert response.json()["choices"][0]["message"]["content"] == "hello from live"
+    assert len(busy.requests) == 1
+
+
+def test_only_one_retry_and_then_the_engines_answer_is_passed_through(start_router, hub, auth, start_engine):
+    engines = [start_engine(f"e{i}", status=503) for i in range(3)]
+    hub.publish_endpoints(make_table([e.url for e in engines]))
+    router = start_router()
+    response = chat(router, auth)
+    assert response.status_code == 503
+    assert sum(len(e.requests) for e in engines) == 2
+
+
+def test_unreachable_only_replica_is_502_in_openai_shape(start_router, hub, auth):
+    hub.publish_endpoints(make_table([f"http://127.0.0.1:{free_port()}"]))
+    router = start_router()
+    assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
+    assert router.state.balancer.in_flight() == 0
+
+
+def test_client_disconnect_cancels_the_upstream_request(start_router, hub, auth, start_engine):
+    engine = start_engine("endless")
+    engine.endless = True
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+
+    async def read_a_little_then_leave():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "messages": [], "stream": True}
+            async with session.post(f"{router.url}/v1/chat/completions", json=body, headers=auth) as response:
+                await response.content.readline()
+                assert router.state.balancer.in_flight() == 1
+            # Leaving the block without reading to the end closes the connection.
+
+    asyncio.run(read_a_little_then_leave())
+    assert engine.stream_cut.wait(3)
+    wait_until(lambda: router.state.balancer.in_flight() == 0)
+
+
+# -- cold start ------------------------------------------------------------------------------------
+
+
+class CountingHub:
+    """Wraps an InProcessHub to count the router's activation requests and usage flushes."""
+
+    def __init__(self, hub):
+        self.hub = hub
+        self.activations: list[str] = []
+        self.usage_flushes: list[dict] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.hub, name)
+
+    async def request_activation(self, model_name):
+        with self._lock:
+            self.activations.append(model_name)
+        await self.hub.request_activation(model_name)
+
+    async def record_usage(self, stamps):
+        with self._lock:
+            self.usage_flushes.append(dict(stamps))
+        await self.hub.record_usage(stamps)
+
+
+def test_many_waiters_share_one_activation_and_succeed_when_a_replica_is_published(
+    start_router, hub, auth, start_engine
+):
+    counting = CountingHub(hub)
+    hub.publish_endpoints(make_table())  # the model is known, nothing runs it
+    router = start_router(counting, activation_timeout=5)
+    engine = start_engine("cold")
+
+    def publish_when_asked():
+        wait_until(lambda: counting.activations)
+        assert hub.drain_activations() == {MODEL}
+        hub.publish_endpoints(make_table([engine.url]))
+
+    publisher = threading.Thread(target=publish_when_asked)
+    publisher.start()
+    results = run_concurrently(router, auth, 10, model=ALIAS)
+    publisher.join()
+    assert [status for status, _ in results] == [200] * 10
+    assert counting.activations == [MODEL]
+    assert len(engine.requests) == 10
+
+
+def test_past_the_activation_bound_the_answer_is_503_with_retry_after(start_router, hub, auth):
+    hub.publish_endpoints(make_table())
+    router = start_router(activation_timeout=0.3, retry_after=7)
+    response = chat(router, auth)
+    error = assert_openai_error(response, 503, "model_starting", MODEL)
+    assert error["type"] == "server_error"
+    assert response.headers["retry-after"] == "7"
+    assert hub.drain_activations() == {MODEL}
+
+
+def test_engine_silent_past_the_read_deadline_is_504_in_openai_shape(start_router, hub, auth, start_engine):
+    slow = start_engine("slow", delay=1.0)
+    hub.publish_endpoints(make_table([slow.url]))
+    router = start_router(read_timeout=0.2)
+    assert_openai_error(chat(router, auth), 504, "upstream_timeout", "did not answer in time")
+    wait_until(lambda: router.state.balancer.in_flight() == 0)
