@@ -122,7 +122,8 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
+# Static files are served from the apps by WhiteNoise; collectstatic is optional.
+STATIC_ROOT = env_str("STATIC_ROOT")
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 

@@ -389,8 +389,11 @@ def _resend_starts(now: datetime, report: TickReport, outbox: _Outbox) -> None:
     report.starts_resent = len(due)
 
 
-def _free_capacity(now: datetime) -> tuple[dict[tuple[int, str], dict], dict[int, set[int]]]:
-    """Free GPUs per (node, class) on ready, schedulable nodes, and the engine ports in use per node.
+def _free_capacity(now: datetime) -> tuple[dict[tuple[int, str], dict], dict[str, set[int]]]:
+    """Free GPUs per (node, class) on ready, schedulable nodes, and the engine ports in use per host address.
+
+    Ports are counted per address, not per node: nodes sharing an address (simulated
+    nodes on one box) share one port space.
 
     A GPU is free when healthy, out of quarantine and unassigned (DESIGN invariant 5).
     Two queries whatever the fleet size.
@@ -423,9 +426,9 @@ def _free_capacity(now: datetime) -> tuple[dict[tuple[int, str], dict], dict[int
         in_service = health == GPUHealth.HEALTHY and (healthy_since is None or healthy_since <= quarantine_start)
         if in_service and not held:
             entry["free"][index] = gpu_id
-    ports: dict[int, set[int]] = defaultdict(set)
-    for node_id, port in Shard.objects.values_list("node_id", "port"):
-        ports[node_id].add(port)
+    ports: dict[str, set[int]] = defaultdict(set)
+    for address, name, port in Shard.objects.values_list("node__address", "node__name", "port"):
+        ports[address or name].add(port)
     return capacity, ports
 
 
@@ -470,8 +473,8 @@ def _place_pending(now: datetime, epoch: int, report: TickReport, outbox: _Outbo
         if isinstance(result, Placement):
             chosen_ports = []
             for shard in result.shards:
-                # A replica has at most one shard per node, so only that node's ports matter.
-                port = pick_port(ports[by_name[shard.node]["node_id"]], port_range)
+                # A replica has at most one shard per node, so only that host's ports matter.
+                port = pick_port(ports[by_name[shard.node]["address"]], port_range)
                 if port is None:
                     result = Unplaceable(f"no free engine port on {shard.node} in {port_range[0]}-{port_range[1]}")
                     break
@@ -486,7 +489,7 @@ def _place_pending(now: datetime, epoch: int, report: TickReport, outbox: _Outbo
         for rank, (shard_place, port) in enumerate(zip(result.shards, chosen_ports, strict=True)):
             entry = by_name[shard_place.node]
             gpu_ids = [entry["free"].pop(index) for index in shard_place.gpu_indices]
-            ports[entry["node_id"]].add(port)
+            ports[entry["address"]].add(port)
             shard = Shard(replica=replica, node_id=entry["node_id"], rank=rank, port=port, state=ShardState.ASSIGNED)
             shards.append(_NewShard(shard, entry["name"], entry["address"], gpu_ids, shard_place.gpu_indices))
         replica.state = ReplicaState.STARTING

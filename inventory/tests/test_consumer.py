@@ -1,10 +1,12 @@
 """The agent WebSocket: authentication, validation, registration, command relay."""
 
 import pytest
+import pytest_asyncio
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
+from django.db import connections
 
 from agent import protocol
 from inventory.choices import GPUHealth, NodeState
@@ -12,7 +14,17 @@ from inventory.models import GPU, Node
 from inventory.services import enrol_node
 from llmgw_site.asgi import application
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_consumer_connection")]
+
+
+@pytest_asyncio.fixture
+async def close_consumer_connection():
+    """Close the database connection of the thread the consumer's queries ran on.
+
+    Left open, it keeps the PostgreSQL test database busy at teardown.
+    """
+    yield
+    await database_sync_to_async(connections.close_all)()
 
 
 def hello(node="gpu-a", gpus=2, **extra):

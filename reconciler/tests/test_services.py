@@ -209,6 +209,20 @@ def test_ports_come_from_the_range_and_are_not_reused_on_a_node(run_tick):
     assert sorted(Shard.objects.values_list("port", flat=True)) == [20000, 20001]
 
 
+def test_nodes_sharing_an_address_share_one_port_space(run_tick):
+    """Simulated nodes on one box must not be handed the same engine port."""
+    make_node("gpu-a", gpus=1, address="127.0.0.1")
+    make_node("gpu-b", gpus=1, address="127.0.0.1")
+    make_model("one")
+    make_model("two")
+
+    run_tick()
+
+    shards = Shard.objects.order_by("port")
+    assert {s.node.name for s in shards} == {"gpu-a", "gpu-b"}
+    assert [s.port for s in shards] == [20000, 20001]
+
+
 def test_a_gpu_held_twice_is_refused_by_the_database_constraint():
     """DESIGN invariant 2: the constraint, not the placer, stops double-booking."""
     node = make_node("gpu-a", gpus=1)
