@@ -127,15 +127,24 @@ STATIC_ROOT = env_str("STATIC_ROOT")
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
-if EMBEDDED:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-else:
-    CHANNEL_LAYERS = {
+
+
+def channel_layers(redis_url: str | None) -> dict:
+    """The channel layer: in-process when embedded, Redis otherwise."""
+    if redis_url is None:
+        return {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    # channels-redis blocks 5 s in BZPOPMIN per receive; redis-py's default socket
+    # timeout is also 5 s, which would kill every idle consumer. Give reads headroom.
+    host = {"address": redis_url, "socket_timeout": 30, "socket_connect_timeout": 5}
+    return {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": "llmgw:asgi"},
+            "CONFIG": {"hosts": [host], "prefix": "llmgw:asgi"},
         }
     }
+
+
+CHANNEL_LAYERS = channel_layers(REDIS_URL)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

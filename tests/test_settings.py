@@ -1,0 +1,84 @@
+"""Settings come from the environment; bad values stop start-up with the variable's name."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels_redis.core import RedisChannelLayer
+from django.core.exceptions import ImproperlyConfigured
+
+from llmgw_site.env import env_bool, env_float, env_int, env_port_range
+from llmgw_site.settings import channel_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def django_setup(**env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_") and k not in ("DATABASE_URL", "SECRET_KEY")}
+    return subprocess.run(
+        [sys.executable, "-c", "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; django.setup()"],
+        cwd=ROOT,
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "reader, value, words",
+    [
+        (lambda: env_int("LLMGW_X", 1), "ten", "not a whole number"),
+        (lambda: env_int("LLMGW_X", 1, minimum=1), "0", "below the minimum"),
+        (lambda: env_float("LLMGW_X", 1.0, minimum=0.1), "nan", "must be a number"),
+        (lambda: env_bool("LLMGW_X"), "maybe", "not a boolean"),
+        (lambda: env_port_range("LLMGW_X", (1, 2)), "30000", "not a port range"),
+        (lambda: env_port_range("LLMGW_X", (1, 2)), "300-20", "must satisfy"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(monkeypatch, reader, value, words):
+    monkeypatch.setenv("LLMGW_X", value)
+    with pytest.raises(ImproperlyConfigured, match=f"LLMGW_X.*{words}"):
+        reader()
+
+
+def test_good_environment_values_are_read(monkeypatch):
+    monkeypatch.setenv("LLMGW_X", "20000-20010")
+    assert env_port_range("LLMGW_X", (1, 2)) == (20000, 20010)
+    monkeypatch.setenv("LLMGW_X", "off")
+    assert env_bool("LLMGW_X", True) is False
+
+
+def test_start_up_fails_on_a_bad_tick_interval():
+    result = django_setup(LLMGW_TICK_SECONDS="soon")
+    assert result.returncode != 0
+    assert "LLMGW_TICK_SECONDS='soon' is not a number" in result.stderr
+
+
+def test_a_database_url_without_a_secret_key_is_refused():
+    result = django_setup(DATABASE_URL="postgres://postgres@127.0.0.1:5432/test")
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set when DATABASE_URL is set" in result.stderr
+
+
+def test_embedded_mode_uses_the_in_memory_channel_layer():
+    assert channel_layers(None)["default"]["BACKEND"] == "channels.layers.InMemoryChannelLayer"
+
+
+def test_redis_channel_layer_reads_outlast_its_blocking_receive(redis_url):
+    """A socket timeout at or below BZPOPMIN's block would drop every idle agent stream."""
+    config = channel_layers(redis_url)["default"]["CONFIG"]
+    layer = RedisChannelLayer(**config)
+    assert layer.create_pool(0).connection_kwargs["socket_timeout"] > layer.brpop_timeout
+
+    async def round_trip():
+        channel = await layer.new_channel()
+        await layer.send(channel, {"type": "agent.command", "n": 1})
+        message = await layer.receive(channel)
+        await layer.flush()
+        return message
+
+    assert async_to_sync(round_trip)() == {"type": "agent.command", "n": 1}
