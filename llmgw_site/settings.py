@@ -109,6 +109,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         }
     )
+    # Tests use a file too: SQLite's shared in-memory cache answers "table is locked"
+    # at once to concurrent writers instead of waiting, unlike the file llmgw runs on.
+    DATABASES["default"].setdefault("TEST", {}).setdefault("NAME", str(VAR_DIR / "test.sqlite3"))
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

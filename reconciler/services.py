@@ -56,6 +56,7 @@ class TickReport:
     replicas_failed: int = 0
     replicas_created: int = 0
     replicas_stopped: int = 0
+    replicas_idle_stopped: int = 0
     replicas_retried: int = 0
     replicas_placed: int = 0
     replicas_unplaceable: int = 0
@@ -222,7 +223,7 @@ def tick(leadership: Leadership | None = None, hub=None, now: datetime | None = 
             forget = _collect_usage(stamps, report)
             _check_liveness(now, leadership, report, outbox)
             _fail_slow_starts(now, report, outbox)
-            _apply_demand(activations, report)
+            _apply_demand(activations, now, report)
             report.replicas_retried = (
                 Replica.objects.filter(state=ReplicaState.FAILED)
                 .filter(Q(next_attempt_at__lte=now) | Q(next_attempt_at__isnull=True))
@@ -309,10 +310,17 @@ def _fail_slow_starts(now: datetime, report: TickReport, outbox: _Outbox) -> Non
     report.replicas_failed += _fail_replicas(replica_ids, f"not ready within {timeout:g} s of placement", now, outbox)
 
 
-def _apply_demand(activations: set[str], report: TickReport) -> None:
-    """Keep each profile between min and max replicas, honour activations, stop disabled models."""
+def _apply_demand(activations: set[str], now: datetime, report: TickReport) -> None:
+    """Keep each profile between min and max replicas, honour activations, stop disabled models.
+
+    Above min replicas, a READY replica unused for longer than its profile's idle
+    timeout is stopped. Only a known last use counts: a replica whose last use is
+    unknown is never stopped for idleness (DESIGN invariant 3).
+    """
     profiles = list(Profile.objects.select_related("model").order_by("model_id", "order", "id"))
-    replicas = list(Replica.objects.exclude(state=ReplicaState.STOPPING).only("id", "model_id", "profile_id", "state"))
+    replicas = list(
+        Replica.objects.exclude(state=ReplicaState.STOPPING).only("id", "model_id", "profile_id", "state", "last_used")
+    )
     by_profile: dict[int, list[Replica]] = defaultdict(list)
     for replica in replicas:
         by_profile[replica.profile_id].append(replica)
@@ -335,7 +343,18 @@ def _apply_demand(activations: set[str], report: TickReport) -> None:
         elif len(wanted) > profile.max_replicas:
             # Newest first within a state: keep the replicas that have been serving longest.
             ranked = sorted(wanted, key=lambda r: (_STOP_ORDER[r.state], -r.pk))
-            to_stop.extend(ranked[: len(wanted) - profile.max_replicas])
+            excess = len(wanted) - profile.max_replicas
+            to_stop.extend(ranked[:excess])
+            wanted = ranked[excess:]
+        if profile.idle_timeout_seconds is not None and len(wanted) > profile.min_replicas:
+            cutoff = now - timedelta(seconds=profile.idle_timeout_seconds)
+            idle = sorted(
+                (r for r in wanted if r.state == ReplicaState.READY and r.last_used is not None and r.last_used < cutoff),
+                key=lambda r: r.last_used,
+            )[: len(wanted) - profile.min_replicas]
+            to_stop.extend(idle)
+            report.replicas_idle_stopped += len(idle)
+            wanted = [r for r in wanted if r not in idle]
         wanted_by_model[profile.model_id] += max(len(wanted), profile.min_replicas)
 
     if activations:

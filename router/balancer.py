@@ -174,9 +174,19 @@ class Balancer:
 
     # -- last-use stamps ----------------------------------------------------------
     def take_stamps(self) -> dict[str, float]:
-        """Swap out the stamps gathered since the last flush."""
+        """Swap out the stamps gathered since the last flush.
+
+        A replica serving a request right now is stamped "now" as well, so a long
+        stream keeps its replica in use and the idle timeout cannot stop it
+        mid-answer. The cost grows with replicas, not with traffic.
+        """
         with self._lock:
             stamps, self._stamps = self._stamps, {}
+            busy = [e.replica_id for e in self._by_replica.values() if e.outstanding > 0]
+            if busy:
+                now = self._clock()
+                for replica_id in busy:
+                    stamps[replica_id] = now
         return stamps
 
     def restore_stamps(self, stamps: dict[str, float]) -> None:

@@ -457,6 +457,49 @@ def test_replicas_above_max_are_stopped_pending_first(run_tick):
     assert Replica.objects.count() == 1
 
 
+def ready_replicas(model, last_used_ago):
+    """READY replicas (without shards) of `model`, one per entry: seconds since last use, or None = unknown."""
+    now = timezone.now()
+    return [
+        Replica.objects.create(
+            model=model,
+            profile=model.profiles.get(),
+            state=ReplicaState.READY,
+            last_used=None if ago is None else now - timedelta(seconds=ago),
+        )
+        for ago in last_used_ago
+    ]
+
+
+def test_replicas_idle_past_the_timeout_are_stopped_down_to_min(run_tick):
+    model = make_model("llama", min_replicas=2, max_replicas=3, idle_timeout_seconds=600)
+    busy, idlest, idle = ready_replicas(model, [30, 3600, 900])
+
+    result = run_tick()
+
+    assert result.replicas_idle_stopped == 1
+    assert set(Replica.objects.values_list("pk", flat=True)) == {busy.pk, idle.pk}
+
+
+def test_a_replica_whose_last_use_is_unknown_is_never_stopped_for_idleness(run_tick):
+    """DESIGN invariant 3: unknown is not idle."""
+    model = make_model("llama", min_replicas=0, max_replicas=2, idle_timeout_seconds=60)
+    unknown, idle = ready_replicas(model, [None, 120])
+
+    result = run_tick()
+
+    assert result.replicas_idle_stopped == 1
+    assert list(Replica.objects.values_list("pk", flat=True)) == [unknown.pk]
+
+
+def test_no_idle_timeout_means_replicas_stay(run_tick):
+    model = make_model("llama", min_replicas=0, max_replicas=1, idle_timeout_seconds=None)
+    ready_replicas(model, [10**6])
+
+    assert run_tick().replicas_idle_stopped == 0
+    assert Replica.objects.count() == 1
+
+
 # --- usage (DESIGN invariant 3) ----------------------------------------------------
 
 

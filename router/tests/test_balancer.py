@@ -64,6 +64,18 @@ def test_pick_stamps_last_use_of_the_chosen_replica_only():
     assert balancer.pending_stamps() == {}
 
 
+def test_a_replica_serving_a_long_request_is_stamped_at_every_flush_until_it_ends():
+    now = [1000.0]
+    balancer = balancer_with("http://a:1", clock=lambda: now[0])
+    streaming = balancer.pick(MODEL)
+    assert balancer.take_stamps() == {"1": 1000.0}
+    now[0] = 1300.0
+    assert balancer.take_stamps() == {"1": 1300.0}
+    balancer.release(streaming)
+    now[0] = 1600.0
+    assert balancer.take_stamps() == {}
+
+
 def test_restored_stamps_do_not_overwrite_newer_ones():
     balancer = Balancer()
     balancer.restore_stamps({"1": 10.0, "2": 30.0})
