@@ -12,6 +12,22 @@ def node_group(node_name: str) -> str:
     return f"node.{node_name}"
 
 
-def send_to_node(node_name: str, command: dict) -> None:
-    """Deliver `command` (built with agent.protocol.command) to the node's agent."""
-    async_to_sync(get_channel_layer().group_send)(node_group(node_name), {"type": "agent.command", "command": command})
+def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exception]]:
+    """Deliver (node name, command) pairs, commands built with agent.protocol.command.
+
+    All in one trip to the event loop, however many there are.
+
+    Returns the ones that could not be sent, with the error, so one unreachable
+    channel layer shard does not stop the rest.
+    """
+
+    async def deliver():
+        layer, failed = get_channel_layer(), []
+        for node_name, command in commands:
+            try:
+                await layer.group_send(node_group(node_name), {"type": "agent.command", "command": command})
+            except Exception as exc:  # reported to the caller, which decides what covers it
+                failed.append((node_name, command, exc))
+        return failed
+
+    return async_to_sync(deliver)() if commands else []

@@ -27,7 +27,7 @@ from inventory.models import GPU, Node
 
 from .backends import get_hub
 from .choices import ReplicaState, ShardState
-from .dispatch import send_to_node
+from .dispatch import send_to_nodes
 from .lease import Leadership, LeaseLost, get_leadership
 from .models import GPUAssignment, Lease, Replica, Shard
 from .placement import NodeCapacity, Placement, Shape, Unplaceable, pick_port, place
@@ -92,11 +92,13 @@ class _Outbox:
 
 
 def _deliver(commands: list[tuple[str, dict]]) -> None:
-    for node_name, cmd in commands:
-        try:
-            send_to_node(node_name, cmd)
-        except Exception:  # channel layer down: resends (starts) and the next tick (stops) cover it
-            log.exception("could not send %s to node %s", cmd["type"], node_name)
+    try:
+        failed = send_to_nodes(commands)
+    except Exception:  # channel layer down: resends (starts) and the next tick (stops) cover it
+        log.exception("could not send %d agent commands", len(commands))
+        return
+    for node_name, cmd, exc in failed:
+        log.error("could not send %s to node %s: %s", cmd["type"], node_name, exc)
 
 
 def backoff_seconds(failure_count: int) -> float:
@@ -451,6 +453,10 @@ def _free_capacity(now: datetime) -> tuple[dict[tuple[int, str], dict], dict[str
     return capacity, ports
 
 
+def _capacity_record(entry: dict, gpu_class: str) -> NodeCapacity:
+    return NodeCapacity(entry["name"], entry["fabric"], entry["address"], gpu_class, tuple(sorted(entry["free"])), entry["total"])
+
+
 @dataclass
 class _NewShard:
     """A shard being placed this tick, with what its start command needs."""
@@ -472,23 +478,20 @@ def _place_pending(now: datetime, epoch: int, report: TickReport, outbox: _Outbo
     if not pending:
         return
     capacity, ports = _free_capacity(now)
-    by_class: dict[str, list[dict]] = defaultdict(list)
+    by_class: dict[str, dict[str, dict]] = defaultdict(dict)
+    records: dict[str, dict[str, NodeCapacity]] = defaultdict(dict)
     for (_, gpu_class), entry in capacity.items():
-        by_class[gpu_class].append(entry)
+        by_class[gpu_class][entry["name"]] = entry
+        records[gpu_class][entry["name"]] = _capacity_record(entry, gpu_class)
     port_range = settings.LLMGW_ENGINE_PORT_RANGE
 
     placed: list[tuple[Replica, list[_NewShard]]] = []
-    changed: list[Replica] = []
+    unplaceable: list[Replica] = []
     for replica in pending:
         profile = replica.profile
         shape = Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
-        entries = by_class.get(profile.gpu_class, [])
-        by_name = {e["name"]: e for e in entries}
-        records = [
-            NodeCapacity(e["name"], e["fabric"], e["address"], profile.gpu_class, tuple(sorted(e["free"])), e["total"])
-            for e in entries
-        ]
-        result = place(records, shape)
+        by_name = by_class.get(profile.gpu_class, {})
+        result = place(list(records[profile.gpu_class].values()), shape)
         if isinstance(result, Placement):
             chosen_ports = []
             for shard in result.shards:
@@ -502,23 +505,17 @@ def _place_pending(now: datetime, epoch: int, report: TickReport, outbox: _Outbo
             report.replicas_unplaceable += 1
             if replica.placement_error != result.reason:
                 replica.placement_error = result.reason
-                changed.append(replica)
+                unplaceable.append(replica)
             continue
         shards = []
         for rank, (shard_place, port) in enumerate(zip(result.shards, chosen_ports, strict=True)):
             entry = by_name[shard_place.node]
             gpu_ids = [entry["free"].pop(index) for index in shard_place.gpu_indices]
+            records[profile.gpu_class][entry["name"]] = _capacity_record(entry, profile.gpu_class)
             ports[entry["address"]].add(port)
             shard = Shard(replica=replica, node_id=entry["node_id"], rank=rank, port=port, state=ShardState.ASSIGNED)
             shards.append(_NewShard(shard, entry["name"], entry["address"], gpu_ids, shard_place.gpu_indices))
-        replica.state = ReplicaState.STARTING
-        replica.started_at = now
-        replica.epoch = epoch
-        replica.placement_error = ""
-        replica.endpoint_url = ""
-        replica.ready_at = None
         placed.append((replica, shards))
-        changed.append(replica)
 
     if placed:
         new_shards = [new for _, shards in placed for new in shards]
@@ -526,10 +523,12 @@ def _place_pending(now: datetime, epoch: int, report: TickReport, outbox: _Outbo
         GPUAssignment.objects.bulk_create(
             [GPUAssignment(gpu_id=gpu_id, shard=new.shard) for new in new_shards for gpu_id in new.gpu_ids]
         )
-    if changed:
-        Replica.objects.bulk_update(
-            changed, ["state", "started_at", "epoch", "placement_error", "endpoint_url", "ready_at"]
+        # Every placed replica changes the same way: one UPDATE, not one CASE per row.
+        Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
+            state=ReplicaState.STARTING, started_at=now, epoch=epoch, placement_error="", endpoint_url="", ready_at=None
         )
+    if unplaceable:
+        Replica.objects.bulk_update(unplaceable, ["placement_error"])
     for replica, shards in placed:
         for new in shards:
             outbox.start(

@@ -142,12 +142,13 @@ async def test_a_second_connection_for_the_node_replaces_the_first(token):
 
 
 def test_commands_sent_from_sync_code_reach_the_agent(token):
-    from reconciler.dispatch import send_to_node
+    from reconciler.dispatch import send_to_nodes
 
     async def scenario():
         comm, connected, _ = await connect("gpu-a", token)
         assert connected
-        await database_sync_to_async(send_to_node)("gpu-a", protocol.command("stop_shard", 1, shard_id=4))
+        failed = await database_sync_to_async(send_to_nodes)([("gpu-a", protocol.command("stop_shard", 1, shard_id=4))])
+        assert failed == []
         received = await comm.receive_json_from(timeout=5)
         await comm.disconnect()
         return received
