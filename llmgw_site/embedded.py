@@ -69,7 +69,12 @@ async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=Non
     from reconciler.backends import get_hub
     from router.app import create_app
 
-    control_sock, router_sock = bind(host, port), bind(host, router_port)
+    control_sock = bind(host, port)
+    try:
+        router_sock = bind(host, router_port)
+    except OSError:
+        control_sock.close()
+        raise
     control = _Server(uvicorn.Config("llmgw_site.asgi:application", lifespan="off", log_level="warning"))
     router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning"))
 

@@ -129,6 +129,12 @@ def test_demo_serves_a_cold_model_and_reports_its_last_use(demo):
     assert replicas, ctl_status(demo["env"])
     assert replicas[0]["state"] == "ready" and replicas[0]["idle_seconds"] >= 0
 
+    # The control plane serves admin (with its static files) and metrics on its own port.
+    control = f"http://127.0.0.1:{demo['port']}"
+    assert httpx.get(f"{control}/admin/login/").status_code == 200
+    assert httpx.get(f"{control}/static/admin/css/base.css").status_code == 200
+    assert "llmgw_gpus" in httpx.get(f"{control}/metrics").text
+
     # Wrong key and unknown model are refused in OpenAI's shape.
     bad = httpx.post(f"{demo['router']}/v1/chat/completions", headers={"Authorization": "Bearer nope"}, json={})
     assert bad.status_code == 401 and "error" in bad.json()

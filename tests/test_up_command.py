@@ -1,0 +1,32 @@
+"""`manage.py up` refuses bad arguments with one clear sentence, before serving anything."""
+
+import socket
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from conftest import free_port
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "eighty"], "port 'eighty' is not a number"),
+        (["--router-port", "70000"], "port 70000 is outside 1-65535"),
+        (["--port", "9100", "--router-port", "9100"], "--port and --router-port must differ"),
+    ],
+)
+def test_bad_ports_are_refused(args, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("up", *args)
+
+
+def test_a_port_in_use_is_named():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(CommandError, match=f"cannot listen on 127.0.0.1:{port}"):
+            call_command("up", "--host", "127.0.0.1", "--port", str(port), "--router-port", str(free_port()))
