@@ -101,3 +101,13 @@ def test_list_endpoints_run_a_constant_number_of_queries(staff_client, path):
     small = count_queries(staff_client, path)
     grow(20, "b")
     assert count_queries(staff_client, path) == small
+
+
+def test_openapi_schema_describes_the_read_endpoints(staff_client):
+    response = staff_client.get("/api/v1/schema")
+    assert response.status_code == 200
+    schema = response.json()
+    assert schema["openapi"].startswith("3.")
+    documented = " ".join(schema["paths"])
+    for resource in ("status", "models", "nodes", "replicas"):
+        assert f"/api/v1/{resource}" in documented
