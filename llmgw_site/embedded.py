@@ -76,7 +76,8 @@ async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=Non
         control_sock.close()
         raise
     control = _Server(uvicorn.Config("llmgw_site.asgi:application", lifespan="off", log_level="warning"))
-    router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning"))
+    # The router reads no client address, so the proxy-headers middleware is pure cost.
+    router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning", proxy_headers=False))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
