@@ -1,7 +1,10 @@
 """The three small interfaces between the control plane and the routers.
 
 * endpoint list: the control plane publishes, routers watch (DESIGN invariant 7);
-* usage store: routers record last-use stamps, the tick collects them (invariant 4);
+* usage store: routers record last-use stamps, the tick collects them (invariant 4),
+  and routers keep a "watching since" mark alive while at least one of them is
+  flushing, so the tick can tell "never used while watched" from "unknown"
+  (invariant 3);
 * activation queue: routers ask for a model to be started, the tick drains it.
 
 Embedded mode keeps all three in this process (InProcessHub); distributed mode
@@ -18,6 +21,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from django.conf import settings
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 ENDPOINTS_KEY = "llmgw:endpoints"
 ENDPOINTS_CHANNEL = "llmgw:endpoints"
 USAGE_KEY = "llmgw:usage:last_used"
+WATCH_KEY = "llmgw:usage:watching_since"
 ACTIVATIONS_KEY = "llmgw:activations"
 
 
@@ -45,6 +50,8 @@ class InProcessHub:
         self._stamps: dict[str, float] = {}
         self._activations: set[str] = set()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        # (since, last renewed, ttl) of the routers' "watching" mark; None until a router flushes.
+        self._watch: tuple[float, float, float] | None = None
         # Set when there is work for the embedded ticker before its next interval.
         self.wake = threading.Event()
 
@@ -76,6 +83,14 @@ class InProcessHub:
             wanted, self._activations = self._activations, set()
         return wanted
 
+    def watching_since(self) -> float | None:
+        """Since when routers have recorded usage without a gap (Unix time), or None."""
+        with self._lock:
+            if self._watch is None:
+                return None
+            since, renewed, ttl = self._watch
+            return since if time.time() - renewed <= ttl else None
+
     # -- router side ----------------------------------------------------------
     async def read_endpoints(self) -> dict | None:
         with self._lock:
@@ -104,6 +119,13 @@ class InProcessHub:
         with self._lock:
             self._activations.add(model_name)
         self.wake.set()
+
+    async def keep_watching(self, ttl: float) -> None:
+        """Renew the watching mark; a mark not renewed within `ttl` seconds has lapsed."""
+        now = time.time()
+        with self._lock:
+            lapsed = self._watch is None or now - self._watch[1] > self._watch[2]
+            self._watch = (now if lapsed else self._watch[0], now, ttl)
 
 
 class RedisHub:
@@ -156,6 +178,10 @@ class RedisHub:
         members, _ = pipe.execute()
         return {m.decode() for m in members}
 
+    def watching_since(self) -> float | None:
+        raw = self._sync.get(WATCH_KEY)
+        return None if raw is None else float(raw)
+
     # -- router side ----------------------------------------------------------
     async def read_endpoints(self) -> dict | None:
         raw = await self._aio().get(ENDPOINTS_KEY)
@@ -186,6 +212,13 @@ class RedisHub:
 
     async def request_activation(self, model_name: str) -> None:
         await self._aio().sadd(ACTIVATIONS_KEY, model_name)
+
+    async def keep_watching(self, ttl: float) -> None:
+        # Any router renews the one mark; it starts afresh only after every router stopped for `ttl`.
+        pipe = self._aio().pipeline(transaction=True)
+        pipe.set(WATCH_KEY, repr(time.time()), nx=True, px=int(ttl * 1000))
+        pipe.pexpire(WATCH_KEY, int(ttl * 1000))
+        await pipe.execute()
 
 
 _hub = None

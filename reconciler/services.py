@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from agent.protocol import SHARD_REPORT_STATES, START_SHARD, STOP_SHARD, command
@@ -51,6 +51,7 @@ class TickReport:
     epoch: int = 0
     usage_updated: int = 0
     usage_forgotten: int = 0
+    usage_idle_since_ready: int = 0
     nodes_unreachable: int = 0
     nodes_lost: int = 0
     replicas_failed: int = 0
@@ -213,6 +214,11 @@ def tick(leadership: Leadership | None = None, hub=None, now: datetime | None = 
         log.warning("could not collect usage: %s", exc)
         stamps = {}
     try:
+        watching_since = hub.watching_since()
+    except Exception as exc:  # unknown stays unknown
+        log.warning("could not read since when usage is watched: %s", exc)
+        watching_since = None
+    try:
         activations = hub.drain_activations()
     except Exception as exc:
         log.warning("could not read activations: %s", exc)
@@ -223,6 +229,7 @@ def tick(leadership: Leadership | None = None, hub=None, now: datetime | None = 
         with transaction.atomic():
             leadership.assert_still_leader()
             forget = _collect_usage(stamps, report)
+            report.usage_idle_since_ready = _mark_unused_since_ready(watching_since)
             _check_liveness(now, leadership, report, outbox)
             _fail_slow_starts(now, report, outbox)
             _apply_demand(activations, now, report)
@@ -274,6 +281,20 @@ def _collect_usage(stamps: dict[str, float], report: TickReport) -> list[str]:
         Replica.objects.bulk_update(changed, ["last_used"])
     report.usage_updated, report.usage_forgotten = len(changed), len(forget)
     return forget
+
+
+def _mark_unused_since_ready(watching_since: float | None) -> int:
+    """Replicas that became ready while routers were watching, and have no stamp, are idle since ready.
+
+    DESIGN invariant 3: only then is "never used" a fact; a replica that became
+    ready before the current watch began keeps an unknown last use. One query.
+    """
+    if watching_since is None:
+        return 0
+    since = datetime.fromtimestamp(watching_since, tz=UTC)
+    return Replica.objects.filter(state=ReplicaState.READY, last_used__isnull=True, ready_at__gte=since).update(
+        last_used=F("ready_at")
+    )
 
 
 def _check_liveness(now: datetime, leadership: Leadership, report: TickReport, outbox: _Outbox) -> None:

@@ -71,6 +71,8 @@ class RouterState:
         self.activation_timeout = activation_timeout
         self.poll_seconds = poll_seconds
         self.flush_seconds = flush_seconds
+        # Long enough to survive a late flush or two, short enough that a dead router is noticed.
+        self.watch_ttl = max(3 * flush_seconds, 3.0)
         self.retry_after = retry_after
         self.max_body_bytes = max_body_bytes
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending.
@@ -181,12 +183,17 @@ class RouterState:
             await self.flush_usage()
 
     async def flush_usage(self) -> bool:
-        """Hand the stamps gathered since the last flush to the hub; keep them if it refuses."""
+        """Hand the stamps gathered since the last flush to the hub; keep them if it refuses.
+
+        Then renew the hub's "watching" mark: a router whose stamps are being
+        delivered vouches that a replica without a stamp was not used. A failed
+        flush renews nothing, so the mark lapses and unused means unknown again.
+        """
         stamps = self.balancer.take_stamps()
-        if not stamps:
-            return True
         try:
-            await self.hub.record_usage(stamps)
+            if stamps:
+                await self.hub.record_usage(stamps)
+            await self.hub.keep_watching(self.watch_ttl)
         except asyncio.CancelledError:
             self.balancer.restore_stamps(stamps)
             raise
