@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from django.conf import settings
@@ -137,17 +138,18 @@ class RedisHub:
 
         self.url = url
         self._sync = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
-        self._async_clients: dict[int, redis.asyncio.Redis] = {}
+        # Keyed by the loop object itself (weakly): an id() can be reused by a later loop.
+        self._async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._redis_asyncio = redis.asyncio
         self.wake = threading.Event()  # unused in distributed mode: beat sets the cadence
 
     def _aio(self):
         # One client per event loop: redis.asyncio connections are bound to the loop that made them.
-        loop_id = id(asyncio.get_running_loop())
-        client = self._async_clients.get(loop_id)
+        loop = asyncio.get_running_loop()
+        client = self._async_clients.get(loop)
         if client is None:
             client = self._redis_asyncio.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
-            self._async_clients[loop_id] = client
+            self._async_clients[loop] = client
         return client
 
     # -- control plane side -------------------------------------------------
