@@ -83,3 +83,21 @@ def test_empty_cluster_prints_without_error():
 def test_usage_bar_marks_used_unhealthy_and_unavailable():
     row = {"total": 16, "used": 4, "free": 8, "unhealthy": 2, "unavailable": 2}
     assert usage_bar(row) == "[####!!xx--------]"
+
+
+def test_an_unmigrated_database_gets_a_clear_error_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "SECRET_KEY")} | {
+        "LLMGW_VAR_DIR": str(tmp_path)
+    }
+    result = subprocess.run(
+        [sys.executable, "manage.py", "ctl_status"], cwd=root, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "has `manage.py migrate` run?" in result.stderr
+    assert "Traceback" not in result.stderr

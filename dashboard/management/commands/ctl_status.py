@@ -2,7 +2,8 @@
 
 import json
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from dashboard.summary import cluster_summary, format_idle
 
@@ -35,7 +36,10 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print the summary as JSON (for scripts).")
 
     def handle(self, *args, **options):
-        summary = cluster_summary()
+        try:
+            summary = cluster_summary()
+        except DatabaseError as exc:
+            raise CommandError(f"cannot read the fleet from the database ({exc}); has `manage.py migrate` run?") from None
         if options["json"]:
             self.stdout.write(json.dumps(summary, indent=2))
             return
