@@ -582,7 +582,8 @@ def _stop_shards(now: datetime, report: TickReport, outbox: _Outbox) -> None:
 
 
 def build_endpoint_table() -> dict:
-    """The endpoint list routers serve from: enabled models with a profile, and READY replicas. Three queries."""
+    """The endpoint list routers serve from: enabled models with a profile (and why a model cannot be
+    placed, when it cannot), and READY replicas. Four queries."""
     models = (
         CatalogModel.objects.filter(enabled=True)
         .filter(Exists(Profile.objects.filter(model=OuterRef("pk"))))
@@ -594,8 +595,24 @@ def build_endpoint_table() -> dict:
         .select_related("model", "profile")
         .order_by("id")
     )
+    # Why a wanted model has no room right now, so routers can answer at once instead of holding requests.
+    unplaceable: dict[str, str] = {}
+    for name, reason in (
+        Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
+        .exclude(placement_error="")
+        .order_by("model__name", "profile__order", "id")
+        .values_list("model__name", "placement_error")
+    ):
+        unplaceable.setdefault(name, reason)
+
+    def entry(model) -> dict:
+        described = {"aliases": sorted(a.name for a in model.aliases.all())}
+        if model.name in unplaceable:
+            described["unplaceable"] = unplaceable[model.name]
+        return described
+
     return {
-        "models": {m.name: {"aliases": sorted(a.name for a in m.aliases.all())} for m in models},
+        "models": {m.name: entry(m) for m in models},
         "endpoints": [
             {
                 "replica_id": str(r.pk),

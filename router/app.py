@@ -244,6 +244,13 @@ class RouterState:
                 raise RouterError(404, f"The model `{model}` was removed while waiting for it.", "model_not_found",
                                   param="model")
             self._ask_activation(model)
+            reason = self.balancer.unplaceable(model)
+            if reason is not None:
+                # Waiting would only hold the client until the deadline: say why now.
+                raise RouterError(
+                    503, f"The model `{model}` cannot be started now: {reason}.", "model_unplaceable",
+                    type_="server_error", headers=[(b"retry-after", str(self.retry_after).encode())],
+                )
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return None

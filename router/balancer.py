@@ -65,6 +65,7 @@ class Balancer:
         self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
+        self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
         self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas
         self._by_replica: dict[str, Endpoint] = {}
         self._turn: dict[str, int] = {}  # round-robin position per model, for ties
@@ -88,10 +89,14 @@ class Balancer:
             raise TableError("endpoint table 'models' is not an object")
         names: dict[str, str] = {}
         catalog: dict[str, list[str]] = {}
+        unplaceable: dict[str, str] = {}
         for public, entry in models.items():
             aliases = entry.get("aliases", []) if isinstance(entry, dict) else []
             aliases = [a for a in aliases if isinstance(a, str)]
             catalog[public] = aliases
+            reason = entry.get("unplaceable") if isinstance(entry, dict) else None
+            if isinstance(reason, str) and reason:
+                unplaceable[public] = reason
             names[public] = public
             for alias in aliases:
                 names.setdefault(alias, public)  # a public name always wins over a clashing alias
@@ -114,7 +119,7 @@ class Balancer:
                     fresh = current
                 by_replica[fresh.replica_id] = fresh
                 endpoints.setdefault(fresh.model, []).append(fresh)
-            self._names, self._catalog = names, catalog
+            self._names, self._catalog, self._unplaceable = names, catalog, unplaceable
             self._endpoints, self._by_replica = endpoints, by_replica
             self.fingerprint = fingerprint
         return True
@@ -122,6 +127,10 @@ class Balancer:
     def resolve(self, name: str) -> str | None:
         """The public name `name` refers to (itself or the model it is an alias of), or None."""
         return self._names.get(name)
+
+    def unplaceable(self, model: str) -> str | None:
+        """Why the control plane could not place `model` at its last attempt, or None."""
+        return self._unplaceable.get(model)
 
     def catalog(self) -> dict[str, list[str]]:
         """Public model name -> aliases, as last published."""

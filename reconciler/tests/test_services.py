@@ -286,13 +286,24 @@ def test_an_unchanged_endpoint_table_is_published_once(run_tick):
     assert async_to_sync(get_hub().read_endpoints)() is first
 
 
-def test_endpoint_table_lists_enabled_models_with_profiles_in_three_queries(django_assert_max_num_queries):
+def test_endpoint_table_lists_enabled_models_with_profiles_in_four_queries(django_assert_max_num_queries):
     make_model("llama", min_replicas=0)
     make_model("off", min_replicas=0, enabled=False)
     Model.objects.create(name="bare", source="org/bare")
-    with django_assert_max_num_queries(3):
+    with django_assert_max_num_queries(4):
         table = build_endpoint_table()
     assert table == {"models": {"llama": {"aliases": []}}, "endpoints": []}
+
+
+def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
+    make_model("llama", min_replicas=1)  # no node has its GPU class
+
+    run_tick()
+
+    assert build_endpoint_table()["models"]["llama"] == {
+        "aliases": [],
+        "unplaceable": "no node has GPU class H100-80GB",
+    }
 
 
 def test_multi_node_replica_is_ready_only_when_every_shard_is(run_tick, django_capture_on_commit_callbacks):

@@ -172,6 +172,12 @@ class RouterServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(5)
+        if self._thread.is_alive():
+            # Graceful shutdown waits on open connections; a router left running keeps flushing
+            # into the shared test Redis and would mislead later tests.
+            self.server.force_exit = True
+            self._thread.join(5)
+        assert not self._thread.is_alive(), "router thread did not stop"
 
 
 def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01):

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import aiohttp
 import httpx
@@ -329,6 +330,19 @@ def test_past_the_activation_bound_the_answer_is_503_with_retry_after(start_rout
     assert error["type"] == "server_error"
     assert response.headers["retry-after"] == "7"
     assert hub.drain_activations() == {MODEL}
+
+
+def test_a_model_the_control_plane_cannot_place_is_503_at_once_with_the_reason(start_router, hub, auth):
+    reason = "needs 2 whole H100-80GB nodes on one fabric; free: 1 on ib-a, 1 on ib-b"
+    hub.publish_endpoints(make_table(models={MODEL: {"aliases": [ALIAS], "unplaceable": reason}}))
+    router = start_router(activation_timeout=30, retry_after=7)
+    started = time.monotonic()
+    response = chat(router, auth)
+    assert time.monotonic() - started < 5  # not held until the activation deadline
+    error = assert_openai_error(response, 503, "model_unplaceable", MODEL)
+    assert reason in error["message"]
+    assert response.headers["retry-after"] == "7"
+    assert hub.drain_activations() == {MODEL}  # still asked: capacity may free up
 
 
 def test_engine_silent_past_the_read_deadline_is_504_in_openai_shape(start_router, hub, auth, start_engine):
