@@ -157,6 +157,7 @@ class RouterState:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                _raise_if_cancelling()
                 log.warning("endpoint watch failed, the poller covers the gap: %s", exc)
             await asyncio.sleep(self.poll_seconds)
 
@@ -168,6 +169,7 @@ class RouterState:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                _raise_if_cancelling()
                 if not self._poll_failing:
                     log.warning("could not re-read the endpoint table: %s", exc)
                     self._poll_failing = True
@@ -181,6 +183,7 @@ class RouterState:
         while True:
             await asyncio.sleep(self.flush_seconds)
             await self.flush_usage()
+            _raise_if_cancelling()
 
     async def flush_usage(self) -> bool:
         """Hand the stamps gathered since the last flush to the hub; keep them if it refuses.
@@ -513,6 +516,17 @@ class RouterApp:
                 # Closing (not pooling) the connection is what makes the engine stop generating.
                 response.close()
             self.state.balancer.release(endpoint)
+
+
+def _raise_if_cancelling() -> None:
+    """Honour a cancellation that a store client turned into an error of its own.
+
+    redis-py can answer a cancelled read with a connection error; a background
+    loop that logs it and carries on would never end, and shutdown would hang.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class _Outcome:

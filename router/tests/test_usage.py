@@ -1,5 +1,6 @@
 """Last-use stamps (DESIGN invariant 4): flushed once per interval, never per request, never failing a request."""
 
+import asyncio
 import time
 
 import httpx
@@ -7,7 +8,7 @@ import pytest
 import redis
 
 from conftest import free_port
-from reconciler.backends import USAGE_KEY, RedisHub, get_hub
+from reconciler.backends import USAGE_KEY, InProcessHub, RedisHub, get_hub
 
 from .conftest import MODEL, make_table, wait_until
 from .test_proxy import CountingHub, chat, run_concurrently
@@ -111,3 +112,27 @@ def test_router_follows_tables_published_through_redis(redis_settings, start_rou
     hub.publish_endpoints(make_table([engine.url]))
     wait_until(lambda: router.state.balancer.endpoints(MODEL), timeout=2)
     assert chat(router, auth).json()["choices"][0]["message"]["content"] == "hello from pushed"
+
+
+class CancellationToErrorHub(InProcessHub):
+    """A store client that answers a cancelled call with an error of its own, as redis-py can."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    async def keep_watching(self, ttl):
+        self.calls += 1
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise ConnectionError("connection closed while reading") from None
+
+
+def test_router_stops_even_when_the_store_turns_cancellation_into_an_error(start_router):
+    store = CancellationToErrorHub()
+    router = start_router(store, flush_seconds=0.05)
+    assert wait_until(lambda: store.calls > 0)
+    started = time.monotonic()
+    router.stop()  # fails the test if the router thread is still running after the grace
+    assert time.monotonic() - started < 5
