@@ -762,14 +762,26 @@ def reconcile_reported_shards(node: Node, reported: list[dict]) -> None:
                 state=ReplicaState.STOPPING,
                 pk__in={s.replica_id for s in missing},
             ).delete()
-        lost = {s.replica_id for s in missing if s.replica.state != ReplicaState.STOPPING}
+        # A start the agent never answered may simply not have reached it (it was between
+        # connections): send it again at the next tick rather than failing the replica.
+        unanswered = [s.pk for s in missing if s.state == ShardState.ASSIGNED and s.replica.state != ReplicaState.STOPPING]
+        if unanswered:
+            resend_due = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
+            Shard.objects.filter(pk__in=unanswered).update(updated_at=resend_due)
+            wake = True
+        lost = {
+            s.replica_id
+            for s in missing
+            if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
+        }
         if lost:
             _fail_replicas(
                 lost,
-                f"agent on {node.name} no longer runs shard(s) {', '.join(str(s.pk) for s in missing)}",
+                f"agent on {node.name} no longer runs shard(s) "
+                f"{', '.join(str(s.pk) for s in missing if s.replica_id in lost)}",
                 now,
                 outbox,
-                silent_shard_ids={s.pk for s in missing},
+                silent_shard_ids={s.pk for s in missing if s.replica_id in lost},
             )
             wake = True
         if wake:

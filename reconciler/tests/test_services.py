@@ -699,6 +699,7 @@ def test_agent_hello_keeps_known_shards_stops_orphans_and_fails_missing_ones(
     run_tick()
     kept = Shard.objects.get(replica__model__name="kept")
     gone = Shard.objects.get(replica__model__name="gone")
+    Shard.objects.filter(pk=gone.pk).update(state=ShardState.STARTING)  # the agent had begun starting it
     inbox = agent_inbox("gpu-a")
 
     with django_capture_on_commit_callbacks(execute=True):
@@ -714,6 +715,26 @@ def test_agent_hello_keeps_known_shards_stops_orphans_and_fails_missing_ones(
     failed = Replica.objects.get(model__name="gone")
     assert failed.state == ReplicaState.FAILED and not Shard.objects.filter(pk=gone.pk).exists()
     assert inbox() == [{"type": "stop_shard", "v": 1, "epoch": 1, "shard_id": 424242}]
+
+
+def test_a_start_the_agent_never_answered_is_sent_again_after_its_hello_not_failed(
+    run_tick, agent_inbox, django_capture_on_commit_callbacks
+):
+    """The start may have been sent while the agent was between connections."""
+    node = make_node("gpu-a")
+    make_model("llama")
+    run_tick()
+    shard = Shard.objects.get()
+    assert shard.state == ShardState.ASSIGNED
+    inbox = agent_inbox("gpu-a")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile_reported_shards(node, [])
+    run_tick()
+
+    replica = Replica.objects.get()
+    assert replica.state == ReplicaState.STARTING and replica.failure_count == 0
+    assert [(c["type"], c["shard_id"]) for c in inbox()] == [("start_shard", shard.pk)]
 
 
 # --- bounded work -----------------------------------------------------------------
