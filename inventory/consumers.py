@@ -79,6 +79,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await database_sync_to_async(reconciler_services.reconcile_reported_shards)(node, message["shards"])
         elif kind == protocol.HEARTBEAT:
             await database_sync_to_async(services.record_heartbeat)(self.node_id, message)
+            await database_sync_to_async(reconciler_services.stop_orphan_shards)(
+                self.node_id, self.node_name, message["shards"]
+            )
         elif kind == protocol.SHARD_STATUS:
             await database_sync_to_async(self._shard_status)(message)
 

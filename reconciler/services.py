@@ -789,6 +789,29 @@ def reconcile_reported_shards(node: Node, reported: list[dict]) -> None:
         outbox.send_on_commit()
 
 
+def stop_orphan_shards(node_id: int, node_name: str, reported: list[dict]) -> int:
+    """Stop engines an agent reports (in a heartbeat) whose shard rows no longer exist.
+
+    Shard ids reach agents only after their rows commit, so an id the rows do
+    not know was deleted (its replica failed or was removed with its profile or
+    model): the engine is an orphan holding GPUs. One query. Returns how many
+    stops were sent.
+    """
+    reported_ids = {item["shard_id"] for item in reported}
+    if not reported_ids:
+        return 0
+    known = set(Shard.objects.filter(node_id=node_id, pk__in=reported_ids).values_list("pk", flat=True))
+    orphans = sorted(reported_ids - known)
+    if orphans:
+        log.warning("node %s runs shard(s) %s that no replica owns; stopping them", node_name, orphans)
+        outbox = _Outbox()
+        with transaction.atomic():
+            for shard_id in orphans:
+                outbox.stop(node_name, shard_id)
+            outbox.send_on_commit()
+    return len(orphans)
+
+
 def stop_replica(replica: Replica) -> None:
     """Stop a replica (admin action): one without shards is deleted at once, else it becomes STOPPING.
 

@@ -174,3 +174,16 @@ async def test_heartbeat_health_changes_quarantine_a_recovered_gpu(token):
     untouched = await database_sync_to_async(GPU.objects.get)(index=0)
     assert untouched.healthy_since is None
     await comm.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_whose_shard_row_is_gone_is_stopped_on_heartbeat(token):
+    """Orphans are closed: the replica was deleted (e.g. with its profile) while the agent ran it."""
+    comm, connected, _ = await connect("gpu-a", token)
+    await comm.send_json_to(hello(gpus=2))
+    await comm.send_json_to(
+        {"type": "heartbeat", "v": 1, "gpus": [], "shards": [{"shard_id": 77, "state": "ready"}]}
+    )
+    command = await comm.receive_json_from(timeout=5)
+    assert command["type"] == "stop_shard" and command["shard_id"] == 77
+    await comm.disconnect()
