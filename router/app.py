@@ -44,6 +44,10 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+KEEPALIVE_COMMENT = b": waiting for a replica of this model to start\n\n"
+
+
 class RouterError(Exception):
     """A request the router answers itself, with an HTTP status and an OpenAI-shaped error."""
 
@@ -62,7 +66,7 @@ class RouterState:
 
     def __init__(self, hub, *, activation_timeout: float, poll_seconds: float, flush_seconds: float,
                  connect_timeout: float, read_timeout: float, retry_after: int, max_body_bytes: int,
-                 key_cache: ApiKeyCache | None = None):
+                 key_cache: ApiKeyCache | None = None, keepalive_seconds: float = 10.0):
         if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
             raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
         if connect_timeout <= 0 or read_timeout <= 0:
@@ -75,6 +79,9 @@ class RouterState:
         self.watch_ttl = max(3 * flush_seconds, 3.0)
         self.retry_after = retry_after
         self.max_body_bytes = max_body_bytes
+        # While a streaming request waits for a cold start, an SSE comment this often keeps
+        # the client and any proxy in between from timing out the silent connection.
+        self.keepalive_seconds = keepalive_seconds
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending.
         self.upstream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
         self.balancer = Balancer()
@@ -367,13 +374,13 @@ class RouterApp:
             if body is None:
                 metrics.requests.labels(model, str(CLIENT_CLOSED)).inc()
                 return
-            model, body = self._parse(body)
+            model, body, streaming = self._parse(body)
         except RouterError as exc:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
 
         outcome = _Outcome()
-        forward = asyncio.ensure_future(self._forward(scope, send, path, model, body, outcome))
+        forward = asyncio.ensure_future(self._forward(scope, send, path, model, body, outcome, streaming))
         # The client may go away while we wait for a replica or stream: then stop the upstream request.
         gone = asyncio.ensure_future(_until_disconnect(receive))
         metrics.in_flight.inc()
@@ -417,8 +424,8 @@ class RouterApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _parse(self, body: bytes) -> tuple[str, bytes]:
-        """(public model name, body for the engine), or a RouterError naming the problem."""
+    def _parse(self, body: bytes) -> tuple[str, bytes, bool]:
+        """(public model name, body for the engine, whether it streams), or a RouterError naming the problem."""
         try:
             payload = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -437,21 +444,59 @@ class RouterApp:
             # Engines serve under the public name only.
             payload["model"] = public
             body = json.dumps(payload).encode()
-        return public, body
+        return public, body, payload.get("stream") is True
 
-    async def _forward(self, scope, send, path: str, model: str, body: bytes, outcome: _Outcome) -> None:
+    async def _forward(self, scope, send, path: str, model: str, body: bytes, outcome: _Outcome,
+                       streaming: bool = False) -> None:
         state = self.state
         if state.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
         endpoint = state.balancer.pick(model)
+        if endpoint is None and streaming and state.keepalive_seconds > 0:
+            # Answer at once and keep the stream alive while the model starts. From here on an
+            # error can only travel inside the stream, as an OpenAI error event.
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            outcome.status = 200
+            try:
+                endpoint = await self._wait_with_keepalives(send, model)
+                await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=True)
+            except RouterError as exc:
+                outcome.status = exc.status
+                await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n",
+                            "more_body": False})
+            return
         if endpoint is None:
             endpoint = await state.wait_for_endpoint(model)
             if endpoint is None:
-                raise RouterError(
-                    503, f"The model `{model}` is starting; no replica became ready within "
-                    f"{state.activation_timeout:g} s. Retry later.", "model_starting", type_="server_error",
-                    headers=[(b"retry-after", str(state.retry_after).encode())],
-                )
+                raise self._starting_error(model)
+        await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=False)
+
+    def _starting_error(self, model: str) -> RouterError:
+        state = self.state
+        return RouterError(
+            503, f"The model `{model}` is starting; no replica became ready within "
+            f"{state.activation_timeout:g} s. Retry later.", "model_starting", type_="server_error",
+            headers=[(b"retry-after", str(state.retry_after).encode())],
+        )
+
+    async def _wait_with_keepalives(self, send, model: str) -> Endpoint:
+        """Wait for a replica like wait_for_endpoint, sending an SSE comment every keepalive interval."""
+        waiter = asyncio.ensure_future(self.state.wait_for_endpoint(model))
+        try:
+            while not (await asyncio.wait({waiter}, timeout=self.state.keepalive_seconds))[0]:
+                await send({"type": "http.response.body", "body": KEEPALIVE_COMMENT, "more_body": True})
+            endpoint = waiter.result()
+        finally:
+            waiter.cancel()
+        if endpoint is None:
+            raise self._starting_error(model)
+        return endpoint
+
+    async def _send_upstream(self, scope, send, path: str, model: str, body: bytes, outcome: _Outcome,
+                             endpoint: Endpoint, *, headers_sent: bool) -> None:
+        """Send the request to `endpoint` (retrying once on another replica before any upstream byte
+        is relayed) and relay the answer."""
+        state = self.state
         headers = _upstream_headers(scope)
         tried: list[str] = []
         while True:
@@ -487,17 +532,26 @@ class RouterApp:
                     state.metrics.retries.labels(model).inc()
                     endpoint = nxt
                     continue
-            await self._relay(send, endpoint, response, outcome)
+            if headers_sent and response.status != 200:
+                # The client already has a 200 and a stream: carry the engine's error inside it.
+                detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
+                response.close()
+                state.balancer.release(endpoint)
+                raise RouterError(response.status, f"Replica {endpoint.replica_id} of `{model}` answered "
+                                  f"{response.status}: {detail}", "upstream_error", type_="server_error")
+            await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent)
             return
 
-    async def _relay(self, send, endpoint: Endpoint, response: aiohttp.ClientResponse, outcome: _Outcome) -> None:
+    async def _relay(self, send, endpoint: Endpoint, response: aiohttp.ClientResponse, outcome: _Outcome,
+                     *, headers_sent: bool = False) -> None:
         """Stream the engine's response to the client chunk by chunk; never retried once started."""
         clean = False
         try:
-            headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
-                       if k.lower() in PASSED_RESPONSE_HEADERS]
-            headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            if not headers_sent:
+                headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
+                           if k.lower() in PASSED_RESPONSE_HEADERS]
+                headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
+                await send({"type": "http.response.start", "status": response.status, "headers": headers})
             outcome.status = response.status
             try:
                 async for chunk in response.content.iter_any():
@@ -579,7 +633,7 @@ async def _send_json(send, status: int, payload: dict) -> None:
 def create_app(hub=None, *, activation_timeout: float | None = None, poll_seconds: float | None = None,
                flush_seconds: float | None = None, connect_timeout: float = 5.0, read_timeout: float = 600.0,
                retry_after: int = 10, max_body_bytes: int = 64 * 1024 * 1024,
-               key_cache: ApiKeyCache | None = None) -> RouterApp:
+               key_cache: ApiKeyCache | None = None, keepalive_seconds: float = 10.0) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
     `hub` defaults to reconciler.backends.get_hub(). Timeouts default to the
@@ -604,5 +658,6 @@ def create_app(hub=None, *, activation_timeout: float | None = None, poll_second
         retry_after=retry_after,
         max_body_bytes=max_body_bytes,
         key_cache=key_cache,
+        keepalive_seconds=keepalive_seconds,
     )
     return RouterApp(state)

@@ -1,6 +1,7 @@
 """The router over real HTTP: auth, errors in OpenAI's shape, proxying, streaming, balancing, retries."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -343,6 +344,69 @@ def test_a_model_the_control_plane_cannot_place_is_503_at_once_with_the_reason(s
     assert reason in error["message"]
     assert response.headers["retry-after"] == "7"
     assert hub.drain_activations() == {MODEL}  # still asked: capacity may free up
+
+
+def stream_lines(router, headers, model=MODEL, timeout=10):
+    """The raw lines of a streaming chat request, as (status, lines)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", headers=headers, json=body, timeout=timeout) as r:
+        return r.status_code, [line for line in r.iter_lines() if line]
+
+
+def test_a_streaming_request_waiting_for_a_cold_start_gets_keepalives_then_the_answer(
+    start_router, hub, auth, start_engine
+):
+    hub.publish_endpoints(make_table())
+    router = start_router(activation_timeout=5, keepalive_seconds=0.1)
+    engine = start_engine("cold")
+
+    def publish_later():
+        wait_until(lambda: hub.drain_activations() == {MODEL})
+        time.sleep(0.5)  # long enough for a few keep-alives
+        hub.publish_endpoints(make_table([engine.url]))
+
+    publisher = threading.Thread(target=publish_later)
+    publisher.start()
+    status, lines = stream_lines(router, auth)
+    publisher.join()
+    assert status == 200
+    comments = [line for line in lines if line.startswith(":")]
+    data = [line for line in lines if line.startswith("data:")]
+    assert len(comments) >= 2 and lines.index(comments[-1]) < lines.index(data[0])
+    assert data[-1] == "data: [DONE]" and len(engine.requests) == 1
+
+
+def test_the_openai_client_streams_through_a_cold_start(start_router, hub, api_key, start_engine):
+    hub.publish_endpoints(make_table())
+    router = start_router(activation_timeout=5, keepalive_seconds=0.1)
+    engine = start_engine("cold")
+    threading.Timer(0.4, lambda: hub.publish_endpoints(make_table([engine.url]))).start()
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=api_key, max_retries=0, timeout=10)
+    chunks = list(client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_a_streaming_request_past_the_activation_bound_ends_with_an_error_event(start_router, hub, auth):
+    hub.publish_endpoints(make_table())
+    router = start_router(activation_timeout=0.4, keepalive_seconds=0.1)
+    status, lines = stream_lines(router, auth)
+    assert status == 200  # committed when the wait began; the error travels in the stream
+    assert lines[0].startswith(":")
+    error = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "model_starting" and MODEL in error["message"]
+
+
+def test_an_engine_error_after_a_cold_start_travels_in_the_stream(start_router, hub, auth, start_engine):
+    hub.publish_endpoints(make_table())
+    router = start_router(activation_timeout=5, keepalive_seconds=0.1)
+    broken = start_engine("broken", status=500)
+    threading.Timer(0.3, lambda: hub.publish_endpoints(make_table([broken.url]))).start()
+    status, lines = stream_lines(router, auth)
+    assert status == 200
+    error = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "upstream_error" and "500" in error["message"]
+    assert router.state.balancer.in_flight() == 0
 
 
 def test_engine_silent_past_the_read_deadline_is_504_in_openai_shape(start_router, hub, auth, start_engine):
