@@ -100,6 +100,7 @@ class ProfileAdmin(admin.ModelAdmin):
         "max_replicas",
         "priority",
         "pool",
+        "start_seconds",
     ]
     list_filter = ["engine", "gpu_class", "pool"]
     search_fields = ["model__name", "gpu_class"]

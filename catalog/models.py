@@ -81,6 +81,10 @@ class Profile(models.Model):
         null=True, blank=True, help_text="Stop replicas above min after this long unused; empty = never."
     )
     engine_args = models.JSONField(default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].')
+    start_seconds = models.FloatField(
+        null=True, blank=True, editable=False,
+        help_text="Learned: how long a replica takes from placement to ready (a moving average).",
+    )
 
     class Meta:
         ordering = ["model", "order", "id"]

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, When
 from django.utils import timezone
 
 from agent.protocol import SHARD_REPORT_STATES, START_SHARD, STOP_SHARD, command
@@ -583,11 +583,11 @@ def _stop_shards(now: datetime, report: TickReport, outbox: _Outbox) -> None:
 
 def build_endpoint_table() -> dict:
     """The endpoint list routers serve from: enabled models with a profile (and why a model cannot be
-    placed, when it cannot), and READY replicas. Four queries."""
+    placed, when it cannot, and how long it takes to start), and READY replicas. Five queries."""
     models = (
         CatalogModel.objects.filter(enabled=True)
         .filter(Exists(Profile.objects.filter(model=OuterRef("pk"))))
-        .prefetch_related("aliases")
+        .prefetch_related("aliases", "profiles")
         .order_by("name")
     )
     endpoints = (
@@ -609,6 +609,10 @@ def build_endpoint_table() -> dict:
         described = {"aliases": sorted(a.name for a in model.aliases.all())}
         if model.name in unplaceable:
             described["unplaceable"] = unplaceable[model.name]
+        # The first profile is the one an activation starts, so its learned start time is the ETA.
+        first = min(model.profiles.all(), key=lambda p: (p.order, p.pk), default=None)
+        if first is not None and first.start_seconds is not None:
+            described["start_seconds"] = round(first.start_seconds, 1)
         return described
 
     return {
@@ -689,7 +693,24 @@ def _apply_shard_status(
     replica.ready_at = now
     replica.endpoint_url = f"http://{head.node.address or head.node.name}:{head.port}"
     replica.save(update_fields=["state", "ready_at", "endpoint_url"])
+    if replica.started_at is not None:
+        _learn_start_time(replica.profile_id, (now - replica.started_at).total_seconds())
     return True
+
+
+def _learn_start_time(profile_id: int, seconds: float) -> None:
+    """Fold one start's duration into the profile's estimate (half old, half new), in one UPDATE.
+
+    Routers turn the estimate into Retry-After for clients a cold start turned away.
+    """
+    seconds = max(0.0, seconds)
+    Profile.objects.filter(pk=profile_id).update(
+        start_seconds=Case(
+            When(start_seconds__isnull=True, then=Value(seconds)),
+            default=(F("start_seconds") + Value(seconds)) / Value(2.0),
+            output_field=FloatField(),
+        )
+    )
 
 
 def record_shard_status(node: Node, shard_id: int, state: str, message: str = "", port: int | None = None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 import aiohttp
@@ -473,10 +474,15 @@ class RouterApp:
 
     def _starting_error(self, model: str) -> RouterError:
         state = self.state
+        retry_after = state.retry_after
+        learned = state.balancer.start_seconds(model)
+        if learned is not None:
+            # The ETA: what a start usually takes, less what this request already waited.
+            retry_after = max(1, math.ceil(learned - state.activation_timeout))
         return RouterError(
             503, f"The model `{model}` is starting; no replica became ready within "
             f"{state.activation_timeout:g} s. Retry later.", "model_starting", type_="server_error",
-            headers=[(b"retry-after", str(state.retry_after).encode())],
+            headers=[(b"retry-after", str(retry_after).encode())],
         )
 
     async def _wait_with_keepalives(self, send, model: str) -> Endpoint:

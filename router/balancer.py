@@ -66,6 +66,7 @@ class Balancer:
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
         self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
+        self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
         self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas
         self._by_replica: dict[str, Endpoint] = {}
         self._turn: dict[str, int] = {}  # round-robin position per model, for ties
@@ -90,6 +91,7 @@ class Balancer:
         names: dict[str, str] = {}
         catalog: dict[str, list[str]] = {}
         unplaceable: dict[str, str] = {}
+        start_seconds: dict[str, float] = {}
         for public, entry in models.items():
             aliases = entry.get("aliases", []) if isinstance(entry, dict) else []
             aliases = [a for a in aliases if isinstance(a, str)]
@@ -97,6 +99,9 @@ class Balancer:
             reason = entry.get("unplaceable") if isinstance(entry, dict) else None
             if isinstance(reason, str) and reason:
                 unplaceable[public] = reason
+            start = entry.get("start_seconds") if isinstance(entry, dict) else None
+            if isinstance(start, int | float) and not isinstance(start, bool) and start >= 0:
+                start_seconds[public] = float(start)
             names[public] = public
             for alias in aliases:
                 names.setdefault(alias, public)  # a public name always wins over a clashing alias
@@ -120,6 +125,7 @@ class Balancer:
                 by_replica[fresh.replica_id] = fresh
                 endpoints.setdefault(fresh.model, []).append(fresh)
             self._names, self._catalog, self._unplaceable = names, catalog, unplaceable
+            self._start_seconds = start_seconds
             self._endpoints, self._by_replica = endpoints, by_replica
             self.fingerprint = fingerprint
         return True
@@ -131,6 +137,10 @@ class Balancer:
     def unplaceable(self, model: str) -> str | None:
         """Why the control plane could not place `model` at its last attempt, or None."""
         return self._unplaceable.get(model)
+
+    def start_seconds(self, model: str) -> float | None:
+        """How long `model` has taken to start (learned by the control plane), or None if unknown."""
+        return self._start_seconds.get(model)
 
     def catalog(self) -> dict[str, list[str]]:
         """Public model name -> aliases, as last published."""

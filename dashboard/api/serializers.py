@@ -26,6 +26,7 @@ class ProfileSerializer(serializers.ModelSerializer):
             "weight",
             "idle_timeout_seconds",
             "engine_args",
+            "start_seconds",
         ]
 
 

@@ -254,6 +254,7 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
 
     report(node, shard, "starting", capture=django_capture_on_commit_callbacks)
     assert Shard.objects.get().state == ShardState.STARTING
+    Replica.objects.filter(pk=replica.pk).update(started_at=timezone.now() - timedelta(seconds=42))
     report(node, shard, "ready", port=20000, capture=django_capture_on_commit_callbacks)
 
     replica.refresh_from_db()
@@ -263,7 +264,7 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
     assert hub.wake.is_set()
     assert run_tick().published is True
     table = async_to_sync(hub.read_endpoints)()
-    assert table["models"] == {"llama": {"aliases": ["llama-latest"]}}
+    assert table["models"] == {"llama": {"aliases": ["llama-latest"], "start_seconds": 42.0}}
     assert table["endpoints"] == [
         {
             "replica_id": str(replica.pk),
@@ -286,11 +287,11 @@ def test_an_unchanged_endpoint_table_is_published_once(run_tick):
     assert async_to_sync(get_hub().read_endpoints)() is first
 
 
-def test_endpoint_table_lists_enabled_models_with_profiles_in_four_queries(django_assert_max_num_queries):
+def test_endpoint_table_lists_enabled_models_with_profiles_in_five_queries(django_assert_max_num_queries):
     make_model("llama", min_replicas=0)
     make_model("off", min_replicas=0, enabled=False)
     Model.objects.create(name="bare", source="org/bare")
-    with django_assert_max_num_queries(4):
+    with django_assert_max_num_queries(5):
         table = build_endpoint_table()
     assert table == {"models": {"llama": {"aliases": []}}, "endpoints": []}
 
@@ -304,6 +305,18 @@ def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
         "aliases": [],
         "unplaceable": "no node has GPU class H100-80GB",
     }
+
+
+def test_start_times_are_learned_per_profile_as_a_moving_average(run_tick, django_capture_on_commit_callbacks):
+    node = make_node("gpu-a")
+    model = make_model("llama", min_replicas=2, max_replicas=2)
+    run_tick()
+    first, second = Replica.objects.order_by("id")
+    for replica, took in ((first, 30), (second, 10)):
+        Replica.objects.filter(pk=replica.pk).update(started_at=timezone.now() - timedelta(seconds=took))
+        report(node, replica.shards.get(), "ready", capture=django_capture_on_commit_callbacks)
+
+    assert model.profiles.get().start_seconds == pytest.approx(20.0, abs=0.5)  # (30 + 10) / 2
 
 
 def test_multi_node_replica_is_ready_only_when_every_shard_is(run_tick, django_capture_on_commit_callbacks):

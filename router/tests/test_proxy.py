@@ -333,6 +333,14 @@ def test_past_the_activation_bound_the_answer_is_503_with_retry_after(start_rout
     assert hub.drain_activations() == {MODEL}
 
 
+def test_retry_after_carries_the_learned_start_time_less_the_wait(start_router, hub, auth):
+    hub.publish_endpoints(make_table(models={MODEL: {"aliases": [], "start_seconds": 300.0}}))
+    router = start_router(activation_timeout=0.3, retry_after=7)
+    response = chat(router, auth)
+    assert_openai_error(response, 503, "model_starting", MODEL)
+    assert response.headers["retry-after"] == "300"  # ceil(300 - 0.3)
+
+
 def test_a_model_the_control_plane_cannot_place_is_503_at_once_with_the_reason(start_router, hub, auth):
     reason = "needs 2 whole H100-80GB nodes on one fabric; free: 1 on ib-a, 1 on ib-b"
     hub.publish_endpoints(make_table(models={MODEL: {"aliases": [ALIAS], "unplaceable": reason}}))
