@@ -19,15 +19,15 @@ unavailable` holds for every GPU class.
 """
 
 from collections import Counter, defaultdict
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.conf import settings
 from django.db.models import Count, Exists, OuterRef
 from django.utils import timezone
 
 from catalog.models import Model
-from inventory.choices import GPUHealth, NodeState
-from inventory.models import GPU, Node
+from inventory.choices import NodeState
+from inventory.models import GPU, Node, gpu_in_service
 from reconciler.choices import ReplicaState
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
 
@@ -42,14 +42,11 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def gpu_state(gpu: dict, now: datetime, quarantine: timedelta) -> str:
+def gpu_state(gpu: dict, now: datetime) -> str:
     """The display state of one GPU row (values from `_gpu_rows`); see the module docstring."""
     if gpu["node__state"] != NodeState.READY or not gpu["node__schedulable"]:
         return "unavailable"
-    if gpu["health"] != GPUHealth.HEALTHY:
-        return "unhealthy"
-    # A null healthy_since means it has been healthy since the agent first reported it.
-    if gpu["healthy_since"] is not None and now - gpu["healthy_since"] < quarantine:
+    if not gpu_in_service(gpu["health"], gpu["healthy_since"], now):
         return "unhealthy"
     if gpu["assigned"]:
         return "used"
@@ -84,12 +81,11 @@ def _leader(now: datetime) -> dict | None:
 
 
 def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:
-    quarantine = timedelta(seconds=settings.LLMGW_GPU_QUARANTINE_SECONDS)
     capacity: dict[str, Counter] = defaultdict(Counter)
     # (node_id, gpu_class) -> [node name, fabric, all GPUs of the class free so far]
     per_node_class: dict[tuple[int, str], list] = {}
     for gpu in _gpu_rows():
-        state = gpu_state(gpu, now, quarantine)
+        state = gpu_state(gpu, now)
         capacity[gpu["gpu_class"]][state] += 1
         if gpu["node__state"] == NodeState.READY and gpu["node__schedulable"]:
             key = (gpu["node_id"], gpu["gpu_class"])

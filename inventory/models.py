@@ -2,7 +2,9 @@
 
 import hashlib
 import secrets
+from datetime import timedelta
 
+from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
 
@@ -61,6 +63,19 @@ class GPU(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}/gpu{self.index} ({self.gpu_class})"
+
+
+def gpu_in_service(health: str, healthy_since, now) -> bool:
+    """Whether a GPU may hold work: healthy, and past its quarantine if it recovered (DESIGN invariant 5).
+
+    The placer and the cluster summary both ask this, so status cannot call a GPU
+    free that the placer would refuse. A null healthy_since means healthy since
+    the agent first reported it.
+    """
+    if health != GPUHealth.HEALTHY:
+        return False
+    quarantine = timedelta(seconds=settings.LLMGW_GPU_QUARANTINE_SECONDS)
+    return healthy_since is None or healthy_since <= now - quarantine
 
 
 def hash_token(token: str) -> str:

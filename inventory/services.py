@@ -1,8 +1,10 @@
 """Inventory changes: enrolling nodes and recording what their agents report."""
 
 from django.db import transaction
+from django.utils import timezone
 
-from .models import Node, NodeCredential, hash_token
+from .choices import GPUHealth, NodeState
+from .models import GPU, Node, NodeCredential, hash_token
 
 
 class EnrolmentError(ValueError):
@@ -33,8 +35,6 @@ def _apply_gpu_health(gpu, healthy: bool, now) -> bool:
     A GPU that turns healthy again starts a quarantine (healthy_since = now) so
     a flapping card is not handed straight back to the placer (DESIGN invariant 5).
     """
-    from .choices import GPUHealth
-
     health = GPUHealth.HEALTHY if healthy else GPUHealth.UNHEALTHY
     if gpu.health == health:
         return False
@@ -51,11 +51,6 @@ def register_node(node_id: int, hello: dict) -> Node:
     unhealthy rather than deleted, so a shard holding it keeps its assignment
     until the reconciler deals with the shard.
     """
-    from django.utils import timezone
-
-    from .choices import GPUHealth, NodeState
-    from .models import GPU
-
     now = timezone.now()
     node = Node.objects.select_for_update().get(pk=node_id)
     node.address = hello["address"]
@@ -100,11 +95,6 @@ def register_node(node_id: int, hello: dict) -> Node:
 @transaction.atomic
 def record_heartbeat(node_id: int, heartbeat: dict) -> None:
     """Record a validated `heartbeat`: the node is alive, and its GPUs' health."""
-    from django.utils import timezone
-
-    from .choices import NodeState
-    from .models import GPU
-
     now = timezone.now()
     Node.objects.filter(pk=node_id).update(last_seen=now, state=NodeState.READY)
     reported = {g["index"]: g["healthy"] for g in heartbeat["gpus"]}

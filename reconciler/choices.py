@@ -18,7 +18,3 @@ class ShardState(models.TextChoices):
     STOPPING = "stopping", "stopping"
     STOPPED = "stopped", "stopped"
     FAILED = "failed", "failed"
-
-
-# Replicas in these states hold GPUs.
-PLACED_STATES = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STOPPING)

@@ -3,14 +3,10 @@
 from django.db import models
 from django.utils import timezone
 
-from .choices import PLACED_STATES, ReplicaState, ShardState
+from .choices import ReplicaState, ShardState
 
 
 class ReplicaQuerySet(models.QuerySet):
-    def placed(self):
-        """Replicas holding GPUs (starting, ready or stopping)."""
-        return self.filter(state__in=PLACED_STATES)
-
     def ready(self):
         return self.filter(state=ReplicaState.READY)
 

@@ -22,8 +22,8 @@ from django.utils import timezone
 from agent.protocol import SHARD_REPORT_STATES, START_SHARD, STOP_SHARD, command
 from catalog.models import Alias, Profile
 from catalog.models import Model as CatalogModel
-from inventory.choices import GPUHealth, NodeState
-from inventory.models import GPU, Node
+from inventory.choices import NodeState
+from inventory.models import GPU, Node, gpu_in_service
 
 from .backends import get_hub
 from .choices import ReplicaState, ShardState
@@ -292,7 +292,7 @@ def _mark_unused_since_ready(watching_since: float | None) -> int:
     if watching_since is None:
         return 0
     since = datetime.fromtimestamp(watching_since, tz=UTC)
-    return Replica.objects.filter(state=ReplicaState.READY, last_used__isnull=True, ready_at__gte=since).update(
+    return Replica.objects.ready().filter(last_used__isnull=True, ready_at__gte=since).update(
         last_used=F("ready_at")
     )
 
@@ -440,9 +440,8 @@ def _free_capacity(now: datetime) -> tuple[dict[tuple[int, str], dict], dict[str
     A GPU is free when healthy, out of quarantine and unassigned (DESIGN invariant 5).
     Two queries whatever the fleet size.
     """
-    quarantine_start = now - timedelta(seconds=settings.LLMGW_GPU_QUARANTINE_SECONDS)
     rows = (
-        GPU.objects.filter(node__state=NodeState.READY, node__schedulable=True)
+        GPU.objects.filter(node__in=Node.objects.schedulable())
         .annotate(held=Exists(GPUAssignment.objects.filter(gpu=OuterRef("pk"))))
         .values_list(
             "id",
@@ -465,8 +464,7 @@ def _free_capacity(now: datetime) -> tuple[dict[tuple[int, str], dict], dict[str
             {"node_id": node_id, "name": name, "fabric": fabric, "address": address or name, "total": 0, "free": {}},
         )
         entry["total"] += 1
-        in_service = health == GPUHealth.HEALTHY and (healthy_since is None or healthy_since <= quarantine_start)
-        if in_service and not held:
+        if gpu_in_service(health, healthy_since, now) and not held:
             entry["free"][index] = gpu_id
     ports: dict[str, set[int]] = defaultdict(set)
     for address, name, port in Shard.objects.values_list("node__address", "node__name", "port"):
@@ -591,7 +589,7 @@ def build_endpoint_table() -> dict:
         .order_by("name")
     )
     endpoints = (
-        Replica.objects.filter(state=ReplicaState.READY, model__enabled=True)
+        Replica.objects.ready().filter(model__enabled=True)
         .select_related("model", "profile")
         .order_by("id")
     )

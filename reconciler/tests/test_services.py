@@ -188,6 +188,28 @@ def test_unhealthy_and_quarantined_gpus_are_not_free(run_tick, settings):
     assert sorted(GPUAssignment.objects.values_list("gpu__index", flat=True)) == [2, 3]
 
 
+def test_status_counts_free_exactly_the_gpus_the_placer_will_use(run_tick, settings):
+    """DESIGN invariants 5 and 6: the summary's "free" and the placer share one rule."""
+    from dashboard.summary import cluster_summary
+
+    settings.LLMGW_GPU_QUARANTINE_SECONDS = 300
+    now = timezone.now()
+    node = make_node("gpu-a", gpus=6)
+    GPU.objects.filter(node=node, index=0).update(health=GPUHealth.UNHEALTHY)
+    GPU.objects.filter(node=node, index=1).update(healthy_since=now - timedelta(seconds=60))  # in quarantine
+    GPU.objects.filter(node=node, index=2).update(healthy_since=now - timedelta(seconds=600))  # served it
+    cordoned = make_node("gpu-b", gpus=2)
+    Node.objects.filter(pk=cordoned.pk).update(schedulable=False)
+    free = next(c for c in cluster_summary()["capacity"] if c["gpu_class"] == H100)["free"]
+    assert free == 4
+    make_model("llama", min_replicas=free + 2, max_replicas=free + 2)
+
+    report = run_tick()
+
+    assert report.replicas_placed == free and report.replicas_unplaceable == 2
+    assert next(c for c in cluster_summary()["capacity"] if c["gpu_class"] == H100)["free"] == 0
+
+
 def test_cordoned_and_unready_nodes_get_no_shards(run_tick):
     make_node("gpu-a").__class__.objects.filter(name="gpu-a").update(schedulable=False)
     Node.objects.filter(pk=make_node("gpu-b").pk).update(state=NodeState.NEW)
