@@ -2,6 +2,7 @@
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -13,6 +14,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01, describe=None):
+    """Return predicate()'s first truthy value, or fail after `timeout` seconds.
+
+    `describe`, if given, is called on failure for context (a log, a status).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            context = f":\n{describe()}" if describe else ""
+            raise AssertionError(f"condition not met within {timeout} s{context}")
+        time.sleep(interval)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import free_port
+from conftest import free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -86,16 +86,6 @@ def ctl_status(env) -> dict:
     return json.loads(out.stdout)
 
 
-def wait_for(predicate, timeout=20.0, interval=0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
-
-
 def test_demo_serves_a_cold_model_and_reports_its_last_use(demo):
     banner = demo["log"].read_text()
     assert API_KEY in banner and "e2e-admin-password" in banner
@@ -125,8 +115,7 @@ def test_demo_serves_a_cold_model_and_reports_its_last_use(demo):
         replicas = [r for r in status["replica_list"] if r["model"] == "llama-3.1-8b-instruct"]
         return replicas if replicas and replicas[0]["idle_known"] else None
 
-    replicas = wait_for(used_replica)
-    assert replicas, ctl_status(demo["env"])
+    replicas = wait_until(used_replica, 20, 0.3, describe=lambda: ctl_status(demo["env"]))
     assert replicas[0]["state"] == "ready" and replicas[0]["idle_seconds"] >= 0
 
     # The control plane serves admin (with its static files) and metrics on its own port.
@@ -150,12 +139,12 @@ def test_demo_serves_a_cold_model_and_reports_its_last_use(demo):
     assert engines, "the demo should be running engine processes"
     demo["proc"].send_signal(signal.SIGINT)
     assert demo["proc"].wait(30) == 0, demo["log"].read_text()
-    assert wait_for(lambda: not engine_pids(demo["var"]), timeout=10)
+    wait_until(lambda: not engine_pids(demo["var"]), 10, 0.3)
 
 
 def test_killing_up_leaves_no_engine_running(demo):
     # bge-m3 has min_replicas=1, so an engine starts without any request.
-    assert wait_for(lambda: engine_pids(demo["var"]), timeout=30), demo["log"].read_text()
+    wait_until(lambda: engine_pids(demo["var"]), 30, 0.3, describe=demo["log"].read_text)
     demo["proc"].kill()
     demo["proc"].wait(10)
-    assert wait_for(lambda: not engine_pids(demo["var"]), timeout=10)
+    wait_until(lambda: not engine_pids(demo["var"]), 10, 0.3)

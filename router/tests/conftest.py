@@ -180,18 +180,6 @@ class RouterServer:
         assert not self._thread.is_alive(), "router thread did not stop"
 
 
-def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01):
-    """Return predicate()'s first truthy value, or fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
-
-
 @pytest.fixture
 def start_engine():
     started: list[FakeEngine] = []

@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from router.models import ApiKey
 
-from .conftest import ALIAS, MODEL, make_table, wait_until
+from .conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

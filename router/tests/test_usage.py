@@ -7,10 +7,10 @@ import httpx
 import pytest
 import redis
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from reconciler.backends import USAGE_KEY, InProcessHub, RedisHub, get_hub
 
-from .conftest import MODEL, make_table, wait_until
+from .conftest import MODEL, make_table
 from .test_proxy import CountingHub, chat, run_concurrently
 
 pytestmark = pytest.mark.django_db(transaction=True)
