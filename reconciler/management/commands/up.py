@@ -18,7 +18,10 @@ def _port(value: str) -> int:
 
 
 class Command(BaseCommand):
-    help = "Run the control plane, the router and the reconcile ticker in one process (SQLite by default)."
+    help = (
+        "Run the control plane, the router and the reconcile ticker in one process (SQLite by default). "
+        "Applies pending migrations first."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--demo", action="store_true", help="Also create a demo catalog, key and three simulated nodes.")
