@@ -47,7 +47,7 @@ def redis_url():
 @pytest.fixture
 def redis_settings(settings, redis_url):
     """Distributed mode for one test: REDIS_URL set and a fresh hub."""
-    from reconciler.backends import reset_hub
+    from hub import reset_hub
 
     settings.REDIS_URL = redis_url
     reset_hub()
@@ -58,7 +58,7 @@ def redis_settings(settings, redis_url):
 @pytest.fixture(autouse=True)
 def _fresh_hub():
     """Each test starts with an empty embedded hub."""
-    from reconciler.backends import reset_hub
+    from hub import reset_hub
 
     reset_hub()
     yield

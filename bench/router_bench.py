@@ -65,7 +65,7 @@ def serve_router(port: int, upstream: str, workdir: str) -> None:
     import uvicorn
     from django.core.management import call_command
 
-    from reconciler.backends import InProcessHub
+    from hub import InProcessHub
     from router.app import create_app
     from router.models import ApiKey
 

@@ -22,15 +22,16 @@ from django.utils import timezone
 from agent.protocol import SHARD_REPORT_STATES, START_SHARD, STOP_SHARD, command
 from catalog.models import Alias, Profile
 from catalog.models import Model as CatalogModel
+from hub import get_hub
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, gpu_in_service
 
-from .backends import get_hub
 from .choices import ReplicaState, ShardState
 from .dispatch import send_to_nodes
 from .lease import Leadership, LeaseLost, get_leadership
 from .models import GPUAssignment, Lease, Replica, Shard
 from .placement import NodeCapacity, Placement, Shape, Unplaceable, pick_port, place
+from .signals import work_pending
 
 log = logging.getLogger(__name__)
 
@@ -634,7 +635,7 @@ def build_endpoint_table() -> dict:
 
 def _wake_on_commit() -> None:
     # The embedded ticker publishes the new endpoint list without waiting a whole interval.
-    transaction.on_commit(lambda: get_hub().wake.set())
+    transaction.on_commit(lambda: work_pending.send(sender=None))
 
 
 def _apply_shard_status(

@@ -3,7 +3,7 @@
 No Django request cycle runs here; Django is used only for settings and, on an
 API-key cache miss, the ORM. One aiohttp ClientSession (made at lifespan
 startup) carries every upstream request. The endpoint table arrives from the
-hub (reconciler.backends): pushed through `watch_endpoints()`, re-read every
+hub (the `hub` package): pushed through `watch_endpoints()`, re-read every
 LLMGW_ROUTER_POLL_SECONDS as a backstop (DESIGN invariant 7). Last-use stamps
 are kept in memory and flushed to the hub every LLMGW_USAGE_FLUSH_SECONDS
 (DESIGN invariant 4).
@@ -642,7 +642,7 @@ def create_app(hub=None, *, activation_timeout: float | None = None, poll_second
                key_cache: ApiKeyCache | None = None, keepalive_seconds: float = 10.0) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
-    `hub` defaults to reconciler.backends.get_hub(). Timeouts default to the
+    `hub` defaults to hub.get_hub(). Timeouts default to the
     LLMGW_* settings. `read_timeout` bounds the silence between bytes from an
     engine (including before the first byte of a non-streamed answer), never a
     whole stream.
@@ -650,7 +650,7 @@ def create_app(hub=None, *, activation_timeout: float | None = None, poll_second
     from django.conf import settings
 
     if hub is None:
-        from reconciler.backends import get_hub
+        from hub import get_hub
 
         hub = get_hub()
     state = RouterState(

@@ -12,9 +12,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from catalog.models import Alias, Model, Profile
+from hub import get_hub
 from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
-from reconciler.backends import get_hub
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.lease import Leadership, try_acquire
 from reconciler.models import GPUAssignment, Replica, Shard
@@ -27,6 +27,7 @@ from reconciler.services import (
     stop_replica,
     tick,
 )
+from reconciler.signals import work_pending
 
 pytestmark = pytest.mark.django_db
 H100 = "H100-80GB"
@@ -272,7 +273,8 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
     replica = Replica.objects.get()
     shard = replica.shards.get()
     hub = get_hub()
-    hub.wake.clear()
+    woken = []
+    work_pending.connect(lambda **_: woken.append(True), weak=False, dispatch_uid="test-woken")
 
     report(node, shard, "starting", capture=django_capture_on_commit_callbacks)
     assert Shard.objects.get().state == ShardState.STARTING
@@ -283,7 +285,8 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
     assert replica.state == ReplicaState.READY
     assert replica.endpoint_url == "http://127.0.0.1:20000"
     assert replica.ready_at is not None
-    assert hub.wake.is_set()
+    work_pending.disconnect(dispatch_uid="test-woken")
+    assert woken, "a replica turning ready must wake the ticker"
     assert run_tick().published is True
     table = async_to_sync(hub.read_endpoints)()
     assert table["models"] == {"llama": {"aliases": ["llama-latest"], "start_seconds": 42.0}}

@@ -16,7 +16,7 @@ import uvicorn
 from aiohttp import web
 
 from conftest import free_port
-from reconciler.backends import InProcessHub
+from hub import InProcessHub
 
 MODEL = "llama-3-8b"
 ALIAS = "llama"

@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from conftest import free_port, wait_until
-from reconciler.backends import USAGE_KEY, InProcessHub, RedisHub, get_hub
+from hub import InProcessHub, RedisHub, get_hub
+from hub.redis_hub import USAGE_KEY
 
 from .conftest import MODEL, make_table
 from .test_proxy import CountingHub, chat, run_concurrently
