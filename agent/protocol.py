@@ -132,3 +132,14 @@ def parse_agent_message(msg: Any) -> dict:
 def command(kind: str, epoch: int, **fields) -> dict:
     """Build a control-plane → agent command."""
     return {"type": kind, "v": PROTOCOL_VERSION, "epoch": epoch, **fields}
+
+
+def parse_port(value) -> int:
+    """A TCP port from text or a number, or ValueError naming what is wrong."""
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"port {value!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is outside 1-65535")
+    return port

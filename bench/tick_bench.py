@@ -46,7 +46,7 @@ def main() -> None:
     from inventory.models import GPU, Node
     from reconciler.lease import Leadership
     from reconciler.models import GPUAssignment, Replica, Shard
-    from reconciler.services import tick
+    from reconciler.tick import tick
 
     call_command("migrate", verbosity=0)
     print(f"database: {connection.vendor}")

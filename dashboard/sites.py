@@ -2,6 +2,8 @@
 
 from django.contrib.admin import AdminSite
 
+from .views import dashboard_context
+
 
 class FleetAdminSite(AdminSite):
     """Django admin for llmgw; its index shows the cluster summary above the app list."""
@@ -12,7 +14,4 @@ class FleetAdminSite(AdminSite):
     index_template = "dashboard/admin_index.html"
 
     def index(self, request, extra_context=None):
-        # Imported here: the site is built while apps load, before models are ready.
-        from .views import dashboard_context
-
         return super().index(request, extra_context={**dashboard_context(), **(extra_context or {})})

@@ -28,14 +28,13 @@ from django.utils import timezone
 from catalog.models import Model
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, gpu_in_service
-from reconciler.choices import ReplicaState
+from reconciler.choices import WANTED_STATES, ReplicaState
+from reconciler.idle import Idle
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
+from reconciler.placement import NodeCapacity
 
 GPU_STATES = ("used", "free", "unhealthy", "unavailable")
 REPLICA_STATES = tuple(ReplicaState.values)
-# Replicas the demand side still wants running; STOPPING ones are on their way out.
-WANTED_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
-UNKNOWN_IDLE = -1.0
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -64,6 +63,7 @@ def _gpu_rows():
             "node__fabric",
             "node__state",
             "node__schedulable",
+            "index",
             "gpu_class",
             "health",
             "healthy_since",
@@ -82,15 +82,19 @@ def _leader(now: datetime) -> dict | None:
 
 def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:
     capacity: dict[str, Counter] = defaultdict(Counter)
-    # (node_id, gpu_class) -> [node name, fabric, all GPUs of the class free so far]
-    per_node_class: dict[tuple[int, str], list] = {}
+    # (node_id, gpu_class) -> what the placer would see of it, for ready, schedulable nodes
+    per_node_class: dict[tuple[int, str], dict] = {}
     for gpu in _gpu_rows():
         state = gpu_state(gpu, now)
         capacity[gpu["gpu_class"]][state] += 1
         if gpu["node__state"] == NodeState.READY and gpu["node__schedulable"]:
             key = (gpu["node_id"], gpu["gpu_class"])
-            entry = per_node_class.setdefault(key, [gpu["node__name"], gpu["node__fabric"], True])
-            entry[2] = entry[2] and state == "free"
+            entry = per_node_class.setdefault(
+                key, {"name": gpu["node__name"], "fabric": gpu["node__fabric"], "free": [], "total": 0}
+            )
+            entry["total"] += 1
+            if state == "free":
+                entry["free"].append(gpu["index"])
 
     capacity_list = []
     for gpu_class in sorted(capacity):
@@ -100,12 +104,14 @@ def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:
         capacity_list.append(row)
 
     # Every (fabric, class) with a ready, schedulable node is listed, even at 0,
-    # so a metric series drops to zero instead of vanishing.
+    # so a metric series drops to zero instead of vanishing. "Whole" is the
+    # placer's own rule (NodeCapacity.whole), so status and placement agree.
     groups: dict[tuple[str, str], list[str]] = {}
-    for (_node_id, gpu_class), (name, fabric, whole_free) in per_node_class.items():
-        names = groups.setdefault((fabric, gpu_class), [])
-        if whole_free:
-            names.append(name)
+    for (_node_id, gpu_class), entry in per_node_class.items():
+        names = groups.setdefault((entry["fabric"], gpu_class), [])
+        node = NodeCapacity(entry["name"], entry["fabric"], "", gpu_class, tuple(entry["free"]), entry["total"])
+        if node.whole:
+            names.append(entry["name"])
     free_nodes = [
         {"fabric": fabric, "gpu_class": gpu_class, "whole_free_nodes": len(names), "nodes": sorted(names)}
         for (fabric, gpu_class), names in sorted(groups.items())
@@ -135,13 +141,6 @@ def _shards_by_replica() -> tuple[dict[int, list[str]], dict[int, int]]:
         nodes[replica_id].append(node_name)
         gpus[replica_id] += gpu_count
     return nodes, gpus
-
-
-def replica_idle(last_used: datetime | None, now: datetime) -> tuple[float, bool]:
-    """(idle seconds, known): unknown last use is -1 and not known (DESIGN invariant 3)."""
-    if last_used is None:
-        return UNKNOWN_IDLE, False
-    return round(max(0.0, (now - last_used).total_seconds()), 3), True
 
 
 def cluster_summary(now: datetime | None = None) -> dict:
@@ -182,7 +181,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
             ready[model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
             unplaceable[(model_name, row["placement_error"])] += 1
-        idle_seconds, idle_known = replica_idle(row["last_used"], now)
+        idle = Idle.since(row["last_used"], now)
         replica_list.append(
             {
                 "id": row["id"],
@@ -194,8 +193,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
                 "endpoint": row["endpoint_url"],
                 "ready_at": _iso(row["ready_at"]),
                 "last_used": _iso(row["last_used"]),
-                "idle_seconds": idle_seconds,
-                "idle_known": idle_known,
+                **idle.as_json(),
             }
         )
     replica_counts["total"] = len(replica_rows)
@@ -219,20 +217,3 @@ def cluster_summary(now: datetime | None = None) -> dict:
         ],
         "replica_list": replica_list,
     }
-
-
-def format_idle(idle_seconds: float | None) -> str:
-    """A human idle time like `3m12s`; `-` when unknown (None or negative, DESIGN invariant 3)."""
-    if idle_seconds is None or idle_seconds < 0:
-        return "-"
-    seconds = int(idle_seconds)
-    days, seconds = divmod(seconds, 86400)
-    hours, seconds = divmod(seconds, 3600)
-    minutes, seconds = divmod(seconds, 60)
-    if days:
-        return f"{days}d{hours:02d}h"
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{seconds:02d}s"
-    return f"{seconds}s"

@@ -1,6 +1,8 @@
 """What the /admin index (the cluster dashboard) shows, built from the one cluster summary."""
 
-from .summary import cluster_summary, format_idle
+from reconciler.idle import Idle
+
+from .summary import cluster_summary
 
 REFRESH_SECONDS = 10
 
@@ -28,7 +30,7 @@ def dashboard_context(summary: dict | None = None) -> dict:
         for row in summary["capacity"]
     ]
     replicas = [
-        {**r, "idle": format_idle(r["idle_seconds"] if r["idle_known"] else None)} for r in summary["replica_list"]
+        {**r, "idle": str(Idle.from_json(r["idle_seconds"], r["idle_known"]))} for r in summary["replica_list"]
     ]
     return {
         "summary": summary,

@@ -10,7 +10,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from inventory.consumers import AgentConsumer  # noqa: E402
+from agentlink.consumers import AgentConsumer  # noqa: E402
 
 application = ProtocolTypeRouter(
     {

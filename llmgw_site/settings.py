@@ -38,7 +38,11 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
-ALLOWED_HOSTS = [h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h.strip()]
+# Where `manage.py up` listens; allowed as a Host header by default.
+LLMGW_HOST = env_str("LLMGW_HOST", "127.0.0.1")
+ALLOWED_HOSTS = [
+    h.strip() for h in env_str("ALLOWED_HOSTS", f"127.0.0.1,localhost,[::1],{LLMGW_HOST}").split(",") if h.strip()
+]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
 
 INSTALLED_APPS = [
@@ -57,6 +61,8 @@ INSTALLED_APPS = [
     "router",
     "dashboard",
     "agent",
+    "agentlink",
+    "runner",
 ]
 
 MIDDLEWARE = [
@@ -160,7 +166,6 @@ REST_FRAMEWORK = {
 }
 
 # --- llmgw -------------------------------------------------------------------
-LLMGW_HOST = env_str("LLMGW_HOST", "127.0.0.1")
 LLMGW_PORT = env_int("LLMGW_PORT", 8000, 1, 65535)
 LLMGW_ROUTER_PORT = env_int("LLMGW_ROUTER_PORT", 8080, 1, 65535)
 # Seconds between reconcile ticks (Celery beat in distributed mode).

@@ -1,14 +1,13 @@
 """Reconciler admin: replicas with "idle for" and a stop action; shards, GPU assignments and the lease read-only.
 
 These rows belong to the leader's reconcile tick; the admin only looks, and asks
-for a replica to be stopped through reconciler.services.
+for a replica to be stopped through reconciler.lifecycle.
 """
 
 from django.contrib import admin, messages
 from django.utils import timezone
 
-from dashboard.summary import format_idle
-
+from .lifecycle import stop_replica
 from .models import GPUAssignment, Lease, Replica, Shard
 
 
@@ -55,16 +54,13 @@ class ReplicaAdmin(ReadOnlyAdmin):
     @admin.display(description="idle for")
     def idle_for(self, obj):
         # Unknown last use is "-", never a duration (DESIGN invariant 3).
-        return format_idle(obj.idle_seconds(timezone.now()))
+        return str(obj.idle(timezone.now()))
 
     def has_stop_permission(self, request):
         return request.user.has_perm("reconciler.change_replica")
 
     @admin.action(description="Stop the selected replicas", permissions=["stop"])
     def stop_replicas(self, request, queryset):
-        # Imported here so this module loads even where reconciler.services is not present yet.
-        from reconciler.services import stop_replica
-
         replicas = list(queryset.select_related("model").order_by("pk"))
         for replica in replicas:
             stop_replica(replica)

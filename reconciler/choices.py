@@ -18,3 +18,9 @@ class ShardState(models.TextChoices):
     STOPPING = "stopping", "stopping"
     STOPPED = "stopped", "stopped"
     FAILED = "failed", "failed"
+
+
+# A profile's replicas that count towards its min and max, and a model's "wanted" in
+# status. FAILED ones count too: they come back as PENDING after their backoff, so
+# replacing them at once would defeat the backoff and overshoot max when they return.
+WANTED_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)

@@ -4,6 +4,7 @@ from django.db import models
 from django.utils import timezone
 
 from .choices import ReplicaState, ShardState
+from .idle import Idle
 
 
 class ReplicaQuerySet(models.QuerySet):
@@ -39,11 +40,9 @@ class Replica(models.Model):
     def __str__(self) -> str:
         return f"replica {self.pk} of {self.model.name}"
 
-    def idle_seconds(self, now=None) -> float | None:
-        """Seconds since last use, or None when unknown (never 0 for unknown)."""
-        if self.last_used is None:
-            return None
-        return max(0.0, ((now or timezone.now()) - self.last_used).total_seconds())
+    def idle(self, now=None) -> Idle:
+        """How long since last use; unknown when last_used is null (never 0 for unknown)."""
+        return Idle.since(self.last_used, now or timezone.now())
 
 
 class Shard(models.Model):

@@ -1,11 +1,11 @@
-"""Celery tasks of the reconciler: the beat-driven tick (distributed mode), thin over services."""
+"""Celery tasks of the reconciler: the beat-driven tick (distributed mode), thin over reconciler.tick."""
 
 import logging
 
 from celery import shared_task
 
 from .lease import get_leadership
-from .services import tick as run_tick
+from .tick import tick as run_tick
 
 log = logging.getLogger(__name__)
 

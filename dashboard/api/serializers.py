@@ -4,8 +4,8 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from catalog.models import Model, Profile
-from dashboard.summary import replica_idle
 from inventory.models import GPU, Node
+from reconciler.idle import Idle
 from reconciler.models import Replica
 
 
@@ -100,10 +100,13 @@ class ReplicaSerializer(serializers.ModelSerializer):
     def get_gpus(self, obj) -> int:
         return sum(len(shard.gpu_assignments.all()) for shard in obj.shards.all())
 
+    def _idle(self, obj) -> Idle:
+        return obj.idle(self._now())
+
     def get_idle_seconds(self, obj) -> float:
-        return replica_idle(obj.last_used, self._now())[0]
+        return self._idle(obj).json_seconds()
 
     def get_idle_known(self, obj) -> bool:
-        return obj.last_used is not None
+        return self._idle(obj).known
 
 

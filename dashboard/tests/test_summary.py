@@ -6,9 +6,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from dashboard.summary import cluster_summary, format_idle
+from dashboard.summary import cluster_summary
 from inventory.choices import GPUHealth, NodeState
 from reconciler.choices import ReplicaState
+from reconciler.idle import Idle
 from reconciler.models import Lease
 
 from .fleet import make_model, make_node, make_replica, set_gpu
@@ -104,7 +105,7 @@ def test_replica_list_shows_nodes_gpus_and_known_idle_time(fleet):
     assert busy["endpoint"] == "http://a:21000"
     assert busy["idle_known"] is True
     assert busy["idle_seconds"] == pytest.approx(192, abs=0.01)
-    assert format_idle(busy["idle_seconds"]) == "3m12s"
+    assert str(Idle.from_json(busy["idle_seconds"], busy["idle_known"])) == "3m12s"
 
 
 def test_unknown_last_use_is_negative_idle_and_not_known(fleet):
@@ -112,7 +113,7 @@ def test_unknown_last_use_is_negative_idle_and_not_known(fleet):
     assert row["last_used"] is None
     assert row["idle_seconds"] < 0
     assert row["idle_known"] is False
-    assert format_idle(row["idle_seconds"]) == "-"
+    assert str(Idle.from_json(row["idle_seconds"], row["idle_known"])) == "-"
 
 
 def test_replica_list_is_sorted_by_id(fleet):
@@ -151,9 +152,3 @@ def test_summary_runs_the_same_number_of_queries_for_2_and_20_nodes(django_asser
     with django_assert_num_queries(6):
         large = cluster_summary()
     assert small["nodes"]["total"] == 2 and large["nodes"]["total"] == 22
-
-
-def test_format_idle_is_human_and_dash_when_unknown():
-    assert [format_idle(s) for s in (None, -1.0, 0, 42.9, 192, 7500, 90000)] == [
-        "-", "-", "0s", "42s", "3m12s", "2h05m", "1d01h"
-    ]

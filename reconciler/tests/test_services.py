@@ -15,19 +15,15 @@ from catalog.models import Alias, Model, Profile
 from hub import get_hub
 from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
+from reconciler.agent_reports import reconcile_reported_shards, record_shard_status
 from reconciler.choices import ReplicaState, ShardState
+from reconciler.endpoints import build_endpoint_table
 from reconciler.lease import Leadership, try_acquire
+from reconciler.lifecycle import backoff_seconds, stop_replica
 from reconciler.models import GPUAssignment, Replica, Shard
-from reconciler.services import (
-    backoff_seconds,
-    build_endpoint_table,
-    current_epoch,
-    reconcile_reported_shards,
-    record_shard_status,
-    stop_replica,
-    tick,
-)
+from reconciler.outbox import current_epoch
 from reconciler.signals import work_pending
+from reconciler.tick import tick
 
 pytestmark = pytest.mark.django_db
 H100 = "H100-80GB"
@@ -566,7 +562,7 @@ def test_usage_stamps_move_into_last_used_and_unknown_stays_unknown(run_tick):
     unused.refresh_from_db()
     assert used.last_used == stamp
     assert unused.last_used is None
-    assert unused.idle_seconds() is None
+    assert unused.idle().known is False
     assert (result.usage_updated, result.usage_forgotten) == (1, 1)
     assert "999999" not in hub.collect_usage()
     assert model.replicas.count() == 2

@@ -5,7 +5,8 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from dashboard.summary import cluster_summary, format_idle
+from dashboard.summary import cluster_summary
+from reconciler.idle import Idle
 
 BAR_WIDTH = 16
 
@@ -102,7 +103,7 @@ class Command(BaseCommand):
                 ",".join(r["nodes"]) or "-",
                 r["gpus"],
                 r["endpoint"] or "-",
-                format_idle(r["idle_seconds"] if r["idle_known"] else None),
+                str(Idle.from_json(r["idle_seconds"], r["idle_known"])),
             ]
             for r in s["replica_list"]
         ]

@@ -5,16 +5,20 @@ import asyncio
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
+from django.http.request import validate_host
+
+from agent.protocol import parse_port
+from runner import embedded
+from runner.demo import create_demo_fleet
+
+WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
 def _port(value: str) -> int:
     try:
-        port = int(value)
-    except ValueError:
-        raise CommandError(f"port {value!r} is not a number") from None
-    if not 0 < port < 65536:
-        raise CommandError(f"port {port} is outside 1-65535")
-    return port
+        return parse_port(value)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 class Command(BaseCommand):
@@ -32,19 +36,18 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, demo, host, port, router_port, **options):
-        from llmgw_site import embedded
-
         port, router_port = _port(port), _port(router_port)
         if port == router_port:
             raise CommandError("--port and --router-port must differ")
-        if host not in settings.ALLOWED_HOSTS and host not in ("0.0.0.0", "::"):
-            settings.ALLOWED_HOSTS.append(host)
+        as_header = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        if host not in WILDCARD_HOSTS and not validate_host(as_header, settings.ALLOWED_HOSTS):
+            # Settings are read once from the environment, never patched at run time.
+            raise CommandError(
+                f"host {host} is not in ALLOWED_HOSTS ({', '.join(settings.ALLOWED_HOSTS)}): "
+                f"start with LLMGW_HOST={host} (or add it to ALLOWED_HOSTS)"
+            )
         call_command("migrate", interactive=False, verbosity=0)
-        fleet = None
-        if demo:
-            from llmgw_site.demo import create_demo_fleet
-
-            fleet = create_demo_fleet()
+        fleet = create_demo_fleet() if demo else None
 
         def announce():
             self.stdout.write(self._banner(host, port, router_port, fleet))

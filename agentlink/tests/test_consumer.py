@@ -13,6 +13,7 @@ from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
 from inventory.services import enrol_node
 from llmgw_site.asgi import application
+from reconciler.outbox import send_to_nodes
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_consumer_connection")]
 
@@ -142,8 +143,6 @@ async def test_a_second_connection_for_the_node_replaces_the_first(token):
 
 
 def test_commands_sent_from_sync_code_reach_the_agent(token):
-    from reconciler.dispatch import send_to_nodes
-
     async def scenario():
         comm, connected, _ = await connect("gpu-a", token)
         assert connected

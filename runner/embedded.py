@@ -14,11 +14,17 @@ import logging
 import signal
 import socket
 import sys
-import threading
 
 import uvicorn
-from asgiref.sync import sync_to_async
 from django.conf import settings
+
+from agent.gpus import parse_fake_gpus
+from agent.runtime import Agent
+from hub import get_hub
+from router.app import create_app
+
+from .demo import DemoFleet
+from .ticker import Ticker
 
 log = logging.getLogger("llmgw.up")
 
@@ -45,32 +51,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def run_ticker(stop: asyncio.Event, wake: threading.Event) -> None:
-    """Call the reconcile tick every interval, or sooner when `wake` is set."""
-    from hub import get_hub
-    from reconciler.lease import get_leadership
-    from reconciler.services import tick
-
-    hub, leadership = get_hub(), get_leadership()
-    run_tick = sync_to_async(tick)
-    while not stop.is_set():
-        wake.clear()
-        try:
-            await run_tick(leadership=leadership, hub=hub)
-        except Exception:  # a failed tick is retried on the next one, never fatal
-            log.exception("reconcile tick failed")
-        await asyncio.to_thread(wake.wait, settings.LLMGW_TICK_SECONDS)
-    await sync_to_async(leadership.release)()
-
-
-async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=None) -> None:
+async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None = None, on_ready=None) -> None:
     """Run everything until SIGINT/SIGTERM; then stop engines, servers and the ticker."""
-    from agent.gpus import parse_fake_gpus
-    from agent.runtime import Agent
-    from hub import InProcessHub, get_hub
-    from reconciler.signals import work_pending
-    from router.app import create_app
-
     control_sock = bind(host, port)
     try:
         router_sock = bind(host, router_port)
@@ -82,16 +64,7 @@ async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=Non
     router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning", proxy_headers=False))
 
     stop = asyncio.Event()
-    # Work for the ticker before its next interval: a router asked for a model, a replica changed.
-    wake = threading.Event()
-    hub = get_hub()
-    if isinstance(hub, InProcessHub):
-        hub.on_activation(wake.set)
-
-    def on_work_pending(**_kwargs) -> None:
-        wake.set()
-
-    work_pending.connect(on_work_pending, weak=False)
+    ticker = Ticker(get_hub())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -99,7 +72,7 @@ async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=Non
     tasks = [
         asyncio.create_task(control.serve(sockets=[control_sock]), name="control-plane"),
         asyncio.create_task(router.serve(sockets=[router_sock]), name="router"),
-        asyncio.create_task(run_ticker(stop, wake), name="ticker"),
+        asyncio.create_task(ticker.run(), name="ticker"),
     ]
     while not (control.started and router.started):
         if any(t.done() for t in tasks):
@@ -135,8 +108,7 @@ async def serve(host: str, port: int, router_port: int, fleet=None, on_ready=Non
     # Shut down: engines first (while the control plane can still hear their
     # last status), then the ticker, then the servers.
     stop.set()
-    wake.set()
-    work_pending.disconnect(on_work_pending)
+    ticker.stop()
     await asyncio.gather(*(a.shutdown() for a in agents), return_exceptions=True)
     control.should_exit = router.should_exit = True
     await asyncio.wait(tasks, timeout=15)

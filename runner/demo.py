@@ -13,9 +13,10 @@ from django.db import transaction
 
 from catalog.choices import Engine
 from catalog.models import Alias, Model, Profile
+from hub.credentials import hash_secret
 from inventory.models import NodeCredential
 from inventory.services import enrol_node
-from router.models import ApiKey, hash_key
+from router.models import ApiKey
 
 DEMO_KEY_NAME = "demo (up --demo)"
 
@@ -69,14 +70,11 @@ def create_demo_fleet(address: str = "127.0.0.1") -> DemoFleet:
     user.save()
 
     key = os.environ.get("LLMGW_DEMO_API_KEY")
+    # A fresh key each run (or the fixed one again); the previous run's key, never shown again, goes.
+    ApiKey.objects.filter(name=DEMO_KEY_NAME).delete()
     if key:
-        ApiKey.objects.update_or_create(
-            key_hash=hash_key(key), defaults={"name": DEMO_KEY_NAME, "prefix": key[:15], "active": True}
-        )
-    else:
-        # A fresh key each run; the previous run's key, never shown again, goes.
-        ApiKey.objects.filter(name=DEMO_KEY_NAME).delete()
-        _, key = ApiKey.issue(DEMO_KEY_NAME)
+        ApiKey.objects.filter(key_hash=hash_secret(key)).delete()
+    _, key = ApiKey.issue(DEMO_KEY_NAME, key)
 
     for name, aliases, source, profile in CATALOG:
         model, created = Model.objects.get_or_create(name=name, defaults={"source": source})

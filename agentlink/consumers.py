@@ -12,10 +12,10 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from agent import protocol
-from reconciler.dispatch import node_group
+from inventory.models import NodeCredential
+from reconciler.outbox import node_group
 
 from . import services
-from .models import NodeCredential
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,6 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         await self.handle(message)
 
     async def handle(self, message: dict):
-        from reconciler import services as reconciler_services
-
         kind = message["type"]
         if kind == protocol.HELLO:
             if message["node"] != self.node_name:
@@ -75,25 +73,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                     }
                 )
                 return
-            node = await database_sync_to_async(services.register_node)(self.node_id, message)
-            await database_sync_to_async(reconciler_services.reconcile_reported_shards)(node, message["shards"])
+            await database_sync_to_async(services.on_hello)(self.node_id, message)
         elif kind == protocol.HEARTBEAT:
-            await database_sync_to_async(services.record_heartbeat)(self.node_id, message)
-            await database_sync_to_async(reconciler_services.stop_orphan_shards)(
-                self.node_id, self.node_name, message["shards"]
-            )
+            await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
         elif kind == protocol.SHARD_STATUS:
-            await database_sync_to_async(self._shard_status)(message)
-
-    def _shard_status(self, message: dict):
-        from reconciler import services as reconciler_services
-
-        from .models import Node
-
-        node = Node.objects.get(pk=self.node_id)
-        reconciler_services.record_shard_status(
-            node, message["shard_id"], message["state"], message["message"], message["port"]
-        )
+            await database_sync_to_async(services.on_shard_status)(self.node_id, message)
 
     # -- channel-layer events ------------------------------------------------
     async def agent_command(self, event):

@@ -1,0 +1,194 @@
+"""What agents report about their shards, applied to the rows (one transaction per report).
+
+`record_shard_status` takes a `shard_status`; `reconcile_reported_shards`
+matches the shards a `hello` says are running against the node's rows;
+`stop_orphan_shards` stops engines a heartbeat reports that no row owns. A node
+speaks only for itself: reports about shards on other nodes are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Exists, OuterRef
+from django.utils import timezone
+
+from agent.protocol import SHARD_REPORT_STATES
+from inventory.models import Node
+
+from .choices import ReplicaState, ShardState
+from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending
+from .models import Replica, Shard
+from .outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+def _apply_shard_status(
+    shard: Shard, state: str, message: str, port: int | None, now: datetime, outbox: Outbox
+) -> bool:
+    """Apply one report about a shard known to be on the reporting node; return whether to wake the ticker."""
+    replica = shard.replica
+    node_name = shard.node.name
+    if state == "stopped" or (state == "failed" and replica.state == ReplicaState.STOPPING):
+        shard.delete()
+        if replica.state == ReplicaState.STOPPING:
+            if not Shard.objects.filter(replica_id=replica.pk).exists():
+                replica.delete()
+            return False
+        if replica.state in (ReplicaState.STARTING, ReplicaState.READY):
+            # An engine of a wanted replica went away: the replica cannot serve whole.
+            fail_replicas([replica.pk], message or f"shard {shard.pk} stopped on {node_name}", now, outbox)
+            return True
+        return False
+    if replica.state == ReplicaState.STOPPING:
+        return False  # a late "starting"/"ready" changes nothing for a replica going away
+    if state == "failed":
+        shard.state, shard.message = ShardState.FAILED, message
+        shard.save(update_fields=["state", "message", "updated_at"])
+        fail_replicas(
+            [replica.pk], message or f"shard {shard.pk} failed on {node_name}", now, outbox, silent_shard_ids={shard.pk}
+        )
+        return True
+    if state == "starting":
+        if shard.state == ShardState.ASSIGNED:
+            shard.state = ShardState.STARTING
+            shard.save(update_fields=["state", "updated_at"])
+        return False
+    # ready
+    if port is not None and port != shard.port:
+        log.warning(
+            "shard %s on %s reports port %s, placed on %s; keeping %s",
+            shard.pk,
+            node_name,
+            port,
+            shard.port,
+            shard.port,
+        )
+    if shard.state != ShardState.READY:
+        shard.state, shard.message = ShardState.READY, ""
+        shard.save(update_fields=["state", "message", "updated_at"])
+    return mark_ready_if_whole(replica, now)
+
+
+def record_shard_status(node: Node, shard_id: int, state: str, message: str = "", port: int | None = None) -> None:
+    """Record an agent's shard_status report (starting / ready / failed / stopped) in one transaction.
+
+    Reports about shards that are not on `node` are logged and ignored: a node
+    speaks only for itself.
+    """
+    if state not in SHARD_REPORT_STATES:
+        raise ValueError(f"shard state “{state}” is not one of {', '.join(SHARD_REPORT_STATES)}")
+    if isinstance(shard_id, bool) or not isinstance(shard_id, int):
+        raise ValueError(f"shard_id must be an integer, got {shard_id!r}")
+    outbox = Outbox()
+    with transaction.atomic():
+        shard = (
+            Shard.objects.select_for_update()
+            .select_related("replica", "node")
+            .filter(pk=shard_id, node_id=node.pk)
+            .first()
+        )
+        if shard is None:
+            log.info("node %s reported shard %s as %s, but no such shard is on it; ignored", node.name, shard_id, state)
+            return
+        if _apply_shard_status(shard, state, message or "", port, timezone.now(), outbox):
+            notify_work_pending()
+        outbox.send_on_commit()
+
+
+def reconcile_reported_shards(node: Node, reported: list[dict]) -> None:
+    """Match what an agent says it runs (on hello) against the shard rows for its node.
+
+    Known and reported: kept, with the reported state applied. Reported but
+    unknown: stopped (orphans). Expected but not reported: the agent lost its
+    engines, so their replicas fail and back off.
+    """
+    if not isinstance(reported, list):
+        raise ValueError("reported shards must be a list")
+    for i, item in enumerate(reported):
+        if (
+            not isinstance(item, dict)
+            or isinstance(item.get("shard_id"), bool)
+            or not isinstance(item.get("shard_id"), int)
+        ):
+            raise ValueError(f"reported shard {i} needs an integer shard_id")
+    now = timezone.now()
+    outbox = Outbox()
+    wake = False
+    with transaction.atomic():
+        expected = {
+            s.pk: s for s in Shard.objects.select_for_update().select_related("replica", "node").filter(node_id=node.pk)
+        }
+        reported_ids = set()
+        for item in reported:
+            shard_id = item["shard_id"]
+            reported_ids.add(shard_id)
+            shard = expected.get(shard_id)
+            if shard is None:
+                outbox.stop(node.name, shard_id)
+                continue
+            state = item.get("state")
+            # One shard per replica per node, so applying one report never deletes another expected shard.
+            if state in SHARD_REPORT_STATES:
+                wake |= _apply_shard_status(shard, state, "", item.get("port"), now, outbox)
+        missing = [s for shard_id, s in expected.items() if shard_id not in reported_ids]
+        going = [s.pk for s in missing if s.replica.state == ReplicaState.STOPPING]
+        if going:
+            Shard.objects.filter(pk__in=going).delete()
+            Replica.objects.filter(
+                ~Exists(Shard.objects.filter(replica=OuterRef("pk"))),
+                state=ReplicaState.STOPPING,
+                pk__in={s.replica_id for s in missing},
+            ).delete()
+        # A start the agent never answered may simply not have reached it (it was between
+        # connections): send it again at the next tick rather than failing the replica.
+        unanswered = [s.pk for s in missing if s.state == ShardState.ASSIGNED and s.replica.state != ReplicaState.STOPPING]
+        if unanswered:
+            resend_due = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
+            Shard.objects.filter(pk__in=unanswered).update(updated_at=resend_due)
+            wake = True
+        lost = {
+            s.replica_id
+            for s in missing
+            if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
+        }
+        if lost:
+            fail_replicas(
+                lost,
+                f"agent on {node.name} no longer runs shard(s) "
+                f"{', '.join(str(s.pk) for s in missing if s.replica_id in lost)}",
+                now,
+                outbox,
+                silent_shard_ids={s.pk for s in missing if s.replica_id in lost},
+            )
+            wake = True
+        if wake:
+            notify_work_pending()
+        outbox.send_on_commit()
+
+
+def stop_orphan_shards(node_id: int, node_name: str, reported: list[dict]) -> int:
+    """Stop engines an agent reports (in a heartbeat) whose shard rows no longer exist.
+
+    Shard ids reach agents only after their rows commit, so an id the rows do
+    not know was deleted (its replica failed or was removed with its profile or
+    model): the engine is an orphan holding GPUs. One query. Returns how many
+    stops were sent.
+    """
+    reported_ids = {item["shard_id"] for item in reported}
+    if not reported_ids:
+        return 0
+    known = set(Shard.objects.filter(node_id=node_id, pk__in=reported_ids).values_list("pk", flat=True))
+    orphans = sorted(reported_ids - known)
+    if orphans:
+        log.warning("node %s runs shard(s) %s that no replica owns; stopping them", node_name, orphans)
+        outbox = Outbox()
+        with transaction.atomic():
+            for shard_id in orphans:
+                outbox.stop(node_name, shard_id)
+            outbox.send_on_commit()
+    return len(orphans)

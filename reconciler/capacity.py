@@ -1,0 +1,97 @@
+"""The free-capacity snapshot the placer works on: free GPUs per node and class, ports in use per host.
+
+A GPU is free when its node is ready and schedulable, and the GPU is healthy,
+out of quarantine and unassigned (DESIGN invariant 5). Two queries whatever
+the fleet size; placing a replica updates the snapshot in memory, so one tick
+can place many replicas without reading again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.db.models import Exists, OuterRef
+
+from inventory.models import GPU, Node, gpu_in_service
+
+from .models import GPUAssignment, Shard
+from .placement import NodeCapacity
+
+
+@dataclass
+class NodeGPUs:
+    """The GPUs of one class on one node: how many, and the free ones (index → GPU row id)."""
+
+    node_id: int
+    name: str
+    fabric: str
+    address: str
+    gpu_class: str
+    total: int = 0
+    free: dict[int, int] = field(default_factory=dict)
+
+    def record(self) -> NodeCapacity:
+        """The placer's view of this node."""
+        return NodeCapacity(self.name, self.fabric, self.address, self.gpu_class, tuple(sorted(self.free)), self.total)
+
+
+@dataclass
+class CapacitySnapshot:
+    """Free GPUs per class and node, with the placer's records kept in step, and ports in use per host."""
+
+    nodes: dict[str, dict[str, NodeGPUs]] = field(default_factory=lambda: defaultdict(dict))
+    ports: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    _records: dict[str, dict[str, NodeCapacity]] = field(default_factory=lambda: defaultdict(dict))
+
+    def records(self, gpu_class: str) -> list[NodeCapacity]:
+        """Every node with GPUs of `gpu_class`, as the placer sees it now."""
+        return list(self._records[gpu_class].values())
+
+    def node(self, gpu_class: str, name: str) -> NodeGPUs:
+        return self.nodes[gpu_class][name]
+
+    def take(self, gpu_class: str, name: str, indices, port: int) -> list[int]:
+        """Hand GPUs `indices` and `port` of a node to a new shard; return the GPU row ids."""
+        node = self.nodes[gpu_class][name]
+        gpu_ids = [node.free.pop(index) for index in indices]
+        # Only the touched node's record changes, so placing stays linear in replicas.
+        self._records[gpu_class][name] = node.record()
+        self.ports[node.address].add(port)
+        return gpu_ids
+
+
+def free_capacity(now: datetime) -> CapacitySnapshot:
+    """Read the snapshot. Ports are counted per host address, not per node: nodes sharing an
+    address (simulated nodes on one box) share one port space."""
+    snapshot = CapacitySnapshot()
+    rows = (
+        GPU.objects.filter(node__in=Node.objects.schedulable())
+        .annotate(held=Exists(GPUAssignment.objects.filter(gpu=OuterRef("pk"))))
+        .values_list(
+            "id",
+            "index",
+            "gpu_class",
+            "health",
+            "healthy_since",
+            "held",
+            "node_id",
+            "node__name",
+            "node__fabric",
+            "node__address",
+        )
+        .order_by("node_id", "index")
+    )
+    for gpu_id, index, gpu_class, health, healthy_since, held, node_id, name, fabric, address in rows:
+        node = snapshot.nodes[gpu_class].get(name)
+        if node is None:
+            node = snapshot.nodes[gpu_class][name] = NodeGPUs(node_id, name, fabric, address or name, gpu_class)
+        node.total += 1
+        if gpu_in_service(health, healthy_since, now) and not held:
+            node.free[index] = gpu_id
+    for gpu_class, nodes in snapshot.nodes.items():
+        snapshot._records[gpu_class] = {name: node.record() for name, node in nodes.items()}
+    for address, name, port in Shard.objects.values_list("node__address", "node__name", "port"):
+        snapshot.ports[address or name].add(port)
+    return snapshot

@@ -1,0 +1,184 @@
+"""Replica state changes shared by the tick, agent reports and admin actions.
+
+A replica goes PENDING → STARTING (placed) → READY (every shard ready) and
+leaves through STOPPING (a drain: shards stopped, then the row deleted) or
+FAILED (shards dropped, retried as PENDING after an exponential backoff).
+Every function here runs inside its caller's transaction; commands go into
+the caller's Outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, When
+
+from catalog.models import Profile
+
+from .choices import ReplicaState, ShardState
+from .models import Replica, Shard
+from .outbox import Outbox
+from .signals import work_pending
+
+log = logging.getLogger(__name__)
+
+
+def backoff_seconds(failure_count: int) -> float:
+    """Delay before retrying a replica that has failed `failure_count` times (exponential, capped)."""
+    base, cap = settings.LLMGW_BACKOFF_BASE_SECONDS, settings.LLMGW_BACKOFF_MAX_SECONDS
+    exponent = min(max(failure_count - 1, 0), 62)  # past the cap anyway; keeps the float finite
+    return min(base * 2.0**exponent, cap)
+
+
+def notify_work_pending() -> None:
+    """After commit, tell whoever runs ticks that the next one has work (the embedded runner ticks at once)."""
+    transaction.on_commit(lambda: work_pending.send(sender=None))
+
+
+def fail_replicas(
+    replica_ids, message: str, now: datetime, outbox: Outbox, *, silent_shard_ids=(), dead_node_ids=()
+) -> int:
+    """Mark replicas FAILED with backoff, drop their shards and GPUs, stop their surviving engines.
+
+    STOPPING replicas are deleted instead: they were going away anyway.
+    `silent_shard_ids` and shards on `dead_node_ids` get no stop_shard (their
+    engine is already gone). Returns how many replicas were failed.
+    """
+    replica_ids = set(replica_ids)
+    if not replica_ids:
+        return 0
+    replicas = list(Replica.objects.filter(pk__in=replica_ids))
+    shards = Shard.objects.filter(replica_id__in=replica_ids).values_list("id", "node_id", "node__name", "state")
+    for shard_id, node_id, node_name, state in shards:
+        if shard_id not in silent_shard_ids and node_id not in dead_node_ids and state != ShardState.STOPPED:
+            outbox.stop(node_name, shard_id)
+    failed = [r for r in replicas if r.state != ReplicaState.STOPPING]
+    for replica in failed:
+        replica.state = ReplicaState.FAILED
+        replica.failure_count += 1
+        replica.next_attempt_at = now + timedelta(seconds=backoff_seconds(replica.failure_count))
+        replica.last_error = message
+        replica.endpoint_url = ""
+        replica.ready_at = None
+    if failed:
+        Replica.objects.bulk_update(
+            failed, ["state", "failure_count", "next_attempt_at", "last_error", "endpoint_url", "ready_at"]
+        )
+    Shard.objects.filter(replica_id__in=replica_ids).delete()
+    going = [r.pk for r in replicas if r.state == ReplicaState.STOPPING]
+    if going:
+        Replica.objects.filter(pk__in=going).delete()
+    if failed:
+        log.warning("replicas %s failed: %s", sorted(r.pk for r in failed), message)
+    return len(failed)
+
+
+def retry_failed(now: datetime) -> int:
+    """FAILED replicas whose backoff has passed become PENDING again; returns how many."""
+    return (
+        Replica.objects.filter(state=ReplicaState.FAILED)
+        .filter(Q(next_attempt_at__lte=now) | Q(next_attempt_at__isnull=True))
+        .update(state=ReplicaState.PENDING)
+    )
+
+
+def stop_replicas(replicas) -> tuple[int, int]:
+    """Stop replicas: those without shards are deleted at once, the rest become STOPPING.
+
+    The leader's next tick sends stop_shard to STOPPING replicas' shards
+    (`stop_shards`). Returns (deleted, stopping).
+    """
+    ids = {r.pk for r in replicas if r.state != ReplicaState.STOPPING}
+    if not ids:
+        return 0, 0
+    with_shards = set(Shard.objects.filter(replica_id__in=ids).values_list("replica_id", flat=True))
+    idle = ids - with_shards
+    if idle:
+        Replica.objects.filter(pk__in=idle).delete()
+    if with_shards:
+        Replica.objects.filter(pk__in=with_shards).update(state=ReplicaState.STOPPING, endpoint_url="")
+    return len(idle), len(with_shards)
+
+
+def stop_replica(replica: Replica) -> None:
+    """Stop one replica (admin action), in one transaction: see `stop_replicas`."""
+    with transaction.atomic():
+        current = Replica.objects.select_for_update().filter(pk=replica.pk).first()
+        if current is None:
+            return
+        stop_replicas([current])
+        notify_work_pending()
+
+
+def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
+    """Send stop_shard for STOPPING replicas' shards (again if unanswered); delete replicas with none left.
+
+    Returns (stops sent, replicas deleted).
+    """
+    resend_before = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
+    due = list(
+        Shard.objects.filter(replica__state=ReplicaState.STOPPING)
+        .exclude(state=ShardState.STOPPED)
+        .filter(~Q(state=ShardState.STOPPING) | Q(updated_at__lt=resend_before))
+        .values_list("id", "node__name")
+    )
+    for shard_id, node_name in due:
+        outbox.stop(node_name, shard_id)
+    if due:
+        Shard.objects.filter(pk__in=[shard_id for shard_id, _ in due]).update(state=ShardState.STOPPING, updated_at=now)
+    empty = Replica.objects.filter(~Exists(Shard.objects.filter(replica=OuterRef("pk"))), state=ReplicaState.STOPPING)
+    _, deleted = empty.delete()
+    return len(due), deleted.get(Replica._meta.label, 0)
+
+
+def start_fields(shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices) -> dict:
+    """The start_shard fields of agent.protocol for one shard."""
+    return {
+        "shard_id": shard.pk,
+        "replica_id": replica.pk,
+        "rank": shard.rank,
+        "node_count": node_count,
+        "head_address": head_address,
+        "engine": replica.profile.engine,
+        "model": replica.model.name,
+        "source": replica.model.source,
+        "gpu_indices": sorted(gpu_indices),
+        "port": shard.port,
+        "args": list(replica.profile.engine_args or []),
+        "env": {},
+    }
+
+
+def mark_ready_if_whole(replica: Replica, now: datetime) -> bool:
+    """A STARTING replica whose shards are all ready becomes READY at its head's address; return whether it did."""
+    if replica.state != ReplicaState.STARTING:
+        return False
+    peers = list(Shard.objects.filter(replica_id=replica.pk).select_related("node").order_by("rank"))
+    if not all(p.state == ShardState.READY for p in peers):
+        return False
+    head = peers[0]
+    replica.state = ReplicaState.READY
+    replica.ready_at = now
+    replica.endpoint_url = f"http://{head.node.address or head.node.name}:{head.port}"
+    replica.save(update_fields=["state", "ready_at", "endpoint_url"])
+    if replica.started_at is not None:
+        _learn_start_time(replica.profile_id, (now - replica.started_at).total_seconds())
+    return True
+
+
+def _learn_start_time(profile_id: int, seconds: float) -> None:
+    """Fold one start's duration into the profile's estimate (half old, half new), in one UPDATE.
+
+    Routers turn the estimate into Retry-After for clients a cold start turned away.
+    """
+    seconds = max(0.0, seconds)
+    Profile.objects.filter(pk=profile_id).update(
+        start_seconds=Case(
+            When(start_seconds__isnull=True, then=Value(seconds)),
+            default=(F("start_seconds") + Value(seconds)) / Value(2.0),
+            output_field=FloatField(),
+        )
+    )

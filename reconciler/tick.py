@@ -1,0 +1,131 @@
+"""The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
+
+Read the hub (usage, watch mark, activations) → in one transaction fenced by
+the lease epoch: usage → liveness → slow starts → demand → retries → resends →
+placement → stops → commit → send agent commands → publish endpoints if
+changed. A constant number of queries whatever the fleet size: each step reads
+its tables once, decides in memory and writes in bulk.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from hub import ControlPlaneHub, get_hub
+
+from .demand import apply_demand
+from .endpoints import build_endpoint_table
+from .lease import Leadership, LeaseLost, get_leadership
+from .lifecycle import retry_failed, stop_shards
+from .liveness import check_liveness, fail_slow_starts
+from .outbox import Outbox
+from .placing import place_pending, resend_starts
+from .usage import collect_usage, mark_unused_since_ready
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TickReport:
+    """What one tick did. `leader` is False when this process did not hold the lease (and did nothing)."""
+
+    leader: bool
+    epoch: int = 0
+    usage_updated: int = 0
+    usage_forgotten: int = 0
+    usage_idle_since_ready: int = 0
+    nodes_unreachable: int = 0
+    nodes_lost: int = 0
+    replicas_failed: int = 0
+    replicas_created: int = 0
+    replicas_stopped: int = 0
+    replicas_idle_stopped: int = 0
+    replicas_retried: int = 0
+    replicas_placed: int = 0
+    replicas_unplaceable: int = 0
+    replicas_deleted: int = 0
+    starts_sent: int = 0
+    starts_resent: int = 0
+    stops_sent: int = 0
+    published: bool = False
+    unknown_activations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _HubReadings:
+    """What the tick read from the hub before its transaction; a failed read means "unknown", never a crash."""
+
+    stamps: dict[str, float]
+    watching_since: float | None
+    activations: set[str]
+
+
+def tick(leadership: Leadership | None = None, hub: ControlPlaneHub | None = None, now: datetime | None = None) -> TickReport:
+    """One reconcile pass, leader only; see the module docstring."""
+    leadership = leadership or get_leadership()
+    if not leadership.renew():
+        return TickReport(leader=False)
+    hub = hub or get_hub()
+    now = now or timezone.now()
+    report = TickReport(leader=True, epoch=leadership.epoch)
+    readings = _read_hub(hub)
+
+    outbox = Outbox(leadership.epoch)
+    try:
+        with transaction.atomic():
+            leadership.assert_still_leader()
+            report.usage_updated, forget = collect_usage(readings.stamps)
+            report.usage_forgotten = len(forget)
+            report.usage_idle_since_ready = mark_unused_since_ready(readings.watching_since)
+            report.nodes_unreachable, report.nodes_lost, failed = check_liveness(now, leadership, outbox)
+            report.replicas_failed = failed + fail_slow_starts(now, outbox)
+            demand = apply_demand(readings.activations, now)
+            report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
+            report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
+            report.replicas_retried = retry_failed(now)
+            report.starts_resent = resend_starts(now, outbox)
+            placing = place_pending(now, leadership.epoch, outbox)
+            report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
+            report.stops_sent, deleted = stop_shards(now, outbox)
+            report.starts_sent = placing.starts_sent
+            report.replicas_deleted = demand.deleted + deleted
+            outbox.send_on_commit()
+    except LeaseLost as exc:
+        log.warning("tick abandoned, nothing committed: %s", exc)
+        leadership.held = False
+        return TickReport(leader=False, epoch=report.epoch)
+
+    if forget:
+        try:
+            hub.forget_usage(forget)
+        except Exception as exc:
+            log.warning("could not forget usage stamps: %s", exc)
+    try:
+        report.published = hub.publish_endpoints(build_endpoint_table())
+    except Exception as exc:  # routers keep their last table and poll as a backstop
+        log.warning("could not publish endpoints: %s", exc)
+    return report
+
+
+def _read_hub(hub: ControlPlaneHub) -> _HubReadings:
+    try:
+        stamps = hub.collect_usage()
+    except Exception as exc:  # usage store down: last_used just stays as it was this tick
+        log.warning("could not collect usage: %s", exc)
+        stamps = {}
+    try:
+        watching_since = hub.watching_since()
+    except Exception as exc:  # unknown stays unknown
+        log.warning("could not read since when usage is watched: %s", exc)
+        watching_since = None
+    try:
+        activations = hub.drain_activations()
+    except Exception as exc:
+        log.warning("could not read activations: %s", exc)
+        activations = set()
+    return _HubReadings(stamps, watching_since, activations)
