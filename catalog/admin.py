@@ -4,7 +4,7 @@ from django import forms
 from django.contrib import admin
 from django.core.exceptions import ValidationError
 
-from .models import Alias, Model, Profile
+from .models import Alias, Model, Profile, name_clash
 
 
 class AliasForm(forms.ModelForm):
@@ -16,9 +16,9 @@ class AliasForm(forms.ModelForm):
 
     def clean_name(self):
         name = self.cleaned_data["name"]
-        taken = Alias.objects.filter(name=name).exclude(pk=self.instance.pk).select_related("model").first()
-        if taken is not None:
-            raise ValidationError(f"“{name}” is already an alias of model “{taken.model.name}”")
+        clash = name_clash(name, models=False, alias_pk=self.instance.pk)
+        if clash is not None:
+            raise ValidationError(clash)
         return name
 
 
@@ -32,8 +32,10 @@ class AliasFormSet(forms.BaseInlineFormSet):
         for form in self.forms:
             if not hasattr(form, "cleaned_data") or form.cleaned_data.get("DELETE"):
                 continue
-            if model_name and form.cleaned_data.get("name") == model_name:
-                form.add_error("name", f"“{model_name}” is this model's own name; an alias must differ from it")
+            name = form.cleaned_data.get("name")
+            clash = name_clash(name, own_model_name=model_name, models=False, aliases=False) if name else None
+            if clash is not None:
+                form.add_error("name", clash)
 
 
 class AliasInline(admin.TabularInline):

@@ -15,6 +15,28 @@ gpu_class_validator = RegexValidator(
 )
 
 
+def name_clash(
+    name: str, *, own_model_name: str | None = None, models: bool = True, aliases: bool = True, alias_pk=None
+) -> str | None:
+    """Why `name` cannot become a new public name, or None: model names and aliases share one namespace.
+
+    `own_model_name`: the model an alias is for (an alias must differ from it);
+    `models`/`aliases`: which existing names to check; `alias_pk`: the alias
+    being edited, which does not clash with itself.
+    """
+    if own_model_name is not None and name == own_model_name:
+        return f"“{name}” is this model's own name; an alias must differ from it"
+    if models:
+        model = Model.objects.filter(name=name).first()
+        if model is not None:
+            return f"“{name}” is already the name of model “{model.name}”"
+    if aliases:
+        alias = Alias.objects.filter(name=name).exclude(pk=alias_pk).select_related("model").first()
+        if alias is not None:
+            return f"“{name}” is already an alias of model “{alias.model.name}”"
+    return None
+
+
 class Model(models.Model):
     """A model served under a public name, with the source its weights come from."""
 
@@ -34,9 +56,9 @@ class Model(models.Model):
 
     def clean(self):
         # Another model's name is caught by the unique constraint; an alias is not.
-        alias = Alias.objects.filter(name=self.name).select_related("model").first() if self.name else None
-        if alias is not None:
-            raise ValidationError({"name": f"“{self.name}” is already an alias of model “{alias.model.name}”"})
+        clash = name_clash(self.name, models=False) if self.name else None
+        if clash is not None:
+            raise ValidationError({"name": clash})
 
 
 class Alias(models.Model):
@@ -53,11 +75,10 @@ class Alias(models.Model):
         return self.name
 
     def clean(self):
-        if not self.name:
-            return
-        clash = Model.objects.filter(name=self.name).first()
+        # Another alias is caught by the unique constraint (or AliasForm); a model's name is not.
+        clash = name_clash(self.name, aliases=False) if self.name else None
         if clash is not None:
-            raise ValidationError({"name": f"“{self.name}” is already the name of model “{clash.name}”"})
+            raise ValidationError({"name": clash})
 
 
 class Profile(models.Model):

@@ -13,16 +13,41 @@ from .models import GPU, Node, NodeCredential
 GPU_FIELDS = ["index", "uuid", "gpu_class", "memory_mb", "health", "healthy_since"]
 
 
-class GPUInline(admin.TabularInline):
-    model = GPU
-    fields = GPU_FIELDS
-    readonly_fields = GPU_FIELDS
-    extra = 0
-    can_delete = False
-    show_change_link = True
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows a process owns (agents' reports, the reconciler's decisions): listed and shown, never edited by hand.
+
+    `deletable = True` keeps deletion for rows whose removal is an operator's decision.
+    """
+
+    deletable = False
 
     def has_add_permission(self, request, obj=None):
         return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return self.deletable and super().has_delete_permission(request, obj)
+
+
+class ReadOnlyInline(admin.TabularInline):
+    """An inline of rows a process owns: shown with their parent, never added, changed or deleted here."""
+
+    extra = 0
+    can_delete = False
+
+    def get_readonly_fields(self, request, obj=None):
+        return self.get_fields(request, obj)
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+class GPUInline(ReadOnlyInline):
+    model = GPU
+    fields = GPU_FIELDS
+    show_change_link = True
 
 
 @admin.register(Node)
@@ -61,34 +86,19 @@ class NodeAdmin(admin.ModelAdmin):
 
 
 @admin.register(GPU)
-class GPUAdmin(admin.ModelAdmin):
+class GPUAdmin(ReadOnlyAdmin):
     list_display = ["__str__", "node", "index", "gpu_class", "memory_mb", "health", "healthy_since"]
     list_filter = ["gpu_class", "health", "node__fabric"]
     search_fields = ["node__name", "uuid", "gpu_class"]
     list_select_related = ["node"]
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
 
 @admin.register(NodeCredential)
-class NodeCredentialAdmin(admin.ModelAdmin):
+class NodeCredentialAdmin(ReadOnlyAdmin):
     """Read-only; deleting a credential lets the node be enrolled again with a new token."""
 
     list_display = ["node", "prefix", "created_at"]
     search_fields = ["node__name", "prefix"]
     list_select_related = ["node"]
     fields = ["node", "prefix", "created_at"]
-    readonly_fields = fields
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
+    deletable = True

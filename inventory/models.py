@@ -1,14 +1,16 @@
 """Inventory models: Node, GPU and the per-node NodeCredential."""
 
-import hashlib
-import secrets
 from datetime import timedelta
 
 from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
 
+from hub.credentials import new_secret, secret_matches
+
 from .choices import GPUHealth, NodeState
+
+TOKEN_PREFIX = "llmgw-node-"
 
 # Node names become channel-layer group names, which allow only these characters.
 node_name_validator = RegexValidator(
@@ -78,16 +80,11 @@ def gpu_in_service(health: str, healthy_since, now) -> bool:
     return healthy_since is None or healthy_since <= now - quarantine
 
 
-def hash_token(token: str) -> str:
-    """Tokens are long random strings, so one round of SHA-256 is enough to store them."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 class NodeCredentialQuerySet(models.QuerySet):
     def verify(self, node_name: str, token: str):
         """The credential for `node_name` if `token` matches it, else None."""
         cred = self.filter(node__name=node_name).select_related("node").first()
-        if cred is None or not secrets.compare_digest(cred.token_hash, hash_token(token)):
+        if cred is None or not secret_matches(cred.token_hash, token):
             return None
         return cred
 
@@ -107,4 +104,4 @@ class NodeCredential(models.Model):
 
     @staticmethod
     def new_token() -> str:
-        return "llmgw-node-" + secrets.token_urlsafe(32)
+        return new_secret(TOKEN_PREFIX)

@@ -3,8 +3,10 @@
 from django.db import transaction
 from django.utils import timezone
 
+from hub.credentials import hash_secret
+
 from .choices import GPUHealth, NodeState
-from .models import GPU, Node, NodeCredential, hash_token
+from .models import GPU, Node, NodeCredential
 
 
 class EnrolmentError(ValueError):
@@ -25,7 +27,7 @@ def enrol_node(name: str, *, address: str = "", fabric: str = "", token: str | N
     if NodeCredential.objects.filter(node=node).exists():
         raise EnrolmentError(f"node “{name}” is already enrolled; delete its credential in admin to re-enrol it")
     token = token or NodeCredential.new_token()
-    NodeCredential.objects.create(node=node, token_hash=hash_token(token), prefix=token[:16])
+    NodeCredential.objects.create(node=node, token_hash=hash_secret(token), prefix=token[:16])
     return node, token
 
 

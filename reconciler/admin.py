@@ -7,32 +7,15 @@ for a replica to be stopped through reconciler.lifecycle.
 from django.contrib import admin, messages
 from django.utils import timezone
 
+from inventory.admin import ReadOnlyAdmin, ReadOnlyInline
+
 from .lifecycle import stop_replica
 from .models import GPUAssignment, Lease, Replica, Shard
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """A list and detail view only: nothing here may be added, changed or deleted by hand."""
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
-
-class ShardInline(admin.TabularInline):
+class ShardInline(ReadOnlyInline):
     model = Shard
     fields = ["rank", "node", "port", "state", "message", "updated_at"]
-    readonly_fields = fields
-    extra = 0
-    can_delete = False
-
-    def has_add_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Replica)

@@ -5,10 +5,11 @@ import re
 import pytest
 from django.urls import reverse
 
-from inventory.models import GPU, Node, NodeCredential, hash_token
+from hub.credentials import hash_secret
+from inventory.models import GPU, Node, NodeCredential
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease
-from router.models import ApiKey, hash_key
+from router.models import ApiKey
 
 from .fleet import make_model, make_node, make_replica
 
@@ -61,7 +62,7 @@ def test_node_list_shows_gpu_count_by_class(admin_client, fleet):
 
 
 def test_gpus_and_credentials_cannot_be_added_or_edited_by_hand(admin_client, fleet):
-    NodeCredential.objects.create(node=Node.objects.first(), token_hash=hash_token("t"), prefix="llmgw-node-abc")
+    NodeCredential.objects.create(node=Node.objects.first(), token_hash=hash_secret("t"), prefix="llmgw-node-abc")
     assert admin_client.get(reverse("admin:inventory_gpu_add")).status_code == 403
     assert admin_client.get(reverse("admin:inventory_nodecredential_add")).status_code == 403
     cred = NodeCredential.objects.get()
@@ -74,7 +75,7 @@ def test_gpus_and_credentials_cannot_be_added_or_edited_by_hand(admin_client, fl
 
 
 def test_node_credential_can_be_deleted(admin_client, fleet):
-    cred = NodeCredential.objects.create(node=Node.objects.first(), token_hash=hash_token("t"), prefix="p")
+    cred = NodeCredential.objects.create(node=Node.objects.first(), token_hash=hash_secret("t"), prefix="p")
     admin_client.post(reverse("admin:inventory_nodecredential_delete", args=[cred.pk]), {"post": "yes"})
     assert not NodeCredential.objects.exists()
 
@@ -101,7 +102,7 @@ def test_adding_an_api_key_shows_the_plaintext_once_and_stores_only_its_hash(adm
     assert html.count(key) == 1 and "will not be shown again" in html
     api_key = ApiKey.objects.get()
     assert api_key.name == "team-a" and api_key.active
-    assert api_key.key_hash == hash_key(key)
+    assert api_key.key_hash == hash_secret(key)
     assert key.startswith(api_key.prefix)
     assert all(key not in str(value) for value in ApiKey.objects.values_list().get())
     # Shown once: the next page does not carry it.
