@@ -8,6 +8,8 @@ import os
 
 from django.core.exceptions import ImproperlyConfigured
 
+from agent.protocol import parse_port
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -29,21 +31,6 @@ def env_bool(name: str, default: bool = False) -> bool:
     raise ImproperlyConfigured(f"{name}={value!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
 
 
-def env_int(name: str, default: int, minimum: int | None = None, maximum: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name}={value!r} is not a whole number") from None
-    if minimum is not None and number < minimum:
-        raise ImproperlyConfigured(f"{name}={number} is below the minimum of {minimum}")
-    if maximum is not None and number > maximum:
-        raise ImproperlyConfigured(f"{name}={number} is above the maximum of {maximum}")
-    return number
-
-
 def env_float(name: str, default: float, minimum: float | None = None) -> float:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
@@ -57,15 +44,27 @@ def env_float(name: str, default: float, minimum: float | None = None) -> float:
     return number
 
 
-def env_port_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
+def env_port(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
     try:
-        low_text, high_text = value.split("-", 1)
-        low, high = int(low_text), int(high_text)
+        return parse_port(value.strip())
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}: {exc}") from None
+
+
+def env_port_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    low_text, sep, high_text = value.partition("-")
+    try:
+        if not sep:
+            raise ValueError
+        low, high = parse_port(low_text.strip()), parse_port(high_text.strip())
     except ValueError:
         raise ImproperlyConfigured(f"{name}={value!r} is not a port range like 20000-29999") from None
-    if not (1024 <= low <= high <= 65535):
+    if not (1024 <= low <= high):
         raise ImproperlyConfigured(f"{name}={value!r} must satisfy 1024 <= low <= high <= 65535")
     return low, high

@@ -10,7 +10,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import env_bool, env_float, env_int, env_port_range, env_str
+from .env import env_bool, env_float, env_port, env_port_range, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("LLMGW_VAR_DIR", str(BASE_DIR / "var")))
@@ -166,8 +166,8 @@ REST_FRAMEWORK = {
 }
 
 # --- llmgw -------------------------------------------------------------------
-LLMGW_PORT = env_int("LLMGW_PORT", 8000, 1, 65535)
-LLMGW_ROUTER_PORT = env_int("LLMGW_ROUTER_PORT", 8080, 1, 65535)
+LLMGW_PORT = env_port("LLMGW_PORT", 8000)
+LLMGW_ROUTER_PORT = env_port("LLMGW_ROUTER_PORT", 8080)
 # Seconds between reconcile ticks (Celery beat in distributed mode).
 LLMGW_TICK_SECONDS = env_float("LLMGW_TICK_SECONDS", 2.0, minimum=0.1)
 LLMGW_LEASE_NAME = "reconciler"

@@ -10,7 +10,7 @@ from asgiref.sync import async_to_sync
 from channels_redis.core import RedisChannelLayer
 from django.core.exceptions import ImproperlyConfigured
 
-from llmgw_site.env import env_bool, env_float, env_int, env_port_range
+from llmgw_site.env import env_bool, env_float, env_port, env_port_range
 from llmgw_site.settings import channel_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +31,8 @@ def django_setup(**env) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "reader, value, words",
     [
-        (lambda: env_int("LLMGW_X", 1), "ten", "not a whole number"),
-        (lambda: env_int("LLMGW_X", 1, minimum=1), "0", "below the minimum"),
+        (lambda: env_port("LLMGW_X", 1), "ten", "port 'ten' is not a number"),
+        (lambda: env_port("LLMGW_X", 1), "0", "port 0 is outside 1-65535"),
         (lambda: env_float("LLMGW_X", 1.0, minimum=0.1), "nan", "must be a number"),
         (lambda: env_bool("LLMGW_X"), "maybe", "not a boolean"),
         (lambda: env_port_range("LLMGW_X", (1, 2)), "30000", "not a port range"),
@@ -48,6 +48,8 @@ def test_bad_environment_values_name_the_variable(monkeypatch, reader, value, wo
 def test_good_environment_values_are_read(monkeypatch):
     monkeypatch.setenv("LLMGW_X", "20000-20010")
     assert env_port_range("LLMGW_X", (1, 2)) == (20000, 20010)
+    monkeypatch.setenv("LLMGW_X", "9000")
+    assert env_port("LLMGW_X", 1) == 9000
     monkeypatch.setenv("LLMGW_X", "off")
     assert env_bool("LLMGW_X", True) is False
 
@@ -56,6 +58,19 @@ def test_start_up_fails_on_a_bad_tick_interval():
     result = django_setup(LLMGW_TICK_SECONDS="soon")
     assert result.returncode != 0
     assert "LLMGW_TICK_SECONDS='soon' is not a number" in result.stderr
+
+
+def test_the_host_up_listens_on_is_an_allowed_host():
+    result = subprocess.run(
+        [sys.executable, "-c", "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; "
+         "django.setup(); from django.conf import settings; print(settings.ALLOWED_HOSTS)"],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_") and k != "ALLOWED_HOSTS"}
+        | {"LLMGW_HOST": "10.1.2.3", "LLMGW_VAR_DIR": os.environ.get("LLMGW_VAR_DIR", str(ROOT / "var"))},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "'10.1.2.3'" in result.stdout and "'localhost'" in result.stdout
 
 
 def test_a_database_url_without_a_secret_key_is_refused():

@@ -10,8 +10,7 @@ from inventory.models import GPU, Node, NodeCredential
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease
 from router.models import ApiKey
-
-from .fleet import make_model, make_node, make_replica
+from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -20,8 +19,8 @@ pytestmark = pytest.mark.django_db
 def fleet():
     a = make_node("gpu-a", gpus=8, fabric="ib-a")
     make_node("gpu-b", gpus=8, fabric="ib-b")
-    _, profile = make_model("llama-70b", gpus_per_node=4)
-    _, big = make_model("big-405b", gpus_per_node=8, nodes_per_replica=2)
+    profile = make_model("llama-70b", gpus_per_node=4, min_replicas=0).profiles.get()
+    big = make_model("big-405b", gpus_per_node=8, nodes_per_replica=2, min_replicas=0).profiles.get()
     replica = make_replica(profile, placement=[(a, [0, 1, 2, 3])], endpoint="http://127.0.0.1:21000")
     make_replica(big, state=ReplicaState.PENDING, error="needs 2 whole H100-80GB nodes on one fabric")
     return replica

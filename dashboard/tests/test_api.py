@@ -13,8 +13,7 @@ from rest_framework.test import APIClient
 from catalog.models import Alias
 from dashboard.summary import cluster_summary
 from reconciler.choices import ReplicaState
-
-from .fleet import make_model, make_node, make_replica
+from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -28,10 +27,11 @@ def staff_client():
 
 
 def grow(nodes: int, tag: str):
-    model, profile = make_model(f"model-{tag}", gpus_per_node=2)
+    model = make_model(f"model-{tag}", gpus_per_node=2, min_replicas=0)
+    profile = model.profiles.get()
     Alias.objects.create(model=model, name=f"alias-{tag}")
     for i in range(nodes):
-        node = make_node(f"{tag}-{i}", fabric=f"ib-{i % 2}")
+        node = make_node(f"{tag}-{i}", gpus=4, fabric=f"ib-{i % 2}")
         make_replica(profile, placement=[(node, [0, 1])], last_used=timezone.now() - timedelta(seconds=60) if i else None)
     make_replica(profile, state=ReplicaState.PENDING, error="no room")
 

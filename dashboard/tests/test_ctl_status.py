@@ -12,8 +12,7 @@ from dashboard.management.commands.ctl_status import usage_bar
 from dashboard.summary import cluster_summary
 from inventory.choices import NodeState
 from reconciler.choices import ReplicaState
-
-from .fleet import make_model, make_node, make_replica
+from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -23,8 +22,8 @@ def fleet():
     a = make_node("gpu-a", gpus=8, fabric="ib-a")
     make_node("gpu-b", gpus=8, fabric="ib-a")
     make_node("gpu-c", gpus=8, fabric="ib-b", state=NodeState.UNREACHABLE)
-    _, profile = make_model("llama-70b", gpus_per_node=4)
-    _, big = make_model("big-405b", gpus_per_node=8, nodes_per_replica=2)
+    profile = make_model("llama-70b", gpus_per_node=4, min_replicas=0).profiles.get()
+    big = make_model("big-405b", gpus_per_node=8, nodes_per_replica=2, min_replicas=0).profiles.get()
     known = make_replica(
         profile, placement=[(a, [0, 1, 2, 3])], last_used=timezone.now() - timedelta(seconds=192), endpoint="http://a:1"
     )

@@ -6,8 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dashboard.summary import cluster_summary
 from inventory.choices import NodeState
 from reconciler.choices import ReplicaState
-
-from .fleet import make_model, make_node, make_replica
+from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -24,10 +23,10 @@ def scrape(client) -> dict:
 
 
 def test_metrics_equal_the_cluster_summary(client):
-    a = make_node("gpu-a", fabric="ib-a")
-    make_node("gpu-b", fabric="ib-b")
-    make_node("gpu-c", fabric="ib-b", state=NodeState.UNREACHABLE)
-    _, profile = make_model("llama-70b", gpus_per_node=2)
+    a = make_node("gpu-a", gpus=4, fabric="ib-a")
+    make_node("gpu-b", gpus=4, fabric="ib-b")
+    make_node("gpu-c", gpus=4, fabric="ib-b", state=NodeState.UNREACHABLE)
+    profile = make_model("llama-70b", gpus_per_node=2, min_replicas=0).profiles.get()
     make_replica(profile, placement=[(a, [0, 1])])
     make_replica(profile, state=ReplicaState.PENDING, error="no room")
 

@@ -11,8 +11,7 @@ from inventory.choices import GPUHealth, NodeState
 from reconciler.choices import ReplicaState
 from reconciler.idle import Idle
 from reconciler.models import Lease
-
-from .fleet import make_model, make_node, make_replica, set_gpu
+from tests.fleet import make_model, make_node, make_replica, set_gpu
 
 pytestmark = pytest.mark.django_db
 
@@ -22,17 +21,19 @@ def fleet(settings):
     """A small fleet with every GPU state; returns the named rows."""
     settings.LLMGW_GPU_QUARANTINE_SECONDS = 300
     now = timezone.now()
-    a = make_node("node-a", fabric="ib-a")  # 2 used, 1 unhealthy AND assigned, 1 free
-    make_node("node-b", fabric="ib-a")  # all free
-    c = make_node("node-c", fabric="ib-b")  # 1 in quarantine
-    make_node("node-d", fabric="ib-b", state=NodeState.UNREACHABLE)  # 4 unavailable
-    make_node("node-e", fabric="ib-b", state=NodeState.LOST)  # not counted
-    make_node("node-f", fabric="ib-a", schedulable=False)  # cordoned: 4 unavailable
+    a = make_node("node-a", gpus=4, fabric="ib-a")  # 2 used, 1 unhealthy AND assigned, 1 free
+    make_node("node-b", gpus=4, fabric="ib-a")  # all free
+    c = make_node("node-c", gpus=4, fabric="ib-b")  # 1 in quarantine
+    make_node("node-d", gpus=4, fabric="ib-b", state=NodeState.UNREACHABLE)  # 4 unavailable
+    make_node("node-e", gpus=4, fabric="ib-b", state=NodeState.LOST)  # not counted
+    make_node("node-f", gpus=4, fabric="ib-a", schedulable=False)  # cordoned: 4 unavailable
     make_node("node-l", fabric="", gpu_class="L40S", gpus=2)  # all free, no fabric
     set_gpu(c, 0, healthy_since=now - timedelta(seconds=10))
-    llama, llama_profile = make_model("llama-70b", gpus_per_node=2)
-    big, big_profile = make_model("big-405b", gpus_per_node=4, nodes_per_replica=2)
-    make_model("off", enabled=False)
+    llama = make_model("llama-70b", gpus_per_node=2, min_replicas=0)
+    llama_profile = llama.profiles.get()
+    big = make_model("big-405b", gpus_per_node=4, nodes_per_replica=2, min_replicas=0)
+    big_profile = big.profiles.get()
+    make_model("off", enabled=False, min_replicas=0)
     busy = make_replica(
         llama_profile, placement=[(a, [0, 1])], last_used=now - timedelta(seconds=192), endpoint="http://a:21000"
     )
@@ -137,9 +138,9 @@ def test_leader_shows_owner_epoch_and_negative_expiry_when_expired(settings):
 
 
 def _grow_fleet(nodes: int):
-    _, profile = make_model(f"m{nodes}", gpus_per_node=2)
+    profile = make_model(f"m{nodes}", gpus_per_node=2, min_replicas=0).profiles.get()
     for i in range(nodes):
-        node = make_node(f"n{nodes}-{i}", fabric=f"ib-{i % 3}")
+        node = make_node(f"n{nodes}-{i}", gpus=4, fabric=f"ib-{i % 3}")
         make_replica(profile, placement=[(node, [0, 1])], last_used=timezone.now() if i % 2 else None)
         make_replica(profile, state=ReplicaState.PENDING, error="no room")
 

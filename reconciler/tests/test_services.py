@@ -24,33 +24,9 @@ from reconciler.models import GPUAssignment, Replica, Shard
 from reconciler.outbox import current_epoch
 from reconciler.signals import work_pending
 from reconciler.tick import tick
+from tests.fleet import H100, make_model, make_node
 
 pytestmark = pytest.mark.django_db
-H100 = "H100-80GB"
-
-
-def make_node(name, gpus=8, gpu_class=H100, fabric="", address="127.0.0.1"):
-    node = Node.objects.create(
-        name=name, address=address, fabric=fabric, state=NodeState.READY, last_seen=timezone.now()
-    )
-    GPU.objects.bulk_create(
-        GPU(node=node, index=i, uuid=f"{name}-{i}", gpu_class=gpu_class, memory_mb=81920) for i in range(gpus)
-    )
-    return node
-
-
-def make_model(name, min_replicas=1, max_replicas=1, gpus_per_node=1, nodes_per_replica=1, enabled=True, **profile):
-    model = Model.objects.create(name=name, source=f"org/{name}", enabled=enabled)
-    Profile.objects.create(
-        model=model,
-        gpu_class=profile.pop("gpu_class", H100),
-        gpus_per_node=gpus_per_node,
-        nodes_per_replica=nodes_per_replica,
-        min_replicas=min_replicas,
-        max_replicas=max_replicas,
-        **profile,
-    )
-    return model
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from llmgw_site.celery import app
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
 from reconciler.tasks import tick
-from reconciler.tests.test_services import make_model, make_node
+from tests.fleet import make_model, make_node
 
 
 @pytest.fixture

@@ -30,3 +30,11 @@ def test_a_port_in_use_is_named():
         port = taken.getsockname()[1]
         with pytest.raises(CommandError, match=f"cannot listen on 127.0.0.1:{port}"):
             call_command("up", "--host", "127.0.0.1", "--port", str(port), "--router-port", str(free_port()))
+
+
+def test_a_host_outside_allowed_hosts_is_refused_with_the_fix(settings):
+    """Settings are never patched at run time: `up --host` names the variable to set instead."""
+    settings.ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
+    with pytest.raises(CommandError, match="host 10.9.8.7 is not in ALLOWED_HOSTS .*LLMGW_HOST=10.9.8.7"):
+        call_command("up", "--host", "10.9.8.7", "--port", str(free_port()), "--router-port", str(free_port()))
+    assert settings.ALLOWED_HOSTS == ["127.0.0.1", "localhost"]

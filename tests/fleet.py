@@ -1,6 +1,4 @@
-"""Builders for fleet rows in tests: nodes with GPUs, models with a profile, placed replicas."""
-
-from datetime import timedelta
+"""The one set of fleet builders every app's tests use: nodes with GPUs, models with a profile, placed replicas."""
 
 from django.utils import timezone
 
@@ -10,26 +8,38 @@ from inventory.models import GPU, Node
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.models import GPUAssignment, Replica, Shard
 
+H100 = "H100-80GB"
 _ports = iter(range(21000, 29999))
 
 
-def make_node(name, *, gpus=4, gpu_class="H100-80GB", fabric="ib-a", state=NodeState.READY, schedulable=True):
-    """A node with `gpus` healthy GPUs of one class (long out of quarantine)."""
-    node = Node.objects.create(name=name, fabric=fabric, state=state, schedulable=schedulable, address="127.0.0.1")
-    long_ago = timezone.now() - timedelta(days=1)
+def make_node(
+    name, *, gpus=8, gpu_class=H100, fabric="", address="127.0.0.1", state=NodeState.READY, schedulable=True
+):
+    """A node that has just sent a heartbeat, with `gpus` healthy GPUs of one class."""
+    node = Node.objects.create(
+        name=name, address=address, fabric=fabric, state=state, schedulable=schedulable, last_seen=timezone.now()
+    )
     GPU.objects.bulk_create(
-        GPU(node=node, index=i, uuid=f"GPU-{name}-{i}", gpu_class=gpu_class, memory_mb=81920, healthy_since=long_ago)
-        for i in range(gpus)
+        GPU(node=node, index=i, uuid=f"GPU-{name}-{i}", gpu_class=gpu_class, memory_mb=81920) for i in range(gpus)
     )
     return node
 
 
-def make_model(name, *, gpu_class="H100-80GB", gpus_per_node=1, nodes_per_replica=1, enabled=True):
+def make_model(
+    name, *, min_replicas=1, max_replicas=1, gpus_per_node=1, nodes_per_replica=1, enabled=True, **profile
+) -> Model:
+    """A model with one profile (H100 unless `gpu_class` is given); the profile is `model.profiles.get()`."""
     model = Model.objects.create(name=name, source=f"org/{name}", enabled=enabled)
-    profile = Profile.objects.create(
-        model=model, gpu_class=gpu_class, gpus_per_node=gpus_per_node, nodes_per_replica=nodes_per_replica
+    Profile.objects.create(
+        model=model,
+        gpu_class=profile.pop("gpu_class", H100),
+        gpus_per_node=gpus_per_node,
+        nodes_per_replica=nodes_per_replica,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        **profile,
     )
-    return model, profile
+    return model
 
 
 def make_replica(profile, *, state=ReplicaState.READY, placement=(), last_used=None, endpoint="", error=""):

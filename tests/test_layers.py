@@ -1,0 +1,116 @@
+"""The dependency stack DESIGN draws, checked on the source: no import runs from a lower part to a
+higher one, the router and the hub stand alone, and no function-level import hides a cycle."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Lower numbers are lower in the stack; a package may import its own modules and lower ones.
+LAYERS = {
+    "hub": 0,
+    "catalog": 0,
+    "inventory": 1,
+    "reconciler": 2,
+    "dashboard": 3,
+    "agentlink": 3,
+    "runner": 4,
+    "llmgw_site": 5,
+}
+# Packages that stand alone: what each may import besides itself.
+ALONE = {
+    "hub": set(),
+    "router": {"hub"},  # DESIGN: the router depends on the hub only (and its own key model)
+    "agent": set(),  # runs on GPU nodes, without the control plane
+}
+# What the control plane may use of the agent package: the protocol both ends speak.
+AGENT_SHARED = {"agent.protocol"}
+# The embedded runner also runs simulated nodes' agents in its process.
+AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime"}, "router": set()}
+PROJECT = set(LAYERS) | set(ALONE)
+
+
+def source_modules():
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        parts = path.relative_to(ROOT).parts
+        if parts[0] not in PROJECT or "tests" in parts or "migrations" in parts:
+            continue
+        yield ".".join(parts).removesuffix(".py").removesuffix(".__init__"), path
+
+
+def _resolve(base: str, name: str) -> str:
+    """`base.name` if that is a module of the project, else `base` (name is an attribute of it)."""
+    candidate = f"{base}.{name}"
+    path = ROOT.joinpath(*candidate.split("."))
+    return candidate if path.with_suffix(".py").exists() or path.is_dir() else base
+
+
+def imports(path: Path, module: str):
+    """(imported project module, whether inside a function) for every import in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield alias.name, nested
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
+                for alias in child.names:
+                    yield _resolve(base, alias.name), nested
+            else:
+                yield from visit(child, nested)
+
+    for name, in_function in visit(tree, False):
+        if name.split(".")[0] in PROJECT:
+            yield name, in_function
+
+
+def allowed(importer: str, imported: str) -> bool:
+    mine, theirs = importer.split(".")[0], imported.split(".")[0]
+    if mine == theirs:
+        return True
+    if theirs == "agent":
+        return imported in AGENT_USERS.get(mine, AGENT_SHARED)
+    if mine in ALONE:
+        return theirs in ALONE[mine]
+    if theirs == "router":
+        return mine == "runner"  # only the embedded runner runs a router in its process
+    return theirs in LAYERS and LAYERS[theirs] <= LAYERS[mine]
+
+
+def test_no_import_runs_up_the_stack():
+    wrong = [
+        f"{module} imports {name}"
+        for module, path in source_modules()
+        for name, _ in imports(path, module)
+        if not allowed(module, name)
+    ]
+    assert wrong == []
+
+
+def test_no_function_level_import_of_a_project_module():
+    hidden = [
+        f"{module} imports {name} inside a function"
+        for module, path in source_modules()
+        for name, in_function in imports(path, module)
+        if in_function
+    ]
+    assert hidden == []
+
+
+def test_the_layer_check_catches_a_violation():
+    assert not allowed("inventory.models", "reconciler.models")
+    assert not allowed("router.app", "catalog.models")
+    assert not allowed("hub.memory", "reconciler.models")
+    assert not allowed("agent.runtime", "inventory.models")
+    assert not allowed("reconciler.admin", "dashboard.summary")
+    assert allowed("reconciler.tick", "hub")
+    assert allowed("agentlink.services", "reconciler.agent_reports")
+    assert allowed("inventory.models", "agent.protocol")
+    assert not allowed("dashboard.summary", "router.app")
+    assert allowed("runner.embedded", "router.app")
