@@ -1,5 +1,7 @@
 """The one set of fleet builders every app's tests use: nodes with GPUs, models with a profile, placed replicas."""
 
+from datetime import timedelta
+
 from django.utils import timezone
 
 from catalog.models import Model, Profile
@@ -59,6 +61,20 @@ def make_replica(profile, *, state=ReplicaState.READY, placement=(), last_used=N
             GPUAssignment(gpu=gpu, shard=shard) for gpu in node.gpus.filter(index__in=indices)
         )
     return replica
+
+
+def ready_replicas(model, last_used_ago):
+    """READY replicas (without shards) of `model`, one per entry: seconds since last use, or None = unknown."""
+    now = timezone.now()
+    return [
+        Replica.objects.create(
+            model=model,
+            profile=model.profiles.get(),
+            state=ReplicaState.READY,
+            last_used=None if ago is None else now - timedelta(seconds=ago),
+        )
+        for ago in last_used_ago
+    ]
 
 
 def set_gpu(node, index, *, health=GPUHealth.HEALTHY, healthy_since=None):

@@ -1,0 +1,68 @@
+"""Fixtures of the reconciler tests: a leader, its tick, an agent's inbox, and shard reports."""
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.utils import timezone
+
+from hub import get_hub
+from reconciler.agent_reports import record_shard_status
+from reconciler.lease import Leadership
+from reconciler.tick import tick
+
+
+@pytest.fixture
+def leader():
+    """This test's leader, holding the lease since long enough to declare nodes lost."""
+    leadership = Leadership(ttl=60)
+    assert leadership.renew()
+    leadership.leader_since = timezone.now() - timedelta(days=1)
+    return leadership
+
+
+@pytest.fixture
+def run_tick(leader, django_capture_on_commit_callbacks):
+    """Tick as the leader and run what it sends after commit (the test transaction never commits)."""
+
+    def run(now=None):
+        with django_capture_on_commit_callbacks(execute=True):
+            return tick(leadership=leader, hub=get_hub(), now=now)
+
+    return run
+
+
+@pytest.fixture
+def agent_inbox():
+    """Join a node's group on the real in-memory channel layer; return a function draining its commands."""
+    layer = get_channel_layer()
+
+    def join(node_name):
+        channel = async_to_sync(layer.new_channel)()
+        async_to_sync(layer.group_add)(f"node.{node_name}", channel)
+
+        async def drain():
+            commands = []
+            while True:
+                try:
+                    message = await asyncio.wait_for(layer.receive(channel), 0.05)
+                except TimeoutError:
+                    return commands
+                commands.append(message["command"])
+
+        return async_to_sync(drain)
+
+    return join
+
+
+@pytest.fixture
+def shard_report(django_capture_on_commit_callbacks):
+    """Apply an agent's shard_status report and run what it sends after commit."""
+
+    def report(node, shard, state, message="", port=None):
+        with django_capture_on_commit_callbacks(execute=True):
+            record_shard_status(node, shard.pk, state, message, port)
+
+    return report

@@ -1,0 +1,129 @@
+"""Shard reports that make replicas ready, and the endpoint table the tick publishes."""
+
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.utils import timezone
+
+from catalog.models import Alias, Model
+from hub import get_hub
+from reconciler.agent_reports import record_shard_status
+from reconciler.choices import ReplicaState, ShardState
+from reconciler.endpoints import build_endpoint_table
+from reconciler.models import Replica, Shard
+from reconciler.signals import work_pending
+from tests.fleet import make_model, make_node
+
+pytestmark = pytest.mark.django_db
+
+def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
+    run_tick, django_capture_on_commit_callbacks, shard_report):
+    node = make_node("gpu-a")
+    model = make_model("llama", priority=5, weight=3, pool="gold")
+    Alias.objects.create(model=model, name="llama-latest")
+    run_tick()
+    replica = Replica.objects.get()
+    shard = replica.shards.get()
+    hub = get_hub()
+    woken = []
+    work_pending.connect(lambda **_: woken.append(True), weak=False, dispatch_uid="test-woken")
+
+    shard_report(node, shard, "starting")
+    assert Shard.objects.get().state == ShardState.STARTING
+    Replica.objects.filter(pk=replica.pk).update(started_at=timezone.now() - timedelta(seconds=42))
+    shard_report(node, shard, "ready", port=20000)
+
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY
+    assert replica.endpoint_url == "http://127.0.0.1:20000"
+    assert replica.ready_at is not None
+    work_pending.disconnect(dispatch_uid="test-woken")
+    assert woken, "a replica turning ready must wake the ticker"
+    assert run_tick().published is True
+    table = async_to_sync(hub.read_endpoints)()
+    assert table["models"] == {"llama": {"aliases": ["llama-latest"], "start_seconds": 42.0}}
+    assert table["endpoints"] == [
+        {
+            "replica_id": str(replica.pk),
+            "model": "llama",
+            "url": "http://127.0.0.1:20000",
+            "priority": 5,
+            "weight": 3,
+            "pool": "gold",
+        }
+    ]
+
+
+def test_an_unchanged_endpoint_table_is_published_once(run_tick):
+    """DESIGN invariant 7."""
+    make_node("gpu-a")
+    make_model("llama", min_replicas=0)
+    assert run_tick().published is True
+    first = async_to_sync(get_hub().read_endpoints)()
+    assert run_tick().published is False
+    assert async_to_sync(get_hub().read_endpoints)() is first
+
+
+def test_endpoint_table_lists_enabled_models_with_profiles_in_five_queries(django_assert_max_num_queries):
+    make_model("llama", min_replicas=0)
+    make_model("off", min_replicas=0, enabled=False)
+    Model.objects.create(name="bare", source="org/bare")
+    with django_assert_max_num_queries(5):
+        table = build_endpoint_table()
+    assert table == {"models": {"llama": {"aliases": []}}, "endpoints": []}
+
+
+def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
+    make_model("llama", min_replicas=1)  # no node has its GPU class
+
+    run_tick()
+
+    assert build_endpoint_table()["models"]["llama"] == {
+        "aliases": [],
+        "unplaceable": "no node has GPU class H100-80GB",
+    }
+
+
+def test_start_times_are_learned_per_profile_as_a_moving_average(run_tick, django_capture_on_commit_callbacks, shard_report):
+    node = make_node("gpu-a")
+    model = make_model("llama", min_replicas=2, max_replicas=2)
+    run_tick()
+    first, second = Replica.objects.order_by("id")
+    for replica, took in ((first, 30), (second, 10)):
+        Replica.objects.filter(pk=replica.pk).update(started_at=timezone.now() - timedelta(seconds=took))
+        shard_report(node, replica.shards.get(), "ready")
+
+    assert model.profiles.get().start_seconds == pytest.approx(20.0, abs=0.5)  # (30 + 10) / 2
+
+
+def test_multi_node_replica_is_ready_only_when_every_shard_is(run_tick, django_capture_on_commit_callbacks, shard_report):
+    make_node("gpu-a", gpus=2, fabric="ib-a", address="10.0.0.1")
+    make_node("gpu-b", gpus=2, fabric="ib-a", address="10.0.0.2")
+    make_model("big", gpus_per_node=2, nodes_per_replica=2)
+    run_tick()
+    head, worker = Shard.objects.select_related("node").order_by("rank")
+
+    shard_report(worker.node, worker, "ready")
+    assert Replica.objects.get().state == ReplicaState.STARTING
+    shard_report(head.node, head, "ready")
+    assert Replica.objects.get().endpoint_url == f"http://10.0.0.1:{head.port}"
+
+
+def test_a_node_cannot_report_on_another_nodes_shard(run_tick, django_capture_on_commit_callbacks, shard_report):
+    make_node("gpu-a")
+    other = make_node("gpu-b", gpus=0)
+    make_model("llama")
+    run_tick()
+    shard = Shard.objects.get()
+
+    shard_report(other, shard, "ready")
+
+    assert Shard.objects.get().state == ShardState.ASSIGNED
+    assert Replica.objects.get().state == ReplicaState.STARTING
+
+
+def test_a_report_with_a_bad_state_is_refused():
+    node = make_node("gpu-a", gpus=0)
+    with pytest.raises(ValueError, match="not one of"):
+        record_shard_status(node, 1, "running")

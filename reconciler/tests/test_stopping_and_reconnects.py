@@ -1,0 +1,87 @@
+"""Stopping replicas, and what an agent's hello says about the shards it runs."""
+
+
+import pytest
+from asgiref.sync import async_to_sync
+
+from hub import get_hub
+from reconciler.agent_reports import reconcile_reported_shards
+from reconciler.choices import ReplicaState, ShardState
+from reconciler.lifecycle import stop_replica
+from reconciler.models import GPUAssignment, Replica, Shard
+from tests.fleet import make_model, make_node
+
+pytestmark = pytest.mark.django_db
+
+def test_stopping_a_replica_sends_stop_and_deletes_it_when_its_shards_stop(
+    run_tick, agent_inbox, django_capture_on_commit_callbacks, shard_report):
+    node = make_node("gpu-a")
+    make_model("llama", min_replicas=0)
+    async_to_sync(get_hub().request_activation)("llama")
+    run_tick()
+    replica, shard = Replica.objects.get(), Shard.objects.get()
+    inbox = agent_inbox("gpu-a")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        stop_replica(replica)
+    assert Replica.objects.get().state == ReplicaState.STOPPING
+    run_tick()
+    assert inbox() == [{"type": "stop_shard", "v": 1, "epoch": 1, "shard_id": shard.pk}]
+    assert run_tick().stops_sent == 0  # not re-sent before the resend interval
+
+    shard_report(node, shard, "stopped")
+    assert Replica.objects.count() == 0 and GPUAssignment.objects.count() == 0
+
+
+def test_stopping_a_replica_without_shards_deletes_it_at_once():
+    model = make_model("llama")
+    replica = Replica.objects.create(model=model, profile=model.profiles.get())
+    stop_replica(replica)
+    assert Replica.objects.count() == 0
+
+
+def test_agent_hello_keeps_known_shards_stops_orphans_and_fails_missing_ones(
+    run_tick, agent_inbox, django_capture_on_commit_callbacks
+):
+    node = make_node("gpu-a")
+    make_model("kept")
+    make_model("gone")
+    run_tick()
+    kept = Shard.objects.get(replica__model__name="kept")
+    gone = Shard.objects.get(replica__model__name="gone")
+    Shard.objects.filter(pk=gone.pk).update(state=ShardState.STARTING)  # the agent had begun starting it
+    inbox = agent_inbox("gpu-a")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile_reported_shards(
+            node,
+            [
+                {"shard_id": kept.pk, "replica_id": kept.replica_id, "state": "ready", "port": kept.port},
+                {"shard_id": 424242, "replica_id": 7, "state": "ready", "port": 29999},
+            ],
+        )
+
+    assert Replica.objects.get(model__name="kept").state == ReplicaState.READY
+    failed = Replica.objects.get(model__name="gone")
+    assert failed.state == ReplicaState.FAILED and not Shard.objects.filter(pk=gone.pk).exists()
+    assert inbox() == [{"type": "stop_shard", "v": 1, "epoch": 1, "shard_id": 424242}]
+
+
+def test_a_start_the_agent_never_answered_is_sent_again_after_its_hello_not_failed(
+    run_tick, agent_inbox, django_capture_on_commit_callbacks
+):
+    """The start may have been sent while the agent was between connections."""
+    node = make_node("gpu-a")
+    make_model("llama")
+    run_tick()
+    shard = Shard.objects.get()
+    assert shard.state == ShardState.ASSIGNED
+    inbox = agent_inbox("gpu-a")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile_reported_shards(node, [])
+    run_tick()
+
+    replica = Replica.objects.get()
+    assert replica.state == ReplicaState.STARTING and replica.failure_count == 0
+    assert [(c["type"], c["shard_id"]) for c in inbox()] == [("start_shard", shard.pk)]

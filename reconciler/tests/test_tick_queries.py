@@ -1,0 +1,45 @@
+"""A tick runs a constant number of queries whatever the fleet size."""
+
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from catalog.models import Model
+from hub import get_hub
+from inventory.models import Node
+from reconciler.choices import ReplicaState
+from reconciler.models import Replica
+from tests.fleet import make_model, make_node
+
+pytestmark = pytest.mark.django_db
+
+def fleet(size):
+    for i in range(size):
+        make_node(f"gpu-{i:02d}", gpus=2, fabric="ib-a")
+        make_model(f"model-{i:02d}", gpus_per_node=2)
+    make_model("pair", gpus_per_node=2, nodes_per_replica=2, min_replicas=0)
+
+
+def tick_queries(run_tick, now=None):
+    with CaptureQueriesContext(connection) as queries:
+        run_tick(now=now)
+    return len(queries)
+
+
+def test_a_tick_runs_the_same_number_of_queries_for_2_and_20_nodes(run_tick, django_assert_max_num_queries):
+    counts = {}
+    for size in (2, 20):
+        Replica.objects.all().delete()
+        Model.objects.all().delete()
+        Node.objects.all().delete()
+        fleet(size)
+        async_to_sync(get_hub().request_activation)("pair")
+        placing = tick_queries(run_tick)
+        assert Replica.objects.filter(state=ReplicaState.STARTING).count() == size
+        steady = tick_queries(run_tick)
+        with django_assert_max_num_queries(30):
+            run_tick()
+        counts[size] = (placing, steady)
+    assert counts[2] == counts[20]
