@@ -20,6 +20,8 @@ demo: migrate
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) manage.py makemigrations --check --dry-run
 
 test-sqlite: $(VENV)/.installed

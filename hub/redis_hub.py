@@ -10,6 +10,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable
+from typing import cast
 
 import redis
 import redis.asyncio
@@ -60,7 +61,9 @@ class RedisHub:
         return True
 
     def collect_usage(self) -> dict[str, float]:
-        return {member.decode(): score for member, score in self._sync.zrange(USAGE_KEY, 0, -1, withscores=True)}
+        # redis-py's sync client is typed as possibly awaitable; it is not.
+        rows = cast(list[tuple[bytes, float]], self._sync.zrange(USAGE_KEY, 0, -1, withscores=True))
+        return {member.decode(): score for member, score in rows}
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None:
         ids = [str(r) for r in replica_ids]
@@ -104,10 +107,10 @@ class RedisHub:
     async def record_usage(self, stamps: dict[str, float]) -> None:
         if stamps:
             # GT: newest wins, so routers flushing out of order never move a stamp back.
-            await self._aio().zadd(USAGE_KEY, stamps, gt=True)  # type: ignore[arg-type]
+            await self._aio().zadd(USAGE_KEY, stamps, gt=True)
 
     async def request_activation(self, model_name: str) -> None:
-        await self._aio().sadd(ACTIVATIONS_KEY, model_name)  # type: ignore[misc]
+        await self._aio().sadd(ACTIVATIONS_KEY, model_name)
 
     async def keep_watching(self, ttl: float) -> None:
         # Any router renews the one mark; it starts afresh only after every router stopped for `ttl`.
