@@ -241,8 +241,8 @@ def encode(message: AgentMessage | Command | Error) -> bytes:
     return _json_encoder.encode(message)
 
 
-def to_builtins(message: AgentMessage | Command | Error) -> dict[str, Any]:
-    """A message as plain dicts and lists (for channel-layer payloads, which must be msgpack-able)."""
+def to_builtins(message: Struct) -> dict[str, Any]:
+    """A message (or part of one) as plain dicts and lists, e.g. for channel-layer payloads."""
     return msgspec.to_builtins(message)
 
 
