@@ -236,6 +236,31 @@ def test_error_from_the_control_plane_is_logged(caplog):
     assert "control plane reported an error: hello names the wrong node" in caplog.text
 
 
+def test_frames_that_are_not_current_commands_are_ignored_and_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="agent.runtime")
+
+    async def scenario():
+        async with ControlPlane() as cp:
+            agent = make_agent([cp.url])
+            task = asyncio.create_task(agent.run())
+            await cp.next(protocol.HELLO)
+            await cp.ws.send("{not json")
+            await cp.send({"type": "remove_weights", "v": 1, "epoch": 1})
+            await cp.send(protocol.command(protocol.STOP_SHARD, 7, shard_id=98))
+            assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 98
+            # A malformed start from a deposed leader is not answered: only current leaders are.
+            await cp.send(start_command(20, 0, epoch=6))
+            await cp.send(protocol.command(protocol.STOP_SHARD, 7, shard_id=99))
+            assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 99
+            await agent.shutdown()
+            await task
+
+    run(scenario())
+    assert "message is not JSON" in caplog.text
+    assert "unknown message type 'remove_weights'" in caplog.text
+    assert "epoch 6 is older than epoch 7" in caplog.text
+
+
 def test_engine_that_exits_while_starting_reports_failed_with_its_last_output():
     async def scenario():
         async with ControlPlane() as cp:
