@@ -70,15 +70,11 @@ class ProtocolError(ValueError):
 
 def parse_port(text: str | int) -> int:
     """A TCP port from text or an int; ValueError says why not (the one port rule of the project)."""
-    if isinstance(text, bool):
-        raise ValueError(f"port {text!r} is not a number")
-    if isinstance(text, int):
-        port = text
-    else:
-        try:
-            port = int(text.strip())
-        except ValueError:
-            raise ValueError(f"port {text!r} is not a number") from None
+    try:
+        # type() rather than isinstance(): True is not port 1.
+        port = text if type(text) is int else int(str(text))
+    except ValueError:
+        raise ValueError(f"port {text!r} is not a number") from None
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is outside 1-65535")
     return port
@@ -93,9 +89,7 @@ def _no_repeated_gpus(indices: list[int], where: str) -> None:
         seen.add(index)
 
 
-# -- parts of messages (untagged: they are list items, not messages) ----------
-
-
+# The parts of messages below are untagged and unversioned: they are list items, not messages.
 class GPUReport(Struct, frozen=True, kw_only=True):
     """One GPU as `hello` describes it."""
 
@@ -129,10 +123,9 @@ class ShardHeartbeat(Struct, frozen=True, kw_only=True):
     state: str
 
 
-# -- messages ----------------------------------------------------------------
-
-
 class _Message(Struct, frozen=True, kw_only=True, tag_field="type"):
+    """What every message has: its `type` tag (set by each subclass) and the protocol version."""
+
     v: int = PROTOCOL_VERSION
 
 
@@ -223,9 +216,6 @@ _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 
 
-# -- the gates -----------------------------------------------------------------
-
-
 def decode_agent_message(raw: str | bytes) -> AgentMessage:
     """The control plane's gate: a frame from an agent as a typed message; ProtocolError if malformed."""
     return _check(_json(raw), _AGENT_MESSAGES)
@@ -275,7 +265,7 @@ def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
     if kind not in types:
         raise ProtocolError(f"unknown message type {kind!r}; expected one of {', '.join(types)}", **found)
     if kind == START_SHARD and isinstance(obj.get("args"), str):
-        # Said plainly, since this is the mistake that would otherwise pass through a shell.
+        # Engine args look like a command line, so this is the likely mistake; name it, not a type mismatch.
         raise ProtocolError(
             "start_shard: engine args must be a list of strings (an argv), not a shell string - at `$.args`", **found
         )
@@ -283,9 +273,6 @@ def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
         return msgspec.convert(obj, types[kind], strict=True)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"{kind}: {exc}", **found) from None
-
-
-# -- transitional: dict-based API kept until the control plane uses the structs --
 
 
 def parse_agent_message(msg: Any) -> dict[str, Any]:

@@ -114,7 +114,6 @@ class Agent:
         shard = self._shards.get(shard_id)
         return shard.engine.pid if shard else None
 
-    # -- what the agent says ---------------------------------------------------------
     def _hello(self) -> bytes:
         return protocol.encode(
             protocol.Hello(
@@ -144,7 +143,6 @@ class Agent:
         if not await self._link.send(protocol.encode(status)):
             log.debug("not connected; dropped shard_status for shard %s", shard_id)
 
-    # -- commands ----------------------------------------------------------------
     async def _receive(self, raw: str | bytes) -> None:
         try:
             message = protocol.decode_command(raw)
