@@ -79,6 +79,7 @@ class ControlPlane:
         self.messages: asyncio.Queue = asyncio.Queue()
         self.headers: list[dict] = []
         self.connections = 0
+        self.frame_types: set[type] = set()
         self.ws = None
 
     async def __aenter__(self):
@@ -104,6 +105,7 @@ class ControlPlane:
             return
         with contextlib.suppress(Exception):
             async for raw in ws:
+                self.frame_types.add(type(raw))
                 await self.messages.put(json.loads(raw))
 
     async def next(self, kind: str, timeout: float = 5.0) -> dict:

@@ -63,3 +63,17 @@ def test_lost_connection_is_retried_on_the_next_control_plane_and_hello_reports_
             await task
 
     run(scenario())
+
+
+def test_messages_are_sent_as_json_text_frames():
+    async def scenario():
+        async with ControlPlane() as cp:
+            agent = make_agent([cp.url])
+            task = asyncio.create_task(agent.run())
+            await cp.next(protocol.HELLO)
+            await cp.next(protocol.HEARTBEAT)
+            await agent.shutdown()
+            await task
+            assert cp.frame_types == {str}
+
+    run(scenario())
