@@ -12,6 +12,8 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
+from .protocol import GPUReport, to_builtins
+
 NVIDIA_SMI_QUERY = ["--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
 
 # Sizes GPUs are sold with, in GB. nvidia-smi reports a little less than the
@@ -42,14 +44,15 @@ class GPUInfo:
     memory_mb: int
     healthy: bool = True
 
+    def report(self) -> GPUReport:
+        """This GPU as `hello` carries it."""
+        return GPUReport(
+            index=self.index, uuid=self.uuid, gpu_class=self.gpu_class, memory_mb=self.memory_mb, healthy=self.healthy
+        )
+
     def to_message(self) -> dict:
-        return {
-            "index": self.index,
-            "uuid": self.uuid,
-            "gpu_class": self.gpu_class,
-            "memory_mb": self.memory_mb,
-            "healthy": self.healthy,
-        }
+        """This GPU as the JSON object in `hello`."""
+        return to_builtins(self.report())
 
 
 def parse_fake_gpus(spec: str, node_name: str = "") -> list[GPUInfo]:

@@ -8,8 +8,9 @@ embeddings and the model list, and exposes `/health` and a vLLM-style
 they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
 
-This module imports nothing from Django: the agent starts one per simulated
-shard and the demo must be ready within a second.
+This module imports nothing from Django (only the agent's protocol, for the
+port rule): the agent starts one per simulated shard and the demo must be
+ready within a second.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 import uuid
 
 from aiohttp import web
+
+from .protocol import parse_port
 
 EMBEDDING_DIMENSIONS = 16
 # Simulated KV-cache slots, so gpu_cache_usage_perc moves with the running requests.
@@ -342,12 +345,10 @@ def create_app(model: str, token_delay_ms: float = 0.0) -> web.Application:
 
 def _port(text: str) -> int:
     try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be from 1 to 65535, got {port}")
-    return port
+        return parse_port(text)
+    except ValueError as exc:
+        # argparse shows the text of an ArgumentTypeError only; a ValueError would become "invalid value".
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _delay(text: str) -> float:

@@ -1,19 +1,18 @@
-"""The agent protocol: JSON messages over the WebSocket at /agent/ws.
+"""The agent protocol: typed JSON messages over the WebSocket at /agent/ws.
 
-Both ends import this module, so a message is described in one place. Every
-message carries `type` and `v` (PROTOCOL_VERSION). `parse_agent_message` is the
-control plane's gate: anything malformed raises ProtocolError with a sentence
-naming the problem, and nothing is written.
+Each message is a frozen msgspec Struct defined once here; both ends build
+with these types and check what they receive with the two gates below, so the
+receiving side trusts what the gate let through (CONVENTIONS, "typed
+structures defined once"). Every message carries `type` (its tag) and `v`.
 
-agent → control plane
+agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   hello         node, version, address, fabric, labels{}, gpus[], shards[]
-                gpus:   [{index, uuid, gpu_class, memory_mb, healthy}]
-                shards: [{shard_id, replica_id, state, port}]   (what it runs now)
-  heartbeat     gpus: [{index, healthy}], shards: [{shard_id, state}]
+  heartbeat     gpus[{index, healthy}], shards[{shard_id, state}]
   shard_status  shard_id, state (starting|ready|failed|stopped), message, port
 
-control plane → agent (each stamped with the leader's lease `epoch`; an agent
-refuses a command older than the newest epoch it has seen — fencing)
+control plane → agent (`Command`, checked by `decode_command`); each command is
+stamped with the leader's lease `epoch`, and an agent refuses one older than
+the newest epoch it has seen (fencing, DESIGN invariant 1)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{}
   stop_shard    epoch, shard_id
@@ -21,7 +20,12 @@ refuses a command older than the newest epoch it has seen — fencing)
   error         message   (the control plane could not accept a message)
 """
 
-from typing import Any
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+import msgspec
+from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
 
@@ -33,113 +37,261 @@ STOP_SHARD = "stop_shard"
 DRAIN_SHARD = "drain_shard"
 ERROR = "error"
 
-SHARD_REPORT_STATES = ("starting", "ready", "failed", "stopped")
+ShardState = Literal["starting", "ready", "failed", "stopped"]
+SHARD_REPORT_STATES: tuple[str, ...] = get_args(ShardState)
 
 # Close codes the control plane uses (4000-4999 are application codes).
 CLOSE_UNAUTHORIZED = 4001
 CLOSE_SUPERSEDED = 4002
 CLOSE_PROTOCOL = 4003
 
+# Node names become channel-layer group names, hence the short, plain alphabet.
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+PORT = Annotated[int, Meta(ge=1, le=65535)]
+NodeName = Annotated[str, Meta(pattern=NODE_NAME_PATTERN)]
+GPUIndex = Annotated[int, Meta(ge=0)]
+
 
 class ProtocolError(ValueError):
-    """A message that does not follow the protocol; the text says what is wrong."""
+    """A message that does not follow the protocol; the text says what is wrong.
+
+    `kind`, `epoch` and `shard_id` hold what could still be read from the
+    message (None otherwise), so an agent can answer a malformed start for a
+    shard it can name instead of leaving the control plane waiting.
+    """
+
+    def __init__(self, text: str, kind: str | None = None, epoch: int | None = None, shard_id: int | None = None):
+        super().__init__(text)
+        self.kind = kind
+        self.epoch = epoch
+        self.shard_id = shard_id
 
 
-def _require(msg: dict, key: str, kind, where: str):
-    if key not in msg:
-        raise ProtocolError(f"{where}: missing field “{key}”")
-    value = msg[key]
-    if kind is int and isinstance(value, bool):
-        raise ProtocolError(f"{where}: field “{key}” must be an integer")
-    if not isinstance(value, kind):
-        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ProtocolError(f"{where}: field “{key}” must be {name}, got {type(value).__name__}")
-    return value
-
-
-def _gpus(msg: dict, where: str, full: bool) -> list[dict]:
-    gpus = _require(msg, "gpus", list, where)
-    seen = set()
-    for i, gpu in enumerate(gpus):
-        at = f"{where}.gpus[{i}]"
-        if not isinstance(gpu, dict):
-            raise ProtocolError(f"{at}: must be an object")
-        index = _require(gpu, "index", int, at)
-        if index < 0 or index in seen:
-            raise ProtocolError(f"{at}: index {index} is negative or repeated")
-        seen.add(index)
-        _require(gpu, "healthy", bool, at)
-        if full:
-            _require(gpu, "uuid", str, at)
-            if not _require(gpu, "gpu_class", str, at):
-                raise ProtocolError(f"{at}: gpu_class is empty")
-            if _require(gpu, "memory_mb", int, at) < 0:
-                raise ProtocolError(f"{at}: memory_mb is negative")
-    return gpus
-
-
-def _shards(msg: dict, where: str) -> list[dict]:
-    shards = msg.get("shards", [])
-    if not isinstance(shards, list):
-        raise ProtocolError(f"{where}: field “shards” must be a list")
-    for i, shard in enumerate(shards):
-        at = f"{where}.shards[{i}]"
-        if not isinstance(shard, dict):
-            raise ProtocolError(f"{at}: must be an object")
-        _require(shard, "shard_id", int, at)
-        _require(shard, "state", str, at)
-    return shards
-
-
-def parse_agent_message(msg: Any) -> dict:
-    """Validate a message from an agent and return it; raise ProtocolError if malformed."""
-    if not isinstance(msg, dict):
-        raise ProtocolError("a message must be a JSON object")
-    kind = msg.get("type")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (this control plane speaks {PROTOCOL_VERSION})")
-    if kind == HELLO:
-        _require(msg, "node", str, kind)
-        _require(msg, "version", str, kind)
-        _require(msg, "address", str, kind)
-        fabric = msg.setdefault("fabric", "")
-        if not isinstance(fabric, str):
-            raise ProtocolError("hello: field “fabric” must be str")
-        labels = msg.setdefault("labels", {})
-        if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-            raise ProtocolError("hello: field “labels” must be an object of strings")
-        _gpus(msg, kind, full=True)
-        _shards(msg, kind)
-    elif kind == HEARTBEAT:
-        _gpus(msg, kind, full=False)
-        _shards(msg, kind)
-    elif kind == SHARD_STATUS:
-        _require(msg, "shard_id", int, kind)
-        state = _require(msg, "state", str, kind)
-        if state not in SHARD_REPORT_STATES:
-            raise ProtocolError(f"shard_status: state “{state}” is not one of {', '.join(SHARD_REPORT_STATES)}")
-        msg.setdefault("message", "")
-        if not isinstance(msg["message"], str):
-            raise ProtocolError("shard_status: field “message” must be str")
-        port = msg.setdefault("port", None)
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-            raise ProtocolError("shard_status: field “port” must be a TCP port")
-    else:
-        raise ProtocolError(f"unknown message type {kind!r}")
-    return msg
-
-
-def command(kind: str, epoch: int, **fields) -> dict:
-    """Build a control-plane → agent command."""
-    return {"type": kind, "v": PROTOCOL_VERSION, "epoch": epoch, **fields}
-
-
-def parse_port(value) -> int:
-    """A TCP port from text or a number, or ValueError naming what is wrong."""
+def parse_port(text: str | int) -> int:
+    """A TCP port from text or an int; ValueError says why not (the one port rule of the project)."""
     try:
-        port = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"port {value!r} is not a number") from None
-    if not 0 < port < 65536:
+        # type() rather than isinstance(): True is not port 1.
+        port = text if type(text) is int else int(str(text))
+    except ValueError:
+        raise ValueError(f"port {text!r} is not a number") from None
+    if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is outside 1-65535")
     return port
+
+
+def _no_repeated_gpus(indices: list[int], where: str) -> None:
+    seen: set[int] = set()
+    for index in indices:
+        if index in seen:
+            # __post_init__ errors carry no path at the top level, so the sentence names the field.
+            raise ValueError(f"GPU index {index} is repeated in `{where}`")
+        seen.add(index)
+
+
+# The parts of messages below are untagged and unversioned: they are list items, not messages.
+class GPUReport(Struct, frozen=True, kw_only=True):
+    """One GPU as `hello` describes it."""
+
+    index: GPUIndex
+    uuid: str
+    gpu_class: Annotated[str, Meta(min_length=1)]
+    memory_mb: Annotated[int, Meta(ge=0)]
+    healthy: bool
+
+
+class GPUHealth(Struct, frozen=True, kw_only=True):
+    """One GPU's health as `heartbeat` reports it."""
+
+    index: GPUIndex
+    healthy: bool
+
+
+class RunningShard(Struct, frozen=True, kw_only=True):
+    """A shard the agent runs now, as `hello` reports it (the control plane adopts or stops it)."""
+
+    shard_id: int
+    replica_id: int | None
+    state: str
+    port: PORT | None
+
+
+class ShardHeartbeat(Struct, frozen=True, kw_only=True):
+    """A running shard's state as `heartbeat` reports it."""
+
+    shard_id: int
+    state: str
+
+
+class _Message(Struct, frozen=True, kw_only=True, tag_field="type"):
+    """What every message has: its `type` tag (set by each subclass) and the protocol version."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
+    """The agent's first message on a stream: who it is, its GPUs and the shards it runs."""
+
+    node: NodeName
+    version: str
+    address: str
+    fabric: str = ""
+    labels: dict[str, str] = {}
+    gpus: list[GPUReport]
+    shards: list[RunningShard] = []
+
+    def __post_init__(self) -> None:
+        _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
+
+
+class Heartbeat(_Message, frozen=True, kw_only=True, tag=HEARTBEAT):
+    """The agent's periodic report: GPU health and the state of each shard."""
+
+    gpus: list[GPUHealth]
+    shards: list[ShardHeartbeat] = []
+
+    def __post_init__(self) -> None:
+        _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
+
+
+class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
+    """A change of one shard's state; `port` is set once it is ready."""
+
+    shard_id: int
+    state: ShardState
+    message: str = ""
+    port: PORT | None = None
+
+
+class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
+    """Start one shard (one node's part of a replica) on the given GPUs and port."""
+
+    epoch: int
+    shard_id: int
+    replica_id: int | None = None
+    rank: Annotated[int, Meta(ge=0)] = 0
+    node_count: Annotated[int, Meta(ge=1)] = 1
+    head_address: str = ""
+    engine: str
+    model: str
+    source: str
+    gpu_indices: list[GPUIndex]
+    port: PORT
+    args: list[str] = []
+    env: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        _no_repeated_gpus(self.gpu_indices, "gpu_indices")
+
+
+class StopShard(_Message, frozen=True, kw_only=True, tag=STOP_SHARD):
+    """Stop a shard's engine now (SIGTERM, then SIGKILL after a grace)."""
+
+    epoch: int
+    shard_id: int
+
+
+class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
+    """Stop a shard's engine once its in-flight requests are done."""
+
+    epoch: int
+    shard_id: int
+
+
+class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
+    """The control plane could not accept a message; the text says why."""
+
+    message: str
+
+
+AgentMessage = Hello | Heartbeat | ShardStatus
+Command = StartShard | StopShard | DrainShard
+
+_AGENT_MESSAGES: dict[str, type[Any]] = {HELLO: Hello, HEARTBEAT: Heartbeat, SHARD_STATUS: ShardStatus}
+_COMMANDS: dict[str, type[Any]] = {START_SHARD: StartShard, STOP_SHARD: StopShard, DRAIN_SHARD: DrainShard}
+_FROM_CONTROL_PLANE: dict[str, type[Any]] = {**_COMMANDS, ERROR: Error}
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+_json_decoder = msgspec.json.Decoder()
+_json_encoder = msgspec.json.Encoder()
+
+
+def decode_agent_message(raw: str | bytes) -> AgentMessage:
+    """The control plane's gate: a frame from an agent as a typed message; ProtocolError if malformed."""
+    return _check(_json(raw), _AGENT_MESSAGES)
+
+
+def decode_command(raw: str | bytes) -> Command | Error:
+    """The agent's gate: a frame from the control plane as a typed command (or error); ProtocolError if malformed."""
+    return _check(_json(raw), _FROM_CONTROL_PLANE)
+
+
+def encode(message: AgentMessage | Command | Error) -> bytes:
+    """A message as JSON bytes, the form it takes on the WebSocket."""
+    return _json_encoder.encode(message)
+
+
+def to_builtins(message: Struct) -> dict[str, Any]:
+    """A message (or part of one) as plain dicts and lists, e.g. for channel-layer payloads."""
+    return msgspec.to_builtins(message)
+
+
+def _json(raw: str | bytes) -> Any:
+    try:
+        return _json_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
+    """Validate a decoded JSON value against the message type its `type` names."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a JSON object, not {_JSON_KINDS.get(type(obj), 'null')}")
+    kind, version = obj.get("type"), obj.get("v")
+    found: dict[str, Any] = {
+        "kind": kind if isinstance(kind, str) else None,
+        "epoch": _int_or_none(obj.get("epoch")),
+        "shard_id": _int_or_none(obj.get("shard_id")),
+    }
+    # The version is checked first: another version may name its types and fields differently.
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported; this end speaks version {PROTOCOL_VERSION}", **found
+        )
+    if kind not in types:
+        raise ProtocolError(f"unknown message type {kind!r}; expected one of {', '.join(types)}", **found)
+    if kind == START_SHARD and isinstance(obj.get("args"), str):
+        # Engine args look like a command line, so this is the likely mistake; name it, not a type mismatch.
+        raise ProtocolError(
+            "start_shard: engine args must be a list of strings (an argv), not a shell string - at `$.args`", **found
+        )
+    try:
+        return msgspec.convert(obj, types[kind], strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{kind}: {exc}", **found) from None
+
+
+def parse_agent_message(msg: Any) -> dict[str, Any]:
+    """Transitional: validate an already-decoded agent message through the structs and return it as a dict.
+
+    The dict has every field, defaults filled in. Raises ProtocolError like
+    `decode_agent_message`. Remove once inventory/consumers.py decodes frames
+    with `decode_agent_message`.
+    """
+    return to_builtins(_check(msg, _AGENT_MESSAGES))
+
+
+def command(kind: str, epoch: int, **fields: Any) -> dict[str, Any]:
+    """Transitional: build a control-plane → agent command through its struct and return it as a dict.
+
+    Remove once reconciler/services.py builds StartShard/StopShard directly.
+    """
+    try:
+        struct = _COMMANDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown command {kind!r}; expected one of {', '.join(_COMMANDS)}") from None
+    return to_builtins(struct(epoch=epoch, **fields))

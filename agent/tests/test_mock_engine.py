@@ -205,8 +205,8 @@ def test_engine_exits_cleanly_on_sigterm_and_sigint(sig):
     ("argv", "problem"),
     [
         (["--model", "m"], "--port"),
-        (["--port", "70000", "--model", "m"], "port must be from 1 to 65535"),
-        (["--port", "x", "--model", "m"], "port must be an integer"),
+        (["--port", "70000", "--model", "m"], "port 70000 is outside 1-65535"),
+        (["--port", "x", "--model", "m"], "port 'x' is not a number"),
         (["--port", "8000", "--model", ""], "model name must not be empty"),
         (["--port", "8000", "--model", "m", "--token-delay-ms", "-1"], "token delay"),
     ],

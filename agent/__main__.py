@@ -1,0 +1,7 @@
+"""`python -m agent`: the node agent without Django (see agent/cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,181 @@
+"""`python -m agent`: run this machine's node agent until Ctrl-C or SIGTERM, without Django.
+
+    python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
+        --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
+        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5]
+
+A GPU node runs only this: it imports no Django and no control-plane settings,
+so it creates no var/ folder and no secret key there. `manage.py agent` is a
+thin wrapper over the same functions, for a checkout that has the control plane.
+Bad input is one sentence naming the problem (UsageError) and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from .gpus import GPUDiscoveryError, discover_gpus
+from .protocol import NODE_NAME_PATTERN
+from .runtime import Agent, AgentRejected
+
+HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
+DEFAULT_HEARTBEAT_SECONDS = 5.0
+# The control plane's settings use the same floor for the same variable.
+MIN_HEARTBEAT_SECONDS = 0.1
+NODE_NAME = re.compile(NODE_NAME_PATTERN)
+LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+CONTROL_PLANE_URL = re.compile(r"^wss?://[^/\s]+")
+
+
+class UsageError(Exception):
+    """Bad input to the agent command; the text is one sentence naming the problem."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent's options, shared by `python -m agent` and `manage.py agent`."""
+    parser.add_argument(
+        "--control-plane",
+        action="append",
+        dest="control_planes",
+        default=[],
+        metavar="URL",
+        help="ws:// or wss:// address of /agent/ws; repeat for several control-plane processes",
+    )
+    parser.add_argument("--node", required=True, help="this node's enrolled name")
+    parser.add_argument("--token", default=None, help="the node credential (default: $LLMGW_NODE_TOKEN)")
+    parser.add_argument("--fake-gpus", default=None, help="simulate GPUs, e.g. 8xH100-80GB or 4xL40S-48GB,2xA100-40GB")
+    parser.add_argument("--fabric", default="", help="interconnect domain of this node, e.g. ib-a")
+    parser.add_argument("--address", default=None, help="host or IP engines are reached on (default: this host's)")
+    parser.add_argument("--label", action="append", dest="labels", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=None,
+        help=f"seconds between heartbeats (default: ${HEARTBEAT_ENV}, else {DEFAULT_HEARTBEAT_SECONDS:g})",
+    )
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    """`k=v` strings to a dict; UsageError names the first bad one."""
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not LABEL_KEY.match(key):
+            raise UsageError(f"Label {item!r} is not key=value with a key of letters, digits and . _ / -.")
+        labels[key] = value
+    return labels
+
+
+def heartbeat_from_env(environ: Mapping[str, str] = os.environ) -> float:
+    """The heartbeat interval from LLMGW_HEARTBEAT_SECONDS, as the control plane's settings read it."""
+    value = environ.get(HEARTBEAT_ENV, "")
+    if not value.strip():
+        return DEFAULT_HEARTBEAT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise UsageError(f"{HEARTBEAT_ENV}={value!r} is not a number.") from None
+    if math.isnan(seconds) or seconds < MIN_HEARTBEAT_SECONDS:
+        raise UsageError(f"{HEARTBEAT_ENV}={value!r} must be a number of at least {MIN_HEARTBEAT_SECONDS}.")
+    return seconds
+
+
+def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> Agent:
+    """The Agent the parsed options describe; UsageError names the first bad option."""
+    control_planes = options["control_planes"]
+    if not control_planes:
+        raise UsageError("Give at least one --control-plane ws://HOST:PORT/agent/ws address.")
+    for uri in control_planes:
+        if not CONTROL_PLANE_URL.match(uri):
+            raise UsageError(f"Control-plane address {uri!r} must be a ws:// or wss:// URL.")
+    node = options["node"]
+    if not NODE_NAME.match(node):
+        raise UsageError(f"Node name {node!r} must be letters, digits and . _ - (at most 63 characters).")
+    token = options["token"] or os.environ.get("LLMGW_NODE_TOKEN", "")
+    if not token:
+        raise UsageError("Give the node credential with --token or the LLMGW_NODE_TOKEN environment variable.")
+    heartbeat = options["heartbeat_seconds"]
+    if heartbeat is None:
+        heartbeat = default_heartbeat
+    if not heartbeat > 0:
+        raise UsageError(f"--heartbeat-seconds must be positive, got {heartbeat}.")
+    labels = parse_labels(options["labels"])
+    try:
+        gpus = discover_gpus(options["fake_gpus"], node)
+    except (ValueError, GPUDiscoveryError) as exc:
+        raise UsageError(f"Cannot discover GPUs: {exc}.") from None
+    return Agent(
+        control_planes,
+        node,
+        token,
+        gpus,
+        address=options["address"] or socket.getfqdn(),
+        fabric=options["fabric"],
+        labels=labels,
+        heartbeat_seconds=heartbeat,
+    )
+
+
+def configure_logging(environ: Mapping[str, str] = os.environ) -> None:
+    """Log as the control plane does: plain lines on stderr at $LOG_LEVEL (default INFO)."""
+    level = environ.get("LOG_LEVEL", "").strip().upper() or "INFO"
+    if not isinstance(logging.getLevelName(level), int):
+        raise UsageError(f"LOG_LEVEL={level!r} is not a log level (DEBUG, INFO, WARNING, ERROR).")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the agent's health polls would drown the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def describe(agent: Agent) -> str:
+    """The line printed when the agent starts."""
+    return f"agent for node {agent.node}: {len(agent.gpus)} GPU(s), control plane {', '.join(agent.control_planes)}"
+
+
+async def run_until_signalled(agent: Agent) -> None:
+    """Run the agent until SIGINT or SIGTERM, then stop its engines; AgentRejected if refused."""
+    loop = asyncio.get_running_loop()
+    pending: list[asyncio.Future] = []
+
+    def on_signal() -> None:
+        # Signal handlers cannot await; the shutdown runs as a task and run() returns after it.
+        pending.append(asyncio.ensure_future(agent.shutdown()))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await agent.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m agent`; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m agent",
+        description="Run the node agent: connect to the control plane and start or stop engine shards "
+        "on this node's GPUs.",
+    )
+    add_arguments(parser)
+    options = vars(parser.parse_args(argv))
+    try:
+        agent = agent_from_options(options, heartbeat_from_env())
+        configure_logging()
+        print(describe(agent), flush=True)
+        asyncio.run(run_until_signalled(agent))
+    except (UsageError, AgentRejected) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"agent for node {agent.node} stopped", flush=True)
+    return 0

@@ -1,0 +1,189 @@
+"""The agent's stream to the control plane: connect, greet, keep alive, reconnect.
+
+The link authenticates with the node's credential, rotates through several
+control-plane addresses when one fails (DESIGN invariant 9), and backs off
+with jitter between attempts. A refused credential or a newer connection for
+the same node (invariant 8) ends it with AgentRejected or AgentSuperseded:
+retrying would not help, and two agents must not fight over one node.
+
+It knows nothing of what the messages mean; agent/runtime.py supplies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from .protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
+
+log = logging.getLogger(__name__)
+
+BACKOFF_FIRST_SECONDS = 0.2
+BACKOFF_MAX_SECONDS = 30.0
+
+
+class AgentRejected(Exception):
+    """The control plane refused this node's credential; retrying would not help."""
+
+
+class AgentSuperseded(AgentRejected):
+    """Another connection for this node replaced ours; this process no longer speaks for the node."""
+
+
+class ControlPlaneLink:
+    """One node's connection to whichever control-plane process answers; `await run(...)` holds it."""
+
+    def __init__(self, control_planes: list[str], node: str, token: str, heartbeat_seconds: float):
+        if not control_planes:
+            raise ValueError("an agent needs at least one control-plane address")
+        for uri in control_planes:
+            if not uri.startswith(("ws://", "wss://")):
+                raise ValueError(f"control-plane address {uri!r} must start with ws:// or wss://")
+        if not node:
+            raise ValueError("an agent needs a node name")
+        if not token:
+            raise ValueError("an agent needs its node credential (token)")
+        if heartbeat_seconds <= 0:
+            raise ValueError(f"heartbeat interval must be positive, got {heartbeat_seconds}")
+        self.control_planes = list(control_planes)
+        self.node = node
+        self.token = token
+        self.heartbeat_seconds = heartbeat_seconds
+        self.closing = asyncio.Event()
+        self._ws: ClientConnection | None = None
+        # One frame at a time: heartbeats and replies come from different tasks.
+        self._send_lock = asyncio.Lock()
+
+    async def run(
+        self,
+        hello: Callable[[], bytes],
+        heartbeat: Callable[[], bytes],
+        receive: Callable[[str | bytes], Awaitable[None]],
+    ) -> None:
+        """Hold the stream until close(); raise AgentRejected if the control plane refuses the node.
+
+        Each connection starts with `hello()`, sends `heartbeat()` every
+        interval, and hands every frame received to `receive`. Connection
+        losses are retried with backoff, rotating through the addresses.
+        """
+        failures = 0
+        turn = 0
+        while not self.closing.is_set():
+            uri = self.control_planes[turn % len(self.control_planes)]
+            try:
+                ws = await self._connect(uri)
+                if ws is None:
+                    return
+                failures = 0
+                await self._session(ws, uri, hello, heartbeat, receive)
+            except InvalidStatus as exc:
+                status = exc.response.status_code
+                if status in (401, 403):
+                    raise AgentRejected(
+                        f"control plane {uri} refused node “{self.node}” (HTTP {status}): "
+                        "its credential is wrong or revoked; enrol the node again"
+                    ) from None
+                log.warning("control plane %s answered HTTP %s to the agent handshake", uri, status)
+            except InvalidURI as exc:
+                raise ValueError(f"control-plane address {uri!r} is not a WebSocket URI: {exc}") from None
+            except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
+                if isinstance(exc, ConnectionClosed):
+                    self._check_close(exc.rcvd.code if exc.rcvd else None, uri)
+                log.warning("control plane %s unreachable or lost: %s", uri, exc or type(exc).__name__)
+            if self.closing.is_set():
+                return
+            turn += 1
+            delay = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** min(failures, 16))
+            failures += 1
+            # Jitter keeps a fleet that lost its control plane from reconnecting in lockstep.
+            delay *= random.uniform(0.8, 1.2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.closing.wait(), delay)
+
+    async def send(self, frame: bytes, ws: ClientConnection | None = None) -> bool:
+        """Send a JSON frame on the current stream; a lost frame is fine, `hello` re-reports on reconnect."""
+        ws = ws or self._ws
+        if ws is None:
+            return False
+        try:
+            async with self._send_lock:
+                # A text frame, as JSON is; the bytes are sent as they are, without decoding.
+                await ws.send(frame, text=True)
+        except ConnectionClosed:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop reconnecting and close the stream; safe to call more than once."""
+        self.closing.set()
+        ws = self._ws
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                await ws.close()
+
+    async def _connect(self, uri: str) -> ClientConnection | None:
+        """Open the stream, or return None if close() comes first."""
+        headers = {"Authorization": f"Bearer {self.token}", "X-Llmgw-Node": self.node}
+        opening = asyncio.ensure_future(
+            connect(uri, additional_headers=headers, proxy=None, open_timeout=10, close_timeout=5)
+        )
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            await asyncio.wait({opening, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if not opening.done():
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await opening
+            return None
+        ws = opening.result()
+        if self.closing.is_set():
+            await ws.close()
+            return None
+        return ws
+
+    def _check_close(self, code: int | None, uri: str) -> None:
+        if code == CLOSE_UNAUTHORIZED:
+            raise AgentRejected(f"control plane {uri} closed the stream: node “{self.node}” is not authorised")
+        if code == CLOSE_SUPERSEDED:
+            raise AgentSuperseded(
+                f"control plane {uri} closed the stream: another agent connected as node “{self.node}”; "
+                "this one stops so the two do not fight over the node's engines"
+            )
+
+    async def _session(
+        self,
+        ws: ClientConnection,
+        uri: str,
+        hello: Callable[[], bytes],
+        heartbeat: Callable[[], bytes],
+        receive: Callable[[str | bytes], Awaitable[None]],
+    ) -> None:
+        self._ws = ws
+        beats = asyncio.create_task(self._heartbeats(ws, heartbeat), name=f"agent-{self.node}-heartbeat")
+        try:
+            await self.send(hello())
+            log.info("agent %s connected to %s", self.node, uri)
+            async for raw in ws:
+                await receive(raw)
+            # A clean close by the peer ends the iteration without raising.
+            if not self.closing.is_set():
+                self._check_close(ws.close_code, uri)
+                log.warning("control plane closed the stream (code %s)", ws.close_code)
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+            self._ws = None
+
+    async def _heartbeats(self, ws: ClientConnection, heartbeat: Callable[[], bytes]) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            await self.send(heartbeat(), ws)

@@ -1,0 +1,144 @@
+"""`python -m agent`: the same checks as `manage.py agent`, and no Django on a GPU node."""
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+from http import HTTPStatus
+from pathlib import Path
+
+import pytest
+
+from agent import cli
+from agent.tests.stand_ins import BAD_ARGUMENTS, ThreadedControlPlane
+
+PROJECT = Path(__file__).resolve().parents[2]
+CONTROL_PLANE_PACKAGES = {"django", "llmgw_site", "catalog", "inventory", "reconciler", "router", "dashboard", "hub"}
+PROJECT_PACKAGES = CONTROL_PLANE_PACKAGES - {"django"} | {"agent"}
+AGENT_MODULES = ["link", "supervisor", "runtime", "protocol", "engines", "gpus", "cli", "mock_engine", "__main__"]
+
+# Runs `python -m agent` and, at exit, names every control-plane module that was imported.
+WRAPPER = f"""
+import atexit, runpy, sys
+
+def report():
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in {sorted(CONTROL_PLANE_PACKAGES)!r})
+    print("control-plane modules imported:", leaked, file=sys.stderr)
+
+atexit.register(report)
+runpy.run_module("agent", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_agent_settings_in_env(monkeypatch):
+    for name in ("LLMGW_NODE_TOKEN", "LLMGW_HEARTBEAT_SECONDS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def plain_agent(args, var_dir: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", WRAPPER, *args],
+        cwd=PROJECT,
+        env={**os.environ, "LLMGW_VAR_DIR": str(var_dir), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def assert_no_control_plane(stderr: str, var_dir: Path) -> None:
+    assert "control-plane modules imported: []" in stderr, stderr
+    # Django settings would have created the var dir and a secret key in it.
+    assert not var_dir.exists()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--node", "bad name!", "--control-plane", "ws://cp/agent/ws"]])
+def test_plain_entry_point_imports_no_django_and_creates_no_var_dir(args, tmp_path):
+    var_dir = tmp_path / "var"
+    process = plain_agent(args, var_dir)
+    out, err = process.communicate(timeout=20)
+    assert_no_control_plane(err, var_dir)
+    if args == ["--help"]:
+        assert process.returncode == 0 and "--control-plane URL" in out
+    else:
+        assert process.returncode == 1 and "Node name 'bad name!'" in err
+
+
+def test_plain_entry_point_runs_the_agent_and_stops_on_sigterm_without_django(tmp_path):
+    var_dir = tmp_path / "var"
+    with ThreadedControlPlane() as cp:
+        args = ["--control-plane", cp.url, "--node", "n3", "--fake-gpus", "1xL4-24GB", "--address", "127.0.0.1"]
+        process = plain_agent([*args, "--label", "rack=r1"], var_dir, LLMGW_NODE_TOKEN="llmgw-node-t")
+        try:
+            hello = cp.messages.get(timeout=10)
+            assert (hello["type"], hello["node"], hello["labels"]) == ("hello", "n3", {"rack": "r1"})
+            process.send_signal(signal.SIGTERM)
+            out, err = process.communicate(timeout=10)
+        finally:
+            process.kill()
+    assert process.returncode == 0, err
+    assert "agent for node n3 stopped" in out
+    assert_no_control_plane(err, var_dir)
+
+
+@pytest.mark.parametrize(("args", "problem"), BAD_ARGUMENTS)
+def test_bad_arguments_exit_non_zero_naming_the_problem(args, problem, capsys):
+    if "--fake-gpus" not in args:
+        args = [*args, "--fake-gpus", "1xL4-24GB"]  # so no test depends on this machine's nvidia-smi
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert problem in err and err.startswith("python -m agent: error: ")
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("soon", "LLMGW_HEARTBEAT_SECONDS='soon' is not a number"), ("0.01", "must be a number of at least 0.1")],
+)
+def test_bad_heartbeat_from_the_environment_is_refused_naming_the_variable(value, problem, monkeypatch, capsys):
+    monkeypatch.setenv("LLMGW_HEARTBEAT_SECONDS", value)
+    args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t", "--fake-gpus", "1xL4-24GB"]
+    assert cli.main(args) == 1
+    assert problem in capsys.readouterr().err
+
+
+def test_heartbeat_default_comes_from_the_environment():
+    assert cli.heartbeat_from_env({}) == 5.0
+    assert cli.heartbeat_from_env({"LLMGW_HEARTBEAT_SECONDS": "2.5"}) == 2.5
+    options = {
+        "control_planes": ["ws://127.0.0.1:9/agent/ws"],
+        "node": "n1",
+        "token": "t",
+        "fake_gpus": "1xL4-24GB",
+        "fabric": "",
+        "address": "127.0.0.1",
+        "labels": [],
+        "heartbeat_seconds": None,
+    }
+    assert cli.agent_from_options(options, 2.5).heartbeat_seconds == 2.5
+    assert cli.agent_from_options({**options, "heartbeat_seconds": 1.0}, 2.5).heartbeat_seconds == 1.0
+
+
+def test_rejected_credential_exits_non_zero_saying_so(capsys):
+    with ThreadedControlPlane(reject_status=HTTPStatus.FORBIDDEN) as cp:
+        args = ["--control-plane", cp.url, "--node", "n1", "--token", "llmgw-node-wrong", "--fake-gpus", "1xL4-24GB"]
+        assert cli.main([*args, "--address", "127.0.0.1"]) == 1
+    assert "refused node “n1” (HTTP 403)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", AGENT_MODULES)
+def test_agent_modules_import_nothing_from_the_control_plane_and_only_at_the_top(module):
+    tree = ast.parse((PROJECT / "agent" / f"{module}.py").read_text())
+    top_level = set(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = ["agent" if node.level else (node.module or "")]
+        else:
+            continue
+        packages = {name.split(".")[0] for name in names}
+        assert not packages & CONTROL_PLANE_PACKAGES, f"agent/{module}.py line {node.lineno} imports {names}"
+        if packages & PROJECT_PACKAGES:
+            assert node in top_level, f"agent/{module}.py line {node.lineno} imports {names} inside a function"
