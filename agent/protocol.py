@@ -273,25 +273,3 @@ def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
         return msgspec.convert(obj, types[kind], strict=True)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"{kind}: {exc}", **found) from None
-
-
-def parse_agent_message(msg: Any) -> dict[str, Any]:
-    """Transitional: validate an already-decoded agent message through the structs and return it as a dict.
-
-    The dict has every field, defaults filled in. Raises ProtocolError like
-    `decode_agent_message`. Remove once inventory/consumers.py decodes frames
-    with `decode_agent_message`.
-    """
-    return to_builtins(_check(msg, _AGENT_MESSAGES))
-
-
-def command(kind: str, epoch: int, **fields: Any) -> dict[str, Any]:
-    """Transitional: build a control-plane → agent command through its struct and return it as a dict.
-
-    Remove once reconciler/services.py builds StartShard/StopShard directly.
-    """
-    try:
-        struct = _COMMANDS[kind]
-    except KeyError:
-        raise ValueError(f"unknown command {kind!r}; expected one of {', '.join(_COMMANDS)}") from None
-    return to_builtins(struct(epoch=epoch, **fields))

@@ -9,7 +9,7 @@ import json
 import logging
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncWebsocketConsumer
 
 from agent import protocol
 from inventory.models import NodeCredential
@@ -27,7 +27,7 @@ def _credentials(scope) -> tuple[str, str]:
     return headers.get("x-llmgw-node", "").strip(), token
 
 
-class AgentConsumer(AsyncJsonWebsocketConsumer):
+class AgentConsumer(AsyncWebsocketConsumer):
     """One node agent's stream."""
 
     node_name = None
@@ -53,35 +53,29 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(self.group, self.channel_name)
             log.info("agent disconnected: %s (code %s)", self.node_name, code)
 
-    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+    async def receive(self, text_data=None, bytes_data=None):
         try:
-            message = protocol.parse_agent_message(json.loads(text_data if text_data is not None else bytes_data))
-        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError and ProtocolError are ValueErrors
-            await self.send_json({"type": protocol.ERROR, "v": protocol.PROTOCOL_VERSION, "message": str(exc)})
+            message = protocol.decode_agent_message(text_data if text_data is not None else bytes_data)
+        except protocol.ProtocolError as exc:
+            await self._error(str(exc))
             return
-        await self.handle(message)
+        match message:
+            case protocol.Hello() if message.node != self.node_name:
+                await self._error(f"hello names node “{message.node}” but this credential is for “{self.node_name}”")
+            case protocol.Hello():
+                await database_sync_to_async(services.on_hello)(self.node_id, message)
+            case protocol.Heartbeat():
+                await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
+            case protocol.ShardStatus():
+                await database_sync_to_async(services.on_shard_status)(self.node_id, message)
 
-    async def handle(self, message: dict):
-        kind = message["type"]
-        if kind == protocol.HELLO:
-            if message["node"] != self.node_name:
-                await self.send_json(
-                    {
-                        "type": protocol.ERROR,
-                        "v": protocol.PROTOCOL_VERSION,
-                        "message": f"hello names node “{message['node']}” but this credential is for “{self.node_name}”",
-                    }
-                )
-                return
-            await database_sync_to_async(services.on_hello)(self.node_id, message)
-        elif kind == protocol.HEARTBEAT:
-            await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
-        elif kind == protocol.SHARD_STATUS:
-            await database_sync_to_async(services.on_shard_status)(self.node_id, message)
+    async def _error(self, text: str) -> None:
+        await self.send(text_data=protocol.encode(protocol.Error(message=text)).decode())
 
     # -- channel-layer events ------------------------------------------------
     async def agent_command(self, event):
-        await self.send_json(event["command"])
+        # Built and checked by reconciler.outbox; it travels the channel layer as plain data.
+        await self.send(text_data=json.dumps(event["command"]))
 
     async def agent_superseded(self, event):
         if event["by"] != self.channel_name:

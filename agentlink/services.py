@@ -5,30 +5,30 @@ Messages arrive validated by agent.protocol; these functions trust them.
 
 from django.db import transaction
 
+from agent.protocol import Heartbeat, Hello, ShardStatus
 from inventory.models import Node
 from inventory.services import record_heartbeat, register_node
 from reconciler.agent_reports import reconcile_reported_shards, record_shard_status, stop_orphan_shards
 
 
 @transaction.atomic
-def on_hello(node_id: int, hello: dict) -> Node:
+def on_hello(node_id: int, hello: Hello) -> Node:
     """Record the node and its GPUs, and match the shards it runs against its rows, all or nothing.
 
     Commands this decides (stop orphans, fail lost engines) are sent after commit.
     """
     node = register_node(node_id, hello)
-    reconcile_reported_shards(node, hello["shards"])
+    reconcile_reported_shards(node, hello.shards)
     return node
 
 
 @transaction.atomic
-def on_heartbeat(node_id: int, node_name: str, heartbeat: dict) -> None:
+def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat) -> None:
     """The node is alive, its GPUs' health is recorded, and engines no row owns are stopped."""
     record_heartbeat(node_id, heartbeat)
-    stop_orphan_shards(node_id, node_name, heartbeat["shards"])
+    stop_orphan_shards(node_id, node_name, heartbeat.shards)
 
 
-def on_shard_status(node_id: int, status: dict) -> None:
+def on_shard_status(node_id: int, status: ShardStatus) -> None:
     """Apply a shard_status report from the node (reconciler.agent_reports does it in one transaction)."""
-    node = Node.objects.get(pk=node_id)
-    record_shard_status(node, status["shard_id"], status["state"], status["message"], status["port"])
+    record_shard_status(Node.objects.get(pk=node_id), status)

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
 
+from agent.protocol import NODE_NAME_PATTERN
 from hub.credentials import new_secret, secret_matches
 
 from .choices import GPUHealth, NodeState
@@ -13,9 +14,7 @@ from .choices import GPUHealth, NodeState
 TOKEN_PREFIX = "llmgw-node-"
 
 # Node names become channel-layer group names, which allow only these characters.
-node_name_validator = RegexValidator(
-    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", "Use letters, digits and . _ - (at most 63 characters)."
-)
+node_name_validator = RegexValidator(NODE_NAME_PATTERN, "Use letters, digits and . _ - (at most 63 characters).")
 
 
 class NodeQuerySet(models.QuerySet):

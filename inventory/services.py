@@ -3,6 +3,7 @@
 from django.db import transaction
 from django.utils import timezone
 
+from agent.protocol import Heartbeat, Hello
 from hub.credentials import hash_secret
 
 from .choices import GPUHealth, NodeState
@@ -46,7 +47,7 @@ def _apply_gpu_health(gpu, healthy: bool, now) -> bool:
 
 
 @transaction.atomic
-def register_node(node_id: int, hello: dict) -> Node:
+def register_node(node_id: int, hello: Hello) -> Node:
     """Record a validated `hello`: the node's address, fabric, labels and GPUs.
 
     GPUs are matched by index. A GPU the agent no longer reports is marked
@@ -55,34 +56,34 @@ def register_node(node_id: int, hello: dict) -> Node:
     """
     now = timezone.now()
     node = Node.objects.select_for_update().get(pk=node_id)
-    node.address = hello["address"]
-    node.fabric = hello["fabric"]
-    node.labels = hello["labels"]
-    node.agent_version = hello["version"]
+    node.address = hello.address
+    node.fabric = hello.fabric
+    node.labels = hello.labels
+    node.agent_version = hello.version
     node.last_seen = now
     node.state = NodeState.READY
     node.save(update_fields=["address", "fabric", "labels", "agent_version", "last_seen", "state"])
 
     existing = {gpu.index: gpu for gpu in GPU.objects.filter(node=node)}
     to_create, to_update = [], []
-    for info in hello["gpus"]:
-        gpu = existing.pop(info["index"], None)
+    for info in hello.gpus:
+        gpu = existing.pop(info.index, None)
         if gpu is None:
             to_create.append(
                 GPU(
                     node=node,
-                    index=info["index"],
-                    uuid=info["uuid"],
-                    gpu_class=info["gpu_class"],
-                    memory_mb=info["memory_mb"],
-                    health=GPUHealth.HEALTHY if info["healthy"] else GPUHealth.UNHEALTHY,
+                    index=info.index,
+                    uuid=info.uuid,
+                    gpu_class=info.gpu_class,
+                    memory_mb=info.memory_mb,
+                    health=GPUHealth.HEALTHY if info.healthy else GPUHealth.UNHEALTHY,
                 )
             )
             continue
-        changed = _apply_gpu_health(gpu, info["healthy"], now)
+        changed = _apply_gpu_health(gpu, info.healthy, now)
         for field in ("uuid", "gpu_class", "memory_mb"):
-            if getattr(gpu, field) != info[field]:
-                setattr(gpu, field, info[field])
+            if getattr(gpu, field) != getattr(info, field):
+                setattr(gpu, field, getattr(info, field))
                 changed = True
         if changed:
             to_update.append(gpu)
@@ -95,11 +96,11 @@ def register_node(node_id: int, hello: dict) -> Node:
 
 
 @transaction.atomic
-def record_heartbeat(node_id: int, heartbeat: dict) -> None:
+def record_heartbeat(node_id: int, heartbeat: Heartbeat) -> None:
     """Record a validated `heartbeat`: the node is alive, and its GPUs' health."""
     now = timezone.now()
     Node.objects.filter(pk=node_id).update(last_seen=now, state=NodeState.READY)
-    reported = {g["index"]: g["healthy"] for g in heartbeat["gpus"]}
+    reported = {g.index: g.healthy for g in heartbeat.gpus}
     changed = [
         gpu
         for gpu in GPU.objects.filter(node_id=node_id, index__in=list(reported))

@@ -16,7 +16,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from agent.protocol import SHARD_REPORT_STATES
+from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, ShardStatus
 from inventory.models import Node
 
 from .choices import ReplicaState, ShardState
@@ -74,16 +74,13 @@ def _apply_shard_status(
     return mark_ready_if_whole(replica, now)
 
 
-def record_shard_status(node: Node, shard_id: int, state: str, message: str = "", port: int | None = None) -> None:
+def record_shard_status(node: Node, status: ShardStatus) -> None:
     """Record an agent's shard_status report (starting / ready / failed / stopped) in one transaction.
 
     Reports about shards that are not on `node` are logged and ignored: a node
     speaks only for itself.
     """
-    if state not in SHARD_REPORT_STATES:
-        raise ValueError(f"shard state “{state}” is not one of {', '.join(SHARD_REPORT_STATES)}")
-    if isinstance(shard_id, bool) or not isinstance(shard_id, int):
-        raise ValueError(f"shard_id must be an integer, got {shard_id!r}")
+    shard_id, state = status.shard_id, status.state
     outbox = Outbox()
     with transaction.atomic():
         shard = (
@@ -95,27 +92,18 @@ def record_shard_status(node: Node, shard_id: int, state: str, message: str = ""
         if shard is None:
             log.info("node %s reported shard %s as %s, but no such shard is on it; ignored", node.name, shard_id, state)
             return
-        if _apply_shard_status(shard, state, message or "", port, timezone.now(), outbox):
+        if _apply_shard_status(shard, state, status.message, status.port, timezone.now(), outbox):
             notify_work_pending()
         outbox.send_on_commit()
 
 
-def reconcile_reported_shards(node: Node, reported: list[dict]) -> None:
+def reconcile_reported_shards(node: Node, reported: list[RunningShard]) -> None:
     """Match what an agent says it runs (on hello) against the shard rows for its node.
 
     Known and reported: kept, with the reported state applied. Reported but
     unknown: stopped (orphans). Expected but not reported: the agent lost its
     engines, so their replicas fail and back off.
     """
-    if not isinstance(reported, list):
-        raise ValueError("reported shards must be a list")
-    for i, item in enumerate(reported):
-        if (
-            not isinstance(item, dict)
-            or isinstance(item.get("shard_id"), bool)
-            or not isinstance(item.get("shard_id"), int)
-        ):
-            raise ValueError(f"reported shard {i} needs an integer shard_id")
     now = timezone.now()
     outbox = Outbox()
     wake = False
@@ -125,16 +113,15 @@ def reconcile_reported_shards(node: Node, reported: list[dict]) -> None:
         }
         reported_ids = set()
         for item in reported:
-            shard_id = item["shard_id"]
-            reported_ids.add(shard_id)
-            shard = expected.get(shard_id)
+            reported_ids.add(item.shard_id)
+            shard = expected.get(item.shard_id)
             if shard is None:
-                outbox.stop(node.name, shard_id)
+                outbox.stop(node.name, item.shard_id)
                 continue
-            state = item.get("state")
             # One shard per replica per node, so applying one report never deletes another expected shard.
-            if state in SHARD_REPORT_STATES:
-                wake |= _apply_shard_status(shard, state, "", item.get("port"), now, outbox)
+            # An agent's own in-between states (newer agents may have more) change nothing here.
+            if item.state in SHARD_REPORT_STATES:
+                wake |= _apply_shard_status(shard, item.state, "", item.port, now, outbox)
         missing = [s for shard_id, s in expected.items() if shard_id not in reported_ids]
         going = [s.pk for s in missing if s.replica.state == ReplicaState.STOPPING]
         if going:
@@ -171,7 +158,7 @@ def reconcile_reported_shards(node: Node, reported: list[dict]) -> None:
         outbox.send_on_commit()
 
 
-def stop_orphan_shards(node_id: int, node_name: str, reported: list[dict]) -> int:
+def stop_orphan_shards(node_id: int, node_name: str, reported: list[ShardHeartbeat]) -> int:
     """Stop engines an agent reports (in a heartbeat) whose shard rows no longer exist.
 
     Shard ids reach agents only after their rows commit, so an id the rows do
@@ -179,7 +166,7 @@ def stop_orphan_shards(node_id: int, node_name: str, reported: list[dict]) -> in
     model): the engine is an orphan holding GPUs. One query. Returns how many
     stops were sent.
     """
-    reported_ids = {item["shard_id"] for item in reported}
+    reported_ids = {item.shard_id for item in reported}
     if not reported_ids:
         return 0
     known = set(Shard.objects.filter(node_id=node_id, pk__in=reported_ids).values_list("pk", flat=True))

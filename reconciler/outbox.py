@@ -16,7 +16,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 
-from agent.protocol import START_SHARD, STOP_SHARD, command
+from agent.protocol import StartShard, StopShard, to_builtins
 
 from .models import Lease
 
@@ -34,7 +34,7 @@ def current_epoch() -> int:
 
 
 def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exception]]:
-    """Deliver (node name, command) pairs in one trip to the event loop, however many there are.
+    """Deliver (node name, command as plain data) pairs in one trip to the event loop, however many there are.
 
     Returns the ones that could not be sent, with the error, so one unreachable
     channel layer shard does not stop the rest.
@@ -57,20 +57,21 @@ class Outbox:
 
     def __init__(self, epoch: int | None = None):
         self.epoch = epoch
-        self.commands: list[tuple[str, str, dict]] = []
+        self.commands: list[tuple[str, type[StartShard | StopShard], dict]] = []
 
     def start(self, node_name: str, **fields) -> None:
-        self.commands.append((node_name, START_SHARD, fields))
+        """Queue a start_shard; `fields` are StartShard's fields but the epoch."""
+        self.commands.append((node_name, StartShard, fields))
 
     def stop(self, node_name: str, shard_id: int) -> None:
-        self.commands.append((node_name, STOP_SHARD, {"shard_id": shard_id}))
+        self.commands.append((node_name, StopShard, {"shard_id": shard_id}))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""
         if not self.commands:
             return
         epoch = current_epoch() if self.epoch is None else self.epoch
-        built = [(node, command(kind, epoch, **fields)) for node, kind, fields in self.commands]
+        built = [(node, to_builtins(kind(epoch=epoch, **fields))) for node, kind, fields in self.commands]
         transaction.on_commit(lambda: _deliver(built))
 
 

@@ -136,7 +136,18 @@ def start_command(shard_id: int, port: int, epoch: int = 1, **overrides) -> dict
         "env": {},
         **overrides,
     }
-    return protocol.command(protocol.START_SHARD, epoch, **fields)
+    return command(protocol.START_SHARD, epoch, **fields)
+
+
+def command(kind: str, epoch: int, **fields) -> dict:
+    """A control-plane command as the agent receives it (plain data), built through its struct."""
+    struct = {protocol.START_SHARD: protocol.StartShard, protocol.STOP_SHARD: protocol.StopShard}[kind]
+    return protocol.to_builtins(struct(epoch=epoch, **fields))
+
+
+def checked(message: dict) -> dict:
+    """An agent's message as the control plane's gate lets it through, as plain data (defaults filled in)."""
+    return protocol.to_builtins(protocol.decode_agent_message(json.dumps(message)))
 
 
 def make_agent(control_planes: list[str], **overrides) -> Agent:

@@ -7,7 +7,7 @@ import pytest
 
 from agent import protocol
 from agent.runtime import AgentRejected, AgentSuperseded
-from agent.tests.stand_ins import ControlPlane, health, make_agent, process_gone, run, start_ready
+from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, process_gone, run, start_ready
 from conftest import free_port
 
 
@@ -56,7 +56,7 @@ def test_lost_connection_is_retried_on_the_next_control_plane_and_hello_reports_
             port = await start_ready(first, shard_id=11)
             # The first control plane goes away; the agent skips the dead one and reaches the second.
             first.server.close()
-            hello = protocol.parse_agent_message(await second.next(protocol.HELLO, timeout=8))
+            hello = checked(await second.next(protocol.HELLO, timeout=8))
             assert hello["shards"] == [{"shard_id": 11, "replica_id": 81, "state": "ready", "port": port}]
             assert await health(port) == 200
             await agent.shutdown()

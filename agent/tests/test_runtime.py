@@ -11,6 +11,8 @@ from agent.tests.stand_ins import (
     NODE,
     TOKEN,
     ControlPlane,
+    checked,
+    command,
     health,
     make_agent,
     process_gone,
@@ -26,7 +28,7 @@ def test_agent_says_hello_then_starts_a_shard_reports_ready_and_stops_it():
         async with ControlPlane() as cp:
             agent = make_agent([cp.url])
             task = asyncio.create_task(agent.run())
-            hello = protocol.parse_agent_message(await cp.next(protocol.HELLO))
+            hello = checked(await cp.next(protocol.HELLO))
             assert hello["node"] == NODE and hello["address"] == "127.0.0.1" and hello["shards"] == []
             assert [(g["index"], g["gpu_class"], g["memory_mb"]) for g in hello["gpus"]] == [
                 (0, "H100-80GB", 81920),
@@ -38,12 +40,12 @@ def test_agent_says_hello_then_starts_a_shard_reports_ready_and_stops_it():
             port = await start_ready(cp, shard_id=1)
             assert await health(port) == 200
             pid = agent.engine_pid(1)
-            heartbeat = protocol.parse_agent_message(await cp.next(protocol.HEARTBEAT))
+            heartbeat = checked(await cp.next(protocol.HEARTBEAT))
             assert heartbeat["shards"] == [{"shard_id": 1, "state": "ready"}]
             assert agent.running_shards() == [{"shard_id": 1, "replica_id": 71, "state": "ready", "port": port}]
 
-            await cp.send(protocol.command(protocol.STOP_SHARD, 1, shard_id=1))
-            stopped = protocol.parse_agent_message(await cp.next(protocol.SHARD_STATUS))
+            await cp.send(command(protocol.STOP_SHARD, 1, shard_id=1))
+            stopped = checked(await cp.next(protocol.SHARD_STATUS))
             assert (stopped["shard_id"], stopped["state"]) == (1, "stopped")
             assert process_gone(pid)
             assert agent.running_shards() == []
@@ -87,10 +89,10 @@ def test_commands_with_an_older_epoch_are_refused(caplog):
             pid = agent.engine_pid(3)
 
             # A deposed leader (epoch 4) tries to stop the shard and start another.
-            await cp.send(protocol.command(protocol.STOP_SHARD, 4, shard_id=3))
+            await cp.send(command(protocol.STOP_SHARD, 4, shard_id=3))
             await cp.send(start_command(4, free_port(), epoch=4))
             # The current leader's next command is answered first: the stale ones did nothing.
-            await cp.send(protocol.command(protocol.STOP_SHARD, 5, shard_id=99))
+            await cp.send(command(protocol.STOP_SHARD, 5, shard_id=99))
             status = await cp.next(protocol.SHARD_STATUS)
             assert (status["shard_id"], status["state"]) == (99, "stopped")
             assert agent.highest_epoch == 5
@@ -99,7 +101,7 @@ def test_commands_with_an_older_epoch_are_refused(caplog):
             assert "epoch 4 is older than epoch 5" in caplog.text
 
             # A newer leader is obeyed.
-            await cp.send(protocol.command(protocol.STOP_SHARD, 6, shard_id=3))
+            await cp.send(command(protocol.STOP_SHARD, 6, shard_id=3))
             status = await cp.next(protocol.SHARD_STATUS)
             assert (status["shard_id"], status["state"]) == (3, "stopped")
             await agent.shutdown()
@@ -135,11 +137,11 @@ def test_frames_that_are_not_current_commands_are_ignored_and_logged(caplog):
             await cp.next(protocol.HELLO)
             await cp.ws.send("{not json")
             await cp.send({"type": "remove_weights", "v": 1, "epoch": 1})
-            await cp.send(protocol.command(protocol.STOP_SHARD, 7, shard_id=98))
+            await cp.send(command(protocol.STOP_SHARD, 7, shard_id=98))
             assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 98
             # A malformed start from a deposed leader is not answered: only current leaders are.
             await cp.send(start_command(20, 0, epoch=6))
-            await cp.send(protocol.command(protocol.STOP_SHARD, 7, shard_id=99))
+            await cp.send(command(protocol.STOP_SHARD, 7, shard_id=99))
             assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 99
             await agent.shutdown()
             await task

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from agent import protocol
-from agent.tests.stand_ins import ControlPlane, health, make_agent, run, start_command, start_ready
+from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, run, start_command, start_ready
 from conftest import free_port
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_engine_that_exits_while_starting_reports_failed_with_its_last_output():
             await cp.next(protocol.HELLO)
             await cp.send(start_command(5, free_port(), args=["--no-such-flag"]))
             assert (await cp.next(protocol.SHARD_STATUS))["state"] == "starting"
-            failed = protocol.parse_agent_message(await cp.next(protocol.SHARD_STATUS))
+            failed = checked(await cp.next(protocol.SHARD_STATUS))
             assert (failed["shard_id"], failed["state"]) == (5, "failed")
             assert "exited with code 2" in failed["message"]
             assert "unrecognized arguments: --no-such-flag" in failed["message"]

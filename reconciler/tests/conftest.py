@@ -8,6 +8,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
+from agent.protocol import ShardStatus
 from hub import get_hub
 from reconciler.agent_reports import record_shard_status
 from reconciler.lease import Leadership
@@ -63,6 +64,6 @@ def shard_report(django_capture_on_commit_callbacks):
 
     def report(node, shard, state, message="", port=None):
         with django_capture_on_commit_callbacks(execute=True):
-            record_shard_status(node, shard.pk, state, message, port)
+            record_shard_status(node, ShardStatus(shard_id=shard.pk, state=state, message=message, port=port))
 
     return report

@@ -4,6 +4,7 @@
 import pytest
 from asgiref.sync import async_to_sync
 
+from agent.protocol import RunningShard
 from hub import get_hub
 from reconciler.agent_reports import reconcile_reported_shards
 from reconciler.choices import ReplicaState, ShardState
@@ -56,8 +57,8 @@ def test_agent_hello_keeps_known_shards_stops_orphans_and_fails_missing_ones(
         reconcile_reported_shards(
             node,
             [
-                {"shard_id": kept.pk, "replica_id": kept.replica_id, "state": "ready", "port": kept.port},
-                {"shard_id": 424242, "replica_id": 7, "state": "ready", "port": 29999},
+                RunningShard(shard_id=kept.pk, replica_id=kept.replica_id, state="ready", port=kept.port),
+                RunningShard(shard_id=424242, replica_id=7, state="ready", port=29999),
             ],
         )
 
