@@ -5,10 +5,11 @@ import re
 import pytest
 from django.urls import reverse
 
+from hub.credentials import hash_secret
 from inventory.models import GPU, Node, NodeCredential, hash_token
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease
-from router.models import ApiKey, hash_key
+from router.models import ApiKey
 
 from .fleet import make_model, make_node, make_replica
 
@@ -101,7 +102,7 @@ def test_adding_an_api_key_shows_the_plaintext_once_and_stores_only_its_hash(adm
     assert html.count(key) == 1 and "will not be shown again" in html
     api_key = ApiKey.objects.get()
     assert api_key.name == "team-a" and api_key.active
-    assert api_key.key_hash == hash_key(key)
+    assert api_key.key_hash == hash_secret(key)
     assert key.startswith(api_key.prefix)
     assert all(key not in str(value) for value in ApiKey.objects.values_list().get())
     # Shown once: the next page does not carry it.

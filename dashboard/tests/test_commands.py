@@ -5,8 +5,9 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 
+from hub.credentials import hash_secret
 from inventory.models import Node, NodeCredential
-from router.models import ApiKey, hash_key
+from router.models import ApiKey
 
 pytestmark = pytest.mark.django_db
 
@@ -23,7 +24,7 @@ def test_create_api_key_prints_only_the_key_and_stores_its_hash():
     assert out == key + "\n" and key.startswith("sk-llmgw-")
     assert "will not be shown again" in err and key not in err
     api_key = ApiKey.objects.get()
-    assert (api_key.name, api_key.key_hash, api_key.active) == ("team-a", hash_key(key), True)
+    assert (api_key.name, api_key.key_hash, api_key.active) == ("team-a", hash_secret(key), True)
 
 
 @pytest.mark.parametrize("name", ["", "   "])
