@@ -20,6 +20,9 @@ demo: migrate
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
+	$(PY) -m mypy --ignore-missing-imports --check-untyped-defs --disallow-untyped-defs --follow-imports=silent \
+		router/app.py router/asgi_io.py router/background.py router/balancer.py router/coldstart.py \
+		router/errors.py router/proxy.py router/state.py router/usage.py
 	$(PY) manage.py makemigrations --check --dry-run
 
 test-sqlite: $(VENV)/.installed
