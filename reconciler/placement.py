@@ -24,7 +24,7 @@ class NodeCapacity:
     free: tuple[int, ...]
     total: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(set(self.free)) != len(self.free):
             raise ValueError(f"node {self.name}: free GPU indices repeat: {sorted(self.free)}")
         if len(self.free) > self.total:
@@ -46,7 +46,7 @@ class Shape:
     gpus_per_node: int
     nodes_per_replica: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.gpu_class:
             raise ValueError("shape needs a GPU class")
         if self.gpus_per_node < 1:

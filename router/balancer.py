@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class TableError(ValueError):
     """An endpoint table that does not have the published shape."""
 
 
-def _parse_endpoint(raw: dict) -> Endpoint:
+def _parse_endpoint(raw: object) -> Endpoint:
     if not isinstance(raw, dict):
         raise TableError(f"endpoint entry is not an object: {raw!r}")
     try:
@@ -60,7 +61,7 @@ def _parse_endpoint(raw: dict) -> Endpoint:
 class Balancer:
     """Resolves public names and aliases, picks a replica per request, and keeps last-use stamps."""
 
-    def __init__(self, clock=time.time):
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # public name or alias -> public name
@@ -74,7 +75,7 @@ class Balancer:
         self.fingerprint: str | None = None
 
     # -- the table --------------------------------------------------------------
-    def apply_table(self, table: dict) -> bool:
+    def apply_table(self, table: dict[str, Any]) -> bool:
         """Install a published table; return False when it is the one already installed.
 
         Malformed entries are logged and skipped rather than failing the whole

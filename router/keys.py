@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connections
 
-from .models import ApiKey, hash_key
+from hub.credentials import hash_secret
+
+from .models import ApiKey
 
 
 def _key_is_active(digest: str) -> bool:
@@ -44,7 +46,7 @@ class ApiKeyCache:
 
     async def is_valid(self, key: str) -> bool:
         """Whether `key` belongs to an active ApiKey. Raises if the database cannot be asked."""
-        digest = hash_key(key)
+        digest = hash_secret(key)
         cached = self._entries.get(digest)
         if cached is not None and cached[1] > self._clock():
             return cached[0]

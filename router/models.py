@@ -1,19 +1,15 @@
 """Router models: API keys (stored hashed, shown once)."""
 
-import hashlib
-import secrets
-
 from django.db import models
+
+from hub.credentials import hash_secret, new_secret
 
 KEY_PREFIX = "sk-llmgw-"
 
 
-def hash_key(key: str) -> str:
-    """Keys are long random strings, so one round of SHA-256 is enough to store them."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 class ApiKeyQuerySet(models.QuerySet):
+    """Queries over API keys."""
+
     def active(self):
         return self.filter(active=True)
 
@@ -39,6 +35,7 @@ class ApiKey(models.Model):
     @classmethod
     def issue(cls, name: str, key: str | None = None) -> tuple["ApiKey", str]:
         """Create a key and return it with its plaintext, which is never stored."""
-        plaintext = key or KEY_PREFIX + secrets.token_urlsafe(32)
-        api_key = cls.objects.create(name=name, prefix=plaintext[: len(KEY_PREFIX) + 6], key_hash=hash_key(plaintext))
+        plaintext = key or new_secret(KEY_PREFIX)
+        api_key = cls.objects.create(name=name, prefix=plaintext[: len(KEY_PREFIX) + 6],
+                                     key_hash=hash_secret(plaintext))
         return api_key, plaintext

@@ -17,6 +17,8 @@ from aiohttp import web
 
 from conftest import free_port
 from hub import InProcessHub
+from router.app import create_app
+from router.models import ApiKey
 
 MODEL = "llama-3-8b"
 ALIAS = "llama"
@@ -208,8 +210,6 @@ def start_router(hub):
 
     Intervals are short so tests stay fast.
     """
-    from router.app import create_app
-
     started: list[RouterServer] = []
 
     def start(router_hub=_FIXTURE_HUB, **kwargs) -> RouterServer:
@@ -230,8 +230,6 @@ def start_router(hub):
 @pytest.fixture
 def api_key(transactional_db):
     """A valid bearer key, committed so the router's own thread can read it."""
-    from router.models import ApiKey
-
     return ApiKey.issue("router tests")[1]
 
 

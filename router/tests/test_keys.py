@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
+from hub.credentials import hash_secret
 from router.keys import ApiKeyCache
-from router.models import ApiKey
+from router.models import KEY_PREFIX, ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -28,6 +29,14 @@ def check(cache, *keys):
             await cache.close()
 
     return asyncio.run(run())
+
+
+def test_an_issued_key_is_stored_only_as_its_hash_and_prefix():
+    api_key, plaintext = ApiKey.issue("hashed")
+    assert plaintext.startswith(KEY_PREFIX) and len(plaintext) > len(KEY_PREFIX) + 32
+    api_key.refresh_from_db()
+    assert api_key.key_hash == hash_secret(plaintext) != plaintext
+    assert api_key.prefix == plaintext[: len(KEY_PREFIX) + 6]
 
 
 def test_valid_key_is_looked_up_once_then_answered_from_memory():

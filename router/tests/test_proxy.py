@@ -279,12 +279,13 @@ def test_client_disconnect_cancels_the_upstream_request(start_router, hub, auth,
 
 
 class CountingHub:
-    """Wraps an InProcessHub to count the router's activation requests and usage flushes."""
+    """Wraps an InProcessHub to count the router's activation requests, usage flushes and watch renewals."""
 
     def __init__(self, hub):
         self.hub = hub
         self.activations: list[str] = []
         self.usage_flushes: list[dict] = []
+        self.watch_renewals = 0  # one per flush, whether or not anything was used
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -299,6 +300,11 @@ class CountingHub:
         with self._lock:
             self.usage_flushes.append(dict(stamps))
         await self.hub.record_usage(stamps)
+
+    async def keep_watching(self, ttl):
+        with self._lock:
+            self.watch_renewals += 1
+        await self.hub.keep_watching(ttl)
 
 
 def test_many_waiters_share_one_activation_and_succeed_when_a_replica_is_published(
@@ -354,11 +360,20 @@ def test_a_model_the_control_plane_cannot_place_is_503_at_once_with_the_reason(s
     assert hub.drain_activations() == {MODEL}  # still asked: capacity may free up
 
 
-def stream_lines(router, headers, model=MODEL, timeout=10):
-    """The raw lines of a streaming chat request, as (status, lines)."""
+def stream_lines(router, headers, model=MODEL, timeout=10, on_line=None):
+    """The raw lines of a streaming chat request, as (status, lines).
+
+    `on_line(lines)`, if given, is called with the lines so far as each one arrives.
+    """
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     with httpx.stream("POST", f"{router.url}/v1/chat/completions", headers=headers, json=body, timeout=timeout) as r:
-        return r.status_code, [line for line in r.iter_lines() if line]
+        lines = []
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(lines)
+        return r.status_code, lines
 
 
 def test_a_streaming_request_waiting_for_a_cold_start_gets_keepalives_then_the_answer(
@@ -368,15 +383,13 @@ def test_a_streaming_request_waiting_for_a_cold_start_gets_keepalives_then_the_a
     router = start_router(activation_timeout=5, keepalive_seconds=0.1)
     engine = start_engine("cold")
 
-    def publish_later():
-        wait_until(lambda: hub.drain_activations() == {MODEL})
-        time.sleep(0.5)  # long enough for a few keep-alives
-        hub.publish_endpoints(make_table([engine.url]))
+    def publish_after_two_keepalives(lines):
+        # Counted as the client receives them, so the test waits on events, not on the clock.
+        if sum(line.startswith(":") for line in lines) == 2 and lines[-1].startswith(":"):
+            wait_until(lambda: hub.drain_activations() == {MODEL})
+            hub.publish_endpoints(make_table([engine.url]))
 
-    publisher = threading.Thread(target=publish_later)
-    publisher.start()
-    status, lines = stream_lines(router, auth)
-    publisher.join()
+    status, lines = stream_lines(router, auth, on_line=publish_after_two_keepalives)
     assert status == 200
     comments = [line for line in lines if line.startswith(":")]
     data = [line for line in lines if line.startswith("data:")]

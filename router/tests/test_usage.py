@@ -37,8 +37,11 @@ def test_no_flush_is_made_while_nothing_was_used(start_router, hub, start_engine
     counting = CountingHub(hub)
     hub.publish_endpoints(make_table([start_engine().url]))
     router = start_router(counting, flush_seconds=0.05)
-    time.sleep(0.3)
+    # Every flush renews the watch mark, used or not: wait for flushes, not for time.
+    wait_until(lambda: counting.watch_renewals >= 3)
     assert httpx.get(f"{router.url}/health").status_code == 200
+    renewed = counting.watch_renewals
+    wait_until(lambda: counting.watch_renewals >= renewed + 3)
     assert counting.usage_flushes == []
 
 

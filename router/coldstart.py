@@ -1,0 +1,128 @@
+"""Cold start: a request for a model with no ready replica asks for one and waits, bounded.
+
+Many waiters share one activation request (re-asked at most once per
+ACTIVATION_INTERVAL in case the first was lost). Waiters wake on every applied
+endpoint table. A streaming client is kept alive with SSE comments while it
+waits. Past the bound the answer is 503 with a Retry-After that carries the
+start time the control plane learned for the model, less the wait already
+spent; a model the control plane cannot place is refused at once with its
+reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from hub.contracts import ActivationQueue
+
+from .asgi_io import Send
+from .background import BackgroundTasks
+from .balancer import Balancer, Endpoint
+from .errors import RouterError
+from .metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# At most one activation request per model per this many seconds, however many requests wait.
+ACTIVATION_INTERVAL = 1.0
+KEEPALIVE_COMMENT = b": waiting for a replica of this model to start\n\n"
+
+
+class ColdStart:
+    """Asks the control plane to start models and holds requests until a replica is published."""
+
+    def __init__(self, hub: ActivationQueue, balancer: Balancer, metrics: RouterMetrics, tasks: BackgroundTasks,
+                 *, activation_timeout: float, retry_after: int, keepalive_seconds: float):
+        self.hub = hub
+        self.balancer = balancer
+        self.metrics = metrics
+        self.tasks = tasks
+        self.activation_timeout = activation_timeout
+        self.retry_after = retry_after
+        # While a streaming request waits, an SSE comment this often keeps the client and any
+        # proxy in between from timing out the silent connection.
+        self.keepalive_seconds = keepalive_seconds
+        self._table_applied = asyncio.Event()
+        self._asked: dict[str, float] = {}
+
+    def table_changed(self) -> None:
+        """Wake every waiter to look at the table just applied."""
+        waiting, self._table_applied = self._table_applied, asyncio.Event()
+        waiting.set()
+
+    def _ask_activation(self, model: str) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._asked.get(model, float("-inf")) < ACTIVATION_INTERVAL:
+            return
+        self._asked[model] = now
+        self.metrics.activations.labels(model).inc()
+        # In the background: a slow or unreachable store must not delay noticing the replica.
+        self.tasks.start(self._send_activation(model))
+
+    async def _send_activation(self, model: str) -> None:
+        try:
+            await self.hub.request_activation(model)
+        except Exception as exc:
+            log.warning("could not ask for model %s to be activated: %s", model, exc)
+
+    async def wait_for_endpoint(self, model: str) -> Endpoint | None:
+        """Pick a replica of `model`, asking for an activation and waiting (bounded) if it has none.
+
+        Waiters sleep on an event set by each applied table, and re-ask for the
+        activation at most once a second in case the first ask was lost.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.activation_timeout
+        while True:
+            endpoint = self.balancer.pick(model)
+            if endpoint is not None:
+                return endpoint
+            if self.balancer.resolve(model) is None:
+                raise RouterError(404, f"The model `{model}` was removed while waiting for it.", "model_not_found",
+                                  param="model")
+            self._ask_activation(model)
+            reason = self.balancer.unplaceable(model)
+            if reason is not None:
+                # Waiting would only hold the client until the deadline: say why now.
+                raise RouterError(
+                    503, f"The model `{model}` cannot be started now: {reason}.", "model_unplaceable",
+                    type_="server_error", headers=[(b"retry-after", str(self.retry_after).encode())],
+                )
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            table_applied = self._table_applied
+            try:
+                async with asyncio.timeout(min(remaining, ACTIVATION_INTERVAL)):
+                    await table_applied.wait()
+            except TimeoutError:
+                pass
+
+    async def wait_with_keepalives(self, send: Send, model: str) -> Endpoint:
+        """Wait for a replica like wait_for_endpoint, sending an SSE comment every keepalive interval."""
+        waiter = asyncio.ensure_future(self.wait_for_endpoint(model))
+        try:
+            while not (await asyncio.wait({waiter}, timeout=self.keepalive_seconds))[0]:
+                await send({"type": "http.response.body", "body": KEEPALIVE_COMMENT, "more_body": True})
+            endpoint = waiter.result()
+        finally:
+            waiter.cancel()
+        if endpoint is None:
+            raise self.starting_error(model)
+        return endpoint
+
+    def starting_error(self, model: str) -> RouterError:
+        """503 for a model still starting past the wait, with Retry-After as the learned ETA if known."""
+        retry_after = self.retry_after
+        learned = self.balancer.start_seconds(model)
+        if learned is not None:
+            # The ETA: what a start usually takes, less what this request already waited.
+            retry_after = max(1, math.ceil(learned - self.activation_timeout))
+        return RouterError(
+            503, f"The model `{model}` is starting; no replica became ready within "
+            f"{self.activation_timeout:g} s. Retry later.", "model_starting", type_="server_error",
+            headers=[(b"retry-after", str(retry_after).encode())],
+        )

@@ -1,0 +1,192 @@
+"""Forwarding one request to an engine replica and relaying its answer.
+
+One aiohttp ClientSession (opened at router start-up) carries every upstream
+request. Per-phase deadlines only (connect, silence between bytes), never an
+overall one, so a stream runs as long as the engine keeps sending. A request
+is retried once on another replica, but only before any byte reached the
+client; a client that goes away closes the upstream connection, which is what
+makes the engine stop generating.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+
+from .asgi_io import Scope, Send
+from .balancer import Balancer, Endpoint
+from .coldstart import ColdStart
+from .errors import RouterError
+from .metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
+PASSED_RESPONSE_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
+RETRIABLE_STATUSES = frozenset({502, 503})
+REPLICA_HEADER = b"x-llmgw-replica"
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class Outcome:
+    """What a proxied request ended as, for the metrics."""
+
+    __slots__ = ("status", "complete")
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.complete = False
+
+
+class Proxy:
+    """Sends requests to a replica of their model (waiting for a cold start if need be) and relays the answer."""
+
+    def __init__(self, balancer: Balancer, metrics: RouterMetrics, cold_start: ColdStart, *,
+                 connect_timeout: float, read_timeout: float):
+        if connect_timeout <= 0 or read_timeout <= 0:
+            raise ValueError("connect_timeout and read_timeout must be > 0")
+        self.balancer = balancer
+        self.metrics = metrics
+        self.cold_start = cold_start
+        # Per-phase deadlines only: a stream may run as long as the engine keeps sending.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        self.session: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        """Open the upstream session (on the router's loop)."""
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0,
+                # Below uvicorn's 5 s keep-alive, so we rarely reuse a connection the engine is closing.
+                keepalive_timeout=4.0,
+            ),
+            timeout=self.timeout,
+            # Bytes go to the client as the engine sent them; Accept-Encoding is the client's own.
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def forward(self, scope: Scope, send: Send, path: str, model: str, body: bytes, outcome: Outcome,
+                      streaming: bool = False) -> None:
+        """Answer the request from a replica of `model`; a RouterError if none can (before the response began)."""
+        if self.session is None:
+            raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
+        cold_start = self.cold_start
+        endpoint = self.balancer.pick(model)
+        if endpoint is None and streaming and cold_start.keepalive_seconds > 0:
+            # Answer at once and keep the stream alive while the model starts. From here on an
+            # error can only travel inside the stream, as an OpenAI error event.
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            outcome.status = 200
+            try:
+                endpoint = await cold_start.wait_with_keepalives(send, model)
+                await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=True)
+            except RouterError as exc:
+                outcome.status = exc.status
+                await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n",
+                            "more_body": False})
+            return
+        if endpoint is None:
+            endpoint = await cold_start.wait_for_endpoint(model)
+            if endpoint is None:
+                raise cold_start.starting_error(model)
+        await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=False)
+
+    async def _send_upstream(self, scope: Scope, send: Send, path: str, model: str, body: bytes, outcome: Outcome,
+                             endpoint: Endpoint, *, headers_sent: bool) -> None:
+        """Send the request to `endpoint` (retrying once on another replica before any upstream byte
+        is relayed) and relay the answer."""
+        session, balancer, metrics = self.session, self.balancer, self.metrics
+        assert session is not None  # forward() refuses to start without one
+        headers = upstream_headers(scope)
+        tried: list[str] = []
+        while True:
+            tried.append(endpoint.replica_id)
+            retry_possible = len(tried) == 1
+            try:
+                started = time.perf_counter()
+                response = await session.post(endpoint.url + path, data=body, headers=headers)
+            except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                    aiohttp.ClientOSError) as exc:
+                balancer.release(endpoint)
+                log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, exc)
+                nxt = balancer.pick(model, exclude=tried) if retry_possible else None
+                if nxt is None:
+                    raise RouterError(502, f"No replica of `{model}` could be reached.", "upstream_unavailable",
+                                      type_="server_error") from None
+                metrics.retries.labels(model).inc()
+                endpoint = nxt
+                continue
+            except (aiohttp.SocketTimeoutError, TimeoutError):
+                balancer.release(endpoint)
+                raise RouterError(504, f"Replica {endpoint.replica_id} of `{model}` did not answer in time.",
+                                  "upstream_timeout", type_="server_error") from None
+            except BaseException:
+                balancer.release(endpoint)
+                raise
+            metrics.upstream_latency.labels(model).observe(time.perf_counter() - started)
+            if response.status in RETRIABLE_STATUSES and retry_possible:
+                nxt = balancer.pick(model, exclude=tried)
+                if nxt is not None:
+                    response.close()
+                    balancer.release(endpoint)
+                    metrics.retries.labels(model).inc()
+                    endpoint = nxt
+                    continue
+            if headers_sent and response.status != 200:
+                # The client already has a 200 and a stream: carry the engine's error inside it.
+                detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
+                response.close()
+                balancer.release(endpoint)
+                raise RouterError(response.status, f"Replica {endpoint.replica_id} of `{model}` answered "
+                                  f"{response.status}: {detail}", "upstream_error", type_="server_error")
+            await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent)
+            return
+
+    async def _relay(self, send: Send, endpoint: Endpoint, response: aiohttp.ClientResponse, outcome: Outcome,
+                     *, headers_sent: bool = False) -> None:
+        """Stream the engine's response to the client chunk by chunk; never retried once started."""
+        clean = False
+        try:
+            if not headers_sent:
+                headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
+                           if k.lower() in PASSED_RESPONSE_HEADERS]
+                headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
+                await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            outcome.status = response.status
+            try:
+                async for chunk in response.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Too late to retry or change the status: end without completing, so the client sees a cut.
+                log.warning("replica %s of %s failed mid-response: %r", endpoint.replica_id, endpoint.model, exc)
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            outcome.complete = True
+            clean = True
+        finally:
+            if clean:
+                response.release()
+            else:
+                # Closing (not pooling) the connection is what makes the engine stop generating.
+                response.close()
+            self.balancer.release(endpoint)
+
+
+def upstream_headers(scope: Scope) -> dict[str, str]:
+    """The request headers an engine gets: JSON, the client's Accept/Accept-Encoding, and its request id."""
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+    for name, value in scope["headers"]:
+        if name == b"accept":
+            headers["Accept"] = value.decode("latin-1")
+        elif name == b"accept-encoding":
+            headers["Accept-Encoding"] = value.decode("latin-1")
+        elif name == b"x-request-id":
+            headers["X-Request-Id"] = value.decode("latin-1")
+    return headers

@@ -1,0 +1,123 @@
+"""What one router app keeps in memory, and its lifecycle.
+
+RouterState holds the router's parts (balancer, API-key cache, metrics,
+usage flusher, cold start, proxy, background tasks), starts and stops them
+with the ASGI lifespan, and keeps the endpoint table in sync with the hub:
+pushed through `watch_endpoints()`, re-read every `poll_seconds` as a
+backstop (DESIGN invariant 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hub.contracts import EndpointTable, RouterHub
+
+from .background import BackgroundTasks, raise_if_cancelling
+from .balancer import Balancer, TableError
+from .coldstart import ColdStart
+from .keys import ApiKeyCache
+from .metrics import RouterMetrics
+from .proxy import Proxy
+from .usage import UsageFlusher
+
+log = logging.getLogger(__name__)
+
+
+class RouterState:
+    """Everything one router app keeps in memory: table, balancer, key cache, metrics, session, tasks."""
+
+    def __init__(self, hub: RouterHub, *, activation_timeout: float, poll_seconds: float, flush_seconds: float,
+                 connect_timeout: float, read_timeout: float, retry_after: int, max_body_bytes: int,
+                 key_cache: ApiKeyCache | None = None, keepalive_seconds: float = 10.0):
+        if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
+            raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
+        if connect_timeout <= 0 or read_timeout <= 0:
+            raise ValueError("connect_timeout and read_timeout must be > 0")
+        self.hub = hub
+        self.poll_seconds = poll_seconds
+        self.max_body_bytes = max_body_bytes
+        self.balancer = Balancer()
+        self.keys = key_cache or ApiKeyCache()
+        self.metrics = RouterMetrics()
+        self.tasks = BackgroundTasks()
+        self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds)
+        self.cold_start = ColdStart(hub, self.balancer, self.metrics, self.tasks,
+                                    activation_timeout=activation_timeout, retry_after=retry_after,
+                                    keepalive_seconds=keepalive_seconds)
+        self.proxy = Proxy(self.balancer, self.metrics, self.cold_start,
+                           connect_timeout=connect_timeout, read_timeout=read_timeout)
+        self.started = False
+        self._poll_failing = False
+
+    async def start(self) -> None:
+        """Open the upstream session, load the table and start the watcher, poller and usage flusher."""
+        self.proxy.open()
+        self.tasks.start(self._watch(), name="router-watch-endpoints")
+        # Let the watcher subscribe before reading, so a table published in between is not missed.
+        await asyncio.sleep(0)
+        try:
+            table = await self.hub.read_endpoints()
+        except Exception as exc:  # the store being down must not stop the router; the poller retries
+            log.warning("could not read the endpoint table at startup, will retry: %s", exc)
+            table = None
+        if table is not None:
+            self.apply_table(table)
+        self.tasks.start(self._poll(), name="router-poll-endpoints")
+        self.tasks.start(self.usage.run(), name="router-flush-usage")
+        self.started = True
+
+    async def stop(self) -> None:
+        """Cancel the background tasks, flush the last stamps (briefly) and close the session."""
+        self.started = False
+        await self.tasks.cancel_all()
+        try:
+            async with asyncio.timeout(2.0):
+                await self.usage.flush()
+        except TimeoutError:
+            log.warning("usage store did not take the last stamps before shutdown")
+        await self.proxy.close()
+        await self.keys.close()
+
+    def apply_table(self, table: EndpointTable) -> bool:
+        """Install a table (on the router's loop); wake requests waiting for a replica if it changed."""
+        try:
+            changed = self.balancer.apply_table(table)
+        except TableError as exc:
+            log.error("ignoring a malformed endpoint table: %s", exc)
+            return False
+        if changed:
+            log.info("endpoint table: %d models, %d ready endpoints",
+                     len(self.balancer.catalog()), len(self.balancer.endpoints()))
+            self.cold_start.table_changed()
+        return changed
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for table in self.hub.watch_endpoints():
+                    self.apply_table(table)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                raise_if_cancelling()
+                log.warning("endpoint watch failed, the poller covers the gap: %s", exc)
+            await asyncio.sleep(self.poll_seconds)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            try:
+                table = await self.hub.read_endpoints()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                raise_if_cancelling()
+                if not self._poll_failing:
+                    log.warning("could not re-read the endpoint table: %s", exc)
+                    self._poll_failing = True
+                continue
+            self._poll_failing = False
+            if table is not None:
+                self.apply_table(table)
