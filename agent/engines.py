@@ -106,7 +106,14 @@ def build_launch(
         argv = ["python", "-m", "sglang.launch_server", "--model-path", source, "--host", "0.0.0.0"]
         argv += ["--port", str(port), "--served-model-name", model, "--tp-size", str(len(gpu_indices) * node_count)]
         if multi:
-            argv += ["--nnodes", str(node_count), "--node-rank", str(rank), "--dist-init-addr", f"{head_address}:{port + 1}"]
+            argv += [
+                "--nnodes",
+                str(node_count),
+                "--node-rank",
+                str(rank),
+                "--dist-init-addr",
+                f"{head_address}:{port + 1}",
+            ]
         return Launch(argv + args, env, "/health" if rank == 0 else None)
 
     if engine == "llamacpp":

@@ -68,9 +68,7 @@ def parse_fake_gpus(spec: str, node_name: str = "") -> list[GPUInfo]:
         group = group.strip()
         match = _FAKE_GROUP.match(group)
         if match is None:
-            raise ValueError(
-                f"fake GPU group {group!r} is not COUNTxCLASS-MEMGB (e.g. 8xH100-80GB or 2xL40S-48GB)"
-            )
+            raise ValueError(f"fake GPU group {group!r} is not COUNTxCLASS-MEMGB (e.g. 8xH100-80GB or 2xL40S-48GB)")
         count, gpu_class, memory_gb = int(match[1]), match[2], int(match[3])
         if count < 1:
             raise ValueError(f"fake GPU group {group!r} has a count of 0; use at least 1")

@@ -38,7 +38,10 @@ def serve_builtin_engine(port: int) -> None:
     from aiohttp import web
 
     reply = {
-        "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello."}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
@@ -55,8 +58,15 @@ def serve_builtin_engine(port: int) -> None:
 
 def serve_router(port: int, upstream: str, workdir: str) -> None:
     """The router as production runs it, on an embedded hub holding one endpoint for the engine."""
-    os.environ.update({"DATABASE_URL": f"sqlite:///{workdir}/bench.sqlite3", "SECRET_KEY": "bench-only",
-                       "LLMGW_VAR_DIR": workdir, "LOG_LEVEL": "WARNING", "DJANGO_SETTINGS_MODULE": "llmgw_site.settings"})
+    os.environ.update(
+        {
+            "DATABASE_URL": f"sqlite:///{workdir}/bench.sqlite3",
+            "SECRET_KEY": "bench-only",
+            "LLMGW_VAR_DIR": workdir,
+            "LOG_LEVEL": "WARNING",
+            "DJANGO_SETTINGS_MODULE": "llmgw_site.settings",
+        }
+    )
     os.environ.pop("REDIS_URL", None)
     sys.path.insert(0, str(ROOT))
     import django
@@ -72,11 +82,24 @@ def serve_router(port: int, upstream: str, workdir: str) -> None:
     call_command("migrate", "router", verbosity=0)
     ApiKey.issue("bench", key=KEY)
     hub = InProcessHub()
-    hub.publish_endpoints({"models": {MODEL: {"aliases": []}},
-                           "endpoints": [{"replica_id": "1", "model": MODEL, "url": upstream, "priority": 0,
-                                          "weight": 1, "pool": "default"}]})
-    uvicorn.run(create_app(hub), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
-                log_level="warning", access_log=False, proxy_headers=False)
+    hub.publish_endpoints(
+        {
+            "models": {MODEL: {"aliases": []}},
+            "endpoints": [
+                {"replica_id": "1", "model": MODEL, "url": upstream, "priority": 0, "weight": 1, "pool": "default"}
+            ],
+        }
+    )
+    uvicorn.run(
+        create_app(hub),
+        host="127.0.0.1",
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        proxy_headers=False,
+    )
 
 
 # -- the load generator -------------------------------------------------------------------------
@@ -138,8 +161,13 @@ async def drive(url: str, headers: dict, duration: float, concurrency: int) -> d
     def pct(p):
         return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] * 1000 if latencies else float("nan")
 
-    return {"requests": len(latencies), "errors": errors, "rps": len(latencies) / elapsed,
-            "p50_ms": pct(50), "p99_ms": pct(99)}
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "rps": len(latencies) / elapsed,
+        "p50_ms": pct(50),
+        "p99_ms": pct(99),
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -153,8 +181,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per target (default 10)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests kept in flight (default 32)")
     has_mock = (ROOT / "agent" / "mock_engine.py").exists()
-    parser.add_argument("--engine", choices=["mock", "builtin"], default="mock" if has_mock else "builtin",
-                        help="agent.mock_engine (default when present) or a minimal aiohttp engine")
+    parser.add_argument(
+        "--engine",
+        choices=["mock", "builtin"],
+        default="mock" if has_mock else "builtin",
+        help="agent.mock_engine (default when present) or a minimal aiohttp engine",
+    )
     parser.add_argument("--serve-engine", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-router", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
@@ -175,16 +207,27 @@ def main() -> None:
     else:
         engine_cmd = [sys.executable, __file__, "--serve-engine", str(engine_port)]
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
-        router_cmd = [sys.executable, __file__, "--serve-router", str(router_port), "--upstream", engine_url,
-                      "--workdir", workdir]
+        router_cmd = [
+            sys.executable,
+            __file__,
+            "--serve-router",
+            str(router_port),
+            "--upstream",
+            engine_url,
+            "--workdir",
+            workdir,
+        ]
         processes = [subprocess.Popen(engine_cmd, cwd=ROOT), subprocess.Popen(router_cmd, cwd=ROOT)]
         try:
             asyncio.run(wait_ready(f"{engine_url}/health"))
             asyncio.run(wait_ready(f"{router_url}/health"))
-            print(f"engine={args.engine} concurrency={args.concurrency} duration={args.duration:g}s "
-                  f"cpus={os.cpu_count()}")
-            print(f"{'target':<8} {'requests':>9} {'errors':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-                  f"{'router CPU us/req':>18}")
+            print(
+                f"engine={args.engine} concurrency={args.concurrency} duration={args.duration:g}s cpus={os.cpu_count()}"
+            )
+            print(
+                f"{'target':<8} {'requests':>9} {'errors':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+                f"{'router CPU us/req':>18}"
+            )
             router_pid = processes[1].pid
             for name, url, headers in (
                 ("direct", engine_url, {}),
@@ -195,8 +238,11 @@ def main() -> None:
                 # The router's own CPU per proxied request: a figure the shared cores do not distort.
                 per_request = (cpu_seconds(router_pid) - cpu_before) / max(r["requests"], 1) * 1e6
                 shown = f"{per_request:.0f}" if name == "router" else "-"
-                print(f"{name:<8} {r['requests']:>9} {r['errors']:>7} {r['rps']:>9.0f} "
-                      f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {shown:>18}", flush=True)
+                print(
+                    f"{name:<8} {r['requests']:>9} {r['errors']:>7} {r['rps']:>9.0f} "
+                    f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {shown:>18}",
+                    flush=True,
+                )
         finally:
             for process in processes:
                 process.terminate()

@@ -51,24 +51,33 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     print(f"database: {connection.vendor}")
     leadership = Leadership(ttl=600)
-    print(f"{'nodes':>6} {'GPUs':>6} {'replicas':>8} {'placing ms':>11} {'queries':>8} {'steady ms (p50)':>16} {'queries':>8}")
+    print(
+        f"{'nodes':>6} {'GPUs':>6} {'replicas':>8} {'placing ms':>11} {'queries':>8} {'steady ms (p50)':>16} {'queries':>8}"
+    )
     for size in sizes:
         for table in (GPUAssignment, Shard, Replica, Profile, Model, GPU, Node):
             table.objects.all().delete()
         now = timezone.now()
         nodes = Node.objects.bulk_create(
-            Node(name=f"n{i:04d}", address=f"10.0.{i // 250}.{i % 250}", fabric=f"ib-{i % 4}",
-                 state=NodeState.READY, last_seen=now)
+            Node(
+                name=f"n{i:04d}",
+                address=f"10.0.{i // 250}.{i % 250}",
+                fabric=f"ib-{i % 4}",
+                state=NodeState.READY,
+                last_seen=now,
+            )
             for i in range(size)
         )
         GPU.objects.bulk_create(
             GPU(node=node, index=g, uuid=f"{node.name}-{g}", gpu_class="H100-80GB", memory_mb=81920)
-            for node in nodes for g in range(8)
+            for node in nodes
+            for g in range(8)
         )
         for m in range(max(1, size // 2)):
             model = Model.objects.create(name=f"model-{m}", source=f"org/model-{m}")
-            Profile.objects.create(model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=4,
-                                   max_replicas=4)
+            Profile.objects.create(
+                model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=4, max_replicas=4
+            )
         with CaptureQueriesContext(connection) as placing_queries:
             started = time.perf_counter()
             tick(leadership=leadership)
@@ -81,8 +90,10 @@ def main() -> None:
                 steady.append((time.perf_counter() - started) * 1000)
             steady_queries = len(ctx)
         replicas = Replica.objects.count()
-        print(f"{size:>6} {size * 8:>6} {replicas:>8} {placing_ms:>11.1f} {len(placing_queries):>8} "
-              f"{statistics.median(steady):>16.1f} {steady_queries:>8}")
+        print(
+            f"{size:>6} {size * 8:>6} {replicas:>8} {placing_ms:>11.1f} {len(placing_queries):>8} "
+            f"{statistics.median(steady):>16.1f} {steady_queries:>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -101,9 +101,13 @@ class Profile(models.Model):
     idle_timeout_seconds = models.PositiveIntegerField(
         null=True, blank=True, help_text="Stop replicas above min after this long unused; empty = never."
     )
-    engine_args = models.JSONField(default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].')
+    engine_args = models.JSONField(
+        default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
+    )
     start_seconds = models.FloatField(
-        null=True, blank=True, editable=False,
+        null=True,
+        blank=True,
+        editable=False,
         help_text="Learned: how long a replica takes from placement to ready (a moving average).",
     )
 
@@ -114,7 +118,9 @@ class Profile(models.Model):
                 condition=models.Q(max_replicas__gte=models.F("min_replicas")), name="profile_max_replicas_gte_min"
             ),
             models.CheckConstraint(condition=models.Q(gpus_per_node__gte=1), name="profile_gpus_per_node_gte_1"),
-            models.CheckConstraint(condition=models.Q(nodes_per_replica__gte=1), name="profile_nodes_per_replica_gte_1"),
+            models.CheckConstraint(
+                condition=models.Q(nodes_per_replica__gte=1), name="profile_nodes_per_replica_gte_1"
+            ),
             models.CheckConstraint(condition=models.Q(max_replicas__gte=1), name="profile_max_replicas_gte_1"),
             models.CheckConstraint(condition=models.Q(weight__gte=1), name="profile_weight_gte_1"),
         ]

@@ -77,7 +77,11 @@ def _leader(now: datetime) -> dict | None:
     if lease is None:
         return None
     # expires_at is by the database's clock; the difference is for display only.
-    return {"owner": lease.owner, "epoch": lease.epoch, "expires_in_seconds": round(lease.expires_at - now.timestamp(), 3)}
+    return {
+        "owner": lease.owner,
+        "epoch": lease.epoch,
+        "expires_in_seconds": round(lease.expires_at - now.timestamp(), 3),
+    }
 
 
 def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:

@@ -29,9 +29,7 @@ def dashboard_context(summary: dict | None = None) -> dict:
         }
         for row in summary["capacity"]
     ]
-    replicas = [
-        {**r, "idle": str(Idle.from_json(r["idle_seconds"], r["idle_known"]))} for r in summary["replica_list"]
-    ]
+    replicas = [{**r, "idle": str(Idle.from_json(r["idle_seconds"], r["idle_known"]))} for r in summary["replica_list"]]
     return {
         "summary": summary,
         "capacity": capacity,

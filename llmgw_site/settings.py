@@ -137,7 +137,6 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 
-
 def channel_layers(redis_url: str | None) -> dict:
     """The channel layer: in-process when embedded, Redis otherwise."""
     if redis_url is None:

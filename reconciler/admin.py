@@ -48,7 +48,9 @@ class ReplicaAdmin(ReadOnlyAdmin):
         for replica in replicas:
             stop_replica(replica)
         self.message_user(
-            request, f"Asked {len(replicas)} replica(s) to stop; the leader's next tick stops their shards.", messages.SUCCESS
+            request,
+            f"Asked {len(replicas)} replica(s) to stop; the leader's next tick stops their shards.",
+            messages.SUCCESS,
         )
 
 

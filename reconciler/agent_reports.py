@@ -133,15 +133,15 @@ def reconcile_reported_shards(node: Node, reported: list[RunningShard]) -> None:
             ).delete()
         # A start the agent never answered may simply not have reached it (it was between
         # connections): send it again at the next tick rather than failing the replica.
-        unanswered = [s.pk for s in missing if s.state == ShardState.ASSIGNED and s.replica.state != ReplicaState.STOPPING]
+        unanswered = [
+            s.pk for s in missing if s.state == ShardState.ASSIGNED and s.replica.state != ReplicaState.STOPPING
+        ]
         if unanswered:
             resend_due = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
             Shard.objects.filter(pk__in=unanswered).update(updated_at=resend_due)
             wake = True
         lost = {
-            s.replica_id
-            for s in missing
-            if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
+            s.replica_id for s in missing if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
         }
         if lost:
             fail_replicas(

@@ -65,7 +65,9 @@ class _HubReadings:
     activations: set[str]
 
 
-def tick(leadership: Leadership | None = None, hub: ControlPlaneHub | None = None, now: datetime | None = None) -> TickReport:
+def tick(
+    leadership: Leadership | None = None, hub: ControlPlaneHub | None = None, now: datetime | None = None
+) -> TickReport:
     """One reconcile pass, leader only; see the module docstring."""
     leadership = leadership or get_leadership()
     if not leadership.renew():

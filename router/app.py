@@ -128,8 +128,12 @@ class RouterApp:
             valid = await self._keys.is_valid(key)
         except Exception:
             log.exception("could not verify an API key")
-            raise RouterError(503, "The API key could not be verified right now; try again.", "key_check_unavailable",
-                              type_="server_error") from None
+            raise RouterError(
+                503,
+                "The API key could not be verified right now; try again.",
+                "key_check_unavailable",
+                type_="server_error",
+            ) from None
         if not valid:
             raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
 
@@ -182,12 +186,10 @@ class RouterApp:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RouterError(400, f"Request body is not valid JSON: {exc}", "invalid_json") from None
         if not isinstance(payload, dict):
-            raise RouterError(400, f"Request body must be a JSON object, not {type(payload).__name__}.",
-                              "invalid_body")
+            raise RouterError(400, f"Request body must be a JSON object, not {type(payload).__name__}.", "invalid_body")
         requested = payload.get("model")
         if not isinstance(requested, str) or not requested:
-            raise RouterError(400, "Request body must have a non-empty string \"model\".", "missing_model",
-                              param="model")
+            raise RouterError(400, 'Request body must have a non-empty string "model".', "missing_model", param="model")
         public = self._balancer.resolve(requested)
         if public is None:
             raise RouterError(404, f"The model `{requested}` does not exist.", "model_not_found", param="model")
@@ -198,10 +200,19 @@ class RouterApp:
         return public, body, payload.get("stream") is True
 
 
-def create_app(hub: RouterHub | None = None, *, activation_timeout: float | None = None,
-               poll_seconds: float | None = None, flush_seconds: float | None = None, connect_timeout: float = 5.0,
-               read_timeout: float = 600.0, retry_after: int = 10, max_body_bytes: int = 64 * 1024 * 1024,
-               key_cache: ApiKeyCache | None = None, keepalive_seconds: float = 10.0) -> RouterApp:
+def create_app(
+    hub: RouterHub | None = None,
+    *,
+    activation_timeout: float | None = None,
+    poll_seconds: float | None = None,
+    flush_seconds: float | None = None,
+    connect_timeout: float = 5.0,
+    read_timeout: float = 600.0,
+    retry_after: int = 10,
+    max_body_bytes: int = 64 * 1024 * 1024,
+    key_cache: ApiKeyCache | None = None,
+    keepalive_seconds: float = 10.0,
+) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
     `hub` defaults to hub.get_hub(). Timeouts default to the
@@ -211,8 +222,9 @@ def create_app(hub: RouterHub | None = None, *, activation_timeout: float | None
     """
     state = RouterState(
         get_hub() if hub is None else hub,
-        activation_timeout=(settings.LLMGW_ACTIVATION_TIMEOUT_SECONDS if activation_timeout is None
-                            else activation_timeout),
+        activation_timeout=(
+            settings.LLMGW_ACTIVATION_TIMEOUT_SECONDS if activation_timeout is None else activation_timeout
+        ),
         poll_seconds=settings.LLMGW_ROUTER_POLL_SECONDS if poll_seconds is None else poll_seconds,
         flush_seconds=settings.LLMGW_USAGE_FLUSH_SECONDS if flush_seconds is None else flush_seconds,
         connect_timeout=connect_timeout,

@@ -20,8 +20,9 @@ Send = Callable[[Message], Awaitable[None]]
 JSON_CONTENT_TYPE = b"application/json"
 
 
-async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
-                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_bytes(
+    send: Send, status: int, body: bytes, content_type: bytes, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     """A complete response with a known length."""
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if extra_headers:

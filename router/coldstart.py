@@ -33,8 +33,17 @@ KEEPALIVE_COMMENT = b": waiting for a replica of this model to start\n\n"
 class ColdStart:
     """Asks the control plane to start models and holds requests until a replica is published."""
 
-    def __init__(self, hub: ActivationQueue, balancer: Balancer, metrics: RouterMetrics, tasks: BackgroundTasks,
-                 *, activation_timeout: float, retry_after: int, keepalive_seconds: float):
+    def __init__(
+        self,
+        hub: ActivationQueue,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        tasks: BackgroundTasks,
+        *,
+        activation_timeout: float,
+        retry_after: int,
+        keepalive_seconds: float,
+    ):
         self.hub = hub
         self.balancer = balancer
         self.metrics = metrics
@@ -81,15 +90,19 @@ class ColdStart:
             if endpoint is not None:
                 return endpoint
             if self.balancer.resolve(model) is None:
-                raise RouterError(404, f"The model `{model}` was removed while waiting for it.", "model_not_found",
-                                  param="model")
+                raise RouterError(
+                    404, f"The model `{model}` was removed while waiting for it.", "model_not_found", param="model"
+                )
             self._ask_activation(model)
             reason = self.balancer.unplaceable(model)
             if reason is not None:
                 # Waiting would only hold the client until the deadline: say why now.
                 raise RouterError(
-                    503, f"The model `{model}` cannot be started now: {reason}.", "model_unplaceable",
-                    type_="server_error", headers=[(b"retry-after", str(self.retry_after).encode())],
+                    503,
+                    f"The model `{model}` cannot be started now: {reason}.",
+                    "model_unplaceable",
+                    type_="server_error",
+                    headers=[(b"retry-after", str(self.retry_after).encode())],
                 )
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -122,7 +135,10 @@ class ColdStart:
             # The ETA: what a start usually takes, less what this request already waited.
             retry_after = max(1, math.ceil(learned - self.activation_timeout))
         return RouterError(
-            503, f"The model `{model}` is starting; no replica became ready within "
-            f"{self.activation_timeout:g} s. Retry later.", "model_starting", type_="server_error",
+            503,
+            f"The model `{model}` is starting; no replica became ready within "
+            f"{self.activation_timeout:g} s. Retry later.",
+            "model_starting",
+            type_="server_error",
             headers=[(b"retry-after", str(retry_after).encode())],
         )

@@ -18,8 +18,16 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
 class RouterError(Exception):
     """A request the router answers itself, with an HTTP status and an OpenAI-shaped error."""
 
-    def __init__(self, status: int, message: str, code: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, headers: list[tuple[bytes, bytes]] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
         self.headers = headers or []
@@ -30,5 +38,9 @@ class RouterError(Exception):
 
 def method_not_allowed(method: str, path: str, allowed: bytes) -> RouterError:
     """405 naming the method that is allowed on `path`."""
-    return RouterError(405, f"Method {method} is not allowed on {path}; use {allowed.decode()}.",
-                       "method_not_allowed", headers=[(b"allow", allowed)])
+    return RouterError(
+        405,
+        f"Method {method} is not allowed on {path}; use {allowed.decode()}.",
+        "method_not_allowed",
+        headers=[(b"allow", allowed)],
+    )

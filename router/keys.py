@@ -33,8 +33,9 @@ def _key_is_active(digest: str) -> bool:
 class ApiKeyCache:
     """Answers "is this bearer key valid?" from memory, asking the database only on a miss."""
 
-    def __init__(self, positive_ttl: float = 30.0, negative_ttl: float = 5.0, max_entries: int = 10_000,
-                 clock=time.monotonic):
+    def __init__(
+        self, positive_ttl: float = 30.0, negative_ttl: float = 5.0, max_entries: int = 10_000, clock=time.monotonic
+    ):
         self.positive_ttl = positive_ttl
         self.negative_ttl = negative_ttl
         self.max_entries = max_entries

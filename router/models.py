@@ -36,6 +36,7 @@ class ApiKey(models.Model):
     def issue(cls, name: str, key: str | None = None) -> tuple["ApiKey", str]:
         """Create a key and return it with its plaintext, which is never stored."""
         plaintext = key or new_secret(KEY_PREFIX)
-        api_key = cls.objects.create(name=name, prefix=plaintext[: len(KEY_PREFIX) + 6],
-                                     key_hash=hash_secret(plaintext))
+        api_key = cls.objects.create(
+            name=name, prefix=plaintext[: len(KEY_PREFIX) + 6], key_hash=hash_secret(plaintext)
+        )
         return api_key, plaintext

@@ -43,8 +43,15 @@ class Outcome:
 class Proxy:
     """Sends requests to a replica of their model (waiting for a cold start if need be) and relays the answer."""
 
-    def __init__(self, balancer: Balancer, metrics: RouterMetrics, cold_start: ColdStart, *,
-                 connect_timeout: float, read_timeout: float):
+    def __init__(
+        self,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        cold_start: ColdStart,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+    ):
         if connect_timeout <= 0 or read_timeout <= 0:
             raise ValueError("connect_timeout and read_timeout must be > 0")
         self.balancer = balancer
@@ -72,8 +79,9 @@ class Proxy:
             await self.session.close()
             self.session = None
 
-    async def forward(self, scope: Scope, send: Send, path: str, model: str, body: bytes, outcome: Outcome,
-                      streaming: bool = False) -> None:
+    async def forward(
+        self, scope: Scope, send: Send, path: str, model: str, body: bytes, outcome: Outcome, streaming: bool = False
+    ) -> None:
         """Answer the request from a replica of `model`; a RouterError if none can (before the response began)."""
         if self.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
@@ -89,8 +97,7 @@ class Proxy:
                 await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=True)
             except RouterError as exc:
                 outcome.status = exc.status
-                await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n",
-                            "more_body": False})
+                await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n", "more_body": False})
             return
         if endpoint is None:
             endpoint = await cold_start.wait_for_endpoint(model)
@@ -98,8 +105,18 @@ class Proxy:
                 raise cold_start.starting_error(model)
         await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=False)
 
-    async def _send_upstream(self, scope: Scope, send: Send, path: str, model: str, body: bytes, outcome: Outcome,
-                             endpoint: Endpoint, *, headers_sent: bool) -> None:
+    async def _send_upstream(
+        self,
+        scope: Scope,
+        send: Send,
+        path: str,
+        model: str,
+        body: bytes,
+        outcome: Outcome,
+        endpoint: Endpoint,
+        *,
+        headers_sent: bool,
+    ) -> None:
         """Send the request to `endpoint` (retrying once on another replica before any upstream byte
         is relayed) and relay the answer."""
         session, balancer, metrics = self.session, self.balancer, self.metrics
@@ -112,21 +129,30 @@ class Proxy:
             try:
                 started = time.perf_counter()
                 response = await session.post(endpoint.url + path, data=body, headers=headers)
-            except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                    aiohttp.ClientOSError) as exc:
+            except (
+                aiohttp.ConnectionTimeoutError,
+                aiohttp.ClientConnectorError,
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+            ) as exc:
                 balancer.release(endpoint)
                 log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, exc)
                 nxt = balancer.pick(model, exclude=tried) if retry_possible else None
                 if nxt is None:
-                    raise RouterError(502, f"No replica of `{model}` could be reached.", "upstream_unavailable",
-                                      type_="server_error") from None
+                    raise RouterError(
+                        502, f"No replica of `{model}` could be reached.", "upstream_unavailable", type_="server_error"
+                    ) from None
                 metrics.retries.labels(model).inc()
                 endpoint = nxt
                 continue
             except (aiohttp.SocketTimeoutError, TimeoutError):
                 balancer.release(endpoint)
-                raise RouterError(504, f"Replica {endpoint.replica_id} of `{model}` did not answer in time.",
-                                  "upstream_timeout", type_="server_error") from None
+                raise RouterError(
+                    504,
+                    f"Replica {endpoint.replica_id} of `{model}` did not answer in time.",
+                    "upstream_timeout",
+                    type_="server_error",
+                ) from None
             except BaseException:
                 balancer.release(endpoint)
                 raise
@@ -144,19 +170,33 @@ class Proxy:
                 detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
                 response.close()
                 balancer.release(endpoint)
-                raise RouterError(response.status, f"Replica {endpoint.replica_id} of `{model}` answered "
-                                  f"{response.status}: {detail}", "upstream_error", type_="server_error")
+                raise RouterError(
+                    response.status,
+                    f"Replica {endpoint.replica_id} of `{model}` answered {response.status}: {detail}",
+                    "upstream_error",
+                    type_="server_error",
+                )
             await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent)
             return
 
-    async def _relay(self, send: Send, endpoint: Endpoint, response: aiohttp.ClientResponse, outcome: Outcome,
-                     *, headers_sent: bool = False) -> None:
+    async def _relay(
+        self,
+        send: Send,
+        endpoint: Endpoint,
+        response: aiohttp.ClientResponse,
+        outcome: Outcome,
+        *,
+        headers_sent: bool = False,
+    ) -> None:
         """Stream the engine's response to the client chunk by chunk; never retried once started."""
         clean = False
         try:
             if not headers_sent:
-                headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
-                           if k.lower() in PASSED_RESPONSE_HEADERS]
+                headers = [
+                    (k.lower().encode("latin-1"), v.encode("latin-1"))
+                    for k, v in response.headers.items()
+                    if k.lower() in PASSED_RESPONSE_HEADERS
+                ]
                 headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
                 await send({"type": "http.response.start", "status": response.status, "headers": headers})
             outcome.status = response.status

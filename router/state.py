@@ -28,9 +28,20 @@ log = logging.getLogger(__name__)
 class RouterState:
     """Everything one router app keeps in memory: table, balancer, key cache, metrics, session, tasks."""
 
-    def __init__(self, hub: RouterHub, *, activation_timeout: float, poll_seconds: float, flush_seconds: float,
-                 connect_timeout: float, read_timeout: float, retry_after: int, max_body_bytes: int,
-                 key_cache: ApiKeyCache | None = None, keepalive_seconds: float = 10.0):
+    def __init__(
+        self,
+        hub: RouterHub,
+        *,
+        activation_timeout: float,
+        poll_seconds: float,
+        flush_seconds: float,
+        connect_timeout: float,
+        read_timeout: float,
+        retry_after: int,
+        max_body_bytes: int,
+        key_cache: ApiKeyCache | None = None,
+        keepalive_seconds: float = 10.0,
+    ):
         if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
             raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
         if connect_timeout <= 0 or read_timeout <= 0:
@@ -43,11 +54,18 @@ class RouterState:
         self.metrics = RouterMetrics()
         self.tasks = BackgroundTasks()
         self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds)
-        self.cold_start = ColdStart(hub, self.balancer, self.metrics, self.tasks,
-                                    activation_timeout=activation_timeout, retry_after=retry_after,
-                                    keepalive_seconds=keepalive_seconds)
-        self.proxy = Proxy(self.balancer, self.metrics, self.cold_start,
-                           connect_timeout=connect_timeout, read_timeout=read_timeout)
+        self.cold_start = ColdStart(
+            hub,
+            self.balancer,
+            self.metrics,
+            self.tasks,
+            activation_timeout=activation_timeout,
+            retry_after=retry_after,
+            keepalive_seconds=keepalive_seconds,
+        )
+        self.proxy = Proxy(
+            self.balancer, self.metrics, self.cold_start, connect_timeout=connect_timeout, read_timeout=read_timeout
+        )
         self.started = False
         self._poll_failing = False
 
@@ -88,8 +106,11 @@ class RouterState:
             log.error("ignoring a malformed endpoint table: %s", exc)
             return False
         if changed:
-            log.info("endpoint table: %d models, %d ready endpoints",
-                     len(self.balancer.catalog()), len(self.balancer.endpoints()))
+            log.info(
+                "endpoint table: %d models, %d ready endpoints",
+                len(self.balancer.catalog()),
+                len(self.balancer.endpoints()),
+            )
             self.cold_start.table_changed()
         return changed
 

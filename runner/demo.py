@@ -22,14 +22,30 @@ DEMO_KEY_NAME = "demo (up --demo)"
 
 # (name, aliases, source, profile fields)
 CATALOG = [
-    ("llama-3.1-8b-instruct", ["llama3"], "meta-llama/Llama-3.1-8B-Instruct",
-     {"gpu_class": "H100-80GB", "gpus_per_node": 1, "max_replicas": 2, "idle_timeout_seconds": 900}),
-    ("qwen2.5-7b-instruct", ["qwen"], "Qwen/Qwen2.5-7B-Instruct",
-     {"gpu_class": "L40S-48GB", "gpus_per_node": 1, "max_replicas": 1, "idle_timeout_seconds": 900}),
-    ("llama-3.1-70b-instruct", [], "meta-llama/Llama-3.1-70B-Instruct",
-     {"gpu_class": "H100-80GB", "gpus_per_node": 4, "max_replicas": 1, "priority": 10}),
-    ("bge-m3", ["embeddings"], "BAAI/bge-m3",
-     {"gpu_class": "L40S-48GB", "gpus_per_node": 1, "min_replicas": 1, "max_replicas": 1}),
+    (
+        "llama-3.1-8b-instruct",
+        ["llama3"],
+        "meta-llama/Llama-3.1-8B-Instruct",
+        {"gpu_class": "H100-80GB", "gpus_per_node": 1, "max_replicas": 2, "idle_timeout_seconds": 900},
+    ),
+    (
+        "qwen2.5-7b-instruct",
+        ["qwen"],
+        "Qwen/Qwen2.5-7B-Instruct",
+        {"gpu_class": "L40S-48GB", "gpus_per_node": 1, "max_replicas": 1, "idle_timeout_seconds": 900},
+    ),
+    (
+        "llama-3.1-70b-instruct",
+        [],
+        "meta-llama/Llama-3.1-70B-Instruct",
+        {"gpu_class": "H100-80GB", "gpus_per_node": 4, "max_replicas": 1, "priority": 10},
+    ),
+    (
+        "bge-m3",
+        ["embeddings"],
+        "BAAI/bge-m3",
+        {"gpu_class": "L40S-48GB", "gpus_per_node": 1, "min_replicas": 1, "max_replicas": 1},
+    ),
 ]
 
 # (name, fabric, fake GPUs)

@@ -14,9 +14,7 @@ H100 = "H100-80GB"
 _ports = iter(range(21000, 29999))
 
 
-def make_node(
-    name, *, gpus=8, gpu_class=H100, fabric="", address="127.0.0.1", state=NodeState.READY, schedulable=True
-):
+def make_node(name, *, gpus=8, gpu_class=H100, fabric="", address="127.0.0.1", state=NodeState.READY, schedulable=True):
     """A node that has just sent a heartbeat, with `gpus` healthy GPUs of one class."""
     node = Node.objects.create(
         name=name, address=address, fabric=fabric, state=state, schedulable=schedulable, last_seen=timezone.now()

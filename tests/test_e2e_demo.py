@@ -45,9 +45,7 @@ def engine_pids(var_dir: Path) -> set[int]:
 @pytest.fixture
 def demo(tmp_path):
     port, router_port = free_port(), free_port()
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")
-    } | {
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
         "LLMGW_VAR_DIR": str(tmp_path),
         "LLMGW_DEMO_API_KEY": API_KEY,
         "LLMGW_DEMO_ADMIN_PASSWORD": "e2e-admin-password",
@@ -65,7 +63,10 @@ def demo(tmp_path):
         while time.monotonic() < deadline:
             assert proc.poll() is None, (tmp_path / "up.log").read_text()
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200 and "API key" in (tmp_path / "up.log").read_text():
+                if (
+                    httpx.get(f"{base}/health", timeout=1).status_code == 200
+                    and "API key" in (tmp_path / "up.log").read_text()
+                ):
                     break
             except httpx.HTTPError:
                 pass
@@ -80,7 +81,12 @@ def demo(tmp_path):
 
 def ctl_status(env) -> dict:
     out = subprocess.run(
-        [sys.executable, "manage.py", "ctl_status", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "manage.py", "ctl_status", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

@@ -17,9 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def django_setup(**env) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_") and k not in ("DATABASE_URL", "SECRET_KEY")}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("LLMGW_") and k not in ("DATABASE_URL", "SECRET_KEY")
+    }
     return subprocess.run(
-        [sys.executable, "-c", "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; django.setup()"],
+        [
+            sys.executable,
+            "-c",
+            "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; django.setup()",
+        ],
         cwd=ROOT,
         env=clean | env,
         capture_output=True,
@@ -62,12 +68,18 @@ def test_start_up_fails_on_a_bad_tick_interval():
 
 def test_the_host_up_listens_on_is_an_allowed_host():
     result = subprocess.run(
-        [sys.executable, "-c", "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; "
-         "django.setup(); from django.conf import settings; print(settings.ALLOWED_HOSTS)"],
+        [
+            sys.executable,
+            "-c",
+            "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; "
+            "django.setup(); from django.conf import settings; print(settings.ALLOWED_HOSTS)",
+        ],
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_") and k != "ALLOWED_HOSTS"}
         | {"LLMGW_HOST": "10.1.2.3", "LLMGW_VAR_DIR": os.environ.get("LLMGW_VAR_DIR", str(ROOT / "var"))},
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert "'10.1.2.3'" in result.stdout and "'localhost'" in result.stdout

@@ -57,7 +57,12 @@ def test_sigterm_stops_the_agent_cleanly():
         )  # fmt: skip
         try:
             hello = cp.messages.get(timeout=10)
-            assert (hello["type"], hello["node"], hello["fabric"], hello["labels"]) == ("hello", "n2", "ib-a", {"rack": "r1"})
+            assert (hello["type"], hello["node"], hello["fabric"], hello["labels"]) == (
+                "hello",
+                "n2",
+                "ib-a",
+                {"rack": "r1"},
+            )
             process.send_signal(signal.SIGTERM)
             output, _ = process.communicate(timeout=10)
         finally:

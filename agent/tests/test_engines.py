@@ -4,7 +4,13 @@ import pytest
 
 from agent.engines import PROJECT_DIR, build_launch
 
-BASE = {"model": "llama-70b", "source": "meta-llama/Llama-3.1-70B-Instruct", "port": 20000, "head_address": "", "args": []}
+BASE = {
+    "model": "llama-70b",
+    "source": "meta-llama/Llama-3.1-70B-Instruct",
+    "port": 20000,
+    "head_address": "",
+    "args": [],
+}
 
 
 def launch(engine, **overrides):

@@ -70,7 +70,10 @@ def sse_events(response) -> list:
 
 
 def test_chat_completion_names_the_model_and_echoes_the_user(engine):
-    body = {"model": MODEL, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+    }
     reply = engine.post("/v1/chat/completions", json=body).json()
     assert reply["object"] == "chat.completion" and reply["model"] == MODEL
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": f"mock reply from {MODEL}: hello there"}
@@ -141,7 +144,9 @@ def test_models_lists_the_served_model(engine):
 
 def test_metrics_count_prompt_and_generation_tokens(engine):
     before = metrics(engine)
-    engine.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "one two three"}]})
+    engine.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "one two three"}]}
+    )
     after = metrics(engine)
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 3
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 7
@@ -150,7 +155,9 @@ def test_metrics_count_prompt_and_generation_tokens(engine):
 
 
 def test_another_model_is_404_in_openai_error_shape(engine):
-    response = engine.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    response = engine.post(
+        "/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert response.status_code == 404
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

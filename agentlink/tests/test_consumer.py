@@ -136,7 +136,8 @@ async def test_a_second_connection_for_the_node_replaces_the_first(token):
     assert closed == {"type": "websocket.close", "code": protocol.CLOSE_SUPERSEDED}
     # Commands now reach the newer stream.
     await get_channel_layer().group_send(
-        "node.gpu-a", {"type": "agent.command", "command": protocol.to_builtins(protocol.StopShard(epoch=3, shard_id=9))}
+        "node.gpu-a",
+        {"type": "agent.command", "command": protocol.to_builtins(protocol.StopShard(epoch=3, shard_id=9))},
     )
     assert (await second.receive_json_from(timeout=5))["shard_id"] == 9
     await second.disconnect()
@@ -146,7 +147,9 @@ def test_commands_sent_from_sync_code_reach_the_agent(token):
     async def scenario():
         comm, connected, _ = await connect("gpu-a", token)
         assert connected
-        failed = await database_sync_to_async(send_to_nodes)([("gpu-a", protocol.to_builtins(protocol.StopShard(epoch=1, shard_id=4)))])
+        failed = await database_sync_to_async(send_to_nodes)(
+            [("gpu-a", protocol.to_builtins(protocol.StopShard(epoch=1, shard_id=4)))]
+        )
         assert failed == []
         received = await comm.receive_json_from(timeout=5)
         await comm.disconnect()
@@ -180,9 +183,7 @@ async def test_an_engine_whose_shard_row_is_gone_is_stopped_on_heartbeat(token):
     """Orphans are closed: the replica was deleted (e.g. with its profile) while the agent ran it."""
     comm, connected, _ = await connect("gpu-a", token)
     await comm.send_json_to(hello(gpus=2))
-    await comm.send_json_to(
-        {"type": "heartbeat", "v": 1, "gpus": [], "shards": [{"shard_id": 77, "state": "ready"}]}
-    )
+    await comm.send_json_to({"type": "heartbeat", "v": 1, "gpus": [], "shards": [{"shard_id": 77, "state": "ready"}]})
     command = await comm.receive_json_from(timeout=5)
     assert command["type"] == "stop_shard" and command["shard_id"] == 77
     await comm.disconnect()

@@ -71,7 +71,9 @@ def snapshot():
 
 
 def test_valid_model_with_alias_and_profile_is_saved(admin_client):
-    response = admin_client.post(ADD_URL, model_form("qwen-7b", aliases=["qwen"], profiles=[{"engine_args": '["--x"]'}]))
+    response = admin_client.post(
+        ADD_URL, model_form("qwen-7b", aliases=["qwen"], profiles=[{"engine_args": '["--x"]'}])
+    )
     assert response.status_code == 302
     model = Model.objects.get(name="qwen-7b")
     assert list(model.aliases.values_list("name", flat=True)) == ["qwen"]
@@ -135,7 +137,9 @@ def test_profile_with_max_below_min_replicas_is_a_form_error(admin_client):
 
 
 def test_multi_node_llamacpp_profile_is_a_form_error(admin_client):
-    response = admin_client.post(ADD_URL, model_form("qwen-7b", profiles=[{"engine": "llamacpp", "nodes_per_replica": "2"}]))
+    response = admin_client.post(
+        ADD_URL, model_form("qwen-7b", profiles=[{"engine": "llamacpp", "nodes_per_replica": "2"}])
+    )
     assert response.status_code == 200
     assert "llama.cpp replicas run on one node" in response.content.decode()
     assert not Model.objects.exists()

@@ -54,7 +54,18 @@ class NodeSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Node
-        fields = ["id", "name", "address", "fabric", "labels", "schedulable", "state", "last_seen", "agent_version", "gpus"]
+        fields = [
+            "id",
+            "name",
+            "address",
+            "fabric",
+            "labels",
+            "schedulable",
+            "state",
+            "last_seen",
+            "agent_version",
+            "gpus",
+        ]
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -108,5 +119,3 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     def get_idle_known(self, obj) -> bool:
         return self._idle(obj).known
-
-

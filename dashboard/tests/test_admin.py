@@ -88,7 +88,9 @@ def test_replica_list_shows_nodes_and_a_dash_for_unknown_idle(admin_client, flee
 def test_lease_admin_allows_no_add_change_or_delete(admin_client, settings):
     lease = Lease.objects.create(name=settings.LLMGW_LEASE_NAME, owner="cp-1", epoch=3, expires_at=0.0)
     assert admin_client.get(reverse("admin:reconciler_lease_add")).status_code == 403
-    assert admin_client.post(reverse("admin:reconciler_lease_delete", args=[lease.pk]), {"post": "yes"}).status_code == 403
+    assert (
+        admin_client.post(reverse("admin:reconciler_lease_delete", args=[lease.pk]), {"post": "yes"}).status_code == 403
+    )
     admin_client.post(reverse("admin:reconciler_lease_change", args=[lease.pk]), {"owner": "me", "epoch": 9})
     assert Lease.objects.get().owner == "cp-1"
     assert "expired" in admin_client.get(reverse("admin:reconciler_lease_changelist")).content.decode()
@@ -133,7 +135,9 @@ def test_node_admin_edits_fabric_but_not_the_enrolled_name(admin_client, fleet):
     node = Node.objects.get(name="gpu-a")
     assert admin_client.get(reverse("admin:inventory_node_add")).status_code == 403
     data = {"name": "stolen", "address": "10.0.0.9", "fabric": "ib-z", "labels": "{}", "schedulable": "on"}
-    data.update({"gpus-TOTAL_FORMS": "8", "gpus-INITIAL_FORMS": "8", "gpus-MIN_NUM_FORMS": "0", "gpus-MAX_NUM_FORMS": "0"})
+    data.update(
+        {"gpus-TOTAL_FORMS": "8", "gpus-INITIAL_FORMS": "8", "gpus-MIN_NUM_FORMS": "0", "gpus-MAX_NUM_FORMS": "0"}
+    )
     data.update({f"gpus-{i}-id": str(pk) for i, pk in enumerate(node.gpus.values_list("pk", flat=True))})
     data.update({f"gpus-{i}-node": str(node.pk) for i in range(8)})
     response = admin_client.post(reverse("admin:inventory_node_change", args=[node.pk]), data)

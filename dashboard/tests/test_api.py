@@ -32,7 +32,9 @@ def grow(nodes: int, tag: str):
     Alias.objects.create(model=model, name=f"alias-{tag}")
     for i in range(nodes):
         node = make_node(f"{tag}-{i}", gpus=4, fabric=f"ib-{i % 2}")
-        make_replica(profile, placement=[(node, [0, 1])], last_used=timezone.now() - timedelta(seconds=60) if i else None)
+        make_replica(
+            profile, placement=[(node, [0, 1])], last_used=timezone.now() - timedelta(seconds=60) if i else None
+        )
     make_replica(profile, state=ReplicaState.PENDING, error="no room")
 
 

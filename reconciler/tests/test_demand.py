@@ -1,6 +1,5 @@
 """Demand: activations, disabled models, max replicas and idle scale-down."""
 
-
 import pytest
 from asgiref.sync import async_to_sync
 
@@ -11,6 +10,7 @@ from reconciler.models import Replica, Shard
 from tests.fleet import make_model, make_node, ready_replicas
 
 pytestmark = pytest.mark.django_db
+
 
 def test_activation_creates_exactly_one_replica(run_tick):
     make_node("gpu-a")

@@ -12,13 +12,15 @@ from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
 
+
 def test_backoff_doubles_from_the_base_up_to_the_cap(settings):
     settings.LLMGW_BACKOFF_BASE_SECONDS, settings.LLMGW_BACKOFF_MAX_SECONDS = 5, 300
     assert [backoff_seconds(n) for n in (1, 2, 3, 7, 1000)] == [5, 10, 20, 300, 300]
 
 
 def test_failed_shard_fails_the_replica_with_backoff_and_stops_its_other_shards(
-    run_tick, agent_inbox, django_capture_on_commit_callbacks, shard_report):
+    run_tick, agent_inbox, django_capture_on_commit_callbacks, shard_report
+):
     make_node("gpu-a", gpus=2, fabric="ib-a")
     make_node("gpu-b", gpus=2, fabric="ib-a")
     make_model("big", gpus_per_node=2, nodes_per_replica=2)
@@ -41,7 +43,9 @@ def test_failed_shard_fails_the_replica_with_backoff_and_stops_its_other_shards(
     assert inbox_b() == []
 
 
-def test_failed_replica_waits_for_its_backoff_then_is_placed_again(run_tick, django_capture_on_commit_callbacks, shard_report):
+def test_failed_replica_waits_for_its_backoff_then_is_placed_again(
+    run_tick, django_capture_on_commit_callbacks, shard_report
+):
     node = make_node("gpu-a")
     make_model("llama")
     run_tick()

@@ -1,6 +1,5 @@
 """Leadership inside the tick: non-leaders do nothing, a paused leader commits nothing."""
 
-
 import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
@@ -13,6 +12,7 @@ from reconciler.tick import tick
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
+
 
 def test_a_non_leader_tick_does_nothing(django_capture_on_commit_callbacks):
     make_node("gpu-a")

@@ -9,7 +9,13 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 def test_idle_text_is_human_and_dash_when_unknown():
     assert [str(Idle.from_json(s)) for s in (None, -1.0, 0, 42.9, 192, 7500, 90000)] == [
-        "-", "-", "0s", "42s", "3m12s", "2h05m", "1d01h"
+        "-",
+        "-",
+        "0s",
+        "42s",
+        "3m12s",
+        "2h05m",
+        "1d01h",
     ]
 
 

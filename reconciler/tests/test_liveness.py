@@ -13,6 +13,7 @@ from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
 
+
 def test_silent_node_becomes_unreachable_then_lost_and_its_replicas_fail(run_tick, settings):
     settings.LLMGW_UNREACHABLE_AFTER_SECONDS, settings.LLMGW_LOST_AFTER_SECONDS = 20, 120
     node = make_node("gpu-a")

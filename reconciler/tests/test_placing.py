@@ -15,6 +15,7 @@ from tests.fleet import H100, make_model, make_node
 
 pytestmark = pytest.mark.django_db
 
+
 def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_command(run_tick, leader, agent_inbox):
     roomy, snug = make_node("gpu-a", gpus=8), make_node("gpu-b", gpus=2)
     inbox = {"gpu-a": agent_inbox("gpu-a"), "gpu-b": agent_inbox("gpu-b")}

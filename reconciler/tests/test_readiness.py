@@ -16,8 +16,10 @@ from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
 
+
 def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
-    run_tick, django_capture_on_commit_callbacks, shard_report):
+    run_tick, django_capture_on_commit_callbacks, shard_report
+):
     node = make_node("gpu-a")
     model = make_model("llama", priority=5, weight=3, pool="gold")
     Alias.objects.create(model=model, name="llama-latest")
@@ -84,7 +86,9 @@ def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
     }
 
 
-def test_start_times_are_learned_per_profile_as_a_moving_average(run_tick, django_capture_on_commit_callbacks, shard_report):
+def test_start_times_are_learned_per_profile_as_a_moving_average(
+    run_tick, django_capture_on_commit_callbacks, shard_report
+):
     node = make_node("gpu-a")
     model = make_model("llama", min_replicas=2, max_replicas=2)
     run_tick()
@@ -96,7 +100,9 @@ def test_start_times_are_learned_per_profile_as_a_moving_average(run_tick, djang
     assert model.profiles.get().start_seconds == pytest.approx(20.0, abs=0.5)  # (30 + 10) / 2
 
 
-def test_multi_node_replica_is_ready_only_when_every_shard_is(run_tick, django_capture_on_commit_callbacks, shard_report):
+def test_multi_node_replica_is_ready_only_when_every_shard_is(
+    run_tick, django_capture_on_commit_callbacks, shard_report
+):
     make_node("gpu-a", gpus=2, fabric="ib-a", address="10.0.0.1")
     make_node("gpu-b", gpus=2, fabric="ib-a", address="10.0.0.2")
     make_model("big", gpus_per_node=2, nodes_per_replica=2)

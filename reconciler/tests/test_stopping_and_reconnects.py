@@ -1,6 +1,5 @@
 """Stopping replicas, and what an agent's hello says about the shards it runs."""
 
-
 import pytest
 from asgiref.sync import async_to_sync
 
@@ -14,8 +13,10 @@ from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
 
+
 def test_stopping_a_replica_sends_stop_and_deletes_it_when_its_shards_stop(
-    run_tick, agent_inbox, django_capture_on_commit_callbacks, shard_report):
+    run_tick, agent_inbox, django_capture_on_commit_callbacks, shard_report
+):
     node = make_node("gpu-a")
     make_model("llama", min_replicas=0)
     async_to_sync(get_hub().request_activation)("llama")

@@ -1,6 +1,5 @@
 """A tick runs a constant number of queries whatever the fleet size."""
 
-
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
@@ -14,6 +13,7 @@ from reconciler.models import Replica
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
+
 
 def fleet(size):
     for i in range(size):

@@ -12,6 +12,7 @@ from tests.fleet import make_model, ready_replicas
 
 pytestmark = pytest.mark.django_db
 
+
 def test_usage_stamps_move_into_last_used_and_unknown_stays_unknown(run_tick):
     model = make_model("llama", min_replicas=2, max_replicas=2)
     run_tick()  # creates two (unplaceable) replicas

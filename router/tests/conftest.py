@@ -97,12 +97,22 @@ class FakeEngine:
                 return web.json_response({"error": {"message": f"{self.name} is overloaded"}}, status=self.status)
             if body.get("stream"):
                 return await self._stream(request, body)
-            return web.json_response({
-                "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hello from {self.name}"},
-                             "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
-            })
+            return web.json_response(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+                }
+            )
         finally:
             self.active -= 1
 
@@ -111,8 +121,13 @@ class FakeEngine:
         await response.prepare(request)
 
         def chunk(text):
-            data = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
-                    "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+            data = {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": body["model"],
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+            }
             return f"data: {json.dumps(data)}\n\n".encode()
 
         await response.write(chunk("Hello"))
@@ -136,14 +151,25 @@ class FakeEngine:
     async def _completion(self, request):
         body = await self._begin(request)
         self.active -= 1
-        return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
-                                  "choices": [{"index": 0, "text": f"hi from {self.name}", "finish_reason": "stop"}]})
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "text": f"hi from {self.name}", "finish_reason": "stop"}],
+            }
+        )
 
     async def _embedding(self, request):
         body = await self._begin(request)
         self.active -= 1
-        return web.json_response({"object": "list", "model": body["model"],
-                                  "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "model": body["model"],
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+            }
+        )
 
 
 class RouterServer:
@@ -153,8 +179,9 @@ class RouterServer:
         self.app = app
         self.state = app.state
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="uvloop", http="httptools",
-                                lifespan="on", log_level="warning")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, loop="uvloop", http="httptools", lifespan="on", log_level="warning"
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True, name="router")
 

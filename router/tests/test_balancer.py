@@ -118,8 +118,11 @@ def test_a_public_name_wins_over_an_alias_that_clashes_with_it():
 def test_malformed_endpoint_rows_are_skipped_and_the_rest_kept():
     balancer = Balancer()
     table = make_table(["http://a:1"])
-    table["endpoints"] += [{"replica_id": "9", "model": MODEL}, {"replica_id": "8", "model": MODEL, "url": "x"},
-                           {"replica_id": "7", "model": MODEL, "url": "http://c:1", "weight": 0}]
+    table["endpoints"] += [
+        {"replica_id": "9", "model": MODEL},
+        {"replica_id": "8", "model": MODEL, "url": "x"},
+        {"replica_id": "7", "model": MODEL, "url": "http://c:1", "weight": 0},
+    ]
     balancer.apply_table(table)
     assert [e.replica_id for e in balancer.endpoints(MODEL)] == ["1"]
 

@@ -28,8 +28,12 @@ def assert_openai_error(response, status: int, code: str, mentions: str = ""):
 
 
 def chat(router, headers, model=MODEL, **extra):
-    return httpx.post(f"{router.url}/v1/chat/completions", headers=headers, timeout=5,
-                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra})
+    return httpx.post(
+        f"{router.url}/v1/chat/completions",
+        headers=headers,
+        timeout=5,
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra},
+    )
 
 
 def run_concurrently(router, headers, count: int, model=MODEL):
@@ -150,9 +154,7 @@ def test_alias_is_resolved_and_the_engine_sees_the_public_name(start_router, hub
     assert engine.requests[-1]["temperature"] == 0.5
 
 
-def test_streaming_passes_each_chunk_through_before_the_engine_sends_the_next(
-    start_router, hub, api_key, start_engine
-):
+def test_streaming_passes_each_chunk_through_before_the_engine_sends_the_next(start_router, hub, api_key, start_engine):
     engine = start_engine("s")
     engine.hold_first_chunk = True  # the engine sends the rest only after we saw the first chunk
     hub.publish_endpoints(make_table([engine.url]))
@@ -190,7 +192,11 @@ def test_health_counts_models_and_endpoints_and_metrics_count_requests(start_rou
     health = httpx.get(f"{router.url}/health")
     assert health.status_code == 200
     assert health.json() | {"table": None} == {
-        "status": "ok", "models": 1, "endpoints": 1, "in_flight": 0, "table": None,
+        "status": "ok",
+        "models": 1,
+        "endpoints": 1,
+        "in_flight": 0,
+        "table": None,
     }
     metrics = httpx.get(f"{router.url}/metrics").text
     assert f'llmgw_router_requests_total{{code="200",model="{MODEL}"}} 1.0' in metrics
@@ -403,8 +409,9 @@ def test_the_openai_client_streams_through_a_cold_start(start_router, hub, api_k
     engine = start_engine("cold")
     threading.Timer(0.4, lambda: hub.publish_endpoints(make_table([engine.url]))).start()
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=api_key, max_retries=0, timeout=10)
-    chunks = list(client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}],
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], stream=True)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 

@@ -61,9 +61,7 @@ class UnreachableRedisHub(RedisHub):
             yield
 
 
-def test_unreachable_redis_does_not_fail_requests_and_stamps_wait_for_the_next_flush(
-    start_router, auth, start_engine
-):
+def test_unreachable_redis_does_not_fail_requests_and_stamps_wait_for_the_next_flush(start_router, auth, start_engine):
     engine = start_engine()
     hub = UnreachableRedisHub({**make_table([engine.url]), "fingerprint": "f"})
     router = start_router(hub, flush_seconds=0.05)

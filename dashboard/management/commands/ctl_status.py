@@ -40,7 +40,9 @@ class Command(BaseCommand):
         try:
             summary = cluster_summary()
         except DatabaseError as exc:
-            raise CommandError(f"cannot read the fleet from the database ({exc}); has `manage.py migrate` run?") from None
+            raise CommandError(
+                f"cannot read the fleet from the database ({exc}); has `manage.py migrate` run?"
+            ) from None
         if options["json"]:
             self.stdout.write(json.dumps(summary, indent=2))
             return
@@ -77,7 +79,10 @@ class Command(BaseCommand):
             out.append(self.style.WARNING(line) if r["unhealthy"] or r["unavailable"] else line)
 
         out.append(self.section("Free whole nodes"))
-        rows = [[r["fabric"] or "-", r["gpu_class"], r["whole_free_nodes"], ", ".join(r["nodes"]) or "-"] for r in s["free_nodes"]]
+        rows = [
+            [r["fabric"] or "-", r["gpu_class"], r["whole_free_nodes"], ", ".join(r["nodes"]) or "-"]
+            for r in s["free_nodes"]
+        ]
         out += self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
 
         out.append(self.section("Nodes"))
@@ -107,5 +112,9 @@ class Command(BaseCommand):
             ]
             for r in s["replica_list"]
         ]
-        out += self.styled_table(["ID", "MODEL", "STATE", "NODES", "GPUS", "ENDPOINT", "IDLE"], rows) if rows else ["  none"]
+        out += (
+            self.styled_table(["ID", "MODEL", "STATE", "NODES", "GPUS", "ENDPOINT", "IDLE"], rows)
+            if rows
+            else ["  none"]
+        )
         return out

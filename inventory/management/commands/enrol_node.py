@@ -30,5 +30,7 @@ class Command(BaseCommand):
         # The token alone on stdout, so scripts can capture it.
         self.stdout.write(token)
         self.stderr.write(
-            self.style.WARNING(f"Enrolled node “{node.name}”. Give this token to its agent; it will not be shown again.")
+            self.style.WARNING(
+                f"Enrolled node “{node.name}”. Give this token to its agent; it will not be shown again."
+            )
         )

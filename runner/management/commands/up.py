@@ -28,7 +28,9 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--demo", action="store_true", help="Also create a demo catalog, key and three simulated nodes.")
+        parser.add_argument(
+            "--demo", action="store_true", help="Also create a demo catalog, key and three simulated nodes."
+        )
         parser.add_argument("--host", default=settings.LLMGW_HOST, help="Address to listen on (LLMGW_HOST).")
         parser.add_argument("--port", default=str(settings.LLMGW_PORT), help="Control plane port (LLMGW_PORT).")
         parser.add_argument(
@@ -61,7 +63,11 @@ class Command(BaseCommand):
 
     @staticmethod
     def _node_text(node) -> str:
-        return f"{node.name} ({node.fake_gpus}, fabric {node.fabric})" if node.fabric else f"{node.name} ({node.fake_gpus})"
+        return (
+            f"{node.name} ({node.fake_gpus}, fabric {node.fabric})"
+            if node.fabric
+            else f"{node.name} ({node.fake_gpus})"
+        )
 
     def _banner(self, host, port, router_port, fleet) -> str:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
