@@ -45,7 +45,7 @@ def main() -> None:
     from inventory.choices import NodeState
     from inventory.models import GPU, Node
     from reconciler.lease import Leadership
-    from reconciler.models import GPUAssignment, Replica, Shard
+    from reconciler.models import GPUAssignment, Lease, Replica, Shard
     from reconciler.tick import tick
 
     call_command("migrate", verbosity=0)
@@ -55,7 +55,8 @@ def main() -> None:
         f"{'nodes':>6} {'GPUs':>6} {'replicas':>8} {'placing ms':>11} {'queries':>8} {'steady ms (p50)':>16} {'queries':>8}"
     )
     for size in sizes:
-        for table in (GPUAssignment, Shard, Replica, Profile, Model, GPU, Node):
+        # The lease too: a previous run's leader would hold it for its TTL and this run would not place.
+        for table in (GPUAssignment, Shard, Replica, Profile, Model, GPU, Node, Lease):
             table.objects.all().delete()
         now = timezone.now()
         nodes = Node.objects.bulk_create(
