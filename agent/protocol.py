@@ -8,7 +8,7 @@ structures defined once"). Every message carries `type` (its tag) and `v`.
 agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   hello         node, version, address, fabric, labels{}, gpus[], shards[]
   heartbeat     gpus[{index, healthy}], shards[{shard_id, state}]
-  shard_status  shard_id, state (starting|ready|failed|stopped), message, port
+  shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
 stamped with the leader's lease `epoch`, and an agent refuses one older than
@@ -155,12 +155,18 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag=HEARTBEAT):
 
 
 class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
-    """A change of one shard's state; `port` is set once it is ready."""
+    """A change of one shard's state; `port` is set once it is ready.
+
+    `port_busy` on a failed start says the assigned `port` was taken on the node
+    by something else: the node's problem, not the replica's, and a port the
+    control plane must not give that node again for a while.
+    """
 
     shard_id: int
     state: ShardState
     message: str = ""
     port: PORT | None = None
+    port_busy: bool = False
 
 
 class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):

@@ -135,11 +135,18 @@ class Agent:
             )
         )
 
-    async def _report(self, shard_id: int, state: protocol.ShardState, message: str = "", port: int | None = None):
+    async def _report(
+        self,
+        shard_id: int,
+        state: protocol.ShardState,
+        message: str = "",
+        port: int | None = None,
+        port_busy: bool = False,
+    ):
         log.info(
             "shard %s on %s: %s%s", shard_id, self.node, state, f" ({message.splitlines()[-1]})" if message else ""
         )
-        status = protocol.ShardStatus(shard_id=shard_id, state=state, message=message, port=port)
+        status = protocol.ShardStatus(shard_id=shard_id, state=state, message=message, port=port, port_busy=port_busy)
         if not await self._link.send(protocol.encode(status)):
             log.debug("not connected; dropped shard_status for shard %s", shard_id)
 
@@ -205,7 +212,11 @@ class Agent:
             return
         if port_in_use(cmd.port):
             await self._report(
-                cmd.shard_id, "failed", f"cannot start shard: port {cmd.port} is already in use on this node"
+                cmd.shard_id,
+                "failed",
+                f"cannot start shard: port {cmd.port} is already in use on this node",
+                port=cmd.port,
+                port_busy=True,
             )
             return
         # The assigned GPUs (in launch.env) always win over a profile's environment.

@@ -181,7 +181,11 @@ LLMGW_START_RESEND_SECONDS = env_float("LLMGW_START_RESEND_SECONDS", 10.0, minim
 LLMGW_SHARD_START_TIMEOUT_SECONDS = env_float("LLMGW_SHARD_START_TIMEOUT_SECONDS", 900.0, minimum=1.0)
 LLMGW_BACKOFF_BASE_SECONDS = env_float("LLMGW_BACKOFF_BASE_SECONDS", 5.0, minimum=0.0)
 LLMGW_BACKOFF_MAX_SECONDS = env_float("LLMGW_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)
+# A replica ready this long has its failure count reset: the next failure backs off from the base again.
+LLMGW_BACKOFF_RESET_SECONDS = env_float("LLMGW_BACKOFF_RESET_SECONDS", 120.0, minimum=0.0)
 LLMGW_ENGINE_PORT_RANGE = env_port_range("LLMGW_ENGINE_PORT_RANGE", (20000, 29999))
+# A port an agent found taken by another program is not given to that host again for this long.
+LLMGW_BUSY_PORT_SECONDS = env_float("LLMGW_BUSY_PORT_SECONDS", 600.0, minimum=0.0)
 # How long the router holds a request for a model that is starting.
 LLMGW_ACTIVATION_TIMEOUT_SECONDS = env_float("LLMGW_ACTIVATION_TIMEOUT_SECONDS", 120.0, minimum=0.0)
 # Router backstop: re-read the endpoint list this often even without a push.

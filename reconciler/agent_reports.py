@@ -21,14 +21,14 @@ from inventory.models import Node
 
 from .choices import ReplicaState, ShardState
 from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending
-from .models import Replica, Shard
+from .models import BusyPort, Replica, Shard
 from .outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 
 def _apply_shard_status(
-    shard: Shard, state: str, message: str, port: int | None, now: datetime, outbox: Outbox
+    shard: Shard, state: str, message: str, port: int | None, now: datetime, outbox: Outbox, *, port_busy=False
 ) -> bool:
     """Apply one report about a shard known to be on the reporting node; return whether to wake the ticker."""
     replica = shard.replica
@@ -40,8 +40,10 @@ def _apply_shard_status(
                 replica.delete()
             return False
         if replica.state in (ReplicaState.STARTING, ReplicaState.READY):
-            # An engine of a wanted replica went away: the replica cannot serve whole.
-            fail_replicas([replica.pk], message or f"shard {shard.pk} stopped on {node_name}", now, outbox)
+            # The agent stopped an engine nobody asked it to stop (it is shutting down):
+            # the replica cannot serve whole, through no fault of its own.
+            message = message or f"shard {shard.pk} stopped on {node_name}"
+            fail_replicas([replica.pk], message, now, outbox, node_fault=True)
             return True
         return False
     if replica.state == ReplicaState.STOPPING:
@@ -49,9 +51,10 @@ def _apply_shard_status(
     if state == "failed":
         shard.state, shard.message = ShardState.FAILED, message
         shard.save(update_fields=["state", "message", "updated_at"])
-        fail_replicas(
-            [replica.pk], message or f"shard {shard.pk} failed on {node_name}", now, outbox, silent_shard_ids={shard.pk}
-        )
+        if port_busy:
+            _mark_port_busy(shard, now)
+        message = message or f"shard {shard.pk} failed on {node_name}"
+        fail_replicas([replica.pk], message, now, outbox, node_fault=port_busy, silent_shard_ids={shard.pk})
         return True
     if state == "starting":
         if shard.state == ShardState.ASSIGNED:
@@ -74,6 +77,13 @@ def _apply_shard_status(
     return mark_ready_if_whole(replica, now)
 
 
+def _mark_port_busy(shard: Shard, now: datetime) -> None:
+    """The shard's port is taken on its node by something else: keep the placer off it for a while."""
+    until = now + timedelta(seconds=settings.LLMGW_BUSY_PORT_SECONDS)
+    BusyPort.objects.update_or_create(node_id=shard.node_id, port=shard.port, defaults={"until": until})
+    log.warning("port %s is busy on node %s; not using it there until %s", shard.port, shard.node.name, until)
+
+
 def record_shard_status(node: Node, status: ShardStatus) -> None:
     """Record an agent's shard_status report (starting / ready / failed / stopped) in one transaction.
 
@@ -92,7 +102,8 @@ def record_shard_status(node: Node, status: ShardStatus) -> None:
         if shard is None:
             log.info("node %s reported shard %s as %s, but no such shard is on it; ignored", node.name, shard_id, state)
             return
-        if _apply_shard_status(shard, state, status.message, status.port, timezone.now(), outbox):
+        now = timezone.now()
+        if _apply_shard_status(shard, state, status.message, status.port, now, outbox, port_busy=status.port_busy):
             notify_work_pending()
         outbox.send_on_commit()
 
@@ -144,12 +155,14 @@ def reconcile_reported_shards(node: Node, reported: list[RunningShard]) -> None:
             s.replica_id for s in missing if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
         }
         if lost:
+            # The agent restarted and lost its engines: the node's doing, so no backoff.
             fail_replicas(
                 lost,
                 f"agent on {node.name} no longer runs shard(s) "
                 f"{', '.join(str(s.pk) for s in missing if s.replica_id in lost)}",
                 now,
                 outbox,
+                node_fault=True,
                 silent_shard_ids={s.pk for s in missing if s.replica_id in lost},
             )
             wake = True

@@ -2,7 +2,7 @@
 
 A GPU is free when its node is ready and schedulable, and the GPU is healthy,
 out of quarantine and unassigned (DESIGN invariant 5). Two queries whatever
-the fleet size; placing a replica updates the snapshot in memory, so one tick
+the fleet size (three with ports found busy); placing a replica updates the snapshot in memory, so one tick
 can place many replicas without reading again.
 """
 
@@ -16,7 +16,7 @@ from django.db.models import Exists, OuterRef
 
 from inventory.models import GPU, Node, gpu_in_service
 
-from .models import GPUAssignment, Shard
+from .models import BusyPort, GPUAssignment, Shard
 from .placement import NodeCapacity
 
 
@@ -93,5 +93,9 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
     for gpu_class, nodes in snapshot.nodes.items():
         snapshot._records[gpu_class] = {name: node.record() for name, node in nodes.items()}
     for address, name, port in Shard.objects.values_list("node__address", "node__name", "port"):
+        snapshot.ports[address or name].add(port)
+    for address, name, port in BusyPort.objects.filter(until__gt=now).values_list(
+        "node__address", "node__name", "port"
+    ):
         snapshot.ports[address or name].add(port)
     return snapshot

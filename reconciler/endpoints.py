@@ -6,21 +6,31 @@ from django.db.models import Exists, OuterRef
 
 from catalog.models import Model, Profile
 from hub import EndpointTable
+from inventory.choices import NodeState
 
 from .choices import ReplicaState
-from .models import Replica
+from .models import Replica, Shard
 
 
 def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, and how long
-    it takes to start), and READY replicas. Five queries."""
+    it takes to start), and READY replicas whose nodes are all heard from. Five queries."""
     models = (
         Model.objects.filter(enabled=True)
         .filter(Exists(Profile.objects.filter(model=OuterRef("pk"))))
         .prefetch_related("aliases", "profiles")
         .order_by("name")
     )
-    endpoints = Replica.objects.ready().filter(model__enabled=True).select_related("model", "profile").order_by("id")
+    # A replica with a shard on a node that missed its heartbeat window takes no traffic; it
+    # returns when the node's heartbeats do (DESIGN "Reconcile tick": unreachable → unpublished).
+    on_silent_node = Shard.objects.filter(replica=OuterRef("pk")).exclude(node__state=NodeState.READY)
+    endpoints = (
+        Replica.objects.ready()
+        .filter(model__enabled=True)
+        .exclude(Exists(on_silent_node))
+        .select_related("model", "profile")
+        .order_by("id")
+    )
     # Why a wanted model has no room right now, so routers can answer at once instead of holding requests.
     unplaceable: dict[str, str] = {}
     for name, reason in (

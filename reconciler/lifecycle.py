@@ -39,41 +39,71 @@ def notify_work_pending() -> None:
 
 
 def fail_replicas(
-    replica_ids, message: str, now: datetime, outbox: Outbox, *, silent_shard_ids=(), dead_node_ids=()
+    replica_ids,
+    message: str,
+    now: datetime,
+    outbox: Outbox,
+    *,
+    node_fault: bool = False,
+    silent_shard_ids=(),
+    dead_node_ids=(),
 ) -> int:
-    """Mark replicas FAILED with backoff, drop their shards and GPUs, stop their surviving engines.
+    """Take replicas out of service: drop their shards and GPUs, stop their surviving engines.
 
-    STOPPING replicas are deleted instead: they were going away anyway.
+    A replica's own failure (its engine crashed, never became ready) makes it
+    FAILED with an exponential backoff. A failure of its node (node lost, agent
+    gone or restarted, a port busy on the node) is not the replica's: it goes
+    straight back to PENDING, without backoff, to be placed again (elsewhere when
+    the node cannot take it). STOPPING replicas are deleted: they were going away.
     `silent_shard_ids` and shards on `dead_node_ids` get no stop_shard (their
-    engine is already gone). Returns how many replicas were failed.
+    engine is already gone). Returns how many replicas were taken out of service.
     """
     replica_ids = set(replica_ids)
     if not replica_ids:
         return 0
-    replicas = list(Replica.objects.filter(pk__in=replica_ids))
+    # Locked in key order, so concurrent reports about one replica count its failures one after the other.
+    replicas = list(Replica.objects.select_for_update().filter(pk__in=replica_ids).order_by("pk"))
     shards = Shard.objects.filter(replica_id__in=replica_ids).values_list("id", "node_id", "node__name", "state")
     for shard_id, node_id, node_name, state in shards:
         if shard_id not in silent_shard_ids and node_id not in dead_node_ids and state != ShardState.STOPPED:
             outbox.stop(node_name, shard_id)
     failed = [r for r in replicas if r.state != ReplicaState.STOPPING]
     for replica in failed:
-        replica.state = ReplicaState.FAILED
-        replica.failure_count += 1
-        replica.next_attempt_at = now + timedelta(seconds=backoff_seconds(replica.failure_count))
         replica.last_error = message
         replica.endpoint_url = ""
         replica.ready_at = None
+        # The next incarnation's last use is its own (DESIGN invariant 3).
+        replica.last_used = None
+        if node_fault:
+            replica.state, replica.next_attempt_at = ReplicaState.PENDING, None
+        else:
+            replica.state = ReplicaState.FAILED
+            replica.failure_count += 1
+            replica.next_attempt_at = now + timedelta(seconds=backoff_seconds(replica.failure_count))
     if failed:
         Replica.objects.bulk_update(
-            failed, ["state", "failure_count", "next_attempt_at", "last_error", "endpoint_url", "ready_at"]
+            failed, ["state", "failure_count", "next_attempt_at", "last_error", "endpoint_url", "ready_at", "last_used"]
         )
     Shard.objects.filter(replica_id__in=replica_ids).delete()
     going = [r.pk for r in replicas if r.state == ReplicaState.STOPPING]
     if going:
         Replica.objects.filter(pk__in=going).delete()
     if failed:
-        log.warning("replicas %s failed: %s", sorted(r.pk for r in failed), message)
+        log.warning(
+            "replicas %s %s: %s",
+            sorted(r.pk for r in failed),
+            "lost their node, placing again" if node_fault else "failed",
+            message,
+        )
     return len(failed)
+
+
+def forgive_stable(now: datetime) -> int:
+    """Backoff that forgets: a replica ready for LLMGW_BACKOFF_RESET_SECONDS starts its failure count afresh."""
+    stable_since = now - timedelta(seconds=settings.LLMGW_BACKOFF_RESET_SECONDS)
+    return Replica.objects.filter(state=ReplicaState.READY, failure_count__gt=0, ready_at__lte=stable_since).update(
+        failure_count=0
+    )
 
 
 def retry_failed(now: datetime) -> int:

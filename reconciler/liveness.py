@@ -45,7 +45,9 @@ def check_liveness(now: datetime, leadership: Leadership, outbox: Outbox) -> tup
         return unreachable, 0, 0
     nodes_lost = Node.objects.filter(pk__in=lost_ids).update(state=NodeState.LOST)
     replica_ids = set(Shard.objects.filter(node_id__in=lost_ids).values_list("replica_id", flat=True))
-    failed = fail_replicas(replica_ids, "node lost: no heartbeat", now, outbox, dead_node_ids=set(lost_ids))
+    failed = fail_replicas(
+        replica_ids, "node lost: no heartbeat", now, outbox, node_fault=True, dead_node_ids=set(lost_ids)
+    )
     return unreachable, nodes_lost, failed
 
 

@@ -81,6 +81,24 @@ class GPUAssignment(models.Model):
         return f"GPU {self.gpu_id} → shard {self.shard_id}"
 
 
+class BusyPort(models.Model):
+    """An engine port an agent found taken by something else on its node's host.
+
+    The placer gives it to no shard on that host until `until`, so a port held
+    by a stranger costs one failed start, not one per retry.
+    """
+
+    node = models.ForeignKey("inventory.Node", related_name="busy_ports", on_delete=models.CASCADE)
+    port = models.PositiveIntegerField()
+    until = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "port"], name="busy_port_unique_per_node")]
+
+    def __str__(self) -> str:
+        return f"port {self.port} busy on {self.node.name}"
+
+
 class Lease(models.Model):
     """The leader lease row (DESIGN invariant 1). Written only by reconciler.lease.
 

@@ -72,9 +72,16 @@ def place_pending(now: datetime, epoch: int, outbox: Outbox) -> PlacingOutcome:
         GPUAssignment.objects.bulk_create(
             [GPUAssignment(gpu_id=gpu_id, shard=new.shard) for new in new_shards for gpu_id in new.gpu_ids]
         )
-        # Every placed replica changes the same way: one UPDATE, not one CASE per row.
+        # Every placed replica changes the same way: one UPDATE, not one CASE per row. A new
+        # incarnation has not been used yet: its last use is unknown until it is ready (invariant 3).
         Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
-            state=ReplicaState.STARTING, started_at=now, epoch=epoch, placement_error="", endpoint_url="", ready_at=None
+            state=ReplicaState.STARTING,
+            started_at=now,
+            epoch=epoch,
+            placement_error="",
+            endpoint_url="",
+            ready_at=None,
+            last_used=None,
         )
     if unplaceable:
         Replica.objects.bulk_update(unplaceable, ["placement_error"])

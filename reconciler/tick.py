@@ -21,7 +21,7 @@ from hub import ControlPlaneHub, get_hub
 from .demand import apply_demand
 from .endpoints import build_endpoint_table
 from .lease import Leadership, LeaseLost, get_leadership
-from .lifecycle import retry_failed, stop_shards
+from .lifecycle import forgive_stable, retry_failed, stop_shards
 from .liveness import check_liveness, fail_slow_starts
 from .outbox import Outbox
 from .placing import place_pending, resend_starts
@@ -90,6 +90,7 @@ def tick(
             report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
             report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
             report.replicas_retried = retry_failed(now)
+            forgive_stable(now)
             report.starts_resent = resend_starts(now, outbox)
             placing = place_pending(now, leadership.epoch, outbox)
             report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable

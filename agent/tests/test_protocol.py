@@ -118,7 +118,11 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
         "state": "failed",
         "message": "engine exited with code 2",
         "port": None,
+        "port_busy": False,
     }
+    # An agent that predates `port_busy` still speaks the protocol: the field defaults to False.
+    older = protocol.decode_agent_message('{"type": "shard_status", "v": 1, "shard_id": 4, "state": "failed"}')
+    assert older.port_busy is False
     assert set(protocol.to_builtins(START)) == {
         "type", "v", "epoch", "shard_id", "replica_id", "rank", "node_count", "head_address",
         "engine", "model", "source", "gpu_indices", "port", "args", "env",

@@ -185,6 +185,7 @@ def test_start_on_a_port_in_use_fails_without_starting_an_engine():
             await cp.send(start_command(9, taken))
             failed = await cp.next(protocol.SHARD_STATUS)
             assert failed["state"] == "failed" and f"port {taken} is already in use" in failed["message"]
+            assert (failed["port"], failed["port_busy"]) == (taken, True)
             await agent.shutdown()
             await task
 

@@ -62,8 +62,9 @@ def agent_inbox():
 def shard_report(django_capture_on_commit_callbacks):
     """Apply an agent's shard_status report and run what it sends after commit."""
 
-    def report(node, shard, state, message="", port=None):
+    def report(node, shard, state, message="", port=None, port_busy=False):
+        status = ShardStatus(shard_id=shard.pk, state=state, message=message, port=port, port_busy=port_busy)
         with django_capture_on_commit_callbacks(execute=True):
-            record_shard_status(node, ShardStatus(shard_id=shard.pk, state=state, message=message, port=port))
+            record_shard_status(node, status)
 
     return report

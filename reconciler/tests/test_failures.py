@@ -1,14 +1,19 @@
 """Failed shards and replicas: backoff, retries, start timeouts and resends."""
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection, transaction
 from django.utils import timezone
 
+from inventory.models import Node
 from reconciler.choices import ReplicaState
-from reconciler.lifecycle import backoff_seconds
-from reconciler.models import GPUAssignment, Replica, Shard
-from tests.fleet import make_model, make_node
+from reconciler.lifecycle import backoff_seconds, fail_replicas
+from reconciler.models import BusyPort, GPUAssignment, Replica, Shard
+from reconciler.outbox import Outbox
+from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -90,3 +95,85 @@ def test_an_unanswered_start_is_sent_again(run_tick, agent_inbox, settings):
     assert run_tick(now=timezone.now() + timedelta(seconds=5)).starts_resent == 0
     assert run_tick(now=timezone.now() + timedelta(seconds=11)).starts_resent == 1
     assert inbox() == [first]
+
+
+def test_a_replica_ready_for_a_while_starts_its_failure_count_afresh(run_tick, settings):
+    settings.LLMGW_BACKOFF_RESET_SECONDS = 120
+    node = make_node("gpu-a")
+    profile = make_model("llama", min_replicas=2, max_replicas=2).profiles.get()
+    stable = make_replica(profile, placement=[(node, [0])])
+    young = make_replica(profile, placement=[(node, [1])])
+    now = timezone.now()
+    Replica.objects.filter(pk=stable.pk).update(failure_count=4, ready_at=now - timedelta(seconds=121))
+    Replica.objects.filter(pk=young.pk).update(failure_count=4, ready_at=now - timedelta(seconds=60))
+
+    run_tick(now=now)
+
+    assert Replica.objects.get(pk=stable.pk).failure_count == 0
+    assert Replica.objects.get(pk=young.pk).failure_count == 4
+
+
+def test_an_engine_the_agent_stopped_on_its_own_is_placed_again_without_backoff(run_tick, shard_report):
+    """An agent shutting down stops its engines: the replica did nothing wrong."""
+    node = make_node("gpu-a")
+    make_model("llama")
+    run_tick()
+    Replica.objects.update(last_used=timezone.now())
+    shard_report(node, Shard.objects.get(), "stopped", message="engine exited with code 0")
+
+    replica = Replica.objects.get()
+    assert (replica.state, replica.failure_count, replica.last_used) == (ReplicaState.PENDING, 0, None)
+    assert run_tick().replicas_placed == 1
+
+
+def test_a_busy_port_costs_one_failed_start_and_is_avoided_until_it_expires(run_tick, shard_report, settings):
+    settings.LLMGW_ENGINE_PORT_RANGE, settings.LLMGW_BUSY_PORT_SECONDS = (20000, 20009), 600
+    node = make_node("gpu-a")
+    make_model("llama")
+    run_tick()
+    first = Shard.objects.get()
+    assert first.port == 20000
+
+    shard_report(node, first, "failed", message="port 20000 is already in use", port=20000, port_busy=True)
+
+    replica = Replica.objects.get()
+    assert (replica.state, replica.failure_count) == (ReplicaState.PENDING, 0)  # the node's problem: no backoff
+    assert list(BusyPort.objects.values_list("node__name", "port")) == [("gpu-a", 20000)]
+    assert run_tick().replicas_placed == 1
+    assert Shard.objects.get().port == 20001  # never the busy port again while it is marked
+
+    Shard.objects.all().delete()
+    Replica.objects.update(state=ReplicaState.PENDING)
+    later = timezone.now() + timedelta(seconds=601)
+    Node.objects.update(last_seen=later)  # still heard from, ten minutes on
+    run_tick(now=later)
+    assert Shard.objects.get().port == 20000  # the mark expired: the port may have been freed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_failures_of_one_replica_both_count():
+    """No lost update: a second failure decided while the first is uncommitted still counts."""
+    node = make_node("gpu-a")
+    replica = make_replica(make_model("llama").profiles.get(), placement=[(node, [0])])
+    first_decided, errors = threading.Event(), []
+
+    def fail(hold: float, wait_for: threading.Event | None):
+        try:
+            if wait_for is not None:
+                wait_for.wait(timeout=5)
+            with transaction.atomic():
+                fail_replicas([replica.pk], "boom", timezone.now(), Outbox(epoch=1))
+                first_decided.set()
+                time.sleep(hold)  # the other failure is decided meanwhile
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=fail, args=(0.3, None)), threading.Thread(target=fail, args=(0, first_decided))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert errors == []
+    assert Replica.objects.get().failure_count == 2
