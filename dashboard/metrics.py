@@ -31,6 +31,9 @@ def _families() -> dict[str, GaugeMetricFamily]:
         "nodes": GaugeMetricFamily(
             "llmgw_nodes", "Nodes by state; `cordoned` overlaps the other states.", labels=["state"]
         ),
+        "brake": GaugeMetricFamily(
+            "llmgw_partition_brake", "1 while so many nodes are silent that none is declared lost."
+        ),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
 
@@ -66,6 +69,7 @@ class FleetCollector(Collector):
         for state, count in summary["nodes"].items():
             if state != "total":
                 families["nodes"].add_metric([state], count)
+        families["brake"].add_metric([], 1 if summary["partition_brake"]["engaged"] else 0)
         families["up"].add_metric([], 1)
         yield from families.values()
 

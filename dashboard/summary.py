@@ -30,6 +30,7 @@ from inventory.choices import NodeState
 from inventory.models import GPU, Node, gpu_in_service
 from reconciler.choices import WANTED_STATES, ReplicaState
 from reconciler.idle import Idle
+from reconciler.liveness import partition_brake
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
 from reconciler.placement import NodeCapacity
 
@@ -207,9 +208,16 @@ def cluster_summary(now: datetime | None = None) -> dict:
         for name, enabled in Model.objects.order_by("name").values_list("name", "enabled")
     ]
 
+    watched = nodes["ready"] + nodes["unreachable"]
     return {
         "generated_at": now.isoformat(),
         "leader": leader,
+        "partition_brake": {
+            "engaged": partition_brake(nodes["unreachable"], watched),
+            "silent_nodes": nodes["unreachable"],
+            "watched_nodes": watched,
+            "fraction": settings.LLMGW_PARTITION_BRAKE_FRACTION,
+        },
         "capacity": capacity,
         "free_nodes": free_nodes,
         "nodes": nodes,

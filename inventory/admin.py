@@ -8,6 +8,7 @@ from collections import Counter
 
 from django.contrib import admin, messages
 
+from .choices import NodeState
 from .models import GPU, Node, NodeCredential
 
 GPU_FIELDS = ["index", "uuid", "gpu_class", "memory_mb", "health", "healthy_since"]
@@ -61,7 +62,7 @@ class NodeAdmin(admin.ModelAdmin):
     readonly_fields = ["name", "state", "last_seen", "agent_version", "created_at"]
     fields = ["name", "address", "fabric", "labels", "schedulable", "state", "last_seen", "agent_version", "created_at"]
     inlines = [GPUInline]
-    actions = ["cordon", "uncordon"]
+    actions = ["cordon", "uncordon", "declare_lost"]
 
     def has_add_permission(self, request):
         return False
@@ -78,6 +79,18 @@ class NodeAdmin(admin.ModelAdmin):
     def cordon(self, request, queryset):
         count = queryset.update(schedulable=False)
         self.message_user(request, f"Cordoned {count} node(s); running replicas stay until stopped.", messages.SUCCESS)
+
+    @admin.action(
+        description="Declare lost: place the selected unreachable nodes' replicas elsewhere (overrides the partition brake)",
+        permissions=["change"],
+    )
+    def declare_lost(self, request, queryset):
+        count = queryset.filter(state=NodeState.UNREACHABLE).update(state=NodeState.LOST)
+        self.message_user(
+            request,
+            f"Declared {count} unreachable node(s) lost; the leader's next tick places their replicas elsewhere.",
+            messages.SUCCESS if count else messages.WARNING,
+        )
 
     @admin.action(description="Uncordon: allow new shards on the selected nodes", permissions=["change"])
     def uncordon(self, request, queryset):

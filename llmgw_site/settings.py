@@ -192,6 +192,9 @@ LLMGW_ACTIVATION_TIMEOUT_SECONDS = env_float("LLMGW_ACTIVATION_TIMEOUT_SECONDS",
 LLMGW_ROUTER_POLL_SECONDS = env_float("LLMGW_ROUTER_POLL_SECONDS", 5.0, minimum=0.1)
 LLMGW_USAGE_FLUSH_SECONDS = env_float("LLMGW_USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
 
+# More than this share of the watched nodes silent at once (and more than one node): declare none lost.
+LLMGW_PARTITION_BRAKE_FRACTION = env_float("LLMGW_PARTITION_BRAKE_FRACTION", 0.3, minimum=0.0)
+
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
 

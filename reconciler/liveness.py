@@ -6,10 +6,16 @@ is LOST and its replicas fail, to be placed elsewhere. A new leader declares
 nothing lost until it has watched heartbeats for a whole window (DESIGN
 invariant 1). A replica not ready within LLMGW_SHARD_START_TIMEOUT_SECONDS of
 placement fails.
+
+Partition brake: when more than LLMGW_PARTITION_BRAKE_FRACTION of the nodes go
+silent together, none is declared lost and nothing is replaced until their
+heartbeats return or an operator declares them lost (admin); the status says so.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -24,31 +30,71 @@ from .lifecycle import fail_replicas
 from .models import Shard
 from .outbox import Outbox
 
+log = logging.getLogger(__name__)
 
-def check_liveness(now: datetime, leadership: Leadership, outbox: Outbox) -> tuple[int, int, int]:
+
+@dataclass
+class LivenessOutcome:
+    """What the tick concluded from silence."""
+
+    unreachable: int = 0
+    lost: int = 0
+    replicas_failed: int = 0
+    brake: bool = False
+
+
+def partition_brake(silent: int, watched: int) -> bool:
+    """Whether so many nodes went silent together that the silence is more likely ours (a partition,
+    a switch, the control plane's own network) than theirs: more than LLMGW_PARTITION_BRAKE_FRACTION of
+    the nodes being watched, and never for a single node. The tick and the status both ask this."""
+    return silent > max(1.0, settings.LLMGW_PARTITION_BRAKE_FRACTION * watched)
+
+
+def check_liveness(now: datetime, leadership: Leadership, outbox: Outbox) -> LivenessOutcome:
     """READY → UNREACHABLE after a silence; → LOST after a longer one, failing the replicas it held.
 
-    Returns (nodes now unreachable, nodes now lost, replicas failed).
+    Nothing is declared lost while the partition brake holds; a node an operator
+    declared lost (admin) has its replicas placed elsewhere all the same.
     """
+    outcome = LivenessOutcome()
     window = timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER_SECONDS)
     silent = Q(last_seen__isnull=True) | Q(last_seen__lt=now - window)
-    unreachable = Node.objects.filter(silent, state=NodeState.READY).update(state=NodeState.UNREACHABLE)
-    if leadership.leader_since is None or now - leadership.leader_since < window:
-        # A new leader has not watched heartbeats for a whole window: the
-        # silence it sees may be its own (DESIGN invariant 1).
-        return unreachable, 0, 0
+    outcome.unreachable = Node.objects.filter(silent, state=NodeState.READY).update(state=NodeState.UNREACHABLE)
+    if leadership.leader_since is not None and now - leadership.leader_since >= window:
+        # (A new leader has not watched heartbeats for a whole window: the silence
+        # it sees may be its own, DESIGN invariant 1.)
+        outcome.lost, outcome.brake = _declare_lost(now)
+    on_lost = Shard.objects.filter(node__state=NodeState.LOST).values_list("replica_id", "node_id")
+    replica_ids, dead_node_ids = {r for r, _ in on_lost}, {n for _, n in on_lost}
+    outcome.replicas_failed = fail_replicas(
+        replica_ids, "node lost: no heartbeat", now, outbox, node_fault=True, dead_node_ids=dead_node_ids
+    )
+    return outcome
+
+
+def _declare_lost(now: datetime) -> tuple[int, bool]:
+    """Mark nodes silent past LLMGW_LOST_AFTER_SECONDS as LOST, unless the partition brake holds.
+
+    Returns (nodes declared lost, whether the brake held).
+    """
     lost = Q(last_seen__isnull=True) | Q(last_seen__lt=now - timedelta(seconds=settings.LLMGW_LOST_AFTER_SECONDS))
     lost_ids = list(
         Node.objects.filter(lost, state__in=[NodeState.READY, NodeState.UNREACHABLE]).values_list("id", flat=True)
     )
     if not lost_ids:
-        return unreachable, 0, 0
-    nodes_lost = Node.objects.filter(pk__in=lost_ids).update(state=NodeState.LOST)
-    replica_ids = set(Shard.objects.filter(node_id__in=lost_ids).values_list("replica_id", flat=True))
-    failed = fail_replicas(
-        replica_ids, "node lost: no heartbeat", now, outbox, node_fault=True, dead_node_ids=set(lost_ids)
+        return 0, False
+    states = list(
+        Node.objects.filter(state__in=[NodeState.READY, NodeState.UNREACHABLE]).values_list("state", flat=True)
     )
-    return unreachable, nodes_lost, failed
+    if partition_brake(states.count(NodeState.UNREACHABLE), len(states)):
+        log.warning(
+            "partition brake: %d of %d nodes are silent; declaring none lost until heartbeats return "
+            "or an operator declares them lost",
+            states.count(NodeState.UNREACHABLE),
+            len(states),
+        )
+        return 0, True
+    return Node.objects.filter(pk__in=lost_ids).update(state=NodeState.LOST), False
 
 
 def fail_slow_starts(now: datetime, outbox: Outbox) -> int:

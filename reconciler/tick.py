@@ -41,6 +41,7 @@ class TickReport:
     usage_idle_since_ready: int = 0
     nodes_unreachable: int = 0
     nodes_lost: int = 0
+    partition_brake: bool = False
     replicas_failed: int = 0
     replicas_created: int = 0
     replicas_stopped: int = 0
@@ -84,8 +85,10 @@ def tick(
             report.usage_updated, forget = collect_usage(readings.stamps)
             report.usage_forgotten = len(forget)
             report.usage_idle_since_ready = mark_unused_since_ready(readings.watching_since)
-            report.nodes_unreachable, report.nodes_lost, failed = check_liveness(now, leadership, outbox)
-            report.replicas_failed = failed + fail_slow_starts(now, outbox)
+            liveness = check_liveness(now, leadership, outbox)
+            report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
+            report.partition_brake = liveness.brake
+            report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
             demand = apply_demand(readings.activations, now)
             report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
             report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations

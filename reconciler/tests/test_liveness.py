@@ -87,3 +87,56 @@ def test_replicas_on_a_silent_node_leave_the_endpoint_table_and_return_with_its_
 
     record_heartbeat(node.pk, Heartbeat(gpus=[]))
     assert [e["model"] for e in build_endpoint_table()["endpoints"]] == ["llama"]
+
+
+def _silence(*names, seconds):
+    Node.objects.filter(name__in=names).update(last_seen=timezone.now() - timedelta(seconds=seconds))
+
+
+def test_many_nodes_silent_at_once_engage_the_partition_brake(run_tick, settings):
+    settings.LLMGW_UNREACHABLE_AFTER_SECONDS, settings.LLMGW_LOST_AFTER_SECONDS = 20, 120
+    settings.LLMGW_PARTITION_BRAKE_FRACTION = 0.3
+    for name in ("gpu-a", "gpu-b", "gpu-c", "gpu-d"):
+        make_node(name, gpus=1)
+    make_model("llama", min_replicas=4, max_replicas=4)
+    run_tick()
+    _silence("gpu-a", "gpu-b", seconds=130)  # 2 of 4 > 0.3: more likely our network than theirs
+
+    braked = run_tick()
+
+    assert (braked.partition_brake, braked.nodes_lost, braked.replicas_failed) == (True, 0, 0)
+    assert set(Node.objects.values_list("state", flat=True)) == {NodeState.UNREACHABLE, NodeState.READY}
+    assert Shard.objects.count() == 4  # nothing replaced
+
+    record_heartbeat(Node.objects.get(name="gpu-b").pk, Heartbeat(gpus=[]))  # one comes back
+    released = run_tick()
+    assert (released.partition_brake, released.nodes_lost) == (False, 1)  # one silent node is just a lost node
+    assert Node.objects.get(name="gpu-a").state == NodeState.LOST
+
+
+def test_a_single_silent_node_never_engages_the_brake(run_tick, settings):
+    settings.LLMGW_UNREACHABLE_AFTER_SECONDS, settings.LLMGW_LOST_AFTER_SECONDS = 20, 120
+    settings.LLMGW_PARTITION_BRAKE_FRACTION = 0.3
+    for name in ("gpu-a", "gpu-b", "gpu-c"):
+        make_node(name, gpus=1)
+    _silence("gpu-a", seconds=130)  # 1 of 3 is above 0.3, but one node alone is no partition
+    result = run_tick()
+    assert (result.partition_brake, result.nodes_lost) == (False, 1)
+
+
+def test_an_operator_declaring_a_node_lost_overrides_the_brake(run_tick, settings):
+    settings.LLMGW_UNREACHABLE_AFTER_SECONDS, settings.LLMGW_LOST_AFTER_SECONDS = 20, 120
+    for name in ("gpu-a", "gpu-b", "gpu-c"):
+        make_node(name, gpus=1)
+    make_model("llama")
+    run_tick()
+    on = Shard.objects.get().node.name
+    others = [n for n in ("gpu-a", "gpu-b", "gpu-c") if n != on]
+    _silence(on, others[0], seconds=130)
+    assert run_tick().partition_brake is True
+
+    Node.objects.filter(name=on).update(state=NodeState.LOST)  # what the admin action does
+    confirmed = run_tick()
+
+    assert confirmed.replicas_failed == 1 and confirmed.replicas_placed == 1
+    assert Shard.objects.get().node.name == others[1]

@@ -67,6 +67,16 @@ class Command(BaseCommand):
             line = f"leader: {leader['owner']} (epoch {leader['epoch']}, lease {when})"
             out.append(line if expires >= 0 else self.style.WARNING(line))
 
+        brake = s["partition_brake"]
+        if brake["engaged"]:
+            out.append(
+                self.style.ERROR(
+                    f"partition brake: {brake['silent_nodes']} of {brake['watched_nodes']} nodes are silent; "
+                    "none is declared lost and nothing is replaced until they are heard from again "
+                    "or an operator declares them lost (admin: nodes)"
+                )
+            )
+
         out.append(self.section("GPU capacity"))
         if not s["capacity"]:
             out.append("  no GPUs reported")
