@@ -8,3 +8,9 @@ class ReconcilerConfig(AppConfig):
 
     default_auto_field = "django.db.models.BigAutoField"
     name = "reconciler"
+
+    def ready(self) -> None:
+        # Imported here, as Django asks: the receivers import models, which are ready only now.
+        from . import catalog_changes
+
+        catalog_changes.connect()

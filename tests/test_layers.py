@@ -52,7 +52,10 @@ def imports(path: Path, module: str):
 
     def visit(node, in_function):
         for child in ast.iter_child_nodes(node):
-            nested = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            # AppConfig.ready() is where Django wants signal receivers imported (models load first);
+            # that is load order, not a cycle.
+            is_function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) and child.name != "ready"
+            nested = in_function or is_function
             if isinstance(child, ast.Import):
                 for alias in child.names:
                     yield alias.name, nested

@@ -126,3 +126,16 @@ def test_a_node_cannot_report_on_another_nodes_shard(run_tick, django_capture_on
 
     assert Shard.objects.get().state == ShardState.ASSIGNED
     assert Replica.objects.get().state == ReplicaState.STARTING
+
+
+def test_a_catalog_change_is_published_when_it_commits_not_at_the_next_tick(django_capture_on_commit_callbacks):
+    hub = get_hub()
+    with django_capture_on_commit_callbacks(execute=True):
+        model = make_model("new-model")
+        Alias.objects.create(model=model, name="newest")
+    table = async_to_sync(hub.read_endpoints)()
+    assert table["models"]["new-model"] == {"aliases": ["newest"]}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        Model.objects.filter(pk=model.pk).delete()
+    assert "new-model" not in async_to_sync(hub.read_endpoints)()["models"]

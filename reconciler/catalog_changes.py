@@ -1,0 +1,44 @@
+"""A catalog change reaches the routers at once, not at the next tick (no 404 window for a new model).
+
+After a transaction that saved or deleted catalog rows commits, the endpoint
+table is rebuilt and published (only if it changed, DESIGN invariant 7), and
+whoever runs ticks is told there is work (a new model's min replicas). Any
+process may publish: the table is a pure function of the rows, and the next
+tick republishes if a slower publisher raced an older table in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.db.models.signals import post_delete, post_save
+
+from catalog.models import Alias, Model, Profile
+from hub import get_hub
+
+from .endpoints import build_endpoint_table
+from .signals import work_pending
+
+log = logging.getLogger(__name__)
+
+
+def catalog_changed(**_signal_kwargs) -> None:
+    """Publish after the transaction commits. An admin save touching several rows publishes once per
+    row; catalog edits are rare and a repeat is only rebuilt, not pushed (the fingerprint is unchanged)."""
+    transaction.on_commit(_publish)
+
+
+def _publish() -> None:
+    try:
+        get_hub().publish_endpoints(build_endpoint_table())
+    except Exception as exc:  # the next tick publishes anyway
+        log.warning("could not publish the endpoint table after a catalog change: %s", exc)
+    work_pending.send(sender=None)
+
+
+def connect() -> None:
+    """Listen for catalog saves and deletes (called once, from the app's ready())."""
+    for sender in (Model, Alias, Profile):
+        post_save.connect(catalog_changed, sender=sender, dispatch_uid=f"catalog-changed-save-{sender.__name__}")
+        post_delete.connect(catalog_changed, sender=sender, dispatch_uid=f"catalog-changed-delete-{sender.__name__}")
