@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: demo test lint test-sqlite test-postgres migrate
+.PHONY: demo test lint test-sqlite test-postgres migrate faults
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,3 +33,7 @@ test-postgres: $(VENV)/.installed
 	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
 
 test: lint test-sqlite test-postgres
+
+# The fault drill: the distributed stack on private PostgreSQL and Redis, each fault in turn, a verdict table.
+faults: $(VENV)/.installed
+	$(PY) bench/fault_drill.py

@@ -1,0 +1,1 @@
+"""The fault drill: the distributed stack on private PostgreSQL and Redis, load, faults, a verdict table."""

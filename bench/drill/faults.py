@@ -1,0 +1,272 @@
+"""Each fault of the drill: inject it into the running stack, measure, restore, and judge.
+
+A fault returns a `Row`: what was done, what must hold, the client errors
+among the requests it could affect, the recovery time, and a verdict. The
+three invariants (no GPU held twice, no profile above max, no orphan engine)
+are checked after every fault.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+from django.db import connection
+
+from catalog.choices import Engine
+from catalog.models import Model, Profile
+from inventory.choices import NodeState
+from inventory.models import Node
+from reconciler.choices import ReplicaState
+from reconciler.models import BusyPort, Replica, Shard
+
+from .checks import invariants
+from .load import Load
+from .monitor import LeaseMonitor
+from .stack import Proc, Stack, wait_for
+
+
+@dataclass
+class Row:
+    """One line of the drill's table."""
+
+    fault: str
+    must_hold: str
+    errors: int = 0
+    requests: int = 0
+    recovery: str = "-"
+    held: bool = False
+    note: str = ""
+    double: int = 0
+    above_max: int = 0
+    orphans: int = 0
+
+    @property
+    def verdict(self) -> str:
+        clean = self.double == 0 and self.above_max == 0 and self.orphans == 0
+        return "pass" if self.held and clean else "FAIL"
+
+
+def _db(fn):
+    """Read the rows, reconnecting once if a fault broke the drill's own connection."""
+    try:
+        return fn()
+    except Exception:
+        connection.close()
+        return fn()
+
+
+class Faults:
+    """The faults, run against one stack under one load."""
+
+    def __init__(self, stack: Stack, load: Load, monitor: LeaseMonitor, tick: float, ttl: float, lost: float):
+        self.stack, self.load, self.monitor = stack, load, monitor
+        self.tick, self.ttl, self.lost = tick, ttl, lost
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _finish(self, row: Row, since: float) -> Row:
+        counts = invariants(self.stack.workdir / "var")
+        row.double, row.above_max, row.orphans = counts["double"], counts["above_max"], counts["orphans"]
+        if row.requests == 0:
+            window = self.load.window(since, time.monotonic())
+            row.requests, row.errors = len(window), sum(1 for r in window if r.status != 200)
+        return row
+
+    def _settle(self, timeout: float = 60) -> None:
+        """Wait until every wanted replica is ready and every node is heard from."""
+
+        def settled():
+            replicas = list(Replica.objects.values_list("state", flat=True))
+            nodes = set(Node.objects.values_list("state", flat=True))
+            return replicas and all(s == ReplicaState.READY for s in replicas) and nodes == {NodeState.READY}
+
+        wait_for(lambda: _db(settled), timeout, 0.25, "every replica ready and every node heard from")
+
+    def _leader_worker(self) -> Proc:
+        owner = self.monitor.owner
+        assert owner is not None, "nobody holds the lease"
+        for worker in self.stack.workers:
+            if worker.alive() and owner[0] in worker.text():
+                return worker
+        raise RuntimeError(f"no running worker logged lease owner {owner[0]}")
+
+    def _restart(self, proc: Proc) -> None:
+        proc.kill()
+        proc.start()
+
+    # -- faults -------------------------------------------------------------------------------
+    def agent_kill(self) -> Row:
+        row = Row(
+            "SIGKILL an agent (engines die with it)", "no new request fails after 1 s; replaced within lost + start"
+        )
+        shard = _db(lambda: Shard.objects.select_related("node").order_by("pk").first())
+        node = shard.node.name
+        agent = self.stack.agents[node]
+        killed_at = time.monotonic()
+        agent.signal(signal.SIGKILL)
+
+        def replaced():
+            ready = Replica.objects.filter(state=ReplicaState.READY)
+            wanted = Replica.objects.count()
+            elsewhere = ready.exclude(shards__node__name=node).count()
+            return elsewhere == wanted
+
+        recovery = wait_for(lambda: _db(replaced), self.lost + 60, 0.2, "replicas serving elsewhere")
+        time.sleep(2)
+        late = self.load.window(killed_at + 1.0, time.monotonic())
+        row.requests, row.errors = len(late), sum(1 for r in late if r.status != 200)
+        in_flight = self.load.window(killed_at - 5, killed_at + 1.0)
+        row.recovery = f"{recovery:.1f} s"
+        row.note = f"{sum(1 for r in in_flight if r.status != 200)} error(s) in the first second"
+        row.held = row.errors == 0 and recovery <= self.lost + 30
+        agent.start()
+        self._settle()
+        return self._finish(row, killed_at)
+
+    def leader_worker_kill(self) -> Row:
+        row = Row("SIGKILL the leader's worker", f"new owner <= TTL + interval ({self.ttl + self.tick:g} s)")
+        worker = self._leader_worker()
+        killed_at = time.monotonic()
+        worker.signal(signal.SIGKILL)
+        took = wait_for(lambda: self.monitor.first_change_after(killed_at) is not None, self.ttl * 4, 0.1, "new owner")
+        took = self.monitor.first_change_after(killed_at) - killed_at
+        row.recovery = f"{took:.1f} s"
+        row.held = took <= self.ttl + self.tick + 0.5  # + the monitor's sampling interval
+        worker.start()
+        return self._finish(row, killed_at)
+
+    def leader_pause_in_tick(self) -> Row:
+        row = Row(
+            "SIGSTOP the leader inside its tick for 2xTTL",
+            "standby leads <= TTL + interval; the paused tick commits nothing",
+        )
+        worker = self._leader_worker()
+
+        def in_transaction():
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND xact_start IS NOT NULL",
+                    [worker.name],
+                )
+                return cursor.fetchone()[0] > 0
+
+        wait_for(lambda: _db(in_transaction), 30, 0.002, "the leader inside a tick transaction")
+        worker.signal(signal.SIGSTOP)
+        paused_at = time.monotonic()
+        log_before = len(worker.text())
+        wait_for(lambda: self.monitor.first_change_after(paused_at) is not None, self.ttl * 3, 0.1, "a new owner")
+        took = self.monitor.first_change_after(paused_at) - paused_at
+        time.sleep(max(0.0, paused_at + 2 * self.ttl - time.monotonic()))
+        worker.signal(signal.SIGCONT)
+        time.sleep(self.tick * 3)
+        after = worker.text()[log_before:]
+        committed_nothing = "nothing committed" in after or "tick abandoned" in after
+        row.recovery = f"{took:.1f} s"
+        row.note = "paused tick abandoned" if committed_nothing else "no abandon logged after SIGCONT"
+        row.held = took <= self.ttl + self.tick + 0.5 and committed_nothing
+        return self._finish(row, paused_at)
+
+    def steady(self, workers: int, seconds: float) -> Row:
+        row = Row(f"{seconds:g} s steady, {workers} worker(s)", "0 leadership changes")
+        while len([w for w in self.stack.workers if w.alive()]) > workers:
+            next(w for w in reversed(self.stack.workers) if w.alive()).stop(10)
+        for index in range(len(self.stack.workers), workers):
+            self.stack.workers.append(self.stack.worker(index + 1).start())
+        for worker in self.stack.workers[:workers]:
+            if not worker.alive():
+                worker.start()
+        time.sleep(self.ttl)  # let started or stopped workers settle before counting
+        started = time.monotonic()
+        time.sleep(seconds)
+        changes = self.monitor.changes_between(started, time.monotonic())
+        row.recovery = "-"
+        row.note = f"{changes} leadership change(s)"
+        row.held = changes == 0
+        return self._finish(row, started)
+
+    def redis_restart(self) -> Row:
+        row = Row("Redis restart", "0 client errors, 0 leadership changes")
+        redis = self.stack.redis
+        started = time.monotonic()
+        redis.proc.kill()
+        redis.start()
+        time.sleep(10)
+        changes = self.monitor.changes_between(started, time.monotonic())
+        row.note = f"{changes} leadership change(s)"
+        self._finish(row, started)
+        row.held = row.errors == 0 and changes == 0
+        return row
+
+    def postgres_stop(self, seconds: float) -> Row:
+        row = Row(f"PostgreSQL stopped {seconds:g} s", "0 client errors (keys used before)")
+        started = time.monotonic()
+        self.stack.pg.stop()
+        time.sleep(seconds)
+        self.stack.pg.start()
+        connection.close()
+        time.sleep(10)
+        self._finish(row, started)
+        row.held = row.errors == 0
+        return row
+
+    def control_plane_kill(self) -> Row:
+        row = Row("SIGKILL a control plane holding all agent streams", "agents commandable via the other <= 2 s")
+        first, second = self.stack.control_planes
+        # All streams on the first: restart the second so no agent is connected to it.
+        self._restart(second)
+        wait_for(lambda: all(self._connected_to(a, first) for a in self.stack.agents.values()), 30, 0.1,
+                 "every agent on the first control plane")  # fmt: skip
+        marks = {name: len(second.text()) for name in self.stack.agents}
+        killed_at = time.monotonic()
+        first.signal(signal.SIGKILL)
+        took = wait_for(
+            lambda: all(f"agent connected: {name}" in second.text()[marks[name]:] for name in self.stack.agents),
+            30, 0.05, "every agent on the second control plane",
+        )  # fmt: skip
+        row.recovery = f"{took:.1f} s"
+        row.held = took <= 2.0
+        first.start()
+        return self._finish(row, killed_at)
+
+    def _connected_to(self, agent: Proc, cp: Proc) -> bool:
+        port = self.stack.ports[cp.name]
+        lines = [line for line in agent.text().splitlines() if " connected to ws://" in line]
+        return bool(lines) and f":{port}/" in lines[-1]
+
+    def control_plane_term(self) -> Row:
+        row = Row("SIGTERM a control plane", "exits <= 5 s")
+        cp = self.stack.control_planes[1]
+        started = time.monotonic()
+        took = cp.stop(timeout=15)
+        row.recovery = f"{took:.1f} s" if took is not None else "killed after 15 s"
+        row.held = took is not None and took <= 5.0
+        cp.start()
+        return self._finish(row, started)
+
+    def port_busy(self) -> Row:
+        row = Row("a port busy on a node", "<= 1 failed start")
+        used = set(_db(lambda: list(Shard.objects.values_list("port", flat=True))))
+        low, _ = 20000, 0
+        port = next(p for p in range(low, low + 1000) if p not in used)
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("0.0.0.0", port))
+        blocker.listen()
+        started = time.monotonic()
+        try:
+            model = _db(lambda: Model.objects.create(name="drill-port", source="drill/port"))
+            _db(lambda: Profile.objects.create(model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=1))
+            took = wait_for(
+                lambda: _db(lambda: Replica.objects.filter(model=model, state=ReplicaState.READY).exists()),
+                60, 0.2, "the new model ready",
+            )  # fmt: skip
+            failures = sum(cp.text().count(f"port {port} is busy") for cp in self.stack.control_planes)
+            row.recovery = f"{took:.1f} s"
+            row.note = f"{failures} failed start(s) on port {port}; busy mark: {_db(BusyPort.objects.count)}"
+            row.held = failures <= 1
+            _db(lambda: Model.objects.filter(pk=model.pk).delete())
+        finally:
+            blocker.close()
+        return self._finish(row, started)
