@@ -8,6 +8,7 @@ log under the drill's work directory; `Proc` can signal, pause and restart it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -227,7 +228,5 @@ class Stack:
         if self.redis is not None:
             self.redis.proc.stop(5)
         if self.pg is not None:
-            try:
+            with contextlib.suppress(subprocess.CalledProcessError):
                 self.pg.stop()
-            except subprocess.CalledProcessError:
-                pass
