@@ -109,6 +109,7 @@ class RouterApp:
             "models": len(balancer.catalog()),
             "endpoints": len(balancer.endpoints()),
             "in_flight": balancer.in_flight(),
+            "ejected": sorted(e.replica_id for e in balancer.ejected()),
             "table": balancer.fingerprint,
         }
 

@@ -51,7 +51,7 @@ class RouterState:
         self.max_body_bytes = max_body_bytes
         self.balancer = Balancer()
         self.keys = key_cache or ApiKeyCache()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.balancer)
         self.tasks = BackgroundTasks()
         self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds)
         self.cold_start = ColdStart(

@@ -196,6 +196,7 @@ def test_health_counts_models_and_endpoints_and_metrics_count_requests(start_rou
         "models": 1,
         "endpoints": 1,
         "in_flight": 0,
+        "ejected": [],
         "table": None,
     }
     metrics = httpx.get(f"{router.url}/metrics").text
