@@ -23,6 +23,7 @@ from hub import get_hub
 from hub.contracts import RouterHub
 
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
+from .balancer import EjectionPolicy
 from .errors import RouterError, method_not_allowed
 from .keys import ApiKeyCache
 from .metrics import UNKNOWN_MODEL
@@ -213,13 +214,15 @@ def create_app(
     max_body_bytes: int = 64 * 1024 * 1024,
     key_cache: ApiKeyCache | None = None,
     keepalive_seconds: float = 10.0,
+    ejection: EjectionPolicy | None = None,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
     `hub` defaults to hub.get_hub(). Timeouts default to the
     LLMGW_* settings. `read_timeout` bounds the silence between bytes from an
     engine (including before the first byte of a non-streamed answer), never a
-    whole stream.
+    whole stream. `ejection` sets when failing replicas are ejected (default:
+    `EjectionPolicy()`).
     """
     state = RouterState(
         get_hub() if hub is None else hub,
@@ -234,5 +237,6 @@ def create_app(
         max_body_bytes=max_body_bytes,
         key_cache=key_cache,
         keepalive_seconds=keepalive_seconds,
+        ejection=ejection,
     )
     return RouterApp(state)

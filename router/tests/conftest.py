@@ -1,25 +1,32 @@
 """Fixtures for the router tests: a stand-in engine (aiohttp) and the router under uvicorn, both on 127.0.0.1.
 
 Each runs on an event loop in a thread of its own, so tests are plain
-synchronous functions and talk to them over real HTTP.
+synchronous functions and talk to them over real HTTP. Where a test kills an
+engine, the engine is the bundled mock engine in a process of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from aiohttp import web
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from hub import InProcessHub
 from router.app import create_app
 from router.models import ApiKey
 
+PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"
 ALIAS = "llama"
 
@@ -221,6 +228,56 @@ def start_engine():
     yield start
     for engine in started:
         engine.stop()
+
+
+class EngineProcess:
+    """The bundled mock engine (`python -m agent.mock_engine`) as a real process, to be killed by signal."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineProcess:
+        argv = [sys.executable, "-m", "agent.mock_engine", "--port", str(self.port), "--model", MODEL]
+        self.process = subprocess.Popen(argv, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_until(self._answers, timeout=10, interval=0.05, describe=self._describe)
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process is not None and self.process.poll() is None, "mock engine exited"
+        try:
+            return httpx.get(f"{self.url}/health", timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _describe(self) -> str:
+        return f"mock engine on port {self.port} exited with {self.process.poll() if self.process else None}"
+
+    def kill(self) -> None:
+        """SIGKILL, as when the node's agent dies with its engines: no goodbye, the port just refuses."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(5)
+
+
+@pytest.fixture
+def engine_process():
+    started: list[EngineProcess] = []
+
+    def start(port: int | None = None) -> EngineProcess:
+        engine = EngineProcess(port).start()
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.kill()
+        if engine.process is not None and engine.process.stderr is not None:
+            engine.process.stderr.close()
 
 
 _FIXTURE_HUB = object()
