@@ -25,7 +25,7 @@ from hub.contracts import RouterHub
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
 from .balancer import EjectionPolicy
 from .errors import RouterError, method_not_allowed
-from .keys import ApiKeyCache
+from .keys import ApiKeyCache, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL
 from .proxy import Outcome
 from .state import RouterState
@@ -128,6 +128,14 @@ class RouterApp:
             raise RouterError(401, "The Authorization header must be 'Bearer <key>'.", "invalid_api_key")
         try:
             valid = await self._keys.is_valid(key)
+        except KeyStoreUnreachable:
+            raise RouterError(
+                503,
+                "Cannot verify the API key: the key store is unreachable. Retry shortly.",
+                "key_store_unreachable",
+                type_="server_error",
+                headers=[(b"retry-after", b"1")],
+            ) from None
         except Exception:
             log.exception("could not verify an API key")
             raise RouterError(
