@@ -157,7 +157,9 @@ class ApiKeyCache:
         # Expired answers go, except verified keys: they are what keeps clients working through an outage.
         self._entries = {d: entry for d, entry in self._entries.items() if entry[0] or entry[1] > now}
         if len(self._entries) >= self.max_entries:
-            # Still full (a flood of distinct keys): start over rather than grow without bound.
+            # A flood of distinct wrong keys: forget every refusal rather than grow without bound.
+            self._entries = {d: entry for d, entry in self._entries.items() if entry[0]}
+        if len(self._entries) >= self.max_entries:
             self._entries.clear()
 
     async def close(self) -> None:

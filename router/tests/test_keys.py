@@ -250,3 +250,14 @@ def test_an_unknown_key_is_503_in_openai_shape_while_the_key_store_is_unreachabl
             "code": "key_store_unreachable",
         }
     }
+
+
+def test_verified_keys_outlive_a_flood_of_wrong_keys_for_the_next_outage():
+    clock, store = Clock(), FlakyStore("sk-good")
+    cache = ApiKeyCache(positive_ttl=30, negative_ttl=5, max_entries=10, clock=clock, lookup=store)
+    assert check(cache, "sk-good") == [True]
+    clock.now += 31
+    check(cache, *(f"sk-wrong-{i}" for i in range(25)))  # the cache fills up with wrong keys, twice over
+    assert len(cache._entries) <= 10
+    store.down = True
+    assert check(cache, "sk-good") == [True]
