@@ -144,7 +144,7 @@ def test_a_revocation_applies_again_once_the_key_store_answers():
     store.valid.clear()  # revoked during the outage
     store.down = False
     clock.now += 1
-    assert check(cache, "sk-good") == [False]
+    assert check(cache, "sk-good", "sk-good") == [False, False]
 
 
 def test_a_key_never_verified_is_refused_as_unverifiable_while_the_key_store_is_unreachable():
