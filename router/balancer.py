@@ -90,10 +90,6 @@ class ReplicaHealth:
         self.ejected_until = 0.0  # end of the cool-down; 0.0 when not ejected
         self.probing = False  # the half-open replica's one request is in flight
 
-    @property
-    def ejected(self) -> bool:
-        return self.ejected_until != 0.0
-
 
 @dataclass(eq=False)
 class Endpoint:
@@ -335,7 +331,7 @@ class Balancer:
             log.info("replica %s of %s answered its probe and is back", endpoint.replica_id, endpoint.model)
 
     def _record_failure(self, endpoint: Endpoint, failure: Failure) -> str:
-        """Count a failure under the lock; what changed ("ejected", "kept", or "") for the log."""
+        """Count a failure under the lock; what changed ("ejected", "probe failed", "kept", or "") for the log."""
         health = endpoint.health
         now = self._ejection_clock()
         if health.ejected_until:
@@ -344,7 +340,7 @@ class Balancer:
             # Half-open, and the probe failed: out again, for longer.
             health.probing = False
             self._eject(endpoint, now)
-            return "ejected"
+            return "probe failed"
         health.failures += 1
         threshold = self.ejection.threshold(failure)
         if health.failures < threshold:
@@ -367,10 +363,17 @@ class Balancer:
         health = endpoint.health
         if change == "ejected":
             log.warning(
-                "ejected replica %s of %s after %d consecutive failures, for %.0f s (ejection %d in a row)",
+                "ejected replica %s of %s after %d consecutive failures, for %g s",
                 endpoint.replica_id,
                 endpoint.model,
                 health.failures,
+                self.ejection.cooldown(health.ejections),
+            )
+        elif change == "probe failed":
+            log.warning(
+                "replica %s of %s failed its probe: ejected again, for %g s (ejection %d in a row)",
+                endpoint.replica_id,
+                endpoint.model,
                 self.ejection.cooldown(health.ejections),
                 health.ejections,
             )
