@@ -23,8 +23,9 @@ from hub import get_hub
 from hub.contracts import RouterHub
 
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
+from .balancer import EjectionPolicy
 from .errors import RouterError, method_not_allowed
-from .keys import ApiKeyCache
+from .keys import ApiKeyCache, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL
 from .proxy import Outcome
 from .state import RouterState
@@ -109,6 +110,7 @@ class RouterApp:
             "models": len(balancer.catalog()),
             "endpoints": len(balancer.endpoints()),
             "in_flight": balancer.in_flight(),
+            "ejected": sorted(e.replica_id for e in balancer.ejected()),
             "table": balancer.fingerprint,
         }
 
@@ -126,6 +128,14 @@ class RouterApp:
             raise RouterError(401, "The Authorization header must be 'Bearer <key>'.", "invalid_api_key")
         try:
             valid = await self._keys.is_valid(key)
+        except KeyStoreUnreachable:
+            raise RouterError(
+                503,
+                "Cannot verify the API key: the key store is unreachable. Retry shortly.",
+                "key_store_unreachable",
+                type_="server_error",
+                headers=[(b"retry-after", b"1")],
+            ) from None
         except Exception:
             log.exception("could not verify an API key")
             raise RouterError(
@@ -212,13 +222,15 @@ def create_app(
     max_body_bytes: int = 64 * 1024 * 1024,
     key_cache: ApiKeyCache | None = None,
     keepalive_seconds: float = 10.0,
+    ejection: EjectionPolicy | None = None,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
     `hub` defaults to hub.get_hub(). Timeouts default to the
     LLMGW_* settings. `read_timeout` bounds the silence between bytes from an
     engine (including before the first byte of a non-streamed answer), never a
-    whole stream.
+    whole stream. `ejection` sets when failing replicas are ejected (default:
+    `EjectionPolicy()`).
     """
     state = RouterState(
         get_hub() if hub is None else hub,
@@ -233,5 +245,6 @@ def create_app(
         max_body_bytes=max_body_bytes,
         key_cache=key_cache,
         keepalive_seconds=keepalive_seconds,
+        ejection=ejection,
     )
     return RouterApp(state)

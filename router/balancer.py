@@ -1,13 +1,19 @@
-"""The router's view of the endpoint table: name resolution, replica choice and last-use stamps.
+"""The router's view of the endpoint table: name resolution, replica choice, outlier ejection and last-use stamps.
 
 Everything here is synchronous and cheap: it runs on the router's event loop
 for every request. Choosing a replica and stamping its last use happen under
 one lock in one short critical section (DESIGN invariant 4), so recording use
 costs a dict write per request and nothing else.
+
+Outlier ejection keeps requests away from a replica that keeps failing, in the
+balancer's own structures and under the same lock (see `EjectionPolicy`): the
+proxy reports how each attempt ended, a success on a healthy replica costs two
+attribute reads, and the clock is read only when a replica is ejected.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -17,13 +23,81 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+_INFINITY = float("inf")
+
+
+class Failure(enum.Enum):
+    """How a request to a replica failed before its response began, as the proxy reports it."""
+
+    CONNECT = "connect"  # no connection: refused, unreachable, connect timeout
+    LOST = "lost"  # connected, then reset or closed, or silent past the read deadline
+    ERROR = "error"  # the engine answered 5xx
+
+
+@dataclass(frozen=True)
+class EjectionPolicy:
+    """When a failing replica stops getting requests, and for how long.
+
+    A failed connect ejects at once (`connect_failures`): nothing accepted the
+    connection, so no engine is serving there — the engine or its node is
+    gone — and each further request sent there pays a connect attempt (up to
+    the whole connect timeout for a dead host) before its retry. The cost of
+    being wrong is one replica out for `first_cooldown`. Anything else ejects
+    after `failures` in a row: a reset or closed connection can be the race
+    with an engine closing an idle keep-alive connection, and a 5xx can be one
+    bad request, so one alone says little.
+
+    The cool-down doubles with each ejection not separated by a success, up to
+    `max_cooldown`. When it ends the replica is half-open: the next pick sends
+    it exactly one request, whose success brings it back (failures and
+    cool-down reset) and whose failure ejects it again for the next cool-down.
+    Outcomes of requests sent before an ejection and reported during its
+    cool-down change nothing. The last replica of a model that is not ejected
+    is never ejected, so a model always has somewhere to go.
+    """
+
+    connect_failures: int = 1
+    failures: int = 3
+    first_cooldown: float = 1.0
+    max_cooldown: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.connect_failures < 1 or self.failures < 1:
+            raise ValueError("connect_failures and failures must be >= 1")
+        if not 0 < self.first_cooldown <= self.max_cooldown:
+            raise ValueError("cool-downs must satisfy 0 < first_cooldown <= max_cooldown")
+
+    def threshold(self, failure: Failure) -> int:
+        """Consecutive failures that eject when the last of them is `failure`."""
+        return self.connect_failures if failure is Failure.CONNECT else self.failures
+
+    def cooldown(self, ejections: int) -> float:
+        """The cool-down of the `ejections`-th ejection in a row (1, 2, 3 …)."""
+        if ejections > 32:  # past any sane cap; keeps the power finite
+            return self.max_cooldown
+        return min(self.max_cooldown, self.first_cooldown * 2 ** (ejections - 1))
+
+
+class ReplicaHealth:
+    """A replica's recent failures and ejection, as this router saw them (times on the ejection clock)."""
+
+    __slots__ = ("failures", "ejections", "ejected_at", "ejected_until", "probing")
+
+    def __init__(self) -> None:
+        self.failures = 0  # consecutive failures since the last success
+        self.ejections = 0  # ejections since the last success; sets the next cool-down
+        self.ejected_at = 0.0
+        self.ejected_until = 0.0  # end of the cool-down; 0.0 when not ejected
+        self.probing = False  # the half-open replica's one request is in flight
+
 
 @dataclass(eq=False)
 class Endpoint:
     """One ready replica of a model, as published by the control plane.
 
     `outstanding` counts requests this router has sent to it that have not
-    finished; it survives table updates as long as the replica keeps its URL.
+    finished, and `health` its failures and ejection; both survive table
+    updates as long as the replica keeps its URL.
     """
 
     replica_id: str
@@ -33,6 +107,7 @@ class Endpoint:
     weight: int = 1
     pool: str = "default"
     outstanding: int = field(default=0, compare=False)
+    health: ReplicaHealth = field(default_factory=ReplicaHealth, compare=False, repr=False)
 
     @property
     def load(self) -> float:
@@ -59,10 +134,23 @@ def _parse_endpoint(raw: object) -> Endpoint:
 
 
 class Balancer:
-    """Resolves public names and aliases, picks a replica per request, and keeps last-use stamps."""
+    """Resolves public names and aliases, picks a replica per request, ejects failing ones, and keeps last-use stamps.
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    `clock` (wall time) stamps last use; `ejection_clock` (monotonic) times
+    cool-downs, so a step of the wall clock cannot strand a replica.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        *,
+        ejection_clock: Callable[[], float] = time.monotonic,
+        ejection: EjectionPolicy | None = None,
+    ) -> None:
         self._clock = clock
+        self._ejection_clock = ejection_clock
+        self.ejection = ejection or EjectionPolicy()
+        self._ejections: dict[str, int] = {}  # public name -> ejections so far (a counter, never reset)
         self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
@@ -157,8 +245,11 @@ class Balancer:
         """Choose a replica of `model` and count a request against it; None if it has none.
 
         Highest priority first, then least outstanding requests per unit of
-        weight, ties taken in turn. The choice and the last-use stamp are one
-        critical section, so a stamp always names the replica actually used.
+        weight, ties taken in turn, among the replicas not ejected (a
+        half-open one is taken for its single probe). When every replica left
+        is ejected, the one ejected longest ago. The choice and the last-use
+        stamp are one critical section, so a stamp always names the replica
+        actually used.
         """
         with self._lock:
             candidates = self._endpoints.get(model)
@@ -169,28 +260,141 @@ class Balancer:
                 candidates = [e for e in candidates if e.replica_id not in excluded]
                 if not candidates:
                     return None
-            top = max(e.priority for e in candidates)
+            now: float | None = None  # the ejection clock, read only if some replica is ejected
             best: list[Endpoint] = []
-            best_load = float("inf")
+            top = 0
+            best_load = _INFINITY
             for e in candidates:
-                if e.priority != top:
-                    continue
-                load = e.load
-                if load < best_load:
-                    best, best_load = [e], load
-                elif load == best_load:
-                    best.append(e)
-            turn = self._turn.get(model, 0)
-            chosen = best[turn % len(best)]
-            self._turn[model] = turn + 1
+                health = e.health
+                if health.ejected_until:
+                    if now is None:
+                        now = self._ejection_clock()
+                    if health.probing or now < health.ejected_until:
+                        continue
+                priority = e.priority
+                if not best or priority > top:
+                    best, top, best_load = [e], priority, e.load
+                elif priority == top:
+                    load = e.load
+                    if load < best_load:
+                        best, best_load = [e], load
+                    elif load == best_load:
+                        best.append(e)
+            if best:
+                turn = self._turn.get(model, 0)
+                chosen = best[turn % len(best)]
+                self._turn[model] = turn + 1
+                if chosen.health.ejected_until:
+                    chosen.health.probing = True  # half-open: this request is the one probe
+            else:
+                chosen = min(candidates, key=_ejected_at)
             chosen.outstanding += 1
             self._stamps[chosen.replica_id] = self._clock()
             return chosen
 
-    def release(self, endpoint: Endpoint) -> None:
-        """The request counted by `pick` has finished (in any way)."""
+    def release(self, endpoint: Endpoint, failure: Failure | None = None) -> None:
+        """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""
         with self._lock:
             endpoint.outstanding -= 1
+            if failure is not None:
+                change = self._record_failure(endpoint, failure)
+            else:
+                # A probe that ended without an outcome (the client left): let another request probe.
+                endpoint.health.probing = False
+                return
+        if change:
+            self._log_change(endpoint, change)
+
+    def failed(self, endpoint: Endpoint, failure: Failure) -> None:
+        """A request still counted against `endpoint` failed (a 5xx relayed to the client as it is)."""
+        with self._lock:
+            change = self._record_failure(endpoint, failure)
+        if change:
+            self._log_change(endpoint, change)
+
+    def succeeded(self, endpoint: Endpoint) -> None:
+        """`endpoint` answered a request (below 500): its failure streak ends; a half-open one is back."""
+        health = endpoint.health
+        if not (health.failures or health.ejected_until):
+            return  # the hot path: a healthy replica stays healthy without taking the lock
+        with self._lock:
+            if health.ejected_until:
+                if self._ejection_clock() < health.ejected_until:
+                    return  # an answer to a request sent before the ejection: the cool-down stands
+                recovered = True
+            else:
+                recovered = False
+            health.failures = health.ejections = 0
+            health.ejected_until = 0.0
+            health.probing = False
+        if recovered:
+            log.info("replica %s of %s answered its probe and is back", endpoint.replica_id, endpoint.model)
+
+    def _record_failure(self, endpoint: Endpoint, failure: Failure) -> str:
+        """Count a failure under the lock; what changed ("ejected", "probe failed", "kept", or "") for the log."""
+        health = endpoint.health
+        now = self._ejection_clock()
+        if health.ejected_until:
+            if now < health.ejected_until:
+                return ""  # a request sent before the ejection: the cool-down stands
+            # Half-open, and the probe failed: out again, for longer.
+            health.probing = False
+            self._eject(endpoint, now)
+            return "probe failed"
+        health.failures += 1
+        threshold = self.ejection.threshold(failure)
+        if health.failures < threshold:
+            return ""
+        for other in self._endpoints.get(endpoint.model, ()):
+            if other is not endpoint and not other.health.ejected_until:
+                self._eject(endpoint, now)
+                return "ejected"
+        # The last replica not ejected stays: requests still have somewhere to go. Said once, then rarely.
+        return "kept" if health.failures == threshold or health.failures % 100 == 0 else ""
+
+    def _eject(self, endpoint: Endpoint, now: float) -> None:
+        health = endpoint.health
+        health.ejections += 1
+        health.ejected_at = now
+        health.ejected_until = now + self.ejection.cooldown(health.ejections)
+        self._ejections[endpoint.model] = self._ejections.get(endpoint.model, 0) + 1
+
+    def _log_change(self, endpoint: Endpoint, change: str) -> None:
+        health = endpoint.health
+        if change == "ejected":
+            log.warning(
+                "ejected replica %s of %s after %d consecutive failures, for %g s",
+                endpoint.replica_id,
+                endpoint.model,
+                health.failures,
+                self.ejection.cooldown(health.ejections),
+            )
+        elif change == "probe failed":
+            log.warning(
+                "replica %s of %s failed its probe: ejected again, for %g s (ejection %d in a row)",
+                endpoint.replica_id,
+                endpoint.model,
+                self.ejection.cooldown(health.ejections),
+                health.ejections,
+            )
+        else:
+            log.warning(
+                "replica %s of %s keeps failing (%d in a row) but is the last one not ejected",
+                endpoint.replica_id,
+                endpoint.model,
+                health.failures,
+            )
+
+    # -- outlier ejection, for metrics and /health --------------------------------------
+    def ejected(self) -> list[Endpoint]:
+        """The replicas ejected now (cooling down, or half-open awaiting their probe)."""
+        with self._lock:
+            return [e for e in self._by_replica.values() if e.health.ejected_until]
+
+    def ejection_counts(self) -> dict[str, int]:
+        """Ejections so far per public model name (a counter: never reset, not even by a new table)."""
+        with self._lock:
+            return dict(self._ejections)
 
     # -- last-use stamps ----------------------------------------------------------
     def take_stamps(self) -> dict[str, float]:
@@ -223,3 +427,7 @@ class Balancer:
     def in_flight(self) -> int:
         with self._lock:
             return sum(e.outstanding for e in self._by_replica.values())
+
+
+def _ejected_at(endpoint: Endpoint) -> float:
+    return endpoint.health.ejected_at

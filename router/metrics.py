@@ -3,11 +3,20 @@
 A registry per app (not the process-wide default) lets the embedded `up`
 command and tests run several routers in one process without clashes.
 Labels only ever carry published model names, never what a client typed, so
-a client cannot blow up the label cardinality.
+a client cannot blow up the label cardinality. Ejection figures are read from
+the balancer when scraped, so requests pay nothing for them.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from .balancer import Balancer
 
 UNKNOWN_MODEL = "-"
 
@@ -17,7 +26,7 @@ class RouterMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, balancer: Balancer | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "llmgw_router_requests",
@@ -52,6 +61,37 @@ class RouterMetrics:
             "Last-use flushes the usage store refused (stamps kept for the next).",
             registry=self.registry,
         )
+        if balancer is not None:
+            self.registry.register(EjectionCollector(balancer))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EjectionCollector(Collector):
+    """Outlier ejection as the balancer counts it: ejections so far and replicas ejected now, per model."""
+
+    def __init__(self, balancer: Balancer) -> None:
+        self.balancer = balancer
+
+    def collect(self) -> Iterator[Metric]:
+        balancer = self.balancer
+        ejections = CounterMetricFamily(
+            "llmgw_router_ejections",
+            "Replicas ejected after consecutive failures (or a failed probe), by model.",
+            labels=["model"],
+        )
+        for model, count in sorted(balancer.ejection_counts().items()):
+            ejections.add_metric([model], count)
+        yield ejections
+        now = dict.fromkeys(balancer.catalog(), 0)
+        for endpoint in balancer.ejected():
+            now[endpoint.model] = now.get(endpoint.model, 0) + 1
+        ejected = GaugeMetricFamily(
+            "llmgw_router_ejected_replicas",
+            "Replicas ejected right now (cooling down or awaiting their probe), by model.",
+            labels=["model"],
+        )
+        for model, count in sorted(now.items()):
+            ejected.add_metric([model], count)
+        yield ejected

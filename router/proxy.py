@@ -5,7 +5,8 @@ request. Per-phase deadlines only (connect, silence between bytes), never an
 overall one, so a stream runs as long as the engine keeps sending. A request
 is retried once on another replica, but only before any byte reached the
 client; a client that goes away closes the upstream connection, which is what
-makes the engine stop generating.
+makes the engine stop generating. How each attempt ended before its response
+began goes to the balancer, which ejects replicas that keep failing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import aiohttp
 
 from .asgi_io import Scope, Send
-from .balancer import Balancer, Endpoint
+from .balancer import Balancer, Endpoint, Failure
 from .coldstart import ColdStart
 from .errors import RouterError
 from .metrics import RouterMetrics
@@ -123,30 +124,20 @@ class Proxy:
         assert session is not None  # forward() refuses to start without one
         headers = upstream_headers(scope)
         tried: list[str] = []
+        failure: Failure | None
+        error: aiohttp.ClientError
         while True:
             tried.append(endpoint.replica_id)
             retry_possible = len(tried) == 1
             try:
                 started = time.perf_counter()
                 response = await session.post(endpoint.url + path, data=body, headers=headers)
-            except (
-                aiohttp.ConnectionTimeoutError,
-                aiohttp.ClientConnectorError,
-                aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError,
-            ) as exc:
-                balancer.release(endpoint)
-                log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, exc)
-                nxt = balancer.pick(model, exclude=tried) if retry_possible else None
-                if nxt is None:
-                    raise RouterError(
-                        502, f"No replica of `{model}` could be reached.", "upstream_unavailable", type_="server_error"
-                    ) from None
-                metrics.retries.labels(model).inc()
-                endpoint = nxt
-                continue
+            except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+                failure, error = Failure.CONNECT, exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                failure, error = Failure.LOST, exc
             except (aiohttp.SocketTimeoutError, TimeoutError):
-                balancer.release(endpoint)
+                balancer.release(endpoint, Failure.LOST)
                 raise RouterError(
                     504,
                     f"Replica {endpoint.replica_id} of `{model}` did not answer in time.",
@@ -156,23 +147,42 @@ class Proxy:
             except BaseException:
                 balancer.release(endpoint)
                 raise
+            else:
+                failure = None
+            if failure is not None:
+                # Nothing reached the client yet: count the failure (it may eject the replica) and retry once.
+                balancer.release(endpoint, failure)
+                log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
+                nxt = balancer.pick(model, exclude=tried) if retry_possible else None
+                if nxt is None:
+                    raise RouterError(
+                        502, f"No replica of `{model}` could be reached.", "upstream_unavailable", type_="server_error"
+                    ) from None
+                metrics.retries.labels(model).inc()
+                endpoint = nxt
+                continue
             metrics.upstream_latency.labels(model).observe(time.perf_counter() - started)
-            if response.status in RETRIABLE_STATUSES and retry_possible:
-                nxt = balancer.pick(model, exclude=tried)
-                if nxt is not None:
-                    response.close()
-                    balancer.release(endpoint)
-                    metrics.retries.labels(model).inc()
-                    endpoint = nxt
-                    continue
-            if headers_sent and response.status != 200:
+            status = response.status
+            if status < 500:
+                balancer.succeeded(endpoint)
+            else:
+                if status in RETRIABLE_STATUSES and retry_possible:
+                    nxt = balancer.pick(model, exclude=tried)
+                    if nxt is not None:
+                        response.close()
+                        balancer.release(endpoint, Failure.ERROR)
+                        metrics.retries.labels(model).inc()
+                        endpoint = nxt
+                        continue
+                balancer.failed(endpoint, Failure.ERROR)
+            if headers_sent and status != 200:
                 # The client already has a 200 and a stream: carry the engine's error inside it.
                 detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
                 response.close()
                 balancer.release(endpoint)
                 raise RouterError(
-                    response.status,
-                    f"Replica {endpoint.replica_id} of `{model}` answered {response.status}: {detail}",
+                    status,
+                    f"Replica {endpoint.replica_id} of `{model}` answered {status}: {detail}",
                     "upstream_error",
                     type_="server_error",
                 )

@@ -15,7 +15,7 @@ import logging
 from hub.contracts import EndpointTable, RouterHub
 
 from .background import BackgroundTasks, raise_if_cancelling
-from .balancer import Balancer, TableError
+from .balancer import Balancer, EjectionPolicy, TableError
 from .coldstart import ColdStart
 from .keys import ApiKeyCache
 from .metrics import RouterMetrics
@@ -41,6 +41,7 @@ class RouterState:
         max_body_bytes: int,
         key_cache: ApiKeyCache | None = None,
         keepalive_seconds: float = 10.0,
+        ejection: EjectionPolicy | None = None,
     ):
         if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
             raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
@@ -49,9 +50,9 @@ class RouterState:
         self.hub = hub
         self.poll_seconds = poll_seconds
         self.max_body_bytes = max_body_bytes
-        self.balancer = Balancer()
+        self.balancer = Balancer(ejection=ejection)
         self.keys = key_cache or ApiKeyCache()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.balancer)
         self.tasks = BackgroundTasks()
         self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds)
         self.cold_start = ColdStart(

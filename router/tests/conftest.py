@@ -1,25 +1,36 @@
 """Fixtures for the router tests: a stand-in engine (aiohttp) and the router under uvicorn, both on 127.0.0.1.
 
 Each runs on an event loop in a thread of its own, so tests are plain
-synchronous functions and talk to them over real HTTP.
+synchronous functions and talk to them over real HTTP. Where a test kills an
+engine, the engine is the bundled mock engine in a process of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from aiohttp import web
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from hub import InProcessHub
 from router.app import create_app
 from router.models import ApiKey
 
+PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"
 ALIAS = "llama"
 
@@ -221,6 +232,128 @@ def start_engine():
     yield start
     for engine in started:
         engine.stop()
+
+
+class EngineProcess:
+    """The bundled mock engine (`python -m agent.mock_engine`) as a real process, to be killed by signal."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineProcess:
+        argv = [sys.executable, "-m", "agent.mock_engine", "--port", str(self.port), "--model", MODEL]
+        self.process = subprocess.Popen(argv, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_until(self._answers, timeout=10, interval=0.05, describe=self._describe)
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process is not None and self.process.poll() is None, "mock engine exited"
+        try:
+            return httpx.get(f"{self.url}/health", timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _describe(self) -> str:
+        return f"mock engine on port {self.port} exited with {self.process.poll() if self.process else None}"
+
+    def kill(self) -> None:
+        """SIGKILL, as when the node's agent dies with its engines: no goodbye, the port just refuses."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(5)
+
+
+@pytest.fixture
+def engine_process():
+    started: list[EngineProcess] = []
+
+    def start(port: int | None = None) -> EngineProcess:
+        engine = EngineProcess(port).start()
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.kill()
+        if engine.process is not None and engine.process.stderr is not None:
+            engine.process.stderr.close()
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of the test's own (initdb under a temp dir, a free port), stopped and started at will.
+
+    Never the shared server: the tests that take a database down take this one.
+    As root, the server runs as the `postgres` user, since PostgreSQL refuses root.
+    """
+
+    def __init__(self, bin_dir: str):
+        self.bin_dir = bin_dir
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="llmgw-router-pg-")
+        self.data = os.path.join(self.dir, "data")
+        self.log = os.path.join(self.dir, "server.log")
+        self._as_owner: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+            self._as_owner = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, tool: str, *args: str) -> None:
+        argv = [*self._as_owner, os.path.join(self.bin_dir, tool), *args]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise RuntimeError(f"{tool} failed: {result.stdout}{result.stderr}")
+
+    def init(self) -> PrivatePostgres:
+        self._run("initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--no-sync", "--no-instructions")
+        return self.start()
+
+    def start(self) -> PrivatePostgres:
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run("pg_ctl", "-D", self.data, "-l", self.log, "-o", options, "-w", "-t", "30", "start")
+        return self
+
+    def stop(self) -> None:
+        """Fast shutdown: the server ends every session, as a restart does to the router's kept connection."""
+        self._run("pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        if os.path.exists(os.path.join(self.data, "postmaster.pid")):
+            self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def database(self) -> dict:
+        """Django DATABASES settings for this cluster; connections are kept, as the router keeps them."""
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": "postgres",
+            "USER": "postgres",
+            "HOST": "127.0.0.1",
+            "PORT": str(self.port),
+            "CONN_MAX_AGE": 600,
+        }
+
+
+def postgres_bin_dir() -> str | None:
+    initdbs = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    found = initdbs[-1] if initdbs else shutil.which("initdb")
+    return os.path.dirname(found) if found else None
+
+
+@pytest.fixture
+def private_postgres():
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    cluster = PrivatePostgres(bin_dir)
+    try:
+        yield cluster.init()
+    finally:
+        cluster.remove()
 
 
 _FIXTURE_HUB = object()

@@ -1,8 +1,9 @@
-"""Replica choice, name resolution and last-use stamps of the router's Balancer (no I/O)."""
+"""Replica choice, outlier ejection, name resolution and last-use stamps of the router's Balancer (no I/O)."""
 
 import pytest
 
-from router.balancer import Balancer, TableError
+from router.balancer import Balancer, EjectionPolicy, Failure, TableError
+from router.metrics import RouterMetrics
 
 from .conftest import ALIAS, MODEL, make_table
 
@@ -136,3 +137,240 @@ def test_endpoints_of_models_not_in_the_catalog_are_ignored():
 def test_a_table_that_is_not_an_object_is_refused_by_name():
     with pytest.raises(TableError, match="not an object"):
         Balancer().apply_table(["endpoints"])
+
+
+# -- outlier ejection ------------------------------------------------------------------------------
+
+
+class Clock:
+    """The ejection clock, moved by the test."""
+
+    def __init__(self, now: float = 50.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ejecting_balancer(*urls, clock, **policy):
+    """Replicas "1", "2" … in order of preference (descending priority), so each pick is predictable."""
+    balancer = Balancer(ejection_clock=clock, ejection=EjectionPolicy(**policy))
+    balancer.apply_table(preferred_in_order(*urls))
+    return balancer
+
+
+def preferred_in_order(*urls, fingerprint=None):
+    table = make_table([{"url": url, "priority": len(urls) - i} for i, url in enumerate(urls)])
+    table["fingerprint"] = fingerprint
+    return table
+
+
+def fail(balancer, replica_id, failure=Failure.CONNECT):
+    """One request to `replica_id` that fails before its response (as the proxy reports it)."""
+    endpoint = next(e for e in balancer.endpoints() if e.replica_id == replica_id)
+    endpoint.outstanding += 1  # as a pick would have counted it
+    balancer.release(endpoint, failure)
+
+
+def serve(balancer, replica_id):
+    """One request to `replica_id` that gets an answer below 500."""
+    endpoint = next(e for e in balancer.endpoints() if e.replica_id == replica_id)
+    endpoint.outstanding += 1
+    balancer.succeeded(endpoint)
+    balancer.release(endpoint)
+
+
+def picks(balancer, count=6):
+    """The replica ids of `count` picks, each released at once."""
+    chosen = []
+    for _ in range(count):
+        endpoint = balancer.pick(MODEL)
+        chosen.append(endpoint.replica_id)
+        balancer.release(endpoint)
+    return chosen
+
+
+def ejected_ids(balancer):
+    return sorted(e.replica_id for e in balancer.ejected())
+
+
+def test_a_replica_refusing_a_connection_is_ejected_at_the_first_failure():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1", Failure.CONNECT)
+    assert ejected_ids(balancer) == ["1"]
+    assert picks(balancer) == ["2"] * 6
+    assert balancer.ejection_counts() == {MODEL: 1}
+
+
+@pytest.mark.parametrize("failure", [Failure.ERROR, Failure.LOST])
+def test_three_consecutive_5xx_or_lost_connections_eject_and_a_success_between_them_resets_the_count(failure):
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1", failure)
+    fail(balancer, "1", failure)
+    serve(balancer, "1")
+    fail(balancer, "1", failure)
+    fail(balancer, "1", failure)
+    assert ejected_ids(balancer) == []
+    assert picks(balancer) == ["1"] * 6
+    fail(balancer, "1", failure)
+    assert ejected_ids(balancer) == ["1"]
+    assert picks(balancer) == ["2"] * 6
+
+
+def test_a_refused_connection_after_two_5xx_ejects():
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=Clock())
+    fail(balancer, "1", Failure.ERROR)
+    fail(balancer, "1", Failure.ERROR)
+    fail(balancer, "1", Failure.CONNECT)
+    assert ejected_ids(balancer) == ["1"]
+
+
+def test_the_cool_down_doubles_with_each_failed_probe_up_to_the_cap_and_resets_after_a_success():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1")
+    for cooldown in (1, 2, 4, 8, 16, 30, 30, 30):
+        ejected_at = clock.now
+        clock.now = ejected_at + cooldown - 0.001
+        assert picks(balancer, 3) == ["2"] * 3
+        clock.now = ejected_at + cooldown
+        probe = balancer.pick(MODEL)  # half-open: the preferred replica gets its probe
+        assert probe.replica_id == "1"
+        balancer.release(probe, Failure.CONNECT)  # the probe fails: out again, for longer
+
+    clock.now += 30
+    probe = balancer.pick(MODEL)
+    assert probe.replica_id == "1"
+    balancer.succeeded(probe)
+    balancer.release(probe)
+    assert ejected_ids(balancer) == []
+    # A success resets the streak: the next ejection is the first one again.
+    fail(balancer, "1")
+    clock.now += 0.999
+    assert picks(balancer, 4) == ["2"] * 4
+    clock.now += 0.002
+    assert balancer.pick(MODEL).replica_id == "1"
+
+
+def test_a_half_open_replica_gets_exactly_one_probe_and_is_back_when_it_succeeds():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1")
+    clock.now += 1.0
+    probe = balancer.pick(MODEL)
+    assert probe.replica_id == "1"
+    # While the probe is in flight nothing else goes there, though it is the least loaded.
+    others = [balancer.pick(MODEL) for _ in range(5)]
+    assert [e.replica_id for e in others] == ["2"] * 5
+    balancer.succeeded(probe)
+    balancer.release(probe)
+    assert ejected_ids(balancer) == []
+    for endpoint in others:
+        balancer.release(endpoint)
+    assert picks(balancer) == ["1"] * 6
+
+
+def test_a_probe_that_ends_without_an_outcome_lets_the_next_request_probe():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1")
+    clock.now += 1.0
+    probe = balancer.pick(MODEL)
+    assert probe.replica_id == "1"
+    balancer.release(probe)  # the client went away before the engine answered
+    assert ejected_ids(balancer) == ["1"]
+    assert balancer.pick(MODEL).replica_id == "1"
+
+
+def test_answers_to_requests_sent_before_the_ejection_do_not_end_the_cool_down():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1")
+    serve(balancer, "1")  # a slow request sent before the refusal answers now
+    fail(balancer, "1", Failure.LOST)
+    assert ejected_ids(balancer) == ["1"]
+    clock.now += 0.5
+    assert picks(balancer) == ["2"] * 6
+    clock.now += 0.5  # still the first cool-down: neither answer moved it
+    assert balancer.pick(MODEL).replica_id == "1"
+
+
+def test_the_last_replica_not_ejected_is_never_ejected():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    fail(balancer, "1")
+    for _ in range(10):
+        fail(balancer, "2", Failure.CONNECT)
+    assert ejected_ids(balancer) == ["1"]
+    assert picks(balancer) == ["2"] * 6
+
+
+def test_the_only_replica_of_a_model_is_never_ejected():
+    balancer = ejecting_balancer("http://a:1", clock=Clock())
+    for failure in (Failure.CONNECT, Failure.LOST, Failure.ERROR) * 3:
+        fail(balancer, "1", failure)
+    assert ejected_ids(balancer) == []
+    assert balancer.pick(MODEL).replica_id == "1"
+
+
+def test_when_every_replica_left_is_ejected_the_one_ejected_longest_ago_is_picked():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", "http://c:1", clock=clock)
+    fail(balancer, "2")
+    clock.now += 0.3
+    fail(balancer, "1")
+    balancer.apply_table(preferred_in_order("http://a:1", "http://b:1", fingerprint="without c"))
+    assert ejected_ids(balancer) == ["1", "2"]
+    assert picks(balancer, 3) == ["2"] * 3
+    # A retry that excludes it still finds the other ejected one rather than nothing.
+    assert balancer.pick(MODEL, exclude=["2"]).replica_id == "1"
+
+
+def test_ejection_state_survives_a_table_update_for_replicas_that_stay_and_not_a_new_url():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", "http://c:1", clock=clock)
+    fail(balancer, "1")
+    fail(balancer, "2", Failure.ERROR)
+    fail(balancer, "2", Failure.ERROR)
+    table = preferred_in_order("http://a:1", "http://b:1", "http://c:1", fingerprint="reweighted")
+    table["endpoints"][0]["weight"] = 2
+    assert balancer.apply_table(table)
+    assert ejected_ids(balancer) == ["1"]
+    assert "1" not in picks(balancer)
+    fail(balancer, "2", Failure.ERROR)  # the third in a row, counted across the table change
+    assert ejected_ids(balancer) == ["1", "2"]
+    # A replica restarted elsewhere (new URL) is a new engine: it starts healthy.
+    balancer.apply_table(preferred_in_order("http://a:2", "http://b:1", "http://c:1", fingerprint="moved"))
+    assert ejected_ids(balancer) == ["2"]
+    assert balancer.ejection_counts() == {MODEL: 2}
+
+
+def test_ejection_metrics_count_ejections_and_the_replicas_ejected_now():
+    clock = Clock()
+    balancer = ejecting_balancer("http://a:1", "http://b:1", clock=clock)
+    metrics = RouterMetrics(balancer)
+    text = metrics.render().decode()
+    assert f'llmgw_router_ejected_replicas{{model="{MODEL}"}} 0.0' in text
+    fail(balancer, "1")
+    clock.now += 1
+    probe = balancer.pick(MODEL)
+    balancer.release(probe, Failure.CONNECT)
+    text = metrics.render().decode()
+    assert f'llmgw_router_ejections_total{{model="{MODEL}"}} 2.0' in text
+    assert f'llmgw_router_ejected_replicas{{model="{MODEL}"}} 1.0' in text
+    clock.now += 2
+    probe = balancer.pick(MODEL)
+    balancer.succeeded(probe)
+    balancer.release(probe)
+    text = metrics.render().decode()
+    assert f'llmgw_router_ejected_replicas{{model="{MODEL}"}} 0.0' in text
+    assert f'llmgw_router_ejections_total{{model="{MODEL}"}} 2.0' in text
+
+
+def test_an_ejection_policy_that_cannot_work_is_refused():
+    with pytest.raises(ValueError):
+        EjectionPolicy(connect_failures=0)
+    with pytest.raises(ValueError):
+        EjectionPolicy(first_cooldown=5, max_cooldown=1)

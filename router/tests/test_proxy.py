@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from conftest import free_port, wait_until
+from router.balancer import EjectionPolicy
 from router.models import ApiKey
 
 from .conftest import ALIAS, MODEL, make_table
@@ -196,6 +197,7 @@ def test_health_counts_models_and_endpoints_and_metrics_count_requests(start_rou
         "models": 1,
         "endpoints": 1,
         "in_flight": 0,
+        "ejected": [],
         "table": None,
     }
     metrics = httpx.get(f"{router.url}/metrics").text
@@ -260,6 +262,69 @@ def test_unreachable_only_replica_is_502_in_openai_shape(start_router, hub, auth
     router = start_router()
     assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
     assert router.state.balancer.in_flight() == 0
+    # The only replica is never ejected: the next request tries it again, as before ejection existed.
+    assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
+    assert httpx.get(f"{router.url}/health").json()["ejected"] == []
+
+
+# -- outlier ejection ---------------------------------------------------------------------------
+
+
+def metric(router, line_start: str) -> float:
+    """The value of the first /metrics sample line starting with `line_start`."""
+    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {line_start}")
+
+
+def test_a_killed_engine_gets_one_request_which_is_retried_and_then_no_more(
+    start_router, hub, auth, engine_process, start_engine
+):
+    doomed, live = engine_process(), start_engine("live")
+    hub.publish_endpoints(make_table([{"url": doomed.url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    # A long cool-down, so no probe falls inside the test whatever the machine's speed.
+    router = start_router(ejection=EjectionPolicy(first_cooldown=30, max_cooldown=30))
+    assert [chat(router, auth).headers["x-llmgw-replica"] for _ in range(3)] == ["1"] * 3
+    doomed.kill()
+
+    responses = [chat(router, auth) for _ in range(20)]
+    assert [r.status_code for r in responses] == [200] * 20
+    assert {r.headers["x-llmgw-replica"] for r in responses} == {"2"}
+    # Only the first request after the kill met the refused connection: it was retried, and ejected the replica.
+    assert metric(router, f'llmgw_router_retries_total{{model="{MODEL}"}}') == 1
+    assert metric(router, f'llmgw_router_ejections_total{{model="{MODEL}"}}') == 1
+    assert metric(router, f'llmgw_router_ejected_replicas{{model="{MODEL}"}}') == 1
+    assert httpx.get(f"{router.url}/health").json()["ejected"] == ["1"]
+    assert len(live.requests) == 20
+
+
+def test_an_ejected_engine_that_comes_back_answers_its_probe_and_gets_requests_again(
+    start_router, hub, auth, engine_process, start_engine
+):
+    doomed, live = engine_process(), start_engine("live")
+    hub.publish_endpoints(make_table([{"url": doomed.url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    router = start_router(ejection=EjectionPolicy(first_cooldown=0.2))
+    doomed.kill()
+    assert chat(router, auth).headers["x-llmgw-replica"] == "2"
+    assert httpx.get(f"{router.url}/health").json()["ejected"] == ["1"]
+    engine_process(port=doomed.port)  # restarted where it was
+    wait_until(lambda: chat(router, auth).headers["x-llmgw-replica"] == "1")
+    assert httpx.get(f"{router.url}/health").json()["ejected"] == []
+    assert all(chat(router, auth).headers["x-llmgw-replica"] == "1" for _ in range(3))
+
+
+def test_an_engine_answering_503_three_times_in_a_row_is_ejected_and_clients_never_see_it(
+    start_router, hub, auth, start_engine
+):
+    busy, live = start_engine("busy", status=503), start_engine("live")
+    hub.publish_endpoints(make_table([{"url": busy.url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    router = start_router(ejection=EjectionPolicy(first_cooldown=30, max_cooldown=30))
+    responses = [chat(router, auth) for _ in range(6)]
+    assert [r.status_code for r in responses] == [200] * 6
+    assert len(busy.requests) == 3
+    assert metric(router, f'llmgw_router_retries_total{{model="{MODEL}"}}') == 3
+    assert httpx.get(f"{router.url}/health").json()["ejected"] == ["1"]
 
 
 def test_client_disconnect_cancels_the_upstream_request(start_router, hub, auth, start_engine):
