@@ -5,15 +5,14 @@ for every request. Choosing a replica and stamping its last use happen under
 one lock in one short critical section (DESIGN invariant 4), so recording use
 costs a dict write per request and nothing else.
 
-Outlier ejection keeps requests away from a replica that keeps failing, in the
-balancer's own structures and under the same lock (see `EjectionPolicy`): the
+Outlier ejection (router.ejection) keeps requests away from a replica that
+keeps failing, in the balancer's own structures and under the same lock: the
 proxy reports how each attempt ended, a success on a healthy replica costs two
 attribute reads, and the clock is read only when a replica is ejected.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -21,74 +20,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ejection import EjectionPolicy, Failure, ReplicaHealth, log_change
+
 log = logging.getLogger(__name__)
 
 _INFINITY = float("inf")
-
-
-class Failure(enum.Enum):
-    """How a request to a replica failed before its response began, as the proxy reports it."""
-
-    CONNECT = "connect"  # no connection: refused, unreachable, connect timeout
-    LOST = "lost"  # connected, then reset or closed, or silent past the read deadline
-    ERROR = "error"  # the engine answered 5xx
-
-
-@dataclass(frozen=True)
-class EjectionPolicy:
-    """When a failing replica stops getting requests, and for how long.
-
-    A failed connect ejects at once (`connect_failures`): nothing accepted the
-    connection, so no engine is serving there — the engine or its node is
-    gone — and each further request sent there pays a connect attempt (up to
-    the whole connect timeout for a dead host) before its retry. The cost of
-    being wrong is one replica out for `first_cooldown`. Anything else ejects
-    after `failures` in a row: a reset or closed connection can be the race
-    with an engine closing an idle keep-alive connection, and a 5xx can be one
-    bad request, so one alone says little.
-
-    The cool-down doubles with each ejection not separated by a success, up to
-    `max_cooldown`. When it ends the replica is half-open: the next pick sends
-    it exactly one request, whose success brings it back (failures and
-    cool-down reset) and whose failure ejects it again for the next cool-down.
-    Outcomes of requests sent before an ejection and reported during its
-    cool-down change nothing. The last replica of a model that is not ejected
-    is never ejected, so a model always has somewhere to go.
-    """
-
-    connect_failures: int = 1
-    failures: int = 3
-    first_cooldown: float = 1.0
-    max_cooldown: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.connect_failures < 1 or self.failures < 1:
-            raise ValueError("connect_failures and failures must be >= 1")
-        if not 0 < self.first_cooldown <= self.max_cooldown:
-            raise ValueError("cool-downs must satisfy 0 < first_cooldown <= max_cooldown")
-
-    def threshold(self, failure: Failure) -> int:
-        """Consecutive failures that eject when the last of them is `failure`."""
-        return self.connect_failures if failure is Failure.CONNECT else self.failures
-
-    def cooldown(self, ejections: int) -> float:
-        """The cool-down of the `ejections`-th ejection in a row (1, 2, 3 …)."""
-        if ejections > 32:  # past any sane cap; keeps the power finite
-            return self.max_cooldown
-        return min(self.max_cooldown, self.first_cooldown * 2 ** (ejections - 1))
-
-
-class ReplicaHealth:
-    """A replica's recent failures and ejection, as this router saw them (times on the ejection clock)."""
-
-    __slots__ = ("failures", "ejections", "ejected_at", "ejected_until", "probing")
-
-    def __init__(self) -> None:
-        self.failures = 0  # consecutive failures since the last success
-        self.ejections = 0  # ejections since the last success; sets the next cool-down
-        self.ejected_at = 0.0
-        self.ejected_until = 0.0  # end of the cool-down; 0.0 when not ejected
-        self.probing = False  # the half-open replica's one request is in flight
 
 
 @dataclass(eq=False)
@@ -318,72 +254,21 @@ class Balancer:
         if not (health.failures or health.ejected_until):
             return  # the hot path: a healthy replica stays healthy without taking the lock
         with self._lock:
-            if health.ejected_until:
-                if self._ejection_clock() < health.ejected_until:
-                    return  # an answer to a request sent before the ejection: the cool-down stands
-                recovered = True
-            else:
-                recovered = False
-            health.failures = health.ejections = 0
-            health.ejected_until = 0.0
-            health.probing = False
+            recovered = health.record_success(self._ejection_clock())
         if recovered:
             log.info("replica %s of %s answered its probe and is back", endpoint.replica_id, endpoint.model)
 
     def _record_failure(self, endpoint: Endpoint, failure: Failure) -> str:
-        """Count a failure under the lock; what changed ("ejected", "probe failed", "kept", or "") for the log."""
-        health = endpoint.health
-        now = self._ejection_clock()
-        if health.ejected_until:
-            if now < health.ejected_until:
-                return ""  # a request sent before the ejection: the cool-down stands
-            # Half-open, and the probe failed: out again, for longer.
-            health.probing = False
-            self._eject(endpoint, now)
-            return "probe failed"
-        health.failures += 1
-        threshold = self.ejection.threshold(failure)
-        if health.failures < threshold:
-            return ""
-        for other in self._endpoints.get(endpoint.model, ()):
-            if other is not endpoint and not other.health.ejected_until:
-                self._eject(endpoint, now)
-                return "ejected"
-        # The last replica not ejected stays: requests still have somewhere to go. Said once, then rarely.
-        return "kept" if health.failures == threshold or health.failures % 100 == 0 else ""
-
-    def _eject(self, endpoint: Endpoint, now: float) -> None:
-        health = endpoint.health
-        health.ejections += 1
-        health.ejected_at = now
-        health.ejected_until = now + self.ejection.cooldown(health.ejections)
-        self._ejections[endpoint.model] = self._ejections.get(endpoint.model, 0) + 1
+        """Count a failure under the lock; what changed, for `log_change`."""
+        others = self._endpoints.get(endpoint.model, ())
+        last_standing = all(other is endpoint or other.health.ejected_until for other in others)
+        change = endpoint.health.record_failure(self.ejection, failure, self._ejection_clock(), last_standing)
+        if change in ("ejected", "probe failed"):
+            self._ejections[endpoint.model] = self._ejections.get(endpoint.model, 0) + 1
+        return change
 
     def _log_change(self, endpoint: Endpoint, change: str) -> None:
-        health = endpoint.health
-        if change == "ejected":
-            log.warning(
-                "ejected replica %s of %s after %d consecutive failures, for %g s",
-                endpoint.replica_id,
-                endpoint.model,
-                health.failures,
-                self.ejection.cooldown(health.ejections),
-            )
-        elif change == "probe failed":
-            log.warning(
-                "replica %s of %s failed its probe: ejected again, for %g s (ejection %d in a row)",
-                endpoint.replica_id,
-                endpoint.model,
-                self.ejection.cooldown(health.ejections),
-                health.ejections,
-            )
-        else:
-            log.warning(
-                "replica %s of %s keeps failing (%d in a row) but is the last one not ejected",
-                endpoint.replica_id,
-                endpoint.model,
-                health.failures,
-            )
+        log_change(endpoint.replica_id, endpoint.model, endpoint.health, self.ejection, change)
 
     # -- outlier ejection, for metrics and /health --------------------------------------
     def ejected(self) -> list[Endpoint]:
