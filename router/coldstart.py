@@ -1,5 +1,9 @@
 """Cold start: a request for a model with no ready replica asks for one and waits, bounded.
 
+The same wait holds a request whose model's last replica refused the
+connection (its engine or node died): the control plane replaces it, and the
+request is answered by the replacement instead of failing.
+
 Many waiters share one activation request (re-asked at most once per
 ACTIVATION_INTERVAL in case the first was lost). Waiters wake on every applied
 endpoint table. A streaming client is kept alive with SSE comments while it
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Iterable
 
 from hub.contracts import ActivationQueue
 
@@ -77,8 +82,9 @@ class ColdStart:
         except Exception as exc:
             log.warning("could not ask for model %s to be activated: %s", model, exc)
 
-    async def wait_for_endpoint(self, model: str) -> Endpoint | None:
-        """Pick a replica of `model`, asking for an activation and waiting (bounded) if it has none.
+    async def wait_for_endpoint(self, model: str, exclude: Iterable[str] = ()) -> Endpoint | None:
+        """Pick a replica of `model` (not one of `exclude`), asking for an activation and waiting
+        (bounded) if it has none.
 
         Waiters sleep on an event set by each applied table, and re-ask for the
         activation at most once a second in case the first ask was lost.
@@ -86,7 +92,7 @@ class ColdStart:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.activation_timeout
         while True:
-            endpoint = self.balancer.pick(model)
+            endpoint = self.balancer.pick(model, exclude)
             if endpoint is not None:
                 return endpoint
             if self.balancer.resolve(model) is None:

@@ -154,6 +154,13 @@ class Proxy:
                 balancer.release(endpoint, failure)
                 log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
                 nxt = balancer.pick(model, exclude=tried) if retry_possible else None
+                if nxt is None and retry_possible and failure is Failure.CONNECT and not headers_sent:
+                    # Nothing accepted the connection and no other replica is left: the model's engine
+                    # (or its node) is gone. Hold the request as for a cold start until the control
+                    # plane publishes a replacement, rather than failing it.
+                    nxt = await self.cold_start.wait_for_endpoint(model, exclude=tried)
+                    if nxt is None:
+                        raise self.cold_start.starting_error(model)
                 if nxt is None:
                     raise RouterError(
                         502, f"No replica of `{model}` could be reached.", "upstream_unavailable", type_="server_error"

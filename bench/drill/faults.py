@@ -9,6 +9,7 @@ are checked after every fault.
 from __future__ import annotations
 
 import signal
+from collections import Counter
 import socket
 import time
 from dataclasses import dataclass
@@ -117,6 +118,9 @@ class Faults:
         time.sleep(2)
         late = self.load.window(killed_at + 1.0, time.monotonic())
         row.requests, row.errors = len(late), sum(1 for r in late if r.status != 200)
+        failed = [r for r in late if r.status != 200]
+        if failed:
+            print(f"   errors after 1 s: {Counter(r.status for r in failed)}; first: {failed[0]}", flush=True)
         in_flight = self.load.window(killed_at - 5, killed_at + 1.0)
         row.recovery = f"{recovery:.1f} s"
         row.note = f"{sum(1 for r in in_flight if r.status != 200)} error(s) in the first second"

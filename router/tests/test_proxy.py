@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -257,14 +258,44 @@ def test_only_one_retry_and_then_the_engines_answer_is_passed_through(start_rout
     assert sum(len(e.requests) for e in engines) == 2
 
 
-def test_unreachable_only_replica_is_502_in_openai_shape(start_router, hub, auth):
+def test_unreachable_only_replica_holds_the_request_like_a_cold_start_then_503(start_router, hub, auth):
+    """Nothing accepts the connection and no replica is left: wait for a replacement, bounded."""
     hub.publish_endpoints(make_table([f"http://127.0.0.1:{free_port()}"]))
-    router = start_router()
-    assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
+    router = start_router(activation_timeout=0.5, retry_after=7)
+    started = time.monotonic()
+    response = chat(router, auth)
+    assert time.monotonic() - started >= 0.5
+    assert_openai_error(response, 503, "model_starting", MODEL)
+    assert hub.drain_activations() == {MODEL}
     assert router.state.balancer.in_flight() == 0
-    # The only replica is never ejected: the next request tries it again, as before ejection existed.
-    assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
+    # The only replica is never ejected: the next request tries it again.
     assert httpx.get(f"{router.url}/health").json()["ejected"] == []
+
+
+def test_only_replica_dropping_connections_is_502_in_openai_shape(start_router, hub, auth):
+    """A connection accepted then dropped may have reached the engine: no waiting, a 502."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def drop_every_connection():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=drop_every_connection, daemon=True).start()
+    try:
+        hub.publish_endpoints(make_table([f"http://127.0.0.1:{listener.getsockname()[1]}"]))
+        router = start_router()
+        assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
+        assert router.state.balancer.in_flight() == 0
+        assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
+        assert httpx.get(f"{router.url}/health").json()["ejected"] == []
+    finally:
+        listener.close()
 
 
 # -- outlier ejection ---------------------------------------------------------------------------
@@ -297,6 +328,28 @@ def test_a_killed_engine_gets_one_request_which_is_retried_and_then_no_more(
     assert metric(router, f'llmgw_router_ejected_replicas{{model="{MODEL}"}}') == 1
     assert httpx.get(f"{router.url}/health").json()["ejected"] == ["1"]
     assert len(live.requests) == 20
+
+
+def test_a_request_to_a_model_whose_only_replica_died_waits_for_the_replacement(
+    start_router, hub, auth, engine_process, start_engine
+):
+    doomed = engine_process()
+    hub.publish_endpoints(make_table([doomed.url]))
+    router = start_router(activation_timeout=10)
+    assert chat(router, auth).headers["x-llmgw-replica"] == "1"
+    doomed.kill()
+    replacement = start_engine("replacement")
+
+    def replace_when_asked():
+        wait_until(lambda: hub.drain_activations() == {MODEL}, timeout=5)
+        hub.publish_endpoints(make_table([{"url": replacement.url, "replica_id": "2"}]))
+
+    replacer = threading.Thread(target=replace_when_asked)
+    replacer.start()
+    response = chat(router, auth)
+    replacer.join()
+    assert (response.status_code, response.headers["x-llmgw-replica"]) == (200, "2")
+    assert len(replacement.requests) == 1
 
 
 def test_an_ejected_engine_that_comes_back_answers_its_probe_and_gets_requests_again(
