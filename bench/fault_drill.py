@@ -107,7 +107,7 @@ def build(workdir: Path, workers: int) -> Stack:
 def table(rows) -> str:
     headers = ["fault", "errors / requests", "recovery", "must hold", "GPUs x2", "above max", "orphans", "verdict"]
     lines = [
-        [r.fault, f"{r.errors} / {r.requests}", r.recovery + (f" ({r.note})" if r.note else ""), r.must_hold,
+        [r.fault, f"{r.errors} / {r.requests}" if r.requests is not None else "-", r.recovery + (f" ({r.note})" if r.note else ""), r.must_hold,
          str(r.double), str(r.above_max), str(r.orphans), r.verdict]
         for r in rows
     ]  # fmt: skip

@@ -177,7 +177,7 @@ class Balancer:
         return list(self._by_replica.values())
 
     # -- per request ------------------------------------------------------------
-    def pick(self, model: str, exclude: Iterable[str] = ()) -> Endpoint | None:
+    def pick(self, model: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
         """Choose a replica of `model` and count a request against it; None if it has none.
 
         Highest priority first, then least outstanding requests per unit of
@@ -193,7 +193,8 @@ class Balancer:
                 return None
             if exclude:
                 excluded = set(exclude)
-                candidates = [e for e in candidates if e.replica_id not in excluded]
+                # By identity: a replica placed again keeps its id but is a new endpoint (a new URL).
+                candidates = [e for e in candidates if e not in excluded]
                 if not candidates:
                     return None
             now: float | None = None  # the ejection clock, read only if some replica is ejected

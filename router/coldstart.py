@@ -82,7 +82,7 @@ class ColdStart:
         except Exception as exc:
             log.warning("could not ask for model %s to be activated: %s", model, exc)
 
-    async def wait_for_endpoint(self, model: str, exclude: Iterable[str] = ()) -> Endpoint | None:
+    async def wait_for_endpoint(self, model: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
         """Pick a replica of `model` (not one of `exclude`), asking for an activation and waiting
         (bounded) if it has none.
 

@@ -123,11 +123,11 @@ class Proxy:
         session, balancer, metrics = self.session, self.balancer, self.metrics
         assert session is not None  # forward() refuses to start without one
         headers = upstream_headers(scope)
-        tried: list[str] = []
+        tried: list[Endpoint] = []
         failure: Failure | None
         error: aiohttp.ClientError
         while True:
-            tried.append(endpoint.replica_id)
+            tried.append(endpoint)
             retry_possible = len(tried) == 1
             try:
                 started = time.perf_counter()

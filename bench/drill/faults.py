@@ -8,6 +8,7 @@ are checked after every fault.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections import Counter
 import socket
@@ -35,8 +36,8 @@ class Row:
 
     fault: str
     must_hold: str
-    errors: int = 0
-    requests: int = 0
+    errors: int | None = None
+    requests: int | None = None
     recovery: str = "-"
     held: bool = False
     note: str = ""
@@ -70,9 +71,12 @@ class Faults:
     def _finish(self, row: Row, since: float) -> Row:
         counts = invariants(self.stack.workdir / "var")
         row.double, row.above_max, row.orphans = counts["double"], counts["above_max"], counts["orphans"]
-        if row.requests == 0:
+        if row.requests is None:
             window = self.load.window(since, time.monotonic())
             row.requests, row.errors = len(window), sum(1 for r in window if r.status != 200)
+            failed = [r for r in window if r.status != 200]
+            if failed:
+                print(f"   errors: {Counter(r.status for r in failed)}; first: {failed[0]}", flush=True)
         return row
 
     def _settle(self, timeout: float = 60) -> None:
@@ -115,13 +119,19 @@ class Faults:
             return elsewhere == wanted
 
         recovery = wait_for(lambda: _db(replaced), self.lost + 60, 0.2, "replicas serving elsewhere")
-        time.sleep(2)
+        time.sleep(5)  # held requests are answered, the load goes on
+        if os.environ.get("DRILL_DEBUG"):
+            for r in self.load.window(killed_at - 2, time.monotonic()):
+                print(f"   {r.sent - killed_at:+.2f} {r.done - r.sent:.2f}s {r.model} {r.status} {r.replica}", flush=True)
         late = self.load.window(killed_at + 1.0, time.monotonic())
         row.requests, row.errors = len(late), sum(1 for r in late if r.status != 200)
         failed = [r for r in late if r.status != 200]
         if failed:
             print(f"   errors after 1 s: {Counter(r.status for r in failed)}; first: {failed[0]}", flush=True)
-        in_flight = self.load.window(killed_at - 5, killed_at + 1.0)
+        in_flight = self.load.window(killed_at - 60, killed_at + 1.0)
+        early = [r for r in in_flight if r.status != 200]
+        if early:
+            print(f"   errors in the first second: {Counter(r.status for r in early)}; first: {early[0]}", flush=True)
         row.recovery = f"{recovery:.1f} s"
         row.note = f"{sum(1 for r in in_flight if r.status != 200)} error(s) in the first second"
         row.held = row.errors == 0 and recovery <= self.lost + 30

@@ -49,8 +49,19 @@ def test_ties_are_taken_in_turn():
 
 def test_pick_excludes_replicas_already_tried():
     balancer = balancer_with("http://a:1", "http://b:1")
-    assert balancer.pick(MODEL, exclude=["1"]).replica_id == "2"
-    assert balancer.pick(MODEL, exclude=["1", "2"]) is None
+    first, second = balancer.endpoints(MODEL)
+    assert balancer.pick(MODEL, exclude=[first]).replica_id == "2"
+    assert balancer.pick(MODEL, exclude=[first, second]) is None
+
+
+def test_a_replica_placed_again_on_a_new_url_is_not_excluded_by_its_old_endpoint():
+    """The control plane keeps a replica's id when it re-places it; the endpoint (URL) is new."""
+    balancer = balancer_with("http://a:1")
+    (old,) = balancer.endpoints(MODEL)
+    balancer.apply_table({**make_table(["http://a:2"]), "fingerprint": "placed again"})
+    (new,) = balancer.endpoints(MODEL)
+    assert (new.replica_id, new.url) == (old.replica_id, "http://a:2")
+    assert balancer.pick(MODEL, exclude=[old]) is new
 
 
 def test_pick_stamps_last_use_of_the_chosen_replica_only():
@@ -325,7 +336,8 @@ def test_when_every_replica_left_is_ejected_the_one_ejected_longest_ago_is_picke
     assert ejected_ids(balancer) == ["1", "2"]
     assert picks(balancer, 3) == ["2"] * 3
     # A retry that excludes it still finds the other ejected one rather than nothing.
-    assert balancer.pick(MODEL, exclude=["2"]).replica_id == "1"
+    second = next(e for e in balancer.endpoints(MODEL) if e.replica_id == "2")
+    assert balancer.pick(MODEL, exclude=[second]).replica_id == "1"
 
 
 def test_ejection_state_survives_a_table_update_for_replicas_that_stay_and_not_a_new_url():
