@@ -91,7 +91,6 @@ class Campaign:
 
     def campaign_once(self) -> None:
         """One round: take or renew the lease if this worker may lead, else give it up; then match the queue."""
-        connection.close_if_unusable_or_obsolete()
         if self.may_lead():
             self.leadership.renew()
         elif self.leadership.held:
@@ -119,6 +118,7 @@ class Campaign:
         try:
             while not self._stopping:
                 self._wake.clear()
+                connection.close_if_unusable_or_obsolete()  # this thread's own connection, as after a request
                 try:
                     self.campaign_once()
                 except Exception:  # a failed round is retried at the next one, never fatal
