@@ -81,7 +81,7 @@ class Celery:
 
     def worker(self, name: str) -> Process:
         argv = [sys.executable, "-m", "celery", "-A", "llmgw_site", "worker", "-n", f"{name}@%h"]
-        argv += ["--loglevel", "INFO", "-Q", "celery", "--without-mingle", "--without-gossip"]
+        argv += ["--pool", "solo", "--loglevel", "INFO", "-Q", "celery", "--without-mingle", "--without-gossip"]
         return self._start(name, argv)
 
     def beat(self, name: str) -> Process:
