@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def campaign_period() -> float:
     """Seconds between campaigns: a third of the TTL, or the tick interval when shorter.
 
-    A leader renews three times per TTL; a standby notices a lease released or
+    A leader renews at least three times per TTL; a standby notices a lease released or
     expired within one tick interval.
     """
     return min(settings.LLMGW_LEASE_TTL_SECONDS / 3, settings.LLMGW_TICK_SECONDS)
