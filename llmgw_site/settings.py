@@ -4,6 +4,7 @@ Unset DATABASE_URL means SQLite in var/; unset REDIS_URL means embedded mode,
 with in-process channel layer, endpoint list, usage store and activation queue.
 """
 
+import math
 import secrets
 from pathlib import Path
 
@@ -199,17 +200,32 @@ if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
 
 # --- Celery (distributed mode) ------------------------------------------------
+# Ticks go to the leader queue, which only the lease holder consumes (reconciler.campaign).
+LLMGW_LEADER_QUEUE = "reconcile-leader"
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ROUTES = {"reconciler.tasks.tick": {"queue": LLMGW_LEADER_QUEUE}}
+# Ticks run one at a time in the worker's main process, beside its lease campaign thread.
+CELERY_WORKER_POOL = "solo"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BEAT_SCHEDULE = {
     "reconcile-tick": {
         "task": "reconciler.tasks.tick",
         "schedule": LLMGW_TICK_SECONDS,
         # A tick that could not start within its interval is superseded by the next.
-        "options": {"expires": LLMGW_TICK_SECONDS},
+        "options": {"expires": LLMGW_TICK_SECONDS, "queue": LLMGW_LEADER_QUEUE},
     },
 }
+# Beat may run on every control-plane host: RedBeat keeps the schedule in Redis, and only
+# the beat holding its Redis lock sends; another takes the lock once it lapses.
+CELERY_BEAT_SCHEDULER = "redbeat.RedBeatScheduler"
+CELERY_REDBEAT_REDIS_URL = CELERY_BROKER_URL
+CELERY_REDBEAT_KEY_PREFIX = "llmgw:redbeat"
+# A standby beat tries for the lock every tick interval (beat's loop is never longer).
+CELERY_BEAT_MAX_LOOP_INTERVAL = LLMGW_TICK_SECONDS
+# The holder extends its lock every loop; a dead holder's lock lapses after this.
+CELERY_REDBEAT_LOCK_TIMEOUT = math.ceil(max(LLMGW_LEASE_TTL_SECONDS, 5 * LLMGW_TICK_SECONDS))
 
 LOGGING = {
     "version": 1,

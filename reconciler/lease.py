@@ -1,9 +1,15 @@
 """The leader lease: one row, taken and renewed by one statement (DESIGN invariant 1).
 
 Expiry is judged by the database's clock, never the caller's, so leaders on
-hosts with skewed clocks still agree. Each takeover bumps the row's epoch; the
-placement transaction re-checks that epoch (`assert_still_leader`) so a leader
-that paused past its lease cannot commit placements on stale beliefs.
+hosts with skewed clocks still agree, and it counts from when the statement
+completes, after any wait for the row. Each takeover bumps the row's epoch. The
+tick's transaction (`Leadership.fenced_transaction`) holds no lock on the lease
+row while it works: its last statement, just before COMMIT, checks that the
+epoch is still ours and the lease unexpired, so a leader that paused past its
+lease commits nothing, and a paused leader never makes a takeover wait. On
+PostgreSQL every lease statement waits at most `lock_timeout` for the row, and
+a tick's transaction left idle (its process paused) is cut by the server after
+`idle_timeout`, which releases whatever it had locked.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, connection
+from django.db import DatabaseError, InterfaceError, connection, transaction
 from django.utils import timezone
 
 log = logging.getLogger(__name__)
@@ -45,12 +53,60 @@ def _check(name: str, owner: str) -> None:
         raise ValueError("lease owner must be a non-empty string of at most 64 characters")
 
 
-def try_acquire(name: str, owner: str, ttl: float) -> tuple[bool, int]:
+def lock_timeout_for(ttl: float) -> float:
+    """How long a lease statement waits for the row: short against the TTL (at most 1 s)."""
+    return min(1.0, ttl / 10)
+
+
+def idle_timeout_for(ttl: float) -> float:
+    """How long a tick's transaction may sit idle before the server cuts it: half the TTL.
+
+    Well above the gaps between a tick's statements, and below the TTL, so a
+    leader paused mid-tick has released its row locks by the time its lease
+    can be taken over.
+    """
+    return ttl / 2
+
+
+def limit_waits(lock_timeout: float, idle_timeout: float | None = None) -> None:
+    """Inside a transaction on PostgreSQL: bound its lock waits (and its idle time) until it ends.
+
+    SQLite has no such settings: it has one writer at a time, and its busy
+    timeout bounds the wait for it.
+    """
+    if connection.vendor != "postgresql":
+        return
+    sql, params = "SELECT set_config('lock_timeout', %s, true)", [_milliseconds(lock_timeout)]
+    if idle_timeout is not None:
+        sql += ", set_config('idle_in_transaction_session_timeout', %s, true)"
+        params.append(_milliseconds(idle_timeout))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def database_now() -> float:
+    """The database's clock, in seconds since the Unix epoch: the clock lease expiry is judged by."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_db_now()}")
+        return float(cursor.fetchone()[0])
+
+
+def try_acquire(name: str, owner: str, ttl: float, lock_timeout: float | None = None) -> tuple[bool, int]:
     """Take or renew lease `name` for `owner` for `ttl` seconds; return (held, epoch).
 
     One statement: it inserts the row, or updates it when `owner` already holds
     it or it has expired by the database clock. The epoch stays the same on
     renewal and increments on takeover. When not held, the epoch returned is 0.
+
+    The new expiry is computed in the update's SET, which the database
+    evaluates once it holds the row: a statement that had to wait for the row
+    still gets a whole TTL from when it completes, not from when it started.
+    On PostgreSQL it waits for the row at most `lock_timeout` seconds (default
+    `lock_timeout_for(ttl)`), then raises OperationalError.
     """
     _check(name, owner)
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
@@ -60,21 +116,26 @@ def try_acquire(name: str, owner: str, ttl: float) -> tuple[bool, int]:
         f"INSERT INTO {TABLE} (name, owner, epoch, expires_at) VALUES (%s, %s, 1, {now} + %s) "
         f"ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, "
         f"epoch = CASE WHEN {TABLE}.owner = excluded.owner THEN {TABLE}.epoch ELSE {TABLE}.epoch + 1 END, "
-        f"expires_at = excluded.expires_at "
+        f"expires_at = {now} + %s "
         f"WHERE {TABLE}.owner = excluded.owner OR {TABLE}.expires_at < {now} "
         f"RETURNING epoch"
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [name, owner, float(ttl)])
-        row = cursor.fetchone()
+    with transaction.atomic():
+        limit_waits(lock_timeout_for(ttl) if lock_timeout is None else lock_timeout)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [name, owner, float(ttl), float(ttl)])
+            row = cursor.fetchone()
     return (True, int(row[0])) if row else (False, 0)
 
 
 def assert_still_leader(name: str, owner: str, epoch: int) -> None:
-    """Inside a transaction: raise LeaseLost unless `owner` still holds `name` at `epoch`, unexpired.
+    """The fence, the last statement of a tick's transaction: raise LeaseLost unless `owner`
+    still holds `name` at `epoch`, unexpired by the database clock.
 
-    The UPDATE touches the lease row, so on PostgreSQL it also locks it until
-    commit: a competing takeover waits for our placements instead of racing them.
+    The UPDATE locks the lease row until COMMIT, so a takeover cannot slip in
+    between this check and the commit; the lock is held only for that instant
+    (a takeover waits for it at most its `lock_timeout`, and a leader paused
+    right here is cut by its transaction's idle timeout).
     """
     _check(name, owner)
     with connection.cursor() as cursor:
@@ -86,16 +147,18 @@ def assert_still_leader(name: str, owner: str, epoch: int) -> None:
             raise LeaseLost(f"lease “{name}” is no longer held by {owner} at epoch {epoch}")
 
 
-def release(name: str, owner: str) -> bool:
+def release(name: str, owner: str, lock_timeout: float = 1.0) -> bool:
     """Give the lease up (clean shutdown) if `owner` holds it; return whether it did.
 
     The row is expired rather than deleted: deleting it would restart the epoch
     at 1, and agents refuse commands older than the newest epoch they have seen.
     """
     _check(name, owner)
-    with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {TABLE} SET expires_at = 0 WHERE name = %s AND owner = %s", [name, owner])
-        return cursor.rowcount == 1
+    with transaction.atomic():
+        limit_waits(lock_timeout)
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {TABLE} SET expires_at = 0 WHERE name = %s AND owner = %s", [name, owner])
+            return cursor.rowcount == 1
 
 
 class Leadership:
@@ -103,18 +166,28 @@ class Leadership:
 
     The owner id is a fresh random hex per instance (one per process start),
     never the hostname: two processes on one host, or a restarted process, must
-    not mistake each other's claim for their own.
+    not mistake each other's claim for their own. Safe to share between threads
+    (a Celery worker renews from a thread of its own while its tasks tick).
     """
 
-    def __init__(self, name: str | None = None, ttl: float | None = None):
+    def __init__(
+        self,
+        name: str | None = None,
+        ttl: float | None = None,
+        lock_timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ):
         self.name = name or settings.LLMGW_LEASE_NAME
         self.ttl = float(ttl if ttl is not None else settings.LLMGW_LEASE_TTL_SECONDS)
+        self.lock_timeout = float(lock_timeout if lock_timeout is not None else lock_timeout_for(self.ttl))
+        self.idle_timeout = float(idle_timeout if idle_timeout is not None else idle_timeout_for(self.ttl))
         self.owner = uuid.uuid4().hex
         self.held = False
         self.epoch = 0
         # When this process became leader at the current epoch; a young leader
         # declares no node lost (it has not yet watched a whole heartbeat window).
         self.leader_since: datetime | None = None
+        self._lock = threading.Lock()
 
     def renew(self) -> bool:
         """Take or renew the lease; return whether this process leads.
@@ -122,24 +195,25 @@ class Leadership:
         A database error keeps the previous answer: the store being briefly
         unreachable must not leave the fleet without a leader (DESIGN invariant 1).
         """
-        try:
-            held, epoch = try_acquire(self.name, self.owner, self.ttl)
-        except (DatabaseError, InterfaceError) as exc:
-            log.warning("lease %s: store unreachable, keeping held=%s: %s", self.name, self.held, exc)
-            if not connection.in_atomic_block:
-                # Drop the broken connection so the next renew reconnects.
-                connection.close_if_unusable_or_obsolete()
-            return self.held
-        if held and (not self.held or epoch != self.epoch):
-            self.leader_since = timezone.now()
-            log.info("lease %s: leader as %s at epoch %d", self.name, self.owner, epoch)
-        elif not held and self.held:
-            log.warning("lease %s: lost leadership (owner %s, epoch %d)", self.name, self.owner, self.epoch)
-        if not held:
-            self.leader_since = None
-        self.held = held
-        self.epoch = epoch if held else self.epoch
-        return held
+        with self._lock:
+            try:
+                held, epoch = try_acquire(self.name, self.owner, self.ttl, self.lock_timeout)
+            except (DatabaseError, InterfaceError) as exc:
+                log.warning("lease %s: store unreachable or busy, keeping held=%s: %s", self.name, self.held, exc)
+                if not connection.in_atomic_block:
+                    # Drop the broken connection so the next renew reconnects.
+                    connection.close_if_unusable_or_obsolete()
+                return self.held
+            if held and (not self.held or epoch != self.epoch):
+                self.leader_since = timezone.now()
+                log.info("lease %s: leader as %s at epoch %d", self.name, self.owner, epoch)
+            elif not held and self.held:
+                log.warning("lease %s: lost leadership (owner %s, epoch %d)", self.name, self.owner, self.epoch)
+            if not held:
+                self.leader_since = None
+            self.held = held
+            self.epoch = epoch if held else self.epoch
+            return held
 
     def assert_still_leader(self) -> None:
         """The fencing check for the current transaction (see module `assert_still_leader`)."""
@@ -147,14 +221,33 @@ class Leadership:
             raise LeaseLost(f"lease “{self.name}” is not held by this process")
         assert_still_leader(self.name, self.owner, self.epoch)
 
+    @contextmanager
+    def fenced_transaction(self) -> Iterator[None]:
+        """A transaction that commits only if the lease is still ours at this epoch, unexpired, at its end.
+
+        It takes no lock on the lease row while the body runs: the fence is its
+        last statement, so a takeover never waits for a paused leader, and a
+        leader whose lease expired mid-way commits nothing (LeaseLost from the
+        fence rolls it back). On PostgreSQL its lock waits are bounded by
+        `lock_timeout` and the server cuts it if it sits idle for `idle_timeout`.
+        """
+        with transaction.atomic():
+            limit_waits(self.lock_timeout, self.idle_timeout)
+            yield
+            self.assert_still_leader()
+
     def release(self) -> None:
         """Give the lease up on clean shutdown so a standby takes over without waiting for expiry."""
-        try:
-            release(self.name, self.owner)
-        except (DatabaseError, InterfaceError) as exc:
-            log.warning("lease %s: could not release: %s", self.name, exc)
-        self.held = False
-        self.leader_since = None
+        with self._lock:
+            try:
+                release(self.name, self.owner, self.lock_timeout)
+            except (DatabaseError, InterfaceError) as exc:
+                log.warning("lease %s: could not release: %s", self.name, exc)
+            else:
+                if self.held:
+                    log.info("lease %s: released by %s at epoch %d", self.name, self.owner, self.epoch)
+            self.held = False
+            self.leader_since = None
 
     def __repr__(self) -> str:
         return f"<Leadership {self.name} owner={self.owner} held={self.held} epoch={self.epoch}>"

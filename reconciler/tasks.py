@@ -1,4 +1,8 @@
-"""Celery tasks of the reconciler: the beat-driven tick (distributed mode), thin over reconciler.tick."""
+"""Celery tasks of the reconciler: the beat-driven tick (distributed mode), thin over reconciler.tick.
+
+Ticks are routed to the leader queue, which only the worker holding the lease
+consumes (reconciler.campaign).
+"""
 
 import logging
 
@@ -12,7 +16,7 @@ log = logging.getLogger(__name__)
 
 @shared_task(name="reconciler.tasks.tick", ignore_result=True)
 def tick() -> None:
-    """Run one reconcile tick with this worker process's Leadership.
+    """Run one reconcile tick with this worker process's Leadership (the one its campaign holds).
 
     Errors are logged, not raised: beat must keep ticking, and the next tick
     starts from the rows again.

@@ -1,9 +1,9 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
-Read the hub (usage, watch mark, activations) → in one transaction fenced by
-the lease epoch: usage → liveness → slow starts → demand → retries → resends →
-placement → stops → commit → send agent commands → publish endpoints if
-changed. A constant number of queries whatever the fleet size: each step reads
+Read the hub (usage, watch mark, activations) → in one transaction: usage →
+liveness → slow starts → demand → retries → resends → placement → stops →
+fence (lease still ours at this epoch, unexpired) → commit → send agent
+commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
 its tables once, decides in memory and writes in bulk.
 """
 
@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import transaction
 from django.utils import timezone
 
 from hub import ControlPlaneHub, get_hub
@@ -80,8 +79,8 @@ def tick(
 
     outbox = Outbox(leadership.epoch)
     try:
-        with transaction.atomic():
-            leadership.assert_still_leader()
+        # The fence is the transaction's last statement (DESIGN invariant 1): no lease lock while it works.
+        with leadership.fenced_transaction():
             report.usage_updated, forget = collect_usage(readings.stamps)
             report.usage_forgotten = len(forget)
             report.usage_idle_since_ready = mark_unused_since_ready(readings.watching_since)

@@ -1,6 +1,7 @@
 """Fixtures of the reconciler tests: a leader, its tick, an agent's inbox, and shard reports."""
 
 import asyncio
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -10,9 +11,36 @@ from django.utils import timezone
 
 from agent.protocol import ShardStatus
 from hub import get_hub
+from llmgw_site.celery import app as celery_app
 from reconciler.agent_reports import record_shard_status
 from reconciler.lease import Leadership
 from reconciler.tick import tick
+
+
+@contextmanager
+def celery_broker(url):
+    """Point the Celery app's producers at the broker `url` (a real Redis), and back afterwards."""
+
+    def forget_connections():
+        # Pools made for the old broker must not be reused.
+        celery_app._pool = None
+        celery_app.amqp._producer_pool = None
+
+    saved = {key: celery_app.conf[key] for key in ("broker_url", "task_always_eager")}
+    celery_app.conf.update(broker_url=url, task_always_eager=False)
+    forget_connections()
+    try:
+        yield url
+    finally:
+        celery_app.conf.update(saved)
+        forget_connections()
+
+
+@pytest.fixture
+def redis_broker(redis_url):
+    """The Celery app's broker is the real Redis for one test."""
+    with celery_broker(redis_url):
+        yield redis_url
 
 
 @pytest.fixture

@@ -13,17 +13,6 @@ from reconciler.tasks import tick
 from tests.fleet import make_model, make_node
 
 
-@pytest.fixture
-def redis_broker(redis_url):
-    """Point the Celery app at the real Redis for one test, and back afterwards."""
-    saved = {key: app.conf[key] for key in ("broker_url", "task_always_eager")}
-    app.conf.update(broker_url=redis_url, task_always_eager=False)
-    app._pool = None  # a producer pool made for the old broker must not be reused
-    yield
-    app.conf.update(saved)
-    app._pool = None
-
-
 @pytest.mark.django_db(transaction=True)
 def test_tick_task_run_by_a_worker_places_a_min_replica(redis_broker):
     make_node("gpu-a")
