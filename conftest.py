@@ -32,6 +32,20 @@ def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01, describe
         time.sleep(interval)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Leave PostgreSQL-only scenarios out when the suite runs on SQLite (they run in the PostgreSQL pass)."""
+    from django.conf import settings
+
+    if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.sqlite3":
+        return
+    kept, left_out = [], []
+    for item in items:
+        (left_out if item.get_closest_marker("postgres_only") else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
+
+
 @pytest.fixture
 def redis_url():
     """The real Redis server, on a database of its own, emptied before and after."""

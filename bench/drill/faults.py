@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
-from collections import Counter
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from django.db import connection
@@ -122,7 +122,9 @@ class Faults:
         time.sleep(5)  # held requests are answered, the load goes on
         if os.environ.get("DRILL_DEBUG"):
             for r in self.load.window(killed_at - 2, time.monotonic()):
-                print(f"   {r.sent - killed_at:+.2f} {r.done - r.sent:.2f}s {r.model} {r.status} {r.replica}", flush=True)
+                print(
+                    f"   {r.sent - killed_at:+.2f} {r.done - r.sent:.2f}s {r.model} {r.status} {r.replica}", flush=True
+                )
         late = self.load.window(killed_at + 1.0, time.monotonic())
         row.requests, row.errors = len(late), sum(1 for r in late if r.status != 200)
         failed = [r for r in late if r.status != 200]

@@ -5,7 +5,6 @@ restart; and only one of several beats sends ticks.
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -205,7 +204,6 @@ def test_a_killed_leader_is_replaced_within_ttl_and_one_interval(celery_at, redi
 
 
 @pytest.mark.redis
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server to run a private Redis")
 def test_a_redis_restart_does_not_move_leadership(celery_at, tmp_path, settings):
     port = free_port()
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

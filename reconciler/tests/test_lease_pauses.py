@@ -26,10 +26,8 @@ from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-postgres_only = pytest.mark.skipif(
-    connection.vendor != "postgresql",
-    reason="SQLite has one writer at a time: a paused writer holds every other writer (embedded mode has one ticker)",
-)
+# SQLite has one writer at a time: a paused writer holds every other writer (embedded mode has one ticker).
+postgres_only = pytest.mark.postgres_only
 
 # How long a paused thread waits before it resumes on its own, so a broken rule fails the test instead of hanging it.
 PAUSE_LIMIT = 5.0

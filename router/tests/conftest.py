@@ -347,8 +347,7 @@ def postgres_bin_dir() -> str | None:
 @pytest.fixture
 def private_postgres():
     bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    assert bin_dir is not None, "PostgreSQL server binaries (initdb, pg_ctl) are needed: apt-get install postgresql"
     cluster = PrivatePostgres(bin_dir)
     try:
         yield cluster.init()
