@@ -219,7 +219,7 @@ CELERY_BEAT_SCHEDULE = {
 }
 # Beat may run on every control-plane host: RedBeat keeps the schedule in Redis, and only
 # the beat holding its Redis lock sends; another takes the lock once it lapses.
-CELERY_BEAT_SCHEDULER = "redbeat.RedBeatScheduler"
+CELERY_BEAT_SCHEDULER = "llmgw_site.beat:RecoveringRedBeatScheduler"
 CELERY_REDBEAT_REDIS_URL = CELERY_BROKER_URL
 CELERY_REDBEAT_KEY_PREFIX = "llmgw:redbeat"
 # A standby beat tries for the lock every tick interval (beat's loop is never longer).

@@ -124,6 +124,7 @@ class Proxy:
         assert session is not None  # forward() refuses to start without one
         headers = upstream_headers(scope)
         tried: list[Endpoint] = []
+        held = False
         failure: Failure | None
         error: aiohttp.ClientError
         while True:
@@ -154,10 +155,11 @@ class Proxy:
                 balancer.release(endpoint, failure)
                 log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
                 nxt = balancer.pick(model, exclude=tried) if retry_possible else None
-                if nxt is None and retry_possible and failure is Failure.CONNECT and not headers_sent:
-                    # Nothing accepted the connection and no other replica is left: the model's engine
-                    # (or its node) is gone. Hold the request as for a cold start until the control
-                    # plane publishes a replacement, rather than failing it.
+                if nxt is None and failure is Failure.CONNECT and not headers_sent and not held:
+                    # Nothing accepted the connection and no other replica is left: the model's engines
+                    # (or their node) are gone. Hold the request as for a cold start until the control
+                    # plane publishes a replacement, rather than failing it; once per request.
+                    held = True
                     nxt = await self.cold_start.wait_for_endpoint(model, exclude=tried)
                     if nxt is None:
                         raise self.cold_start.starting_error(model)

@@ -90,6 +90,7 @@ class Faults:
         wait_for(lambda: _db(settled), timeout, 0.25, "every replica ready and every node heard from")
 
     def _leader_worker(self) -> Proc:
+        """The worker process holding the lease (it logged the owner id when it took it)."""
         owner = self.monitor.owner
         assert owner is not None, "nobody holds the lease"
         for worker in self.stack.workers:
@@ -178,9 +179,16 @@ class Faults:
         worker.signal(signal.SIGCONT)
         time.sleep(self.tick * 3)
         after = worker.text()[log_before:]
-        committed_nothing = "nothing committed" in after or "tick abandoned" in after
+        # Either the fence at commit refused the stale epoch, or the server had already cut the idle
+        # transaction (idle_in_transaction_session_timeout) and rolled it back: nothing committed.
+        fenced = "nothing committed" in after
+        cut = "server closed the connection" in after or "terminating connection" in after
+        committed_nothing = fenced or cut
         row.recovery = f"{took:.1f} s"
-        row.note = "paused tick abandoned" if committed_nothing else "no abandon logged after SIGCONT"
+        row.note = (
+            "fence refused the paused tick" if fenced else "server cut the paused transaction" if cut else
+            "neither a refused fence nor a cut transaction logged after SIGCONT"
+        )  # fmt: skip
         row.held = took <= self.ttl + self.tick + 0.5 and committed_nothing
         return self._finish(row, paused_at)
 

@@ -203,13 +203,14 @@ class Stack:
         return self.proc(f"router{index}", argv)
 
     def worker(self, index: int) -> Proc:
-        argv = [PYTHON, "-m", "celery", "-A", "llmgw_site", "worker", "-n", f"worker{index}@%h", "--concurrency", "1",
-                "--loglevel", "INFO"]  # fmt: skip
+        # As README runs it: a solo pool, the default queue; the leader also takes `reconcile-leader`.
+        argv = [PYTHON, "-m", "celery", "-A", "llmgw_site", "worker", "-n", f"reconciler{index}@%h", "--pool", "solo",
+                "--loglevel", "INFO", "-Q", "celery", "--without-mingle", "--without-gossip"]  # fmt: skip
         return self.proc(f"worker{index}", argv)
 
     def beat(self, index: int) -> Proc:
-        argv = [PYTHON, "-m", "celery", "-A", "llmgw_site", "beat", "--loglevel", "INFO",
-                "--schedule", str(self.workdir / f"beat{index}-schedule")]  # fmt: skip
+        # RedBeat's lock in Redis lets every control-plane host run a beat; one schedules.
+        argv = [PYTHON, "-m", "celery", "-A", "llmgw_site", "beat", "--loglevel", "INFO"]
         return self.proc(f"beat{index}", argv)
 
     def agent(self, node: str, token: str, gpus: str, fabric: str) -> Proc:

@@ -352,6 +352,28 @@ def test_a_request_to_a_model_whose_only_replica_died_waits_for_the_replacement(
     assert len(replacement.requests) == 1
 
 
+def test_a_request_whose_every_replica_died_with_their_node_waits_for_a_replacement(
+    start_router, hub, auth, engine_process, start_engine
+):
+    """Both replicas on one node: the retry fails too, and the request still waits instead of failing."""
+    first, second = engine_process(), engine_process()
+    hub.publish_endpoints(make_table([first.url, second.url]))
+    router = start_router(activation_timeout=10)
+    first.kill()
+    second.kill()
+    replacement = start_engine("replacement")
+
+    def replace_when_asked():
+        wait_until(lambda: hub.drain_activations() == {MODEL}, timeout=5)
+        hub.publish_endpoints(make_table([{"url": replacement.url, "replica_id": "1"}]))
+
+    replacer = threading.Thread(target=replace_when_asked)
+    replacer.start()
+    response = chat(router, auth)
+    replacer.join()
+    assert (response.status_code, response.headers["x-llmgw-replica"]) == (200, "1")
+
+
 def test_an_ejected_engine_that_comes_back_answers_its_probe_and_gets_requests_again(
     start_router, hub, auth, engine_process, start_engine
 ):
