@@ -68,7 +68,27 @@ class Faults:
         self.tick, self.ttl, self.lost = tick, ttl, lost
 
     # -- helpers ------------------------------------------------------------------------------
+    def _reconciling(self) -> float | None:
+        """Seconds for a new model to be placed and become ready (None: not within 30 s): the control
+        plane still reconciles after the fault."""
+        name = f"drill-probe-{int(time.monotonic() * 1000)}"
+        model = _db(lambda: Model.objects.create(name=name, source="drill/probe"))
+        _db(lambda: Profile.objects.create(model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=1))
+        try:
+            return wait_for(
+                lambda: _db(lambda: Replica.objects.filter(model=model, state=ReplicaState.READY).exists()),
+                30, 0.1, "the probe model ready",
+            )  # fmt: skip
+        except TimeoutError:
+            return None
+        finally:
+            _db(lambda: Model.objects.filter(pk=model.pk).delete())
+
     def _finish(self, row: Row, since: float) -> Row:
+        probe = self._reconciling()
+        if probe is None:
+            row.held = False
+            row.note = (row.note + "; " if row.note else "") + "NOT reconciling afterwards"
         counts = invariants(self.stack.workdir / "var")
         row.double, row.above_max, row.orphans = counts["double"], counts["above_max"], counts["orphans"]
         if row.requests is None:
