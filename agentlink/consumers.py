@@ -65,6 +65,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             case protocol.Hello():
                 await database_sync_to_async(services.on_hello)(self.node_id, message)
             case protocol.Heartbeat():
+                # Join the node's group again: a Redis restarted empty forgot it, and commands sent
+                # to the group would reach nobody until the agent reconnected. Idempotent, one write.
+                await self.channel_layer.group_add(self.group, self.channel_name)
                 await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
             case protocol.ShardStatus():
                 await database_sync_to_async(services.on_shard_status)(self.node_id, message)

@@ -143,6 +143,24 @@ async def test_a_second_connection_for_the_node_replaces_the_first(token):
     await second.disconnect()
 
 
+@pytest.mark.asyncio
+async def test_a_heartbeat_joins_the_node_group_again_after_the_layer_forgot_it(token):
+    """What a Redis restarted without persistence does to channel-layer groups."""
+    comm, connected, _ = await connect("gpu-a", token)
+    assert connected
+    layer = get_channel_layer()
+    for channel in list(layer.groups.get("node.gpu-a", {})):
+        await layer.group_discard("node.gpu-a", channel)
+    await comm.send_json_to({"type": "heartbeat", "v": 1, "gpus": [], "shards": []})
+    await comm.send_json_to({"type": "bogus", "v": 1})  # its error reply proves the heartbeat was handled
+    assert (await comm.receive_json_from(timeout=5))["type"] == "error"
+
+    command = protocol.to_builtins(protocol.StopShard(epoch=3, shard_id=9))
+    await layer.group_send("node.gpu-a", {"type": "agent.command", "command": command})
+    assert (await comm.receive_json_from(timeout=5))["shard_id"] == 9
+    await comm.disconnect()
+
+
 def test_commands_sent_from_sync_code_reach_the_agent(token):
     async def scenario():
         comm, connected, _ = await connect("gpu-a", token)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import free_port, wait_until
@@ -29,6 +30,13 @@ def _control_plane(port: int, env: dict, log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
+def _serving(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_sigterm_closes_agent_streams_exits_within_5_s_and_the_agent_moves_on(tmp_path):
     env = _env(tmp_path)
     subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=120)
@@ -39,6 +47,8 @@ def test_sigterm_closes_agent_streams_exits_within_5_s_and_the_agent_moves_on(tm
     first_port, second_port = free_port(), free_port()
     first = _control_plane(first_port, env, tmp_path / "first.log")
     second = _control_plane(second_port, env, tmp_path / "second.log")
+    for port in (first_port, second_port):  # both serving before the agent picks the first
+        wait_until(lambda port=port: _serving(port), 30, 0.05, describe=lambda: (tmp_path / "first.log").read_text())
     agent = subprocess.Popen(
         [sys.executable, "-m", "agent", "--node", "n1", "--token", token, "--fake-gpus", "1xH100-80GB",
          "--control-plane", f"ws://127.0.0.1:{first_port}/agent/ws",
