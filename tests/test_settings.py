@@ -109,3 +109,17 @@ def test_redis_channel_layer_reads_outlast_its_blocking_receive(redis_url):
         return message
 
     assert async_to_sync(round_trip)() == {"type": "agent.command", "n": 1}
+
+
+def test_kept_database_connections_are_checked_before_reuse():
+    result = subprocess.run(
+        [sys.executable, "-c", "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='llmgw_site.settings'; "
+         "django.setup(); from django.conf import settings; d = settings.DATABASES['default']; "
+         "print(d['CONN_MAX_AGE'], d['CONN_HEALTH_CHECKS'])"],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        | {"DATABASE_URL": "postgres://postgres@127.0.0.1:5432/test", "SECRET_KEY": "test-only"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["60", "True"]
