@@ -47,6 +47,26 @@ def make_table(endpoints=(), models=None) -> dict:
     return {"models": models, "endpoints": rows}
 
 
+class Clock:
+    """A monotonic clock that moves only when a test sets `now`."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def chat_with_key(router, key):
+    """A chat completion through `router` with bearer `key`."""
+    return httpx.post(
+        f"{router.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
+
+
 class FakeEngine:
     """An engine stand-in speaking enough of the OpenAI API; its failures and delays are set by the test."""
 

@@ -5,7 +5,7 @@ import pytest
 from router.balancer import Balancer, EjectionPolicy, Failure, TableError
 from router.metrics import RouterMetrics
 
-from .conftest import ALIAS, MODEL, make_table
+from .conftest import ALIAS, MODEL, Clock, make_table
 
 
 def balancer_with(*endpoints, clock=None):
@@ -151,16 +151,6 @@ def test_a_table_that_is_not_an_object_is_refused_by_name():
 
 
 # -- outlier ejection ------------------------------------------------------------------------------
-
-
-class Clock:
-    """The ejection clock, moved by the test."""
-
-    def __init__(self, now: float = 50.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def ejecting_balancer(*urls, clock, **policy):

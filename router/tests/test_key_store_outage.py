@@ -7,7 +7,6 @@ production; the shared server is never touched.
 
 import functools
 
-import httpx
 import pytest
 from django.db import DEFAULT_DB_ALIAS, connections
 
@@ -15,25 +14,8 @@ from hub.credentials import hash_secret
 from router.keys import ApiKeyCache, key_is_active
 from router.models import KEY_PREFIX, ApiKey
 
-from .conftest import MODEL, make_table
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
-def chat(router, key):
-    return httpx.post(
-        f"{router.url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
-        timeout=10,
-    )
-
+from .conftest import Clock, make_table
+from .conftest import chat_with_key as chat
 
 STORE = "router_key_store"
 

@@ -6,7 +6,6 @@ import asyncio
 import threading
 import time
 
-import httpx
 import pytest
 from django.db import OperationalError
 
@@ -14,26 +13,10 @@ from hub.credentials import hash_secret
 from router.keys import ApiKeyCache, KeyStoreUnreachable
 from router.models import KEY_PREFIX, ApiKey
 
-from .conftest import MODEL, make_table
+from .conftest import Clock, make_table
+from .conftest import chat_with_key as chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
-def chat(router, key):
-    return httpx.post(
-        f"{router.url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
-        timeout=10,
-    )
 
 
 def check(cache, *keys):
