@@ -33,6 +33,21 @@ postgres_only = pytest.mark.postgres_only
 PAUSE_LIMIT = 5.0
 
 
+def take_over(standby: Leadership) -> float:
+    """Let `standby` campaign until it leads (3 s at most); return its slowest attempt in seconds."""
+    slowest = 0.0
+
+    def attempt() -> bool:
+        nonlocal slowest
+        started = time.monotonic()
+        won = standby.renew()
+        slowest = max(slowest, time.monotonic() - started)
+        return won
+
+    wait_until(attempt, timeout=3, interval=0.05)
+    return slowest
+
+
 class PausedTick:
     """`tick()` in a thread of its own, stopped inside its transaction after demand has written its rows."""
 
@@ -96,17 +111,8 @@ def test_a_takeover_does_not_wait_for_a_leader_paused_inside_its_tick(monkeypatc
     paused.start()
     try:
         standby = Leadership(ttl=10)
-        slowest = 0.0
-
-        def standby_takes_over():
-            nonlocal slowest
-            started = time.monotonic()
-            won = standby.renew()
-            slowest = max(slowest, time.monotonic() - started)
-            return won
-
         # The paused leader's lease (1 s) runs out; the standby's attempts neither block nor fail meanwhile.
-        wait_until(standby_takes_over, timeout=3, interval=0.05)
+        slowest = take_over(standby)
         assert slowest < 0.5, f"a takeover attempt waited {slowest:.2f} s for the paused leader"
         assert standby.epoch == 2
         assert paused.thread.is_alive()  # still paused inside its transaction
@@ -166,16 +172,7 @@ def test_a_leader_paused_after_its_fence_holds_a_takeover_only_until_the_server_
     try:
         assert fenced.wait(PAUSE_LIMIT)
         standby = Leadership(ttl=10, lock_timeout=0.1)
-        slowest = 0.0
-
-        def standby_takes_over():
-            nonlocal slowest
-            started = time.monotonic()
-            won = standby.renew()
-            slowest = max(slowest, time.monotonic() - started)
-            return won
-
-        wait_until(standby_takes_over, timeout=3, interval=0.05)
+        slowest = take_over(standby)
         assert slowest < 0.1 + 0.3, f"a takeover attempt waited {slowest:.2f} s"
         assert thread.is_alive()  # the standby won while the old leader was still paused
     finally:
