@@ -84,7 +84,11 @@ class Alias(models.Model):
 class Profile(models.Model):
     """One way to deploy a model: engine, GPU shape, replica bounds and priority.
 
-    A model's profiles are tried in order when a new replica is placed.
+    A model's profiles are alternatives, tried in order when a replica is
+    placed: a later one is used only when the ones before it have no room.
+    The first profile sets the model's demand (min and max replicas, target
+    concurrency); every profile's own max caps the replicas running on it, and
+    each replica's priority and idle timeout are those of the profile it runs on.
     """
 
     model = models.ForeignKey(Model, related_name="profiles", on_delete=models.CASCADE)
@@ -99,7 +103,15 @@ class Profile(models.Model):
     pool = models.CharField(max_length=64, default="default")
     weight = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     idle_timeout_seconds = models.PositiveIntegerField(
-        null=True, blank=True, help_text="Stop replicas above min after this long unused; empty = never."
+        null=True,
+        blank=True,
+        help_text="Stop replicas above min after this long unused (known idle only); "
+        "empty = the fleet default (LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS); 0 = never.",
+    )
+    target_concurrency = models.PositiveSmallIntegerField(
+        default=8,
+        validators=[MinValueValidator(1)],
+        help_text="Requests in flight per ready replica above which the model scales out (up to max replicas).",
     )
     engine_args = models.JSONField(
         default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'

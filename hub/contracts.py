@@ -6,9 +6,10 @@ implements all of them (`hub.memory.InProcessHub` embedded,
 `hub.redis_hub.RedisHub` distributed).
 
 * endpoint table: the tick publishes, routers read and watch (DESIGN invariant 7);
-* usage stamps: routers record last use, the tick collects (invariant 4);
-* watch mark: routers say "we are recording usage", so the tick can tell
-  "never used while watched" from "unknown" (invariant 3);
+* usage reports: each router flushes its last-use stamps (invariant 4), its
+  per-model peak of requests in flight, and renews its own watch mark ("I am
+  recording usage"), so the tick can tell "never used while watched" from
+  "unknown", and notice one router that cannot flush (invariant 3);
 * activation queue: routers ask for a model to be started, the tick drains.
 
 Control-plane methods are synchronous (they run inside the tick); router
@@ -18,6 +19,7 @@ methods are coroutines (they run on the router's loop).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 EndpointTable = dict[str, Any]
@@ -43,25 +45,69 @@ class EndpointSource(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class UsageReport:
+    """One router's flush: what it saw since its previous flush, and its watch mark renewed for `ttl` seconds."""
+
+    router: str
+    """This router's id, unique per process (it starts a new watch when the process starts)."""
+    stamps: dict[str, float] = field(default_factory=dict)
+    """Replica id -> last use (Unix time); newest wins across routers."""
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """Public model name -> the most requests this router had in flight at once since its previous flush."""
+    ttl: float = 3.0
+
+
+@dataclass(frozen=True)
+class RouterMark:
+    """One router's watch mark, as the tick reads it (times are Unix seconds)."""
+
+    router: str
+    since: float
+    """When this router's unbroken run of flushes began."""
+    renewed: float
+    """When it last flushed; past `renewed + ttl` the mark has lapsed."""
+    ttl: float
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """Its last report's per-model peak in flight."""
+
+    def lapsed(self, now: float) -> bool:
+        return now - self.renewed > self.ttl
+
+
+@dataclass(frozen=True)
+class UsageSnapshot:
+    """What the tick collects: every router's mark, read before the stamps.
+
+    Marks first: a router flushes its stamps before renewing its mark, so a mark
+    seen renewed guarantees the stamps it vouches for are in `stamps`.
+    """
+
+    stamps: dict[str, float]
+    routers: list[RouterMark]
+
+
 class UsageSink(Protocol):
-    """Where routers put last-use stamps (newest wins) and renew their watch mark."""
+    """Where routers report usage (stamps, in-flight peaks) and renew their own watch mark."""
 
-    async def record_usage(self, stamps: dict[str, float]) -> None: ...
+    async def report_usage(self, report: UsageReport) -> None:
+        """Record the stamps (newest wins), then renew the router's mark; raise if the store cannot take them."""
+        ...
 
-    async def keep_watching(self, ttl: float) -> None:
-        """Renew the watching mark; a mark not renewed within `ttl` seconds has lapsed."""
+    async def leave(self, router: str) -> None:
+        """A router shutting down cleanly withdraws its mark (its stamps are already flushed)."""
         ...
 
 
 class UsageSource(Protocol):
-    """Where the tick reads last-use stamps and the watch mark."""
+    """Where the tick reads usage and router marks."""
 
-    def collect_usage(self) -> dict[str, float]: ...
+    def collect_usage(self) -> UsageSnapshot: ...
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None: ...
 
-    def watching_since(self) -> float | None:
-        """Since when routers have recorded usage without a gap (Unix time), or None."""
+    def forget_routers(self, routers: Iterable[str]) -> None:
+        """Drop the marks of routers presumed gone (lapsed past LLMGW_ROUTER_FORGET_SECONDS)."""
         ...
 
 

@@ -197,6 +197,21 @@ LLMGW_USAGE_FLUSH_SECONDS = env_float("LLMGW_USAGE_FLUSH_SECONDS", 1.0, minimum=
 # More than this share of the watched nodes silent at once (and more than one node): declare none lost.
 LLMGW_PARTITION_BRAKE_FRACTION = env_float("LLMGW_PARTITION_BRAKE_FRACTION", 0.3, minimum=0.0)
 
+# More models than cards (demand, eviction, safe stops).
+# A profile with an empty idle timeout stops replicas above min after this long unused (known idle).
+LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS = env_float("LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS", 1800.0, minimum=1.0)
+# Eviction takes only replicas idle at least this long and ready at least LLMGW_MIN_RESIDENCY_SECONDS.
+LLMGW_EVICT_MIN_IDLE_SECONDS = env_float("LLMGW_EVICT_MIN_IDLE_SECONDS", 60.0, minimum=0.0)
+LLMGW_MIN_RESIDENCY_SECONDS = env_float("LLMGW_MIN_RESIDENCY_SECONDS", 300.0, minimum=0.0)
+# Load over the target concurrency must last this long before the tick adds a replica.
+LLMGW_SCALE_OUT_AFTER_SECONDS = env_float("LLMGW_SCALE_OUT_AFTER_SECONDS", 30.0, minimum=0.0)
+# A replica created for waiting requests is withdrawn if still unplaced this long after the last ask.
+LLMGW_ACTIVATION_LINGER_SECONDS = env_float("LLMGW_ACTIVATION_LINGER_SECONDS", 10.0, minimum=1.0)
+# How long an agent lets a draining engine finish its running requests before stopping it anyway.
+LLMGW_DRAIN_TIMEOUT_SECONDS = env_float("LLMGW_DRAIN_TIMEOUT_SECONDS", 300.0, minimum=0.0)
+# A router whose watch mark has lapsed this long is presumed gone (until then, idleness is unknown).
+LLMGW_ROUTER_FORGET_SECONDS = env_float("LLMGW_ROUTER_FORGET_SECONDS", 300.0, minimum=1.0)
+
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
 

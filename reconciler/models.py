@@ -31,6 +31,13 @@ class Replica(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)
     last_used = models.DateTimeField(null=True, blank=True)
+    demand_until = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Created for waiting requests: withdrawn if still unplaced after this (renewed while they wait).",
+    )
+    stopping_since = models.DateTimeField(null=True, blank=True)
+    stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
 
     objects = ReplicaQuerySet.as_manager()
 
@@ -54,6 +61,9 @@ class Shard(models.Model):
     port = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=ShardState.choices, default=ShardState.ASSIGNED)
     message = models.TextField(blank=True)
+    running = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Requests the engine reports running, from the last heartbeat (empty: unknown)."
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -97,6 +107,40 @@ class BusyPort(models.Model):
 
     def __str__(self) -> str:
         return f"port {self.port} busy on {self.node.name}"
+
+
+class ModelLoad(models.Model):
+    """Requests in flight for a model, summed over the routers' last reports, and since when it is over target.
+
+    Written by the tick; `busy_since` is set while the in-flight count per ready
+    replica is above the primary profile's target concurrency, so scale-out
+    waits until the load has lasted (LLMGW_SCALE_OUT_AFTER_SECONDS).
+    """
+
+    model = models.OneToOneField("catalog.Model", related_name="load", on_delete=models.CASCADE)
+    in_flight = models.PositiveIntegerField(default=0)
+    busy_since = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"load of {self.model.name}: {self.in_flight} in flight"
+
+
+class UsageWatch(models.Model):
+    """Whether the fleet's usage is known now, and since when (one row, written by the tick).
+
+    Idleness is known only while every tick collected usage and every live
+    router's watch mark held, for at least one mark lifetime: otherwise it is
+    unknown (DESIGN invariant 3), nothing is stopped for idleness or evicted,
+    and `reason` says why.
+    """
+
+    name = models.CharField(max_length=64, primary_key=True)
+    known_since = models.DateTimeField(null=True, blank=True)
+    reason = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"usage {'known since ' + str(self.known_since) if self.known_since else 'unknown'}"
 
 
 class Lease(models.Model):
