@@ -1,26 +1,44 @@
-"""How many replicas each profile wants: min/max, activations from routers, idle scale-down.
+"""How many replicas each model wants: min and max, activations, scale-out on load, idle scale-down.
 
-Above min replicas, a READY replica unused for longer than its profile's idle
-timeout is stopped. Only a known last use counts: a replica whose last use is
-unknown is never stopped for idleness (DESIGN invariant 3).
+Demand is per model, set by its first profile (min and max replicas, target
+concurrency); the placer may run a replica on any of the model's profiles
+(`placing`). Each profile's own max caps the replicas running on it.
+
+* min replicas are kept; replicas beyond max (the model's, or a profile's own)
+  are stopped, the ones holding least first;
+* an activation (a router holding requests for a model with no replica)
+  creates one replica whose demand lasts while routers keep asking: if it is
+  still unplaced LLMGW_ACTIVATION_LINGER_SECONDS after the last ask, it is
+  withdrawn, so nothing starts later for nobody;
+* scale-out: when the routers' requests in flight per ready replica stay
+  above the target concurrency for LLMGW_SCALE_OUT_AFTER_SECONDS, one more
+  replica (up to max), with the same lifetime as an activation;
+* idle scale-down: above min, a READY replica whose known last use is older
+  than its profile's idle timeout (empty: LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS;
+  0: never) is stopped — only while usage is known (DESIGN invariant 3), and
+  never one whose engine reports running requests.
+
+Stopping is a drain (`lifecycle.stop_shards`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+
+from django.conf import settings
 
 from catalog.models import Alias, Profile
 
 from .choices import WANTED_STATES, ReplicaState
-from .lifecycle import stop_replicas
-from .models import Replica
+from .idle import Idle
+from .lifecycle import StopRequest, stop_replicas
+from .models import ModelLoad, Replica, Shard
 
 log = logging.getLogger(__name__)
 
-# When a profile has too many replicas, stop the ones holding least first.
+# When a model has too many replicas, stop the ones holding least first.
 _STOP_ORDER = {ReplicaState.FAILED: 0, ReplicaState.PENDING: 1, ReplicaState.STARTING: 2, ReplicaState.READY: 3}
 
 
@@ -32,84 +50,225 @@ class DemandOutcome:
     stopping: int = 0
     deleted: int = 0
     idle_stopped: int = 0
+    scaled_out: int = 0
+    withdrawn: int = 0
     unknown_activations: list[str] = field(default_factory=list)
 
 
-def apply_demand(activations: set[str], now: datetime) -> DemandOutcome:
-    """Keep each profile between min and max replicas, honour activations, stop disabled models. Three queries."""
-    outcome = DemandOutcome()
-    profiles = list(Profile.objects.select_related("model").order_by("model_id", "order", "id"))
-    replicas = list(
-        Replica.objects.exclude(state=ReplicaState.STOPPING).only("id", "model_id", "profile_id", "state", "last_used")
-    )
-    by_profile: dict[int, list[Replica]] = defaultdict(list)
-    for replica in replicas:
-        by_profile[replica.profile_id].append(replica)
+def idle_timeout(profile: Profile) -> float | None:
+    """Seconds unused after which a replica on `profile` above min is stopped; None: never."""
+    if profile.idle_timeout_seconds is None:
+        return settings.LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS
+    return float(profile.idle_timeout_seconds) or None
 
+
+@dataclass
+class _ModelDemand:
+    """One model's profiles (in order) and replicas, as this tick sees them."""
+
+    profiles: list[Profile]
+    replicas: list[Replica] = field(default_factory=list)
+
+    @property
+    def primary(self) -> Profile:
+        return self.profiles[0]
+
+    def wanted(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state in WANTED_STATES]
+
+
+def apply_demand(
+    activations: set[str], now: datetime, *, usage_known: bool = True, in_flight: dict[str, int] | None = None
+) -> DemandOutcome:
+    """Apply demand for every model; see the module docstring. A constant number of queries.
+
+    `usage_known`: whether idleness may be acted on this tick. `in_flight`: the
+    routers' requests in flight per model name (None when usage could not be
+    collected: load is then left as it was).
+    """
+    outcome = DemandOutcome()
+    models = _read_models()
+    busy = set(Shard.objects.filter(running__gt=0).values_list("replica_id", flat=True))
     to_create: list[Replica] = []
-    to_stop: list[Replica] = []
-    first_profile: dict[str, Profile] = {}
-    wanted_by_model: dict[int, int] = defaultdict(int)
-    for profile in profiles:
-        mine = by_profile.get(profile.pk, [])
-        if not profile.model.enabled:
-            to_stop.extend(mine)
+    to_stop: list[StopRequest] = []
+    renew: list[int] = []  # pending replicas whose demand is renewed this tick
+    linger = now + timedelta(seconds=settings.LLMGW_ACTIVATION_LINGER_SECONDS)
+
+    for demand in models.values():
+        model = demand.primary.model
+        if not model.enabled:
+            to_stop.extend(StopRequest(r, "model disabled") for r in demand.replicas)
             continue
-        first_profile.setdefault(profile.model.name, profile)
-        wanted = [r for r in mine if r.state in WANTED_STATES]
-        if len(wanted) < profile.min_replicas:
-            to_create.extend(
-                Replica(model_id=profile.model_id, profile=profile) for _ in range(profile.min_replicas - len(wanted))
-            )
-        elif len(wanted) > profile.max_replicas:
-            # Newest first within a state: keep the replicas that have been serving longest.
-            ranked = sorted(wanted, key=lambda r: (_STOP_ORDER[r.state], -r.pk))
-            excess = len(wanted) - profile.max_replicas
-            to_stop.extend(ranked[:excess])
-            wanted = ranked[excess:]
-        if profile.idle_timeout_seconds is not None and len(wanted) > profile.min_replicas:
-            idle = _idle_beyond_timeout(wanted, profile, now)[: len(wanted) - profile.min_replicas]
+        wanted = _bound(demand, to_create, to_stop)
+        if usage_known:
+            idle = _idle_beyond_timeout(demand, wanted, busy, now)
             to_stop.extend(idle)
             outcome.idle_stopped += len(idle)
-            wanted = [r for r in wanted if r not in idle]
-        wanted_by_model[profile.model_id] += max(len(wanted), profile.min_replicas)
 
+    if in_flight is not None:
+        outcome.scaled_out = _scale_out(models, in_flight, now, to_create, renew, linger)
     if activations:
-        to_create.extend(_activate(activations, first_profile, wanted_by_model, outcome))
+        to_create.extend(_activate(activations, models, renew, linger, outcome))
 
     if to_create:
         Replica.objects.bulk_create(to_create)
         outcome.created = len(to_create)
-    outcome.deleted, outcome.stopping = stop_replicas(to_stop)
+    if renew:
+        Replica.objects.filter(pk__in=renew, state=ReplicaState.PENDING).update(demand_until=linger)
+    # Waiting requests gave up on a replica that never found room: nothing should start later for nobody.
+    withdrawn, _ = Replica.objects.filter(state=ReplicaState.PENDING, demand_until__lt=now).delete()
+    outcome.withdrawn = withdrawn
+    if withdrawn:
+        log.info("withdrew %d unplaced replicas nobody waits for any more", withdrawn)
+    outcome.deleted, outcome.stopping = stop_replicas(to_stop, now)
     return outcome
 
 
-def _idle_beyond_timeout(wanted: list[Replica], profile: Profile, now: datetime) -> list[Replica]:
-    """READY replicas with a known last use older than the profile's idle timeout, longest idle first."""
-    cutoff = now - timedelta(seconds=profile.idle_timeout_seconds or 0)
-    return sorted(
-        (r for r in wanted if r.state == ReplicaState.READY and r.last_used is not None and r.last_used < cutoff),
-        key=lambda r: r.last_used,
+def _read_models() -> dict[int, _ModelDemand]:
+    """Every model with a profile, its profiles in order and its replicas not already stopping. Two queries."""
+    models: dict[int, _ModelDemand] = {}
+    for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
+        models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
+    replicas = Replica.objects.exclude(state=ReplicaState.STOPPING).only(
+        "id", "model_id", "profile_id", "state", "last_used", "demand_until"
     )
+    for replica in replicas:
+        if replica.model_id in models:
+            models[replica.model_id].replicas.append(replica)
+    return models
+
+
+def _bound(demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopRequest]) -> list[Replica]:
+    """Keep the model between its min and max, and each profile at most at its own max; the replicas kept."""
+    primary = demand.primary
+    wanted = demand.wanted()
+    keep: list[Replica] = []
+    for profile in demand.profiles:
+        on_profile = [r for r in wanted if r.profile_id == profile.pk]
+        kept = _trim(on_profile, profile.max_replicas, f"above the max of {profile} ", to_stop)
+        keep.extend(kept)
+    keep = _trim(keep, primary.max_replicas, "above the model's max replicas", to_stop)
+    if len(keep) < primary.min_replicas:
+        to_create.extend(
+            Replica(model_id=primary.model_id, profile=primary) for _ in range(primary.min_replicas - len(keep))
+        )
+    return keep
+
+
+def _trim(replicas: list[Replica], limit: int, why: str, to_stop: list[StopRequest]) -> list[Replica]:
+    if len(replicas) <= limit:
+        return replicas
+    # Newest first within a state: keep the replicas that have been serving longest.
+    ranked = sorted(replicas, key=lambda r: (_STOP_ORDER[r.state], -r.pk))
+    excess = len(replicas) - limit
+    to_stop.extend(StopRequest(r, why.strip()) for r in ranked[:excess])
+    return ranked[excess:]
+
+
+def _idle_beyond_timeout(
+    demand: _ModelDemand, wanted: list[Replica], busy: set[int], now: datetime
+) -> list[StopRequest]:
+    """READY replicas above min whose known last use is older than their profile's idle timeout, longest idle first."""
+    spare = len(wanted) - demand.primary.min_replicas
+    if spare <= 0:
+        return []
+    profiles = {p.pk: p for p in demand.profiles}
+    idle = []
+    for replica in wanted:
+        timeout = idle_timeout(profiles[replica.profile_id])
+        if replica.state != ReplicaState.READY or timeout is None or replica.pk in busy:
+            continue
+        since = Idle.since(replica.last_used, now)
+        if since.seconds is not None and since.seconds > timeout:
+            idle.append((since.seconds, replica, timeout))
+    idle.sort(key=lambda item: -item[0])
+    return [
+        StopRequest(replica, f"idle for {Idle(seconds)} (timeout {Idle(timeout)})")
+        for seconds, replica, timeout in idle[:spare]
+    ]
+
+
+def _scale_out(
+    models: dict[int, _ModelDemand],
+    in_flight: dict[str, int],
+    now: datetime,
+    to_create: list[Replica],
+    renew: list[int],
+    linger: datetime,
+) -> int:
+    """Record each model's load; add a replica to models whose load per ready replica stayed above target.
+
+    Two queries at most (read the loads, write the changed ones) plus one per new load row batch.
+    """
+    loads = {load.model_id: load for load in ModelLoad.objects.all()}
+    after = timedelta(seconds=settings.LLMGW_SCALE_OUT_AFTER_SECONDS)
+    changed: list[ModelLoad] = []
+    created: list[ModelLoad] = []
+    scaled = 0
+    for model_id, demand in models.items():
+        primary = demand.primary
+        if not primary.model.enabled:
+            continue
+        current = in_flight.get(primary.model.name, 0)
+        wanted = demand.wanted()
+        ready = sum(1 for r in wanted if r.state == ReplicaState.READY)
+        over = ready > 0 and current > ready * primary.target_concurrency
+        load = loads.get(model_id)
+        if load is None:
+            if not current:
+                continue
+            load = ModelLoad(model_id=model_id, in_flight=current)
+            created.append(load)
+        before = (load.in_flight, load.busy_since)
+        load.in_flight = current
+        if not over:
+            load.busy_since = None
+        elif load.busy_since is None:
+            load.busy_since = now
+        coming = [r for r in wanted if r.state in (ReplicaState.PENDING, ReplicaState.STARTING)]
+        if over and not coming and now - load.busy_since >= after and len(wanted) < primary.max_replicas:
+            to_create.append(Replica(model_id=model_id, profile=primary, demand_until=linger))
+            load.busy_since = now  # the next replica waits for the load to last again
+            scaled += 1
+            log.info("scaling %s out: %d requests in flight on %d ready replicas", primary.model.name, current, ready)
+        elif over:
+            renew.extend(r.pk for r in coming if r.demand_until is not None)
+        if load.pk is not None and (load.in_flight, load.busy_since) != before:
+            changed.append(load)
+    if created:
+        ModelLoad.objects.bulk_create(created)
+    if changed:
+        ModelLoad.objects.bulk_update(changed, ["in_flight", "busy_since"])
+    return scaled
 
 
 def _activate(
-    activations: set[str], first_profile: dict[str, Profile], wanted_by_model: dict[int, int], outcome: DemandOutcome
+    activations: set[str],
+    models: dict[int, _ModelDemand],
+    renew: list[int],
+    linger: datetime,
+    outcome: DemandOutcome,
 ) -> list[Replica]:
-    """One new replica (on the model's first profile) per activated model that wants none; aliases resolve."""
-    created = []
-    unresolved = activations - first_profile.keys()
+    """One new replica (on the model's first profile) per activated model that wants none; aliases resolve.
+
+    A model that already has an unplaced replica created for waiting requests
+    gets that replica's demand renewed instead.
+    """
+    by_name = {d.primary.model.name: d for d in models.values() if d.primary.model.enabled}
+    unresolved = activations - by_name.keys()
     names = {name: name for name in activations}
     if unresolved:
         names.update(Alias.objects.filter(name__in=unresolved).values_list("name", "model__name"))
+    created = []
     for requested in sorted(activations):
-        profile = first_profile.get(names[requested])
-        if profile is None:
+        demand = by_name.get(names[requested])
+        if demand is None:
             outcome.unknown_activations.append(requested)
             continue
-        if wanted_by_model[profile.model_id] == 0:
-            created.append(Replica(model_id=profile.model_id, profile=profile))
-            wanted_by_model[profile.model_id] = 1
+        wanted = demand.wanted()
+        if not wanted and not any(r.model_id == demand.primary.model_id for r in created):
+            created.append(Replica(model_id=demand.primary.model_id, profile=demand.primary, demand_until=linger))
+        renew.extend(r.pk for r in wanted if r.state == ReplicaState.PENDING and r.demand_until is not None)
     if outcome.unknown_activations:
         log.warning("activation requested for unknown or disabled models: %s", outcome.unknown_activations)
     return created

@@ -9,6 +9,7 @@ from hub import EndpointTable
 from inventory.choices import NodeState
 
 from .choices import ReplicaState
+from .eviction import MAKING_ROOM
 from .models import Replica, Shard
 
 
@@ -36,6 +37,8 @@ def build_endpoint_table() -> EndpointTable:
     for name, reason in (
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
         .exclude(placement_error="")
+        # Room is being made for it: routers keep holding its requests.
+        .exclude(placement_error__startswith=MAKING_ROOM)
         .order_by("model__name", "profile__order", "id")
         .values_list("model__name", "placement_error")
     ):

@@ -10,11 +10,14 @@ the caller's Outbox.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, When
+from django.utils import timezone
 
 from catalog.models import Profile
 
@@ -24,6 +27,10 @@ from .outbox import Outbox
 from .signals import work_pending
 
 log = logging.getLogger(__name__)
+
+# How long a stopping replica stays unpublished before its engine is asked to drain: routers
+# receive a new table at once (pushed), so a second is plenty for them to stop sending to it.
+UNPUBLISH_GRACE_SECONDS = 1.0
 
 
 def backoff_seconds(failure_count: int) -> float:
@@ -115,48 +122,67 @@ def retry_failed(now: datetime) -> int:
     )
 
 
-def stop_replicas(replicas) -> tuple[int, int]:
+@dataclass(frozen=True)
+class StopRequest:
+    """A replica to stop, and why (shown to operators)."""
+
+    replica: Replica
+    reason: str
+
+
+def stop_replicas(requests: Iterable[StopRequest], now: datetime) -> tuple[int, int]:
     """Stop replicas: those without shards are deleted at once, the rest become STOPPING.
 
-    The leader's next tick sends stop_shard to STOPPING replicas' shards
-    (`stop_shards`). Returns (deleted, stopping).
+    A STOPPING replica is out of the endpoint table at once; the leader's next
+    tick, once routers have had UNPUBLISH_GRACE_SECONDS to see it gone, sends
+    its shards drain_shard (`stop_shards`). Returns (deleted, stopping).
     """
-    ids = {r.pk for r in replicas if r.state != ReplicaState.STOPPING}
-    if not ids:
+    why = {r.replica.pk: r.reason for r in requests if r.replica.state != ReplicaState.STOPPING}
+    if not why:
         return 0, 0
-    with_shards = set(Shard.objects.filter(replica_id__in=ids).values_list("replica_id", flat=True))
-    idle = ids - with_shards
+    with_shards = set(Shard.objects.filter(replica_id__in=why).values_list("replica_id", flat=True))
+    idle = why.keys() - with_shards
     if idle:
         Replica.objects.filter(pk__in=idle).delete()
     if with_shards:
-        Replica.objects.filter(pk__in=with_shards).update(state=ReplicaState.STOPPING, endpoint_url="")
+        stopping = [
+            Replica(pk=pk, state=ReplicaState.STOPPING, endpoint_url="", stopping_since=now, stop_reason=why[pk][:200])
+            for pk in sorted(with_shards)
+        ]
+        Replica.objects.bulk_update(stopping, ["state", "endpoint_url", "stopping_since", "stop_reason"])
+        log.info("stopping replicas: %s", "; ".join(f"{pk} ({why[pk]})" for pk in sorted(with_shards)))
     return len(idle), len(with_shards)
 
 
-def stop_replica(replica: Replica) -> None:
+def stop_replica(replica: Replica, reason: str = "stopped by an operator") -> None:
     """Stop one replica (admin action), in one transaction: see `stop_replicas`."""
     with transaction.atomic():
         current = Replica.objects.select_for_update().filter(pk=replica.pk).first()
         if current is None:
             return
-        stop_replicas([current])
+        stop_replicas([StopRequest(current, reason)], timezone.now())
         notify_work_pending()
 
 
 def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
-    """Send stop_shard for STOPPING replicas' shards (again if unanswered); delete replicas with none left.
+    """Send drain_shard to STOPPING replicas' shards (again if unanswered); delete replicas with none left.
 
-    Returns (stops sent, replicas deleted).
+    A replica that became STOPPING less than UNPUBLISH_GRACE_SECONDS ago waits
+    for the next tick: routers must have the table without it before its
+    engine is asked to finish (DESIGN "Stopping is always a drain").
+    Returns (drains sent, replicas deleted).
     """
     resend_before = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
+    unpublished_before = now - timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
     due = list(
         Shard.objects.filter(replica__state=ReplicaState.STOPPING)
+        .filter(Q(replica__stopping_since__isnull=True) | Q(replica__stopping_since__lte=unpublished_before))
         .exclude(state=ShardState.STOPPED)
         .filter(~Q(state=ShardState.STOPPING) | Q(updated_at__lt=resend_before))
         .values_list("id", "node__name")
     )
     for shard_id, node_name in due:
-        outbox.stop(node_name, shard_id)
+        outbox.drain(node_name, shard_id, settings.LLMGW_DRAIN_TIMEOUT_SECONDS)
     if due:
         Shard.objects.filter(pk__in=[shard_id for shard_id, _ in due]).update(state=ShardState.STOPPING, updated_at=now)
     empty = Replica.objects.filter(~Exists(Shard.objects.filter(replica=OuterRef("pk"))), state=ReplicaState.STOPPING)

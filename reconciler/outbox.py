@@ -16,7 +16,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 
-from agent.protocol import StartShard, StopShard, to_builtins
+from agent.protocol import DrainShard, StartShard, StopShard, to_builtins
 
 from .models import Lease
 
@@ -57,7 +57,7 @@ class Outbox:
 
     def __init__(self, epoch: int | None = None):
         self.epoch = epoch
-        self.commands: list[tuple[str, type[StartShard | StopShard], dict]] = []
+        self.commands: list[tuple[str, type[StartShard | StopShard | DrainShard], dict]] = []
 
     def start(self, node_name: str, **fields) -> None:
         """Queue a start_shard; `fields` are StartShard's fields but the epoch."""
@@ -65,6 +65,10 @@ class Outbox:
 
     def stop(self, node_name: str, shard_id: int) -> None:
         self.commands.append((node_name, StopShard, {"shard_id": shard_id}))
+
+    def drain(self, node_name: str, shard_id: int, timeout_seconds: float) -> None:
+        """Queue a drain_shard: stop once its running requests are done, or after `timeout_seconds`."""
+        self.commands.append((node_name, DrainShard, {"shard_id": shard_id}))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""

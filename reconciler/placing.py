@@ -1,5 +1,7 @@
 """Putting pending replicas on GPUs, and (re)sending the start commands that follow.
 
+A replica goes on the first of its model's profiles with room (profile
+fallback); when none has room, `room.make_room` may stop idle replicas for it.
 The placer (`placement.place`) decides on a capacity snapshot in memory; this
 module reads the rows once, writes shards and GPU assignments in bulk, and
 queues one start_shard per shard in the tick's Outbox. A unique constraint on
@@ -13,6 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db.models import Count
+
+from catalog.models import Profile
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState, ShardState
@@ -20,6 +25,7 @@ from .lifecycle import start_fields
 from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
 from .placement import Placement, Shape, Unplaceable, pick_port, place
+from .room import make_room
 
 
 @dataclass
@@ -42,29 +48,59 @@ class PlacingOutcome:
     starts_sent: int = 0
 
 
-def place_pending(now: datetime, epoch: int, outbox: Outbox) -> PlacingOutcome:
-    """Place PENDING replicas in profile order, then priority, then age; bulk-write shards and GPU assignments."""
+def place_pending(now: datetime, epoch: int, outbox: Outbox, *, evict: bool = False) -> PlacingOutcome:
+    """Place PENDING replicas, highest priority then oldest first, each on the first of its model's profiles
+    with room (and below that profile's own max); bulk-write shards and GPU assignments.
+
+    With `evict` (usage is known and no partition brake), a replica no profile
+    can take may have idle replicas stopped to make room for it (`room.make_room`).
+    """
     outcome = PlacingOutcome()
     pending = list(
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
         .select_related("model", "profile")
-        .order_by("profile__order", "-profile__priority", "created_at", "id")
+        .order_by("-profile__priority", "created_at", "id")
     )
     if not pending:
         return outcome
+    profiles = _profiles_of({r.model_id for r in pending})
+    running_on = _running_per_profile(profiles)
     capacity = free_capacity(now)
 
     placed: list[tuple[Replica, list[_NewShard]]] = []
-    unplaceable: list[Replica] = []
+    moved: list[Replica] = []
+    unplaceable: list[tuple[Replica, list[Profile], str]] = []
     for replica in pending:
-        result = _place_one(replica, capacity)
-        if isinstance(result, Unplaceable):
-            outcome.unplaceable += 1
-            if replica.placement_error != result.reason:
-                replica.placement_error = result.reason
-                unplaceable.append(replica)
-            continue
-        placed.append((replica, result))
+        tried, reasons = [], []
+        for profile in profiles[replica.model_id]:
+            if running_on[profile.pk] >= profile.max_replicas:
+                reasons.append(f"{shape_label(profile)}: at its max of {profile.max_replicas}")
+                continue
+            tried.append(profile)
+            result = _place_one(replica, profile, capacity)
+            if isinstance(result, Unplaceable):
+                reasons.append(f"{shape_label(profile)}: {result.reason}")
+                continue
+            if profile.pk != replica.profile_id:
+                replica.profile = profile
+                moved.append(replica)
+            running_on[profile.pk] += 1
+            placed.append((replica, result))
+            break
+        else:
+            # One profile: the placer's own words; several: each profile's, in order.
+            if len(profiles[replica.model_id]) == 1:
+                reasons = [reason.split(": ", 1)[1] for reason in reasons]
+            unplaceable.append((replica, tried, "; ".join(reasons)))
+
+    notes = make_room(unplaceable, capacity, now) if evict and unplaceable else {}
+    changed_error = []
+    for replica, _tried, reason in unplaceable:
+        outcome.unplaceable += 1
+        reason = notes.get(replica.pk, reason)
+        if replica.placement_error != reason:
+            replica.placement_error = reason
+            changed_error.append(replica)
 
     if placed:
         new_shards = [new for _, shards in placed for new in shards]
@@ -74,6 +110,7 @@ def place_pending(now: datetime, epoch: int, outbox: Outbox) -> PlacingOutcome:
         )
         # Every placed replica changes the same way: one UPDATE, not one CASE per row. A new
         # incarnation has not been used yet: its last use is unknown until it is ready (invariant 3).
+        # Placed, it no longer depends on anyone still waiting for it.
         Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
             state=ReplicaState.STARTING,
             started_at=now,
@@ -82,9 +119,13 @@ def place_pending(now: datetime, epoch: int, outbox: Outbox) -> PlacingOutcome:
             endpoint_url="",
             ready_at=None,
             last_used=None,
+            demand_until=None,
         )
-    if unplaceable:
-        Replica.objects.bulk_update(unplaceable, ["placement_error"])
+        # Replicas that landed on a fallback profile move to it (one UPDATE for all of them).
+        if moved:
+            Replica.objects.bulk_update(moved, ["profile"])
+    if changed_error:
+        Replica.objects.bulk_update(changed_error, ["placement_error"])
     for replica, shards in placed:
         for new in shards:
             outbox.start(new.node_name, **start_fields(new.shard, replica, len(shards), shards[0].address, new.indices))
@@ -93,9 +134,38 @@ def place_pending(now: datetime, epoch: int, outbox: Outbox) -> PlacingOutcome:
     return outcome
 
 
-def _place_one(replica: Replica, capacity: CapacitySnapshot) -> list[_NewShard] | Unplaceable:
-    """Choose GPUs and ports for one replica and take them from the snapshot, or say why not."""
-    profile = replica.profile
+def shape_label(profile: Profile) -> str:
+    """A profile's shape for operators: `H100-80GB×8`, or `2 nodes of H100-80GB×8`."""
+    label = f"{profile.gpu_class}×{profile.gpus_per_node}"
+    return f"{profile.nodes_per_replica} nodes of {label}" if profile.nodes_per_replica > 1 else label
+
+
+def _profiles_of(model_ids: set[int]) -> dict[int, list[Profile]]:
+    """Each model's profiles, in the order they are tried. One query."""
+    profiles: dict[int, list[Profile]] = defaultdict(list)
+    for profile in Profile.objects.filter(model_id__in=model_ids).select_related("model").order_by("order", "id"):
+        profiles[profile.model_id].append(profile)
+    return profiles
+
+
+def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
+    """Replicas placed (or failed, coming back) per profile, for each profile's own max. One query."""
+    ids = [p.pk for ps in profiles.values() for p in ps]
+    counts: dict[int, int] = defaultdict(int)
+    rows = (
+        Replica.objects.filter(profile_id__in=ids)
+        .exclude(state__in=(ReplicaState.PENDING, ReplicaState.STOPPING))
+        .values("profile_id")
+        .annotate(n=Count("id"))
+        .values_list("profile_id", "n")
+    )
+    for profile_id, n in rows:
+        counts[profile_id] = n
+    return counts
+
+
+def _place_one(replica: Replica, profile: Profile, capacity: CapacitySnapshot) -> list[_NewShard] | Unplaceable:
+    """Choose GPUs and ports for one replica on `profile` and take them from the snapshot, or say why not."""
     gpu_class = profile.gpu_class
     result = place(capacity.records(gpu_class), Shape(gpu_class, profile.gpus_per_node, profile.nodes_per_replica))
     if isinstance(result, Unplaceable):

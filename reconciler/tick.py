@@ -88,13 +88,13 @@ def tick(
             report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
             report.partition_brake = liveness.brake
             report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
-            demand = apply_demand(readings.activations, now)
+            demand = apply_demand(readings.activations, now, usage_known=True, in_flight=None)
             report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
             report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
             report.replicas_retried = retry_failed(now)
             forgive_stable(now)
             report.starts_resent = resend_starts(now, outbox)
-            placing = place_pending(now, leadership.epoch, outbox)
+            placing = place_pending(now, leadership.epoch, outbox, evict=not liveness.brake)
             report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
             report.stops_sent, deleted = stop_shards(now, outbox)
             report.starts_sent = placing.starts_sent

@@ -1,7 +1,10 @@
 """Demand: activations, disabled models, max replicas and idle scale-down."""
 
+from datetime import timedelta
+
 import pytest
 from asgiref.sync import async_to_sync
+from django.utils import timezone
 
 from catalog.models import Alias, Model
 from hub import get_hub
@@ -44,8 +47,12 @@ def test_disabled_model_replicas_are_stopped(run_tick, agent_inbox):
     result = run_tick()
 
     assert result.replicas_stopped == 1
-    assert Replica.objects.get().state == ReplicaState.STOPPING
-    assert inbox() == [{"type": "stop_shard", "v": 1, "epoch": 1, "shard_id": shard.pk}]
+    replica = Replica.objects.get()
+    assert (replica.state, replica.stop_reason) == (ReplicaState.STOPPING, "model disabled")
+    # Unpublished first; the drain goes out once routers have had time to stop sending to it.
+    assert inbox() == []
+    run_tick(now=timezone.now() + timedelta(seconds=2))
+    assert [(c["type"], c["shard_id"]) for c in inbox()] == [("drain_shard", shard.pk)]
 
 
 def test_replicas_above_max_are_stopped_pending_first(run_tick):
@@ -80,9 +87,18 @@ def test_a_replica_whose_last_use_is_unknown_is_never_stopped_for_idleness(run_t
     assert list(Replica.objects.values_list("pk", flat=True)) == [unknown.pk]
 
 
-def test_no_idle_timeout_means_replicas_stay(run_tick):
-    model = make_model("llama", min_replicas=0, max_replicas=1, idle_timeout_seconds=None)
+def test_an_idle_timeout_of_zero_means_replicas_stay(run_tick):
+    model = make_model("llama", min_replicas=0, max_replicas=1, idle_timeout_seconds=0)
     ready_replicas(model, [10**6])
 
     assert run_tick().replicas_idle_stopped == 0
     assert Replica.objects.count() == 1
+
+
+@pytest.mark.parametrize(("idle", "stopped"), [(1799, 0), (1801, 1)])
+def test_an_empty_idle_timeout_is_the_fleet_default_so_a_model_can_go_back_to_zero(run_tick, settings, idle, stopped):
+    settings.LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS = 1800
+    model = make_model("llama", min_replicas=0, max_replicas=1, idle_timeout_seconds=None)
+    ready_replicas(model, [idle])
+
+    assert run_tick().replicas_idle_stopped == stopped

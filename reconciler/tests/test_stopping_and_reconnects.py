@@ -1,5 +1,7 @@
 """Stopping replicas, and what an agent's hello says about the shards it runs."""
 
+from datetime import timedelta
+
 import pytest
 from asgiref.sync import async_to_sync
 
@@ -7,14 +9,15 @@ from agent.protocol import RunningShard
 from hub import get_hub
 from reconciler.agent_reports import reconcile_reported_shards
 from reconciler.choices import ReplicaState, ShardState
-from reconciler.lifecycle import stop_replica
+from reconciler.endpoints import build_endpoint_table
+from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
 from reconciler.models import GPUAssignment, Replica, Shard
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
 
 
-def test_stopping_a_replica_sends_stop_and_deletes_it_when_its_shards_stop(
+def test_stopping_a_replica_drains_it_once_unpublished_and_deletes_it_when_its_shards_stop(
     run_tick, agent_inbox, django_capture_on_commit_callbacks, shard_report
 ):
     node = make_node("gpu-a")
@@ -26,10 +29,16 @@ def test_stopping_a_replica_sends_stop_and_deletes_it_when_its_shards_stop(
 
     with django_capture_on_commit_callbacks(execute=True):
         stop_replica(replica)
-    assert Replica.objects.get().state == ReplicaState.STOPPING
-    run_tick()
-    assert inbox() == [{"type": "stop_shard", "v": 1, "epoch": 1, "shard_id": shard.pk}]
-    assert run_tick().stops_sent == 0  # not re-sent before the resend interval
+    stopping = Replica.objects.get()
+    assert (stopping.state, stopping.endpoint_url) == (ReplicaState.STOPPING, "")
+    assert stopping.stop_reason == "stopped by an operator"
+    assert build_endpoint_table()["endpoints"] == []
+    run_tick(now=stopping.stopping_since + timedelta(seconds=0.5))
+    assert inbox() == []  # routers may not have the table without it yet
+    later = stopping.stopping_since + timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
+    assert run_tick(now=later).stops_sent == 1
+    assert [(c["type"], c["shard_id"]) for c in inbox()] == [("drain_shard", shard.pk)]
+    assert run_tick(now=later).stops_sent == 0  # not re-sent before the resend interval
 
     shard_report(node, shard, "stopped")
     assert Replica.objects.count() == 0 and GPUAssignment.objects.count() == 0

@@ -39,7 +39,8 @@ def test_a_tick_runs_the_same_number_of_queries_for_2_and_20_nodes(run_tick, dja
         placing = tick_queries(run_tick)
         assert Replica.objects.filter(state=ReplicaState.STARTING).count() == size
         steady = tick_queries(run_tick)
-        with django_assert_max_num_queries(30):
+        # The unplaceable pair is looked at for eviction every tick: holdings, spares and draining GPUs.
+        with django_assert_max_num_queries(40):
             run_tick()
         counts[size] = (placing, steady)
     assert counts[2] == counts[20]

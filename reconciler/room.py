@@ -1,0 +1,130 @@
+"""Making room under pressure: stop idle replicas so a waiting one can be placed (DESIGN "One eviction order").
+
+Runs in the tick after placement, for the replicas no profile could take, in
+placement order. For each, on its profiles in order:
+
+1. if GPUs already being freed (replicas draining) would make it fit, it
+   waits for them — they are claimed for it, so the next waiting replica does
+   not count them again, and nothing more is stopped;
+2. otherwise `eviction.plan_eviction` picks the fewest candidates (the one
+   eviction order) whose GPUs make it fit; they are stopped (a drain), and
+   their GPUs are claimed for it.
+
+Either way its placement note starts with `eviction.MAKING_ROOM`, so routers
+keep holding its requests instead of answering "cannot be started"; it is
+placed by a later tick once the GPUs are free. A constant number of queries.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from datetime import datetime
+
+from django.conf import settings
+
+from catalog.models import Profile
+from inventory.models import gpu_in_service
+
+from .capacity import CapacitySnapshot
+from .choices import ReplicaState
+from .eviction import MAKING_ROOM, Holding, plan_eviction, stop_candidates, with_freed
+from .holdings import read_holdings, spare_replicas
+from .idle import Idle
+from .lifecycle import StopRequest, stop_replicas
+from .models import GPUAssignment, Replica
+from .placement import NodeCapacity, Placement, Shape, place
+
+log = logging.getLogger(__name__)
+
+
+def make_room(
+    waiting: list[tuple[Replica, list[Profile], str]], capacity: CapacitySnapshot, now: datetime
+) -> dict[int, str]:
+    """Decide, for each waiting (replica, profiles it may use, why not), whether to wait or to stop victims.
+
+    Returns the placement note of each replica that now waits for room.
+    """
+    draining = _draining_gpus(now)
+    holdings = read_holdings(now)
+    spare = spare_replicas()
+    taken: set[int] = set()  # replicas chosen as victims this tick
+    notes: dict[int, str] = {}
+    victims_all: list[StopRequest] = []
+    for replica, profiles, _reason in waiting:
+        model = replica.model.name
+        priority = replica.profile.priority
+        for profile in profiles:
+            shape = Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
+            records = capacity.records(profile.gpu_class)
+            soon = _fits_with(records, draining, shape)
+            if soon is not None:
+                notes[replica.pk] = f"{MAKING_ROOM}waiting for GPUs being freed on {', '.join(soon)}"
+                break
+            candidates = stop_candidates(
+                (h for h in holdings if h.replica_id not in taken),
+                spare,
+                min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
+                min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
+                max_priority=priority,
+            )
+            plan = plan_eviction(records, shape, candidates)
+            if plan is None:
+                continue
+            victims, _placement = plan
+            for victim in victims:
+                taken.add(victim.replica_id)
+                spare[victim.model] -= 1
+                # Its GPUs are this replica's once free: they are not in `draining`, so no one else counts them.
+                victims_all.append(StopRequest(_stub(victim), f"evicted for {model}: {_describe(victim)}"))
+            notes[replica.pk] = f"{MAKING_ROOM}stopping {', '.join(_describe(v) for v in victims)}"
+            log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, notes[replica.pk])
+            break
+    if victims_all:
+        stop_replicas(victims_all, now)
+    return notes
+
+
+def _stub(holding: Holding) -> Replica:
+    """Enough of a Replica row for `stop_replicas` (it reads the id and the state)."""
+    return Replica(pk=holding.replica_id, state=ReplicaState.READY)
+
+
+def _describe(holding: Holding) -> str:
+    idle = Idle(holding.idle_seconds)
+    return f"replica {holding.replica_id} of {holding.model} ({holding.gpu_count} GPUs, idle {idle})"
+
+
+def _draining_gpus(now: datetime) -> dict[tuple[str, str], set[int]]:
+    """In-service GPUs held by STOPPING replicas, per (node, class): free once their engines have drained. One query."""
+    draining: dict[tuple[str, str], set[int]] = defaultdict(set)
+    rows = GPUAssignment.objects.filter(shard__replica__state=ReplicaState.STOPPING).values_list(
+        "shard__node__name", "gpu__gpu_class", "gpu__index", "gpu__health", "gpu__healthy_since"
+    )
+    for node, gpu_class, index, health, healthy_since in rows:
+        if gpu_in_service(health, healthy_since, now):
+            draining[(node, gpu_class)].add(index)
+    return draining
+
+
+def _fits_with(
+    records: list[NodeCapacity], draining: dict[tuple[str, str], set[int]], shape: Shape
+) -> list[str] | None:
+    """Nodes whose draining GPUs would make `shape` fit, claimed (removed from `draining`); None if they would not."""
+    pseudo = [
+        Holding(0, "", 0, None, 0.0, shape.gpu_class, {node: tuple(sorted(indices))})
+        for (node, gpu_class), indices in draining.items()
+        if gpu_class == shape.gpu_class and indices
+    ]
+    if not pseudo:
+        return None
+    result = place(with_freed(records, pseudo), shape)
+    if not isinstance(result, Placement):
+        return None
+    used = []
+    for shard in result.shards:
+        claimed = draining.get((shard.node, shape.gpu_class), set())
+        if claimed & set(shard.gpu_indices):
+            used.append(shard.node)
+            claimed.difference_update(shard.gpu_indices)
+    return used or None
