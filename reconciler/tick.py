@@ -45,6 +45,8 @@ class TickReport:
     replicas_created: int = 0
     replicas_stopped: int = 0
     replicas_idle_stopped: int = 0
+    replicas_scaled_out: int = 0
+    replicas_withdrawn: int = 0
     replicas_retried: int = 0
     replicas_placed: int = 0
     replicas_unplaceable: int = 0
@@ -91,6 +93,7 @@ def tick(
             demand = apply_demand(readings.activations, now, usage_known=True, in_flight=None)
             report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
             report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
+            report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn
             report.replicas_retried = retry_failed(now)
             forgive_stable(now)
             report.starts_resent = resend_starts(now, outbox)

@@ -1,0 +1,173 @@
+"""Eviction under pressure in the tick: who is stopped for a waiting replica, and who never is."""
+
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.utils import timezone
+
+from hub import get_hub
+from reconciler.choices import ReplicaState
+from reconciler.endpoints import build_endpoint_table
+from reconciler.eviction import MAKING_ROOM
+from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS
+from reconciler.models import Replica, Shard
+from reconciler.outbox import Outbox
+from reconciler.placing import place_pending
+from tests.fleet import make_model, make_node, make_replica
+
+pytestmark = pytest.mark.django_db
+
+
+def serving(name, node, *, idle=600, ready=3600, priority=0, min_replicas=0, indices=range(8)):
+    """A READY replica of a new 8-GPU model on `node`, idle for `idle` s (None: unknown), ready for `ready` s."""
+    # No idle timeout: these tests are about eviction, not the idle stop.
+    model = make_model(name, gpus_per_node=8, min_replicas=min_replicas, priority=priority, idle_timeout_seconds=0)
+    now = timezone.now()
+    replica = make_replica(
+        model.profiles.get(),
+        placement=[(node, list(indices))],
+        last_used=None if idle is None else now - timedelta(seconds=idle),
+    )
+    Replica.objects.filter(pk=replica.pk).update(ready_at=now - timedelta(seconds=ready))
+    return replica
+
+
+@pytest.fixture
+def full_fleet():
+    """Two 8×H100 nodes on one fabric, each running one idle 8-GPU model; gpu-b's used longest ago."""
+    a, b = make_node("gpu-a", fabric="ib-a"), make_node("gpu-b", fabric="ib-a")
+    return a, b, serving("recent", a, idle=300), serving("stale", b, idle=3000)
+
+
+def ask_for(name, **profile):
+    model = make_model(name, gpus_per_node=8, min_replicas=0, **profile)
+    async_to_sync(get_hub().request_activation)(name)
+    return model
+
+
+def state_of(replica):
+    return Replica.objects.get(pk=replica.pk).state
+
+
+def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newcomer_placed(
+    full_fleet, run_tick, agent_inbox, shard_report
+):
+    _a, b, recent, stale = full_fleet
+    inbox = agent_inbox("gpu-b")
+    ask_for("newcomer")
+
+    run_tick()
+
+    waiting = Replica.objects.get(model__name="newcomer")
+    assert (state_of(stale), state_of(recent)) == (ReplicaState.STOPPING, ReplicaState.READY)
+    assert Replica.objects.get(pk=stale.pk).stop_reason.startswith("evicted for newcomer")
+    assert waiting.state == ReplicaState.PENDING and waiting.placement_error.startswith(MAKING_ROOM)
+    # Routers keep holding its requests: the table does not call it unplaceable.
+    assert "unplaceable" not in build_endpoint_table()["models"]["newcomer"]
+
+    later = timezone.now() + timedelta(seconds=UNPUBLISH_GRACE_SECONDS + 1)
+    run_tick(now=later)
+    drained = Shard.objects.get(replica=stale)
+    assert [(c["type"], c["shard_id"]) for c in inbox()] == [("drain_shard", drained.pk)]
+    assert Replica.objects.filter(state=ReplicaState.STOPPING).count() == 1  # nothing more stopped meanwhile
+
+    shard_report(b, drained, "stopped")
+    run_tick(now=later)
+    placed = Replica.objects.get(model__name="newcomer")
+    assert placed.state == ReplicaState.STARTING
+    assert Shard.objects.get(replica=placed).node == b
+
+
+@pytest.mark.parametrize(
+    "guarded",
+    [
+        {"priority": 10},  # higher priority than the waiting model
+        {"idle": None},  # last use unknown
+        {"idle": 30},  # used too recently
+        {"ready": 60},  # too young: ready less than the minimum residency
+        {"min_replicas": 1},  # its model would go below min replicas
+    ],
+)
+def test_guarded_replicas_are_never_evicted_the_other_one_is(guarded, run_tick):
+    a, b = make_node("gpu-a", fabric="ib-a"), make_node("gpu-b", fabric="ib-a")
+    # The guarded one is the least recently used, so only a guard keeps it.
+    kept = serving("guarded", a, **{"idle": 5000, **guarded})
+    other = serving("other", b, idle=300)
+    ask_for("newcomer")
+
+    run_tick()
+
+    assert state_of(kept) == ReplicaState.READY
+    assert state_of(other) == ReplicaState.STOPPING
+
+
+def test_a_replica_with_running_requests_is_never_chosen_even_if_least_recently_used(run_tick):
+    a, b = make_node("gpu-a", fabric="ib-a"), make_node("gpu-b", fabric="ib-a")
+    streaming = serving("streaming", a, idle=5000)
+    Shard.objects.filter(replica=streaming).update(running=1)  # the engine reports a request in flight
+    other = serving("other", b, idle=300)
+    ask_for("newcomer")
+
+    run_tick()
+
+    assert (state_of(streaming), state_of(other)) == (ReplicaState.READY, ReplicaState.STOPPING)
+
+
+def test_with_nothing_evictable_the_reason_covers_the_fleet_and_nothing_is_stopped(run_tick):
+    a = make_node("gpu-a", fabric="ib-a")
+    busy = serving("busy", a, idle=10)
+    ask_for("newcomer")
+
+    run_tick()
+
+    assert state_of(busy) == ReplicaState.READY
+    reason = Replica.objects.get(model__name="newcomer").placement_error
+    assert reason == "needs 8×H100-80GB on one node; most free on one node: 0"
+    assert build_endpoint_table()["models"]["newcomer"]["unplaceable"] == reason
+
+
+def test_no_eviction_when_the_tick_may_not_act_on_idleness(full_fleet):
+    _a, _b, recent, stale = full_fleet
+    model = ask_for("newcomer")
+    Replica.objects.create(model=model, profile=model.profiles.get())
+
+    place_pending(timezone.now(), 1, Outbox(1), evict=False)
+
+    assert (state_of(recent), state_of(stale)) == (ReplicaState.READY, ReplicaState.READY)
+
+
+def test_two_waiting_replicas_do_not_count_the_same_draining_gpus(full_fleet, run_tick):
+    _a, _b, recent, stale = full_fleet
+    ask_for("first")
+    run_tick()
+    assert state_of(stale) == ReplicaState.STOPPING
+    ask_for("second")
+
+    run_tick()
+
+    # "first" waits for stale's GPUs; "second" needed victims of its own.
+    assert state_of(recent) == ReplicaState.STOPPING
+    notes = dict(Replica.objects.filter(state=ReplicaState.PENDING).values_list("model__name", "placement_error"))
+    assert notes["first"].startswith(MAKING_ROOM + "waiting for GPUs being freed on gpu-b")
+    assert notes["second"].startswith(MAKING_ROOM + "stopping replica")
+
+
+def test_an_activation_nobody_waits_for_any_more_is_withdrawn_and_leaves_nothing(run_tick, settings):
+    settings.LLMGW_ACTIVATION_LINGER_SECONDS = 10
+    a = make_node("gpu-a", fabric="ib-a")
+    serving("busy", a, idle=10)
+    ask_for("newcomer")
+    run_tick()
+    assert Replica.objects.filter(model__name="newcomer", state=ReplicaState.PENDING).exists()
+
+    # Still asked for: the demand is renewed.
+    async_to_sync(get_hub().request_activation)("newcomer")
+    run_tick(now=timezone.now() + timedelta(seconds=8))
+    assert Replica.objects.filter(model__name="newcomer").exists()
+
+    # The waiting requests gave up: no more asks.
+    result = run_tick(now=timezone.now() + timedelta(seconds=30))
+    assert Replica.objects.filter(model__name="newcomer").count() == 0
+    assert result.replicas_withdrawn == 1
+    assert "unplaceable" not in build_endpoint_table()["models"]["newcomer"]
