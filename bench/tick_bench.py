@@ -1,11 +1,19 @@
 """Reconcile tick cost against fleet size: wall time and query count per tick.
 
-    .venv/bin/python bench/tick_bench.py [--nodes 10,100,500] [--ticks 20]
+    .venv/bin/python bench/tick_bench.py [--nodes 10,100,500] [--ticks 20] [--scenario placing|pressure]
 
 For each fleet size it builds, in a fresh SQLite file (or the database named by
-DATABASE_URL), that many 8-GPU nodes, one single-GPU model per two nodes with
-min_replicas=4, then runs one placing tick and `--ticks` steady ticks, and
-prints the median steady tick time and the query counts. The query count must
+DATABASE_URL), that many 8-GPU nodes, then:
+
+* `placing`: one single-GPU model per two nodes with min_replicas=4; one
+  placing tick, then `--ticks` steady ticks;
+* `pressure`: a full fleet — two ready 4-GPU replicas on every node (so 2,000
+  replicas at 1,000 nodes), idle for known times — and a queue of
+  `--waiting` 8-GPU models asked for before every tick: the first tick evicts
+  (two victims per waiting model), the steady ticks that follow re-read the
+  holdings while the victims drain (no agents answer here).
+
+It prints the median steady tick time and the query counts. The query count must
 not grow with the fleet (CONVENTIONS: a tick runs a fixed number of queries).
 """
 
@@ -27,6 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="10,100,500", help="comma-separated fleet sizes")
     parser.add_argument("--ticks", type=int, default=20, help="steady ticks measured per size")
+    parser.add_argument("--scenario", choices=("placing", "pressure"), default="placing")
+    parser.add_argument("--waiting", type=int, default=20, help="pressure: 8-GPU models waiting for room")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
 
@@ -35,6 +45,7 @@ def main() -> None:
     import django
 
     django.setup()
+    from asgiref.sync import async_to_sync
     from django.core.management import call_command
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
@@ -42,11 +53,24 @@ def main() -> None:
 
     from catalog.choices import Engine
     from catalog.models import Model, Profile
+    from hub import UsageReport, get_hub
     from inventory.choices import NodeState
     from inventory.models import GPU, Node
+    from reconciler.choices import ReplicaState
     from reconciler.lease import Leadership
-    from reconciler.models import GPUAssignment, Lease, Replica, Shard
+    from reconciler.models import GPUAssignment, Lease, ModelLoad, Replica, Shard, UsageWatch
     from reconciler.tick import tick
+
+    hub = get_hub()
+
+    def one_tick():
+        # A router reporting keeps usage known, so the tick may evict; the waiting queue asks again.
+        async_to_sync(hub.report_usage)(UsageReport(router="bench", ttl=3600))
+        for name in waiting:
+            async_to_sync(hub.request_activation)(name)
+        tick(leadership=leadership)
+
+    waiting: list[str] = []
 
     call_command("migrate", verbosity=0)
     print(f"database: {connection.vendor}")
@@ -56,7 +80,7 @@ def main() -> None:
     )
     for size in sizes:
         # The lease too: a previous run's leader would hold it for its TTL and this run would not place.
-        for table in (GPUAssignment, Shard, Replica, Profile, Model, GPU, Node, Lease):
+        for table in (GPUAssignment, Shard, Replica, ModelLoad, Profile, Model, GPU, Node, Lease, UsageWatch):
             table.objects.all().delete()
         now = timezone.now()
         nodes = Node.objects.bulk_create(
@@ -74,27 +98,83 @@ def main() -> None:
             for node in nodes
             for g in range(8)
         )
-        for m in range(max(1, size // 2)):
-            model = Model.objects.create(name=f"model-{m}", source=f"org/model-{m}")
-            Profile.objects.create(
-                model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=4, max_replicas=4
-            )
+        if args.scenario == "placing":
+            waiting = []
+            for m in range(max(1, size // 2)):
+                model = Model.objects.create(name=f"model-{m}", source=f"org/model-{m}")
+                Profile.objects.create(
+                    model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=4, max_replicas=4
+                )
+        else:
+            waiting = full_fleet(nodes, now, args.waiting)
         with CaptureQueriesContext(connection) as placing_queries:
             started = time.perf_counter()
-            tick(leadership=leadership)
+            one_tick()
             placing_ms = (time.perf_counter() - started) * 1000
         steady, steady_queries = [], 0
         for _ in range(args.ticks):
             with CaptureQueriesContext(connection) as ctx:
                 started = time.perf_counter()
-                tick(leadership=leadership)
+                one_tick()
                 steady.append((time.perf_counter() - started) * 1000)
             steady_queries = len(ctx)
         replicas = Replica.objects.count()
+        if args.scenario == "pressure":
+            stopping = Replica.objects.filter(state=ReplicaState.STOPPING).count()
+            print(f"       evicted {stopping} replicas for {len(waiting)} waiting models")
         print(
             f"{size:>6} {size * 8:>6} {replicas:>8} {placing_ms:>11.1f} {len(placing_queries):>8} "
             f"{statistics.median(steady):>16.1f} {steady_queries:>8}"
         )
+
+
+def full_fleet(nodes, now, waiting_models: int) -> list[str]:
+    """Two ready 4-GPU replicas on every node (one model per two nodes, four replicas each), all known idle,
+    and the names of the 8-GPU models that will wait for room."""
+    from datetime import timedelta
+
+    from catalog.choices import Engine
+    from catalog.models import Model, Profile
+    from inventory.models import GPU
+    from reconciler.choices import ReplicaState, ShardState
+    from reconciler.models import GPUAssignment, Replica, Shard
+
+    profiles = []
+    for m in range(len(nodes) // 2):
+        model = Model.objects.create(name=f"model-{m}", source=f"org/model-{m}")
+        profiles.append(
+            Profile.objects.create(
+                model=model, engine=Engine.MOCK, gpu_class="H100-80GB", gpus_per_node=4, max_replicas=4,
+                idle_timeout_seconds=0,
+            )
+        )  # fmt: skip
+    replicas = Replica.objects.bulk_create(
+        Replica(
+            model_id=profiles[i // 4].model_id,
+            profile=profiles[i // 4],
+            state=ReplicaState.READY,
+            endpoint_url=f"http://10.0.0.1:{20000 + i}",
+            ready_at=now - timedelta(hours=2),
+            last_used=now - timedelta(seconds=600 + i),
+        )
+        for i in range(len(profiles) * 4)
+    )
+    shards = Shard.objects.bulk_create(
+        Shard(replica=replica, node=nodes[i // 2], rank=0, port=20000 + i % 2, state=ShardState.READY)
+        for i, replica in enumerate(replicas)
+    )
+    gpus = {(g.node_id, g.index): g.pk for g in GPU.objects.all()}
+    GPUAssignment.objects.bulk_create(
+        GPUAssignment(gpu_id=gpus[(shard.node_id, (i % 2) * 4 + g)], shard=shard)
+        for i, shard in enumerate(shards)
+        for g in range(4)
+    )
+    waiting = []
+    for w in range(waiting_models):
+        model = Model.objects.create(name=f"waiting-{w}", source=f"org/waiting-{w}")
+        Profile.objects.create(model=model, engine=Engine.MOCK, gpu_class="H100-80GB", gpus_per_node=8)
+        waiting.append(model.name)
+    return waiting
 
 
 if __name__ == "__main__":
