@@ -6,90 +6,22 @@ subprocess, and the answer comes back. Then ctl_status shows its last use, and
 stopping `up` (gracefully or by SIGKILL) leaves no engine running.
 """
 
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import free_port, wait_until
+from conftest import wait_until
+from tests.demo_stack import API_KEY, ctl_status, demo_stack, engine_pids
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parent.parent
-API_KEY = "sk-llmgw-e2e-test-key-0123456789"
-
-
-def engine_pids(var_dir: Path) -> set[int]:
-    """Mock engine processes started for this test's `up` (found by their parent chain)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if b"agent.mock_engine" in cmdline and f"LLMGW_VAR_DIR={var_dir}".encode() in environ:
-            pids.add(int(entry.name))
-    return pids
 
 
 @pytest.fixture
 def demo(tmp_path):
-    port, router_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
-        "LLMGW_VAR_DIR": str(tmp_path),
-        "LLMGW_DEMO_API_KEY": API_KEY,
-        "LLMGW_DEMO_ADMIN_PASSWORD": "e2e-admin-password",
-        "LLMGW_PORT": str(port),
-        "LLMGW_ROUTER_PORT": str(router_port),
-        "LLMGW_TICK_SECONDS": "0.5",
-        "PYTHONUNBUFFERED": "1",
-    }
-    with open(tmp_path / "up.log", "w+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "manage.py", "up", "--demo"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        base = f"http://127.0.0.1:{router_port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()
-            try:
-                if (
-                    httpx.get(f"{base}/health", timeout=1).status_code == 200
-                    and "API key" in (tmp_path / "up.log").read_text()
-                ):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("up --demo did not serve within 60 s:\n" + (tmp_path / "up.log").read_text())
-        yield {"proc": proc, "env": env, "router": base, "port": port, "var": tmp_path, "log": tmp_path / "up.log"}
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
-def ctl_status(env) -> dict:
-    out = subprocess.run(
-        [sys.executable, "manage.py", "ctl_status", "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    with demo_stack(tmp_path) as stack:
+        yield stack
 
 
 def test_demo_serves_a_cold_model_and_reports_its_last_use(demo):
