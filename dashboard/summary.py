@@ -16,6 +16,9 @@ GPU states (DESIGN invariant 5, plus node availability), decided in this order:
 
 GPUs on lost nodes are not counted at all. `total = used + free + unhealthy +
 unavailable` holds for every GPU class.
+
+`usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
+`dashboard.stoppable`, on the reconciler's own eviction rules.
 """
 
 from collections import Counter, defaultdict

@@ -1,5 +1,6 @@
 """`ctl_status`: the "What can I stop" section, --top/--all, a screenful at 1,000 nodes, and a closed pipe."""
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,13 @@ def test_top_limits_the_table_and_says_how_many_more(idle_fleet):
     lines = section(run("--top", "1"), "What can I stop")
     assert len(lines) == 4 and lines[-1] == "  … and 2 more (--all)"
     assert len(section(run("--all"), "What can I stop")) == 5
+
+
+def test_json_keeps_every_key_and_adds_what_can_i_stop(idle_fleet):
+    printed = json.loads(run("--json", "--top", "1"))
+    old = {"generated_at", "leader", "partition_brake", "capacity", "free_nodes", "nodes", "replicas", "models"}
+    assert old | {"unplaceable", "replica_list", "usage", "idle_held_gpus", "stoppable"} == set(printed)
+    assert [e["replica"] for e in printed["stoppable"]] == [r.pk for r in idle_fleet]  # --top is for text only
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])
