@@ -34,6 +34,14 @@ def _families() -> dict[str, GaugeMetricFamily]:
         "brake": GaugeMetricFamily(
             "llmgw_partition_brake", "1 while so many nodes are silent that none is declared lost."
         ),
+        "idle_held": GaugeMetricFamily(
+            "llmgw_idle_held_gpus",
+            "GPUs held by replicas known idle for over an hour (0 for every class while usage is unknown).",
+            labels=["gpu_class"],
+        ),
+        "usage_known": GaugeMetricFamily(
+            "llmgw_usage_known", "1 while the fleet's usage is known; 0 pauses idle stops and evictions."
+        ),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
 
@@ -70,6 +78,9 @@ class FleetCollector(Collector):
             if state != "total":
                 families["nodes"].add_metric([state], count)
         families["brake"].add_metric([], 1 if summary["partition_brake"]["engaged"] else 0)
+        for row in summary["idle_held_gpus"]["by_class"]:
+            families["idle_held"].add_metric([row["gpu_class"]], row["gpus"])
+        families["usage_known"].add_metric([], 1 if summary["usage"]["known"] else 0)
         families["up"].add_metric([], 1)
         yield from families.values()
 

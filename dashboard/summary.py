@@ -16,6 +16,9 @@ GPU states (DESIGN invariant 5, plus node availability), decided in this order:
 
 GPUs on lost nodes are not counted at all. `total = used + free + unhealthy +
 unavailable` holds for every GPU class.
+
+`usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
+`dashboard.stoppable`, on the reconciler's own eviction rules.
 """
 
 from collections import Counter, defaultdict
@@ -29,10 +32,13 @@ from catalog.models import Model
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, gpu_in_service
 from reconciler.choices import WANTED_STATES, ReplicaState
+from reconciler.eviction import MAKING_ROOM
 from reconciler.idle import Idle
 from reconciler.liveness import partition_brake
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
 from reconciler.placement import NodeCapacity
+
+from .stoppable import what_can_i_stop
 
 GPU_STATES = ("used", "free", "unhealthy", "unavailable")
 REPLICA_STATES = tuple(ReplicaState.values)
@@ -152,7 +158,9 @@ def cluster_summary(now: datetime | None = None) -> dict:
     """The state of the fleet, as plain JSON-ready data; see the module docstring.
 
     Six queries whatever the fleet size: lease, GPUs, nodes, models,
-    replicas, shards (with their GPU counts) — and nothing per row.
+    replicas, shards (with their GPU counts) — and nothing per row; plus
+    "what can I stop" (`stoppable.what_can_i_stop`): one more when usage is
+    unknown, at most ten more otherwise.
     """
     now = now or timezone.now()
     leader = _leader(now)
@@ -176,6 +184,8 @@ def cluster_summary(now: datetime | None = None) -> dict:
     wanted: Counter = Counter()
     ready: Counter = Counter()
     unplaceable: Counter = Counter()
+    # Models that found no room; one whose victims are already draining is not waiting on an operator.
+    blocked: set[str] = set()
     replica_list = []
     for row in replica_rows:
         state, model_name = row["state"], row["model__name"]
@@ -186,6 +196,8 @@ def cluster_summary(now: datetime | None = None) -> dict:
             ready[model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
             unplaceable[(model_name, row["placement_error"])] += 1
+            if not row["placement_error"].startswith(MAKING_ROOM):
+                blocked.add(model_name)
         idle = Idle.since(row["last_used"], now)
         replica_list.append(
             {
@@ -209,6 +221,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
     ]
 
     watched = nodes["ready"] + nodes["unreachable"]
+    stop = what_can_i_stop(now, leader=leader, gpu_classes=[row["gpu_class"] for row in capacity], unplaceable=blocked)
     return {
         "generated_at": now.isoformat(),
         "leader": leader,
@@ -228,4 +241,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
             for (model, reason), count in sorted(unplaceable.items())
         ],
         "replica_list": replica_list,
+        "usage": stop["usage"],
+        "idle_held_gpus": stop["idle_held_gpus"],
+        "stoppable": stop["stoppable"],
     }

@@ -8,7 +8,7 @@ from catalog.models import Model, Profile
 from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
 from reconciler.choices import ReplicaState, ShardState
-from reconciler.models import GPUAssignment, Replica, Shard
+from reconciler.models import GPUAssignment, Replica, Shard, UsageWatch
 
 H100 = "H100-80GB"
 _ports = iter(range(21000, 29999))
@@ -77,3 +77,66 @@ def ready_replicas(model, last_used_ago):
 
 def set_gpu(node, index, *, health=GPUHealth.HEALTHY, healthy_since=None):
     GPU.objects.filter(node=node, index=index).update(health=health, healthy_since=healthy_since)
+
+
+def watch_usage(*, known_since=None, reason=""):
+    """The tick's fleet usage watch: known since `known_since` (None: unknown, with `reason`)."""
+    UsageWatch.objects.update_or_create(name="fleet", defaults={"known_since": known_since, "reason": reason})
+
+
+def bulk_fleet(nodes, *, gpus=8, gpu_class=H100, fabrics=4, models=10, replicas=0, idle_seconds=7200.0):
+    """`nodes` ready nodes (`gpu-0001`…) of `gpus` GPUs on `fabrics` fabrics, built with a few bulk inserts.
+
+    `replicas` READY single-node replicas, spread over `models` models (2 GPUs each,
+    up to gpus/2 per node), last used `idle_seconds` ago. For fleets of a thousand
+    nodes, where one create per row would take minutes.
+    """
+    now = timezone.now()
+    made = Node.objects.bulk_create(
+        Node(
+            name=f"gpu-{i:04d}",
+            address=f"10.0.{i // 250}.{i % 250}",
+            fabric=f"ib-{i % fabrics}",
+            state=NodeState.READY,
+            last_seen=now,
+        )
+        for i in range(1, nodes + 1)
+    )
+    made = list(Node.objects.filter(name__in=[n.name for n in made]).order_by("name"))
+    GPU.objects.bulk_create(
+        GPU(node=node, index=i, uuid=f"GPU-{node.name}-{i}", gpu_class=gpu_class, memory_mb=81920)
+        for node in made
+        for i in range(gpus)
+    )
+    profiles = [make_model(f"bulk-{m:02d}", gpus_per_node=2, min_replicas=0).profiles.get() for m in range(models)]
+    per_node = gpus // 2
+    Replica.objects.bulk_create(
+        Replica(
+            model_id=profiles[r % models].model_id,
+            profile=profiles[r % models],
+            state=ReplicaState.READY,
+            ready_at=now,
+            last_used=now - timedelta(seconds=idle_seconds),
+            endpoint_url=f"http://bulk/{r}",
+        )
+        for r in range(replicas)
+    )
+    made_replicas = list(Replica.objects.filter(endpoint_url__startswith="http://bulk/").order_by("id"))
+    Shard.objects.bulk_create(
+        Shard(
+            replica=replica,
+            node=made[r // per_node],
+            rank=0,
+            port=20000 + r % per_node,
+            state=ShardState.READY,
+        )
+        for r, replica in enumerate(made_replicas)
+    )
+    shards = {s.replica_id: s for s in Shard.objects.filter(replica__in=made_replicas)}
+    gpu_ids = {(node_id, index): gpu_id for gpu_id, node_id, index in GPU.objects.values_list("id", "node_id", "index")}
+    GPUAssignment.objects.bulk_create(
+        GPUAssignment(gpu_id=gpu_ids[(made[r // per_node].pk, 2 * (r % per_node) + k)], shard=shards[replica.pk])
+        for r, replica in enumerate(made_replicas)
+        for k in range(2)
+    )
+    return made

@@ -60,14 +60,14 @@ def test_text_lists_free_whole_nodes_per_fabric_and_unplaceable_reasons(fleet):
 
 def test_text_shows_idle_time_and_a_dash_when_unknown(fleet):
     known, unknown = fleet
-    rows = {line.split()[0]: line.split() for line in run().splitlines() if line.strip()}
+    rows = {line.split()[0]: line.split() for line in run("--all").splitlines() if line.strip()}
     assert rows[str(known.pk)][-1] == "3m12s"
     assert rows[str(unknown.pk)][-1] == "-"
     assert rows[str(unknown.pk)][1:5] == ["llama-70b", "starting", "gpu-a", "4"]
 
 
 def test_text_columns_are_aligned(fleet):
-    lines = run().splitlines()
+    lines = run("--all").splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["ID", "MODEL"])
     idle_column = lines[header].index("IDLE")
     for line in lines[header + 1 : header + 3]:

@@ -1,6 +1,14 @@
-"""`manage.py ctl_status [--json]`: the cluster summary for a terminal or a script."""
+"""`manage.py ctl_status [--json] [--top N] [--all]`: the cluster summary for a terminal or a script.
+
+The text stays a screenful at any fleet size: free whole nodes show a few
+names per (fabric, class), replicas are counted per model and state, and "what
+can I stop" shows the top entries; `--all` prints everything.
+"""
 
 import json
+import os
+import sys
+from collections import Counter, defaultdict
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
@@ -9,6 +17,9 @@ from dashboard.summary import cluster_summary
 from reconciler.idle import Idle
 
 BAR_WIDTH = 16
+NAMES_SHOWN = 3
+"""Node names printed per (fabric, class) in "Free whole nodes" without --all."""
+DEFAULT_TOP = 10
 
 
 def usage_bar(row: dict, width: int = BAR_WIDTH) -> str:
@@ -23,6 +34,15 @@ def usage_bar(row: dict, width: int = BAR_WIDTH) -> str:
     return "[" + bar + "-" * (width - len(bar)) + "]"
 
 
+def some_names(names: list[str], limit: int | None = NAMES_SHOWN) -> str:
+    """`gpu-0001, gpu-0002, gpu-0003 and 184 more` (all of them when `limit` is None); `-` for none."""
+    if not names:
+        return "-"
+    if limit is None or len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
 def table(headers: list[str], rows: list[list]) -> list[str]:
     """Left-aligned columns, two spaces apart; the first line is the header."""
     cells = [headers] + [[str(c) for c in row] for row in rows]
@@ -31,12 +51,20 @@ def table(headers: list[str], rows: list[list]) -> list[str]:
 
 
 class Command(BaseCommand):
-    help = "Show the cluster: capacity, free whole nodes, nodes, replicas, models and idle time."
+    help = "Show the cluster: capacity, free whole nodes, nodes, replicas, models and what can be stopped."
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", help="Print the summary as JSON (for scripts).")
+        parser.add_argument(
+            "--top", type=int, default=DEFAULT_TOP, metavar="N", help="Stop candidates to list (default 10)."
+        )
+        parser.add_argument(
+            "--all", action="store_true", help="Print everything: every node name, replica and stop candidate."
+        )
 
     def handle(self, *args, **options):
+        if options["top"] < 1:
+            raise CommandError(f"--top must be at least 1, got {options['top']}")
         try:
             summary = cluster_summary()
         except DatabaseError as exc:
@@ -44,10 +72,17 @@ class Command(BaseCommand):
                 f"cannot read the fleet from the database ({exc}); has `manage.py migrate` run?"
             ) from None
         if options["json"]:
-            self.stdout.write(json.dumps(summary, indent=2))
-            return
-        for line in self.render(summary):
-            self.stdout.write(line)
+            lines = [json.dumps(summary, indent=2)]
+        else:
+            lines = self.render(summary, top=None if options["all"] else options["top"])
+        try:
+            for line in lines:
+                self.stdout.write(line)
+            self.stdout.flush()
+        except BrokenPipeError:
+            # The reader has gone (`ctl_status | head`): that is not an error. Point stdout at
+            # /dev/null so the interpreter's final flush cannot raise again on the way out.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     def section(self, title: str) -> str:
         return "\n" + self.style.MIGRATE_HEADING(title)
@@ -56,7 +91,8 @@ class Command(BaseCommand):
         lines = table(headers, rows)
         return ["  " + self.style.SQL_FIELD(lines[0])] + ["  " + row_style(line) for line in lines[1:]]
 
-    def render(self, s: dict) -> list[str]:
+    def render(self, s: dict, top: int | None = DEFAULT_TOP) -> list[str]:
+        """The text report; `top` None is --all (every node name, replica and stop candidate)."""
         out = [self.style.SUCCESS(f"llmgw status at {s['generated_at']}")]
         leader = s["leader"]
         if leader is None:
@@ -89,8 +125,9 @@ class Command(BaseCommand):
             out.append(self.style.WARNING(line) if r["unhealthy"] or r["unavailable"] else line)
 
         out.append(self.section("Free whole nodes"))
+        limit = None if top is None else NAMES_SHOWN
         rows = [
-            [r["fabric"] or "-", r["gpu_class"], r["whole_free_nodes"], ", ".join(r["nodes"]) or "-"]
+            [r["fabric"] or "-", r["gpu_class"], r["whole_free_nodes"], some_names(r["nodes"], limit)]
             for r in s["free_nodes"]
         ]
         out += self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
@@ -109,7 +146,63 @@ class Command(BaseCommand):
             rows = [[u["model"], u["pending"], " ".join(u["reason"].split())] for u in s["unplaceable"]]
             out += self.styled_table(["MODEL", "PENDING", "REASON"], rows, row_style=self.style.ERROR)
 
-        out.append(self.section("Replica list"))
+        out += self.what_can_i_stop(s, top)
+        if top is None:
+            out += self.replica_list(s)
+        else:
+            out += self.replicas_per_model(s)
+        return out
+
+    def what_can_i_stop(self, s: dict, top: int | None) -> list[str]:
+        out = [self.section("What can I stop")]
+        usage = s["usage"]
+        if not usage["known"]:
+            out.append(
+                self.style.WARNING(
+                    f"  usage is unknown ({usage['reason']}): nothing counts as idle, "
+                    "so idle stops and evictions wait until it is known again"
+                )
+            )
+            return out
+        held = s["idle_held_gpus"]
+        per_class = ", ".join(f"{r['gpu_class']} {r['gpus']}" for r in held["by_class"] if r["gpus"])
+        out.append(
+            f"  {held['total']} GPUs held by replicas idle over an hour" + (f" ({per_class})" if per_class else "")
+        )
+        entries = s["stoppable"]
+        if not entries:
+            out.append("  no replica is known idle and free to stop")
+            return out
+        shown = entries if top is None else entries[:top]
+        rows = [
+            [
+                e["replica"],
+                e["model"],
+                e["gpus"],
+                ",".join(e["nodes"]) or "-",
+                e["idle"],
+                e["frees"],
+                ", ".join(e["unblocks"]) or "-",
+            ]
+            for e in shown
+        ]
+        out += self.styled_table(["REPLICA", "MODEL", "GPUS", "NODES", "IDLE", "FREES", "UNBLOCKS"], rows)
+        if len(entries) > len(shown):
+            out.append(f"  … and {len(entries) - len(shown)} more (--all)")
+        return out
+
+    def replicas_per_model(self, s: dict) -> list[str]:
+        out = [self.section("Replicas per model") + " (--all lists every replica)"]
+        counts: dict[str, Counter] = defaultdict(Counter)
+        for r in s["replica_list"]:
+            counts[r["model"]][r["state"]] += 1
+        states = [state for state in s["replicas"] if state != "total"]
+        rows = [[model] + [counts[model][state] for state in states] for model in sorted(counts)]
+        out += self.styled_table(["MODEL"] + [state.upper() for state in states], rows) if rows else ["  none"]
+        return out
+
+    def replica_list(self, s: dict) -> list[str]:
+        out = [self.section("Replica list")]
         rows = [
             [
                 r["id"],

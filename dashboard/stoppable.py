@@ -1,0 +1,197 @@
+""" "What can I stop" (DESIGN "What can I stop" as an answer): the summary's `stoppable`, `idle_held_gpus` and `usage`.
+
+The candidates are the reconciler's own (`eviction.stop_candidates` over
+`holdings.read_holdings`), so status never offers a replica the tick would
+refuse to stop: known-idle only, never one with running requests, never below
+a model's min replicas. Here they are only ranked for an operator (most
+GPU-seconds held while idle first) and explained: what stopping one frees, by
+the placer's own rule for a whole node (`NodeCapacity.whole` after
+`eviction.with_freed`), and which unplaceable models would then fit
+(`placement.place` on each of their profiles).
+
+When the fleet's usage is unknown (no usage watch yet, the watch lapsed, or no
+leader collecting), idleness is unknown for everyone (DESIGN invariant 3):
+`stoppable` is empty, nothing counts as idle-held, and `usage.reason` says why.
+
+A fixed number of queries whatever the fleet size; everything per candidate
+is computed in memory on one free-capacity snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime
+
+from django.conf import settings
+
+from catalog.models import Profile
+from reconciler.capacity import CapacitySnapshot, free_capacity
+from reconciler.eviction import Holding, stop_candidates, with_freed
+from reconciler.holdings import read_holdings, spare_replicas
+from reconciler.idle import Idle
+from reconciler.models import UsageWatch
+from reconciler.placement import NodeCapacity, Placement, Shape, place
+
+USAGE_WATCH_NAME = "fleet"
+IDLE_HELD_AFTER_SECONDS = 3600.0
+"""A replica idle longer than this counts in `idle_held_gpus` (the "idle over an hour" total)."""
+
+
+def usage_state(now: datetime, leader: dict | None) -> dict:
+    """`{"known", "since", "reason"}` from the usage watch row. One query.
+
+    `leader` is the summary's lease view: when its lease has expired no tick is
+    collecting usage, so stamps stop moving and idle times would only grow;
+    that is unknown too, whatever the row last said.
+    """
+    watch = UsageWatch.objects.filter(name=USAGE_WATCH_NAME).first()
+    if watch is None:
+        return {"known": False, "since": None, "reason": "no tick has collected usage yet"}
+    if watch.known_since is None:
+        return {"known": False, "since": None, "reason": watch.reason or "usage is unknown"}
+    if leader is not None and leader["expires_in_seconds"] < 0:
+        ago = -leader["expires_in_seconds"]
+        reason = f"the leader's lease expired {ago:.0f}s ago: no tick is collecting usage"
+        return {"known": False, "since": None, "reason": reason}
+    return {"known": True, "since": watch.known_since.isoformat(), "reason": ""}
+
+
+def idle_held_gpus(holdings: Iterable[Holding], gpu_classes: Iterable[str]) -> dict:
+    """GPUs held by replicas known idle for over an hour, per class (every class listed, 0 included) and in total."""
+    per_class: dict[str, int] = dict.fromkeys(gpu_classes, 0)
+    for holding in holdings:
+        per_class.setdefault(holding.gpu_class, 0)
+        if holding.idle_seconds is not None and holding.idle_seconds > IDLE_HELD_AFTER_SECONDS:
+            per_class[holding.gpu_class] += holding.gpu_count
+    rows = [{"gpu_class": gpu_class, "gpus": gpus} for gpu_class, gpus in sorted(per_class.items())]
+    return {"total": sum(per_class.values()), "by_class": rows}
+
+
+def _unplaceable_shapes(models: Iterable[str]) -> dict[str, list[Shape]]:
+    """Each named model's profile shapes, in the order they are tried. One query (none without models)."""
+    names = sorted(set(models))
+    shapes: dict[str, list[Shape]] = defaultdict(list)
+    if not names:
+        return shapes
+    for name, gpu_class, gpus_per_node, nodes_per_replica in (
+        Profile.objects.filter(model__name__in=names)
+        .order_by("model__name", "order", "id")
+        .values_list("model__name", "gpu_class", "gpus_per_node", "nodes_per_replica")
+    ):
+        shapes[name].append(Shape(gpu_class, gpus_per_node, nodes_per_replica))
+    return shapes
+
+
+def _plural(count: int, one: str, many: str) -> str:
+    return f"a {one}" if count == 1 else f"{count} {many}"
+
+
+def _join(phrases: list[str]) -> str:
+    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+class _Fleet:
+    """The free-capacity snapshot indexed for per-candidate questions, read once per summary."""
+
+    def __init__(self, snapshot: CapacitySnapshot, unplaceable: dict[str, list[Shape]]):
+        self.records: dict[str, dict[str, NodeCapacity]] = {}
+        self.whole_on_fabric: dict[tuple[str, str], list[NodeCapacity]] = defaultdict(list)
+        for gpu_class in snapshot.nodes:
+            self.records[gpu_class] = {r.name: r for r in snapshot.records(gpu_class)}
+            for record in self.records[gpu_class].values():
+                if record.whole and record.fabric:
+                    self.whole_on_fabric[(gpu_class, record.fabric)].append(record)
+        # A model that fits already is not unblocked by a stop (its error predates the room).
+        self.unplaceable = {
+            model: shapes
+            for model, shapes in unplaceable.items()
+            if not any(isinstance(place(self.records.get(s.gpu_class, {}).values(), s), Placement) for s in shapes)
+        }
+
+    def after_stopping(self, holding: Holding) -> list[NodeCapacity]:
+        """The holding's nodes as they would be once it stops (only schedulable ones are in the snapshot)."""
+        records = self.records.get(holding.gpu_class, {})
+        return with_freed([records[name] for name in sorted(holding.gpus) if name in records], [holding])
+
+    def frees(self, holding: Holding, freed: list[NodeCapacity]) -> str:
+        """What stopping it frees: whole nodes per fabric where it makes them whole, else GPUs per node."""
+        gpu_class = holding.gpu_class
+        whole: dict[str, int] = defaultdict(int)
+        phrases = []
+        for node in freed:
+            if node.whole:
+                whole[node.fabric] += 1
+            else:
+                count = len(holding.gpus[node.name])
+                phrases.append(f"{_plural(count, f'{gpu_class} GPU', f'{gpu_class} GPUs')} on {node.name}")
+        for fabric, count in sorted(whole.items()):
+            where = f"on {fabric}" if fabric else "(no fabric)"
+            phrases.insert(0, f"{_plural(count, f'whole {gpu_class} node', f'whole {gpu_class} nodes')} {where}")
+        in_snapshot = {node.name for node in freed}
+        for name in sorted(set(holding.gpus) - in_snapshot):
+            count = len(holding.gpus[name])
+            gpus = _plural(count, f"{gpu_class} GPU", f"{gpu_class} GPUs")
+            phrases.append(f"{gpus} on {name} (not schedulable now)")
+        return _join(phrases) if phrases else "nothing schedulable"
+
+    def unblocks(self, holding: Holding, freed: list[NodeCapacity]) -> list[str]:
+        """Unplaceable models that would fit on any of their profiles once this replica alone stops.
+
+        None of them fits now, so only the freed nodes can make a single-node
+        shape fit, and only a freed node's fabric a multi-node one: `place`
+        runs on those nodes plus that fabric's whole nodes, not the fleet.
+        """
+        if not freed or not self.unplaceable:
+            return []
+        nearby = {node.name: node for node in freed}
+        for fabric in {node.fabric for node in freed if node.fabric}:
+            for node in self.whole_on_fabric.get((holding.gpu_class, fabric), []):
+                nearby.setdefault(node.name, node)
+        return sorted(
+            model
+            for model, shapes in self.unplaceable.items()
+            if any(
+                s.gpu_class == holding.gpu_class and isinstance(place(nearby.values(), s), Placement) for s in shapes
+            )
+        )
+
+
+def _entry(holding: Holding, fleet: _Fleet) -> dict:
+    freed = fleet.after_stopping(holding)
+    idle = Idle(holding.idle_seconds)
+    return {
+        "replica": holding.replica_id,
+        "model": holding.model,
+        "gpu_class": holding.gpu_class,
+        "gpus": holding.gpu_count,
+        "nodes": sorted(holding.gpus),
+        "idle_seconds": round(holding.idle_seconds or 0.0, 3),
+        "idle": str(idle),
+        "frees": fleet.frees(holding, freed),
+        "unblocks": fleet.unblocks(holding, freed),
+    }
+
+
+def what_can_i_stop(now: datetime, *, leader: dict | None, gpu_classes: Iterable[str], unplaceable: set[str]) -> dict:
+    """The summary's `usage`, `idle_held_gpus` and `stoppable` (ranked, best first).
+
+    `gpu_classes` are the fleet's classes (each listed in `idle_held_gpus`),
+    `unplaceable` the models with a pending replica that found no room.
+    Queries: 1 when usage is unknown; else up to 1 + 3 (holdings) + 2 (spare
+    replicas) + 3 (free capacity) + 1 (profiles of unplaceable models).
+    """
+    usage = usage_state(now, leader)
+    if not usage["known"]:
+        return {"usage": usage, "idle_held_gpus": idle_held_gpus([], gpu_classes), "stoppable": []}
+    holdings = read_holdings(now)
+    held = idle_held_gpus(holdings, gpu_classes)
+    candidates = stop_candidates(
+        holdings, spare_replicas(), min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=0
+    )
+    if not candidates:
+        return {"usage": usage, "idle_held_gpus": held, "stoppable": []}
+    fleet = _Fleet(free_capacity(now), _unplaceable_shapes(unplaceable))
+    # Most GPU-seconds held while idle first; `candidates` is in eviction order, and sorted() is stable.
+    ranked = sorted(candidates, key=lambda h: -(h.gpu_count * (h.idle_seconds or 0.0)))
+    return {"usage": usage, "idle_held_gpus": held, "stoppable": [_entry(h, fleet) for h in ranked]}
