@@ -73,11 +73,13 @@ class Outbox:
         Send it only once the replica is out of the endpoint table, or new
         requests keep the engine busy until the timeout.
         """
-        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, int | float) or not timeout_seconds >= 0:
+        if (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, int | float)
+            or not timeout_seconds >= 0
+        ):
             raise ValueError(f"drain timeout must be a number of seconds >= 0, got {timeout_seconds!r}")
-        self.commands.append(
-            (node_name, DrainShard, {"shard_id": shard_id, "timeout_seconds": float(timeout_seconds)})
-        )
+        self.commands.append((node_name, DrainShard, {"shard_id": shard_id, "timeout_seconds": float(timeout_seconds)}))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""

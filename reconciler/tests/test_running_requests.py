@@ -100,12 +100,11 @@ def test_recording_running_leaves_updated_at_alone(two_nodes):
 
 def test_outbox_drain_sends_a_typed_drain_shard_after_commit(agent_inbox, django_capture_on_commit_callbacks):
     inbox = agent_inbox("gpu-a")
-    with django_capture_on_commit_callbacks(execute=True):
-        with transaction.atomic():
-            outbox = Outbox(epoch=7)
-            outbox.drain("gpu-a", 42, 30)
-            outbox.send_on_commit()
-            assert inbox() == []  # nothing before commit
+    with django_capture_on_commit_callbacks(execute=True), transaction.atomic():
+        outbox = Outbox(epoch=7)
+        outbox.drain("gpu-a", 42, 30)
+        outbox.send_on_commit()
+        assert inbox() == []  # nothing before commit
     [sent] = inbox()
     assert sent == {"type": "drain_shard", "v": 1, "epoch": 7, "shard_id": 42, "timeout_seconds": 30.0}
     # It is what the agent's gate accepts.
