@@ -17,6 +17,12 @@ Multi-node rules (node_count > 1, rank 0 is the head):
 * llama.cpp runs on one node only.
 * The mock engine runs a full server on every rank, so simulated multi-node
   replicas answer health checks everywhere.
+
+Each launch also says where the engine publishes its Prometheus metrics (the
+agent reads its requests in flight there, agent/engine_load.py): vLLM always
+serves `/metrics`; SGLang only with `--enable-metrics` and llama.cpp's server
+only with `--metrics`, so the builders add those flags. Ranks that serve no
+HTTP have no metrics path.
 """
 
 from __future__ import annotations
@@ -33,16 +39,19 @@ PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
 @dataclass(frozen=True)
 class Launch:
-    """How to start one shard: argv (no shell), extra environment, and where it reports health.
+    """How to start one shard: argv (no shell), extra environment, and where it reports health and load.
 
     `health_path` is None for ranks that serve no HTTP; those are ready once
-    their process has stayed up. `cwd` is None to inherit the agent's.
+    their process has stayed up. `metrics_path` is None when the engine's
+    requests in flight cannot be read (a drain then stops it at once).
+    `cwd` is None to inherit the agent's.
     """
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     health_path: str | None = "/health"
     cwd: str | None = None
+    metrics_path: str | None = "/metrics"
 
 
 def _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args) -> None:
@@ -95,7 +104,9 @@ def build_launch(
 
     if engine == "vllm":
         if rank > 0:
-            return Launch(["ray", "start", f"--address={head_address}:{VLLM_RAY_PORT}", "--block"], env, None)
+            return Launch(
+                ["ray", "start", f"--address={head_address}:{VLLM_RAY_PORT}", "--block"], env, None, metrics_path=None
+            )
         argv = ["vllm", "serve", source, "--host", "0.0.0.0", "--port", str(port)]
         argv += ["--served-model-name", model, "--tensor-parallel-size", str(len(gpu_indices))]
         if multi:
@@ -105,6 +116,8 @@ def build_launch(
     if engine == "sglang":
         argv = ["python", "-m", "sglang.launch_server", "--model-path", source, "--host", "0.0.0.0"]
         argv += ["--port", str(port), "--served-model-name", model, "--tp-size", str(len(gpu_indices) * node_count)]
+        # On every rank: SGLang expects the same server arguments on each node of a replica.
+        argv += ["--enable-metrics"]
         if multi:
             argv += [
                 "--nnodes",
@@ -114,10 +127,12 @@ def build_launch(
                 "--dist-init-addr",
                 f"{head_address}:{port + 1}",
             ]
-        return Launch(argv + args, env, "/health" if rank == 0 else None)
+        head = rank == 0
+        return Launch(argv + args, env, "/health" if head else None, metrics_path="/metrics" if head else None)
 
     if engine == "llamacpp":
         argv = ["llama-server", "-m", source, "--host", "0.0.0.0", "--port", str(port), "--alias", model, "-ngl", "999"]
+        argv += ["--metrics"]
         return Launch(argv + args, env)
 
     argv = [python, "-m", "agent.mock_engine", "--host", "0.0.0.0", "--port", str(port), "--model", model]

@@ -63,13 +63,13 @@ class ControlPlaneLink:
     async def run(
         self,
         hello: Callable[[], bytes],
-        heartbeat: Callable[[], bytes],
+        heartbeat: Callable[[], Awaitable[bytes]],
         receive: Callable[[str | bytes], Awaitable[None]],
     ) -> None:
         """Hold the stream until close(); raise AgentRejected if the control plane refuses the node.
 
-        Each connection starts with `hello()`, sends `heartbeat()` every
-        interval, and hands every frame received to `receive`. Connection
+        Each connection starts with `hello()`, sends `await heartbeat()` every
+        interval (however long building it took), and hands every frame received to `receive`. Connection
         losses are retried with backoff, rotating through the addresses.
         """
         failures = 0
@@ -163,7 +163,7 @@ class ControlPlaneLink:
         ws: ClientConnection,
         uri: str,
         hello: Callable[[], bytes],
-        heartbeat: Callable[[], bytes],
+        heartbeat: Callable[[], Awaitable[bytes]],
         receive: Callable[[str | bytes], Awaitable[None]],
     ) -> None:
         self._ws = ws
@@ -183,7 +183,11 @@ class ControlPlaneLink:
                 await beats
             self._ws = None
 
-    async def _heartbeats(self, ws: ClientConnection, heartbeat: Callable[[], bytes]) -> None:
+    async def _heartbeats(self, ws: ClientConnection, heartbeat: Callable[[], Awaitable[bytes]]) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.heartbeat_seconds)
-            await self.send(heartbeat(), ws)
+            # On a fixed cadence: the time spent reading engines' load comes out of the wait, not on top of it.
+            due = max(due + self.heartbeat_seconds, loop.time())
+            await asyncio.sleep(due - loop.time())
+            await self.send(await heartbeat(), ws)

@@ -7,7 +7,8 @@ structures defined once"). Every message carries `type` (its tag) and `v`.
 
 agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   hello         node, version, address, fabric, labels{}, gpus[], shards[]
-  heartbeat     gpus[{index, healthy}], shards[{shard_id, state}]
+  heartbeat     gpus[{index, healthy}], shards[{shard_id, state, running}]
+                (running: requests the engine holds, running or queued; null = unknown)
   shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
@@ -16,7 +17,8 @@ the newest epoch it has seen (fencing, DESIGN invariant 1)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{}
   stop_shard    epoch, shard_id
-  drain_shard   epoch, shard_id
+  drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
+                reports no requests in flight, or when the timeout passes
   error         message   (the control plane could not accept a message)
 """
 
@@ -117,10 +119,16 @@ class RunningShard(Struct, frozen=True, kw_only=True):
 
 
 class ShardHeartbeat(Struct, frozen=True, kw_only=True):
-    """A running shard's state as `heartbeat` reports it."""
+    """A running shard's state as `heartbeat` reports it.
+
+    `running` is the number of requests the engine holds (running or queued)
+    by its own /metrics, or None when that is not known (DESIGN invariant 3:
+    unknown is not idle).
+    """
 
     shard_id: int
     state: str
+    running: Annotated[int, Meta(ge=0)] | None = None
 
 
 class _Message(Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -197,11 +205,15 @@ class StopShard(_Message, frozen=True, kw_only=True, tag=STOP_SHARD):
     shard_id: int
 
 
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 300.0
+
+
 class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
-    """Stop a shard's engine once its in-flight requests are done."""
+    """Stop a shard's engine once it reports no requests in flight, or after `timeout_seconds` regardless."""
 
     epoch: int
     shard_id: int
+    timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
 
 
 class Error(_Message, frozen=True, kw_only=True, tag=ERROR):

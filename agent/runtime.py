@@ -6,6 +6,11 @@ out `start_shard`, `stop_shard` and `drain_shard`, answering each with
 `shard_status` (messages in agent/protocol.py). Each shard's engine is an
 EngineProcess (agent/supervisor.py) started from its launch (agent/engines.py).
 
+Each heartbeat carries the requests every serving engine holds, read from its
+/metrics just before (agent/engine_load.py, bounded so a slow engine cannot
+hold the heartbeat back). A drain waits for those to reach zero, or for its
+timeout, before the engine is stopped (agent/draining.py).
+
 The Agent installs no signal handlers, so several can run as tasks in one
 event loop (`manage.py up`); whoever owns the loop calls `shutdown()`.
 """
@@ -16,9 +21,10 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import protocol
+from . import draining, protocol
+from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
 from .engines import Launch, build_launch
 from .gpus import GPUInfo
 from .link import AgentRejected, AgentSuperseded, ControlPlaneLink
@@ -30,6 +36,8 @@ log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
 STOP_GRACE_SECONDS = 10.0
+# States in which an engine serves requests, so its load is worth reading.
+SERVING_STATES = ("ready", "draining")
 
 
 @dataclass
@@ -41,10 +49,12 @@ class Shard:
     port: int
     launch: Launch
     engine: EngineProcess
-    state: str = "starting"  # starting | ready, until the process is gone
+    state: str = "starting"  # starting | ready | draining, until the process is gone
     stopping: bool = False
     watch: asyncio.Task | None = None
     stop_task: asyncio.Task | None = None
+    # Set by a stop (or shutdown) to end a drain at once.
+    stop_now: asyncio.Event = field(default_factory=asyncio.Event)
 
     def report(self) -> protocol.RunningShard:
         return protocol.RunningShard(
@@ -68,6 +78,8 @@ class Agent:
         engine_python: str = sys.executable,
         health_timeout: float = 600.0,
         stop_grace_seconds: float = STOP_GRACE_SECONDS,
+        load_timeout: float = POLL_TIMEOUT_SECONDS,
+        drain_poll_seconds: float = draining.DRAIN_POLL_SECONDS,
     ):
         self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds)
         self.control_planes = self._link.control_planes
@@ -80,6 +92,8 @@ class Agent:
         self.engine_python = engine_python
         self.health_timeout = health_timeout
         self.stop_grace_seconds = stop_grace_seconds
+        self.drain_poll_seconds = drain_poll_seconds
+        self._load = EngineLoad(load_timeout)
         self.highest_epoch: int | None = None
         self._shards: dict[int, Shard] = {}
         self._shutdown_task: asyncio.Task | None = None
@@ -127,13 +141,18 @@ class Agent:
             )
         )
 
-    def _heartbeat(self) -> bytes:
-        return protocol.encode(
-            protocol.Heartbeat(
-                gpus=[protocol.GPUHealth(index=g.index, healthy=g.healthy) for g in self.gpus],
-                shards=[protocol.ShardHeartbeat(shard_id=s.shard_id, state=s.state) for s in self._shards.values()],
-            )
-        )
+    async def _heartbeat(self) -> bytes:
+        serving = {
+            s.shard_id: (s.port, s.launch.metrics_path) for s in self._shards.values() if s.state in SERVING_STATES
+        }
+        running = await self._load.read_many(serving)
+        # Shards that started or stopped while the engines were read are reported as they are now.
+        shards = [
+            protocol.ShardHeartbeat(shard_id=s.shard_id, state=s.state, running=running.get(s.shard_id))
+            for s in self._shards.values()
+        ]
+        gpus = [protocol.GPUHealth(index=g.index, healthy=g.healthy) for g in self.gpus]
+        return protocol.encode(protocol.Heartbeat(gpus=gpus, shards=shards))
 
     async def _report(
         self,
@@ -163,9 +182,9 @@ class Agent:
             return
         if isinstance(message, protocol.StartShard):
             await self._start_shard(message)
+        elif isinstance(message, protocol.DrainShard):
+            self._begin_drain(message.shard_id, message.timeout_seconds)
         else:
-            # For now draining is stopping: engines are stopped with SIGTERM, which
-            # vLLM and SGLang treat as "finish in-flight requests, then exit".
             self._begin_stop(message.shard_id)
 
     def _fence(self, kind: str, epoch: int, shard_id: int) -> bool:
@@ -275,24 +294,63 @@ class Agent:
         await self._report(shard.shard_id, "failed", reason + (f":\n{tail}" if tail else ""))
 
     def _begin_stop(self, shard_id: int) -> asyncio.Task:
+        """Stop a shard's engine now; a drain under way ends at once and stops it."""
         shard = self._shards.get(shard_id)
         if shard is None:
-            # Nothing runs under that id: say so, so the control plane can let go of it.
-            return asyncio.create_task(self._report(shard_id, "stopped", "no engine was running for this shard"))
+            return self._report_not_running(shard_id)
+        shard.stop_now.set()
         if shard.stop_task is None:
             shard.stopping = True
             shard.stop_task = asyncio.create_task(self._stop(shard), name=f"shard-{shard_id}-stop")
         return shard.stop_task
 
-    async def _stop(self, shard: Shard) -> None:
+    def _begin_drain(self, shard_id: int, timeout: float) -> asyncio.Task:
+        """Stop a shard's engine once it holds no requests, or after `timeout` s; a repeat changes nothing."""
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            return self._report_not_running(shard_id)
+        if shard.stop_task is not None:
+            return shard.stop_task
+        shard.stopping = True
+        if shard.state != "ready":
+            # Not serving yet, so nothing is in flight.
+            reason = "stopped at once: the engine was not serving yet"
+        elif shard.launch.metrics_path is None:
+            # Its load cannot be read; SIGTERM still lets vLLM and SGLang finish what they hold.
+            reason = "stopped at once: the engine reports no load to wait on"
+        else:
+            shard.state = "draining"
+            shard.stop_task = asyncio.create_task(self._drain(shard, timeout), name=f"shard-{shard_id}-drain")
+            return shard.stop_task
+        shard.stop_task = asyncio.create_task(self._stop(shard, reason), name=f"shard-{shard_id}-stop")
+        return shard.stop_task
+
+    def _report_not_running(self, shard_id: int) -> asyncio.Task:
+        # Nothing runs under that id: say so, so the control plane can let go of it.
+        return asyncio.create_task(self._report(shard_id, "stopped", "no engine was running for this shard"))
+
+    async def _drain(self, shard: Shard, timeout: float) -> None:
+        log.info("shard %s: draining (up to %g s)", shard.shard_id, timeout)
+        reason = await draining.wait_until_idle(
+            lambda: self._load.read(shard.port, shard.launch.metrics_path),
+            timeout,
+            shard.stop_now,
+            lambda: shard.engine.running,
+            self.drain_poll_seconds,
+        )
+        await self._stop(shard, reason)
+
+    async def _stop(self, shard: Shard, reason: str = "") -> None:
         code = await shard.engine.terminate(self.stop_grace_seconds)
         if shard.watch is not None:
             shard.watch.cancel()
         self._shards.pop(shard.shard_id, None)
-        await self._report(shard.shard_id, "stopped", f"engine exited with code {code}")
+        exited = f"engine exited with code {code}"
+        await self._report(shard.shard_id, "stopped", f"{reason}; {exited}" if reason else exited)
 
     async def _shutdown(self) -> None:
         stops = [self._begin_stop(shard_id) for shard_id in list(self._shards)]
         if stops:
             await asyncio.gather(*stops, return_exceptions=True)
         await self._link.close()
+        await self._load.aclose()

@@ -8,7 +8,12 @@ from django.db import transaction
 from agent.protocol import Heartbeat, Hello, ShardStatus
 from inventory.models import Node
 from inventory.services import record_heartbeat, register_node
-from reconciler.agent_reports import reconcile_reported_shards, record_shard_status, stop_orphan_shards
+from reconciler.agent_reports import (
+    reconcile_reported_shards,
+    record_running,
+    record_shard_status,
+    stop_orphan_shards,
+)
 
 
 @transaction.atomic
@@ -24,8 +29,9 @@ def on_hello(node_id: int, hello: Hello) -> Node:
 
 @transaction.atomic
 def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat) -> None:
-    """The node is alive, its GPUs' health is recorded, and engines no row owns are stopped."""
+    """The node is alive, its GPUs' health and its shards' requests in flight are recorded, and orphans stopped."""
     record_heartbeat(node_id, heartbeat)
+    record_running(node_id, heartbeat.shards)
     stop_orphan_shards(node_id, node_name, heartbeat.shards)
 
 

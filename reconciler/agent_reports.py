@@ -2,8 +2,10 @@
 
 `record_shard_status` takes a `shard_status`; `reconcile_reported_shards`
 matches the shards a `hello` says are running against the node's rows;
-`stop_orphan_shards` stops engines a heartbeat reports that no row owns. A node
-speaks only for itself: reports about shards on other nodes are ignored.
+`stop_orphan_shards` stops engines a heartbeat reports that no row owns;
+`record_running` keeps each shard's requests in flight as its engine last
+reported them. A node speaks only for itself: reports about shards on other
+nodes are ignored.
 """
 
 from __future__ import annotations
@@ -192,3 +194,25 @@ def stop_orphan_shards(node_id: int, node_name: str, reported: list[ShardHeartbe
                 outbox.stop(node_name, shard_id)
             outbox.send_on_commit()
     return len(orphans)
+
+
+def record_running(node_id: int, reported: list[ShardHeartbeat]) -> int:
+    """Store the requests in flight a heartbeat reports for each of the node's own shards; return rows changed.
+
+    A shard of the node that the heartbeat does not mention, or mentions
+    without a count, is unknown (null), never 0 (DESIGN invariant 3). Only
+    rows whose value changed are written, so a steady fleet costs one read per
+    heartbeat: one query, plus one bulk update when something changed.
+    `updated_at` is left alone: it times start resends, not load.
+    """
+    running = {item.shard_id: item.running for item in reported}
+    changed = []
+    # order_by(): the default ordering would join the replicas for nothing.
+    for shard in Shard.objects.filter(node_id=node_id).order_by().only("pk", "running"):
+        now = running.get(shard.pk)
+        if shard.running != now:
+            shard.running = now
+            changed.append(shard)
+    if changed:
+        Shard.objects.bulk_update(changed, ["running"], batch_size=len(changed))
+    return len(changed)

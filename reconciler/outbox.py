@@ -64,11 +64,22 @@ class Outbox:
         self.commands.append((node_name, StartShard, fields))
 
     def stop(self, node_name: str, shard_id: int) -> None:
+        """Queue a stop_shard: the engine is stopped now, whatever it is doing."""
         self.commands.append((node_name, StopShard, {"shard_id": shard_id}))
 
     def drain(self, node_name: str, shard_id: int, timeout_seconds: float) -> None:
-        """Queue a drain_shard: stop once its running requests are done, or after `timeout_seconds`."""
-        self.commands.append((node_name, DrainShard, {"shard_id": shard_id}))
+        """Queue a drain_shard: the agent stops the engine once it holds no requests, or after the timeout.
+
+        Send it only once the replica is out of the endpoint table, or new
+        requests keep the engine busy until the timeout.
+        """
+        if (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, int | float)
+            or not timeout_seconds >= 0
+        ):
+            raise ValueError(f"drain timeout must be a number of seconds >= 0, got {timeout_seconds!r}")
+        self.commands.append((node_name, DrainShard, {"shard_id": shard_id, "timeout_seconds": float(timeout_seconds)}))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""

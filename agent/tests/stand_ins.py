@@ -141,7 +141,11 @@ def start_command(shard_id: int, port: int, epoch: int = 1, **overrides) -> dict
 
 def command(kind: str, epoch: int, **fields) -> dict:
     """A control-plane command as the agent receives it (plain data), built through its struct."""
-    struct = {protocol.START_SHARD: protocol.StartShard, protocol.STOP_SHARD: protocol.StopShard}[kind]
+    struct = {
+        protocol.START_SHARD: protocol.StartShard,
+        protocol.STOP_SHARD: protocol.StopShard,
+        protocol.DRAIN_SHARD: protocol.DrainShard,
+    }[kind]
     return protocol.to_builtins(struct(epoch=epoch, **fields))
 
 

@@ -26,6 +26,8 @@ def test_vllm_single_node():
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
     assert result.health_path == "/health"
+    # vLLM serves its metrics without being asked.
+    assert result.metrics_path == "/metrics"
 
 
 def test_vllm_head_of_two_nodes_adds_pipeline_parallelism_over_ray():
@@ -43,6 +45,7 @@ def test_vllm_other_ranks_join_the_heads_ray_cluster_and_serve_no_http():
     assert result.argv == ["ray", "start", "--address=10.0.0.1:6379", "--block"]
     assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert result.health_path is None
+    assert result.metrics_path is None
 
 
 def test_sglang_single_node():
@@ -50,9 +53,10 @@ def test_sglang_single_node():
     assert result.argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
         "--host", "0.0.0.0", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "2",
-        "--mem-fraction-static", "0.8",
+        "--enable-metrics", "--mem-fraction-static", "0.8",
     ]  # fmt: skip
     assert result.health_path == "/health"
+    assert result.metrics_path == "/metrics"
 
 
 def test_sglang_second_rank_of_two_nodes_rendezvous_at_head_port_plus_one():
@@ -60,19 +64,21 @@ def test_sglang_second_rank_of_two_nodes_rendezvous_at_head_port_plus_one():
     assert result.argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
         "--host", "0.0.0.0", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "8",
-        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20001",
+        "--enable-metrics", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20001",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert result.health_path is None
+    assert result.metrics_path is None
 
 
 def test_llamacpp():
     result = launch("llamacpp", source="/models/qwen.gguf", gpu_indices=[5], args=["-c", "4096"])
     assert result.argv == [
         "llama-server", "-m", "/models/qwen.gguf", "--host", "0.0.0.0", "--port", "20000",
-        "--alias", "llama-70b", "-ngl", "999", "-c", "4096",
+        "--alias", "llama-70b", "-ngl", "999", "--metrics", "-c", "4096",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert result.metrics_path == "/metrics"
 
 
 def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
@@ -83,6 +89,7 @@ def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert result.cwd == PROJECT_DIR
+    assert result.metrics_path == "/metrics"
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ HELLO = Hello(
 )
 HEARTBEAT = Heartbeat(
     gpus=[GPUHealth(index=0, healthy=True), GPUHealth(index=1, healthy=False)],
-    shards=[ShardHeartbeat(shard_id=4, state="ready")],
+    shards=[ShardHeartbeat(shard_id=4, state="ready"), ShardHeartbeat(shard_id=5, state="draining", running=3)],
 )
 SHARD_STATUS = ShardStatus(shard_id=4, state="failed", message="engine exited with code 2", port=None)
 START = StartShard(
@@ -84,7 +84,14 @@ def test_agent_messages_round_trip(message):
 
 
 @pytest.mark.parametrize(
-    "message", [START, StopShard(epoch=3, shard_id=4), DrainShard(epoch=3, shard_id=4), Error(message="no")]
+    "message",
+    [
+        START,
+        StopShard(epoch=3, shard_id=4),
+        DrainShard(epoch=3, shard_id=4),
+        DrainShard(epoch=3, shard_id=4, timeout_seconds=0.0),
+        Error(message="no"),
+    ],
 )
 def test_commands_round_trip(message):
     assert protocol.decode_command(protocol.encode(message)) == message
@@ -109,7 +116,10 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
         "type": "heartbeat",
         "v": 1,
         "gpus": [{"index": 0, "healthy": True}, {"index": 1, "healthy": False}],
-        "shards": [{"shard_id": 4, "state": "ready"}],
+        "shards": [
+            {"shard_id": 4, "state": "ready", "running": None},
+            {"shard_id": 5, "state": "draining", "running": 3},
+        ],
     }
     assert protocol.to_builtins(SHARD_STATUS) == {
         "type": "shard_status",
@@ -133,7 +143,51 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
         "epoch": 2,
         "shard_id": 5,
     }
+    assert protocol.to_builtins(DrainShard(epoch=2, shard_id=5, timeout_seconds=30)) == {
+        "type": "drain_shard",
+        "v": 1,
+        "epoch": 2,
+        "shard_id": 5,
+        "timeout_seconds": 30,
+    }
     assert protocol.to_builtins(Error(message="x")) == {"type": "error", "v": 1, "message": "x"}
+
+
+def test_heartbeat_running_and_drain_timeout_are_optional_so_version_1_peers_still_agree():
+    older_beat = protocol.decode_agent_message(
+        '{"type": "heartbeat", "v": 1, "gpus": [], "shards": [{"shard_id": 4, "state": "ready"}]}'
+    )
+    assert older_beat.shards == [ShardHeartbeat(shard_id=4, state="ready", running=None)]
+    older_drain = protocol.decode_command('{"type": "drain_shard", "v": 1, "epoch": 2, "shard_id": 5}')
+    assert older_drain == DrainShard(epoch=2, shard_id=5, timeout_seconds=protocol.DEFAULT_DRAIN_TIMEOUT_SECONDS)
+    assert older_drain.timeout_seconds == 300.0
+
+
+@pytest.mark.parametrize(
+    ("message", "problem"),
+    [
+        ([{"shard_id": 4, "state": "ready", "running": -1}], r"Expected `int` >= 0 - at `\$.shards\[0\].running`"),
+        ([{"shard_id": 4, "state": "ready", "running": 1.5}], r"Expected `int \| null`, got `float`"),
+        ([{"shard_id": 4, "state": "ready", "running": "3"}], r"Expected `int \| null`, got `str`"),
+    ],
+)
+def test_heartbeat_running_must_be_a_count_or_null(message, problem):
+    refused(protocol.decode_agent_message, {"type": "heartbeat", "v": 1, "gpus": [], "shards": message}, problem)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "problem"),
+    [
+        (-1, r"drain_shard: Expected `float` >= 0.0 - at `\$.timeout_seconds`"),
+        ("300", r"drain_shard: Expected `float`, got `str` - at `\$.timeout_seconds`"),
+        (None, r"drain_shard: Expected `float`, got `null` - at `\$.timeout_seconds`"),
+    ],
+)
+def test_drain_timeout_must_be_a_non_negative_number_of_seconds(timeout, problem):
+    message = {"type": "drain_shard", "v": 1, "epoch": 2, "shard_id": 5, "timeout_seconds": timeout}
+    error = refused(protocol.decode_command, message, problem)
+    # What could be read still names the shard, as for every other malformed command.
+    assert (error.kind, error.epoch, error.shard_id) == ("drain_shard", 2, 5)
 
 
 def test_optional_fields_take_their_defaults_when_absent():

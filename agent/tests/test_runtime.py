@@ -41,7 +41,7 @@ def test_agent_says_hello_then_starts_a_shard_reports_ready_and_stops_it():
             assert await health(port) == 200
             pid = agent.engine_pid(1)
             heartbeat = checked(await cp.next(protocol.HEARTBEAT))
-            assert heartbeat["shards"] == [{"shard_id": 1, "state": "ready"}]
+            assert heartbeat["shards"] == [{"shard_id": 1, "state": "ready", "running": 0}]
             assert agent.running_shards() == [{"shard_id": 1, "replica_id": 71, "state": "ready", "port": port}]
 
             await cp.send(command(protocol.STOP_SHARD, 1, shard_id=1))

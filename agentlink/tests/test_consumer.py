@@ -13,7 +13,9 @@ from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
 from inventory.services import enrol_node
 from llmgw_site.asgi import application
+from reconciler.models import Shard
 from reconciler.outbox import send_to_nodes
+from tests.fleet import make_model, make_replica
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_consumer_connection")]
 
@@ -204,4 +206,26 @@ async def test_an_engine_whose_shard_row_is_gone_is_stopped_on_heartbeat(token):
     await comm.send_json_to({"type": "heartbeat", "v": 1, "gpus": [], "shards": [{"shard_id": 77, "state": "ready"}]})
     command = await comm.receive_json_from(timeout=5)
     assert command["type"] == "stop_shard" and command["shard_id"] == 77
+    await comm.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_a_heartbeat_records_each_shards_requests_in_flight(token):
+    comm, connected, _ = await connect("gpu-a", token)
+    await comm.send_json_to(hello(gpus=2))
+    await comm.send_json_to({"type": "bogus", "v": 1})  # its error reply proves the hello was handled
+    assert (await comm.receive_json_from(timeout=5))["type"] == "error"
+
+    def place_two_shards():
+        node = Node.objects.get(name="gpu-a")
+        profile = make_model("m", max_replicas=2).profiles.get()
+        return [make_replica(profile, placement=[(node, [i])]).shards.get().pk for i in range(2)]
+
+    busy, unknown = await database_sync_to_async(place_two_shards)()
+    shards = [{"shard_id": busy, "state": "ready", "running": 2}, {"shard_id": unknown, "state": "ready"}]
+    await comm.send_json_to({"type": "heartbeat", "v": 1, "gpus": [], "shards": shards})
+    await comm.send_json_to({"type": "bogus", "v": 1})  # its error reply proves the heartbeat was handled
+    assert (await comm.receive_json_from(timeout=5))["type"] == "error"
+    running = await database_sync_to_async(lambda: dict(Shard.objects.values_list("pk", "running")))()
+    assert running == {busy: 2, unknown: None}
     await comm.disconnect()
