@@ -97,8 +97,8 @@ def with_freed(capacity: Iterable[NodeCapacity], victims: Iterable[Holding]) -> 
     """`capacity` as it would be once `victims` have stopped (their GPUs free)."""
     freed: dict[tuple[str, str], set[int]] = defaultdict(set)
     for victim in victims:
-        for node, indices in victim.gpus.items():
-            freed[(node, victim.gpu_class)].update(indices)
+        for node_name, indices in victim.gpus.items():
+            freed[(node_name, victim.gpu_class)].update(indices)
     result = []
     for node in capacity:
         extra = freed.get((node.name, node.gpu_class))

@@ -64,7 +64,7 @@ class Shard(models.Model):
     running = models.PositiveIntegerField(
         null=True,
         blank=True,
-        help_text="Requests the engine reports running, from the last heartbeat (empty: unknown).",
+        help_text="Requests the engine holds (running or queued), from the last heartbeat (empty: unknown).",
     )
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -39,7 +39,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='shard',
             name='running',
-            field=models.PositiveIntegerField(blank=True, help_text='Requests the engine reports running, from the last heartbeat (empty: unknown).', null=True),
+            field=models.PositiveIntegerField(blank=True, help_text='Requests the engine holds (running or queued), from the last heartbeat (empty: unknown).', null=True),
         ),
         migrations.CreateModel(
             name='ModelLoad',
