@@ -106,6 +106,8 @@ def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
     """
     problems: list[str] = []
     wanted = read_models(data, problems)
+    if problems and not wanted:
+        raise CatalogFileError(problems)  # no model to compare with the catalog
     listed = {m.name for m in wanted}
     profiles = Profile.objects.annotate(replica_count=Count("replicas")).order_by("order", "id")
     existing = {m.name: m for m in Model.objects.prefetch_related("aliases", Prefetch("profiles", queryset=profiles))}

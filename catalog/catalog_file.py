@@ -81,7 +81,11 @@ def load_catalog_text(text: str) -> Any:
 
 
 def read_models(data: Any, problems: list[str]) -> list[WantedModel]:
-    """The models of a parsed file; what is wrong is appended to `problems` (and that model left out)."""
+    """The models of a parsed file; what is wrong is appended to `problems`.
+
+    A model with problems is still returned when it has a name, so that its
+    names are checked too; apply nothing while `problems` is not empty.
+    """
     if data is None:
         problems.append("the file is empty; expected a mapping with a `models:` list")
         return []
@@ -145,14 +149,13 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
         return None
     name = entry.get("name")
     label = f'models[{position}] "{name}"' if isinstance(name, str) else f"models[{position}]"
-    found = len(problems)
     _unknown_keys(entry, MODEL_KEYS, label, problems)
     for key in REQUIRED_MODEL_KEYS:
         if key not in entry:
             problems.append(f"{label}: {key}: missing (required)")
     values = {key: entry[key] for key in ("name", "source", "enabled") if key in entry}
     at = _located(label, ": ")
-    bad = _type_problems(Model, values, at, problems)
+    bad = _type_problems(Model, values, at, problems) | {key for key in REQUIRED_MODEL_KEYS if key not in entry}
     instance = Model(**{k: v for k, v in values.items() if k not in bad})
     # Name clashes are judged for the whole file (check_names), not row by row
     # against the database as Model.clean() does; the rest is the fields' own validation.
@@ -166,8 +169,9 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     else:
         for i, profile in enumerate(profiles_data):
             profiles.append(_read_profile(profile, f"{label}: profiles[{i}]", problems))
-    if len(problems) > found:
+    if not isinstance(name, str):
         return None
+    # Returned even with problems (the caller raises), so its names are checked against the rest.
     return WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles)
 
 
@@ -192,12 +196,14 @@ def _read_profile(entry: Any, label: str, problems: list[str]) -> dict[str, Any]
         return {}
     _unknown_keys(entry, PROFILE_FIELDS, label, problems)
     values = {key: entry[key] for key in PROFILE_FIELDS if key in entry}
-    for name in PROFILE_FIELDS:
-        model_field = Profile._meta.get_field(name)
-        if name not in entry and not (model_field.has_default() or model_field.null):
-            problems.append(f"{label}.{name}: missing (required)")
+    missing = {
+        name
+        for name in PROFILE_FIELDS
+        if name not in entry and not (Profile._meta.get_field(name).has_default() or Profile._meta.get_field(name).null)
+    }
+    problems.extend(f"{label}.{name}: missing (required)" for name in sorted(missing))
     at = _located(label, ".")
-    bad = _type_problems(Profile, values, at, problems)
+    bad = _type_problems(Profile, values, at, problems) | missing
     profile = Profile(**{k: v for k, v in values.items() if k not in bad})
     if bad:
         # clean() compares fields with each other; with one of them unreadable it would mislead.
