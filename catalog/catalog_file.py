@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import yaml
@@ -185,7 +186,7 @@ def _read_aliases(aliases: Any, label: str, problems: list[str]) -> list[str]:
             problems.append(f"{label}: aliases[{i}]: expected a name (a string), got {_kind(name)}")
             continue
         alias = Alias(name=name)
-        _collect(lambda alias=alias: alias.clean_fields(exclude=["model"]), _fixed(f"{label}: aliases[{i}]"), problems)
+        _collect(partial(alias.clean_fields, exclude=["model"]), _fixed(f"{label}: aliases[{i}]"), problems)
         names.append(name)
     return names
 
