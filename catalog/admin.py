@@ -46,13 +46,15 @@ class AliasInline(admin.TabularInline):
 
 
 class ProfileInline(admin.StackedInline):
+    """A model's profiles: alternatives tried in order (lowest first); the first sets the model's demand."""
+
     model = Profile
     extra = 0
     fields = [
         ("order", "engine"),
         ("gpu_class", "gpus_per_node", "nodes_per_replica"),
-        ("min_replicas", "max_replicas", "priority"),
-        ("pool", "weight", "idle_timeout_seconds"),
+        ("min_replicas", "max_replicas", "target_concurrency"),
+        ("priority", "pool", "weight", "idle_timeout_seconds"),
         "engine_args",
     ]
 
@@ -100,7 +102,9 @@ class ProfileAdmin(admin.ModelAdmin):
         "nodes_per_replica",
         "min_replicas",
         "max_replicas",
+        "target_concurrency",
         "priority",
+        "idle_timeout_seconds",
         "pool",
         "start_seconds",
     ]

@@ -15,6 +15,18 @@ gpu_class_validator = RegexValidator(
 )
 
 
+def name_taken(name: str, *, owner: str, as_alias: bool) -> str:
+    """The message for `name` already in use, as model `owner`'s name or as one of its aliases."""
+    if as_alias:
+        return f"“{name}” is already an alias of model “{owner}”"
+    return f"“{name}” is already the name of model “{owner}”"
+
+
+def alias_is_own_name(name: str) -> str:
+    """The message for an alias equal to its own model's name."""
+    return f"“{name}” is this model's own name; an alias must differ from it"
+
+
 def name_clash(
     name: str, *, own_model_name: str | None = None, models: bool = True, aliases: bool = True, alias_pk=None
 ) -> str | None:
@@ -22,18 +34,19 @@ def name_clash(
 
     `own_model_name`: the model an alias is for (an alias must differ from it);
     `models`/`aliases`: which existing names to check; `alias_pk`: the alias
-    being edited, which does not clash with itself.
+    being edited, which does not clash with itself. The catalog file checks the
+    same namespace in memory (`catalog.catalog_file`), with the same messages.
     """
     if own_model_name is not None and name == own_model_name:
-        return f"“{name}” is this model's own name; an alias must differ from it"
+        return alias_is_own_name(name)
     if models:
         model = Model.objects.filter(name=name).first()
         if model is not None:
-            return f"“{name}” is already the name of model “{model.name}”"
+            return name_taken(name, owner=model.name, as_alias=False)
     if aliases:
         alias = Alias.objects.filter(name=name).exclude(pk=alias_pk).select_related("model").first()
         if alias is not None:
-            return f"“{name}” is already an alias of model “{alias.model.name}”"
+            return name_taken(name, owner=alias.model.name, as_alias=True)
     return None
 
 

@@ -1,4 +1,4 @@
-"""The demo fleet `manage.py up --demo` creates: an admin, an API key, a catalog, three nodes.
+"""The demo fleet `manage.py up --demo` creates: an admin, an API key, a catalog (a file), three nodes.
 
 Everything runs the bundled mock engine, so the demo needs no GPU; the nodes
 claim GPUs with the agent's --fake-gpus shapes.
@@ -7,12 +7,13 @@ claim GPUs with the agent's --fake-gpus shapes.
 import os
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
-from catalog.choices import Engine
-from catalog.models import Alias, Model, Profile
+from catalog.as_code import Plan, apply_catalog
+from catalog.catalog_file import load_catalog_text
 from hub.credentials import hash_secret
 from inventory.models import NodeCredential
 from inventory.services import enrol_node
@@ -20,33 +21,8 @@ from router.models import ApiKey
 
 DEMO_KEY_NAME = "demo (up --demo)"
 
-# (name, aliases, source, profile fields)
-CATALOG = [
-    (
-        "llama-3.1-8b-instruct",
-        ["llama3"],
-        "meta-llama/Llama-3.1-8B-Instruct",
-        {"gpu_class": "H100-80GB", "gpus_per_node": 1, "max_replicas": 2, "idle_timeout_seconds": 900},
-    ),
-    (
-        "qwen2.5-7b-instruct",
-        ["qwen"],
-        "Qwen/Qwen2.5-7B-Instruct",
-        {"gpu_class": "L40S-48GB", "gpus_per_node": 1, "max_replicas": 1, "idle_timeout_seconds": 900},
-    ),
-    (
-        "llama-3.1-70b-instruct",
-        [],
-        "meta-llama/Llama-3.1-70B-Instruct",
-        {"gpu_class": "H100-80GB", "gpus_per_node": 4, "max_replicas": 1, "priority": 10},
-    ),
-    (
-        "bge-m3",
-        ["embeddings"],
-        "BAAI/bge-m3",
-        {"gpu_class": "L40S-48GB", "gpus_per_node": 1, "min_replicas": 1, "max_replicas": 1},
-    ),
-]
+# The demo catalog, in the format of `manage.py catalog export`.
+DEMO_CATALOG = Path(__file__).with_name("demo_catalog.yaml")
 
 # (name, fabric, fake GPUs)
 NODES = [
@@ -68,17 +44,25 @@ class DemoNode:
 
 @dataclass
 class DemoFleet:
-    """What the demo printed: the admin login, the API key and the nodes."""
+    """What the demo printed: the admin login, the API key, the nodes and what its catalog file did."""
 
     admin_user: str
     admin_password: str
     api_key: str
     nodes: list[DemoNode]
+    catalog: Plan
 
 
 @transaction.atomic
-def create_demo_fleet(address: str = "127.0.0.1") -> DemoFleet:
-    """Create (or refresh, when run again) the demo's admin, key, catalog and nodes."""
+def create_demo_fleet(address: str = "127.0.0.1", catalog_text: str | None = None) -> DemoFleet:
+    """Create (or refresh, when run again) the demo's admin, key, catalog and nodes.
+
+    `catalog_text`: a catalog file's YAML to apply instead of the bundled one
+    (models it does not list are kept). Raises CatalogFileError, before
+    anything is written, when it has problems.
+    """
+    # First, so a bad file changes nothing at all.
+    plan = apply_catalog(load_catalog_text(catalog_text or DEMO_CATALOG.read_text(encoding="utf-8")))
     password = os.environ.get("LLMGW_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(9)
     user, _ = get_user_model().objects.get_or_create(username="admin", defaults={"is_staff": True})
     user.is_staff = user.is_superuser = True
@@ -92,16 +76,10 @@ def create_demo_fleet(address: str = "127.0.0.1") -> DemoFleet:
         ApiKey.objects.filter(key_hash=hash_secret(key)).delete()
     _, key = ApiKey.issue(DEMO_KEY_NAME, key)
 
-    for name, aliases, source, profile in CATALOG:
-        model, created = Model.objects.get_or_create(name=name, defaults={"source": source})
-        if created:
-            Profile.objects.create(model=model, engine=Engine.MOCK, **profile)
-            Alias.objects.bulk_create([Alias(model=model, name=alias) for alias in aliases])
-
     nodes = []
     for name, fabric, fake_gpus in NODES:
         # Tokens are stored hashed, so a re-run issues the demo nodes new ones.
         NodeCredential.objects.filter(node__name=name).delete()
         _, token = enrol_node(name, address=address, fabric=fabric)
         nodes.append(DemoNode(name, fabric, fake_gpus, token))
-    return DemoFleet("admin", password, key, nodes)
+    return DemoFleet("admin", password, key, nodes, plan)

@@ -44,6 +44,7 @@ def model_form(name, aliases=(), profiles=(), *, alias_initial=(), source="org/w
             "nodes_per_replica": "1",
             "min_replicas": "0",
             "max_replicas": "1",
+            "target_concurrency": "8",
             "priority": "0",
             "pool": "default",
             "weight": "1",

@@ -1,6 +1,7 @@
 """`manage.py up [--demo]`: run the whole of llmgw in one process (embedded mode)."""
 
 import asyncio
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
@@ -8,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.http.request import validate_host
 
 from agent.protocol import parse_port
+from catalog.catalog_file import CatalogFileError
 from runner import embedded
 from runner.demo import create_demo_fleet
 
@@ -21,6 +23,13 @@ def _port(value: str) -> int:
         raise CommandError(str(exc)) from None
 
 
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CommandError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 class Command(BaseCommand):
     help = (
         "Run the control plane, the router and the reconcile ticker in one process (SQLite by default). "
@@ -31,14 +40,25 @@ class Command(BaseCommand):
         parser.add_argument(
             "--demo", action="store_true", help="Also create a demo catalog, key and three simulated nodes."
         )
+        parser.add_argument(
+            "--catalog",
+            metavar="FILE",
+            help="With --demo: apply this catalog file (the `manage.py catalog export` format) "
+            "instead of the bundled demo catalog.",
+        )
         parser.add_argument("--host", default=settings.LLMGW_HOST, help="Address to listen on (LLMGW_HOST).")
         parser.add_argument("--port", default=str(settings.LLMGW_PORT), help="Control plane port (LLMGW_PORT).")
         parser.add_argument(
             "--router-port", default=str(settings.LLMGW_ROUTER_PORT), help="Router port (LLMGW_ROUTER_PORT)."
         )
 
-    def handle(self, *args, demo, host, port, router_port, **options):
+    def handle(self, *args, demo, catalog, host, port, router_port, **options):
         port, router_port = _port(port), _port(router_port)
+        if catalog is not None and not demo:
+            raise CommandError(
+                "--catalog goes with --demo; to change a running fleet's catalog: manage.py catalog apply FILE"
+            )
+        catalog_text = _read(catalog) if catalog is not None else None
         if port == router_port:
             raise CommandError("--port and --router-port must differ")
         as_header = f"[{host}]" if ":" in host and not host.startswith("[") else host
@@ -49,7 +69,11 @@ class Command(BaseCommand):
                 f"start with LLMGW_HOST={host} (or add it to ALLOWED_HOSTS)"
             )
         call_command("migrate", interactive=False, verbosity=0)
-        fleet = create_demo_fleet() if demo else None
+        try:
+            fleet = create_demo_fleet(catalog_text=catalog_text) if demo else None
+        except CatalogFileError as exc:
+            listing = "\n".join(f"  {m}" for m in exc.messages)
+            raise CommandError(f"{catalog or 'the demo catalog'}: nothing started:\n{listing}") from None
 
         def announce():
             self.stdout.write(self._banner(host, port, router_port, fleet))
@@ -69,6 +93,14 @@ class Command(BaseCommand):
             else f"{node.name} ({node.fake_gpus})"
         )
 
+    @staticmethod
+    def _example_model(fleet) -> str:
+        """The name to try: the catalog file's first model, by its first alias (the demo's: llama3)."""
+        wanted = next((m.wanted for m in fleet.catalog.models if m.wanted is not None), None)
+        if wanted is None:
+            return "llama3"
+        return wanted.aliases[0] if wanted.aliases else wanted.name
+
     def _banner(self, host, port, router_port, fleet) -> str:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         database = settings.DATABASES["default"]
@@ -84,11 +116,12 @@ class Command(BaseCommand):
                 f"  admin login           {fleet.admin_user} / {fleet.admin_password}",
                 f"  API key               {fleet.api_key}",
                 f"  nodes                 {', '.join(self._node_text(n) for n in fleet.nodes)}",
+                f"  catalog               {fleet.catalog.lines()[-1]}",
                 "",
                 "Try it (the first request starts the model, then answers):",
                 f"  curl http://{shown}:{router_port}/v1/chat/completions \\",
                 f'    -H "Authorization: Bearer {fleet.api_key}" -H "Content-Type: application/json" \\',
-                """    -d '{"model": "llama3", "messages": [{"role": "user", "content": "Hello!"}]}'""",
+                f"""    -d '{{"model": "{self._example_model(fleet)}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'""",
             ]
         lines += ["", "Ctrl-C stops everything, engines included.", ""]
         return "\n".join(lines)

@@ -1,0 +1,226 @@
+"""Catalog as code: export the catalog as a file's data, and apply one — planned first, then all or nothing.
+
+Models are matched by name, profiles by position: an existing profile row is
+updated in place, so it keeps its id, its learned start time and the replicas
+on it; rows beyond the file's list are deleted, and their replicas go with
+them by cascade (agents then stop the orphaned engines). Applying the same
+file twice changes nothing the second time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from django.db import transaction
+from django.db.models import Count, Prefetch
+
+from .catalog_file import PROFILE_FIELDS, CatalogFileError, WantedModel, check_names, read_models
+from .models import Alias, Model, Profile
+
+__all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
+
+
+class Verdict(enum.StrEnum):
+    """What applying the file does to one model."""
+
+    CREATED = "created"
+    CHANGED = "changed"
+    LEFT_ALONE = "left alone"
+    DELETED = "deleted"
+    NOT_IN_FILE = "not in file"
+
+
+@dataclass
+class ModelPlan:
+    """One model's part of a plan: its verdict, what changes, and the rows to write."""
+
+    name: str
+    verdict: Verdict
+    details: list[str] = field(default_factory=list)
+    wanted: WantedModel | None = None
+    existing: Model | None = None
+    model_fields: list[str] = field(default_factory=list)
+    aliases_added: list[str] = field(default_factory=list)
+    aliases_removed: list[Alias] = field(default_factory=list)
+    profiles_updated: list[tuple[Profile, list[str], dict[str, Any]]] = field(default_factory=list)
+    profiles_added: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (order, fields)
+    profiles_deleted: list[Profile] = field(default_factory=list)
+
+    def line(self) -> str:
+        text = f"{self.verdict.value:<11}  {self.name}"
+        return f"{text}: {'; '.join(self.details)}" if self.details else text
+
+
+@dataclass
+class Plan:
+    """What applying a catalog file does (or did), model by model, in file order then the rest by name."""
+
+    models: list[ModelPlan]
+    prune: bool
+    dry_run: bool = False
+
+    def count(self, verdict: Verdict) -> int:
+        return sum(1 for m in self.models if m.verdict == verdict)
+
+    @property
+    def changes_anything(self) -> bool:
+        return any(m.verdict in (Verdict.CREATED, Verdict.CHANGED, Verdict.DELETED) for m in self.models)
+
+    def lines(self) -> list[str]:
+        summary = ", ".join(f"{self.count(v)} {v.value}" for v in Verdict if v != Verdict.NOT_IN_FILE)
+        if self.count(Verdict.NOT_IN_FILE):
+            summary += f", {self.count(Verdict.NOT_IN_FILE)} not in file (kept; --prune deletes)"
+        last = f"dry run, nothing changed: {summary}" if self.dry_run else summary
+        return [m.line() for m in self.models] + [last]
+
+
+def export_catalog() -> dict[str, Any]:
+    """The whole catalog as a file's data: `models:`, each with its aliases and profiles in order."""
+    models = Model.objects.prefetch_related("aliases", "profiles")
+    return {
+        "models": [
+            {
+                "name": model.name,
+                "source": model.source,
+                "enabled": model.enabled,
+                "aliases": [alias.name for alias in model.aliases.all()],
+                "profiles": [{name: getattr(p, name) for name in PROFILE_FIELDS} for p in model.profiles.all()],
+            }
+            for model in models
+        ]
+    }
+
+
+def dump_catalog(data: dict[str, Any]) -> str:
+    """YAML text for a file's data (lists of plain values, such as aliases and engine args, on one line)."""
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=None, width=120)
+
+
+def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
+    """Validate a parsed catalog file against the catalog and say what applying it would do.
+
+    Raises CatalogFileError listing every problem; reads a constant number of queries.
+    """
+    problems: list[str] = []
+    wanted = read_models(data, problems)
+    if problems and not wanted:
+        raise CatalogFileError(problems)  # no model to compare with the catalog
+    listed = {m.name for m in wanted}
+    profiles = Profile.objects.annotate(replica_count=Count("replicas")).order_by("order", "id")
+    existing = {m.name: m for m in Model.objects.prefetch_related("aliases", Prefetch("profiles", queryset=profiles))}
+    unlisted = [m for name, m in sorted(existing.items()) if name not in listed]
+    kept = [] if prune else [(m.name, [a.name for a in m.aliases.all()]) for m in unlisted]
+    check_names(wanted, kept, problems)
+    if problems:
+        raise CatalogFileError(problems)
+    plans = [_plan_model(w, existing.get(w.name)) for w in wanted]
+    for model in unlisted:
+        if prune:
+            rows = list(model.profiles.all())
+            gone = f"{_count(len(rows), 'profile')}, {_count(sum(p.replica_count for p in rows), 'replica')} go with it"
+            plans.append(ModelPlan(model.name, Verdict.DELETED, [gone], existing=model))
+        else:
+            plans.append(ModelPlan(model.name, Verdict.NOT_IN_FILE, ["kept; --prune deletes"], existing=model))
+    return Plan(plans, prune)
+
+
+def apply_catalog(data: Any, *, prune: bool = False, dry_run: bool = False) -> Plan:
+    """Make the catalog what the parsed file says, in one transaction; with `dry_run`, only plan.
+
+    With `prune`, models not in the file are deleted; without it they stay.
+    Raises CatalogFileError (nothing changed) when the file has any problem.
+    """
+    with transaction.atomic():
+        plan = plan_catalog(data, prune=prune)
+        plan.dry_run = dry_run
+        if not dry_run:
+            _carry_out(plan)
+    return plan
+
+
+def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
+    if model is None:
+        plan = ModelPlan(wanted.name, Verdict.CREATED, wanted=wanted)
+        plan.aliases_added = list(wanted.aliases)
+        plan.profiles_added = list(enumerate(wanted.profiles))
+        if wanted.aliases:
+            plan.details.append(f"aliases {', '.join(wanted.aliases)}")
+        plan.details.append(_count(len(wanted.profiles), "profile"))
+        return plan
+    plan = ModelPlan(wanted.name, Verdict.LEFT_ALONE, wanted=wanted, existing=model)
+    plan.model_fields = [f for f in ("source", "enabled") if getattr(model, f) != getattr(wanted, f)]
+    if plan.model_fields:
+        plan.details.append(", ".join(plan.model_fields))
+
+    aliases = {a.name: a for a in model.aliases.all()}
+    plan.aliases_added = [a for a in wanted.aliases if a not in aliases]
+    plan.aliases_removed = [a for name, a in aliases.items() if name not in wanted.aliases]
+    if plan.aliases_added or plan.aliases_removed:
+        moves = [f"+{a}" for a in plan.aliases_added] + [f"-{a.name}" for a in plan.aliases_removed]
+        plan.details.append(f"aliases {' '.join(moves)}")
+
+    rows = list(model.profiles.all())
+    order = -1
+    for i, fields in enumerate(wanted.profiles):
+        if i < len(rows):
+            row = rows[i]
+            order = row.order
+            changed = [name for name in PROFILE_FIELDS if getattr(row, name) != fields[name]]
+            if changed:
+                plan.profiles_updated.append((row, changed, fields))
+                plan.details.append(f"profiles[{i}] {', '.join(changed)}")
+        else:
+            # Existing rows keep their order values; a new one sorts after them (ties go by id).
+            order = max(i, order)
+            plan.profiles_added.append((order, fields))
+            plan.details.append(f"profiles[{i}] added")
+    for i, row in enumerate(rows[len(wanted.profiles) :], start=len(wanted.profiles)):
+        plan.profiles_deleted.append(row)
+        plan.details.append(f"profiles[{i}] deleted ({_count(row.replica_count, 'replica')} with it)")
+    if plan.details:
+        plan.verdict = Verdict.CHANGED
+    return plan
+
+
+def _carry_out(plan: Plan) -> None:
+    """Write the plan. Deletes go first, so a name a deleted row held can be taken in the same apply.
+
+    Rows are saved one by one (queries grow with rows written, not with fields),
+    so the catalog's save signals publish the change to the routers on commit.
+    """
+    doomed = [m.existing.pk for m in plan.models if m.verdict == Verdict.DELETED and m.existing]
+    if doomed:
+        Model.objects.filter(pk__in=doomed).delete()
+    aliases = [a.pk for m in plan.models for a in m.aliases_removed]
+    if aliases:
+        Alias.objects.filter(pk__in=aliases).delete()
+    profiles = [p.pk for m in plan.models for p in m.profiles_deleted]
+    if profiles:
+        Profile.objects.filter(pk__in=profiles).delete()
+    for part in plan.models:
+        wanted = part.wanted
+        if wanted is None or part.verdict == Verdict.LEFT_ALONE:
+            continue
+        model = part.existing
+        if model is None:
+            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled)
+            model.save()
+        elif part.model_fields:
+            for name in part.model_fields:
+                setattr(model, name, getattr(wanted, name))
+            model.save(update_fields=[*part.model_fields, "updated_at"])
+        for name in part.aliases_added:
+            Alias(model=model, name=name).save()
+        for row, changed, fields in part.profiles_updated:
+            for name in changed:
+                setattr(row, name, fields[name])
+            row.save(update_fields=changed)
+        for order, fields in part.profiles_added:
+            Profile(model=model, order=order, **fields).save()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
