@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models.signals import post_delete, post_save
 
 from catalog.models import Alias, Model, Profile
@@ -24,9 +24,24 @@ log = logging.getLogger(__name__)
 
 
 def catalog_changed(**_signal_kwargs) -> None:
-    """Publish after the transaction commits. An admin save touching several rows publishes once per
-    row; catalog edits are rare and a repeat is only rebuilt, not pushed (the fingerprint is unchanged)."""
-    transaction.on_commit(_publish)
+    """Publish once after the transaction commits, however many catalog rows it saved or deleted
+    (an admin save touches several rows; `catalog apply` may touch hundreds)."""
+    if connection.in_atomic_block and any(_queued(entry[1]) for entry in connection.run_on_commit):
+        return  # already queued for this transaction
+
+    def publish() -> None:
+        publish.ran = True  # type: ignore[attr-defined]
+        _publish()
+
+    publish.ran = False  # type: ignore[attr-defined]
+    transaction.on_commit(publish)
+
+
+def _queued(callback) -> bool:
+    """Whether `callback` is a catalog publish still waiting for its commit."""
+    return getattr(callback, "ran", True) is False and getattr(callback, "__qualname__", "").startswith(
+        "catalog_changed."
+    )
 
 
 def _publish() -> None:

@@ -139,3 +139,11 @@ def test_a_catalog_change_is_published_when_it_commits_not_at_the_next_tick(djan
     with django_capture_on_commit_callbacks(execute=True):
         Model.objects.filter(pk=model.pk).delete()
     assert "new-model" not in async_to_sync(hub.read_endpoints)()["models"]
+
+
+def test_a_transaction_saving_many_catalog_rows_publishes_once(django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks() as callbacks:
+        for name in ("one", "two", "three"):
+            make_model(name)
+            Alias.objects.create(model=Model.objects.get(name=name), name=f"{name}-alias")
+    assert len(callbacks) == 1
