@@ -24,7 +24,7 @@ models:
     source: org/alpha
     profiles:
       - {engine: mock, gpu_class: H100-80GB, gpus_per_node: 8, idle_timeout_seconds: 0,
-         engine_args: ["--token-delay-ms", "100"]}
+         engine_args: ["--token-delay-ms", "800"]}
   - name: beta
     source: org/beta
     profiles:
@@ -80,7 +80,7 @@ def test_the_least_recently_used_model_makes_room_and_a_fallback_profile_serves(
 
     def stream_alpha():
         chunks = client.chat.completions.create(
-            model="alpha", messages=[{"role": "user", "content": "long"}], stream=True, max_tokens=120
+            model="alpha", messages=[{"role": "user", "content": "word " * 12}], stream=True
         )
         streamed.extend(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
@@ -89,6 +89,7 @@ def test_the_least_recently_used_model_makes_room_and_a_fallback_profile_serves(
     time.sleep(2.5)  # beta has been idle longer than the eviction threshold; alpha is busy
 
     assert "gamma" in ask(client, "gamma")
+    assert streaming.is_alive()  # the stream was in flight through the whole eviction
 
     status = ctl_status(pressure["env"])
     assert replicas_of(status, "beta") == []
@@ -96,6 +97,7 @@ def test_the_least_recently_used_model_makes_room_and_a_fallback_profile_serves(
     assert replicas_of(status, "alpha")[0]["state"] == "ready"
     streaming.join(60)
     assert not streaming.is_alive()
-    assert len("".join(streamed).split()) == 120  # the stream finished whole
+    # The stream finished whole: "mock reply from alpha:" and the 12 words echoed, 0.8 s a token.
+    assert "".join(streamed) == "mock reply from alpha:" + " word" * 12
 
     wait_until(lambda: "evicted for gamma" in pressure["log"].read_text(), 10, 0.2)
