@@ -62,7 +62,9 @@ class Shard(models.Model):
     state = models.CharField(max_length=16, choices=ShardState.choices, default=ShardState.ASSIGNED)
     message = models.TextField(blank=True)
     running = models.PositiveIntegerField(
-        null=True, blank=True, help_text="Requests the engine reports running, from the last heartbeat (empty: unknown)."
+        null=True,
+        blank=True,
+        help_text="Requests the engine reports running, from the last heartbeat (empty: unknown).",
     )
     updated_at = models.DateTimeField(auto_now=True)
 
