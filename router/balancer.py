@@ -242,8 +242,10 @@ class Balancer:
         """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""
         with self._lock:
             endpoint.outstanding -= 1
-            model = endpoint.model
-            self._in_flight[model] = self._in_flight.get(model, 1) - 1  # get: tolerate a release without a pick
+            try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)
+                self._in_flight[endpoint.model] -= 1
+            except KeyError:  # a release without its pick: nothing was counted
+                pass
             if failure is not None:
                 change = self._record_failure(endpoint, failure)
             else:
