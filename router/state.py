@@ -86,6 +86,8 @@ class RouterState:
             self.apply_table(table)
         self.tasks.start(self._poll(), name="router-poll-endpoints")
         self.tasks.start(self.usage.run(), name="router-flush-usage")
+        # The id the control plane names when this router's usage reports stop ("router X has not reported…").
+        log.info("router %s reports usage every %g s", self.usage.router_id, self.usage.flush_seconds)
         self.started = True
 
     async def stop(self) -> None:
