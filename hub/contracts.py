@@ -18,6 +18,7 @@ methods are coroutines (they run on the router's loop).
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,6 +57,18 @@ class UsageReport:
     in_flight: dict[str, int] = field(default_factory=dict)
     """Public model name -> the most requests this router had in flight at once since its previous flush."""
     ttl: float = 3.0
+
+    def __post_init__(self) -> None:
+        # A report crosses a process boundary: refuse a malformed one where it is built.
+        if not isinstance(self.router, str) or not self.router:
+            raise ValueError(f"usage report: router id must be a non-empty string, got {self.router!r}")
+        if not isinstance(self.ttl, int | float) or not math.isfinite(self.ttl) or self.ttl <= 0:
+            raise ValueError(f"usage report from {self.router}: ttl must be a finite number > 0, got {self.ttl!r}")
+        for model, count in self.in_flight.items():
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ValueError(
+                    f"usage report from {self.router}: in-flight count for {model!r} must be an int >= 0, got {count!r}"
+                )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The embedded hub: endpoint table, usage stamps, watch mark and activations in this process.
+"""The embedded hub: endpoint table, usage stamps, routers' watch marks and activations in this process.
 
 Shared by the embedded ticker's thread and the router's event loop, so every
 method takes one lock and none blocks.
@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from .contracts import EndpointTable
+from .contracts import EndpointTable, RouterMark, UsageReport, UsageSnapshot
 from .fingerprint import fingerprint
 
 
@@ -26,8 +26,7 @@ class InProcessHub:
         self._stamps: dict[str, float] = {}
         self._activations: set[str] = set()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[EndpointTable]]] = []
-        # (since, last renewed, ttl) of the routers' "watching" mark; None until a router flushes.
-        self._watch: tuple[float, float, float] | None = None
+        self._marks: dict[str, RouterMark] = {}  # router id -> its watch mark
         self._activation_listeners: list[Callable[[], None]] = []
 
     def on_activation(self, listener: Callable[[], None]) -> None:
@@ -51,9 +50,9 @@ class InProcessHub:
                 loop.call_soon_threadsafe(queue.put_nowait, table)
         return True
 
-    def collect_usage(self) -> dict[str, float]:
+    def collect_usage(self) -> UsageSnapshot:
         with self._lock:
-            return dict(self._stamps)
+            return UsageSnapshot(stamps=dict(self._stamps), routers=list(self._marks.values()))
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None:
         with self._lock:
@@ -65,12 +64,10 @@ class InProcessHub:
             wanted, self._activations = self._activations, set()
         return wanted
 
-    def watching_since(self) -> float | None:
+    def forget_routers(self, routers: Iterable[str]) -> None:
         with self._lock:
-            if self._watch is None:
-                return None
-            since, renewed, ttl = self._watch
-            return since if self._clock() - renewed <= ttl else None
+            for router in routers:
+                self._marks.pop(router, None)
 
     # -- router side ----------------------------------------------------------
     async def read_endpoints(self) -> EndpointTable | None:
@@ -89,11 +86,20 @@ class InProcessHub:
             with self._lock:
                 self._watchers.remove(entry)
 
-    async def record_usage(self, stamps: dict[str, float]) -> None:
+    async def report_usage(self, report: UsageReport) -> None:
+        now = self._clock()
         with self._lock:
-            for rid, ts in stamps.items():
+            for rid, ts in report.stamps.items():
                 if ts > self._stamps.get(rid, float("-inf")):
                     self._stamps[rid] = ts
+            previous = self._marks.get(report.router)
+            # A lapse is a gap in what this router told us: its watch starts again now.
+            since = previous.since if previous is not None and not previous.lapsed(now) else now
+            self._marks[report.router] = RouterMark(report.router, since, now, report.ttl, dict(report.in_flight))
+
+    async def leave(self, router: str) -> None:
+        with self._lock:
+            self._marks.pop(router, None)
 
     async def request_activation(self, model_name: str) -> None:
         with self._lock:
@@ -101,10 +107,3 @@ class InProcessHub:
             listeners = list(self._activation_listeners)
         for listener in listeners:
             listener()
-
-    async def keep_watching(self, ttl: float) -> None:
-        now = self._clock()
-        with self._lock:
-            lapsed = self._watch is None or now - self._watch[1] > self._watch[2]
-            since = now if lapsed or self._watch is None else self._watch[0]
-            self._watch = (since, now, ttl)

@@ -1,5 +1,12 @@
 """The distributed hub in Redis: a key plus pub/sub for the endpoint table, a ZSET of
-last-use stamps, a key with a TTL for the watch mark, and a set of activations."""
+last-use stamps, a hash of routers' watch marks, and a set of activations.
+
+A router's report is one MULTI round trip: the stamps (`ZADD GT`, newest wins)
+first, then its mark renewed by a Lua script (read, keep or restart `since`,
+write: atomic, so two flushes of one router cannot interleave). The tick reads
+marks then stamps in one MULTI, so a mark it sees renewed vouches for stamps it
+also sees.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,13 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import cast
 
 import redis
 import redis.asyncio
 
-from .contracts import EndpointTable
+from .contracts import EndpointTable, RouterMark, UsageReport, UsageSnapshot
 from .fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
@@ -23,15 +30,45 @@ log = logging.getLogger(__name__)
 ENDPOINTS_KEY = "llmgw:endpoints"
 ENDPOINTS_CHANNEL = "llmgw:endpoints"
 USAGE_KEY = "llmgw:usage:last_used"
-WATCH_KEY = "llmgw:usage:watching_since"
+ROUTERS_KEY = "llmgw:routers"
 ACTIVATIONS_KEY = "llmgw:activations"
+
+# KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
+# `since` is kept while the router's previous mark has not lapsed, else it restarts at now. The value is
+# assembled as text rather than with cjson.encode, which would round Unix times to 14 digits.
+RENEW_MARK_LUA = """
+local now = tonumber(ARGV[2])
+local since = ARGV[2]
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+if previous then
+  local ok, mark = pcall(cjson.decode, previous)
+  if ok and type(mark) == 'table' and tonumber(mark.renewed) and tonumber(mark.ttl) and tonumber(mark.since)
+     and now - tonumber(mark.renewed) <= tonumber(mark.ttl) then
+    since = string.format('%.17g', tonumber(mark.since))
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1],
+  '{"since": ' .. since .. ', "renewed": ' .. ARGV[2] .. ', "ttl": ' .. ARGV[3] .. ', "in_flight": ' .. ARGV[4] .. '}')
+return since
+"""
+
+
+def _parse_mark(router: str, raw: bytes) -> RouterMark:
+    """A mark as the Lua script wrote it; ValueError if it is not that shape."""
+    try:
+        data = json.loads(raw)
+        in_flight = {str(model): int(count) for model, count in (data.get("in_flight") or {}).items()}
+        return RouterMark(router, float(data["since"]), float(data["renewed"]), float(data["ttl"]), in_flight)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"malformed watch mark of router {router!r}: {raw!r} ({exc})") from None
 
 
 class RedisHub:
     """Distributed backends in Redis; the control plane's calls are synchronous, the router's async."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, clock: Callable[[], float] = time.time):
         self.url = url
+        self._clock = clock
         self._sync = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
         # Keyed by the loop object itself (weakly): an id() can be reused by a later loop.
         self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, redis.asyncio.Redis] = (
@@ -60,10 +97,18 @@ class RedisHub:
         pipe.execute()
         return True
 
-    def collect_usage(self) -> dict[str, float]:
-        # redis-py's sync client is typed as possibly awaitable; it is not.
-        rows = cast(list[tuple[bytes, float]], self._sync.zrange(USAGE_KEY, 0, -1, withscores=True))
-        return {member.decode(): score for member, score in rows}
+    def collect_usage(self) -> UsageSnapshot:
+        pipe = self._sync.pipeline(transaction=True)
+        pipe.hgetall(ROUTERS_KEY)  # marks before stamps: see UsageSnapshot
+        pipe.zrange(USAGE_KEY, 0, -1, withscores=True)
+        raw_marks, rows = cast(tuple[dict[bytes, bytes], list[tuple[bytes, float]]], pipe.execute())
+        routers = []
+        for key, raw in raw_marks.items():
+            try:
+                routers.append(_parse_mark(key.decode(), raw))
+            except ValueError as exc:  # skipped: its router's next report rewrites it
+                log.warning("%s", exc)
+        return UsageSnapshot(stamps={member.decode(): score for member, score in rows}, routers=routers)
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None:
         ids = [str(r) for r in replica_ids]
@@ -77,9 +122,10 @@ class RedisHub:
         members, _ = pipe.execute()
         return {m.decode() for m in members}
 
-    def watching_since(self) -> float | None:
-        raw = self._sync.get(WATCH_KEY)
-        return None if raw is None else float(raw)
+    def forget_routers(self, routers: Iterable[str]) -> None:
+        names = list(routers)
+        if names:
+            self._sync.hdel(ROUTERS_KEY, *names)
 
     # -- router side ----------------------------------------------------------
     async def read_endpoints(self) -> EndpointTable | None:
@@ -104,17 +150,20 @@ class RedisHub:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
 
-    async def record_usage(self, stamps: dict[str, float]) -> None:
-        if stamps:
+    async def report_usage(self, report: UsageReport) -> None:
+        pipe = self._aio().pipeline(transaction=True)
+        if report.stamps:
             # GT: newest wins, so routers flushing out of order never move a stamp back.
-            await self._aio().zadd(USAGE_KEY, stamps, gt=True)
+            pipe.zadd(USAGE_KEY, report.stamps, gt=True)
+        # After the stamps, in the same MULTI: a renewed mark vouches for what this router used.
+        # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
+        # first, a second round trip per flush; Redis caches the compiled script either way.
+        args = [report.router, repr(float(self._clock())), repr(float(report.ttl)), json.dumps(report.in_flight)]
+        pipe.eval(RENEW_MARK_LUA, 1, ROUTERS_KEY, *args)
+        await pipe.execute()
+
+    async def leave(self, router: str) -> None:
+        await self._aio().hdel(ROUTERS_KEY, router)
 
     async def request_activation(self, model_name: str) -> None:
         await self._aio().sadd(ACTIVATIONS_KEY, model_name)
-
-    async def keep_watching(self, ttl: float) -> None:
-        # Any router renews the one mark; it starts afresh only after every router stopped for `ttl`.
-        pipe = self._aio().pipeline(transaction=True)
-        pipe.set(WATCH_KEY, repr(time.time()), nx=True, px=int(ttl * 1000))
-        pipe.pexpire(WATCH_KEY, int(ttl * 1000))
-        await pipe.execute()

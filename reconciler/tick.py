@@ -1,6 +1,6 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
-Read the hub (usage, watch mark, activations) → in one transaction: usage →
+Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
 liveness → slow starts → demand → retries → resends → placement → stops →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
@@ -16,6 +16,7 @@ from datetime import datetime
 from django.utils import timezone
 
 from hub import ControlPlaneHub, get_hub
+from hub.contracts import UsageSnapshot
 
 from .demand import apply_demand
 from .endpoints import build_endpoint_table
@@ -24,7 +25,7 @@ from .lifecycle import forgive_stable, retry_failed, stop_shards
 from .liveness import check_liveness, fail_slow_starts
 from .outbox import Outbox
 from .placing import place_pending, resend_starts
-from .usage import collect_usage, mark_unused_since_ready
+from .usage import assess_usage, collect_usage, mark_unused_since_ready
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class TickReport:
     usage_updated: int = 0
     usage_forgotten: int = 0
     usage_idle_since_ready: int = 0
+    usage_known: bool = False
+    usage_unknown_reason: str = ""
     nodes_unreachable: int = 0
     nodes_lost: int = 0
     partition_brake: bool = False
@@ -62,8 +65,8 @@ class TickReport:
 class _HubReadings:
     """What the tick read from the hub before its transaction; a failed read means "unknown", never a crash."""
 
-    stamps: dict[str, float]
-    watching_since: float | None
+    usage: UsageSnapshot | None  # None: collection failed, `usage_error` says why
+    usage_error: str
     activations: set[str]
 
 
@@ -83,9 +86,13 @@ def tick(
     try:
         # The fence is the transaction's last statement (DESIGN invariant 1): no lease lock while it works.
         with leadership.fenced_transaction():
-            report.usage_updated, forget = collect_usage(readings.stamps)
+            usage = assess_usage(readings.usage, readings.usage_error, now)
+            report.usage_known, report.usage_unknown_reason = usage.known, usage.reason
+            # Stamps are facts whatever the verdict: move them even while idleness is unknown.
+            report.usage_updated, forget = collect_usage(readings.usage.stamps if readings.usage else {})
             report.usage_forgotten = len(forget)
-            report.usage_idle_since_ready = mark_unused_since_ready(readings.watching_since)
+            if usage.known:
+                report.usage_idle_since_ready = mark_unused_since_ready(usage.watching_since)
             liveness = check_liveness(now, leadership, outbox)
             report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
             report.partition_brake = liveness.brake
@@ -113,6 +120,11 @@ def tick(
             hub.forget_usage(forget)
         except Exception as exc:
             log.warning("could not forget usage stamps: %s", exc)
+    if usage.gone:
+        try:
+            hub.forget_routers(usage.gone)
+        except Exception as exc:  # they are listed again next tick
+            log.warning("could not forget the marks of routers gone quiet: %s", exc)
     try:
         report.published = hub.publish_endpoints(build_endpoint_table())
     except Exception as exc:  # routers keep their last table and poll as a backstop
@@ -121,19 +133,15 @@ def tick(
 
 
 def _read_hub(hub: ControlPlaneHub) -> _HubReadings:
+    usage: UsageSnapshot | None
     try:
-        stamps = hub.collect_usage()
-    except Exception as exc:  # usage store down: last_used just stays as it was this tick
+        usage, usage_error = hub.collect_usage(), ""
+    except Exception as exc:  # usage store down: idleness is unknown this tick (DESIGN invariant 3)
         log.warning("could not collect usage: %s", exc)
-        stamps = {}
-    try:
-        watching_since = hub.watching_since()
-    except Exception as exc:  # unknown stays unknown
-        log.warning("could not read since when usage is watched: %s", exc)
-        watching_since = None
+        usage, usage_error = None, str(exc) or type(exc).__name__
     try:
         activations = hub.drain_activations()
     except Exception as exc:
         log.warning("could not read activations: %s", exc)
         activations = set()
-    return _HubReadings(stamps, watching_since, activations)
+    return _HubReadings(usage, usage_error, activations)

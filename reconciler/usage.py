@@ -1,13 +1,24 @@
-"""Last use, moved from the hub's usage stamps into Replica.last_used once a tick (DESIGN invariants 3 and 4)."""
+"""Usage as the tick reads it (DESIGN invariants 3 and 4): whether idleness is known, and last use.
+
+`assess_usage` judges the routers' watch marks: idleness is known only while
+usage was collected and every live router kept its mark, without a break, for
+at least the longest mark lifetime. `collect_usage` moves the stamps into
+Replica.last_used; `mark_unused_since_ready` turns "never used while watched"
+into "idle since ready".
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db.models import F
 
-from .models import Replica
+from hub.contracts import RouterMark, UsageSnapshot
+
+from .models import Replica, UsageWatch
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +60,91 @@ def mark_unused_since_ready(watching_since: float | None) -> int:
         return 0
     since = datetime.fromtimestamp(watching_since, tz=UTC)
     return Replica.objects.ready().filter(last_used__isnull=True, ready_at__gte=since).update(last_used=F("ready_at"))
+
+
+FLEET = "fleet"  # the one UsageWatch row
+
+
+@dataclass(frozen=True)
+class UsageVerdict:
+    """What this tick may believe about usage.
+
+    `known` False means idleness is unknown (DESIGN invariant 3): nothing is
+    stopped for idleness or evicted, and `reason` says why. `watching_since`
+    (Unix time, None when unknown) is when the current unbroken watch began,
+    for `mark_unused_since_ready`. `in_flight` sums live routers' peaks per
+    public model; `gone` lists routers silent past LLMGW_ROUTER_FORGET_SECONDS,
+    whose marks the tick drops after commit.
+    """
+
+    known: bool
+    reason: str
+    watching_since: float | None = None
+    in_flight: dict[str, int] = field(default_factory=dict)
+    gone: list[str] = field(default_factory=list)
+
+
+def assess_usage(snapshot: UsageSnapshot | None, error: str, now: datetime) -> UsageVerdict:
+    """Judge this tick's usage snapshot (None: collection failed with `error`) and record it in UsageWatch.
+
+    Unknown when collection failed, when a router's mark has lapsed (for less
+    than the forget window), or when no router reports. Otherwise usage is
+    complete now, and known once it has been complete for the longest live
+    mark's ttl: a router back from an outage has flushed what it held by then.
+    One read and at most one write.
+    """
+    at = now.timestamp()
+    watch = UsageWatch.objects.filter(name=FLEET).first()
+    live: list[RouterMark] = []
+    gone: list[str] = []
+    silent: list[RouterMark] = []
+    if snapshot is None:
+        reason = f"could not collect usage: {error or 'unknown error'}"
+    else:
+        for mark in snapshot.routers:
+            if not mark.lapsed(at):
+                live.append(mark)
+            elif at - mark.renewed > settings.LLMGW_ROUTER_FORGET_SECONDS:
+                gone.append(mark.router)
+            else:
+                silent.append(mark)
+        reason = _incomplete_reason(silent, live, at)
+
+    in_flight: dict[str, int] = {}
+    for mark in live:
+        for model, count in mark.in_flight.items():
+            in_flight[model] = in_flight.get(model, 0) + count
+
+    complete_since: datetime | None = None
+    if not reason:
+        # Complete now: since when without a break (a row with a reason was a break).
+        complete_since = watch.known_since if watch is not None and watch.known_since else now
+        grace = max(mark.ttl for mark in live)
+        waited = at - complete_since.timestamp()
+        if waited < grace:
+            reason = f"waiting {grace:g} s after usage became complete for routers to flush what they held"
+    _record(watch, complete_since, reason, now)
+    if reason:
+        return UsageVerdict(False, reason, None, in_flight, gone)
+    assert complete_since is not None
+    newest = max(mark.since for mark in live)
+    return UsageVerdict(True, "", max(complete_since.timestamp(), newest), in_flight, gone)
+
+
+def _incomplete_reason(silent: list[RouterMark], live: list[RouterMark], at: float) -> str:
+    """Why usage is incomplete now, or "" when every router we know of is reporting."""
+    if silent:
+        worst = min(silent, key=lambda mark: mark.renewed)
+        others = f" (and {len(silent) - 1} more)" if len(silent) > 1 else ""
+        return f"router {worst.router} has not reported usage for {at - worst.renewed:.0f} s{others}"
+    if not live:
+        return "no router is reporting usage"
+    return ""
+
+
+def _record(watch: UsageWatch | None, complete_since: datetime | None, reason: str, now: datetime) -> None:
+    """Keep the fleet row: `known_since` is when usage became complete (None while incomplete)."""
+    if watch is None:
+        UsageWatch.objects.create(name=FLEET, known_since=complete_since, reason=reason)
+    elif (watch.known_since, watch.reason) != (complete_since, reason):
+        UsageWatch.objects.filter(name=FLEET).update(known_since=complete_since, reason=reason, updated_at=now)

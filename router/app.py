@@ -223,6 +223,7 @@ def create_app(
     key_cache: ApiKeyCache | None = None,
     keepalive_seconds: float = 10.0,
     ejection: EjectionPolicy | None = None,
+    router_id: str | None = None,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
@@ -230,7 +231,8 @@ def create_app(
     LLMGW_* settings. `read_timeout` bounds the silence between bytes from an
     engine (including before the first byte of a non-streamed answer), never a
     whole stream. `ejection` sets when failing replicas are ejected (default:
-    `EjectionPolicy()`).
+    `EjectionPolicy()`). `router_id` names this router's usage reports and
+    watch mark (default: a new id per process, `router.usage.new_router_id`).
     """
     state = RouterState(
         get_hub() if hub is None else hub,
@@ -246,5 +248,6 @@ def create_app(
         key_cache=key_cache,
         keepalive_seconds=keepalive_seconds,
         ejection=ejection,
+        router_id=router_id,
     )
     return RouterApp(state)

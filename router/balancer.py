@@ -3,7 +3,9 @@
 Everything here is synchronous and cheap: it runs on the router's event loop
 for every request. Choosing a replica and stamping its last use happen under
 one lock in one short critical section (DESIGN invariant 4), so recording use
-costs a dict write per request and nothing else.
+costs a dict write per request and nothing else; counting the model's
+requests in flight and their peak (for scale-out on load) is two more dict
+updates in the same section.
 
 Outlier ejection (router.ejection) keeps requests away from a replica that
 keeps failing, in the balancer's own structures and under the same lock: the
@@ -96,6 +98,8 @@ class Balancer:
         self._by_replica: dict[str, Endpoint] = {}
         self._turn: dict[str, int] = {}  # round-robin position per model, for ties
         self._stamps: dict[str, float] = {}  # replica id -> last use (time.time()), not yet flushed
+        self._in_flight: dict[str, int] = {}  # public name -> requests picked and not yet released
+        self._peaks: dict[str, int] = {}  # public name -> most in flight at once since the last take
         self.fingerprint: str | None = None
 
     # -- the table --------------------------------------------------------------
@@ -227,12 +231,21 @@ class Balancer:
                 chosen = min(candidates, key=_ejected_at)
             chosen.outstanding += 1
             self._stamps[chosen.replica_id] = self._clock()
+            model = chosen.model
+            in_flight = self._in_flight.get(model, 0) + 1
+            self._in_flight[model] = in_flight
+            if in_flight > self._peaks.get(model, 0):
+                self._peaks[model] = in_flight
             return chosen
 
     def release(self, endpoint: Endpoint, failure: Failure | None = None) -> None:
         """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""
         with self._lock:
             endpoint.outstanding -= 1
+            try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)
+                self._in_flight[endpoint.model] -= 1
+            except KeyError:  # a release without its pick: nothing was counted
+                pass
             if failure is not None:
                 change = self._record_failure(endpoint, failure)
             else:
@@ -283,21 +296,25 @@ class Balancer:
             return dict(self._ejections)
 
     # -- last-use stamps ----------------------------------------------------------
-    def take_stamps(self) -> dict[str, float]:
-        """Swap out the stamps gathered since the last flush.
+    def take_usage(self) -> tuple[dict[str, float], dict[str, int]]:
+        """Swap out the stamps and the per-model in-flight peaks gathered since the last take.
 
         A replica serving a request right now is stamped "now" as well, so a long
         stream keeps its replica in use and the idle timeout cannot stop it
-        mid-answer. The cost grows with replicas, not with traffic.
+        mid-answer. The next peak window starts at what is in flight now, so a
+        long request still counts in every window it spans. The cost grows with
+        replicas and models, not with traffic.
         """
         with self._lock:
             stamps, self._stamps = self._stamps, {}
+            peaks = self._peaks
+            self._peaks = {model: count for model, count in self._in_flight.items() if count}
             busy = [e.replica_id for e in self._by_replica.values() if e.outstanding > 0]
             if busy:
                 now = self._clock()
                 for replica_id in busy:
                     stamps[replica_id] = now
-        return stamps
+        return stamps, peaks
 
     def restore_stamps(self, stamps: dict[str, float]) -> None:
         """Put back stamps a flush could not deliver; a newer stamp for the same replica wins."""
@@ -313,6 +330,11 @@ class Balancer:
     def in_flight(self) -> int:
         with self._lock:
             return sum(e.outstanding for e in self._by_replica.values())
+
+    def in_flight_by_model(self) -> dict[str, int]:
+        """Public model name -> requests in flight now (models with none left out)."""
+        with self._lock:
+            return {model: count for model, count in self._in_flight.items() if count}
 
 
 def _ejected_at(endpoint: Endpoint) -> float:

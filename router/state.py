@@ -42,6 +42,7 @@ class RouterState:
         key_cache: ApiKeyCache | None = None,
         keepalive_seconds: float = 10.0,
         ejection: EjectionPolicy | None = None,
+        router_id: str | None = None,
     ):
         if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
             raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
@@ -54,7 +55,7 @@ class RouterState:
         self.keys = key_cache or ApiKeyCache()
         self.metrics = RouterMetrics(self.balancer)
         self.tasks = BackgroundTasks()
-        self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds)
+        self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds, router_id)
         self.cold_start = ColdStart(
             hub,
             self.balancer,
@@ -85,17 +86,19 @@ class RouterState:
             self.apply_table(table)
         self.tasks.start(self._poll(), name="router-poll-endpoints")
         self.tasks.start(self.usage.run(), name="router-flush-usage")
+        # The id the control plane names when this router's usage reports stop ("router X has not reported…").
+        log.info("router %s reports usage every %g s", self.usage.router_id, self.usage.flush_seconds)
         self.started = True
 
     async def stop(self) -> None:
-        """Cancel the background tasks, flush the last stamps (briefly) and close the session."""
+        """Cancel the background tasks, flush the last usage and leave (briefly), and close the session."""
         self.started = False
         await self.tasks.cancel_all()
         try:
             async with asyncio.timeout(2.0):
-                await self.usage.flush()
+                await self.usage.close()
         except TimeoutError:
-            log.warning("usage store did not take the last stamps before shutdown")
+            log.warning("usage store did not take the last usage report before shutdown")
         await self.proxy.close()
         await self.keys.close()
 

@@ -1,16 +1,21 @@
-"""Last-use stamps leave the router here: one flush to the hub per interval (DESIGN invariant 4).
+"""Usage leaves the router here: one report to the hub per interval (DESIGN invariant 4).
 
-Requests only stamp the balancer's in-memory map (under the lock the pick
-already takes); this flusher swaps the map out once per `flush_seconds` and
-hands it to the hub, so the cost follows time and replicas, never traffic.
+Requests only stamp the balancer's in-memory maps (under the lock the pick
+already takes); this flusher swaps the maps out once per `flush_seconds` and
+hands them to the hub as one `UsageReport` — last-use stamps, per-model
+in-flight peaks, and this router's watch mark renewed — so the cost follows
+time, replicas and models, never traffic.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 
-from hub.contracts import UsageSink
+from hub.contracts import UsageReport, UsageSink
 
 from .background import raise_if_cancelling
 from .balancer import Balancer
@@ -19,16 +24,31 @@ from .metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 
-class UsageFlusher:
-    """Moves the balancer's last-use stamps to the hub and keeps the hub's watch mark alive."""
+def new_router_id() -> str:
+    """An id for this router process: readable (host, pid) and never reused (random), so a restart is a new watch."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def __init__(self, hub: UsageSink, balancer: Balancer, metrics: RouterMetrics, flush_seconds: float):
+
+class UsageFlusher:
+    """Moves the balancer's stamps and in-flight peaks to the hub and keeps this router's watch mark alive."""
+
+    def __init__(
+        self,
+        hub: UsageSink,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        flush_seconds: float,
+        router_id: str | None = None,
+    ):
         if flush_seconds <= 0:
             raise ValueError("flush_seconds must be > 0")
+        if router_id is not None and not router_id:
+            raise ValueError("router_id must be a non-empty string")
         self.hub = hub
         self.balancer = balancer
         self.metrics = metrics
         self.flush_seconds = flush_seconds
+        self.router_id = router_id or new_router_id()
         # Long enough to survive a late flush or two, short enough that a dead router is noticed.
         self.watch_ttl = max(3 * flush_seconds, 3.0)
         self._failing = False
@@ -41,17 +61,17 @@ class UsageFlusher:
             raise_if_cancelling()
 
     async def flush(self) -> bool:
-        """Hand the stamps gathered since the last flush to the hub; keep them if it refuses.
+        """Report what was used since the last flush and renew this router's mark; keep the stamps if refused.
 
-        Then renew the hub's "watching" mark: a router whose stamps are being
-        delivered vouches that a replica without a stamp was not used. A failed
-        flush renews nothing, so the mark lapses and unused means unknown again.
+        A router whose reports are delivered vouches that a replica without a
+        stamp was not used through it. A failed report renews nothing, so the
+        mark lapses and the control plane treats idleness as unknown. Peaks of
+        a failed report are dropped: the next window starts at what is in
+        flight then, and a past burst must not read as present load.
         """
-        stamps = self.balancer.take_stamps()
+        stamps, in_flight = self.balancer.take_usage()
         try:
-            if stamps:
-                await self.hub.record_usage(stamps)
-            await self.hub.keep_watching(self.watch_ttl)
+            await self.hub.report_usage(UsageReport(self.router_id, stamps, in_flight, self.watch_ttl))
         except asyncio.CancelledError:
             self.balancer.restore_stamps(stamps)
             raise
@@ -59,10 +79,26 @@ class UsageFlusher:
             self.balancer.restore_stamps(stamps)
             self.metrics.usage_flush_failures.inc()
             if not self._failing:
-                log.warning("could not record last-use stamps, keeping them for the next flush: %s", exc)
+                log.warning("could not report usage, keeping the stamps for the next flush: %s", exc)
                 self._failing = True
             return False
         if self._failing:
-            log.info("usage store is taking last-use stamps again")
+            log.info("usage store is taking usage reports again")
             self._failing = False
+        return True
+
+    async def close(self) -> bool:
+        """On clean shutdown: flush once more, then withdraw this router's mark.
+
+        Only after a delivered flush: leaving with stamps undelivered would let
+        the control plane read "not used" where the truth is unknown, so then
+        the mark is left to lapse instead. Returns whether the router left.
+        """
+        if not await self.flush():
+            return False
+        try:
+            await self.hub.leave(self.router_id)
+        except Exception as exc:  # the mark lapses on its own
+            log.warning("could not withdraw this router's watch mark, it will lapse: %s", exc)
+            return False
         return True

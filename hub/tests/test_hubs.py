@@ -1,14 +1,13 @@
 """The hub's contract, run against both backends: in-process and the real Redis."""
 
 import asyncio
-import time
 
 import pytest
 import redis
 
-from conftest import wait_until
 from hub import InProcessHub, RedisHub, fingerprint
-from hub.redis_hub import WATCH_KEY
+from hub.contracts import RouterMark, UsageReport, UsageSnapshot
+from hub.redis_hub import ROUTERS_KEY
 
 
 @pytest.fixture(params=["in-process", "redis"])
@@ -16,6 +15,25 @@ def hub(request):
     if request.param == "in-process":
         return InProcessHub()
     return RedisHub(request.getfixturevalue("redis_url"))
+
+
+class FakeClock:
+    """Unix time that moves only when a test says so."""
+
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["in-process", "redis"])
+def clocked_hub(request):
+    """Either hub, with a clock the test moves."""
+    clock = FakeClock()
+    if request.param == "in-process":
+        return InProcessHub(clock=clock), clock
+    return RedisHub(request.getfixturevalue("redis_url"), clock=clock), clock
 
 
 def run(coro):
@@ -47,72 +65,127 @@ def test_activations_are_drained_once_however_often_asked(hub):
 
 def test_usage_keeps_the_newest_stamp_and_forgets_on_request(hub):
     """DESIGN invariant 4: newest wins, whatever order routers flush in."""
-    run(hub.record_usage({"1": 200.0, "2": 50.0}))
-    run(hub.record_usage({"1": 100.0, "2": 60.0}))
-    assert hub.collect_usage() == {"1": 200.0, "2": 60.0}
+    run(hub.report_usage(UsageReport("a", {"1": 200.0, "2": 50.0})))
+    run(hub.report_usage(UsageReport("b", {"1": 100.0, "2": 60.0})))
+    assert hub.collect_usage().stamps == {"1": 200.0, "2": 60.0}
     hub.forget_usage(["2"])
-    assert hub.collect_usage() == {"1": 200.0}
+    assert hub.collect_usage().stamps == {"1": 200.0}
 
 
-class FakeClock:
-    """Unix time that moves only when a test says so."""
-
-    def __init__(self, now: float = 1_000_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+def marks(hub) -> dict[str, RouterMark]:
+    return {mark.router: mark for mark in hub.collect_usage().routers}
 
 
-def test_in_process_watch_holds_while_renewed_and_restarts_after_a_lapse():
-    clock = FakeClock()
-    hub = InProcessHub(clock=clock)
-    assert hub.watching_since() is None
-    run(hub.keep_watching(1.0))
-    since = hub.watching_since()
-    assert since == clock.now
+def test_each_router_has_its_own_mark_kept_while_renewed_and_restarted_after_a_lapse(clocked_hub):
+    hub, clock = clocked_hub
+    assert hub.collect_usage() == UsageSnapshot(stamps={}, routers=[])
+    start = clock.now
+    run(hub.report_usage(UsageReport("a", ttl=1.0)))
+    clock.now += 0.5
+    run(hub.report_usage(UsageReport("b", ttl=1.0)))
+    clock.now += 0.4
+    run(hub.report_usage(UsageReport("a", ttl=1.0)))
+    assert marks(hub)["a"] == RouterMark("a", since=start, renewed=start + 0.9, ttl=1.0)
     clock.now += 0.9
-    run(hub.keep_watching(1.0))
-    clock.now += 0.9
-    assert hub.watching_since() == since  # renewed, not restarted
-    clock.now += 0.2
-    assert hub.watching_since() is None  # every router went quiet: unknown again
-    run(hub.keep_watching(1.0))
-    assert hub.watching_since() == clock.now > since
+    run(hub.report_usage(UsageReport("a", ttl=1.0)))
+    assert marks(hub)["a"].since == start  # renewed within its ttl: the same unbroken watch
+    assert marks(hub)["b"].lapsed(clock.now)  # b went quiet; a renewing does not hide it
+    clock.now += 1.5
+    run(hub.report_usage(UsageReport("a", ttl=1.0)))
+    run(hub.report_usage(UsageReport("b", ttl=1.0)))
+    # a's last flush was 1.5 s ago, past its 1 s ttl: what it did in the gap is unknown, its watch restarts.
+    assert marks(hub)["a"] == RouterMark("a", since=clock.now, renewed=clock.now, ttl=1.0)
+    assert marks(hub)["b"].since == clock.now
 
 
-def _age_watch_mark(redis_url: str, left_ms: int) -> None:
-    """Make the Redis watch mark expire in `left_ms`, as if its TTL had mostly run out."""
+def test_a_mark_carries_the_routers_last_in_flight_peaks(clocked_hub):
+    hub, _ = clocked_hub
+    run(hub.report_usage(UsageReport("a", in_flight={"llama": 3, "qwen": 1})))
+    run(hub.report_usage(UsageReport("b", in_flight={"llama": 2})))
+    run(hub.report_usage(UsageReport("a", in_flight={"llama": 4})))
+    assert {name: mark.in_flight for name, mark in marks(hub).items()} == {"a": {"llama": 4}, "b": {"llama": 2}}
+
+
+def test_a_router_leaving_or_forgotten_loses_its_mark_and_the_stamps_stay(clocked_hub):
+    hub, _ = clocked_hub
+    for router in ("a", "b", "c"):
+        run(hub.report_usage(UsageReport(router, {router: 1.0})))
+    run(hub.leave("a"))
+    hub.forget_routers(["b", "never-seen"])
+    hub.forget_routers([])
+    assert list(marks(hub)) == ["c"]
+    assert hub.collect_usage().stamps == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"router": ""}, "router id must be a non-empty string"),
+        ({"ttl": 0}, "ttl must be a finite number > 0"),
+        ({"ttl": float("nan")}, "ttl must be a finite number > 0"),
+        ({"in_flight": {"llama": -1}}, "in-flight count for 'llama' must be an int >= 0"),
+        ({"in_flight": {"llama": 1.5}}, "in-flight count for 'llama' must be an int >= 0"),
+    ],
+)
+def test_a_malformed_usage_report_is_refused_naming_the_problem(fields, problem):
+    with pytest.raises(ValueError, match=problem):
+        UsageReport(**{"router": "a", **fields})
+
+
+def test_redis_writes_the_stamps_before_the_mark_in_one_transaction(redis_url):
+    """A mark seen renewed vouches for stamps written before it (UsageSnapshot): MULTI, ZADD, then the mark."""
     client = redis.Redis.from_url(redis_url)
-    client.pexpire(WATCH_KEY, left_ms)
+    with client.monitor() as monitor:
+        hub = RedisHub(redis_url)
+        run(hub.report_usage(UsageReport("a", {"1": 10.0}, {"llama": 1})))
+        commands = []
+        while not commands or commands[-1] != "EXEC":
+            command = monitor.next_command()["command"].split()[0].upper()
+            if command in ("MULTI", "ZADD", "EVAL", "EXEC"):
+                commands.append(command)
+    assert commands == ["MULTI", "ZADD", "EVAL", "EXEC"]
+    assert marks(hub)["a"].in_flight == {"llama": 1}
     client.close()
 
 
-def test_redis_watch_holds_while_renewed_and_restarts_after_a_lapse(redis_url):
+def test_redis_collects_marks_then_stamps_in_one_transaction(redis_url):
+    client = redis.Redis.from_url(redis_url)
     hub = RedisHub(redis_url)
-    assert hub.watching_since() is None
-    before = time.time()
-    run(hub.keep_watching(60.0))
-    since = hub.watching_since()
-    assert since is not None and before <= since <= time.time()
-    _age_watch_mark(redis_url, 50)
-    run(hub.keep_watching(60.0))
-    assert hub.watching_since() == since  # renewed, not restarted
-    _age_watch_mark(redis_url, 1)
-    wait_until(lambda: hub.watching_since() is None, 3.0, 0.01)  # every router went quiet: unknown again
-    run(hub.keep_watching(60.0))
-    assert hub.watching_since() > since
+    run(hub.report_usage(UsageReport("a", {"1": 10.0})))
+    with client.monitor() as monitor:
+        snapshot = hub.collect_usage()
+        commands = []
+        while not commands or commands[-1] != "EXEC":
+            command = monitor.next_command()["command"].split()[0].upper()
+            if command in ("MULTI", "HGETALL", "ZRANGE", "EXEC"):
+                commands.append(command)
+    assert commands == ["MULTI", "HGETALL", "ZRANGE", "EXEC"]
+    assert snapshot.stamps == {"1": 10.0} and [m.router for m in snapshot.routers] == ["a"]
+    client.close()
 
 
-def test_two_routers_share_one_watch(redis_url):
-    first, second = RedisHub(redis_url), RedisHub(redis_url)
-    run(first.keep_watching(60.0))
-    since = first.watching_since()
-    for _ in range(3):  # the first router stops; the second alone keeps the mark alive
-        _age_watch_mark(redis_url, 50)
-        run(second.keep_watching(60.0))
-        assert 59_000 < redis.Redis.from_url(redis_url).pttl(WATCH_KEY) <= 60_000
-    assert second.watching_since() == since
+def test_redis_skips_a_malformed_mark_and_reads_the_others(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.hset(ROUTERS_KEY, "broken", "not json")
+    hub = RedisHub(redis_url)
+    run(hub.report_usage(UsageReport("a")))
+    assert list(marks(hub)) == ["a"]
+    run(hub.report_usage(UsageReport("broken")))  # its next report rewrites it
+    assert sorted(marks(hub)) == ["a", "broken"]
+    client.close()
+
+
+def test_concurrent_reports_of_many_routers_each_keep_their_own_mark(redis_url):
+    """The mark's read-modify-write is one script: concurrent flushes never lose a router's mark."""
+    hub = RedisHub(redis_url)
+
+    async def flush_all():
+        for _ in range(5):
+            await asyncio.gather(*(hub.report_usage(UsageReport(f"r{i}", {str(i): float(i)})) for i in range(20)))
+
+    run(flush_all())
+    assert sorted(marks(hub)) == sorted(f"r{i}" for i in range(20))
+    assert len(hub.collect_usage().stamps) == 20
 
 
 def test_an_activation_request_calls_the_in_process_listeners():

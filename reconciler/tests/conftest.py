@@ -54,11 +54,11 @@ def leader():
 
 @pytest.fixture
 def run_tick(leader, django_capture_on_commit_callbacks):
-    """Tick as the leader and run what it sends after commit (the test transaction never commits)."""
+    """Tick as the leader (on the process hub unless given one) and run what it sends after commit."""
 
-    def run(now=None):
+    def run(now=None, hub=None):
         with django_capture_on_commit_callbacks(execute=True):
-            return tick(leadership=leader, hub=get_hub(), now=now)
+            return tick(leadership=leader, hub=hub or get_hub(), now=now)
 
     return run
 

@@ -9,7 +9,7 @@ from catalog.models import Model
 from hub import get_hub
 from inventory.models import Node
 from reconciler.choices import ReplicaState
-from reconciler.models import Replica
+from reconciler.models import Replica, UsageWatch
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
@@ -34,6 +34,7 @@ def test_a_tick_runs_the_same_number_of_queries_for_2_and_20_nodes(run_tick, dja
         Replica.objects.all().delete()
         Model.objects.all().delete()
         Node.objects.all().delete()
+        UsageWatch.objects.all().delete()  # both sizes start with no verdict recorded
         fleet(size)
         async_to_sync(get_hub().request_activation)("pair")
         placing = tick_queries(run_tick)

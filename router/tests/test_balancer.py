@@ -72,7 +72,7 @@ def test_pick_stamps_last_use_of_the_chosen_replica_only():
     now[0] = 1005.0
     balancer.release(chosen)
     again = balancer.pick(MODEL)
-    assert balancer.take_stamps() == {chosen.replica_id: 1000.0, again.replica_id: 1005.0}
+    assert balancer.take_usage()[0] == {chosen.replica_id: 1000.0, again.replica_id: 1005.0}
     assert balancer.pending_stamps() == {}
 
 
@@ -80,12 +80,72 @@ def test_a_replica_serving_a_long_request_is_stamped_at_every_flush_until_it_end
     now = [1000.0]
     balancer = balancer_with("http://a:1", clock=lambda: now[0])
     streaming = balancer.pick(MODEL)
-    assert balancer.take_stamps() == {"1": 1000.0}
+    assert balancer.take_usage()[0] == {"1": 1000.0}
     now[0] = 1300.0
-    assert balancer.take_stamps() == {"1": 1300.0}
+    assert balancer.take_usage()[0] == {"1": 1300.0}
     balancer.release(streaming)
     now[0] = 1600.0
-    assert balancer.take_stamps() == {}
+    assert balancer.take_usage()[0] == {}
+
+
+OTHER = "qwen"
+
+
+def two_model_balancer():
+    balancer = Balancer()
+    table = make_table(["http://a:1", "http://b:1"], models={MODEL: {"aliases": []}, OTHER: {"aliases": []}})
+    table["endpoints"].append({"replica_id": "3", "model": OTHER, "url": "http://c:1"})
+    balancer.apply_table(table)
+    return balancer
+
+
+def test_in_flight_peaks_are_counted_per_model_and_taken_with_the_stamps():
+    balancer = two_model_balancer()
+    first, second, third = (balancer.pick(MODEL) for _ in range(3))
+    other = balancer.pick(OTHER)
+    balancer.release(first)
+    assert balancer.in_flight_by_model() == {MODEL: 2, OTHER: 1}
+    stamps, peaks = balancer.take_usage()
+    assert peaks == {MODEL: 3, OTHER: 1}
+    assert set(stamps) == {"1", "2", "3"}
+    for endpoint in (second, third, other):
+        balancer.release(endpoint)
+    assert balancer.in_flight_by_model() == {}
+
+
+def test_a_peak_between_two_takes_survives_even_when_its_requests_ended_before_the_take():
+    balancer = two_model_balancer()
+    quick = [balancer.pick(MODEL) for _ in range(4)]
+    for endpoint in quick:
+        balancer.release(endpoint, Failure.CONNECT if endpoint is quick[0] else None)
+    assert balancer.take_usage()[1] == {MODEL: 4}
+    assert balancer.take_usage()[1] == {}  # nothing in flight: the next window starts empty
+
+
+def test_the_next_peak_window_starts_at_what_is_in_flight_at_the_take():
+    balancer = two_model_balancer()
+    long_running = [balancer.pick(MODEL) for _ in range(2)]
+    balancer.release(balancer.pick(MODEL))
+    assert balancer.take_usage()[1] == {MODEL: 3}
+    # Two requests still streaming: they count in the next window even if nothing new arrives.
+    assert balancer.take_usage()[1] == {MODEL: 2}
+    balancer.release(long_running[0])
+    extra = balancer.pick(OTHER)
+    assert balancer.take_usage()[1] == {MODEL: 2, OTHER: 1}
+    assert balancer.take_usage()[1] == {MODEL: 1, OTHER: 1}
+    balancer.release(long_running[1])
+    balancer.release(extra)
+    assert balancer.take_usage()[1] == {MODEL: 1, OTHER: 1}
+    assert balancer.take_usage()[1] == {}
+
+
+def test_in_flight_follows_the_model_of_the_replica_across_table_updates():
+    balancer = two_model_balancer()
+    busy = balancer.pick(MODEL)
+    balancer.apply_table({**make_table([], models={MODEL: {"aliases": []}}), "fingerprint": "all gone"})
+    assert balancer.in_flight_by_model() == {MODEL: 1}
+    balancer.release(busy)  # its replica left the table while the request ran
+    assert balancer.in_flight_by_model() == {}
 
 
 def test_restored_stamps_do_not_overwrite_newer_ones():

@@ -425,13 +425,12 @@ def test_client_disconnect_cancels_the_upstream_request(start_router, hub, auth,
 
 
 class CountingHub:
-    """Wraps an InProcessHub to count the router's activation requests, usage flushes and watch renewals."""
+    """Wraps an InProcessHub to count the router's activation requests and usage reports."""
 
     def __init__(self, hub):
         self.hub = hub
         self.activations: list[str] = []
-        self.usage_flushes: list[dict] = []
-        self.watch_renewals = 0  # one per flush, whether or not anything was used
+        self.reports: list = []  # one UsageReport per flush, whether or not anything was used
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -442,15 +441,21 @@ class CountingHub:
             self.activations.append(model_name)
         await self.hub.request_activation(model_name)
 
-    async def record_usage(self, stamps):
+    async def report_usage(self, report):
         with self._lock:
-            self.usage_flushes.append(dict(stamps))
-        await self.hub.record_usage(stamps)
+            self.reports.append(report)
+        await self.hub.report_usage(report)
 
-    async def keep_watching(self, ttl):
+    @property
+    def usage_flushes(self) -> list[dict]:
+        """The stamps of the reports that carried any."""
         with self._lock:
-            self.watch_renewals += 1
-        await self.hub.keep_watching(ttl)
+            return [dict(report.stamps) for report in self.reports if report.stamps]
+
+    @property
+    def watch_renewals(self) -> int:
+        with self._lock:
+            return len(self.reports)
 
 
 def test_many_waiters_share_one_activation_and_succeed_when_a_replica_is_published(

@@ -1,6 +1,7 @@
 """Last-use stamps (DESIGN invariant 4): flushed once per interval, never per request, never failing a request."""
 
 import asyncio
+import os
 import time
 
 import httpx
@@ -9,7 +10,11 @@ import redis
 
 from conftest import free_port, wait_until
 from hub import InProcessHub, RedisHub, get_hub
+from hub.contracts import UsageReport
 from hub.redis_hub import USAGE_KEY
+from router.balancer import Balancer
+from router.metrics import RouterMetrics
+from router.usage import UsageFlusher, new_router_id
 
 from .conftest import MODEL, make_table
 from .test_proxy import CountingHub, chat, run_concurrently
@@ -26,7 +31,7 @@ def test_stamps_reach_the_hub_within_a_second_in_one_flush_for_many_requests(sta
     results = run_concurrently(router, auth, 20)
     after = time.time()
     assert [status for status, _ in results] == [200] * 20
-    stamps = wait_until(hub.collect_usage, timeout=1.0)
+    stamps = wait_until(lambda: hub.collect_usage().stamps, timeout=1.0)
     assert list(stamps) == ["1"]
     assert before <= stamps["1"] <= after
     # Twenty requests, one or two flushes (the batch may straddle a flush): cost follows time, not traffic.
@@ -39,6 +44,7 @@ def test_no_flush_is_made_while_nothing_was_used(start_router, hub, start_engine
     router = start_router(counting, flush_seconds=0.05)
     # Every flush renews the watch mark, used or not: wait for flushes, not for time.
     wait_until(lambda: counting.watch_renewals >= 3)
+    assert {report.router for report in counting.reports} == {router.state.usage.router_id}
     assert httpx.get(f"{router.url}/health").status_code == 200
     renewed = counting.watch_renewals
     wait_until(lambda: counting.watch_renewals >= renewed + 3)
@@ -123,7 +129,7 @@ class CancellationToErrorHub(InProcessHub):
         super().__init__()
         self.calls = 0
 
-    async def keep_watching(self, ttl):
+    async def report_usage(self, report):
         self.calls += 1
         try:
             await asyncio.sleep(30)
@@ -138,3 +144,76 @@ def test_router_stops_even_when_the_store_turns_cancellation_into_an_error(start
     started = time.monotonic()
     router.stop()  # fails the test if the router thread is still running after the grace
     assert time.monotonic() - started < 5
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def flusher_on(hub, balancer=None, router_id="r1"):
+    balancer = balancer or Balancer()
+    balancer.apply_table(make_table(["http://a:1", "http://b:1"]))
+    return UsageFlusher(hub, balancer, RouterMetrics(balancer), flush_seconds=1.0, router_id=router_id)
+
+
+def test_one_flush_is_one_report_of_stamps_peaks_and_this_routers_mark():
+    hub = CountingHub(InProcessHub())
+    flusher = flusher_on(hub)
+    first, second = flusher.balancer.pick(MODEL), flusher.balancer.pick(MODEL)
+    flusher.balancer.release(first)
+    assert run(flusher.flush()) is True
+    (report,) = hub.reports
+    assert (report.router, report.in_flight, report.ttl) == ("r1", {MODEL: 2}, 3.0)
+    assert set(report.stamps) == {first.replica_id, second.replica_id}
+    (mark,) = hub.collect_usage().routers
+    assert (mark.router, mark.in_flight) == ("r1", {MODEL: 2})
+    flusher.balancer.release(second)
+    run(flusher.flush())
+    assert hub.reports[-1].in_flight == {MODEL: 1}  # the window started with `second` still in flight
+    run(flusher.flush())
+    assert hub.reports[-1] == UsageReport("r1", {}, {}, 3.0)
+
+
+def test_a_failed_flush_keeps_the_stamps_and_drops_the_peaks():
+    hub = RedisHub(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens: every report fails
+    flusher = flusher_on(hub)
+    flusher.balancer.release(flusher.balancer.pick(MODEL))
+    stamps = flusher.balancer.pending_stamps()
+    assert run(flusher.flush()) is False
+    assert flusher.balancer.pending_stamps() == stamps
+    assert flusher.balancer.take_usage() == (stamps, {})
+    assert flusher.metrics.registry.get_sample_value("llmgw_router_usage_flush_failures_total") == 1
+
+
+def test_clean_shutdown_flushes_once_more_and_withdraws_the_mark():
+    hub = InProcessHub()
+    staying, leaving = flusher_on(hub, router_id="staying"), flusher_on(hub, router_id="leaving")
+    run(staying.flush())
+    run(leaving.flush())
+    used = leaving.balancer.pick(MODEL)
+    leaving.balancer.release(used)
+    assert run(leaving.close()) is True
+    snapshot = hub.collect_usage()
+    assert [mark.router for mark in snapshot.routers] == ["staying"]
+    assert used.replica_id in snapshot.stamps  # flushed before leaving
+
+
+def test_a_router_that_cannot_flush_at_shutdown_does_not_leave():
+    """Leaving with stamps undelivered would turn "unknown" into "unused": the mark is left to lapse."""
+    hub = UnreachableRedisHub(make_table())
+    flusher = flusher_on(hub)
+    assert run(flusher.close()) is False
+
+
+def test_router_ids_differ_per_process_start_and_name_the_host():
+    first, second = new_router_id(), new_router_id()
+    assert first != second
+    assert first.split("-")[-2] == str(os.getpid())
+
+
+def test_a_router_left_after_the_app_stops(start_router, hub, start_engine):
+    hub.publish_endpoints(make_table([start_engine().url]))
+    router = start_router(hub, flush_seconds=0.05, router_id="app-router")
+    wait_until(lambda: [mark.router for mark in hub.collect_usage().routers] == ["app-router"])
+    router.stop()
+    assert hub.collect_usage().routers == []
