@@ -13,7 +13,7 @@ import threading
 
 from django.conf import settings
 
-from .contracts import ControlPlaneHub, EndpointTable, RouterHub
+from .contracts import ControlPlaneHub, EndpointTable, RouterHub, UsageReport
 from .fingerprint import fingerprint
 from .memory import InProcessHub
 from .redis_hub import RedisHub
@@ -24,6 +24,7 @@ __all__ = [
     "InProcessHub",
     "RedisHub",
     "RouterHub",
+    "UsageReport",
     "fingerprint",
     "get_hub",
     "reset_hub",

@@ -97,14 +97,16 @@ def tick(
             report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
             report.partition_brake = liveness.brake
             report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
-            demand = apply_demand(readings.activations, now, usage_known=True, in_flight=None)
+            # Idleness only while usage is known (DESIGN invariant 3); load only from a collection that worked.
+            in_flight = usage.in_flight if readings.usage is not None else None
+            demand = apply_demand(readings.activations, now, usage_known=usage.known, in_flight=in_flight)
             report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
             report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
             report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn
             report.replicas_retried = retry_failed(now)
             forgive_stable(now)
             report.starts_resent = resend_starts(now, outbox)
-            placing = place_pending(now, leadership.epoch, outbox, evict=not liveness.brake)
+            placing = place_pending(now, leadership.epoch, outbox, evict=usage.known and not liveness.brake)
             report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
             report.stops_sent, deleted = stop_shards(now, outbox)
             report.starts_sent = placing.starts_sent

@@ -10,11 +10,12 @@ from channels.layers import get_channel_layer
 from django.utils import timezone
 
 from agent.protocol import ShardStatus
-from hub import get_hub
+from hub import UsageReport, get_hub
 from llmgw_site.celery import app as celery_app
 from reconciler.agent_reports import record_shard_status
 from reconciler.lease import Leadership
 from reconciler.tick import tick
+from tests.fleet import watch_usage
 
 
 @contextmanager
@@ -96,3 +97,10 @@ def shard_report(django_capture_on_commit_callbacks):
             record_shard_status(node, status)
 
     return report
+
+
+@pytest.fixture
+def usage_known():
+    """Usage is known to the tick: one router reports (a long-lived mark) and has done so for an hour."""
+    async_to_sync(get_hub().report_usage)(UsageReport(router="test-router", ttl=3600))
+    watch_usage(known_since=timezone.now() - timedelta(hours=1))

@@ -66,7 +66,7 @@ def test_replicas_above_max_are_stopped_pending_first(run_tick):
     assert Replica.objects.count() == 1
 
 
-def test_replicas_idle_past_the_timeout_are_stopped_down_to_min(run_tick):
+def test_replicas_idle_past_the_timeout_are_stopped_down_to_min(run_tick, usage_known):
     model = make_model("llama", min_replicas=2, max_replicas=3, idle_timeout_seconds=600)
     busy, idlest, idle = ready_replicas(model, [30, 3600, 900])
 
@@ -76,7 +76,7 @@ def test_replicas_idle_past_the_timeout_are_stopped_down_to_min(run_tick):
     assert set(Replica.objects.values_list("pk", flat=True)) == {busy.pk, idle.pk}
 
 
-def test_a_replica_whose_last_use_is_unknown_is_never_stopped_for_idleness(run_tick):
+def test_a_replica_whose_last_use_is_unknown_is_never_stopped_for_idleness(run_tick, usage_known):
     """DESIGN invariant 3: unknown is not idle."""
     model = make_model("llama", min_replicas=0, max_replicas=2, idle_timeout_seconds=60)
     unknown, idle = ready_replicas(model, [None, 120])
@@ -96,7 +96,9 @@ def test_an_idle_timeout_of_zero_means_replicas_stay(run_tick):
 
 
 @pytest.mark.parametrize(("idle", "stopped"), [(1799, 0), (1801, 1)])
-def test_an_empty_idle_timeout_is_the_fleet_default_so_a_model_can_go_back_to_zero(run_tick, settings, idle, stopped):
+def test_an_empty_idle_timeout_is_the_fleet_default_so_a_model_can_go_back_to_zero(
+    run_tick, usage_known, settings, idle, stopped
+):
     settings.LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS = 1800
     model = make_model("llama", min_replicas=0, max_replicas=1, idle_timeout_seconds=None)
     ready_replicas(model, [idle])

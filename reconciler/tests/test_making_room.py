@@ -16,7 +16,7 @@ from reconciler.outbox import Outbox
 from reconciler.placing import place_pending
 from tests.fleet import make_model, make_node, make_replica
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("usage_known")]
 
 
 def serving(name, node, *, idle=600, ready=3600, priority=0, min_replicas=0, indices=range(8)):

@@ -9,7 +9,8 @@ import pytest
 from conftest import free_port
 from hub import RedisHub
 from hub.contracts import RouterMark, UsageSnapshot
-from reconciler.models import UsageWatch
+from reconciler.choices import ReplicaState
+from reconciler.models import Replica, UsageWatch
 from reconciler.usage import FLEET, assess_usage
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
@@ -203,23 +204,32 @@ def test_two_routers_one_unable_to_flush_make_idleness_unknown(run_tick, redis_f
 def test_a_redis_outage_leaves_idleness_unknown_during_it_and_for_the_grace_after(
     run_tick, redis_fleet, settings, outage
 ):
+    """Replicas in use all through an outage longer than their idle timeout (60 s) are never stopped:
+    the stamps the tick last saw go stale, but idleness is unknown until the routers' memory has landed."""
     settings.LLMGW_ROUTER_FORGET_SECONDS = 300
     clock, model, replicas, live, dead = redis_fleet
     first, second = router_on(live, "router-a", replicas, model), router_on(live, "router-b", replicas, model)
+    use(second, model)
+    use(second, model)  # both replicas have a known last use before the outage
     flush(first, second)
     run_tick(now=at(clock.now), hub=live)
     clock.now += 3
     flush(first, second)
-    assert run_tick(now=at(clock.now), hub=live).usage_known is True
+    known = run_tick(now=at(clock.now), hub=live)
+    assert known.usage_known is True
+    assert known.replicas_idle_stopped == 0
+    assert Replica.objects.filter(state=ReplicaState.READY).count() == 2  # nothing was stopped
+    assert Replica.objects.filter(last_used__isnull=False).count() == 2
 
     first.hub = second.hub = dead
-    use(second, model)  # used during the outage: only router-b's memory knows
     for _ in range(outage // 20):
         clock.now += 20
+        use(second, model)  # used during the outage: only router-b's memory knows
         flush(first, second)
         during = run_tick(now=at(clock.now), hub=dead)
         assert during.usage_known is False
         assert during.usage_unknown_reason.startswith("could not collect usage: ")
+        assert during.replicas_idle_stopped == 0
 
     # Redis is back; router-a flushes first, router-b's flush comes a second later.
     first.hub = second.hub = live
@@ -235,8 +245,11 @@ def test_a_redis_outage_leaves_idleness_unknown_during_it_and_for_the_grace_afte
     clock.now += 1
     flush(first, second)
     landed = run_tick(now=at(clock.now), hub=live)
-    # router-b's stamp from the outage arrived before idleness became known.
-    assert (landed.usage_known, landed.usage_updated) == (False, 1)
+    # router-b's stamps from the outage (both replicas) arrived before idleness became known.
+    assert (landed.usage_known, landed.usage_updated) == (False, 2)
     clock.now += 3
     flush(first, second)
-    assert run_tick(now=at(clock.now), hub=live).usage_known is True
+    known = run_tick(now=at(clock.now), hub=live)
+    assert known.usage_known is True
+    assert known.replicas_idle_stopped == 0
+    assert Replica.objects.filter(state=ReplicaState.READY).count() == 2  # nothing was stopped
