@@ -13,7 +13,9 @@ DATABASE_URL), that many 8-GPU nodes, then:
   (two victims per waiting model), the steady ticks that follow re-read the
   holdings while the victims drain (no agents answer here).
 
-It prints the median steady tick time and the query counts. The query count must
+It prints the median steady tick time and the query counts
+(TICK_BENCH_QUERIES=1 lists a steady tick's queries, TICK_BENCH_PROFILE=1
+profiles one). The query count must
 not grow with the fleet (CONVENTIONS: a tick runs a fixed number of queries).
 """
 
@@ -42,6 +44,8 @@ def main() -> None:
 
     os.environ.setdefault("LLMGW_VAR_DIR", tempfile.mkdtemp(prefix="llmgw-tick-bench-"))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+    from datetime import timedelta
+
     import django
 
     django.setup()
@@ -65,10 +69,12 @@ def main() -> None:
 
     def one_tick():
         # A router reporting keeps usage known, so the tick may evict; the waiting queue asks again.
-        async_to_sync(hub.report_usage)(UsageReport(router="bench", ttl=3600))
+        async_to_sync(hub.report_usage)(UsageReport(router="bench", ttl=60))
         for name in waiting:
             async_to_sync(hub.request_activation)(name)
-        tick(leadership=leadership)
+        report = tick(leadership=leadership)
+        if not report.leader or not report.usage_known:
+            print(f"       tick: leader={report.leader} usage known={report.usage_known} {report.usage_unknown_reason}")
 
     waiting: list[str] = []
 
@@ -107,10 +113,21 @@ def main() -> None:
                 )
         else:
             waiting = full_fleet(nodes, now, args.waiting)
+            # Usage has been known for a while (a router has reported all along): the tick may evict.
+            UsageWatch.objects.create(name="fleet", known_since=now - timedelta(hours=1))
+        # Building a big fleet takes longer than the heartbeat window: the nodes have just been heard from.
+        Node.objects.update(last_seen=timezone.now())
         with CaptureQueriesContext(connection) as placing_queries:
             started = time.perf_counter()
             one_tick()
             placing_ms = (time.perf_counter() - started) * 1000
+        if os.environ.get("TICK_BENCH_PROFILE"):
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.runcall(one_tick)
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
         steady, steady_queries = [], 0
         for _ in range(args.ticks):
             with CaptureQueriesContext(connection) as ctx:
@@ -118,6 +135,8 @@ def main() -> None:
                 one_tick()
                 steady.append((time.perf_counter() - started) * 1000)
             steady_queries = len(ctx)
+            if os.environ.get("TICK_BENCH_QUERIES"):
+                print("\n".join(q["sql"][:160] for q in ctx.captured_queries))
         replicas = Replica.objects.count()
         if args.scenario == "pressure":
             stopping = Replica.objects.filter(state=ReplicaState.STOPPING).count()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Exists, OuterRef
 
-from catalog.models import Model, Profile
+from catalog.models import Alias, Model, Profile
 from hub import EndpointTable
 from inventory.choices import NodeState
 
@@ -15,13 +15,21 @@ from .models import Replica, Shard
 
 def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, and how long
-    it takes to start), and READY replicas whose nodes are all heard from. Five queries."""
-    models = (
-        Model.objects.filter(enabled=True)
-        .filter(Exists(Profile.objects.filter(model=OuterRef("pk"))))
-        .prefetch_related("aliases", "profiles")
-        .order_by("name")
-    )
+    it takes to start), and READY replicas whose nodes are all heard from. Five queries, plain rows:
+    it runs every tick, over every ready replica of the fleet."""
+    # The first profile is the one an activation starts, so its learned start time is the ETA.
+    first_start: dict[int, float | None] = {}
+    for model_id, start_seconds in (
+        Profile.objects.filter(model__enabled=True)
+        .order_by("model_id", "order", "id")
+        .values_list("model_id", "start_seconds")
+    ):
+        first_start.setdefault(model_id, start_seconds)
+    names = dict(Model.objects.filter(pk__in=first_start.keys()).values_list("pk", "name"))
+    aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
+    for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
+        aliases[model_id].append(alias)
+
     # A replica with a shard on a node that missed its heartbeat window takes no traffic; it
     # returns when the node's heartbeats do (DESIGN "Reconcile tick": unreachable → unpublished).
     on_silent_node = Shard.objects.filter(replica=OuterRef("pk")).exclude(node__state=NodeState.READY)
@@ -29,8 +37,8 @@ def build_endpoint_table() -> EndpointTable:
         Replica.objects.ready()
         .filter(model__enabled=True)
         .exclude(Exists(on_silent_node))
-        .select_related("model", "profile")
         .order_by("id")
+        .values_list("id", "model__name", "endpoint_url", "profile__priority", "profile__weight", "profile__pool")
     )
     # Why a wanted model has no room right now, so routers can answer at once instead of holding requests.
     unplaceable: dict[str, str] = {}
@@ -44,27 +52,19 @@ def build_endpoint_table() -> EndpointTable:
     ):
         unplaceable.setdefault(name, reason)
 
-    def entry(model) -> dict:
-        described = {"aliases": sorted(a.name for a in model.aliases.all())}
-        if model.name in unplaceable:
-            described["unplaceable"] = unplaceable[model.name]
-        # The first profile is the one an activation starts, so its learned start time is the ETA.
-        first = min(model.profiles.all(), key=lambda p: (p.order, p.pk), default=None)
-        if first is not None and first.start_seconds is not None:
-            described["start_seconds"] = round(first.start_seconds, 1)
-        return described
-
+    models: dict[str, dict] = {}
+    for model_id, name in sorted(names.items(), key=lambda item: item[1]):
+        described: dict = {"aliases": sorted(aliases[model_id])}
+        if name in unplaceable:
+            described["unplaceable"] = unplaceable[name]
+        start = first_start[model_id]
+        if start is not None:
+            described["start_seconds"] = round(start, 1)
+        models[name] = described
     return {
-        "models": {m.name: entry(m) for m in models},
+        "models": models,
         "endpoints": [
-            {
-                "replica_id": str(r.pk),
-                "model": r.model.name,
-                "url": r.endpoint_url,
-                "priority": r.profile.priority,
-                "weight": r.profile.weight,
-                "pool": r.profile.pool,
-            }
-            for r in endpoints
+            {"replica_id": str(pk), "model": model, "url": url, "priority": priority, "weight": weight, "pool": pool}
+            for pk, model, url, priority, weight, pool in endpoints
         ],
     }

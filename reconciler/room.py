@@ -46,8 +46,9 @@ def make_room(
     Returns the placement note of each replica that now waits for room.
     """
     draining = _draining_gpus(now)
-    holdings = read_holdings(now)
-    spare = spare_replicas()
+    # Read only when some replica needs victims: while victims drain, waiting costs one query a tick.
+    holdings: list[Holding] | None = None
+    spare: dict[str, int] = {}
     taken: set[int] = set()  # replicas chosen as victims this tick
     notes: dict[int, str] = {}
     victims_all: list[StopRequest] = []
@@ -61,6 +62,8 @@ def make_room(
             if soon is not None:
                 notes[replica.pk] = f"{MAKING_ROOM}waiting for GPUs being freed on {', '.join(soon)}"
                 break
+            if holdings is None:
+                holdings, spare = read_holdings(now), spare_replicas()
             candidates = stop_candidates(
                 (h for h in holdings if h.replica_id not in taken),
                 spare,
