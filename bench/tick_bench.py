@@ -113,8 +113,8 @@ def main() -> None:
                 )
         else:
             waiting = full_fleet(nodes, now, args.waiting)
-            # Usage has been known for a while (a router has reported all along): the tick may evict.
-            UsageWatch.objects.create(name="fleet", known_since=now - timedelta(hours=1))
+        # Usage has been known for a while (a router has reported all along): the tick may stop and evict.
+        UsageWatch.objects.create(name="fleet", known_since=now - timedelta(hours=1))
         # Building a big fleet takes longer than the heartbeat window: the nodes have just been heard from.
         Node.objects.update(last_seen=timezone.now())
         with CaptureQueriesContext(connection) as placing_queries:
