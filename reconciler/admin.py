@@ -15,12 +15,22 @@ from .models import GPUAssignment, Lease, Replica, Shard
 
 class ShardInline(ReadOnlyInline):
     model = Shard
-    fields = ["rank", "node", "port", "state", "message", "updated_at"]
+    fields = ["rank", "node", "port", "state", "running", "message", "updated_at"]
 
 
 @admin.register(Replica)
 class ReplicaAdmin(ReadOnlyAdmin):
-    list_display = ["id", "model", "profile", "state", "node_names", "endpoint_url", "idle_for", "failure_count"]
+    list_display = [
+        "id",
+        "model",
+        "profile",
+        "state",
+        "node_names",
+        "endpoint_url",
+        "idle_for",
+        "failure_count",
+        "why",
+    ]
     list_filter = ["state", "model"]
     search_fields = ["model__name", "endpoint_url", "shards__node__name"]
     list_select_related = ["model", "profile", "profile__model"]
@@ -33,6 +43,10 @@ class ReplicaAdmin(ReadOnlyAdmin):
     @admin.display(description="nodes")
     def node_names(self, obj):
         return ", ".join(s.node.name for s in sorted(obj.shards.all(), key=lambda s: s.rank)) or "-"
+
+    @admin.display(description="why stopping / waiting")
+    def why(self, obj):
+        return obj.stop_reason or obj.placement_error or "-"
 
     @admin.display(description="idle for")
     def idle_for(self, obj):
@@ -49,14 +63,15 @@ class ReplicaAdmin(ReadOnlyAdmin):
             stop_replica(replica)
         self.message_user(
             request,
-            f"Asked {len(replicas)} replica(s) to stop; the leader's next tick stops their shards.",
+            f"Asked {len(replicas)} replica(s) to stop: they left the endpoint table; the leader's next tick "
+            "drains them (stopped once their engines report no running requests).",
             messages.SUCCESS,
         )
 
 
 @admin.register(Shard)
 class ShardAdmin(ReadOnlyAdmin):
-    list_display = ["id", "replica", "rank", "node", "port", "state", "updated_at"]
+    list_display = ["id", "replica", "rank", "node", "port", "state", "running", "updated_at"]
     list_filter = ["state", "node"]
     search_fields = ["node__name", "replica__model__name"]
     list_select_related = ["replica__model", "node"]
