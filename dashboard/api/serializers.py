@@ -21,6 +21,7 @@ class ProfileSerializer(serializers.ModelSerializer):
             "nodes_per_replica",
             "min_replicas",
             "max_replicas",
+            "target_concurrency",
             "priority",
             "pool",
             "weight",
@@ -96,6 +97,9 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "last_used",
             "idle_seconds",
             "idle_known",
+            "stopping_since",
+            "stop_reason",
+            "demand_until",
         ]
 
     def _now(self):
