@@ -65,7 +65,8 @@ def make_room(
             if holdings is None:
                 holdings, spare = read_holdings(now), spare_replicas()
             candidates = stop_candidates(
-                (h for h in holdings if h.replica_id not in taken),
+                # Never its own model's replicas: stopping one to start another would only churn.
+                (h for h in holdings if h.replica_id not in taken and h.model != model),
                 spare,
                 min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
                 min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
