@@ -44,6 +44,19 @@ def env_float(name: str, default: float, minimum: float | None = None) -> float:
     return number
 
 
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not a whole number") from None
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name}={value!r} must be a whole number of at least {minimum}")
+    return number
+
+
 def env_port(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value.strip() == "":

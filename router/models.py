@@ -15,13 +15,25 @@ class ApiKeyQuerySet(models.QuerySet):
 
 
 class ApiKey(models.Model):
-    """A bearer key clients send to the router. Only its hash and prefix are stored."""
+    """A bearer key clients send to the router. Only its hash and prefix are stored.
+
+    A key may be limited to some models (names or aliases), to some pools, in
+    time (`expires_at`), and in requests and tokens per minute.
+    """
 
     name = models.CharField(max_length=100)
     prefix = models.CharField(max_length=24, help_text="The start of the key, to recognise it.")
     key_hash = models.CharField(max_length=64, unique=True)
-    active = models.BooleanField(default=True)
+    active = models.BooleanField(default=True, help_text="Untick to revoke: every router refuses it within a second.")
     created_at = models.DateTimeField(auto_now_add=True)
+    allowed_models = models.JSONField(
+        default=list, blank=True, help_text='Models (names or aliases) it may use, e.g. ["llama3"]; empty = all.'
+    )
+    allowed_pools = models.JSONField(default=list, blank=True, help_text="Pools whose replicas serve it; empty = any.")
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Refused from then on; empty = never.")
+    rpm = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per minute; empty = no limit.")
+    tpm = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens per minute; empty = no limit.")
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -40,3 +52,22 @@ class ApiKey(models.Model):
             name=name, prefix=plaintext[: len(KEY_PREFIX) + 6], key_hash=hash_secret(plaintext)
         )
         return api_key, plaintext
+
+
+class TokenUsage(models.Model):
+    """Tokens one key spent on one model in one hour, as the routers counted them from the answers."""
+
+    key = models.ForeignKey(ApiKey, related_name="token_usage", null=True, on_delete=models.SET_NULL)
+    key_name = models.CharField(max_length=100, help_text="The key's name when counted (kept if it is deleted).")
+    model = models.CharField(max_length=200)
+    hour = models.DateTimeField(help_text="Start of the hour (UTC).")
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-hour", "key_name", "model"]
+        constraints = [models.UniqueConstraint(fields=["key", "model", "hour"], name="token_usage_one_row_per_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.key_name} on {self.model} at {self.hour:%Y-%m-%d %H}:00"

@@ -10,7 +10,7 @@ from asgiref.sync import async_to_sync
 from channels_redis.core import RedisChannelLayer
 from django.core.exceptions import ImproperlyConfigured
 
-from llmgw_site.env import env_bool, env_float, env_port, env_port_range
+from llmgw_site.env import env_bool, env_float, env_int, env_port, env_port_range
 from llmgw_site.settings import channel_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +41,8 @@ def django_setup(**env) -> subprocess.CompletedProcess:
         (lambda: env_port("LLMGW_X", 1), "0", "port 0 is outside 1-65535"),
         (lambda: env_float("LLMGW_X", 1.0, minimum=0.1), "nan", "must be a number"),
         (lambda: env_bool("LLMGW_X"), "maybe", "not a boolean"),
+        (lambda: env_int("LLMGW_X", 1, minimum=1), "2.5", "not a whole number"),
+        (lambda: env_int("LLMGW_X", 1, minimum=1), "0", "at least 1"),
         (lambda: env_port_range("LLMGW_X", (1, 2)), "30000", "not a port range"),
         (lambda: env_port_range("LLMGW_X", (1, 2)), "300-20", "must satisfy"),
     ],
@@ -58,6 +60,8 @@ def test_good_environment_values_are_read(monkeypatch):
     assert env_port("LLMGW_X", 1) == 9000
     monkeypatch.setenv("LLMGW_X", "off")
     assert env_bool("LLMGW_X", True) is False
+    monkeypatch.setenv("LLMGW_X", " 12 ")
+    assert env_int("LLMGW_X", 1, minimum=1) == 12
 
 
 def test_start_up_fails_on_a_bad_tick_interval():
