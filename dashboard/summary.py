@@ -32,7 +32,7 @@ from catalog.models import Model
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, gpu_in_service
 from reconciler.choices import WANTED_STATES, ReplicaState
-from reconciler.eviction import MAKING_ROOM
+from reconciler.eviction import HOLDING_NOTES
 from reconciler.idle import Idle
 from reconciler.liveness import partition_brake
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
@@ -196,7 +196,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
             ready[model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
             unplaceable[(model_name, row["placement_error"])] += 1
-            if not row["placement_error"].startswith(MAKING_ROOM):
+            if not row["placement_error"].startswith(HOLDING_NOTES):
                 blocked.add(model_name)
         idle = Idle.since(row["last_used"], now)
         replica_list.append(

@@ -9,7 +9,7 @@ from hub import EndpointTable
 from inventory.choices import NodeState
 
 from .choices import ReplicaState
-from .eviction import MAKING_ROOM
+from .eviction import MAKING_ROOM, WAITING_FOR_NODES
 from .models import Replica, Shard
 
 
@@ -45,8 +45,9 @@ def build_endpoint_table() -> EndpointTable:
     for name, reason in (
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
         .exclude(placement_error="")
-        # Room is being made for it: routers keep holding its requests.
+        # Room is being made for it, or nodes may still report in: routers keep holding its requests.
         .exclude(placement_error__startswith=MAKING_ROOM)
+        .exclude(placement_error__startswith=WAITING_FOR_NODES)
         .order_by("model__name", "profile__order", "id")
         .values_list("model__name", "placement_error")
     ):

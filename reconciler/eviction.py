@@ -31,6 +31,12 @@ from .placement import NodeCapacity, Placement, Shape, place
 MAKING_ROOM = "making room: "
 """Prefix of a waiting replica's placement note while its victims drain: routers keep holding its requests."""
 
+WAITING_FOR_NODES = "waiting for nodes to report in: "
+"""Prefix of a placement note while the fleet may not have reported in yet (a new leader): routers hold too."""
+
+HOLDING_NOTES = (MAKING_ROOM, WAITING_FOR_NODES)
+"""A pending replica whose note starts with one of these is not unplaceable: its requests are held."""
+
 
 @dataclass(frozen=True)
 class Holding:

@@ -108,3 +108,13 @@ def fail_slow_starts(now: datetime, outbox: Outbox) -> int:
         ).values_list("replica_id", flat=True)
     )
     return fail_replicas(replica_ids, f"not ready within {timeout:g} s of placement", now, outbox)
+
+
+def fleet_settling(now: datetime, leadership: Leadership) -> bool:
+    """Whether nodes may still report in: this leader has watched for less than a heartbeat window and
+    some enrolled node has not been heard from (new or unreachable). Then "no room" may only mean "not
+    yet", so nothing is declared unplaceable. One query, only during the window."""
+    window = timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER_SECONDS)
+    if leadership.leader_since is not None and now - leadership.leader_since >= window:
+        return False
+    return Node.objects.filter(state__in=(NodeState.NEW, NodeState.UNREACHABLE)).exists()

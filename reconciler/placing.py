@@ -21,6 +21,7 @@ from catalog.models import Profile
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState, ShardState
+from .eviction import WAITING_FOR_NODES
 from .lifecycle import start_fields
 from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
@@ -48,12 +49,16 @@ class PlacingOutcome:
     starts_sent: int = 0
 
 
-def place_pending(now: datetime, epoch: int, outbox: Outbox, *, evict: bool = False) -> PlacingOutcome:
+def place_pending(
+    now: datetime, epoch: int, outbox: Outbox, *, evict: bool = False, settling: bool = False
+) -> PlacingOutcome:
     """Place PENDING replicas, highest priority then oldest first, each on the first of its model's profiles
     with room (and below that profile's own max); bulk-write shards and GPU assignments.
 
     With `evict` (usage is known and no partition brake), a replica no profile
     can take may have idle replicas stopped to make room for it (`room.make_room`).
+    With `settling` (the fleet may not have reported in yet), one that finds no
+    room is noted as waiting for nodes, not unplaceable: routers hold its requests.
     """
     outcome = PlacingOutcome()
     pending = list(
@@ -94,6 +99,9 @@ def place_pending(now: datetime, epoch: int, outbox: Outbox, *, evict: bool = Fa
             unplaceable.append((replica, tried, "; ".join(reasons)))
 
     notes = make_room(unplaceable, capacity, now) if evict and unplaceable else {}
+    if settling:
+        for replica, _tried, reason in unplaceable:
+            notes.setdefault(replica.pk, WAITING_FOR_NODES + reason)
     changed_error = []
     for replica, _tried, reason in unplaceable:
         outcome.unplaceable += 1

@@ -22,7 +22,7 @@ from .demand import apply_demand
 from .endpoints import build_endpoint_table
 from .lease import Leadership, LeaseLost, get_leadership
 from .lifecycle import forgive_stable, retry_failed, stop_shards
-from .liveness import check_liveness, fail_slow_starts
+from .liveness import check_liveness, fail_slow_starts, fleet_settling
 from .outbox import Outbox
 from .placing import place_pending, resend_starts
 from .usage import assess_usage, collect_usage, mark_unused_since_ready
@@ -106,7 +106,13 @@ def tick(
             report.replicas_retried = retry_failed(now)
             forgive_stable(now)
             report.starts_resent = resend_starts(now, outbox)
-            placing = place_pending(now, leadership.epoch, outbox, evict=usage.known and not liveness.brake)
+            placing = place_pending(
+                now,
+                leadership.epoch,
+                outbox,
+                evict=usage.known and not liveness.brake,
+                settling=fleet_settling(now, leadership),
+            )
             report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
             report.stops_sent, deleted = stop_shards(now, outbox)
             report.starts_sent = placing.starts_sent

@@ -4,12 +4,15 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.conf import settings
 from django.utils import timezone
 
 from catalog.models import Alias, Model
 from hub import get_hub
+from inventory.choices import NodeState
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.endpoints import build_endpoint_table
+from reconciler.eviction import WAITING_FOR_NODES
 from reconciler.models import Replica, Shard
 from reconciler.signals import work_pending
 from tests.fleet import make_model, make_node
@@ -147,3 +150,31 @@ def test_a_transaction_saving_many_catalog_rows_publishes_once(django_capture_on
             make_model(name)
             Alias.objects.create(model=Model.objects.get(name=name), name=f"{name}-alias")
     assert len(callbacks) == 1
+
+
+def test_a_new_leader_holds_requests_while_enrolled_nodes_have_not_reported_in(run_tick, leader):
+    """Right after start, "no node has GPU class X" may only mean "not yet": routers hold, not refuse."""
+    make_node("gpu-a")
+    make_node("gpu-c", gpu_class="L40S-48GB", state=NodeState.NEW)  # enrolled, its agent not connected yet
+    make_model("qwen", gpu_class="L40S-48GB")
+    leader.leader_since = timezone.now()
+
+    run_tick()
+
+    note = Replica.objects.get().placement_error
+    assert note.startswith(WAITING_FOR_NODES)
+    assert "unplaceable" not in build_endpoint_table()["models"]["qwen"]
+
+    # A heartbeat window later, what still finds no room is unplaceable.
+    run_tick(now=timezone.now() + timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER_SECONDS + 1))
+    assert build_endpoint_table()["models"]["qwen"]["unplaceable"] == "no node has GPU class L40S-48GB"
+
+
+def test_once_every_enrolled_node_has_reported_in_nothing_waits(run_tick, leader):
+    make_node("gpu-a")
+    make_model("qwen", gpu_class="L40S-48GB")
+    leader.leader_since = timezone.now()
+
+    run_tick()
+
+    assert Replica.objects.get().placement_error == "no node has GPU class L40S-48GB"
