@@ -1,20 +1,30 @@
-"""Router overhead benchmark: the same load straight at an engine, then through the router.
+"""Router overhead benchmark: the same load straight at an engine, through the floor proxy, and through the router.
 
-    .venv/bin/python bench/router_bench.py [--duration 10] [--concurrency 32] [--engine mock|builtin]
+    .venv/bin/python bench/router_bench.py [--duration 10] [--concurrency 1,16,64] [--mode json,stream]
+                                           [--engine mock|builtin]
+    .venv/bin/python bench/router_bench.py --streams 1000 [--token-delay-ms 200]
 
-Three processes on 127.0.0.1: an engine (the bundled mock engine, or a minimal
-aiohttp one built in here), the router under uvicorn with uvloop + httptools
-(embedded hub, SQLite in a temporary directory, one API key), and this load
-generator, which keeps `concurrency` non-streaming chat requests in flight for
-`duration` seconds against each target and prints requests/s and latency
-percentiles. The router runs in its own process so the load generator does not
-share its interpreter.
+Four processes on 127.0.0.1: an engine (the bundled mock engine, or a minimal
+aiohttp one built in here), the floor (`floor_proxy.py`: a raw ASGI app on
+aiohttp, the least any Python proxy does), the router as production runs it
+(uvicorn with uvloop + httptools, embedded hub, SQLite in a temporary
+directory, one API key), and this load generator, which keeps `concurrency`
+chat requests (JSON or streamed) in flight for `duration` seconds against each
+target and prints requests/s, latency percentiles, the router/floor ratio and
+each proxy's CPU time per request (from /proc: the shared cores do not distort
+it). Each proxy runs in its own process so the load generator does not share
+its interpreter.
+
+`--streams N` instead opens N slow streams through the router at once (the
+mock engine answering a token every `--token-delay-ms`) and reports errors and
+the router's peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -46,9 +56,24 @@ def serve_builtin_engine(port: int) -> None:
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
 
+    chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
+    events = [
+        b"data: "
+        + json.dumps({**chunk, "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}).encode()
+        + b"\n\n"
+        for word in ("Hel", "lo", ".")
+    ] + [b"data: [DONE]\n\n"]
+
     async def chat(request):
-        await request.read()
-        return web.json_response(reply)
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response(reply)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+        await response.write_eof()
+        return response
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
@@ -128,8 +153,9 @@ async def wait_ready(url: str, timeout: float = 30.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def drive(url: str, headers: dict, duration: float, concurrency: int) -> dict:
+async def drive(url: str, headers: dict, duration: float, concurrency: int, stream: bool = False) -> dict:
     """Keep `concurrency` requests in flight for `duration` seconds; return throughput and latencies."""
+    body = {**CHAT_BODY, "stream": True} if stream else CHAT_BODY
     latencies: list[float] = []
     errors = 0
     stop_at = time.perf_counter() + duration
@@ -142,9 +168,9 @@ async def drive(url: str, headers: dict, duration: float, concurrency: int) -> d
             while time.perf_counter() < stop_at:
                 started = time.perf_counter()
                 try:
-                    async with session.post(url, json=CHAT_BODY) as response:
-                        await response.read()
-                        ok = response.status == 200
+                    async with session.post(url, json=body) as response:
+                        data = await response.read()
+                        ok = response.status == 200 and (not stream or data.endswith(b"data: [DONE]\n\n"))
                 except aiohttp.ClientError:
                     ok = False
                 if ok:
@@ -176,10 +202,46 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (or its peak, VmHWM) in KiB, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+async def hold_streams(url: str, headers: dict, count: int) -> dict:
+    """Open `count` streams at once and read each to its end; return errors and how long it took."""
+    body = {**CHAT_BODY, "stream": True, "max_tokens": 16, "messages": [{"role": "user", "content": "word " * 12}]}
+    connector = aiohttp.TCPConnector(limit=0)
+    errors = 0
+    timeout = aiohttp.ClientTimeout(total=600)
+
+    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout) as session:
+
+        async def one():
+            nonlocal errors
+            try:
+                async with session.post(url, json=body) as response:
+                    data = await response.read()
+                    if response.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
+                        errors += 1
+            except aiohttp.ClientError:
+                errors += 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(count)))
+        return {"errors": errors, "seconds": time.perf_counter() - began}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per target (default 10)")
-    parser.add_argument("--concurrency", type=int, default=32, help="requests kept in flight (default 32)")
+    parser.add_argument("--concurrency", default="1,16,64", help="requests kept in flight, a comma list")
+    parser.add_argument("--mode", default="json,stream", help="json and/or stream (comma list)")
+    parser.add_argument("--targets", default="direct,floor,router", help="which of direct, floor, router")
+    parser.add_argument("--streams", type=int, help="instead: hold this many slow streams through the router")
+    parser.add_argument("--token-delay-ms", type=float, default=200.0, help="--streams: the mock engine's delay")
     has_mock = (ROOT / "agent" / "mock_engine.py").exists()
     parser.add_argument(
         "--engine",
@@ -192,61 +254,85 @@ def main() -> None:
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.duration <= 0 or args.concurrency < 1:
-        parser.error("--duration must be > 0 and --concurrency >= 1")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency must be a comma list of numbers, not {args.concurrency!r}")
+    modes = args.mode.split(",")
+    targets = args.targets.split(",")
+    if args.duration <= 0 or min(levels) < 1:
+        parser.error("--duration must be > 0 and every --concurrency >= 1")
+    if not set(modes) <= {"json", "stream"} or not set(targets) <= {"direct", "floor", "router"}:
+        parser.error("--mode takes json,stream and --targets direct,floor,router")
 
     if args.serve_engine:
         return serve_builtin_engine(args.serve_engine)
     if args.serve_router:
         return serve_router(args.serve_router, args.upstream, args.workdir)
 
-    engine_port, router_port = free_port(), free_port()
-    engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
-    if args.engine == "mock":
+    engine_port, floor_port, router_port = free_port(), free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    urls = {
+        "direct": engine_url,
+        "floor": f"http://127.0.0.1:{floor_port}",
+        "router": f"http://127.0.0.1:{router_port}",
+    }
+    if args.engine == "mock" or args.streams:
         engine_cmd = [sys.executable, "-m", "agent.mock_engine", "--port", str(engine_port), "--model", MODEL]
+        if args.streams:
+            engine_cmd += ["--token-delay-ms", str(args.token_delay_ms)]
     else:
         engine_cmd = [sys.executable, __file__, "--serve-engine", str(engine_port)]
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
-        router_cmd = [
-            sys.executable,
-            __file__,
-            "--serve-router",
-            str(router_port),
-            "--upstream",
-            engine_url,
-            "--workdir",
-            workdir,
-        ]
-        processes = [subprocess.Popen(engine_cmd, cwd=ROOT), subprocess.Popen(router_cmd, cwd=ROOT)]
+        router_cmd = [sys.executable, __file__, "--serve-router", str(router_port), "--upstream", engine_url]
+        router_cmd += ["--workdir", workdir]
+        floor_cmd = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), str(floor_port), engine_url]
+        processes = {
+            "engine": subprocess.Popen(engine_cmd, cwd=ROOT),
+            "floor": subprocess.Popen(floor_cmd, cwd=ROOT),
+            "router": subprocess.Popen(router_cmd, cwd=ROOT),
+        }
+        key = {"Authorization": f"Bearer {KEY}"}
         try:
-            asyncio.run(wait_ready(f"{engine_url}/health"))
-            asyncio.run(wait_ready(f"{router_url}/health"))
-            print(
-                f"engine={args.engine} concurrency={args.concurrency} duration={args.duration:g}s cpus={os.cpu_count()}"
-            )
-            print(
-                f"{'target':<8} {'requests':>9} {'errors':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-                f"{'router CPU us/req':>18}"
-            )
-            router_pid = processes[1].pid
-            for name, url, headers in (
-                ("direct", engine_url, {}),
-                ("router", router_url, {"Authorization": f"Bearer {KEY}"}),
-            ):
-                cpu_before = cpu_seconds(router_pid)
-                r = asyncio.run(drive(f"{url}/v1/chat/completions", headers, args.duration, args.concurrency))
-                # The router's own CPU per proxied request: a figure the shared cores do not distort.
-                per_request = (cpu_seconds(router_pid) - cpu_before) / max(r["requests"], 1) * 1e6
-                shown = f"{per_request:.0f}" if name == "router" else "-"
+            for name in ("direct", "router"):
+                asyncio.run(wait_ready(f"{urls[name]}/health"))
+            if args.streams:
+                router_pid = processes["router"].pid
+                before = rss_kib(router_pid)
+                r = asyncio.run(hold_streams(f"{urls['router']}/v1/chat/completions", key, args.streams))
                 print(
-                    f"{name:<8} {r['requests']:>9} {r['errors']:>7} {r['rps']:>9.0f} "
-                    f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {shown:>18}",
-                    flush=True,
+                    f"{args.streams} streams through one router process ({args.token_delay_ms:g} ms a token): "
+                    f"{r['errors']} errors in {r['seconds']:.1f} s; router RSS {before / 1024:.0f} MB before, "
+                    f"peak {rss_kib(router_pid, 'VmHWM') / 1024:.0f} MB"
                 )
+                return
+            print(f"engine={args.engine} duration={args.duration:g}s cpus={os.cpu_count()}")
+            print(
+                f"{'mode':<6} {'conns':>5} {'target':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
+                f"{'CPU us/req':>10} {'vs floor':>8}"
+            )
+            for mode in modes:
+                for level in levels:
+                    floor_rps = None
+                    for name in targets:
+                        pid = processes[name].pid if name != "direct" else None
+                        cpu_before = cpu_seconds(pid) if pid else 0.0
+                        headers = key if name == "router" else {}
+                        url = f"{urls[name]}/v1/chat/completions"
+                        r = asyncio.run(drive(url, headers, args.duration, level, stream=mode == "stream"))
+                        cpu = f"{(cpu_seconds(pid) - cpu_before) / max(r['requests'], 1) * 1e6:.0f}" if pid else "-"
+                        if name == "floor":
+                            floor_rps = r["rps"]
+                        ratio = f"{r['rps'] / floor_rps:.2f}x" if name == "router" and floor_rps else "-"
+                        print(
+                            f"{mode:<6} {level:>5} {name:<7} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} "
+                            f"{r['p99_ms']:>8.2f} {r['errors']:>6} {cpu:>10} {ratio:>8}",
+                            flush=True,
+                        )
         finally:
-            for process in processes:
+            for process in processes.values():
                 process.terminate()
-            for process in processes:
+            for process in processes.values():
                 process.wait(10)
 
 
