@@ -140,12 +140,23 @@ class EngineLoadPoller:
         self.timeout = min(self.poll_seconds, 1.0) if timeout is None else timeout
         self._session: aiohttp.ClientSession | None = None
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def open(self) -> None:
+        """Open the poller's HTTP session (on the router's loop)."""
         self._session = aiohttp.ClientSession(
+            # Reads run at once but not unbounded: a large fleet is read in waves of this many.
             connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=max(4.0, 2 * self.poll_seconds)),
             timeout=aiohttp.ClientTimeout(total=self.timeout),
         )
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def run(self) -> None:
+        """Poll every `poll_seconds` until cancelled; the session lives as long as this task."""
+        loop = asyncio.get_running_loop()
+        self.open()
         try:
             while True:
                 started = loop.time()
@@ -158,8 +169,7 @@ class EngineLoadPoller:
                     log.exception("engine load poll failed")
                 await asyncio.sleep(max(0.0, self.poll_seconds - (loop.time() - started)))
         finally:
-            session, self._session = self._session, None
-            await session.close()
+            await self.close()
 
     async def poll_once(self, endpoints: Iterable[Endpoint] | None = None) -> None:
         """Read every replica (or those given) at once and record each reading on its endpoint."""
