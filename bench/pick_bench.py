@@ -35,8 +35,8 @@ def balancer_with(replicas: int) -> Balancer:
 
 
 def run(balancer: Balancer, rounds: int, **kwargs) -> float:
-    held = [balancer.pick(MODEL, **kwargs) for _ in range(3)]  # uneven loads, as under traffic
     keys = kwargs.pop("affinity_keys", None)
+    held = [balancer.pick(MODEL, **kwargs) for _ in range(3)]  # uneven loads, as under traffic
     pick, release = balancer.pick, balancer.release
     started = time.perf_counter_ns()
     if keys is None:
@@ -66,8 +66,7 @@ def main() -> None:
         if not has_affinity:
             continue
         for i, endpoint in enumerate(balancer.endpoints(MODEL)):
-            endpoint.engine_waiting = i % 3
-            endpoint.kv_usage = 0.99 if i % 4 == 0 else 0.5
+            balancer.record_engine_load(endpoint, i % 3, 0.99 if i % 4 == 0 else 0.5)
         print(f"| {n} | engine load known | {run(balancer, args.rounds):.0f} |")
         keys = [hash(f"prefix {i}") for i in range(64)]
         print(f"| {n} | engine load + affinity | {run(balancer, args.rounds, affinity_keys=keys):.0f} |")
