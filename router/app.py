@@ -22,6 +22,7 @@ from django.conf import settings
 from hub import get_hub
 from hub.contracts import RouterHub
 
+from .affinity import prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
 from .balancer import EjectionPolicy
 from .errors import RouterError, method_not_allowed
@@ -156,13 +157,15 @@ class RouterApp:
             if body is None:
                 metrics.requests.labels(model, str(CLIENT_CLOSED)).inc()
                 return
-            model, body, streaming = self._parse(body)
+            model, body, streaming, affinity = self._parse(body)
         except RouterError as exc:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
 
         outcome = Outcome()
-        forward = asyncio.ensure_future(self._proxy.forward(scope, send, path, model, body, outcome, streaming))
+        forward = asyncio.ensure_future(
+            self._proxy.forward(scope, send, path, model, body, outcome, streaming, affinity=affinity)
+        )
         # The client may go away while we wait for a replica or stream: then stop the upstream request.
         gone = asyncio.ensure_future(until_disconnect(receive))
         metrics.in_flight.inc()
@@ -189,8 +192,9 @@ class RouterApp:
             metrics.in_flight.dec()
             metrics.requests.labels(model, str(outcome.status or CLIENT_CLOSED)).inc()
 
-    def _parse(self, body: bytes) -> tuple[str, bytes, bool]:
-        """(public model name, body for the engine, whether it streams), or a RouterError naming the problem."""
+    def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
+        """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError
+        naming the problem."""
         try:
             payload = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -207,7 +211,7 @@ class RouterApp:
             # Engines serve under the public name only.
             payload["model"] = public
             body = json.dumps(payload).encode()
-        return public, body, payload.get("stream") is True
+        return public, body, payload.get("stream") is True, prefix_affinity(payload)
 
 
 def create_app(

@@ -1,8 +1,9 @@
 """The router's background tasks: started beside requests, cancelled together at shutdown.
 
-The endpoint watcher, the backstop poller, the usage flusher and activation
-requests run here. Their loops call `raise_if_cancelling()` after a failure
-they log, so a cancellation is never mistaken for a store error.
+The endpoint watcher, the backstop poller, the usage flusher, the engine load
+poller (router.engine_load) and activation requests run here. Their loops call
+`raise_if_cancelling()` after a failure they log, so a cancellation is never
+mistaken for a store error.
 """
 
 from __future__ import annotations

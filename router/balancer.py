@@ -11,6 +11,14 @@ Outlier ejection (router.ejection) keeps requests away from a replica that
 keeps failing, in the balancer's own structures and under the same lock: the
 proxy reports how each attempt ended, a success on a healthy replica costs two
 attribute reads, and the clock is read only when a replica is ejected.
+
+The engines' own load (router.engine_load polls it off the request path) is
+cached on each endpoint: its waiting requests add to the load, and a replica
+whose KV cache is nearly full is passed over while another is not. A request
+may carry a prefix-affinity key (a stable hash of its prompt's start): such
+requests prefer one replica per key (rendezvous hashing over the candidates)
+while its load stays within a slack of the least loaded, so the engine can
+reuse the prefix's KV cache. A key's pools, when given, restrict the candidates.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +55,21 @@ class Endpoint:
     pool: str = "default"
     outstanding: int = field(default=0, compare=False)
     health: ReplicaHealth = field(default_factory=ReplicaHealth, compare=False, repr=False)
+    # The engine's own load, last polled (router.engine_load): None while unknown.
+    engine_waiting: float | None = field(default=None, compare=False)
+    kv_usage: float | None = field(default=None, compare=False)
+    # What the pick reads: unknown load counts as no extra load and never as full.
+    queued: float = field(default=0.0, compare=False, repr=False)
+    kv_full: bool = field(default=False, compare=False, repr=False)
+    # Stable across routers and restarts (unlike hash() of a str), so every router prefers the same replica per key.
+    affinity_seed: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.affinity_seed = zlib.crc32(self.replica_id.encode())
 
     @property
     def load(self) -> float:
-        return self.outstanding / self.weight
+        return (self.outstanding + self.queued) / self.weight
 
 
 class TableError(ValueError):
@@ -84,7 +104,13 @@ class Balancer:
         *,
         ejection_clock: Callable[[], float] = time.monotonic,
         ejection: EjectionPolicy | None = None,
+        kv_full_fraction: float = 0.95,
+        affinity_slack: float = 4.0,
     ) -> None:
+        if kv_full_fraction <= 0 or affinity_slack < 0:
+            raise ValueError("kv_full_fraction must be > 0 and affinity_slack >= 0")
+        self.kv_full_fraction = kv_full_fraction
+        self.affinity_slack = affinity_slack
         self._clock = clock
         self._ejection_clock = ejection_clock
         self.ejection = ejection or EjectionPolicy()
@@ -181,12 +207,23 @@ class Balancer:
         return list(self._by_replica.values())
 
     # -- per request ------------------------------------------------------------
-    def pick(self, model: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+    def pick(
+        self,
+        model: str,
+        exclude: Iterable[Endpoint] = (),
+        affinity: int | None = None,
+        pools: frozenset[str] | None = None,
+    ) -> Endpoint | None:
         """Choose a replica of `model` and count a request against it; None if it has none.
 
-        Highest priority first, then least outstanding requests per unit of
-        weight, ties taken in turn, among the replicas not ejected (a
-        half-open one is taken for its single probe). When every replica left
+        Candidates: the replicas not in `exclude` and, when `pools` is given,
+        in one of those pools. Among them: highest priority first, then least
+        load (outstanding requests plus the engine's waiting ones, per unit of
+        weight), ties taken in turn, among the replicas not ejected (a
+        half-open one is taken for its single probe) and not KV-full (unless
+        all are: then among those). With an `affinity` key, the key's replica
+        (rendezvous hashing over that same set) is taken instead while its
+        load is within `affinity_slack` of the least. When every replica left
         is ejected, the one ejected longest ago. The choice and the last-use
         stamp are one critical section, so a stamp always names the replica
         actually used.
@@ -195,36 +232,25 @@ class Balancer:
             candidates = self._endpoints.get(model)
             if not candidates:
                 return None
-            if exclude:
-                excluded = set(exclude)
+            if exclude or pools is not None:
                 # By identity: a replica placed again keeps its id but is a new endpoint (a new URL).
-                candidates = [e for e in candidates if e not in excluded]
+                excluded = set(exclude)
+                candidates = [e for e in candidates if e not in excluded and (pools is None or e.pool in pools)]
                 if not candidates:
                     return None
-            now: float | None = None  # the ejection clock, read only if some replica is ejected
-            best: list[Endpoint] = []
-            top = 0
-            best_load = _INFINITY
-            for e in candidates:
-                health = e.health
-                if health.ejected_until:
-                    if now is None:
-                        now = self._ejection_clock()
-                    if health.probing or now < health.ejected_until:
-                        continue
-                priority = e.priority
-                if not best or priority > top:
-                    best, top, best_load = [e], priority, e.load
-                elif priority == top:
-                    load = e.load
-                    if load < best_load:
-                        best, best_load = [e], load
-                    elif load == best_load:
-                        best.append(e)
+            best, best_load, tier = self._least_loaded(candidates, True, affinity is not None)
+            if not best:  # every replica left is KV-full (or ejected): the least loaded of them
+                best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
             if best:
-                turn = self._turn.get(model, 0)
-                chosen = best[turn % len(best)]
-                self._turn[model] = turn + 1
+                chosen = None
+                if tier:
+                    preferred = max(tier, key=lambda e: hash((affinity, e.affinity_seed)))
+                    if preferred.load <= best_load + self.affinity_slack:
+                        chosen = preferred
+                if chosen is None:
+                    turn = self._turn.get(model, 0)
+                    chosen = best[turn % len(best)]
+                    self._turn[model] = turn + 1
                 if chosen.health.ejected_until:
                     chosen.health.probing = True  # half-open: this request is the one probe
             else:
@@ -237,6 +263,50 @@ class Balancer:
             if in_flight > self._peaks.get(model, 0):
                 self._peaks[model] = in_flight
             return chosen
+
+    def _least_loaded(
+        self, candidates: list[Endpoint], skip_full: bool, with_tier: bool
+    ) -> tuple[list[Endpoint], float, list[Endpoint] | None]:
+        """(least loaded at the top priority, their load, every one at the top priority if `with_tier`).
+
+        Ejected replicas (but a half-open one due its probe) are left out, and
+        KV-full ones if `skip_full`. Under the lock.
+        """
+        now: float | None = None  # the ejection clock, read only if some replica is ejected
+        best: list[Endpoint] = []
+        tier: list[Endpoint] | None = [] if with_tier else None
+        top = 0
+        best_load = _INFINITY
+        for e in candidates:
+            health = e.health
+            if health.ejected_until:
+                if now is None:
+                    now = self._ejection_clock()
+                if health.probing or now < health.ejected_until:
+                    continue
+            if skip_full and e.kv_full:
+                continue
+            priority = e.priority
+            if not best or priority > top:
+                best, top, best_load = [e], priority, e.load
+                if tier is not None:
+                    tier = [e]
+            elif priority == top:
+                if tier is not None:
+                    tier.append(e)
+                load = e.load
+                if load < best_load:
+                    best, best_load = [e], load
+                elif load == best_load:
+                    best.append(e)
+        return best, best_load, tier
+
+    def record_engine_load(self, endpoint: Endpoint, waiting: float | None, kv_usage: float | None) -> None:
+        """Cache what the engine behind `endpoint` reported (None: unknown), for the picks to come."""
+        endpoint.engine_waiting = waiting
+        endpoint.kv_usage = kv_usage
+        endpoint.queued = waiting or 0.0
+        endpoint.kv_full = kv_usage is not None and kv_usage >= self.kv_full_fraction
 
     def release(self, endpoint: Endpoint, failure: Failure | None = None) -> None:
         """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""

@@ -82,9 +82,15 @@ class ColdStart:
         except Exception as exc:
             log.warning("could not ask for model %s to be activated: %s", model, exc)
 
-    async def wait_for_endpoint(self, model: str, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
-        """Pick a replica of `model` (not one of `exclude`), asking for an activation and waiting
-        (bounded) if it has none.
+    async def wait_for_endpoint(
+        self,
+        model: str,
+        exclude: Iterable[Endpoint] = (),
+        affinity: int | None = None,
+        pools: frozenset[str] | None = None,
+    ) -> Endpoint | None:
+        """Pick a replica of `model` (not one of `exclude`; `affinity` and `pools` as for Balancer.pick),
+        asking for an activation and waiting (bounded) if it has none.
 
         Waiters sleep on an event set by each applied table, and re-ask for the
         activation at most once a second in case the first ask was lost.
@@ -92,7 +98,7 @@ class ColdStart:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.activation_timeout
         while True:
-            endpoint = self.balancer.pick(model, exclude)
+            endpoint = self.balancer.pick(model, exclude, affinity, pools)
             if endpoint is not None:
                 return endpoint
             if self.balancer.resolve(model) is None:
@@ -120,9 +126,11 @@ class ColdStart:
             except TimeoutError:
                 pass
 
-    async def wait_with_keepalives(self, send: Send, model: str) -> Endpoint:
+    async def wait_with_keepalives(
+        self, send: Send, model: str, affinity: int | None = None, pools: frozenset[str] | None = None
+    ) -> Endpoint:
         """Wait for a replica like wait_for_endpoint, sending an SSE comment every keepalive interval."""
-        waiter = asyncio.ensure_future(self.wait_for_endpoint(model))
+        waiter = asyncio.ensure_future(self.wait_for_endpoint(model, (), affinity, pools))
         try:
             while not (await asyncio.wait({waiter}, timeout=self.keepalive_seconds))[0]:
                 await send({"type": "http.response.body", "body": KEEPALIVE_COMMENT, "more_body": True})

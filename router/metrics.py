@@ -3,8 +3,9 @@
 A registry per app (not the process-wide default) lets the embedded `up`
 command and tests run several routers in one process without clashes.
 Labels only ever carry published model names, never what a client typed, so
-a client cannot blow up the label cardinality. Ejection figures are read from
-the balancer when scraped, so requests pay nothing for them.
+a client cannot blow up the label cardinality. Ejection figures and the
+engines' polled load are read from the balancer when scraped, so requests pay
+nothing for them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class RouterMetrics:
         )
         if balancer is not None:
             self.registry.register(EjectionCollector(balancer))
+            self.registry.register(EngineLoadCollector(balancer))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -95,3 +97,30 @@ class EjectionCollector(Collector):
         for model, count in sorted(now.items()):
             ejected.add_metric([model], count)
         yield ejected
+
+
+class EngineLoadCollector(Collector):
+    """The engines' own load as this router last polled it, per replica; replicas whose figure is unknown are left out."""
+
+    def __init__(self, balancer: Balancer) -> None:
+        self.balancer = balancer
+
+    def collect(self) -> Iterator[Metric]:
+        waiting = GaugeMetricFamily(
+            "llmgw_router_engine_waiting",
+            "Requests waiting in the engine's own queue, as last polled from its /metrics.",
+            labels=["model", "replica"],
+        )
+        kv_usage = GaugeMetricFamily(
+            "llmgw_router_engine_kv_usage",
+            "The engine's KV cache usage (1 = full), as last polled from its /metrics.",
+            labels=["model", "replica"],
+        )
+        for endpoint in sorted(self.balancer.endpoints(), key=lambda e: (e.model, e.replica_id)):
+            labels = [endpoint.model, endpoint.replica_id]
+            if endpoint.engine_waiting is not None:
+                waiting.add_metric(labels, endpoint.engine_waiting)
+            if endpoint.kv_usage is not None:
+                kv_usage.add_metric(labels, endpoint.kv_usage)
+        yield waiting
+        yield kv_usage

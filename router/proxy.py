@@ -81,30 +81,46 @@ class Proxy:
             self.session = None
 
     async def forward(
-        self, scope: Scope, send: Send, path: str, model: str, body: bytes, outcome: Outcome, streaming: bool = False
+        self,
+        scope: Scope,
+        send: Send,
+        path: str,
+        model: str,
+        body: bytes,
+        outcome: Outcome,
+        streaming: bool = False,
+        *,
+        affinity: int | None = None,
+        pools: frozenset[str] | None = None,
     ) -> None:
-        """Answer the request from a replica of `model`; a RouterError if none can (before the response began)."""
+        """Answer the request from a replica of `model`; a RouterError if none can (before the response began).
+
+        `affinity` and `pools` go to every pick of the request (Balancer.pick)."""
         if self.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
         cold_start = self.cold_start
-        endpoint = self.balancer.pick(model)
+        endpoint = self.balancer.pick(model, (), affinity, pools)
         if endpoint is None and streaming and cold_start.keepalive_seconds > 0:
             # Answer at once and keep the stream alive while the model starts. From here on an
             # error can only travel inside the stream, as an OpenAI error event.
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             outcome.status = 200
             try:
-                endpoint = await cold_start.wait_with_keepalives(send, model)
-                await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=True)
+                endpoint = await cold_start.wait_with_keepalives(send, model, affinity, pools)
+                await self._send_upstream(
+                    scope, send, path, model, body, outcome, endpoint, headers_sent=True, affinity=affinity, pools=pools
+                )
             except RouterError as exc:
                 outcome.status = exc.status
                 await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n", "more_body": False})
             return
         if endpoint is None:
-            endpoint = await cold_start.wait_for_endpoint(model)
+            endpoint = await cold_start.wait_for_endpoint(model, (), affinity, pools)
             if endpoint is None:
                 raise cold_start.starting_error(model)
-        await self._send_upstream(scope, send, path, model, body, outcome, endpoint, headers_sent=False)
+        await self._send_upstream(
+            scope, send, path, model, body, outcome, endpoint, headers_sent=False, affinity=affinity, pools=pools
+        )
 
     async def _send_upstream(
         self,
@@ -117,6 +133,8 @@ class Proxy:
         endpoint: Endpoint,
         *,
         headers_sent: bool,
+        affinity: int | None = None,
+        pools: frozenset[str] | None = None,
     ) -> None:
         """Send the request to `endpoint` (retrying once on another replica before any upstream byte
         is relayed) and relay the answer."""
@@ -154,13 +172,13 @@ class Proxy:
                 # Nothing reached the client yet: count the failure (it may eject the replica) and retry once.
                 balancer.release(endpoint, failure)
                 log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
-                nxt = balancer.pick(model, exclude=tried) if retry_possible else None
+                nxt = balancer.pick(model, tried, affinity, pools) if retry_possible else None
                 if nxt is None and failure is Failure.CONNECT and not headers_sent and not held:
                     # Nothing accepted the connection and no other replica is left: the model's engines
                     # (or their node) are gone. Hold the request as for a cold start until the control
                     # plane publishes a replacement, rather than failing it; once per request.
                     held = True
-                    nxt = await self.cold_start.wait_for_endpoint(model, exclude=tried)
+                    nxt = await self.cold_start.wait_for_endpoint(model, tried, affinity, pools)
                     if nxt is None:
                         raise self.cold_start.starting_error(model)
                 if nxt is None:
@@ -176,7 +194,7 @@ class Proxy:
                 balancer.succeeded(endpoint)
             else:
                 if status in RETRIABLE_STATUSES and retry_possible:
-                    nxt = balancer.pick(model, exclude=tried)
+                    nxt = balancer.pick(model, tried, affinity, pools)
                     if nxt is not None:
                         response.close()
                         balancer.release(endpoint, Failure.ERROR)

@@ -17,6 +17,7 @@ from hub.contracts import EndpointTable, RouterHub
 from .background import BackgroundTasks, raise_if_cancelling
 from .balancer import Balancer, EjectionPolicy, TableError
 from .coldstart import ColdStart
+from .engine_load import EngineLoadPoller, balancer_options
 from .keys import ApiKeyCache
 from .metrics import RouterMetrics
 from .proxy import Proxy
@@ -51,7 +52,8 @@ class RouterState:
         self.hub = hub
         self.poll_seconds = poll_seconds
         self.max_body_bytes = max_body_bytes
-        self.balancer = Balancer(ejection=ejection)
+        self.balancer = Balancer(ejection=ejection, **balancer_options())
+        self.engine_load = EngineLoadPoller(self.balancer)
         self.keys = key_cache or ApiKeyCache()
         self.metrics = RouterMetrics(self.balancer)
         self.tasks = BackgroundTasks()
@@ -86,6 +88,7 @@ class RouterState:
             self.apply_table(table)
         self.tasks.start(self._poll(), name="router-poll-endpoints")
         self.tasks.start(self.usage.run(), name="router-flush-usage")
+        self.tasks.start(self.engine_load.run(), name="router-poll-engine-load")
         # The id the control plane names when this router's usage reports stop ("router X has not reported…").
         log.info("router %s reports usage every %g s", self.usage.router_id, self.usage.flush_seconds)
         self.started = True

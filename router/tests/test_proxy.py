@@ -220,7 +220,8 @@ def test_requests_go_to_the_higher_priority_replica(start_router, hub, auth, sta
     assert (len(low.requests), len(high.requests)) == (0, 4)
 
 
-def test_concurrent_requests_spread_by_outstanding_requests(start_router, hub, auth, start_engine):
+def test_concurrent_requests_spread_by_outstanding_requests(start_router, hub, auth, start_engine, settings):
+    settings.LLMGW_PREFIX_AFFINITY_SLACK = 0  # the requests share a prompt: no affinity beyond equal loads
     a, b = start_engine("a", delay=0.3), start_engine("b", delay=0.3)
     hub.publish_endpoints(make_table([a.url, b.url]))
     router = start_router()

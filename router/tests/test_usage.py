@@ -100,8 +100,9 @@ def test_stamps_land_in_the_redis_zset_and_never_move_back(redis_settings, start
     client.zadd(USAGE_KEY, {"1": future, "2": 5.0})
     router = start_router(None, flush_seconds=0.1)  # the settings' hub: Redis
     before = time.time()
-    assert chat(router, auth).headers["x-llmgw-replica"] == "1"
-    assert chat(router, auth).headers["x-llmgw-replica"] == "2"
+    # No prompt, so no prefix affinity: the two requests are taken in turn by the two replicas.
+    assert chat(router, auth, messages=[]).headers["x-llmgw-replica"] == "1"
+    assert chat(router, auth, messages=[]).headers["x-llmgw-replica"] == "2"
     after = time.time()
     wait_until(lambda: client.zscore(USAGE_KEY, "2") > 5.0, timeout=1.5)
     assert before <= client.zscore(USAGE_KEY, "2") <= after
