@@ -51,10 +51,6 @@ KV_USAGE_FAMILIES = (
     "llamacpp:kv_cache_usage_ratio",
 )
 SAME_BATCH_LABELS = ("tp_rank",)
-# The settings' defaults, for a settings module that does not define them (they are read with getattr).
-DEFAULT_POLL_SECONDS = 1.0
-DEFAULT_KV_FULL_FRACTION = 0.95
-DEFAULT_AFFINITY_SLACK = 4.0
 METRICS_PATH = "/metrics"
 # A vLLM /metrics page with every histogram is tens of KiB; more than this is not a metrics page.
 MAX_METRICS_BYTES = 4 * 1024 * 1024
@@ -117,8 +113,8 @@ class BalancerOptions(TypedDict):
 def balancer_options() -> BalancerOptions:
     """The Balancer's load-aware settings: `LLMGW_KV_CACHE_FULL_FRACTION` and `LLMGW_PREFIX_AFFINITY_SLACK`."""
     return {
-        "kv_full_fraction": float(getattr(settings, "LLMGW_KV_CACHE_FULL_FRACTION", DEFAULT_KV_FULL_FRACTION)),
-        "affinity_slack": float(getattr(settings, "LLMGW_PREFIX_AFFINITY_SLACK", DEFAULT_AFFINITY_SLACK)),
+        "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
+        "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
     }
 
 
@@ -132,7 +128,7 @@ class EngineLoadPoller:
     def __init__(self, balancer: Balancer, poll_seconds: float | None = None, timeout: float | None = None):
         self.balancer = balancer
         if poll_seconds is None:
-            poll_seconds = float(getattr(settings, "LLMGW_ENGINE_POLL_SECONDS", DEFAULT_POLL_SECONDS))
+            poll_seconds = float(settings.LLMGW_ENGINE_POLL_SECONDS)
         self.poll_seconds = poll_seconds
         if self.poll_seconds <= 0:
             raise ValueError("the engine poll interval must be > 0 seconds")
