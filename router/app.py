@@ -107,7 +107,7 @@ class RouterApp:
     def _model_list(self, key: KeyInfo) -> dict[str, Any]:
         """Every model the key may use, under its name and each alias."""
         resolve = self._balancer.resolve
-        data = []
+        data: list[dict[str, Any]] = []
         for public, aliases in sorted(self._balancer.catalog().items()):
             if key.allows(public, resolve):
                 data.extend(_model_object(name, public) for name in (public, *aliases))
