@@ -27,12 +27,15 @@ def positive_int(value: str) -> int:
 
 def parse_expiry(value: str, now: dt.datetime) -> dt.datetime:
     """`2027-01-01` (midnight, server time zone) or an ISO date-time; must be in the future."""
-    when = parse_datetime(value)
-    if when is None:
-        day = parse_date(value)
-        if day is None:
-            raise CommandError(f"--expires {value!r}: expected a date (2027-01-01) or a date-time (2027-01-01T12:00Z)")
+    try:
+        when = parse_datetime(value)
+        day = parse_date(value) if when is None else None
+    except ValueError as exc:  # well formed but not a real date: 2027-02-30
+        raise CommandError(f"--expires {value!r}: {exc}") from None
+    if day is not None:
         when = dt.datetime.combine(day, dt.time())
+    if when is None:
+        raise CommandError(f"--expires {value!r}: expected a date (2027-01-01) or a date-time (2027-01-01T12:00Z)")
     if timezone.is_naive(when):
         when = timezone.make_aware(when)
     if when <= now:
