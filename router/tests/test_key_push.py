@@ -17,7 +17,7 @@ from router.key_changes import set_keys_active
 from router.keys import ApiKeyCache, KeyInfo
 from router.models import ApiKey
 
-from .conftest import MODEL, chat_with_key, make_table
+from .conftest import chat_with_key, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
