@@ -41,7 +41,7 @@ CLIENT_CLOSED = 499
 
 
 class RouterApp:
-    """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /health, /metrics."""
+    """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /v1/models/{id}, /health, /metrics."""
 
     def __init__(self, state: RouterState):
         self.state = state
