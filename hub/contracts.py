@@ -10,7 +10,9 @@ implements all of them (`hub.memory.InProcessHub` embedded,
   per-model peak of requests in flight, and renews its own watch mark ("I am
   recording usage"), so the tick can tell "never used while watched" from
   "unknown", and notice one router that cannot flush (invariant 3);
-* activation queue: routers ask for a model to be started, the tick drains.
+* activation queue: routers ask for a model to be started, the tick drains;
+* key changes: the control plane names API keys (by hash) that were revoked,
+  deleted or edited, and every router drops them from its cache at once.
 
 Control-plane methods are synchronous (they run inside the tick); router
 methods are coroutines (they run on the router's loop).
@@ -132,9 +134,25 @@ class ActivationQueue(Protocol):
     def drain_activations(self) -> set[str]: ...
 
 
-class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, Protocol):
+class KeyChangeSink(Protocol):
+    """The control plane's side of key changes."""
+
+    def publish_key_changes(self, digests: list[str]) -> None:
+        """Tell every router these keys (sha256 hashes) changed; raise if the store cannot take it."""
+        ...
+
+
+class KeyChangeSource(Protocol):
+    """The router's side of key changes."""
+
+    def watch_key_changes(self) -> AsyncIterator[list[str]]:
+        """Yield the hashes of each batch of changed keys published from now on, forever."""
+        ...
+
+
+class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, KeyChangeSink, Protocol):
     """Everything the reconcile tick needs from the hub."""
 
 
-class RouterHub(EndpointSource, UsageSink, ActivationQueue, Protocol):
+class RouterHub(EndpointSource, UsageSink, ActivationQueue, KeyChangeSource, Protocol):
     """Everything a router needs from the hub."""

@@ -1,4 +1,4 @@
-"""The embedded hub: endpoint table, usage stamps, routers' watch marks and activations in this process.
+"""The embedded hub: endpoint table, usage stamps, routers' watch marks, activations and key changes in this process.
 
 Shared by the embedded ticker's thread and the router's event loop, so every
 method takes one lock and none blocks.
@@ -26,6 +26,7 @@ class InProcessHub:
         self._stamps: dict[str, float] = {}
         self._activations: set[str] = set()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[EndpointTable]]] = []
+        self._key_watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[list[str]]]] = []
         self._marks: dict[str, RouterMark] = {}  # router id -> its watch mark
         self._activation_listeners: list[Callable[[], None]] = []
 
@@ -107,3 +108,24 @@ class InProcessHub:
             listeners = list(self._activation_listeners)
         for listener in listeners:
             listener()
+
+    # -- key changes (control plane publishes from any thread; routers watch on their loop) --------------
+    def publish_key_changes(self, digests: list[str]) -> None:
+        batch = list(digests)
+        with self._lock:
+            watchers = list(self._key_watchers)
+        for loop, queue in watchers:
+            with contextlib.suppress(RuntimeError):  # that router's loop has closed
+                loop.call_soon_threadsafe(queue.put_nowait, batch)
+
+    async def watch_key_changes(self) -> AsyncIterator[list[str]]:
+        queue: asyncio.Queue[list[str]] = asyncio.Queue()
+        entry = (asyncio.get_running_loop(), queue)
+        with self._lock:
+            self._key_watchers.append(entry)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            with self._lock:
+                self._key_watchers.remove(entry)

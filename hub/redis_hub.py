@@ -1,5 +1,6 @@
 """The distributed hub in Redis: a key plus pub/sub for the endpoint table, a ZSET of
-last-use stamps, a hash of routers' watch marks, and a set of activations.
+last-use stamps, a hash of routers' watch marks, a set of activations, and a
+pub/sub channel of changed API keys.
 
 A router's report is one MULTI round trip: the stamps (`ZADD GT`, newest wins)
 first, then its mark renewed by a Lua script (read, keep or restart `since`,
@@ -32,6 +33,7 @@ ENDPOINTS_CHANNEL = "llmgw:endpoints"
 USAGE_KEY = "llmgw:usage:last_used"
 ROUTERS_KEY = "llmgw:routers"
 ACTIVATIONS_KEY = "llmgw:activations"
+KEY_CHANGES_CHANNEL = "llmgw:api-key-changes"
 
 # KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
 # `since` is kept while the router's previous mark has not lapsed, else it restarts at now. The value is
@@ -167,3 +169,34 @@ class RedisHub:
 
     async def request_activation(self, model_name: str) -> None:
         await self._aio().sadd(ACTIVATIONS_KEY, model_name)
+
+    # -- key changes ----------------------------------------------------------
+    def publish_key_changes(self, digests: list[str]) -> None:
+        if digests:
+            self._sync.publish(KEY_CHANGES_CHANNEL, json.dumps(list(digests)))
+
+    async def watch_key_changes(self) -> AsyncIterator[list[str]]:
+        """Yield each batch of changed key hashes published on the channel, reconnecting after failures."""
+        while True:
+            pubsub = self._aio().pubsub()
+            try:
+                await pubsub.subscribe(KEY_CHANGES_CHANNEL)
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    try:
+                        digests = json.loads(message["data"])
+                    except ValueError:
+                        digests = None
+                    if isinstance(digests, list) and all(isinstance(d, str) for d in digests):
+                        yield digests
+                    else:
+                        log.warning("ignoring a malformed key-change message: %r", message["data"][:200])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down: the key cache's positive TTL covers the gap
+                log.warning("key-change subscription failed, retrying: %s", exc)
+                await asyncio.sleep(1)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()

@@ -1,29 +1,98 @@
-"""Router admin: API keys are created from a name, shown once, and revoked; only their hash is stored."""
+"""Router admin: API keys are created from a name (and scopes, expiry, limits), shown once, revoked and restored.
 
+Only a key's hash is stored. Every change reaches every router within a
+second (router.key_changes).
+"""
+
+from django import forms
 from django.contrib import admin, messages
 
+from .key_changes import set_keys_active
+from .key_scopes import parse_names, unknown_models, unknown_models_message
 from .models import ApiKey
+
+PUSHED = "refused by every router within a second"
+
+
+class CommaListField(forms.CharField):
+    """A JSON list of names edited as `a, b, c`."""
+
+    def prepare_value(self, value):
+        if isinstance(value, list):
+            return ", ".join(value)
+        return value
+
+    def to_python(self, value):
+        return parse_names(super().to_python(value) or "")
+
+
+class ApiKeyForm(forms.ModelForm):
+    """The key's editable fields, with scopes as comma lists checked against the catalog."""
+
+    allowed_models = CommaListField(
+        required=False,
+        label="Allowed models",
+        help_text="Models or aliases it may use, comma-separated, e.g. “llama3, qwen”; empty = all.",
+    )
+    allowed_pools = CommaListField(
+        required=False,
+        label="Allowed pools",
+        help_text="Pools whose replicas may serve it, comma-separated; empty = any.",
+    )
+    rpm = forms.IntegerField(required=False, min_value=1, label="Requests per minute", help_text="Empty = no limit.")
+    tpm = forms.IntegerField(required=False, min_value=1, label="Tokens per minute", help_text="Empty = no limit.")
+
+    class Meta:
+        model = ApiKey
+        fields = ["name", "active", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
+
+    def clean_allowed_models(self):
+        names = self.cleaned_data["allowed_models"]
+        unknown = unknown_models(names)
+        if unknown:
+            message = unknown_models_message(unknown)
+            raise forms.ValidationError(f"{message[0].upper()}{message[1:]}.")
+        return names
 
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ["name", "prefix", "active", "created_at"]
+    """API keys: scopes, expiry and limits editable; last use read-only; revoke and restore in bulk."""
+
+    form = ApiKeyForm
+    list_display = [
+        "name",
+        "prefix",
+        "active",
+        "models_shown",
+        "expires_at",
+        "rpm",
+        "tpm",
+        "last_used_at",
+        "created_at",
+    ]
     list_filter = ["active"]
     search_fields = ["name", "prefix"]
-    actions = ["revoke"]
+    actions = ["revoke", "restore"]
+    SCOPE_FIELDS = ["allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
+
+    @admin.display(description="models")
+    def models_shown(self, obj):
+        return ", ".join(obj.allowed_models) or "all"
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ["name"]
-        return ["name", "prefix", "active", "created_at"]
+            return ["name", *self.SCOPE_FIELDS]
+        return ["name", "prefix", "active", *self.SCOPE_FIELDS, "last_used_at", "created_at"]
 
     def get_readonly_fields(self, request, obj=None):
-        return [] if obj is None else ["prefix", "created_at"]
+        return [] if obj is None else ["prefix", "last_used_at", "created_at"]
 
     def save_model(self, request, obj, form, change):
         if change:
             return super().save_model(request, obj, form, change)
-        issued, plaintext = ApiKey.issue(form.cleaned_data["name"])
+        data = form.cleaned_data
+        issued, plaintext = ApiKey.issue(data["name"], **{field: data[field] for field in self.SCOPE_FIELDS})
         # The admin goes on to log and redirect with `obj`, so it becomes the issued row.
         for field in ApiKey._meta.concrete_fields:
             setattr(obj, field.attname, getattr(issued, field.attname))
@@ -36,5 +105,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected keys", permissions=["change"])
     def revoke(self, request, queryset):
-        count = queryset.update(active=False)
-        self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
+        count = set_keys_active(queryset, False)
+        self.message_user(request, f"Revoked {count} key(s): {PUSHED}.", messages.SUCCESS)
+
+    @admin.action(description="Restore (unrevoke) the selected keys", permissions=["change"])
+    def restore(self, request, queryset):
+        count = set_keys_active(queryset, True)
+        self.message_user(
+            request, f"Restored {count} key(s): accepted by every router within a second.", messages.SUCCESS
+        )

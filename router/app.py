@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
@@ -26,7 +28,7 @@ from .affinity import prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
 from .balancer import EjectionPolicy
 from .errors import RouterError, method_not_allowed
-from .keys import ApiKeyCache, KeyStoreUnreachable
+from .keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL
 from .proxy import Outcome
 from .state import RouterState
@@ -34,12 +36,13 @@ from .state import RouterState
 log = logging.getLogger(__name__)
 
 PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+MODEL_PATH_PREFIX = "/v1/models/"
 # nginx's convention for "the client closed the request"; only ever a metric label.
 CLIENT_CLOSED = 499
 
 
 class RouterApp:
-    """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /health, /metrics."""
+    """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /v1/models/{id}, /health, /metrics."""
 
     def __init__(self, state: RouterState):
         self.state = state
@@ -86,8 +89,13 @@ class RouterApp:
             elif path == "/v1/models":
                 if method != "GET":
                     raise method_not_allowed(method, path, b"GET")
-                await self._authorize(scope)
-                await send_json(send, 200, self._model_list())
+                key = await self._authorize(scope)
+                await send_json(send, 200, self._model_list(key))
+            elif path.startswith(MODEL_PATH_PREFIX):
+                if method != "GET":
+                    raise method_not_allowed(method, path, b"GET")
+                key = await self._authorize(scope)
+                await send_json(send, 200, self._model(key, path[len(MODEL_PATH_PREFIX) :]))
             elif path == "/health":
                 await send_json(send, 200, self._health())
             elif path == "/metrics":
@@ -97,12 +105,21 @@ class RouterApp:
         except RouterError as exc:
             await send_bytes(send, exc.status, exc.body(), JSON_CONTENT_TYPE, exc.headers)
 
-    def _model_list(self) -> dict[str, Any]:
-        data = []
+    def _model_list(self, key: KeyInfo) -> dict[str, Any]:
+        """Every model the key may use, under its name and each alias."""
+        resolve = self._balancer.resolve
+        data: list[dict[str, Any]] = []
         for public, aliases in sorted(self._balancer.catalog().items()):
-            for name in (public, *aliases):
-                data.append({"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "root": public})
+            if key.allows(public, resolve):
+                data.extend(_model_object(name, public) for name in (public, *aliases))
         return {"object": "list", "data": data}
+
+    def _model(self, key: KeyInfo, name: str) -> dict[str, Any]:
+        """One model by name or alias (the SDK's `models.retrieve`); a model outside the key's scope is not shown."""
+        public = self._balancer.resolve(name)
+        if public is None or not key.allows(public, self._balancer.resolve):
+            raise RouterError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
+        return _model_object(name, public)
 
     def _health(self) -> dict[str, Any]:
         balancer = self._balancer
@@ -115,7 +132,8 @@ class RouterApp:
             "table": balancer.fingerprint,
         }
 
-    async def _authorize(self, scope: Scope) -> None:
+    async def _authorize(self, scope: Scope) -> KeyInfo:
+        """The request's key, or a RouterError: 401 when missing, unknown, revoked or expired."""
         header = None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -128,7 +146,7 @@ class RouterApp:
         if scheme.lower() != "bearer" or not key:
             raise RouterError(401, "The Authorization header must be 'Bearer <key>'.", "invalid_api_key")
         try:
-            valid = await self._keys.is_valid(key)
+            info = await self._keys.check(key)
         except KeyStoreUnreachable:
             raise RouterError(
                 503,
@@ -145,26 +163,35 @@ class RouterApp:
                 "key_check_unavailable",
                 type_="server_error",
             ) from None
-        if not valid:
+        if info is None:
             raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
+        expires_at = info.expires_at
+        if expires_at is not None and time.time() >= expires_at:
+            when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
+            raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
+        return info
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         metrics = self._metrics
         model = UNKNOWN_MODEL
         try:
-            await self._authorize(scope)
+            key = await self._authorize(scope)
             body = await read_body(receive, self._max_body_bytes)
             if body is None:
                 metrics.requests.labels(model, str(CLIENT_CLOSED)).inc()
                 return
             model, body, streaming, affinity = self._parse(body)
+            if key.allowed_models and not key.allows(model, self._balancer.resolve):
+                raise model_not_allowed(key, model)
         except RouterError as exc:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
 
         outcome = Outcome()
         forward = asyncio.ensure_future(
-            self._proxy.forward(scope, send, path, model, body, outcome, streaming, affinity=affinity)
+            self._proxy.forward(
+                scope, send, path, model, body, outcome, streaming, affinity=affinity, pools=key.allowed_pools or None
+            )
         )
         # The client may go away while we wait for a replica or stream: then stop the upstream request.
         gone = asyncio.ensure_future(until_disconnect(receive))
@@ -212,6 +239,17 @@ class RouterApp:
             payload["model"] = public
             body = json.dumps(payload).encode()
         return public, body, payload.get("stream") is True, prefix_affinity(payload)
+
+
+def _model_object(name: str, public: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "root": public}
+
+
+def model_not_allowed(key: KeyInfo, model: str) -> RouterError:
+    """403: the key's scope does not include `model`."""
+    return RouterError(
+        403, f"The API key “{key.name}” may not use the model `{model}`.", "model_not_allowed", param="model"
+    )
 
 
 def create_app(

@@ -1,10 +1,14 @@
 """API-key checks for the router, cached in memory so the hot path does no I/O.
 
 A key is looked up in the database (through the ORM, off the event loop) only
-on a cache miss. Valid keys are remembered for `positive_ttl` seconds, so a
-revoked key keeps working at most that long; unknown keys are remembered for
-`negative_ttl` seconds, so a client retrying a wrong key cannot hammer the
-database. Concurrent misses for the same key share one lookup.
+on a cache miss; the cache answers with a frozen `KeyInfo` (its scopes and
+expiry), so checking a request against the key's models, pools and expiry is
+in-memory work. Valid keys are remembered for `positive_ttl` seconds;
+unknown keys for `negative_ttl` seconds, so a client retrying a wrong key
+cannot hammer the database. Concurrent misses for the same key share one
+lookup. A change to a key (revoked, deleted, scopes edited) is pushed through
+the hub (`follow`): its entry is dropped at once, so every router applies it
+within a second; the positive TTL is only the backstop for a lost push.
 
 When the key store cannot be asked (the database is down, restarting or not
 answering within `lookup_timeout`), a key keeps the last answer the store gave
@@ -28,46 +32,108 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, Error, InterfaceError, OperationalError, close_old_connections, connections
 
 from hub.credentials import hash_secret
 
+from .background import raise_if_cancelling
 from .models import ApiKey
 
 log = logging.getLogger(__name__)
 
-# sha256 of a key -> whether an active ApiKey has it; runs on the cache's thread, raises django.db.Error
-# when the store cannot be asked.
-KeyLookup = Callable[[str], bool]
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What the router knows of one active API key: who it is, what it may use, and until when."""
+
+    id: int
+    name: str
+    digest: str
+    """sha256 of the key, as stored."""
+    allowed_models: frozenset[str] = frozenset()
+    """Model names or aliases it may use; empty = every model."""
+    allowed_pools: frozenset[str] = frozenset()
+    """Pools whose replicas may serve it; empty = any pool."""
+    expires_at: float | None = None
+    """Unix time from which it is refused; None = never."""
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def expired(self, now: float) -> bool:
+        expires_at = self.expires_at
+        return expires_at is not None and now >= expires_at
+
+    def allows(self, public: str, resolve: Callable[[str], str | None]) -> bool:
+        """Whether it may use the model whose public name is `public`; scope entries resolve through `resolve`.
+
+        A name in the scope allows its aliases, and an alias allows its model: both sides are
+        compared as public names in the catalog the router has now.
+        """
+        scope = self.allowed_models
+        if not scope or public in scope:
+            return True
+        return any(resolve(entry) == public for entry in scope)
+
+
+# sha256 of a key -> its KeyInfo if an active ApiKey has it, else None; runs on the cache's thread,
+# raises django.db.Error when the store cannot be asked.
+KeyLookup = Callable[[str], KeyInfo | None]
+
+
+class KeyChangeSource(Protocol):
+    """Where the router hears which keys changed (hub.contracts.KeyChangeSource)."""
+
+    def watch_key_changes(self) -> AsyncIterator[list[str]]: ...
 
 
 class KeyStoreUnreachable(Exception):
     """The key store could not be asked, and it never answered for this key."""
 
 
-def key_is_active(digest: str, using: str = DEFAULT_DB_ALIAS) -> bool:
-    """Whether an active ApiKey has this hash, asked of database `using`; reconnects once if its connection died."""
+def key_info(api_key: ApiKey) -> KeyInfo:
+    """The router's view of an ApiKey row."""
+    return KeyInfo(
+        id=api_key.pk,
+        name=api_key.name,
+        digest=api_key.key_hash,
+        allowed_models=frozenset(api_key.allowed_models or ()),
+        allowed_pools=frozenset(api_key.allowed_pools or ()),
+        expires_at=None if api_key.expires_at is None else api_key.expires_at.timestamp(),
+        rpm=api_key.rpm,
+        tpm=api_key.tpm,
+    )
+
+
+def find_active_key(digest: str, using: str = DEFAULT_DB_ALIAS) -> KeyInfo | None:
+    """The active ApiKey with this hash, asked of database `using`; reconnects once if its connection died."""
+
+    def ask() -> KeyInfo | None:
+        row = ApiKey.objects.using(using).active().filter(key_hash=digest).first()
+        return None if row is None else key_info(row)
+
     # This runs outside Django's request cycle, so retire connections the way a request would.
     close_old_connections()
     connection = connections[using]
     reused = connection.connection is not None
     try:
-        return ApiKey.objects.using(using).active().filter(key_hash=digest).exists()
+        return ask()
     except (OperationalError, InterfaceError):
         if not reused:
             raise
         # A kept connection the server dropped (restart, idle timeout) fails at its first use; a new one may not.
         with contextlib.suppress(Error):
             connection.close()
-        return ApiKey.objects.using(using).active().filter(key_hash=digest).exists()
+        return ask()
 
 
 class ApiKeyCache:
-    """Answers "is this bearer key valid?" from memory, asking the database only on a miss."""
+    """Answers "which key is this bearer token, if any?" from memory, asking the database only on a miss."""
 
     def __init__(
         self,
@@ -76,7 +142,7 @@ class ApiKeyCache:
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         *,
-        lookup: KeyLookup = key_is_active,
+        lookup: KeyLookup = find_active_key,
         retry_seconds: float = 1.0,
         lookup_timeout: float = 3.0,
     ) -> None:
@@ -87,15 +153,18 @@ class ApiKeyCache:
         self.lookup_timeout = lookup_timeout
         self._clock = clock
         self._lookup = lookup
-        self._entries: dict[str, tuple[bool, float]] = {}  # sha256 of key -> (valid, expires at)
-        self._pending: dict[str, asyncio.Future[bool]] = {}
+        self._entries: dict[str, tuple[KeyInfo | None, float]] = {}  # sha256 of key -> (key or None, expires at)
+        self._pending: dict[str, asyncio.Future[KeyInfo | None]] = {}
+        # Digests changed while a lookup for them was running: that lookup may have read the old row.
+        self._changed_during_lookup: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
         # Until then the store is not asked (it just failed, or a lookup is stuck): answers come from memory.
         self._unreachable_until = 0.0
         self.lookups = 0  # database lookups made, for tests and /health
+        self.changes_heard = 0  # key changes applied from the hub, for tests and /health
 
-    async def is_valid(self, key: str) -> bool:
-        """Whether `key` belongs to an active ApiKey.
+    async def check(self, key: str) -> KeyInfo | None:
+        """The active key `key` is, or None if it is unknown or revoked.
 
         Raises KeyStoreUnreachable if the database cannot be asked and never answered for `key`.
         """
@@ -105,7 +174,11 @@ class ApiKeyCache:
             return cached[0]
         return await self._ask_store(digest, cached)
 
-    async def _ask_store(self, digest: str, cached: tuple[bool, float] | None) -> bool:
+    async def is_valid(self, key: str) -> bool:
+        """Whether `key` belongs to an active ApiKey (expiry aside)."""
+        return await self.check(key) is not None
+
+    async def _ask_store(self, digest: str, cached: tuple[KeyInfo | None, float] | None) -> KeyInfo | None:
         if self._clock() < self._unreachable_until:
             return _last_answer(cached)
         pending = self._pending.get(digest)
@@ -127,12 +200,12 @@ class ApiKeyCache:
             log.warning("the key store has not answered in %g s; answering API keys from memory", self.lookup_timeout)
             return _last_answer(cached)
 
-    async def _fetch(self, digest: str) -> bool:
+    async def _fetch(self, digest: str) -> KeyInfo | None:
         self.lookups += 1
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-api-keys")
         try:
-            valid = await sync_to_async(self._lookup, thread_sensitive=False, executor=self._executor)(digest)
+            info = await sync_to_async(self._lookup, thread_sensitive=False, executor=self._executor)(digest)
         except Error as exc:
             if self._unreachable_until == 0.0:
                 log.warning("the key store is unreachable, answering API keys from memory: %s", exc)
@@ -141,13 +214,17 @@ class ApiKeyCache:
         if self._unreachable_until != 0.0:
             log.info("the key store answers again")
             self._unreachable_until = 0.0
+        if digest in self._changed_during_lookup:
+            # The row may have changed after this lookup read it: answer this once, remember nothing.
+            self._changed_during_lookup.discard(digest)
+            return info
         if len(self._entries) >= self.max_entries:
             self._prune()
-        ttl = self.positive_ttl if valid else self.negative_ttl
-        self._entries[digest] = (valid, self._clock() + ttl)
-        return valid
+        ttl = self.positive_ttl if info is not None else self.negative_ttl
+        self._entries[digest] = (info, self._clock() + ttl)
+        return info
 
-    def _lookup_done(self, digest: str, done: asyncio.Future[bool]) -> None:
+    def _lookup_done(self, digest: str, done: asyncio.Future[KeyInfo | None]) -> None:
         self._pending.pop(digest, None)
         if not done.cancelled():
             done.exception()  # retrieved: every waiter may have given up on it already
@@ -162,6 +239,28 @@ class ApiKeyCache:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
 
+    def forget_digests(self, digests: list[str]) -> None:
+        """These keys changed (revoked, deleted, edited): the next request with one reads its row again."""
+        entries, pending = self._entries, self._pending
+        for digest in digests:
+            entries.pop(digest, None)
+            if digest in pending:
+                self._changed_during_lookup.add(digest)
+        self.changes_heard += len(digests)
+
+    async def follow(self, source: KeyChangeSource, retry_seconds: float = 1.0) -> None:
+        """Drop each key the hub says changed, forever; a push lost meanwhile is covered by the positive TTL."""
+        while True:
+            try:
+                async for digests in source.watch_key_changes():
+                    self.forget_digests(digests)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                raise_if_cancelling()
+                log.warning("key-change watch failed, retrying in %g s: %s", retry_seconds, exc)
+            await asyncio.sleep(retry_seconds)
+
     async def close(self) -> None:
         """Close the lookup thread's database connection and stop the thread (it restarts on demand)."""
         executor, self._executor = self._executor, None
@@ -172,9 +271,10 @@ class ApiKeyCache:
     def forget(self) -> None:
         """Drop every cached answer (e.g. after revoking keys, in tests)."""
         self._entries.clear()
+        self._changed_during_lookup.update(self._pending)
 
 
-def _last_answer(cached: tuple[bool, float] | None) -> bool:
+def _last_answer(cached: tuple[KeyInfo | None, float] | None) -> KeyInfo | None:
     """The store's last answer for a key it cannot be asked about now, however old."""
     if cached is None:
         raise KeyStoreUnreachable("cannot verify the API key: the key store is unreachable")

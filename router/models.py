@@ -1,5 +1,7 @@
 """Router models: API keys (stored hashed, shown once)."""
 
+from typing import Any
+
 from django.db import models
 
 from hub.credentials import hash_secret, new_secret
@@ -45,12 +47,13 @@ class ApiKey(models.Model):
         return f"{self.name} ({self.prefix}…)"
 
     @classmethod
-    def issue(cls, name: str, key: str | None = None) -> tuple["ApiKey", str]:
-        """Create a key and return it with its plaintext, which is never stored."""
+    def issue(cls, name: str, key: str | None = None, **fields: Any) -> tuple["ApiKey", str]:
+        """Create a key (with any other `fields`: scopes, expiry, limits) and return it with its plaintext,
+        which is never stored."""
         plaintext = key or new_secret(KEY_PREFIX)
-        api_key = cls.objects.create(
-            name=name, prefix=plaintext[: len(KEY_PREFIX) + 6], key_hash=hash_secret(plaintext)
-        )
+        # An imported key (another gateway's) shows only its first 6 characters: they may be all it has of random.
+        visible = len(KEY_PREFIX) + 6 if plaintext.startswith(KEY_PREFIX) else 6
+        api_key = cls.objects.create(name=name, prefix=plaintext[:visible], key_hash=hash_secret(plaintext), **fields)
         return api_key, plaintext
 
 

@@ -89,6 +89,8 @@ class RouterState:
         self.tasks.start(self._poll(), name="router-poll-endpoints")
         self.tasks.start(self.usage.run(), name="router-flush-usage")
         self.tasks.start(self.engine_load.run(), name="router-poll-engine-load")
+        # Revoked and edited keys are dropped from the cache as the control plane publishes them.
+        self.tasks.start(self.keys.follow(self.hub), name="router-watch-key-changes")
         # The id the control plane names when this router's usage reports stop ("router X has not reported…").
         log.info("router %s reports usage every %g s", self.usage.router_id, self.usage.flush_seconds)
         self.started = True

@@ -7,7 +7,7 @@ import redis
 
 from hub import InProcessHub, RedisHub, fingerprint
 from hub.contracts import RouterMark, UsageReport, UsageSnapshot
-from hub.redis_hub import ROUTERS_KEY
+from hub.redis_hub import KEY_CHANGES_CHANNEL, ROUTERS_KEY
 
 
 @pytest.fixture(params=["in-process", "redis"])
@@ -194,3 +194,33 @@ def test_an_activation_request_calls_the_in_process_listeners():
     run(hub.request_activation("llama"))
     assert calls == ["woken"]
     assert hub.drain_activations() == {"llama"}
+
+
+def test_key_changes_reach_every_watcher_published_after_it_subscribed(hub):
+    async def scenario():
+        first, second = hub.watch_key_changes(), hub.watch_key_changes()
+        heard_first = asyncio.ensure_future(anext(first))
+        heard_second = asyncio.ensure_future(anext(second))
+        await asyncio.sleep(0.2)  # both subscribed
+        await asyncio.get_running_loop().run_in_executor(None, hub.publish_key_changes, ["abc", "def"])
+        async with asyncio.timeout(2):
+            return await heard_first, await heard_second
+
+    assert run(scenario()) == (["abc", "def"], ["abc", "def"])
+
+
+def test_redis_ignores_a_malformed_key_change_and_passes_the_next(redis_url):
+    hub = RedisHub(redis_url)
+
+    async def scenario():
+        changes = hub.watch_key_changes()
+        heard = asyncio.ensure_future(anext(changes))
+        await asyncio.sleep(0.2)
+        publisher = redis.Redis.from_url(redis_url)
+        publisher.publish(KEY_CHANGES_CHANNEL, b"not json")
+        publisher.publish(KEY_CHANGES_CHANNEL, b'{"not": "a list"}')
+        hub.publish_key_changes(["abc"])
+        async with asyncio.timeout(2):
+            return await heard
+
+    assert run(scenario()) == ["abc"]

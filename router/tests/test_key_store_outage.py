@@ -11,7 +11,7 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from hub.credentials import hash_secret
-from router.keys import ApiKeyCache, key_is_active
+from router.keys import ApiKeyCache, find_active_key
 from router.models import KEY_PREFIX, ApiKey
 
 from .conftest import Clock, make_table
@@ -64,7 +64,7 @@ def test_keys_are_checked_through_a_real_postgresql_restart_and_outage(key_store
     kept, soon_revoked = key_store.issue("kept"), key_store.issue("revoked")
     hub.publish_endpoints(make_table([start_engine().url]))
     clock = Clock()
-    cache = ApiKeyCache(positive_ttl=30, clock=clock, lookup=functools.partial(key_is_active, using=STORE))
+    cache = ApiKeyCache(positive_ttl=30, clock=clock, lookup=functools.partial(find_active_key, using=STORE))
     router = start_router(key_cache=cache)
     assert chat(router, kept).status_code == chat(router, soon_revoked).status_code == 200
 

@@ -1,0 +1,66 @@
+"""Key changes reach every router within a second: the control plane publishes changed keys' hashes.
+
+Any save or delete of an ApiKey (admin, command, REST, shell) publishes its
+hash through the hub once the transaction commits, and each router drops it
+from its cache (`ApiKeyCache.follow`), so the next request reads the row
+again. A bulk `QuerySet.update()` sends no signal: change keys' state with
+`set_keys_active()`, which publishes. Writes of `last_used_at` alone are not
+changes a router cares about and publish nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.db.models import QuerySet
+
+from hub import get_hub
+
+from .models import ApiKey
+
+log = logging.getLogger(__name__)
+
+# Fields routers do not cache: writing only these changes nothing a router answers.
+UNCACHED_FIELDS = frozenset({"last_used_at"})
+
+
+def publish_on_commit(digests: list[str], using: str | None = None) -> None:
+    """Publish these key hashes once the current transaction (if any) commits."""
+    if digests:
+        transaction.on_commit(lambda: publish_now(digests), using=using)
+
+
+def publish_now(digests: list[str]) -> None:
+    """Publish now; a store that cannot take it is logged, not raised: the routers' cache TTL is the backstop."""
+    try:
+        get_hub().publish_key_changes(digests)
+    except Exception as exc:  # the change itself is committed; failing the admin's request would mislead
+        log.warning(
+            "could not push %d API key change(s) to the routers (they apply within the cache TTL): %s",
+            len(digests),
+            exc,
+        )
+
+
+def set_keys_active(keys: QuerySet[ApiKey], active: bool) -> int:
+    """Revoke (`active=False`) or restore keys in one UPDATE and tell every router; return how many changed."""
+    with transaction.atomic(using=keys.db):
+        changed = keys.exclude(active=active)
+        digests = list(changed.values_list("key_hash", flat=True))
+        count = ApiKey.objects.using(keys.db).filter(key_hash__in=digests).update(active=active)
+        publish_on_commit(digests, using=keys.db)
+    return count
+
+
+def key_saved(sender: Any, instance: ApiKey, update_fields: frozenset[str] | None = None, **kwargs: Any) -> None:
+    """post_save receiver: publish the key's hash, unless only uncached fields were written."""
+    if update_fields is not None and set(update_fields) <= UNCACHED_FIELDS:
+        return
+    publish_on_commit([instance.key_hash], using=kwargs.get("using"))
+
+
+def key_deleted(sender: Any, instance: ApiKey, **kwargs: Any) -> None:
+    """post_delete receiver: publish the deleted key's hash."""
+    publish_on_commit([instance.key_hash], using=kwargs.get("using"))

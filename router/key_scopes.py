@@ -1,0 +1,45 @@
+"""Checking what a key's scopes name, where keys are edited (admin, `create_api_key`), never per request.
+
+Scopes name models by public name or alias. They are checked against the
+catalog's rows, looked up by app label: the router's code does not import the
+catalog (tests/test_layers.py), and these checks run in the control plane,
+which owns both. A deployment with an empty catalog (router-only mode:
+models exist only as `manage.py router --endpoint` names) accepts any name.
+"""
+
+from __future__ import annotations
+
+from django.apps import apps
+
+
+def parse_names(text: str) -> list[str]:
+    """`"a, b,,a"` -> `["a", "b"]`: comma-separated names, trimmed, empty and repeated ones dropped."""
+    names: list[str] = []
+    for part in text.split(","):
+        name = part.strip()
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def catalog_names() -> set[str] | None:
+    """Every model name and alias in the catalog; None when the catalog has no models (router-only mode)."""
+    model_names = set(apps.get_model("catalog", "Model").objects.values_list("name", flat=True))
+    if not model_names:
+        return None
+    return model_names | set(apps.get_model("catalog", "Alias").objects.values_list("name", flat=True))
+
+
+def unknown_models(names: list[str]) -> list[str]:
+    """The names the catalog knows neither as a model nor as an alias (none when the catalog is empty)."""
+    known = catalog_names()
+    if known is None:
+        return []
+    return [name for name in names if name not in known]
+
+
+def unknown_models_message(unknown: list[str]) -> str:
+    """One sentence naming the unknown models and where the known ones are listed."""
+    listed = ", ".join(f"`{name}`" for name in unknown)
+    noun = "model" if len(unknown) == 1 else "models"
+    return f"unknown {noun} {listed}: name models or aliases from the catalog (see the admin's Models page)"

@@ -1,0 +1,59 @@
+"""`manage.py router`: run the production router (uvicorn, uvloop, httptools), following the hub or on a fixed table."""
+
+import os
+
+import uvicorn
+from django.core.management.base import BaseCommand, CommandError
+
+from router.static_table import TABLE_VARIABLE, EndpointSpecError, encode_table, parse_endpoints
+
+HUB_APP = "router.asgi:application"
+STATIC_APP = "router.standalone:application"
+
+
+class Command(BaseCommand):
+    help = (
+        "Run the router. Without --endpoint it follows the control plane through the hub (Redis when REDIS_URL "
+        "is set); with --endpoint MODEL=URL (repeatable) it serves those engines on their own, with no control plane."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1).")
+        parser.add_argument("--port", type=int, default=8080, help="Port to listen on (default 8080).")
+        parser.add_argument("--workers", type=int, default=1, help="Router processes sharing the port (default 1).")
+        parser.add_argument(
+            "--endpoint",
+            action="append",
+            default=[],
+            metavar="MODEL=URL",
+            help="Serve MODEL from the OpenAI-compatible engine at URL (repeatable; one URL per model).",
+        )
+
+    def handle(self, *args, host, port, workers, endpoint, **options):
+        if not 0 < port < 65536:
+            raise CommandError(f"--port {port}: must be between 1 and 65535")
+        if workers < 1:
+            raise CommandError(f"--workers {workers}: must be at least 1")
+        app = HUB_APP
+        if endpoint:
+            try:
+                table = parse_endpoints(endpoint)
+            except EndpointSpecError as exc:
+                raise CommandError(str(exc)) from None
+            # Inherited by every worker process, which builds its app from it (router.standalone).
+            os.environ[TABLE_VARIABLE] = encode_table(table)
+            app = STATIC_APP
+            served = ", ".join(f"{e['model']} → {e['url']}" for e in table["endpoints"])
+            self.stderr.write(self.style.SUCCESS(f"router-only mode, no control plane: {served}"))
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            workers=workers,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            # As measured in bench/README.md: the access log and proxy-headers middleware cost per request.
+            access_log=False,
+            proxy_headers=False,
+        )

@@ -1,0 +1,173 @@
+"""`create_api_key` (scopes, expiry, limits, imported secrets) and `manage.py router` in router-only mode,
+the latter as a real process in front of the bundled mock engine."""
+
+import datetime as dt
+import os
+import re
+import signal
+import subprocess
+import sys
+from io import StringIO
+
+import httpx
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from catalog.models import Alias, Model
+from conftest import free_port, wait_until
+from hub.credentials import hash_secret
+from router.models import ApiKey
+from router.static_table import NO_CONTROL_PLANE, EndpointSpecError, parse_endpoints
+
+from .conftest import MODEL, PROJECT
+
+IMPORTED = "sk-old-gateway-0123456789abcdef"
+
+
+def create(*args) -> tuple[str, str]:
+    out, err = StringIO(), StringIO()
+    call_command("create_api_key", *args, stdout=out, stderr=err)
+    return out.getvalue().strip(), err.getvalue()
+
+
+@pytest.fixture
+def catalog(db):
+    llama = Model.objects.create(name="llama-3-8b", source="meta/llama")
+    Alias.objects.create(model=llama, name="llama")
+
+
+@pytest.mark.django_db
+def test_create_api_key_stores_scopes_expiry_and_limits_and_prints_the_key_once(catalog):
+    key, said = create(
+        "team-a",
+        "--models",
+        "llama, llama-3-8b",
+        "--pools",
+        "eu",
+        "--expires",
+        "2099-01-01",
+        "--rpm",
+        "60",
+        "--tpm",
+        "1000",
+    )
+    api_key = ApiKey.objects.get()
+    assert api_key.key_hash == hash_secret(key) and key not in said
+    assert api_key.allowed_models == ["llama", "llama-3-8b"] and api_key.allowed_pools == ["eu"]
+    assert (api_key.rpm, api_key.tpm) == (60, 1000)
+    assert api_key.expires_at == dt.datetime(2099, 1, 1, tzinfo=timezone.get_current_timezone())
+
+
+@pytest.mark.django_db
+def test_create_api_key_imports_an_existing_secret_showing_only_its_start():
+    key, said = create("migrated", "--key", IMPORTED)
+    api_key = ApiKey.objects.get()
+    assert key == IMPORTED and api_key.key_hash == hash_secret(IMPORTED)
+    assert api_key.prefix == IMPORTED[:6] and "Imported API key" in said
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--key", "sk-short-123"], "--key: the key is 12 characters long; at least 20 are required"),
+        (["--key", "sk-has a space in the middle"], "--key: the key must not contain spaces"),
+        (["--models", "llama,mistral"], "--models: unknown model `mistral`"),
+        (["--expires", "2001-01-01"], "--expires '2001-01-01': that is in the past"),
+        (["--expires", "next tuesday"], "--expires 'next tuesday': expected a date (2027-01-01)"),
+        (["--expires", "2027-02-30"], "--expires '2027-02-30': day is out of range for month"),
+        (["--rpm", "0"], "--rpm: 0 is not a positive number"),
+        (["--tpm", "-5"], "--tpm: -5 is not a positive number"),
+        (["--tpm", "lots"], "--tpm: 'lots' is not a whole number"),
+    ],
+)
+def test_create_api_key_refuses_bad_arguments_naming_them(catalog, args, problem):
+    with pytest.raises(CommandError) as refused:
+        create("team-a", *args)
+    assert str(refused.value).startswith(problem)
+    assert not ApiKey.objects.exists()
+
+
+@pytest.mark.django_db
+def test_create_api_key_refuses_to_import_a_key_already_stored():
+    create("first", "--key", IMPORTED)
+    with pytest.raises(CommandError, match="--key: this key is already stored"):
+        create("second", "--key", IMPORTED)
+    assert ApiKey.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        (["llama"], "--endpoint 'llama': expected MODEL=URL"),
+        (["=http://127.0.0.1:1"], "--endpoint '=http://127.0.0.1:1': expected MODEL=URL"),
+        (["llama=ftp://host/"], "--endpoint 'llama=ftp://host/': 'ftp://host/' is not an http:// or https:// URL"),
+        (["llama=127.0.0.1:8000"], "--endpoint 'llama=127.0.0.1:8000': '127.0.0.1:8000' is not an http"),
+        (["a=http://h:1", "a=http://h:2"], "--endpoint 'a=http://h:2': model 'a' is given more than once"),
+    ],
+)
+def test_router_refuses_bad_endpoints_naming_the_value(values, problem):
+    with pytest.raises(EndpointSpecError, match="^" + re.escape(problem)):
+        parse_endpoints(values)
+    argv = [arg for value in values for arg in ("--endpoint", value)]
+    with pytest.raises(CommandError, match=re.escape(problem)):
+        call_command("router", *argv)
+
+
+@pytest.mark.parametrize(("args", "problem"), [(["--workers", "0"], "--workers 0"), (["--port", "70000"], "--port")])
+def test_router_refuses_bad_workers_and_ports(args, problem):
+    with pytest.raises(CommandError, match=problem):
+        call_command("router", *args)
+
+
+def test_router_only_mode_serves_engines_on_a_fixed_table_with_no_control_plane(tmp_path, engine_process):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["LLMGW_VAR_DIR"] = str(tmp_path)  # a SQLite key store of its own
+    manage = [sys.executable, "manage.py"]
+
+    def run(*args):
+        return subprocess.run([*manage, *args], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120)
+
+    assert run("migrate", "--verbosity", "0").returncode == 0
+    created = run("create_api_key", "ci", "--key", IMPORTED, "--models", MODEL)
+    assert created.returncode == 0, created.stderr
+    engine = engine_process()
+    port = free_port()
+    router = subprocess.Popen(
+        [*manage, "router", "--port", str(port), "--endpoint", f"{MODEL}={engine.url}"],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {IMPORTED}"}
+    try:
+
+        def up():
+            assert router.poll() is None, router.stdout.read()
+            try:
+                return httpx.get(f"{url}/health", timeout=0.5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=30, interval=0.1)
+        listed = httpx.get(f"{url}/v1/models", headers=auth).json()
+        assert [m["id"] for m in listed["data"]] == [MODEL]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        answer = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=body, timeout=10)
+        assert answer.status_code == 200 and answer.json()["choices"]
+        assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
+
+        # No control plane to start another: a dead engine is said at once, not waited for.
+        engine.kill()
+        refused = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=body, timeout=10)
+        assert refused.status_code == 503
+        assert NO_CONTROL_PLANE in refused.json()["error"]["message"]
+    finally:
+        router.send_signal(signal.SIGTERM)
+        output = router.communicate(timeout=15)[0]
+    # uvicorn shuts down cleanly, then re-raises the signal it caught (so a supervisor sees why it ended).
+    assert router.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in output, output
+    assert f"router-only mode, no control plane: {MODEL} → {engine.url}" in output
