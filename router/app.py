@@ -21,6 +21,7 @@ from django.conf import settings
 
 from hub import get_hub
 from hub.contracts import RouterHub
+from hub.credentials import hash_secret
 
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
 from .balancer import EjectionPolicy
@@ -114,7 +115,8 @@ class RouterApp:
             "table": balancer.fingerprint,
         }
 
-    async def _authorize(self, scope: Scope) -> None:
+    async def _authorize(self, scope: Scope) -> str:
+        """The request's bearer key, once verified; a RouterError otherwise."""
         header = None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -146,12 +148,13 @@ class RouterApp:
             ) from None
         if not valid:
             raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
+        return key
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         metrics = self._metrics
         model = UNKNOWN_MODEL
         try:
-            await self._authorize(scope)
+            key = await self._authorize(scope)
             body = await read_body(receive, self._max_body_bytes)
             if body is None:
                 metrics.requests.labels(model, str(CLIENT_CLOSED)).inc()
@@ -161,7 +164,8 @@ class RouterApp:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
 
-        outcome = Outcome()
+        # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.tokens.
+        outcome = Outcome(hash_secret(key))
         forward = asyncio.ensure_future(self._proxy.forward(scope, send, path, model, body, outcome, streaming))
         # The client may go away while we wait for a replica or stream: then stop the upstream request.
         gone = asyncio.ensure_future(until_disconnect(receive))
