@@ -88,7 +88,9 @@ class UsageReport:
         check_token_counts(self.tokens, f"usage report from {self.router}")
         for digest, ts in self.keys.items():
             if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
-                raise ValueError(f"usage report from {self.router}: last use of key {digest!r} must be a time, got {ts!r}")
+                raise ValueError(
+                    f"usage report from {self.router}: last use of key {digest!r} must be a time, got {ts!r}"
+                )
 
 
 def check_token_counts(tokens: TokenCounts, where: str) -> None:

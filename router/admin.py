@@ -2,7 +2,7 @@
 
 from django.contrib import admin, messages
 
-from .models import ApiKey
+from .models import ApiKey, TokenUsage
 
 
 @admin.register(ApiKey)
@@ -38,3 +38,23 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def revoke(self, request, queryset):
         count = queryset.update(active=False)
         self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
+
+
+@admin.register(TokenUsage)
+class TokenUsageAdmin(admin.ModelAdmin):
+    """Tokens per key, model and hour, as the control plane stored them from the routers' counts: read-only."""
+
+    list_display = ["hour", "key_name", "model", "requests", "prompt_tokens", "completion_tokens"]
+    list_filter = ["key_name", "model"]
+    search_fields = ["key_name", "model"]
+    date_hierarchy = "hour"
+    list_select_related = False
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

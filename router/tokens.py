@@ -88,12 +88,11 @@ def read_usage(usage: object) -> tuple[int, int] | None:
 
 def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
     """The usage of a JSON answer from its last bytes: the last `"usage": {...}` decoded on its own."""
-    match = None
-    for match in _USAGE_OBJECT.finditer(tail):
-        pass
-    if match is None:
+    start = -1
+    for found in _USAGE_OBJECT.finditer(tail):
+        start = found.end() - 1  # at the object's "{"
+    if start < 0:
         return None
-    start = match.end() - 1
     try:
         usage, _ = json.JSONDecoder().raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:
