@@ -37,6 +37,7 @@ MAX_TOKENS = 1 << 40
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
+_DECODER = json.JSONDecoder()  # built once: constructing one costs more than decoding a usage object
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -94,7 +95,7 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
     if start < 0:
         return None
     try:
-        usage, _ = json.JSONDecoder().raw_decode(tail[start:].decode("utf-8", "replace"))
+        usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:
         return None
     return read_usage(usage)
