@@ -1,4 +1,5 @@
-"""Fleet gauges for Prometheus, computed from `cluster_summary()` at scrape time (DESIGN invariant 6).
+"""Fleet gauges for Prometheus, computed from `cluster_summary()` at scrape time (DESIGN invariant 6),
+and the tokens spent per model and API key (`llmgw_tokens_total`) from the stored TokenUsage rows.
 
 Importing this module registers the collector once on prometheus_client's
 default REGISTRY, which django-prometheus serves at /metrics; llmgw_site.urls
@@ -8,8 +9,11 @@ imports it.
 import logging
 
 from django.db import DatabaseError
-from prometheus_client.core import REGISTRY, GaugeMetricFamily
+from django.db.models import Sum
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from router.models import TokenUsage
 
 from .summary import cluster_summary
 
@@ -46,17 +50,41 @@ def _families() -> dict[str, GaugeMetricFamily]:
     }
 
 
+def _tokens_family() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "llmgw_tokens",
+        "Tokens the routers counted in engines' answers, by model, API key name and kind (prompt or completion).",
+        labels=["model", "key", "kind"],
+    )
+
+
+def tokens_family() -> CounterMetricFamily:
+    """llmgw_tokens_total from the stored rows: one query, grouped by model and key name."""
+    family = _tokens_family()
+    rows = (
+        TokenUsage.objects.order_by()
+        .values_list("model", "key_name")
+        .annotate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+        .order_by("model", "key_name")
+    )
+    for model, key_name, prompt, completion in rows:
+        family.add_metric([model, key_name, "prompt"], prompt or 0)
+        family.add_metric([model, key_name, "completion"], completion or 0)
+    return family
+
+
 class FleetCollector(Collector):
     """Yields the fleet gauges from one cluster summary per scrape."""
 
     def describe(self):
         # Without describe(), registering would call collect() and query the database at import.
-        return list(_families().values())
+        return [*_families().values(), _tokens_family()]
 
     def collect(self):
         families = _families()
         try:
             summary = cluster_summary()
+            tokens = tokens_family()
         except DatabaseError:
             # A scrape must not fail the process metrics with it; report the gap instead.
             log.exception("cluster summary unavailable for /metrics")
@@ -83,6 +111,7 @@ class FleetCollector(Collector):
         families["usage_known"].add_metric([], 1 if summary["usage"]["known"] else 0)
         families["up"].add_metric([], 1)
         yield from families.values()
+        yield tokens
 
 
 _collector: FleetCollector | None = None

@@ -7,9 +7,11 @@ implements all of them (`hub.memory.InProcessHub` embedded,
 
 * endpoint table: the tick publishes, routers read and watch (DESIGN invariant 7);
 * usage reports: each router flushes its last-use stamps (invariant 4), its
-  per-model peak of requests in flight, and renews its own watch mark ("I am
+  per-model peak of requests in flight, its requests and tokens per API key and
+  model with each key's last use, and renews its own watch mark ("I am
   recording usage"), so the tick can tell "never used while watched" from
-  "unknown", and notice one router that cannot flush (invariant 3);
+  "unknown", and notice one router that cannot flush (invariant 3). Token
+  counts add up in the hub until the tick takes them (read and reset at once);
 * activation queue: routers ask for a model to be started, the tick drains;
 * key changes: the control plane names API keys (by hash) that were revoked,
   deleted or edited, and every router drops them from its cache at once.
@@ -28,6 +30,16 @@ from typing import Any, Protocol
 EndpointTable = dict[str, Any]
 """{"models": {name: {"aliases": [...], "unplaceable"?: str, "start_seconds"?: float}},
 "endpoints": [{"replica_id", "model", "url", "priority", "weight", "pool"}], "fingerprint": str}"""
+
+TokenCounts = dict[str, dict[str, list[int]]]
+"""API-key digest (`hub.credentials.hash_secret`) -> public model name -> [requests, prompt tokens, completion tokens]."""
+
+HOUR = 3600
+
+
+def hour_of(ts: float) -> int:
+    """The start (Unix seconds, UTC) of the hour `ts` falls in: token counts are kept per hour."""
+    return int(ts // HOUR) * HOUR
 
 
 class EndpointSink(Protocol):
@@ -59,6 +71,10 @@ class UsageReport:
     in_flight: dict[str, int] = field(default_factory=dict)
     """Public model name -> the most requests this router had in flight at once since its previous flush."""
     ttl: float = 3.0
+    tokens: TokenCounts = field(default_factory=dict)
+    """Requests and tokens per key digest and model since the previous flush; counters: they add up."""
+    keys: dict[str, float] = field(default_factory=dict)
+    """Key digest -> last use (Unix time); newest wins across routers."""
 
     def __post_init__(self) -> None:
         # A report crosses a process boundary: refuse a malformed one where it is built.
@@ -70,6 +86,29 @@ class UsageReport:
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise ValueError(
                     f"usage report from {self.router}: in-flight count for {model!r} must be an int >= 0, got {count!r}"
+                )
+        check_token_counts(self.tokens, f"usage report from {self.router}")
+        for digest, ts in self.keys.items():
+            if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
+                raise ValueError(
+                    f"usage report from {self.router}: last use of key {digest!r} must be a time, got {ts!r}"
+                )
+
+
+def check_token_counts(tokens: TokenCounts, where: str) -> None:
+    """Raise ValueError unless `tokens` is {digest: {model: [requests, prompt, completion]}} of ints >= 0."""
+    for digest, models in tokens.items():
+        if not isinstance(digest, str) or not digest or not isinstance(models, dict):
+            raise ValueError(f"{where}: token counts must map key digests to models, got {digest!r}: {models!r}")
+        for model, row in models.items():
+            if (
+                not isinstance(model, str)
+                or not isinstance(row, list)
+                or len(row) != 3
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in row)
+            ):
+                raise ValueError(
+                    f"{where}: token counts of {model!r} must be [requests, prompt, completion] ints >= 0, got {row!r}"
                 )
 
 
@@ -100,13 +139,19 @@ class UsageSnapshot:
 
     stamps: dict[str, float]
     routers: list[RouterMark]
+    tokens: dict[int, TokenCounts] = field(default_factory=dict)
+    """Start of the hour (Unix seconds) the routers reported in -> token counts: TAKEN from the hub, which
+    starts counting again from zero, so each count reaches exactly one snapshot."""
+    keys: dict[str, float] = field(default_factory=dict)
+    """Key digest -> last use (Unix time), taken from the hub like `tokens`."""
 
 
 class UsageSink(Protocol):
     """Where routers report usage (stamps, in-flight peaks) and renew their own watch mark."""
 
     async def report_usage(self, report: UsageReport) -> None:
-        """Record the stamps (newest wins), then renew the router's mark; raise if the store cannot take them."""
+        """Record the stamps and keys' last use (newest wins), add the token counts to the hour's, then renew the
+        router's mark, all in one step; raise if the store cannot take them."""
         ...
 
     async def leave(self, router: str) -> None:
@@ -117,7 +162,17 @@ class UsageSink(Protocol):
 class UsageSource(Protocol):
     """Where the tick reads usage and router marks."""
 
-    def collect_usage(self) -> UsageSnapshot: ...
+    def collect_usage(self) -> UsageSnapshot:
+        """Read marks and stamps, and TAKE the token counts and keys' last use (read and reset in one step).
+
+        Only the leader's tick calls it: what it takes is stored by that tick
+        (reconciler.tokens) or given back with `restore_tokens`.
+        """
+        ...
+
+    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
+        """Give back token counts (they add up again) and last uses (newest wins) a tick took but could not store."""
+        ...
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None: ...
 

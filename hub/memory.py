@@ -1,4 +1,5 @@
-"""The embedded hub: endpoint table, usage stamps, routers' watch marks, activations and key changes in this process.
+"""The embedded hub: endpoint table, usage stamps, token counts, routers' watch marks, activations and key
+changes in this process.
 
 Shared by the embedded ticker's thread and the router's event loop, so every
 method takes one lock and none blocks.
@@ -12,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from .contracts import EndpointTable, RouterMark, UsageReport, UsageSnapshot
+from .contracts import EndpointTable, RouterMark, TokenCounts, UsageReport, UsageSnapshot, hour_of
 from .fingerprint import fingerprint
 
 
@@ -29,6 +30,8 @@ class InProcessHub:
         self._key_watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[list[str]]]] = []
         self._marks: dict[str, RouterMark] = {}  # router id -> its watch mark
         self._activation_listeners: list[Callable[[], None]] = []
+        self._tokens: dict[int, TokenCounts] = {}  # hour -> counts added up until the tick takes them
+        self._keys: dict[str, float] = {}  # key digest -> last use, until the tick takes it
 
     def on_activation(self, listener: Callable[[], None]) -> None:
         """Call `listener` (from any thread) whenever a router asks for an activation.
@@ -53,7 +56,29 @@ class InProcessHub:
 
     def collect_usage(self) -> UsageSnapshot:
         with self._lock:
-            return UsageSnapshot(stamps=dict(self._stamps), routers=list(self._marks.values()))
+            tokens, self._tokens = self._tokens, {}
+            keys, self._keys = self._keys, {}
+            return UsageSnapshot(dict(self._stamps), list(self._marks.values()), tokens, keys)
+
+    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
+        with self._lock:
+            for hour, counts in tokens.items():
+                self._add_tokens(hour, counts)
+            self._add_keys(keys)
+
+    def _add_tokens(self, hour: int, counts: TokenCounts) -> None:
+        into = self._tokens.setdefault(hour, {})
+        for digest, models in counts.items():
+            per_key = into.setdefault(digest, {})
+            for model, row in models.items():
+                total = per_key.setdefault(model, [0, 0, 0])
+                for i in range(3):
+                    total[i] += row[i]
+
+    def _add_keys(self, keys: dict[str, float]) -> None:
+        for digest, ts in keys.items():
+            if ts > self._keys.get(digest, float("-inf")):
+                self._keys[digest] = ts
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None:
         with self._lock:
@@ -93,6 +118,9 @@ class InProcessHub:
             for rid, ts in report.stamps.items():
                 if ts > self._stamps.get(rid, float("-inf")):
                     self._stamps[rid] = ts
+            if report.tokens:
+                self._add_tokens(hour_of(now), report.tokens)
+            self._add_keys(report.keys)
             previous = self._marks.get(report.router)
             # A lapse is a gap in what this router told us: its watch starts again now.
             since = previous.since if previous is not None and not previous.lapsed(now) else now

@@ -1,12 +1,14 @@
 """The distributed hub in Redis: a key plus pub/sub for the endpoint table, a ZSET of
-last-use stamps, a hash of routers' watch marks, a set of activations, and a
-pub/sub channel of changed API keys.
+last-use stamps, a hash of routers' watch marks, a hash of token counters, a ZSET
+of API keys' last use, a set of activations, and a pub/sub channel of changed API keys.
 
-A router's report is one MULTI round trip: the stamps (`ZADD GT`, newest wins)
-first, then its mark renewed by a Lua script (read, keep or restart `since`,
+A router's report is one MULTI round trip: the stamps and keys' last use
+(`ZADD GT`, newest wins) and its token counts (`HINCRBY`, one field per hour,
+kind, key and model: counters add up across routers) first, then its mark renewed by a Lua script (read, keep or restart `since`,
 write: atomic, so two flushes of one router cannot interleave). The tick reads
 marks then stamps in one MULTI, so a mark it sees renewed vouches for stamps it
-also sees.
+also sees; the same MULTI reads and deletes the token counters and keys' last use,
+so each count is taken by exactly one tick, whichever leader runs it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import cast
 import redis
 import redis.asyncio
 
-from .contracts import EndpointTable, RouterMark, UsageReport, UsageSnapshot
+from .contracts import EndpointTable, RouterMark, TokenCounts, UsageReport, UsageSnapshot, hour_of
 from .fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,10 @@ USAGE_KEY = "llmgw:usage:last_used"
 ROUTERS_KEY = "llmgw:routers"
 ACTIVATIONS_KEY = "llmgw:activations"
 KEY_CHANGES_CHANNEL = "llmgw:api-key-changes"
+TOKENS_KEY = "llmgw:usage:tokens"
+KEYS_USED_KEY = "llmgw:usage:keys_last_used"
+# Token counter fields are "<kind> <hour> <key digest> <model>": the model last, as it may contain spaces.
+TOKEN_KINDS = ("requests", "prompt", "completion")
 
 # KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
 # `since` is kept while the router's previous mark has not lapsed, else it restarts at now. The value is
@@ -53,6 +59,31 @@ redis.call('HSET', KEYS[1], ARGV[1],
   '{"since": ' .. since .. ', "renewed": ' .. ARGV[2] .. ', "ttl": ' .. ARGV[3] .. ', "in_flight": ' .. ARGV[4] .. '}')
 return since
 """
+
+
+def _token_fields(hour: int, tokens: TokenCounts) -> dict[str, int]:
+    """The counter increments for one hour's counts (zeros left out: HINCRBY by 0 is a wasted command)."""
+    fields = {}
+    for digest, models in tokens.items():
+        for model, row in models.items():
+            for kind, amount in zip(TOKEN_KINDS, row, strict=True):
+                if amount:
+                    fields[f"{kind} {hour} {digest} {model}"] = amount
+    return fields
+
+
+def _parse_token_fields(raw: dict[bytes, bytes]) -> dict[int, TokenCounts]:
+    """Counter fields back into {hour: {digest: {model: [requests, prompt, completion]}}}; malformed ones logged."""
+    tokens: dict[int, TokenCounts] = {}
+    for field_name, value in raw.items():
+        try:
+            kind, hour, digest, model = field_name.decode().split(" ", 3)
+            index = TOKEN_KINDS.index(kind)
+            row = tokens.setdefault(int(hour), {}).setdefault(digest, {}).setdefault(model, [0, 0, 0])
+            row[index] += int(value)
+        except ValueError:
+            log.warning("dropping a malformed token counter %r=%r", field_name, value)
+    return tokens
 
 
 def _parse_mark(router: str, raw: bytes) -> RouterMark:
@@ -103,14 +134,35 @@ class RedisHub:
         pipe = self._sync.pipeline(transaction=True)
         pipe.hgetall(ROUTERS_KEY)  # marks before stamps: see UsageSnapshot
         pipe.zrange(USAGE_KEY, 0, -1, withscores=True)
-        raw_marks, rows = cast(tuple[dict[bytes, bytes], list[tuple[bytes, float]]], pipe.execute())
+        # Taken, not read: counters deleted in the same MULTI start again at zero for the next tick.
+        pipe.hgetall(TOKENS_KEY)
+        pipe.zrange(KEYS_USED_KEY, 0, -1, withscores=True)
+        pipe.delete(TOKENS_KEY, KEYS_USED_KEY)
+        raw_marks, rows, raw_tokens, key_rows, _ = cast(
+            tuple[dict[bytes, bytes], list[tuple[bytes, float]], dict[bytes, bytes], list[tuple[bytes, float]], int],
+            pipe.execute(),
+        )
         routers = []
         for key, raw in raw_marks.items():
             try:
                 routers.append(_parse_mark(key.decode(), raw))
             except ValueError as exc:  # skipped: its router's next report rewrites it
                 log.warning("%s", exc)
-        return UsageSnapshot(stamps={member.decode(): score for member, score in rows}, routers=routers)
+        return UsageSnapshot(
+            stamps={member.decode(): score for member, score in rows},
+            routers=routers,
+            tokens=_parse_token_fields(raw_tokens),
+            keys={member.decode(): score for member, score in key_rows},
+        )
+
+    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
+        pipe = self._sync.pipeline(transaction=True)
+        for hour, counts in tokens.items():
+            for name, amount in _token_fields(hour, counts).items():
+                pipe.hincrby(TOKENS_KEY, name, amount)
+        if keys:
+            pipe.zadd(KEYS_USED_KEY, keys, gt=True)
+        pipe.execute()
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None:
         ids = [str(r) for r in replica_ids]
@@ -157,10 +209,17 @@ class RedisHub:
         if report.stamps:
             # GT: newest wins, so routers flushing out of order never move a stamp back.
             pipe.zadd(USAGE_KEY, report.stamps, gt=True)
+        now = self._clock()
+        if report.keys:
+            pipe.zadd(KEYS_USED_KEY, report.keys, gt=True)
+        if report.tokens:
+            # Counters, not newest-wins: every router's counts add up until a tick takes them.
+            for name, amount in _token_fields(hour_of(now), report.tokens).items():
+                pipe.hincrby(TOKENS_KEY, name, amount)
         # After the stamps, in the same MULTI: a renewed mark vouches for what this router used.
         # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
         # first, a second round trip per flush; Redis caches the compiled script either way.
-        args = [report.router, repr(float(self._clock())), repr(float(report.ttl)), json.dumps(report.in_flight)]
+        args = [report.router, repr(float(now)), repr(float(report.ttl)), json.dumps(report.in_flight)]
         pipe.eval(RENEW_MARK_LUA, 1, ROUTERS_KEY, *args)
         await pipe.execute()
 

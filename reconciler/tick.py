@@ -25,6 +25,7 @@ from .lifecycle import forgive_stable, retry_failed, stop_shards
 from .liveness import check_liveness, fail_slow_starts, fleet_settling
 from .outbox import Outbox
 from .placing import place_pending, resend_starts
+from .tokens import record_token_usage
 from .usage import assess_usage, collect_usage, mark_unused_since_ready
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ def tick(
     now = now or timezone.now()
     report = TickReport(leader=True, epoch=leadership.epoch)
     readings = _read_hub(hub)
+
+    # Token counts the collection took from the hub: stored in their own transaction, before the fenced
+    # one, so a tick that loses the lease loses none of them (reconciler.tokens).
+    record_token_usage(readings.usage, hub)
 
     outbox = Outbox(leadership.epoch)
     try:

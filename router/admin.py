@@ -9,7 +9,7 @@ from django.contrib import admin, messages
 
 from .key_changes import set_keys_active
 from .key_scopes import parse_names, unknown_models, unknown_models_message
-from .models import ApiKey
+from .models import ApiKey, TokenUsage
 
 PUSHED = "refused by every router within a second"
 
@@ -114,3 +114,23 @@ class ApiKeyAdmin(admin.ModelAdmin):
         self.message_user(
             request, f"Restored {count} key(s): accepted by every router within a second.", messages.SUCCESS
         )
+
+
+@admin.register(TokenUsage)
+class TokenUsageAdmin(admin.ModelAdmin):
+    """Tokens per key, model and hour, as the control plane stored them from the routers' counts: read-only."""
+
+    list_display = ["hour", "key_name", "model", "requests", "prompt_tokens", "completion_tokens"]
+    list_filter = ["key_name", "model"]
+    search_fields = ["key_name", "model"]
+    date_hierarchy = "hour"
+    list_select_related = False
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -187,7 +187,8 @@ class RouterApp:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
 
-        outcome = Outcome()
+        # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.tokens.
+        outcome = Outcome(key.digest)
         forward = asyncio.ensure_future(
             self._proxy.forward(
                 scope, send, path, model, body, outcome, streaming, affinity=affinity, pools=key.allowed_pools or None

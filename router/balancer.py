@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ejection import EjectionPolicy, Failure, ReplicaHealth, log_change
+from .tokens import TokenCounter
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,9 @@ class Balancer:
         self._in_flight: dict[str, int] = {}  # public name -> requests picked and not yet released
         self._peaks: dict[str, int] = {}  # public name -> most in flight at once since the last take
         self.fingerprint: str | None = None
+        # Requests and tokens per key and model: kept here, beside the stamps, because the usage flusher
+        # takes both together (router.tokens); the proxy counts into it when an answer ends.
+        self.tokens = TokenCounter(clock)
 
     # -- the table --------------------------------------------------------------
     def apply_table(self, table: dict[str, Any]) -> bool:

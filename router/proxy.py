@@ -6,7 +6,9 @@ overall one, so a stream runs as long as the engine keeps sending. A request
 is retried once on another replica, but only before any byte reached the
 client; a client that goes away closes the upstream connection, which is what
 makes the engine stop generating. How each attempt ended before its response
-began goes to the balancer, which ejects replicas that keep failing.
+began goes to the balancer, which ejects replicas that keep failing. Each
+answer's token usage is read as it is relayed and counted per key and model
+(router.tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .balancer import Balancer, Endpoint, Failure
 from .coldstart import ColdStart
 from .errors import RouterError
 from .metrics import RouterMetrics
+from .tokens import ask_for_usage, usage_reader
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,14 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 
 class Outcome:
-    """What a proxied request ended as, for the metrics."""
+    """What a proxied request ended as, for the metrics; `key` is its API key's digest, for token accounting."""
 
-    __slots__ = ("status", "complete")
+    __slots__ = ("status", "complete", "key")
 
-    def __init__(self) -> None:
+    def __init__(self, key: str | None = None) -> None:
         self.status: int | None = None
         self.complete = False
+        self.key = key
 
 
 class Proxy:
@@ -99,6 +103,8 @@ class Proxy:
         if self.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
         cold_start = self.cold_start
+        # A stream's tokens come only in a usage chunk the engine sends when asked (router.tokens).
+        body, pass_usage = ask_for_usage(body) if streaming else (body, True)
         endpoint = self.balancer.pick(model, (), affinity, pools)
         if endpoint is None and streaming and cold_start.keepalive_seconds > 0:
             # Answer at once and keep the stream alive while the model starts. From here on an
@@ -108,7 +114,17 @@ class Proxy:
             try:
                 endpoint = await cold_start.wait_with_keepalives(send, model, affinity, pools)
                 await self._send_upstream(
-                    scope, send, path, model, body, outcome, endpoint, headers_sent=True, affinity=affinity, pools=pools
+                    scope,
+                    send,
+                    path,
+                    model,
+                    body,
+                    outcome,
+                    endpoint,
+                    headers_sent=True,
+                    affinity=affinity,
+                    pools=pools,
+                    pass_usage=pass_usage,
                 )
             except RouterError as exc:
                 outcome.status = exc.status
@@ -119,7 +135,17 @@ class Proxy:
             if endpoint is None:
                 raise cold_start.starting_error(model)
         await self._send_upstream(
-            scope, send, path, model, body, outcome, endpoint, headers_sent=False, affinity=affinity, pools=pools
+            scope,
+            send,
+            path,
+            model,
+            body,
+            outcome,
+            endpoint,
+            headers_sent=False,
+            affinity=affinity,
+            pools=pools,
+            pass_usage=pass_usage,
         )
 
     async def _send_upstream(
@@ -135,6 +161,7 @@ class Proxy:
         headers_sent: bool,
         affinity: int | None = None,
         pools: frozenset[str] | None = None,
+        pass_usage: bool = True,
     ) -> None:
         """Send the request to `endpoint` (retrying once on another replica before any upstream byte
         is relayed) and relay the answer."""
@@ -213,7 +240,7 @@ class Proxy:
                     "upstream_error",
                     type_="server_error",
                 )
-            await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent)
+            await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent, pass_usage=pass_usage)
             return
 
     async def _relay(
@@ -224,22 +251,41 @@ class Proxy:
         outcome: Outcome,
         *,
         headers_sent: bool = False,
+        pass_usage: bool = True,
     ) -> None:
-        """Stream the engine's response to the client chunk by chunk; never retried once started."""
+        """Stream the engine's response to the client chunk by chunk; never retried once started.
+
+        `pass_usage` False: the client did not ask for a stream's usage chunk, so it is read and dropped.
+        """
         clean = False
+        status = response.status
+        reader = None
+        if outcome.key is not None and 200 <= status < 300:
+            engine_headers = response.headers
+            reader = usage_reader(
+                engine_headers.get("Content-Type", ""), engine_headers.get("Content-Encoding", ""), pass_usage
+            )
         try:
             if not headers_sent:
+                # A body that may lose its usage event cannot keep the engine's length.
+                skipped = "content-length" if reader is not None and reader.drops else ""
                 headers = [
                     (k.lower().encode("latin-1"), v.encode("latin-1"))
                     for k, v in response.headers.items()
-                    if k.lower() in PASSED_RESPONSE_HEADERS
+                    if k.lower() in PASSED_RESPONSE_HEADERS and k.lower() != skipped
                 ]
                 headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
                 await send({"type": "http.response.start", "status": response.status, "headers": headers})
             outcome.status = response.status
             try:
                 async for chunk in response.content.iter_any():
+                    if reader is not None:
+                        chunk = reader.feed(chunk)
+                        if not chunk:
+                            continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if reader is not None and (rest := reader.finish()):
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # Too late to retry or change the status: end without completing, so the client sees a cut.
                 log.warning("replica %s of %s failed mid-response: %r", endpoint.replica_id, endpoint.model, exc)
@@ -254,6 +300,10 @@ class Proxy:
                 # Closing (not pooling) the connection is what makes the engine stop generating.
                 response.close()
             self.balancer.release(endpoint)
+            if outcome.key is not None:
+                self.balancer.tokens.count(
+                    outcome.key, endpoint.model, reader.usage() if reader is not None else None, 200 <= status < 300
+                )
 
 
 def upstream_headers(scope: Scope) -> dict[str, str]:

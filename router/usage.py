@@ -3,8 +3,9 @@
 Requests only stamp the balancer's in-memory maps (under the lock the pick
 already takes); this flusher swaps the maps out once per `flush_seconds` and
 hands them to the hub as one `UsageReport` — last-use stamps, per-model
-in-flight peaks, and this router's watch mark renewed — so the cost follows
-time, replicas and models, never traffic.
+in-flight peaks, requests and tokens per API key and model with each key's
+last use (router.tokens), and this router's watch mark renewed — so the cost
+follows time, replicas, keys and models, never traffic.
 """
 
 from __future__ import annotations
@@ -70,13 +71,18 @@ class UsageFlusher:
         flight then, and a past burst must not read as present load.
         """
         stamps, in_flight = self.balancer.take_usage()
+        counter = self.balancer.tokens
+        tokens, keys = counter.take()
         try:
-            await self.hub.report_usage(UsageReport(self.router_id, stamps, in_flight, self.watch_ttl))
+            await self.hub.report_usage(UsageReport(self.router_id, stamps, in_flight, self.watch_ttl, tokens, keys))
         except asyncio.CancelledError:
             self.balancer.restore_stamps(stamps)
+            counter.restore(tokens, keys)
             raise
         except Exception as exc:  # Redis down must never fail a request (DESIGN invariant 4)
+            # Token counts are kept like stamps: the hub adds them up whenever they arrive.
             self.balancer.restore_stamps(stamps)
+            counter.restore(tokens, keys)
             self.metrics.usage_flush_failures.inc()
             if not self._failing:
                 log.warning("could not report usage, keeping the stamps for the next flush: %s", exc)

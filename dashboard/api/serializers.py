@@ -7,6 +7,7 @@ from catalog.models import Model, Profile
 from inventory.models import GPU, Node
 from reconciler.idle import Idle
 from reconciler.models import Replica
+from router.models import TokenUsage
 
 
 class ProfileSerializer(serializers.ModelSerializer):
@@ -123,3 +124,13 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     def get_idle_known(self, obj) -> bool:
         return self._idle(obj).known
+
+
+class TokenUsageSerializer(serializers.ModelSerializer):
+    """Tokens one API key spent on one model in one hour (`key` is the key's name; `key_id` null once deleted)."""
+
+    key = serializers.CharField(source="key_name", read_only=True)
+
+    class Meta:
+        model = TokenUsage
+        fields = ["id", "key", "key_id", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]

@@ -1,6 +1,11 @@
 """REST API views: the cluster summary and read-only lists (a fixed number of queries each)."""
 
-from rest_framework import viewsets
+from datetime import UTC, datetime
+
+from django.utils import timezone
+from django.utils.dateparse import parse_date, parse_datetime
+from rest_framework import mixins, viewsets
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -8,8 +13,9 @@ from catalog.models import Model
 from dashboard.summary import cluster_summary
 from inventory.models import Node
 from reconciler.models import Replica
+from router.models import TokenUsage
 
-from .serializers import ModelSerializer, NodeSerializer, ReplicaSerializer
+from .serializers import ModelSerializer, NodeSerializer, ReplicaSerializer, TokenUsageSerializer
 
 
 class StatusView(APIView):
@@ -50,3 +56,40 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
         queryset = super().get_queryset()
         state = self.request.query_params.get("state")
         return queryset.filter(state=state) if state else queryset
+
+
+class TokenUsageViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """GET /api/v1/usage/: tokens per API key, model and hour, newest hour first.
+
+    Filters: `key` (the key's name), `model`, `since` (an ISO 8601 date or
+    time; rows of the hour containing it and later; UTC when no offset is given).
+    """
+
+    queryset = TokenUsage.objects.order_by("-hour", "key_name", "model", "id")
+    serializer_class = TokenUsageSerializer
+
+    def get_queryset(self):
+        queryset = super().get_queryset()
+        params = self.request.query_params
+        if key := params.get("key"):
+            queryset = queryset.filter(key_name=key)
+        if model := params.get("model"):
+            queryset = queryset.filter(model=model)
+        if since := params.get("since"):
+            queryset = queryset.filter(hour__gte=_hour_of(since))
+        return queryset
+
+
+def _hour_of(text: str) -> datetime:
+    """The start of the hour an ISO 8601 date or time falls in (UTC unless it says otherwise); 400 if unreadable."""
+    try:
+        at = parse_datetime(text)
+        if at is None and (day := parse_date(text)) is not None:
+            at = datetime(day.year, day.month, day.day)
+    except ValueError:
+        at = None
+    if at is None:
+        raise ValidationError({"since": f"{text!r} is not an ISO 8601 date or time (e.g. 2026-01-31T14:00:00Z)."})
+    if timezone.is_naive(at):
+        at = at.replace(tzinfo=UTC)
+    return at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)

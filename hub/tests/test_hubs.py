@@ -148,7 +148,7 @@ def test_redis_writes_the_stamps_before_the_mark_in_one_transaction(redis_url):
     client.close()
 
 
-def test_redis_collects_marks_then_stamps_in_one_transaction(redis_url):
+def test_redis_collects_marks_then_stamps_and_takes_tokens_in_one_transaction(redis_url):
     client = redis.Redis.from_url(redis_url)
     hub = RedisHub(redis_url)
     run(hub.report_usage(UsageReport("a", {"1": 10.0})))
@@ -157,9 +157,10 @@ def test_redis_collects_marks_then_stamps_in_one_transaction(redis_url):
         commands = []
         while not commands or commands[-1] != "EXEC":
             command = monitor.next_command()["command"].split()[0].upper()
-            if command in ("MULTI", "HGETALL", "ZRANGE", "EXEC"):
+            if command in ("MULTI", "HGETALL", "ZRANGE", "DEL", "EXEC"):
                 commands.append(command)
-    assert commands == ["MULTI", "HGETALL", "ZRANGE", "EXEC"]
+    # Marks, stamps, then token counters and keys' last use read and deleted: one MULTI.
+    assert commands == ["MULTI", "HGETALL", "ZRANGE", "HGETALL", "ZRANGE", "DEL", "EXEC"]
     assert snapshot.stamps == {"1": 10.0} and [m.router for m in snapshot.routers] == ["a"]
     client.close()
 

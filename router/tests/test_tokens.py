@@ -1,0 +1,307 @@
+"""Token accounting in the router: usage read from answers (JSON and streams), counted per key and model, flushed."""
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+from aiohttp import web
+
+from conftest import free_port, wait_until
+from hub import InProcessHub
+from hub.contracts import hour_of
+from hub.credentials import hash_secret
+from router.balancer import Balancer
+from router.metrics import RouterMetrics
+from router.tokens import JSON_TAIL_BYTES, JsonUsage, SseUsage, TokenCounter, ask_for_usage, usage_in_json_tail
+from router.usage import UsageFlusher
+
+from .conftest import MODEL, make_table
+from .test_usage import UnreachableRedisHub
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "one two three"}]
+
+
+# -- reading usage, without a network ------------------------------------------------------
+
+
+def test_a_stream_that_did_not_ask_for_usage_asks_for_it_and_the_option_is_last():
+    body, pass_usage = ask_for_usage(b'{"model": "m", "stream": true}  ')
+    assert pass_usage is False
+    assert json.loads(body) == {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    assert body.endswith(b'"stream_options":{"include_usage":true}}')
+
+
+def test_a_client_asking_for_usage_is_forwarded_unchanged_and_gets_the_chunk():
+    original = b'{"model": "m", "stream": true, "stream_options": {"include_usage": true}}'
+    assert ask_for_usage(original) == (original, True)
+
+
+def test_other_stream_options_of_the_client_are_kept_when_usage_is_added():
+    body, pass_usage = ask_for_usage(b'{"model": "m", "stream": true, "stream_options": {"continuous": 1}}')
+    assert pass_usage is False
+    assert json.loads(body)["stream_options"] == {"continuous": 1, "include_usage": True}
+    body, pass_usage = ask_for_usage(b'{"model": "m", "stream": true, "stream_options": {"include_usage": false}}')
+    assert (pass_usage, json.loads(body)["stream_options"]) == (False, {"include_usage": True})
+
+
+def test_stream_options_that_are_not_an_object_are_left_for_the_engine_to_refuse():
+    original = b'{"model": "m", "stream": true, "stream_options": "yes"}'
+    assert ask_for_usage(original) == (original, True)
+
+
+def test_json_usage_is_read_from_the_tail_and_embeddings_have_no_completion_tokens():
+    chat = b'{"choices": [{"text": "the \\"usage\\": {} word"}], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+    assert usage_in_json_tail(chat) == (7, 3)
+    assert usage_in_json_tail(b'{"data": [], "usage": {"prompt_tokens": 5, "total_tokens": 5}}') == (5, 0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"usage": {"prompt_tokens": "7", "completion_tokens": 3}}',
+        b'{"usage": {"prompt_tokens": -1, "completion_tokens": 3}}',
+        b'{"usage": {"prompt_tokens": true, "completion_tokens": 3}}',
+        b'{"usage": {"completion_tokens": 3}}',
+        b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3',
+        b'{"usage": null}',
+        b'{"choices": []}',
+        b"not json at all",
+    ],
+)
+def test_malformed_or_missing_usage_reads_as_none(body):
+    reader = JsonUsage()
+    assert reader.feed(body) == body
+    assert reader.usage() is None
+
+
+def test_json_usage_keeps_only_a_bounded_tail_of_a_long_answer():
+    reader = JsonUsage()
+    filler = b"x" * 1000
+    for _ in range(3 * JSON_TAIL_BYTES // 1000):
+        reader.feed(filler)
+    reader.feed(b'"usage": {"prompt_tokens": 1, "completion_tokens": 2}}')
+    assert reader._size < JSON_TAIL_BYTES + 2000
+    assert reader.usage() == (1, 2)
+
+
+def sse(payload) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+CONTENT = sse({"choices": [{"delta": {"content": "hi"}}], "usage": None})
+USAGE = sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+DONE = b"data: [DONE]\n\n"
+
+
+def relay(reader: SseUsage, chunks) -> bytes:
+    return b"".join(reader.feed(chunk) for chunk in chunks) + reader.finish()
+
+
+def test_the_usage_event_is_read_and_dropped_when_the_client_did_not_ask():
+    reader = SseUsage(pass_usage=False)
+    assert relay(reader, [CONTENT, CONTENT + USAGE, DONE]) == CONTENT + CONTENT + DONE
+    assert reader.usage() == (4, 2)
+
+
+def test_the_usage_event_passes_unchanged_when_the_client_asked():
+    reader = SseUsage(pass_usage=True)
+    assert relay(reader, [CONTENT, USAGE, DONE]) == CONTENT + USAGE + DONE
+    assert reader.usage() == (4, 2)
+
+
+def test_a_usage_event_split_across_chunks_anywhere_is_still_read_and_dropped():
+    whole = CONTENT + USAGE + DONE
+    for cut in range(1, len(whole)):
+        reader = SseUsage(pass_usage=False)
+        assert relay(reader, [whole[:cut], whole[cut:]]) == CONTENT + DONE, cut
+        assert reader.usage() == (4, 2)
+
+
+def test_complete_events_pass_at_once_and_only_an_unfinished_one_waits():
+    reader = SseUsage(pass_usage=False)
+    assert reader.feed(CONTENT + CONTENT[:10]) == CONTENT
+    assert reader.feed(CONTENT[10:]) == CONTENT
+
+
+def test_a_usage_on_a_content_chunk_is_counted_but_never_dropped():
+    event = sse({"choices": [{"delta": {"content": "!"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    reader = SseUsage(pass_usage=False)
+    assert relay(reader, [event, DONE]) == event + DONE
+    assert reader.usage() == (1, 1)
+
+
+def test_a_malformed_usage_event_counts_nothing_and_passes():
+    event = b'data: {"choices": [], "usage": {"prompt_tokens": "many"}}\n\n'
+    reader = SseUsage(pass_usage=False)
+    assert relay(reader, [CONTENT, event, DONE]) == CONTENT + event + DONE
+    assert reader.usage() is None
+
+
+def test_crlf_framed_events_are_read_too():
+    usage = USAGE.replace(b"\n\n", b"\r\n\r\n")
+    reader = SseUsage(pass_usage=False)
+    assert relay(reader, [CONTENT, usage, DONE]) == CONTENT + DONE
+    assert reader.usage() == (4, 2)
+
+
+def test_counts_add_up_per_key_and_model_and_a_failed_answer_counts_only_last_use():
+    clock = iter([10.0, 11.0, 12.0, 13.0])
+    counter = TokenCounter(clock=lambda: next(clock))
+    counter.count("k1", "m", (3, 4), served=True)
+    counter.count("k1", "m", None, served=True)
+    counter.count("k1", "n", (1, 0), served=True)
+    counter.count("k2", "m", (9, 9), served=False)
+    counts, last_use = counter.take()
+    assert counts == {"k1": {"m": [2, 3, 4], "n": [1, 1, 0]}}
+    assert last_use == {"k1": 12.0, "k2": 13.0}
+    assert counter.take() == ({}, {})
+
+
+def test_restored_counts_add_to_new_ones_and_the_newer_last_use_wins():
+    counter = TokenCounter(clock=lambda: 50.0)
+    counter.count("k", "m", (1, 1), served=True)
+    counter.restore({"k": {"m": [2, 5, 6]}}, {"k": 40.0})
+    assert counter.take() == ({"k": {"m": [3, 6, 7]}}, {"k": 50.0})
+
+
+# -- through the router, against the bundled mock engine -------------------------------------------
+
+
+def stream_body(router, auth, **extra) -> bytes:
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, **extra}
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", headers=auth, json=body, timeout=10) as response:
+        assert response.status_code == 200
+        assert "content-length" not in response.headers
+        return response.read()
+
+
+def events(raw: bytes) -> list:
+    return [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+
+
+@pytest.fixture
+def mock_router(start_router, hub, engine_process):
+    hub.publish_endpoints(make_table([engine_process().url]))
+    # Flushes far apart: the counts stay in the router for the test to read.
+    return start_router(flush_seconds=60)
+
+
+def pending(router, api_key) -> list:
+    counts, last_use = router.state.balancer.tokens.pending()
+    assert hash_secret(api_key) in last_use
+    return counts[hash_secret(api_key)][MODEL]
+
+
+def test_a_non_streamed_answer_is_counted_from_its_usage(mock_router, auth, api_key):
+    response = httpx.post(
+        f"{mock_router.url}/v1/chat/completions", headers=auth, json={"model": MODEL, "messages": MESSAGES}
+    )
+    usage = response.json()["usage"]
+    assert pending(mock_router, api_key) == [1, usage["prompt_tokens"], usage["completion_tokens"]]
+
+
+def test_a_stream_is_counted_and_its_usage_chunk_dropped_when_the_client_did_not_ask(mock_router, auth, api_key):
+    raw = stream_body(mock_router, auth)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    chunks = events(raw)
+    assert chunks and all(chunk["choices"] for chunk in chunks)
+    completion = sum(1 for chunk in chunks if chunk["choices"][0]["delta"].get("content"))
+    assert pending(mock_router, api_key) == [1, 3, completion]
+
+
+def test_a_stream_that_asked_for_usage_gets_the_chunk_and_is_counted_once(mock_router, auth, api_key):
+    raw = stream_body(mock_router, auth, stream_options={"include_usage": True})
+    last = events(raw)[-1]
+    assert last["choices"] == []
+    assert pending(mock_router, api_key) == [1, last["usage"]["prompt_tokens"], last["usage"]["completion_tokens"]]
+
+
+def test_embeddings_count_their_prompt_tokens(mock_router, auth, api_key):
+    response = httpx.post(
+        f"{mock_router.url}/v1/embeddings", headers=auth, json={"model": MODEL, "input": ["a b", "c d e"]}
+    )
+    assert response.status_code == 200
+    assert pending(mock_router, api_key) == [1, 5, 0]
+
+
+def test_requests_and_tokens_add_up_across_answers(mock_router, auth, api_key):
+    for _ in range(3):
+        httpx.post(f"{mock_router.url}/v1/embeddings", headers=auth, json={"model": MODEL, "input": "a b"})
+    stream_body(mock_router, auth)
+    requests, prompt, _ = pending(mock_router, api_key)
+    assert (requests, prompt) == (4, 3 * 2 + 3)
+
+
+@pytest.fixture
+def malformed_usage_engine():
+    """An engine (aiohttp, on a thread of its own) whose answers carry a usage that is not one."""
+
+    async def chat(request):
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": "lots"}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="malformed-engine")
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def test_a_malformed_usage_counts_no_tokens_and_never_fails_the_request(
+    start_router, hub, api_key, auth, malformed_usage_engine
+):
+    hub.publish_endpoints(make_table([malformed_usage_engine]))
+    router = start_router(flush_seconds=60)
+    response = httpx.post(
+        f"{router.url}/v1/chat/completions", headers=auth, json={"model": MODEL, "messages": MESSAGES}
+    )
+    assert response.status_code == 200
+    assert pending(router, api_key) == [1, 0, 0]
+
+
+# -- flushing ------------------------------------------------------------------------------------
+
+
+def test_tokens_reach_the_hub_with_the_usage_report_and_add_up_across_flushes(
+    start_router, hub, auth, api_key, start_engine
+):
+    hub.publish_endpoints(make_table([start_engine().url]))
+    router = start_router(flush_seconds=0.1)
+    for _ in range(2):
+        response = httpx.post(
+            f"{router.url}/v1/chat/completions", headers=auth, json={"model": MODEL, "messages": MESSAGES}
+        )
+        assert response.status_code == 200
+        # Flushed: each flush adds to the hub's counters, which only the tick takes.
+        wait_until(lambda: router.state.balancer.tokens.pending() == ({}, {}))
+    snapshot = hub.collect_usage()
+    digest = hash_secret(api_key)
+    # The fake engine's answers carry 1 prompt and 3 completion tokens.
+    assert snapshot.tokens == {hour_of(snapshot.keys[digest]): {digest: {MODEL: [2, 2, 6]}}}
+    assert hub.collect_usage().tokens == {}
+
+
+def test_a_failed_flush_keeps_the_counts_for_the_next(tmp_path):
+    balancer = Balancer()
+    balancer.tokens.count("k", MODEL, (3, 4), served=True)
+    down = UnreachableRedisHub(make_table())
+    flusher = UsageFlusher(down, balancer, RouterMetrics(balancer), flush_seconds=1, router_id="r")
+    assert asyncio.run(flusher.flush()) is False
+    assert balancer.tokens.pending()[0] == {"k": {MODEL: [1, 3, 4]}}
+    balancer.tokens.count("k", MODEL, (1, 1), served=True)
+    working = InProcessHub()
+    flusher.hub = working
+    assert asyncio.run(flusher.flush()) is True
+    assert balancer.tokens.pending() == ({}, {})
+    assert list(working.collect_usage().tokens.values()) == [{"k": {MODEL: [2, 4, 5]}}]

@@ -1,0 +1,267 @@
+"""Token accounting in the router: usage read from engines' answers, counted in memory per key and model.
+
+Nothing here does I/O: a request adds to in-memory counters on the router's
+event loop, and the usage flusher (router.usage) hands them to the hub with
+its once-a-second report (DESIGN invariant 4), so the cost follows keys and
+models, never traffic.
+
+* Non-streamed JSON answers: the proxy relays the body as it arrives and keeps
+  only its last `JSON_TAIL_BYTES`; `usage` is the last `"usage": {...}` in
+  that tail (engines put it at the end), decoded alone — never the whole body.
+* Streams: `ask_for_usage` rewrites a request that did not ask for usage to
+  add `stream_options.include_usage`, and `SseUsage` finds the event carrying
+  a non-null `usage` (the last one wins) and drops it again when the client
+  did not ask for it. Every other byte passes unchanged.
+
+A malformed or missing usage counts no tokens and never fails a request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+
+from hub.contracts import TokenCounts
+
+# A usage object is read from the end of a JSON answer; it sits within the last few hundred bytes in
+# every engine we know (vLLM, SGLang, llama.cpp, TGI), so 64 KiB leaves room for trailing extras.
+JSON_TAIL_BYTES = 64 * 1024
+# An SSE event not yet ended is held back until it is (the client cannot use half an event anyway);
+# one longer than this is passed on unread, so a stream without recognisable framing is never stalled.
+SSE_CARRY_BYTES = 64 * 1024
+# More tokens than this in one answer is not a count but garbage.
+MAX_TOKENS = 1 << 40
+
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
+_DECODER = json.JSONDecoder()  # built once: constructing one costs more than decoding a usage object
+
+
+def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
+    """(the body to send the engine, whether the client asked for the usage chunk itself) for a streamed request.
+
+    `body` is a JSON object with `"stream": true` (the app has checked it).
+    Without `stream_options` the option is appended to the body's bytes (last,
+    so a duplicate key spelled with escapes cannot override it); otherwise the
+    body is parsed and `include_usage` added to the client's options. Options
+    that are not an object are left for the engine to refuse.
+    """
+    if b"stream_options" not in body:
+        end = body.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + _USAGE_OPTION, False
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body, True
+    if not isinstance(payload, dict):
+        return body, True
+    options = payload.get("stream_options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
+        return body, True
+    if options.get("include_usage") is True:
+        return body, True
+    payload["stream_options"] = {**options, "include_usage": True}
+    return json.dumps(payload).encode(), False
+
+
+def read_usage(usage: object) -> tuple[int, int] | None:
+    """(prompt tokens, completion tokens) from a `usage` object, or None if it is not a usable one.
+
+    Embeddings' usage has no completion tokens: they count as 0.
+    """
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)
+    if completion is None:
+        completion = 0
+    for value in (prompt, completion):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKENS:
+            return None
+    return prompt, completion  # type: ignore[return-value]  # both checked to be ints just above
+
+
+def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
+    """The usage of a JSON answer from its last bytes: the last `"usage": {...}` decoded on its own."""
+    start = -1
+    for found in _USAGE_OBJECT.finditer(tail):
+        start = found.end() - 1  # at the object's "{"
+    if start < 0:
+        return None
+    try:
+        usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return read_usage(usage)
+
+
+class JsonUsage:
+    """Keeps the tail of a non-streamed answer as it is relayed, to read its usage at the end."""
+
+    __slots__ = ("_chunks", "_size")
+    drops = False
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        chunks = self._chunks
+        chunks.append(chunk)
+        self._size += len(chunk)
+        while self._size - len(chunks[0]) >= JSON_TAIL_BYTES:
+            self._size -= len(chunks.pop(0))
+        return chunk
+
+    def finish(self) -> bytes:
+        return b""
+
+    def usage(self) -> tuple[int, int] | None:
+        chunks = self._chunks
+        if not chunks:
+            return None
+        return usage_in_json_tail(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+class SseUsage:
+    """Reads the usage event of an SSE stream as it is relayed, and drops it unless the client asked for it.
+
+    Complete events pass at once; an event not yet ended is held until it is.
+    Only the event whose JSON has a non-null `usage` and no choices is dropped
+    (an engine that puts usage on a content chunk keeps it: the content matters more).
+    """
+
+    __slots__ = ("_carry", "_found", "_pass_usage", "drops")
+
+    def __init__(self, pass_usage: bool) -> None:
+        self._pass_usage = pass_usage
+        self.drops = not pass_usage  # the body may shrink: its Content-Length, if any, must go
+        self._carry = b""
+        self._found: tuple[int, int] | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to relay now for `chunk` (possibly none, while an event is incomplete)."""
+        if self._carry:
+            chunk = self._carry + chunk
+            self._carry = b""
+        lf, crlf = chunk.rfind(b"\n\n"), chunk.rfind(b"\n\r\n")
+        end = max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
+        if end < len(chunk):
+            rest = chunk[end:] if end >= 0 else chunk
+            if len(rest) <= SSE_CARRY_BYTES:
+                self._carry = rest
+                chunk = chunk[:end] if end >= 0 else b""
+        if _USAGE_OBJECT.search(chunk) is None:
+            return chunk
+        return self._take_usage(chunk)
+
+    def finish(self) -> bytes:
+        """What is left at the end of the stream (an event without its blank line), to relay last."""
+        rest, self._carry = self._carry, b""
+        if rest and _USAGE_OBJECT.search(rest) is not None:
+            return self._take_usage(rest)
+        return rest
+
+    def usage(self) -> tuple[int, int] | None:
+        return self._found
+
+    def _take_usage(self, chunk: bytes) -> bytes:
+        kept: list[bytes] = []
+        start = 0
+        for end in [m.end() for m in _EVENT_END.finditer(chunk)] + [len(chunk)]:
+            event = chunk[start:end]
+            start = end
+            if not event:
+                continue
+            if _USAGE_OBJECT.search(event) is not None and self._read_event(event) and not self._pass_usage:
+                continue
+            kept.append(event)
+        return b"".join(kept)
+
+    def _read_event(self, event: bytes) -> bool:
+        """Record the usage of `event`; whether it is the usage-only event (no choices) that may be dropped."""
+        lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+        try:
+            payload = json.loads(b"\n".join(lines))
+        except ValueError:
+            return False
+        if not isinstance(payload, dict):
+            return False
+        usage = read_usage(payload.get("usage"))
+        if usage is None:
+            return False
+        self._found = usage
+        return not payload.get("choices")
+
+
+class TokenCounter:
+    """Requests and tokens per (key digest, public model), and last use per key, since the last flush.
+
+    Used only on the router's event loop (the proxy counts, the flusher takes),
+    so it needs no lock. A key is its digest, `hub.credentials.hash_secret` of
+    the bearer token: what `ApiKey.key_hash` stores.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._counts: TokenCounts = {}
+        self._last_use: dict[str, float] = {}
+
+    def count(self, digest: str, model: str, usage: tuple[int, int] | None, served: bool) -> None:
+        """One answer relayed for `digest`: its last use always, a request and its tokens if `served` (2xx)."""
+        self._last_use[digest] = self._clock()
+        if not served:
+            return
+        per_key = self._counts.get(digest)
+        if per_key is None:
+            per_key = self._counts[digest] = {}
+        row = per_key.get(model)
+        if row is None:
+            row = per_key[model] = [0, 0, 0]
+        row[0] += 1
+        if usage is not None:
+            row[1] += usage[0]
+            row[2] += usage[1]
+
+    def take(self) -> tuple[TokenCounts, dict[str, float]]:
+        """Swap out the counts and last uses gathered since the last take."""
+        counts, self._counts = self._counts, {}
+        last_use, self._last_use = self._last_use, {}
+        return counts, last_use
+
+    def restore(self, counts: TokenCounts, last_use: dict[str, float]) -> None:
+        """Put back what a flush could not deliver: counts add up, the newer last use wins."""
+        for digest, models in counts.items():
+            per_key = self._counts.setdefault(digest, {})
+            for model, (requests, prompt, completion) in models.items():
+                row = per_key.setdefault(model, [0, 0, 0])
+                row[0] += requests
+                row[1] += prompt
+                row[2] += completion
+        for digest, ts in last_use.items():
+            if ts > self._last_use.get(digest, float("-inf")):
+                self._last_use[digest] = ts
+
+    def pending(self) -> tuple[TokenCounts, dict[str, float]]:
+        """A copy of what the next flush would take (for tests and /health)."""
+        return {d: {m: list(r) for m, r in ms.items()} for d, ms in self._counts.items()}, dict(self._last_use)
+
+
+def usage_reader(content_type: str, content_encoding: str, pass_usage: bool) -> JsonUsage | SseUsage | None:
+    """What reads the usage of an answer of this type as it is relayed; None when it cannot be read.
+
+    A compressed body (the client's own Accept-Encoding reached the engine) is relayed unread.
+    """
+    if content_encoding and content_encoding != "identity":
+        return None
+    if content_type.startswith("text/event-stream"):
+        return SseUsage(pass_usage)
+    if content_type.startswith("application/json"):
+        return JsonUsage()
+    return None
