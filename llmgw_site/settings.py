@@ -11,7 +11,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import env_bool, env_float, env_port, env_port_range, env_str
+from .env import env_bool, env_float, env_int, env_port, env_port_range, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("LLMGW_VAR_DIR", str(BASE_DIR / "var")))
@@ -193,6 +193,14 @@ LLMGW_ACTIVATION_TIMEOUT_SECONDS = env_float("LLMGW_ACTIVATION_TIMEOUT_SECONDS",
 # Router backstop: re-read the endpoint list this often even without a push.
 LLMGW_ROUTER_POLL_SECONDS = env_float("LLMGW_ROUTER_POLL_SECONDS", 5.0, minimum=0.1)
 LLMGW_USAGE_FLUSH_SECONDS = env_float("LLMGW_USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+# Router upstream deadlines: connecting to an engine, waiting for its first byte, silence between chunks.
+LLMGW_UPSTREAM_CONNECT_SECONDS = env_float("LLMGW_UPSTREAM_CONNECT_SECONDS", 5.0, minimum=0.001)
+LLMGW_UPSTREAM_FIRST_BYTE_SECONDS = env_float("LLMGW_UPSTREAM_FIRST_BYTE_SECONDS", 600.0, minimum=0.001)
+LLMGW_UPSTREAM_IDLE_SECONDS = env_float("LLMGW_UPSTREAM_IDLE_SECONDS", 120.0, minimum=0.001)
+# Requests one router holds per model while it starts; beyond, 503 with Retry-After.
+LLMGW_MAX_WAITERS_PER_MODEL = env_int("LLMGW_MAX_WAITERS_PER_MODEL", 1000, minimum=1)
+# On SIGTERM the router lets in-flight requests finish this long before it exits.
+LLMGW_SHUTDOWN_GRACE_SECONDS = env_float("LLMGW_SHUTDOWN_GRACE_SECONDS", 30.0, minimum=0.0)
 
 # More than this share of the watched nodes silent at once (and more than one node): declare none lost.
 LLMGW_PARTITION_BRAKE_FRACTION = env_float("LLMGW_PARTITION_BRAKE_FRACTION", 0.3, minimum=0.0)
