@@ -267,7 +267,7 @@ class Proxy:
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     # Nothing was sent yet: the client still gets an error status.
                     status, message = self._break_message(endpoint, exc)
-                    log.warning("%s: %r", message, exc)
+                    log.warning("%s (%r)", message, exc)
                     raise RouterError(status, message, "upstream_failed", type_="server_error") from None
                 await send(
                     {"type": "http.response.start", "status": response.status, "headers": _headers(response, endpoint)}
@@ -286,7 +286,7 @@ class Proxy:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
                 status, message = self._break_message(endpoint, exc)
-                log.warning("%s: %r", message, exc)
+                log.warning("%s (%r)", message, exc)
                 if not streamed:
                     # Too late for a status and a body of known length cannot be ended early: the client sees a cut.
                     return
