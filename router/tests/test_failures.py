@@ -100,7 +100,6 @@ class BrokenEngine:
         finally:
             self.done.set()
 
-
     @staticmethod
     async def _until_hung_up(request) -> None:
         """Stay silent until the client (the router) closes the connection, or 10 s."""
