@@ -71,10 +71,9 @@ def router_process(tmp_path, redis_url, api_key):
             "LLMGW_ROUTER_POLL_SECONDS": "0.2",
             "SECRET_KEY": env.get("SECRET_KEY", "test-only"),
         }
-        log = open(tmp_path / f"router-{port}.log", "w")
         argv = [sys.executable, "-m", "router.asgi", "--host", "127.0.0.1", "--port", str(port)]
-        process = subprocess.Popen(argv, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(tmp_path / f"router-{port}.log", "w") as log:
+            process = subprocess.Popen(argv, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT)
         started.append(process)
         url = f"http://127.0.0.1:{port}"
 
