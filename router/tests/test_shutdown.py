@@ -117,7 +117,7 @@ def stream_in_background(url: str, key: str, first_chunk: threading.Event) -> li
     return outcome
 
 
-def test_sigterm_refuses_new_requests_lets_the_stream_finish_then_exits(router_process, slow_engine, api_key):
+def test_sigterm_refuses_new_requests_lets_the_stream_finish_then_exits(router_process, slow_engine, api_key, tmp_path):
     RedisHub(REDIS_TEST_URL).publish_endpoints(make_table([slow_engine]))
     process, url = router_process(grace=10)
     first_chunk = threading.Event()
@@ -128,14 +128,14 @@ def test_sigterm_refuses_new_requests_lets_the_stream_finish_then_exits(router_p
     # New connections are refused at once while the stream carries on.
     wait_until(lambda: refused(url), timeout=3)
     assert process.poll() is None
-    process.wait(8)
+    exit_within(process, 8, tmp_path)
     # uvicorn re-raises the signal once it has shut down, so the exit status says what stopped it.
     assert process.returncode == -signal.SIGTERM
     assert lines[-2:] == ["data: [DONE]", "closed"]
     assert sum(line.startswith("data: {") for line in lines) >= 9  # every token arrived
 
 
-def test_past_the_grace_period_the_router_exits_and_the_stream_is_cut(router_process, slow_engine, api_key):
+def test_past_the_grace_period_the_router_exits_and_the_stream_is_cut(router_process, slow_engine, api_key, tmp_path):
     RedisHub(REDIS_TEST_URL).publish_endpoints(make_table([slow_engine]))
     process, url = router_process(grace=0.3)
     first_chunk = threading.Event()
@@ -143,7 +143,7 @@ def test_past_the_grace_period_the_router_exits_and_the_stream_is_cut(router_pro
     assert first_chunk.wait(5)
     started = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    process.wait(5)
+    exit_within(process, 5, tmp_path)
     assert time.monotonic() - started < 3  # the stream alone would take about a second more
     wait_until(lambda: lines[-1] == "closed" or isinstance(lines[-1], Exception), timeout=5)
     assert "data: [DONE]" not in lines
@@ -157,3 +157,12 @@ def refused(url: str) -> bool:
     except httpx.HTTPError:
         return False
     return False
+
+
+def exit_within(process: subprocess.Popen, seconds: float, tmp_path) -> None:
+    """Wait for the router process to exit; fail with its log if it does not."""
+    try:
+        process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        logs = "".join(path.read_text() for path in tmp_path.glob("router-*.log"))
+        raise AssertionError(f"the router did not exit within {seconds} s; its log:\n{logs}") from None
