@@ -3,7 +3,8 @@
     python -m agent.mock_engine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
 
 It answers chat completions, completions (plain and SSE streaming, with usage),
-embeddings and the model list, and exposes `/health` and a vLLM-style
+embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
+EXTRA_ENDPOINTS, so a router's proxying of them can be tested), and exposes `/health` and a vLLM-style
 `/metrics`, so the router's balancing and usage accounting work against it as
 they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
@@ -32,6 +33,8 @@ EMBEDDING_DIMENSIONS = 16
 # Simulated KV-cache slots, so gpu_cache_usage_perc moves with the running requests.
 CACHE_SLOTS = 32
 ECHO_WORDS = 12
+# Other JSON endpoints of vLLM and OpenAI that name a model: answered with a receipt naming the path.
+EXTRA_ENDPOINTS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/score", "/tokenize", "/detokenize")
 
 
 def openai_error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
@@ -271,6 +274,13 @@ class MockEngine:
             }
         )
 
+    async def extra_endpoint(self, request: web.Request):
+        body = await self._body(request)
+        if (wrong := self._wrong_model(body)) is not None:
+            return wrong
+        self.requests_total += 1
+        return web.json_response({"object": "mock.receipt", "model": self.model, "path": request.path})
+
     async def models(self, request: web.Request):
         return web.json_response(
             {
@@ -337,6 +347,8 @@ def create_app(model: str, token_delay_ms: float = 0.0) -> web.Application:
     app.router.add_post("/v1/chat/completions", engine.chat_completions)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_post("/v1/embeddings", engine.embeddings)
+    for path in EXTRA_ENDPOINTS:
+        app.router.add_post(path, engine.extra_endpoint)
     app.router.add_get("/v1/models", engine.models)
     app.router.add_get("/health", engine.health)
     app.router.add_get("/metrics", engine.metrics)

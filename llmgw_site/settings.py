@@ -193,6 +193,14 @@ LLMGW_ACTIVATION_TIMEOUT_SECONDS = env_float("LLMGW_ACTIVATION_TIMEOUT_SECONDS",
 # Router backstop: re-read the endpoint list this often even without a push.
 LLMGW_ROUTER_POLL_SECONDS = env_float("LLMGW_ROUTER_POLL_SECONDS", 5.0, minimum=0.1)
 LLMGW_USAGE_FLUSH_SECONDS = env_float("LLMGW_USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+# Router upstream deadlines: connecting to an engine, waiting for its first byte, silence between chunks.
+LLMGW_UPSTREAM_CONNECT_SECONDS = env_float("LLMGW_UPSTREAM_CONNECT_SECONDS", 5.0, minimum=0.001)
+LLMGW_UPSTREAM_FIRST_BYTE_SECONDS = env_float("LLMGW_UPSTREAM_FIRST_BYTE_SECONDS", 600.0, minimum=0.001)
+LLMGW_UPSTREAM_IDLE_SECONDS = env_float("LLMGW_UPSTREAM_IDLE_SECONDS", 120.0, minimum=0.001)
+# Requests one router holds per model while it starts; beyond, 503 with Retry-After.
+LLMGW_MAX_WAITERS_PER_MODEL = env_int("LLMGW_MAX_WAITERS_PER_MODEL", 1000, minimum=1)
+# On SIGTERM the router lets in-flight requests finish this long before it exits.
+LLMGW_SHUTDOWN_GRACE_SECONDS = env_float("LLMGW_SHUTDOWN_GRACE_SECONDS", 30.0, minimum=0.0)
 
 # More than this share of the watched nodes silent at once (and more than one node): declare none lost.
 LLMGW_PARTITION_BRAKE_FRACTION = env_float("LLMGW_PARTITION_BRAKE_FRACTION", 0.3, minimum=0.0)
@@ -212,17 +220,7 @@ LLMGW_DRAIN_TIMEOUT_SECONDS = env_float("LLMGW_DRAIN_TIMEOUT_SECONDS", 300.0, mi
 # A router whose watch mark has lapsed this long is presumed gone (until then, idleness is unknown).
 LLMGW_ROUTER_FORGET_SECONDS = env_float("LLMGW_ROUTER_FORGET_SECONDS", 300.0, minimum=1.0)
 
-# The router's gateway (upstream deadlines, waiters, shutdown, balancing on the engines' own load).
-LLMGW_UPSTREAM_CONNECT_SECONDS = env_float("LLMGW_UPSTREAM_CONNECT_SECONDS", 5.0, minimum=0.1)
-# Until the first byte of the engine's answer (a non-streamed answer comes whole, so this is generous).
-LLMGW_UPSTREAM_FIRST_BYTE_SECONDS = env_float("LLMGW_UPSTREAM_FIRST_BYTE_SECONDS", 600.0, minimum=0.1)
-# Silence allowed between two chunks of a streamed answer.
-LLMGW_UPSTREAM_IDLE_SECONDS = env_float("LLMGW_UPSTREAM_IDLE_SECONDS", 120.0, minimum=0.1)
-# Requests one router holds for a model with no ready replica, at most (then 503 with Retry-After).
-LLMGW_MAX_WAITERS_PER_MODEL = env_int("LLMGW_MAX_WAITERS_PER_MODEL", 1000, minimum=1)
-# On SIGTERM a router stops accepting and lets streams finish for this long.
-LLMGW_SHUTDOWN_GRACE_SECONDS = env_float("LLMGW_SHUTDOWN_GRACE_SECONDS", 30.0, minimum=0.0)
-# Each router reads each replica's /metrics this often, and skips replicas with less KV cache free.
+# The router balances on the engines' own load: each router reads each replica's /metrics this often, and skips replicas with less KV cache free.
 LLMGW_ENGINE_POLL_SECONDS = env_float("LLMGW_ENGINE_POLL_SECONDS", 1.0, minimum=0.1)
 LLMGW_KV_CACHE_FULL_FRACTION = env_float("LLMGW_KV_CACHE_FULL_FRACTION", 0.95, minimum=0.0)
 # Requests sharing a prompt prefix go to the same replica while it has at most this many more in flight.

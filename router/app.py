@@ -27,7 +27,8 @@ from hub.contracts import RouterHub
 from .affinity import prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
 from .balancer import EjectionPolicy
-from .errors import RouterError, method_not_allowed
+from .body import decode_object, echo, requested_model
+from .errors import RouterError, method_not_allowed, shutting_down
 from .keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL
 from .proxy import Outcome
@@ -35,7 +36,30 @@ from .state import RouterState
 
 log = logging.getLogger(__name__)
 
-PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# Every OpenAI and vLLM JSON endpoint whose body names a `model`: proxied alike to a replica of it.
+# (Multipart ones, /v1/audio/transcriptions and /translations, carry no JSON body to route by.)
+PROXY_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/moderations",
+        "/v1/audio/speech",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+        "/v1/classify",
+        "/classify",
+        "/pooling",
+        "/v1/tokenize",
+        "/v1/detokenize",
+        "/tokenize",
+        "/detokenize",
+    }
+)
 MODEL_PATH_PREFIX = "/v1/models/"
 # nginx's convention for "the client closed the request"; only ever a metric label.
 CLIENT_CLOSED = 499
@@ -82,6 +106,8 @@ class RouterApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         try:
+            if self.state.draining and path != "/metrics":
+                raise shutting_down()
             if path in PROXY_PATHS:
                 if method != "POST":
                     raise method_not_allowed(method, path, b"POST")
@@ -223,18 +249,11 @@ class RouterApp:
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
         """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError
         naming the problem."""
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RouterError(400, f"Request body is not valid JSON: {exc}", "invalid_json") from None
-        if not isinstance(payload, dict):
-            raise RouterError(400, f"Request body must be a JSON object, not {type(payload).__name__}.", "invalid_body")
-        requested = payload.get("model")
-        if not isinstance(requested, str) or not requested:
-            raise RouterError(400, 'Request body must have a non-empty string "model".', "missing_model", param="model")
+        payload = decode_object(body)
+        requested = requested_model(payload)
         public = self._balancer.resolve(requested)
         if public is None:
-            raise RouterError(404, f"The model `{requested}` does not exist.", "model_not_found", param="model")
+            raise RouterError(404, f"The model `{echo(requested)}` does not exist.", "model_not_found", param="model")
         if public != requested:
             # Engines serve under the public name only.
             payload["model"] = public
@@ -259,21 +278,26 @@ def create_app(
     activation_timeout: float | None = None,
     poll_seconds: float | None = None,
     flush_seconds: float | None = None,
-    connect_timeout: float = 5.0,
-    read_timeout: float = 600.0,
+    connect_timeout: float | None = None,
+    first_byte_timeout: float | None = None,
+    idle_timeout: float | None = None,
     retry_after: int = 10,
     max_body_bytes: int = 64 * 1024 * 1024,
     key_cache: ApiKeyCache | None = None,
     keepalive_seconds: float = 10.0,
     ejection: EjectionPolicy | None = None,
     router_id: str | None = None,
+    max_waiters: int | None = None,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
     `hub` defaults to hub.get_hub(). Timeouts default to the
-    LLMGW_* settings. `read_timeout` bounds the silence between bytes from an
-    engine (including before the first byte of a non-streamed answer), never a
-    whole stream. `ejection` sets when failing replicas are ejected (default:
+    LLMGW_* settings: `connect_timeout` (LLMGW_UPSTREAM_CONNECT_SECONDS) bounds
+    connecting to an engine, `first_byte_timeout` (…_FIRST_BYTE_SECONDS) the wait
+    for its answer to begin, `idle_timeout` (…_IDLE_SECONDS) the silence between
+    chunks after that; nothing bounds a whole stream. `max_waiters`
+    (LLMGW_MAX_WAITERS_PER_MODEL) bounds the requests held per model while it
+    starts. `ejection` sets when failing replicas are ejected (default:
     `EjectionPolicy()`). `router_id` names this router's usage reports and
     watch mark (default: a new id per process, `router.usage.new_router_id`).
     """
@@ -284,13 +308,17 @@ def create_app(
         ),
         poll_seconds=settings.LLMGW_ROUTER_POLL_SECONDS if poll_seconds is None else poll_seconds,
         flush_seconds=settings.LLMGW_USAGE_FLUSH_SECONDS if flush_seconds is None else flush_seconds,
-        connect_timeout=connect_timeout,
-        read_timeout=read_timeout,
+        connect_timeout=settings.LLMGW_UPSTREAM_CONNECT_SECONDS if connect_timeout is None else connect_timeout,
+        first_byte_timeout=(
+            settings.LLMGW_UPSTREAM_FIRST_BYTE_SECONDS if first_byte_timeout is None else first_byte_timeout
+        ),
+        idle_timeout=settings.LLMGW_UPSTREAM_IDLE_SECONDS if idle_timeout is None else idle_timeout,
         retry_after=retry_after,
         max_body_bytes=max_body_bytes,
         key_cache=key_cache,
         keepalive_seconds=keepalive_seconds,
         ejection=ejection,
         router_id=router_id,
+        max_waiters=settings.LLMGW_MAX_WAITERS_PER_MODEL if max_waiters is None else max_waiters,
     )
     return RouterApp(state)

@@ -10,7 +10,9 @@ endpoint table. A streaming client is kept alive with SSE comments while it
 waits. Past the bound the answer is 503 with a Retry-After that carries the
 start time the control plane learned for the model, less the wait already
 spent; a model the control plane cannot place is refused at once with its
-reason.
+reason. At most `max_waiters` requests wait per model; the next one is refused
+at once (503 `too_many_waiting`) rather than holding memory and sockets
+without bound.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ class ColdStart:
         activation_timeout: float,
         retry_after: int,
         keepalive_seconds: float,
+        max_waiters: int = 1000,
     ):
+        if max_waiters < 1:
+            raise ValueError("max_waiters must be >= 1")
         self.hub = hub
         self.balancer = balancer
         self.metrics = metrics
@@ -60,6 +65,12 @@ class ColdStart:
         self.keepalive_seconds = keepalive_seconds
         self._table_applied = asyncio.Event()
         self._asked: dict[str, float] = {}
+        self.max_waiters = max_waiters
+        self._waiting: dict[str, int] = {}
+
+    def waiting(self, model: str) -> int:
+        """How many requests wait for a replica of `model` now."""
+        return self._waiting.get(model, 0)
 
     def table_changed(self) -> None:
         """Wake every waiter to look at the table just applied."""
@@ -95,6 +106,32 @@ class ColdStart:
         Waiters sleep on an event set by each applied table, and re-ask for the
         activation at most once a second in case the first ask was lost.
         """
+        endpoint = self.balancer.pick(model, exclude, affinity, pools)
+        if endpoint is not None:
+            return endpoint
+        waiting = self._waiting.get(model, 0)
+        if waiting >= self.max_waiters:
+            raise RouterError(
+                503,
+                f"Too many requests are waiting for the model `{model}` to start ({waiting}, the most this "
+                f"router holds: LLMGW_MAX_WAITERS_PER_MODEL). Retry later.",
+                "too_many_waiting",
+                type_="server_error",
+                headers=[(b"retry-after", str(self.retry_after).encode())],
+            )
+        self._waiting[model] = waiting + 1
+        try:
+            return await self._wait(model, exclude, affinity, pools)
+        finally:
+            left = self._waiting[model] - 1
+            if left:
+                self._waiting[model] = left
+            else:
+                del self._waiting[model]
+
+    async def _wait(
+        self, model: str, exclude: Iterable[Endpoint], affinity: int | None, pools: frozenset[str] | None
+    ) -> Endpoint | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.activation_timeout
         while True:

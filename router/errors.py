@@ -44,3 +44,14 @@ def method_not_allowed(method: str, path: str, allowed: bytes) -> RouterError:
         "method_not_allowed",
         headers=[(b"allow", allowed)],
     )
+
+
+def shutting_down() -> RouterError:
+    """503 for a request that reaches a router on its way out: another router (or this one restarted) takes it."""
+    return RouterError(
+        503,
+        "This router is shutting down and takes no new requests; retry (another router will answer).",
+        "shutting_down",
+        type_="server_error",
+        headers=[(b"retry-after", b"1"), (b"connection", b"close")],
+    )

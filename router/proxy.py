@@ -1,14 +1,24 @@
 """Forwarding one request to an engine replica and relaying its answer.
 
 One aiohttp ClientSession (opened at router start-up) carries every upstream
-request. Per-phase deadlines only (connect, silence between bytes), never an
-overall one, so a stream runs as long as the engine keeps sending. A request
-is retried once on another replica, but only before any byte reached the
-client; a client that goes away closes the upstream connection, which is what
-makes the engine stop generating. How each attempt ended before its response
-began goes to the balancer, which ejects replicas that keep failing. Each
-answer's token usage is read as it is relayed and counted per key and model
-(router.tokens).
+request. Per-phase deadlines only, never an overall one, so a stream runs as
+long as the engine keeps sending: connecting (a refused or slow connect is
+retried on another replica), the first byte of the answer (then 504: the
+engine may be working on it, so it is not sent again), and silence between
+chunks once the answer has begun. A request is retried once on another
+replica, but only before any byte reached the client; a client that goes away
+closes the upstream connection, which is what makes the engine stop
+generating. How each attempt ended before its response began goes to the
+balancer, which ejects replicas that keep failing.
+
+An answer that breaks after it began never becomes a 500 or a bare cut where
+avoidable: a stream (SSE) ends with an OpenAI error event and `[DONE]`, which
+the OpenAI SDKs raise as an APIError; a whole answer of known, bounded length
+is read before anything is sent, so its failure is still a 502/504 in
+OpenAI's shape; only a large or unbounded non-SSE body can still be cut.
+
+Each answer's token usage is read as it is relayed and counted per key and
+model (router.tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import aiohttp
 from .asgi_io import Scope, Send
 from .balancer import Balancer, Endpoint, Failure
 from .coldstart import ColdStart
-from .errors import RouterError
+from .errors import RouterError, error_body
 from .metrics import RouterMetrics
 from .tokens import ask_for_usage, usage_reader
 
@@ -32,6 +42,14 @@ PASSED_RESPONSE_HEADERS = frozenset({"content-type", "content-length", "content-
 RETRIABLE_STATUSES = frozenset({502, 503})
 REPLICA_HEADER = b"x-llmgw-replica"
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+# A non-streamed answer up to this size is read whole before it is relayed, so a break is still an error status.
+WHOLE_BODY_LIMIT = 4 * 1024 * 1024
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    """An OpenAI error event and the end of the stream: the SDKs raise APIError on `data: {"error": ...}`."""
+    return b"data: " + error_body(message, "server_error", code) + b"\n\n" + SSE_DONE
 
 
 class Outcome:
@@ -55,15 +73,19 @@ class Proxy:
         cold_start: ColdStart,
         *,
         connect_timeout: float,
-        read_timeout: float,
+        first_byte_timeout: float,
+        idle_timeout: float,
     ):
-        if connect_timeout <= 0 or read_timeout <= 0:
-            raise ValueError("connect_timeout and read_timeout must be > 0")
+        if connect_timeout <= 0 or first_byte_timeout <= 0 or idle_timeout <= 0:
+            raise ValueError("connect_timeout, first_byte_timeout and idle_timeout must be > 0")
         self.balancer = balancer
         self.metrics = metrics
         self.cold_start = cold_start
-        # Per-phase deadlines only: a stream may run as long as the engine keeps sending.
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
+        # Per-phase deadlines only: a stream may run as long as the engine keeps sending. Until the
+        # answer begins, sock_read is the first-byte deadline; _begin_idle_deadline then shortens it.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=first_byte_timeout)
         self.session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
@@ -183,10 +205,12 @@ class Proxy:
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 failure, error = Failure.LOST, exc
             except (aiohttp.SocketTimeoutError, TimeoutError):
+                # Not retried: the engine accepted the request and may be working on it.
                 balancer.release(endpoint, Failure.LOST)
                 raise RouterError(
                     504,
-                    f"Replica {endpoint.replica_id} of `{model}` did not answer in time.",
+                    f"Replica {endpoint.replica_id} of `{model}` did not answer in time: no first byte within "
+                    f"{self.first_byte_timeout:g} s (LLMGW_UPSTREAM_FIRST_BYTE_SECONDS).",
                     "upstream_timeout",
                     type_="server_error",
                 ) from None
@@ -216,6 +240,7 @@ class Proxy:
                 endpoint = nxt
                 continue
             metrics.upstream_latency.labels(model).observe(time.perf_counter() - started)
+            self._begin_idle_deadline(response)
             status = response.status
             if status < 500:
                 balancer.succeeded(endpoint)
@@ -243,6 +268,28 @@ class Proxy:
             await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent, pass_usage=pass_usage)
             return
 
+    def _begin_idle_deadline(self, response: aiohttp.ClientResponse) -> None:
+        """Once the answer has begun, the read deadline is the silence allowed between chunks."""
+        if self.idle_timeout == self.first_byte_timeout or response.content.is_eof():
+            return  # nothing more to read (the common small answer), or the deadline is the same
+        connection = response.connection
+        protocol = connection.protocol if connection is not None else None
+        if protocol is not None:
+            protocol.read_timeout = self.idle_timeout
+            protocol.start_timeout()
+
+    def _break_message(self, endpoint: Endpoint, exc: BaseException) -> tuple[int, str]:
+        """(status, text) for an answer that broke after it began, naming the deadline if one passed."""
+        if isinstance(exc, TimeoutError):
+            return 504, (
+                f"Replica {endpoint.replica_id} of `{endpoint.model}` sent nothing for {self.idle_timeout:g} s "
+                "(LLMGW_UPSTREAM_IDLE_SECONDS) in the middle of its answer; the answer is incomplete."
+            )
+        return 502, (
+            f"Replica {endpoint.replica_id} of `{endpoint.model}` failed in the middle of its answer "
+            f"({type(exc).__name__}); the answer is incomplete."
+        )
+
     async def _relay(
         self,
         send: Send,
@@ -253,8 +300,9 @@ class Proxy:
         headers_sent: bool = False,
         pass_usage: bool = True,
     ) -> None:
-        """Stream the engine's response to the client chunk by chunk; never retried once started.
+        """Relay the engine's answer: a stream chunk by chunk, a bounded whole answer in one piece.
 
+        Never retried once started. A break mid-stream ends the stream with an error event.
         `pass_usage` False: the client did not ask for a stream's usage chunk, so it is read and dropped.
         """
         clean = False
@@ -266,16 +314,36 @@ class Proxy:
                 engine_headers.get("Content-Type", ""), engine_headers.get("Content-Encoding", ""), pass_usage
             )
         try:
+            streamed = headers_sent or response.content_type == "text/event-stream"
+            length = response.content_length
+            if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
+                try:
+                    body = await response.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # Nothing was sent yet: the client still gets an error status.
+                    status, message = self._break_message(endpoint, exc)
+                    log.warning("%s (%r)", message, exc)
+                    raise RouterError(status, message, "upstream_failed", type_="server_error") from None
+                if reader is not None:
+                    # A whole JSON answer: its usage is read here; nothing of it is dropped.
+                    body = reader.feed(body) + reader.finish()
+                await send(
+                    {"type": "http.response.start", "status": response.status, "headers": _headers(response, endpoint)}
+                )
+                outcome.status = response.status
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                outcome.complete = clean = True
+                return
             if not headers_sent:
                 # A body that may lose its usage event cannot keep the engine's length.
-                skipped = "content-length" if reader is not None and reader.drops else ""
-                headers = [
-                    (k.lower().encode("latin-1"), v.encode("latin-1"))
-                    for k, v in response.headers.items()
-                    if k.lower() in PASSED_RESPONSE_HEADERS and k.lower() != skipped
-                ]
-                headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
-                await send({"type": "http.response.start", "status": response.status, "headers": headers})
+                dropping = reader is not None and reader.drops
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status,
+                        "headers": _headers(response, endpoint, without_length=dropping),
+                    }
+                )
             outcome.status = response.status
             try:
                 async for chunk in response.content.iter_any():
@@ -287,8 +355,13 @@ class Proxy:
                 if reader is not None and (rest := reader.finish()):
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # Too late to retry or change the status: end without completing, so the client sees a cut.
-                log.warning("replica %s of %s failed mid-response: %r", endpoint.replica_id, endpoint.model, exc)
+                status, message = self._break_message(endpoint, exc)
+                log.warning("%s (%r)", message, exc)
+                if not streamed:
+                    # Too late for a status and a body of known length cannot be ended early: the client sees a cut.
+                    return
+                outcome.status = status
+                await send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome.complete = True
@@ -304,6 +377,20 @@ class Proxy:
                 self.balancer.tokens.count(
                     outcome.key, endpoint.model, reader.usage() if reader is not None else None, 200 <= status < 300
                 )
+
+
+def _headers(
+    response: aiohttp.ClientResponse, endpoint: Endpoint, *, without_length: bool = False
+) -> list[tuple[bytes, bytes]]:
+    """The engine's response headers the client gets, and which replica answered."""
+    skipped = "content-length" if without_length else ""
+    headers = [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in response.headers.items()
+        if k.lower() in PASSED_RESPONSE_HEADERS and k.lower() != skipped
+    ]
+    headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
+    return headers
 
 
 def upstream_headers(scope: Scope) -> dict[str, str]:

@@ -37,18 +37,18 @@ class RouterState:
         poll_seconds: float,
         flush_seconds: float,
         connect_timeout: float,
-        read_timeout: float,
+        first_byte_timeout: float,
+        idle_timeout: float,
         retry_after: int,
         max_body_bytes: int,
         key_cache: ApiKeyCache | None = None,
         keepalive_seconds: float = 10.0,
         ejection: EjectionPolicy | None = None,
         router_id: str | None = None,
+        max_waiters: int = 1000,
     ):
         if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
             raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
-        if connect_timeout <= 0 or read_timeout <= 0:
-            raise ValueError("connect_timeout and read_timeout must be > 0")
         self.hub = hub
         self.poll_seconds = poll_seconds
         self.max_body_bytes = max_body_bytes
@@ -66,11 +66,19 @@ class RouterState:
             activation_timeout=activation_timeout,
             retry_after=retry_after,
             keepalive_seconds=keepalive_seconds,
+            max_waiters=max_waiters,
         )
         self.proxy = Proxy(
-            self.balancer, self.metrics, self.cold_start, connect_timeout=connect_timeout, read_timeout=read_timeout
+            self.balancer,
+            self.metrics,
+            self.cold_start,
+            connect_timeout=connect_timeout,
+            first_byte_timeout=first_byte_timeout,
+            idle_timeout=idle_timeout,
         )
         self.started = False
+        # Set when the server is told to stop: new requests get 503 while in-flight ones finish.
+        self.draining = False
         self._poll_failing = False
 
     async def start(self) -> None:
@@ -94,6 +102,12 @@ class RouterState:
         # The id the control plane names when this router's usage reports stop ("router X has not reported…").
         log.info("router %s reports usage every %g s", self.usage.router_id, self.usage.flush_seconds)
         self.started = True
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (503 shutting_down); those in flight carry on."""
+        if not self.draining:
+            self.draining = True
+            log.info("router draining: new requests are refused while %d in flight finish", self.balancer.in_flight())
 
     async def stop(self) -> None:
         """Cancel the background tasks, flush the last usage and leave (briefly), and close the session."""

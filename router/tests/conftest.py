@@ -396,7 +396,8 @@ def start_router(hub):
         kwargs.setdefault("poll_seconds", 0.5)
         kwargs.setdefault("flush_seconds", 0.1)
         kwargs.setdefault("connect_timeout", 1.0)
-        kwargs.setdefault("read_timeout", 5.0)
+        kwargs.setdefault("first_byte_timeout", 5.0)
+        kwargs.setdefault("idle_timeout", 5.0)
         server = RouterServer(create_app(hub if router_hub is _FIXTURE_HUB else router_hub, **kwargs)).start()
         started.append(server)
         return server

@@ -95,7 +95,7 @@ def test_malformed_json_is_400_naming_the_problem(start_router, hub, auth):
 def test_body_that_is_not_an_object_is_400(start_router, hub, auth):
     router = start_router()
     response = httpx.post(f"{router.url}/v1/chat/completions", headers=auth, json=["model"])
-    assert_openai_error(response, 400, "invalid_body", "JSON object, not list")
+    assert_openai_error(response, 400, "invalid_body", "JSON object, not array")
 
 
 def test_body_without_a_string_model_is_400_naming_model(start_router, hub, auth):
@@ -586,6 +586,6 @@ def test_an_engine_error_after_a_cold_start_travels_in_the_stream(start_router, 
 def test_engine_silent_past_the_read_deadline_is_504_in_openai_shape(start_router, hub, auth, start_engine):
     slow = start_engine("slow", delay=1.0)
     hub.publish_endpoints(make_table([slow.url]))
-    router = start_router(read_timeout=0.2)
+    router = start_router(first_byte_timeout=0.2)
     assert_openai_error(chat(router, auth), 504, "upstream_timeout", "did not answer in time")
     wait_until(lambda: router.state.balancer.in_flight() == 0)

@@ -1,0 +1,200 @@
+"""Bad input is a 400 in OpenAI's shape, never a 500; the other JSON endpoints are proxied; other paths are 404.
+
+The property test drives the router app in-process (ASGI, on one event loop
+with the app started) with generated bodies and headers, and fails on any
+status of 500 or more, an exception out of the app, or a logged traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from agent.mock_engine import EXTRA_ENDPOINTS
+from router.app import PROXY_PATHS, create_app
+from router.body import MAX_JSON_DEPTH, nesting_depth_exceeds
+
+from .conftest import ALIAS, MODEL, make_table
+from .test_proxy import assert_openai_error
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def post(router, headers, content: bytes, path="/v1/chat/completions"):
+    return httpx.post(f"{router.url}{path}", headers=headers, content=content, timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "mentions"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "invalid_json", f"more than {MAX_JSON_DEPTH} levels deep"),
+        (b"[" * 100_000, "invalid_json", f"more than {MAX_JSON_DEPTH} levels deep"),
+        (b'{"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", "invalid_json", "levels deep"),
+        (b"null", "invalid_body", "must be a JSON object, not null"),
+        (b"42", "invalid_body", "not number"),
+        (b'"model"', "invalid_body", "not string"),
+        (b"true", "invalid_body", "not boolean"),
+        (b"", "invalid_json", "not valid JSON"),
+        (b'{"model": "\xff\xfe"}', "invalid_json", "not valid UTF-8: byte 0xff at position 11"),
+        (b'{"model": "x", "n": ' + b"9" * 5000 + b"}", "invalid_json", "not valid JSON"),
+        (b"{}", "missing_model", '"model" is missing'),
+        (b'{"model": null}', "missing_model", '"model" is null'),
+        (b'{"model": 7}', "missing_model", "must be a string, not number"),
+        (b'{"model": ["a"]}', "missing_model", "must be a string, not array"),
+        (b'{"model": ""}', "missing_model", "must not be empty"),
+    ],
+)
+def test_each_kind_of_bad_body_is_a_400_that_names_the_problem(start_router, hub, auth, body, code, mentions):
+    hub.publish_endpoints(make_table())
+    router = start_router()
+    error = assert_openai_error(post(router, auth, body), 400, code, mentions)
+    assert "NoneType" not in error["message"] and "RecursionError" not in error["message"]
+
+
+def test_a_body_over_the_size_bound_is_413_in_openai_shape(start_router, auth):
+    router = start_router(max_body_bytes=1000)
+    assert_openai_error(post(router, auth, b"{" + b" " * 2000 + b"}"), 413, "body_too_large", "1000 bytes")
+
+
+def test_an_unknown_long_model_name_is_quoted_back_bounded(start_router, hub, auth):
+    hub.publish_endpoints(make_table())
+    router = start_router()
+    error = assert_openai_error(
+        post(router, auth, json.dumps({"model": "m" * 10_000}).encode()), 404, "model_not_found"
+    )
+    assert len(error["message"]) < 300
+
+
+def test_depth_is_measured_outside_strings_and_exactly_at_the_bound():
+    def nested(depth: int) -> bytes:
+        return b"[" * depth + b"]" * depth
+
+    assert not nesting_depth_exceeds(nested(MAX_JSON_DEPTH))
+    assert nesting_depth_exceeds(nested(MAX_JSON_DEPTH + 1))
+    assert not nesting_depth_exceeds(json.dumps({"s": "[" * 10_000, "t": '\\"[[['}).encode())
+    assert not nesting_depth_exceeds(json.dumps({"wide": [[1, 2]] * 10_000}).encode())
+    assert nesting_depth_exceeds(json.dumps({"deep": json.loads(nested(MAX_JSON_DEPTH))}).encode())
+
+
+# -- other endpoints and paths -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXTRA_ENDPOINTS)
+def test_other_json_endpoints_naming_a_model_are_proxied_to_its_replica(start_router, hub, auth, engine_process, path):
+    engine = engine_process()
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+    response = httpx.post(f"{router.url}{path}", headers=auth, json={"model": ALIAS, "query": "q"}, timeout=5)
+    assert response.status_code == 200
+    assert response.json() == {"object": "mock.receipt", "model": MODEL, "path": path}
+    assert response.headers["x-llmgw-replica"] == "1"
+
+
+def test_every_proxied_path_checks_the_key_and_the_model(start_router, hub, auth):
+    hub.publish_endpoints(make_table())
+    router = start_router()
+    for path in sorted(PROXY_PATHS):
+        assert_openai_error(httpx.post(f"{router.url}{path}", json={"model": MODEL}), 401, "invalid_api_key")
+        assert_openai_error(post(router, auth, b'{"model": "gpt-17"}', path), 404, "model_not_found", "gpt-17")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"), [("POST", "/v1/files"), ("GET", "/v1"), ("POST", "/v1/chat"), ("GET", "/")]
+)
+def test_any_other_path_is_404_in_openai_shape(start_router, auth, method, path):
+    router = start_router()
+    response = httpx.request(method, f"{router.url}{path}", headers=auth)
+    assert_openai_error(response, 404, "not_found", path)
+
+
+# -- generated input --------------------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=30,
+)
+models = st.sampled_from([MODEL, ALIAS, "", "nope"]) | json_values
+objects = st.fixed_dictionaries({}, optional={"model": models, "stream": json_values, "messages": json_values})
+bodies = st.one_of(
+    st.binary(max_size=300),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    objects.map(lambda v: json.dumps(v).encode()),
+    st.builds(
+        lambda d, a: (b"[" if a else b'{"a":') * d + (b"]" if a else b"}") * d,
+        st.sampled_from([1, 128, 129, 2000, 100_000]) | st.integers(0, 3000),
+        st.booleans(),
+    ),
+    st.builds(lambda raw, cut: raw[:cut], objects.map(lambda v: json.dumps(v).encode()), st.integers(0, 60)),
+)
+# What an HTTP/1.1 server hands an app: lowercase token names; values of visible ASCII, space, tab, obs-text.
+header_names = st.sampled_from(
+    [b"authorization", b"accept", b"accept-encoding", b"x-request-id", b"content-type", b"x-other"]
+)
+header_values = st.binary(max_size=40).map(lambda b: bytes(c for c in b if c == 9 or 32 <= c != 127))
+paths = st.sampled_from(sorted(PROXY_PATHS) + ["/v1/models", "/health", "/nope", "/v1/chat/completions/x"])
+
+
+@pytest.fixture
+def in_process_router(hub, api_key, start_engine):
+    """A started router app driven without a server, on an event loop of the test's own."""
+    hub.publish_endpoints(make_table([start_engine().url]))
+    app = create_app(hub, activation_timeout=0, poll_seconds=30, flush_seconds=30, keepalive_seconds=0)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(app.state.start())
+    yield app, loop, api_key
+    loop.run_until_complete(app.state.stop())
+    loop.close()
+
+
+async def call(app, method: str, path: str, headers: list, body: bytes) -> tuple[int, dict, bytes]:
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""}
+    sent: list[dict] = []
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(30)  # the client stays until the answer is complete
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    assert sent and sent[0]["type"] == "http.response.start"
+    return sent[0]["status"], dict(sent[0]["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    method=st.sampled_from(["POST", "POST", "POST", "GET", "PUT"]),
+    path=paths,
+    headers=st.lists(st.tuples(header_names, header_values), max_size=4),
+    with_key=st.booleans(),
+    body=bodies,
+)
+# The body that was a RecursionError 500 before depth was bounded.
+@example(method="POST", path="/v1/chat/completions", headers=[], with_key=True, body=b"[" * 100_000 + b"]" * 100_000)
+def test_no_generated_request_is_a_500_or_logs_a_traceback(
+    in_process_router, caplog, method, path, headers, with_key, body
+):
+    app, loop, api_key = in_process_router
+    if with_key:
+        headers = [*headers, (b"authorization", f"Bearer {api_key}".encode())]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        status, answer_headers, answer = loop.run_until_complete(call(app, method, path, headers, body))
+    assert status < 500 or status in (502, 503, 504), (status, answer)
+    if status >= 400 and b"x-llmgw-replica" not in answer_headers:
+        # The router's own answer (not an engine's, relayed): OpenAI's error shape.
+        assert set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
