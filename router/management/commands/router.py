@@ -3,8 +3,11 @@
 import os
 
 import uvicorn
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from uvicorn.importer import import_from_string
 
+from router.serving import GracefulServer, server_config
 from router.static_table import TABLE_VARIABLE, EndpointSpecError, encode_table, parse_endpoints
 
 HUB_APP = "router.asgi:application"
@@ -45,6 +48,12 @@ class Command(BaseCommand):
             app = STATIC_APP
             served = ", ".join(f"{e['model']} → {e['url']}" for e in table["endpoints"])
             self.stderr.write(self.style.SUCCESS(f"router-only mode, no control plane: {served}"))
+        grace = settings.LLMGW_SHUTDOWN_GRACE_SECONDS
+        if workers == 1:
+            # One process: on SIGTERM the app refuses new requests at once and streams finish within the grace.
+            config = server_config(import_from_string(app), host=host, port=port, grace=grace, access_log=False)
+            GracefulServer(config).run()
+            return
         uvicorn.run(
             app,
             host=host,
@@ -56,4 +65,6 @@ class Command(BaseCommand):
             # As measured in bench/README.md: the access log and proxy-headers middleware cost per request.
             access_log=False,
             proxy_headers=False,
+            # Each worker closes its listener on SIGTERM and lets requests in flight finish this long.
+            timeout_graceful_shutdown=grace,
         )
