@@ -14,7 +14,8 @@ implements all of them (`hub.memory.InProcessHub` embedded,
   counts add up in the hub until the tick takes them (read and reset at once);
 * activation queue: routers ask for a model to be started, the tick drains;
 * key changes: the control plane names API keys (by hash) that were revoked,
-  deleted or edited, and every router drops them from its cache at once.
+  deleted or edited, and every router drops them from its cache at once;
+* rate-limit counters: routers add up what limited keys used this minute.
 
 Control-plane methods are synchronous (they run inside the tick); router
 methods are coroutines (they run on the router's loop).
@@ -205,9 +206,22 @@ class KeyChangeSource(Protocol):
         ...
 
 
+class RateLimitCounters(Protocol):
+    """Per-minute request and token counts of rate-limited keys, added up over every router."""
+
+    async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+        """Add this router's {key digest: [requests, tokens]} to `minute`'s counts; return those keys' totals
+        over every router and how many routers report usage (for each one's share)."""
+        ...
+
+
+class UsageExchange(UsageSink, RateLimitCounters, Protocol):
+    """What a router's usage flusher talks to: usage reports, then rate-limit counts."""
+
+
 class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, KeyChangeSink, Protocol):
     """Everything the reconcile tick needs from the hub."""
 
 
-class RouterHub(EndpointSource, UsageSink, ActivationQueue, KeyChangeSource, Protocol):
+class RouterHub(EndpointSource, UsageSink, ActivationQueue, KeyChangeSource, RateLimitCounters, Protocol):
     """Everything a router needs from the hub."""

@@ -32,6 +32,7 @@ class InProcessHub:
         self._activation_listeners: list[Callable[[], None]] = []
         self._tokens: dict[int, TokenCounts] = {}  # hour -> counts added up until the tick takes them
         self._keys: dict[str, float] = {}  # key digest -> last use, until the tick takes it
+        self._limits: dict[tuple[int, str], list[int]] = {}  # (minute, key digest) -> [requests, tokens]
 
     def on_activation(self, listener: Callable[[], None]) -> None:
         """Call `listener` (from any thread) whenever a router asks for an activation.
@@ -157,3 +158,16 @@ class InProcessHub:
         finally:
             with self._lock:
                 self._key_watchers.remove(entry)
+
+    async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+        with self._lock:
+            # Older minutes limit nothing any more.
+            for old in [k for k in self._limits if k[0] < minute]:
+                del self._limits[old]
+            totals = {}
+            for digest, (requests, tokens) in deltas.items():
+                counts = self._limits.setdefault((minute, digest), [0, 0])
+                counts[0] += requests
+                counts[1] += tokens
+                totals[digest] = list(counts)
+            return totals, max(1, len(self._marks))

@@ -34,6 +34,8 @@ ENDPOINTS_KEY = "llmgw:endpoints"
 ENDPOINTS_CHANNEL = "llmgw:endpoints"
 USAGE_KEY = "llmgw:usage:last_used"
 ROUTERS_KEY = "llmgw:routers"
+# Per-minute counts of rate-limited keys: a hash per minute, fields "<requests|tokens> <key digest>".
+LIMITS_KEY = "llmgw:limits:{minute}"
 ACTIVATIONS_KEY = "llmgw:activations"
 KEY_CHANGES_CHANNEL = "llmgw:api-key-changes"
 TOKENS_KEY = "llmgw:usage:tokens"
@@ -259,3 +261,18 @@ class RedisHub:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+    async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+        key = LIMITS_KEY.format(minute=minute)
+        digests = sorted(deltas)
+        pipe = self._aio().pipeline(transaction=True)
+        for digest in digests:
+            requests, tokens = deltas[digest]
+            pipe.hincrby(key, f"requests {digest}", int(requests))
+            pipe.hincrby(key, f"tokens {digest}", int(tokens))
+        # Two minutes: long enough for every router's last exchange of the minute, then gone by itself.
+        pipe.expire(key, 120)
+        pipe.hlen(ROUTERS_KEY)
+        replies = await pipe.execute()
+        totals = {digest: [int(replies[2 * i]), int(replies[2 * i + 1])] for i, digest in enumerate(digests)}
+        return totals, max(1, int(replies[-1]))

@@ -209,6 +209,8 @@ class RouterApp:
             model, body, streaming, affinity = self._parse(body)
             if key.allowed_models and not key.allows(model, self._balancer.resolve):
                 raise model_not_allowed(key, model)
+            if key.rpm is not None or key.tpm is not None:
+                self._balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
         except RouterError as exc:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ejection import EjectionPolicy, Failure, ReplicaHealth, log_change
+from .limits import RateLimiter
 from .tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class Balancer:
         # Requests and tokens per key and model: kept here, beside the stamps, because the usage flusher
         # takes both together (router.tokens); the proxy counts into it when an answer ends.
         self.tokens = TokenCounter(clock)
+        # Limited keys' allowances: the app admits from them, the proxy adds tokens, the flusher syncs them.
+        self.limits = RateLimiter(clock)
 
     # -- the table --------------------------------------------------------------
     def apply_table(self, table: dict[str, Any]) -> bool:

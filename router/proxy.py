@@ -374,9 +374,10 @@ class Proxy:
                 response.close()
             self.balancer.release(endpoint)
             if outcome.key is not None:
-                self.balancer.tokens.count(
-                    outcome.key, endpoint.model, reader.usage() if reader is not None else None, 200 <= status < 300
-                )
+                usage = reader.usage() if reader is not None else None
+                self.balancer.tokens.count(outcome.key, endpoint.model, usage, 200 <= status < 300)
+                if usage is not None:
+                    self.balancer.limits.spent(outcome.key, usage[0] + usage[1])
 
 
 def _headers(

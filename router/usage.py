@@ -16,7 +16,7 @@ import os
 import secrets
 import socket
 
-from hub.contracts import UsageReport, UsageSink
+from hub.contracts import UsageExchange, UsageReport
 
 from .background import raise_if_cancelling
 from .balancer import Balancer
@@ -35,7 +35,7 @@ class UsageFlusher:
 
     def __init__(
         self,
-        hub: UsageSink,
+        hub: UsageExchange,
         balancer: Balancer,
         metrics: RouterMetrics,
         flush_seconds: float,
@@ -91,7 +91,25 @@ class UsageFlusher:
         if self._failing:
             log.info("usage store is taking usage reports again")
             self._failing = False
+        await self._sync_limits()
         return True
+
+    async def _sync_limits(self) -> None:
+        """Hand the hub what limited keys used here; take back their totals over every router (router.limits)."""
+        limits = self.balancer.limits
+        if not limits.limited_keys():
+            return
+        minute, deltas = limits.take()
+        try:
+            totals, routers = await self.hub.sync_limits(minute, deltas)
+        except asyncio.CancelledError:
+            limits.restore(minute, deltas)
+            raise
+        except Exception as exc:  # the allowances in hand keep applying until the hub answers again
+            limits.restore(minute, deltas)
+            log.warning("could not share rate-limit counts: %s", exc)
+            return
+        limits.apply(minute, totals, routers)
 
     async def close(self) -> bool:
         """On clean shutdown: flush once more, then withdraw this router's mark.
