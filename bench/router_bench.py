@@ -81,7 +81,7 @@ def serve_builtin_engine(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def serve_router(port: int, upstream: str, workdir: str) -> None:
+def serve_router(port: int, upstream: str, workdir: str, key_features: str = "") -> None:
     """The router as production runs it, on an embedded hub holding one endpoint for the engine."""
     os.environ.update(
         {
@@ -105,7 +105,16 @@ def serve_router(port: int, upstream: str, workdir: str) -> None:
     from router.models import ApiKey
 
     call_command("migrate", "router", verbosity=0)
-    ApiKey.issue("bench", key=KEY)
+    features = set(filter(None, key_features.split(",")))
+    # A scoped and limited key exercises the scope check and the rate limiter on every request
+    # (a limit no run reaches: the cost measured is the bookkeeping, not refusals).
+    ApiKey.issue(
+        "bench",
+        key=KEY,
+        allowed_models=[MODEL] if "scope" in features else [],
+        rpm=10**9 if "limits" in features else None,
+        tpm=10**12 if "limits" in features else None,
+    )
     hub = InProcessHub()
     hub.publish_endpoints(
         {
@@ -253,6 +262,9 @@ def main() -> None:
     parser.add_argument("--serve-router", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--key-features", default="", help="the router's key: scope and/or limits (comma list; default neither)"
+    )
     args = parser.parse_args()
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -268,7 +280,7 @@ def main() -> None:
     if args.serve_engine:
         return serve_builtin_engine(args.serve_engine)
     if args.serve_router:
-        return serve_router(args.serve_router, args.upstream, args.workdir)
+        return serve_router(args.serve_router, args.upstream, args.workdir, args.key_features)
 
     engine_port, floor_port, router_port = free_port(), free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
@@ -285,7 +297,7 @@ def main() -> None:
         engine_cmd = [sys.executable, __file__, "--serve-engine", str(engine_port)]
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
         router_cmd = [sys.executable, __file__, "--serve-router", str(router_port), "--upstream", engine_url]
-        router_cmd += ["--workdir", workdir]
+        router_cmd += ["--workdir", workdir, "--key-features", args.key_features]
         floor_cmd = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), str(floor_port), engine_url]
         processes = {
             "engine": subprocess.Popen(engine_cmd, cwd=ROOT),
