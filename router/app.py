@@ -31,8 +31,8 @@ from .body import decode_object, echo, requested_model
 from .errors import RouterError, method_not_allowed, shutting_down
 from .keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL
-from .proxy import Outcome
 from .state import RouterState
+from .wire import Outcome
 
 log = logging.getLogger(__name__)
 

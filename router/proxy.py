@@ -31,36 +31,20 @@ import aiohttp
 from .asgi_io import Scope, Send
 from .balancer import Balancer, Endpoint, Failure
 from .coldstart import ColdStart
-from .errors import RouterError, error_body
+from .errors import RouterError
 from .metrics import RouterMetrics
 from .tokens import ask_for_usage, usage_reader
+from .wire import (
+    RETRIABLE_STATUSES,
+    SSE_HEADERS,
+    WHOLE_BODY_LIMIT,
+    Outcome,
+    response_headers,
+    sse_error_event,
+    upstream_headers,
+)
 
 log = logging.getLogger(__name__)
-
-# Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
-PASSED_RESPONSE_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
-RETRIABLE_STATUSES = frozenset({502, 503})
-REPLICA_HEADER = b"x-llmgw-replica"
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-# A non-streamed answer up to this size is read whole before it is relayed, so a break is still an error status.
-WHOLE_BODY_LIMIT = 4 * 1024 * 1024
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_error_event(message: str, code: str) -> bytes:
-    """An OpenAI error event and the end of the stream: the SDKs raise APIError on `data: {"error": ...}`."""
-    return b"data: " + error_body(message, "server_error", code) + b"\n\n" + SSE_DONE
-
-
-class Outcome:
-    """What a proxied request ended as, for the metrics; `key` is its API key's digest, for token accounting."""
-
-    __slots__ = ("status", "complete", "key")
-
-    def __init__(self, key: str | None = None) -> None:
-        self.status: int | None = None
-        self.complete = False
-        self.key = key
 
 
 class Proxy:
@@ -328,7 +312,11 @@ class Proxy:
                     # A whole JSON answer: its usage is read here; nothing of it is dropped.
                     body = reader.feed(body) + reader.finish()
                 await send(
-                    {"type": "http.response.start", "status": response.status, "headers": _headers(response, endpoint)}
+                    {
+                        "type": "http.response.start",
+                        "status": response.status,
+                        "headers": response_headers(response, endpoint),
+                    }
                 )
                 outcome.status = response.status
                 await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -341,7 +329,7 @@ class Proxy:
                     {
                         "type": "http.response.start",
                         "status": response.status,
-                        "headers": _headers(response, endpoint, without_length=dropping),
+                        "headers": response_headers(response, endpoint, without_length=dropping),
                     }
                 )
             outcome.status = response.status
@@ -378,30 +366,3 @@ class Proxy:
                 self.balancer.tokens.count(outcome.key, endpoint.model, usage, 200 <= status < 300)
                 if usage is not None:
                     self.balancer.limits.spent(outcome.key, usage[0] + usage[1])
-
-
-def _headers(
-    response: aiohttp.ClientResponse, endpoint: Endpoint, *, without_length: bool = False
-) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers the client gets, and which replica answered."""
-    skipped = "content-length" if without_length else ""
-    headers = [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
-        for k, v in response.headers.items()
-        if k.lower() in PASSED_RESPONSE_HEADERS and k.lower() != skipped
-    ]
-    headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
-    return headers
-
-
-def upstream_headers(scope: Scope) -> dict[str, str]:
-    """The request headers an engine gets: JSON, the client's Accept/Accept-Encoding, and its request id."""
-    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-    for name, value in scope["headers"]:
-        if name == b"accept":
-            headers["Accept"] = value.decode("latin-1")
-        elif name == b"accept-encoding":
-            headers["Accept-Encoding"] = value.decode("latin-1")
-        elif name == b"x-request-id":
-            headers["X-Request-Id"] = value.decode("latin-1")
-    return headers

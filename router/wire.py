@@ -1,0 +1,62 @@
+"""What goes on the wire around a proxied request: the headers an engine gets and the client gets back,
+the error event that ends a broken stream, and how a request ended (for metrics and accounting)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from .asgi_io import Scope
+from .balancer import Endpoint
+from .errors import error_body
+
+# Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
+PASSED_RESPONSE_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
+RETRIABLE_STATUSES = frozenset({502, 503})
+REPLICA_HEADER = b"x-llmgw-replica"
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+# A non-streamed answer up to this size is read whole before it is relayed, so a break is still an error status.
+WHOLE_BODY_LIMIT = 4 * 1024 * 1024
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    """An OpenAI error event and the end of the stream: the SDKs raise APIError on `data: {"error": ...}`."""
+    return b"data: " + error_body(message, "server_error", code) + b"\n\n" + SSE_DONE
+
+
+class Outcome:
+    """What a proxied request ended as, for the metrics; `key` is its API key's digest, for token accounting."""
+
+    __slots__ = ("status", "complete", "key")
+
+    def __init__(self, key: str | None = None) -> None:
+        self.status: int | None = None
+        self.complete = False
+        self.key = key
+
+
+def response_headers(
+    response: aiohttp.ClientResponse, endpoint: Endpoint, *, without_length: bool = False
+) -> list[tuple[bytes, bytes]]:
+    """The engine's response headers the client gets, and which replica answered."""
+    skipped = "content-length" if without_length else ""
+    headers = [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in response.headers.items()
+        if k.lower() in PASSED_RESPONSE_HEADERS and k.lower() != skipped
+    ]
+    headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
+    return headers
+
+
+def upstream_headers(scope: Scope) -> dict[str, str]:
+    """The request headers an engine gets: JSON, the client's Accept/Accept-Encoding, and its request id."""
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+    for name, value in scope["headers"]:
+        if name == b"accept":
+            headers["Accept"] = value.decode("latin-1")
+        elif name == b"accept-encoding":
+            headers["Accept-Encoding"] = value.decode("latin-1")
+        elif name == b"x-request-id":
+            headers["X-Request-Id"] = value.decode("latin-1")
+    return headers
