@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import sys
@@ -27,6 +26,7 @@ import uuid
 
 from aiohttp import web
 
+from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 from .protocol import parse_port
 
 EMBEDDING_DIMENSIONS = 16
@@ -35,43 +35,6 @@ CACHE_SLOTS = 32
 ECHO_WORDS = 12
 # Other JSON endpoints of vLLM and OpenAI that name a model: answered with a receipt naming the path.
 EXTRA_ENDPOINTS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/score", "/tokenize", "/detokenize")
-
-
-def openai_error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
-    """An error response in OpenAI's shape."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status)
-
-
-class BadRequest(Exception):
-    """The request body is not what the endpoint accepts; the text says why."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def words(text: str) -> list[str]:
-    return text.split()
-
-
-def _content_text(content) -> str:
-    """Text of a chat message's content: a string or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict):
-                raise BadRequest("each content part must be an object", "messages")
-            if part.get("type") == "text":
-                if not isinstance(part.get("text"), str):
-                    raise BadRequest("a text content part needs a string “text”", "messages")
-                texts.append(part["text"])
-        return " ".join(texts)
-    raise BadRequest("message content must be a string or a list of parts", "messages")
 
 
 class MockEngine:
@@ -228,7 +191,7 @@ class MockEngine:
         for message in messages:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequest("each message must be an object with a string “role”", "messages")
-            text = _content_text(message.get("content"))
+            text = content_text(message.get("content"))
             texts.append(text)
             if message["role"] == "user":
                 last_user = text
@@ -312,18 +275,6 @@ class MockEngine:
         for name, kind, help_text, value in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
         return "\n".join(lines) + "\n"
-
-
-def embedding_vector(text: str, dimensions: int) -> list[float]:
-    """A unit vector derived from a hash of `text`: the same input always gives the same vector."""
-    raw = b""
-    counter = 0
-    while len(raw) < dimensions * 4:
-        raw += hashlib.sha256(f"{counter}:{text}".encode()).digest()
-        counter += 1
-    values = [int.from_bytes(raw[i * 4 : i * 4 + 4], "big") / 2**31 - 1.0 for i in range(dimensions)]
-    norm = math.sqrt(sum(v * v for v in values)) or 1.0
-    return [round(v / norm, 6) for v in values]
 
 
 @web.middleware
