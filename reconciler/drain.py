@@ -22,7 +22,9 @@ def drain_nodes(node_ids: Iterable[int]) -> tuple[int, int]:
     node_ids = list(node_ids)
     with transaction.atomic():
         nodes = Node.objects.filter(pk__in=node_ids).update(schedulable=False)
-        replicas = list(Replica.objects.select_for_update().filter(shards__node_id__in=node_ids).distinct())
+        # By id, not a join with DISTINCT: PostgreSQL allows no FOR UPDATE with DISTINCT.
+        on_nodes = Replica.objects.filter(shards__node_id__in=node_ids).values("pk")
+        replicas = list(Replica.objects.select_for_update().filter(pk__in=on_nodes).order_by("pk"))
         deleted, stopping = stop_replicas([StopRequest(r, NODE_DRAINED) for r in replicas], timezone.now())
         notify_work_pending()
     return nodes, deleted + stopping
