@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 
@@ -241,13 +242,17 @@ class Agent:
         # The assigned GPUs (in launch.env) always win over a profile's environment.
         env = {**os.environ, **cmd.env, **launch.env}
         try:
-            engine = await EngineProcess.launch(launch.argv, env, launch.cwd, f"shard {cmd.shard_id}")
+            # The name prefixes every line of the engine's output in the agent's log.
+            engine = await EngineProcess.launch(
+                launch.argv, env, launch.cwd, f"shard {cmd.shard_id} ({cmd.model} rank {cmd.rank})"
+            )
         except OSError as exc:
             await self._report(cmd.shard_id, "failed", f"cannot run {launch.argv[0]}: {exc.strerror or exc}")
             return
         shard = Shard(cmd.shard_id, cmd.replica_id, cmd.port, launch, engine)
         self._shards[cmd.shard_id] = shard
-        log.info("shard %s: started %s (pid %s)", cmd.shard_id, " ".join(launch.argv), engine.pid)
+        # Shell-quoted, so the line can be pasted into a shell to run the engine by hand.
+        log.info("shard %s: started %s (pid %s)", cmd.shard_id, shlex.join(launch.argv), engine.pid)
         await self._report(cmd.shard_id, "starting")
         shard.watch = asyncio.create_task(self._watch(shard), name=f"shard-{cmd.shard_id}-watch")
 

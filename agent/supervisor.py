@@ -121,7 +121,10 @@ class EngineProcess:
                 continue
             if not line:
                 return
-            self._output.append(line.decode("utf-8", "replace").rstrip())
+            text = line.decode("utf-8", "replace").rstrip()
+            self._output.append(text)
+            # Each line says whose it is: many engines share one agent's log.
+            log.info("%s: %s", self.name, text)
 
     async def wait_ready(self, port: int, health_path: str | None, timeout: float) -> Readiness:
         """Poll the engine's health endpoint until it answers 200, the process exits, or `timeout` passes.

@@ -1,10 +1,59 @@
 """Catalog admin: models with their aliases and profiles inline, validated before anything is saved."""
 
+from collections.abc import Callable, Iterable
+
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
+from django.utils.html import escape
+from django.utils.safestring import mark_safe
 
 from .models import Alias, Model, Profile, name_clash
+
+# The GPU classes nodes report. The catalog sits below inventory in the stack, so inventory's admin
+# plugs its query in here (set_gpu_class_source) rather than the catalog importing it.
+_gpu_classes: Callable[[], list[str]] = list
+
+
+def set_gpu_class_source(source: Callable[[], list[str]]) -> None:
+    """Where the profile form gets the GPU classes it offers (and warns about a class no node has)."""
+    global _gpu_classes
+    _gpu_classes = source
+
+
+def unknown_gpu_classes(profiles: Iterable[Profile]) -> list[str]:
+    """The profiles' GPU classes that no node reports, sorted."""
+    known = set(_gpu_classes())
+    return sorted({p.gpu_class for p in profiles if p.gpu_class not in known})
+
+
+def warn_unknown_gpu_classes(request, profiles: Iterable[Profile]) -> None:
+    """Saved anyway (nodes may join later), but said: a typo would otherwise leave the model unplaceable."""
+    for gpu_class in unknown_gpu_classes(profiles):
+        messages.warning(
+            request,
+            f"No node reports GPU class “{gpu_class}” (known: {', '.join(_gpu_classes()) or 'none yet'}); "
+            "replicas on it cannot be placed until such a node joins. Check the spelling.",
+        )
+
+
+class GPUClassInput(forms.TextInput):
+    """Free text with the classes nodes report offered as suggestions (an HTML datalist)."""
+
+    def render(self, name, value, attrs=None, renderer=None):
+        list_id = f"{(attrs or {}).get('id') or name}_classes"
+        html = super().render(name, value, {**(attrs or {}), "list": list_id}, renderer)
+        options = "".join(f'<option value="{escape(c)}">' for c in _gpu_classes())
+        return mark_safe(f'{html}<datalist id="{list_id}">{options}</datalist>')
+
+
+class ProfileForm(forms.ModelForm):
+    """A profile, its GPU class suggested from what nodes report."""
+
+    class Meta:
+        model = Profile
+        exclude: list[str] = []  # every editable field; the admins choose which to show
+        widgets = {"gpu_class": GPUClassInput}
 
 
 class AliasForm(forms.ModelForm):
@@ -49,7 +98,7 @@ class ProfileInline(admin.StackedInline):
     """A model's profiles: alternatives tried in order (lowest first); the first sets the model's demand."""
 
     model = Profile
-    extra = 0
+    form = ProfileForm
     fields = [
         ("order", "engine"),
         ("gpu_class", "gpus_per_node", "nodes_per_replica"),
@@ -57,6 +106,10 @@ class ProfileInline(admin.StackedInline):
         ("priority", "pool", "weight", "idle_timeout_seconds"),
         "engine_args",
     ]
+
+    def get_extra(self, request, obj=None, **kwargs):
+        # One empty profile to fill in on the add page: a model without one cannot be served.
+        return 1 if obj is None else 0
 
 
 @admin.register(Model)
@@ -68,6 +121,10 @@ class ModelAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request):
         return super().get_queryset(request).prefetch_related("aliases", "profiles")
+
+    def save_related(self, request, form, formsets, change):
+        super().save_related(request, form, formsets, change)
+        warn_unknown_gpu_classes(request, form.instance.profiles.all())
 
     @admin.display(description="aliases")
     def alias_names(self, obj):
@@ -111,3 +168,8 @@ class ProfileAdmin(admin.ModelAdmin):
     list_filter = ["engine", "gpu_class", "pool"]
     search_fields = ["model__name", "gpu_class"]
     list_select_related = ["model"]
+    form = ProfileForm
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        warn_unknown_gpu_classes(request, [obj])

@@ -1,7 +1,7 @@
 """Catalog models: a served Model, its Aliases and its ordered Profiles."""
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator, RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 from .choices import Engine
@@ -13,6 +13,16 @@ public_name_validator = RegexValidator(
 gpu_class_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", "Use letters, digits and . _ - (e.g. H100-80GB)."
 )
+
+# The column ranges PostgreSQL enforces, checked on every path (admin, catalog files, REST) and on
+# SQLite too, whose integers are unbounded: a priority of 99999999 is refused, not saved.
+SMALLINT_MAX = 32767
+INTEGER_MAX = 2147483647
+
+
+def in_range(low: int, high: int) -> list:
+    """Validators for a number from `low` to `high` inclusive."""
+    return [MinValueValidator(low), MaxValueValidator(high)]
 
 
 def name_taken(name: str, *, owner: str, as_alias: bool) -> str:
@@ -48,6 +58,19 @@ def name_clash(
         if alias is not None:
             return name_taken(name, owner=alias.model.name, as_alias=True)
     return None
+
+
+def engine_args_problem(value) -> str | None:
+    """Why `value` is not an argv (a JSON list of strings), naming what it is instead; None if it is one."""
+    expected = "Engine args must be a JSON list of strings (an argv)"
+    if isinstance(value, list):
+        bad = [i for i, arg in enumerate(value) if not isinstance(arg, str)]
+        return f"{expected}; item {bad[0]} is not a string." if bad else None
+    # isinstance, not type(): the admin's JSON field hands over str and dict subclasses.
+    kinds = ((dict, "an object"), (str, "a shell string"), (bool, "a boolean"), (int | float, "a number"))
+    fallback = "null" if value is None else f"a {type(value).__name__}"
+    what = next((name for kind, name in kinds if isinstance(value, kind)), fallback)
+    return f"{expected}, not {what}."
 
 
 class Model(models.Model):
@@ -105,31 +128,49 @@ class Profile(models.Model):
     """
 
     model = models.ForeignKey(Model, related_name="profiles", on_delete=models.CASCADE)
-    order = models.PositiveSmallIntegerField(default=0, help_text="Lower is tried first.")
+    order = models.PositiveSmallIntegerField(
+        default=0, validators=in_range(0, SMALLINT_MAX), help_text="Lower is tried first."
+    )
     engine = models.CharField(max_length=16, choices=Engine.choices, default=Engine.VLLM)
-    gpu_class = models.CharField(max_length=64, validators=[gpu_class_validator], help_text="e.g. H100-80GB")
-    gpus_per_node = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
-    nodes_per_replica = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
-    min_replicas = models.PositiveSmallIntegerField(default=0)
-    max_replicas = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
-    priority = models.SmallIntegerField(default=0, help_text="Higher is preferred and evicted last.")
+    gpu_class = models.CharField(
+        "GPU class", max_length=64, validators=[gpu_class_validator], help_text="e.g. H100-80GB"
+    )
+    gpus_per_node = models.PositiveSmallIntegerField("GPUs per node", default=1, validators=in_range(1, SMALLINT_MAX))
+    nodes_per_replica = models.PositiveSmallIntegerField(
+        "nodes per replica", default=1, validators=in_range(1, SMALLINT_MAX)
+    )
+    min_replicas = models.PositiveSmallIntegerField("min replicas", default=0, validators=in_range(0, SMALLINT_MAX))
+    max_replicas = models.PositiveSmallIntegerField("max replicas", default=1, validators=in_range(1, SMALLINT_MAX))
+    priority = models.SmallIntegerField(
+        default=0,
+        validators=in_range(-SMALLINT_MAX - 1, SMALLINT_MAX),
+        help_text="Higher is preferred and evicted last.",
+    )
     pool = models.CharField(max_length=64, default="default")
-    weight = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    weight = models.PositiveSmallIntegerField(
+        default=1,
+        validators=in_range(1, SMALLINT_MAX),
+        help_text="Share of the pool's traffic relative to its other replicas.",
+    )
     idle_timeout_seconds = models.PositiveIntegerField(
+        "idle timeout (seconds)",
         null=True,
         blank=True,
+        validators=in_range(0, INTEGER_MAX),
         help_text="Stop replicas above min after this long unused (known idle only); "
         "empty = the fleet default (LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS); 0 = never.",
     )
     target_concurrency = models.PositiveSmallIntegerField(
+        "target concurrency",
         default=8,
-        validators=[MinValueValidator(1)],
+        validators=in_range(1, SMALLINT_MAX),
         help_text="Requests in flight per ready replica above which the model scales out (up to max replicas).",
     )
     engine_args = models.JSONField(
-        default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
+        "engine args", default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
     )
     start_seconds = models.FloatField(
+        "start time (seconds)",
         null=True,
         blank=True,
         editable=False,
@@ -162,8 +203,9 @@ class Profile(models.Model):
 
     def clean(self):
         errors = {}
-        if not isinstance(self.engine_args, list) or not all(isinstance(a, str) for a in self.engine_args):
-            errors["engine_args"] = "Engine args must be a JSON list of strings (an argv), not a shell string."
+        problem = engine_args_problem(self.engine_args)
+        if problem is not None:
+            errors["engine_args"] = problem
         if self.min_replicas is not None and self.max_replicas is not None and self.max_replicas < self.min_replicas:
             errors["max_replicas"] = f"Max replicas ({self.max_replicas}) is below min replicas ({self.min_replicas})."
         if self.engine == Engine.LLAMACPP and (self.nodes_per_replica or 1) > 1:

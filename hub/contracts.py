@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 EndpointTable = dict[str, Any]
-"""{"models": {name: {"aliases": [...], "unplaceable"?: str, "start_seconds"?: float}},
+"""{"models": {name: {"aliases": [...], "unplaceable"?: str, "failed"?: str, "start_seconds"?: float}},
 "endpoints": [{"replica_id", "model", "url", "priority", "weight", "pool"}], "fingerprint": str}"""
 
 TokenCounts = dict[str, dict[str, list[int]]]

@@ -8,6 +8,8 @@ from collections import Counter
 
 from django.contrib import admin, messages
 
+from catalog.admin import set_gpu_class_source
+
 from .choices import NodeState
 from .models import GPU, Node, NodeCredential
 
@@ -115,3 +117,11 @@ class NodeCredentialAdmin(ReadOnlyAdmin):
     list_select_related = ["node"]
     fields = ["node", "prefix", "created_at"]
     deletable = True
+
+
+def reported_gpu_classes() -> list[str]:
+    """The GPU classes nodes report, for the catalog's profile form (one query)."""
+    return list(GPU.objects.order_by("gpu_class").values_list("gpu_class", flat=True).distinct())
+
+
+set_gpu_class_source(reported_gpu_classes)

@@ -50,9 +50,9 @@ class GPU(models.Model):
 
     node = models.ForeignKey(Node, related_name="gpus", on_delete=models.CASCADE)
     index = models.PositiveSmallIntegerField()
-    uuid = models.CharField(max_length=128)
-    gpu_class = models.CharField(max_length=64)
-    memory_mb = models.PositiveIntegerField(default=0)
+    uuid = models.CharField("UUID", max_length=128)
+    gpu_class = models.CharField("GPU class", max_length=64)
+    memory_mb = models.PositiveIntegerField("memory (MB)", default=0)
     health = models.CharField(max_length=16, choices=GPUHealth.choices, default=GPUHealth.HEALTHY)
     # When it last turned healthy; an unhealthy GPU returns to service only after a quarantine.
     healthy_since = models.DateTimeField(null=True, blank=True)

@@ -1,4 +1,6 @@
-"""Reconciler admin: replicas with "idle for" and a stop action; shards, GPU assignments and the lease read-only.
+"""Reconciler admin: replicas with "idle for" and a drain action; shards, GPU assignments and the lease
+read-only; and the node drain action, added to inventory's node admin here because stopping replicas
+is the reconciler's (inventory sits below it in the stack).
 
 These rows belong to the leader's reconcile tick; the admin only looks, and asks
 for a replica to be stopped through reconciler.lifecycle.
@@ -7,8 +9,10 @@ for a replica to be stopped through reconciler.lifecycle.
 from django.contrib import admin, messages
 from django.utils import timezone
 
-from inventory.admin import ReadOnlyAdmin, ReadOnlyInline
+from inventory.admin import NodeAdmin, ReadOnlyAdmin, ReadOnlyInline
+from inventory.models import Node
 
+from .drain import drain_nodes
 from .lifecycle import stop_replica
 from .models import GPUAssignment, Lease, Replica, Shard
 
@@ -56,7 +60,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
     def has_stop_permission(self, request):
         return request.user.has_perm("reconciler.change_replica")
 
-    @admin.action(description="Stop the selected replicas", permissions=["stop"])
+    @admin.action(description="Drain and stop the selected replicas", permissions=["stop"])
     def stop_replicas(self, request, queryset):
         replicas = list(queryset.select_related("model").order_by("pk"))
         for replica in replicas:
@@ -93,3 +97,26 @@ class LeaseAdmin(ReadOnlyAdmin):
         # expires_at is by the database's clock; shown against ours for display only.
         seconds = obj.expires_at - timezone.now().timestamp()
         return f"{seconds:.1f}s" if seconds >= 0 else f"expired {-seconds:.1f}s ago"
+
+
+class DrainingNodeAdmin(NodeAdmin):
+    """Inventory's node admin with a drain action: cordon, then drain and stop the nodes' replicas."""
+
+    actions = [*NodeAdmin.actions, "drain"]
+
+    @admin.action(
+        description="Drain: cordon the selected nodes and drain and stop their replicas", permissions=["change"]
+    )
+    def drain(self, request, queryset):
+        nodes, replicas = drain_nodes(queryset.values_list("pk", flat=True))
+        self.message_user(
+            request,
+            f"Cordoned {nodes} node(s) and asked their {replicas} replica(s) to stop (reason “node drained”): "
+            "they left the endpoint table; engines finish their requests, then stop; "
+            "replicas a model still needs are placed on other nodes.",
+            messages.SUCCESS,
+        )
+
+
+admin.site.unregister(Node)
+admin.site.register(Node, DrainingNodeAdmin)

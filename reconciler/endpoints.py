@@ -12,11 +12,24 @@ from .choices import ReplicaState
 from .eviction import MAKING_ROOM, WAITING_FOR_NODES
 from .models import Replica, Shard
 
+# The most of an engine's error line a table carries: it goes to every router on every change.
+FAILURE_LINE_CHARS = 300
+
+
+def failure_reason(last_error: str) -> str:
+    """One line for clients from a replica's last error: what happened (the first line, e.g. "engine exited
+    with code 1") and the engine's own last line of output, when the agent sent its output along."""
+    lines = [line.strip() for line in last_error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "its replica failed"
+    what, said = lines[0].rstrip(":"), lines[-1][:FAILURE_LINE_CHARS]
+    return what if len(lines) == 1 else f"{what}: {said}"
+
 
 def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, and how long
-    it takes to start), and READY replicas whose nodes are all heard from. Five queries, plain rows:
-    it runs every tick, over every ready replica of the fleet."""
+    it takes to start, or why its last replica failed), and READY replicas whose nodes are all heard from.
+    Six queries, plain rows: it runs every tick, over every ready replica of the fleet."""
     # The first profile is the one an activation starts, so its learned start time is the ETA.
     first_start: dict[int, float | None] = {}
     for model_id, start_seconds in (
@@ -53,11 +66,28 @@ def build_endpoint_table() -> EndpointTable:
     ):
         unplaceable.setdefault(name, reason)
 
+    # A model whose only wanted replica failed (its engine exited, in its start or later): routers answer
+    # at once with the engine's own words instead of holding requests until their deadline. A replica
+    # pending or starting again (after the backoff) withdraws the reason: then requests wait for it.
+    another_wanted = Replica.objects.filter(
+        model=OuterRef("model"), state__in=(ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
+    )
+    failed: dict[str, str] = {}
+    for name, error in (
+        Replica.objects.filter(state=ReplicaState.FAILED, model__enabled=True)
+        .exclude(Exists(another_wanted))
+        .order_by("model__name", "-id")
+        .values_list("model__name", "last_error")
+    ):
+        failed.setdefault(name, failure_reason(error))
+
     models: dict[str, dict] = {}
     for model_id, name in sorted(names.items(), key=lambda item: item[1]):
         described: dict = {"aliases": sorted(aliases[model_id])}
         if name in unplaceable:
             described["unplaceable"] = unplaceable[name]
+        if name in failed:
+            described["failed"] = failed[name]
         start = first_start[model_id]
         if start is not None:
             described["start_seconds"] = round(start, 1)

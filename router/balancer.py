@@ -121,6 +121,7 @@ class Balancer:
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
         self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
+        self._start_failed: dict[str, str] = {}  # public name -> why its only replica failed
         self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
         self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas
         self._by_replica: dict[str, Endpoint] = {}
@@ -153,6 +154,7 @@ class Balancer:
         names: dict[str, str] = {}
         catalog: dict[str, list[str]] = {}
         unplaceable: dict[str, str] = {}
+        start_failed: dict[str, str] = {}
         start_seconds: dict[str, float] = {}
         for public, entry in models.items():
             aliases = entry.get("aliases", []) if isinstance(entry, dict) else []
@@ -161,6 +163,9 @@ class Balancer:
             reason = entry.get("unplaceable") if isinstance(entry, dict) else None
             if isinstance(reason, str) and reason:
                 unplaceable[public] = reason
+            failure = entry.get("failed") if isinstance(entry, dict) else None
+            if isinstance(failure, str) and failure:
+                start_failed[public] = failure
             start = entry.get("start_seconds") if isinstance(entry, dict) else None
             if isinstance(start, int | float) and not isinstance(start, bool) and start >= 0:
                 start_seconds[public] = float(start)
@@ -187,7 +192,7 @@ class Balancer:
                 by_replica[fresh.replica_id] = fresh
                 endpoints.setdefault(fresh.model, []).append(fresh)
             self._names, self._catalog, self._unplaceable = names, catalog, unplaceable
-            self._start_seconds = start_seconds
+            self._start_seconds, self._start_failed = start_seconds, start_failed
             self._endpoints, self._by_replica = endpoints, by_replica
             self.fingerprint = fingerprint
         return True
@@ -199,6 +204,10 @@ class Balancer:
     def unplaceable(self, model: str) -> str | None:
         """Why the control plane could not place `model` at its last attempt, or None."""
         return self._unplaceable.get(model)
+
+    def start_failure(self, model: str) -> str | None:
+        """Why `model`'s only replica failed (the engine's last words), or None."""
+        return self._start_failed.get(model)
 
     def start_seconds(self, model: str) -> float | None:
         """How long `model` has taken to start (learned by the control plane), or None if unknown."""

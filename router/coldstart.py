@@ -10,7 +10,8 @@ endpoint table. A streaming client is kept alive with SSE comments while it
 waits. Past the bound the answer is 503 with a Retry-After that carries the
 start time the control plane learned for the model, less the wait already
 spent; a model the control plane cannot place is refused at once with its
-reason. At most `max_waiters` requests wait per model; the next one is refused
+reason, and so is one whose only replica failed, with the engine's own last
+line (503 `model_failed`) rather than a wait until the deadline. At most `max_waiters` requests wait per model; the next one is refused
 at once (503 `too_many_waiting`) rather than holding memory and sockets
 without bound.
 """
@@ -150,6 +151,17 @@ class ColdStart:
                     503,
                     f"The model `{model}` cannot be started now: {reason}.",
                     "model_unplaceable",
+                    type_="server_error",
+                    headers=[(b"retry-after", str(self.retry_after).encode())],
+                )
+            failure = self.balancer.start_failure(model)
+            if failure is not None:
+                # The engine exited: nothing will be ready before the control plane's backoff ends.
+                raise RouterError(
+                    503,
+                    f"The model `{model}` has no replica running: its last one failed ({failure}). "
+                    "The control plane starts it again after a backoff; retry later.",
+                    "model_failed",
                     type_="server_error",
                     headers=[(b"retry-after", str(self.retry_after).encode())],
                 )

@@ -69,11 +69,11 @@ def test_an_unchanged_endpoint_table_is_published_once(run_tick):
     assert async_to_sync(get_hub().read_endpoints)() is first
 
 
-def test_endpoint_table_lists_enabled_models_with_profiles_in_five_queries(django_assert_max_num_queries):
+def test_endpoint_table_lists_enabled_models_with_profiles_in_six_queries(django_assert_max_num_queries):
     make_model("llama", min_replicas=0)
     make_model("off", min_replicas=0, enabled=False)
     Model.objects.create(name="bare", source="org/bare")
-    with django_assert_max_num_queries(5):
+    with django_assert_max_num_queries(6):
         table = build_endpoint_table()
     assert table == {"models": {"llama": {"aliases": []}}, "endpoints": []}
 

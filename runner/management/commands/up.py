@@ -11,7 +11,7 @@ from django.http.request import validate_host
 from agent.protocol import parse_port
 from catalog.catalog_file import CatalogFileError
 from runner import embedded
-from runner.demo import create_demo_fleet
+from runner.demo import CREDENTIALS_FILE, DemoCredentialsError, create_demo_fleet
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 
@@ -74,6 +74,8 @@ class Command(BaseCommand):
         except CatalogFileError as exc:
             listing = "\n".join(f"  {m}" for m in exc.messages)
             raise CommandError(f"{catalog or 'the demo catalog'}: nothing started:\n{listing}") from None
+        except DemoCredentialsError as exc:
+            raise CommandError(f"nothing started: {exc}") from None
 
         def announce():
             self.stdout.write(self._banner(host, port, router_port, fleet))
@@ -101,6 +103,15 @@ class Command(BaseCommand):
             return "llama3"
         return wanted.aliases[0] if wanted.aliases else wanted.name
 
+    def _credentials_text(self, fleet) -> str:
+        """Whether the demo's password and key are new, so a user knows if an old curl line still works."""
+        kept = Path(settings.VAR_DIR) / CREDENTIALS_FILE
+        if fleet.credentials == "new":
+            return f"new (kept in {kept}; the next run reuses them)"
+        if fleet.credentials == "reused":
+            return f"reused from {kept} (delete it for new ones)"
+        return "from LLMGW_DEMO_ADMIN_PASSWORD / LLMGW_DEMO_API_KEY"
+
     def _banner(self, host, port, router_port, fleet) -> str:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         database = settings.DATABASES["default"]
@@ -115,6 +126,7 @@ class Command(BaseCommand):
             lines += [
                 f"  admin login           {fleet.admin_user} / {fleet.admin_password}",
                 f"  API key               {fleet.api_key}",
+                f"  credentials           {self._credentials_text(fleet)}",
                 f"  nodes                 {', '.join(self._node_text(n) for n in fleet.nodes)}",
                 f"  catalog               {fleet.catalog.lines()[-1]}",
                 "",
