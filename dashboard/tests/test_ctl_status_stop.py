@@ -75,7 +75,11 @@ def test_top_limits_the_table_and_says_how_many_more(idle_fleet):
 def test_json_keeps_every_key_and_adds_what_can_i_stop(idle_fleet):
     printed = json.loads(run("--json", "--top", "1"))
     old = {"generated_at", "leader", "partition_brake", "capacity", "free_nodes", "nodes", "replicas", "models"}
-    assert old | {"unplaceable", "replica_list", "usage", "idle_held_gpus", "stoppable"} == set(printed)
+    assert old | {"unplaceable", "replica_list", "usage", "idle_held_gpus", "stoppable"} | {
+        "unplaceable_models",
+        "failed",
+        "node_list",
+    } == set(printed)
     assert [e["replica"] for e in printed["stoppable"]] == [r.pk for r in idle_fleet]  # --top is for text only
 
 
