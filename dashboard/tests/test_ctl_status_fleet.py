@@ -175,3 +175,15 @@ def test_summary_queries_stay_constant_with_failures_and_the_node_list(healthy, 
     with django_assert_num_queries(len(small.captured_queries)):
         summary = cluster_summary()
     assert len(summary["node_list"]) == 11 and len(summary["failed"]) == 11
+
+
+def test_only_the_five_most_frequent_failure_reasons_print_unless_all(healthy):
+    _node, profile = healthy
+    for i in range(7):
+        for _ in range(7 - i):
+            failed(profile, f"reason {i}")
+    lines = run().splitlines()
+    start = lines.index("Failed replicas") + 2
+    assert [line.split()[-1] for line in lines[start : start + 5]] == ["0", "1", "2", "3", "4"]
+    assert lines[start + 5] == "  … and 2 more reasons (--all)"
+    assert sum(1 for line in run("--all").splitlines() if "reason " in line) == 7

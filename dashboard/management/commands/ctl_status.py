@@ -26,6 +26,8 @@ BAR_WIDTH = 16
 NAMES_SHOWN = 3
 """Node names printed per (fabric, class) in "Free whole nodes" without --all."""
 DEFAULT_TOP = 10
+FAILED_REASONS_SHOWN = 5
+"""Failure reasons printed without --all (most frequent first)."""
 CHECK_FAILED = 2
 """Exit status of `--check` when something needs attention (1 stays Django's "the command failed")."""
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -196,9 +198,7 @@ class Command(BaseCommand):
         out.append(self.section("Replicas"))
         out.append("  " + "  ".join(f"{k} {v}" for k, v in s["replicas"].items()))
 
-        out.append(self.section("Models"))
-        rows = [[m["name"], "yes" if m["enabled"] else "no", m["wanted"], m["ready"]] for m in s["models"]]
-        out += self.styled_table(["MODEL", "ENABLED", "WANTED", "READY"], rows) if rows else ["  none"]
+        out += self.models(s, top)
 
         if s["unplaceable"]:
             out.append(self.section("Unplaceable"))
@@ -209,8 +209,6 @@ class Command(BaseCommand):
         out += self.what_can_i_stop(s, top)
         if top is None:
             out += self.replica_list(s)
-        else:
-            out += self.replicas_per_model(s)
         return out
 
     def failed(self, s: dict, top: int | None) -> list[str]:
@@ -219,7 +217,7 @@ class Command(BaseCommand):
         if not groups:
             return []
         out = [self.section("Failed replicas")]
-        shown = groups if top is None else groups[:top]
+        shown = groups if top is None else groups[:FAILED_REASONS_SHOWN]
         limit = None if top is None else NAMES_SHOWN
         rows = [[g["replicas"], some_names(g["models"], limit), g["reason"]] for g in shown]
         out += self.styled_table(["REPLICAS", "MODELS", "REASON"], rows, row_style=self.style.ERROR)
@@ -285,15 +283,19 @@ class Command(BaseCommand):
             out.append(f"  … and {len(entries) - len(shown)} more (--all)")
         return out
 
-    def replicas_per_model(self, s: dict) -> list[str]:
-        out = [self.section("Replicas per model") + " (--all lists every replica)"]
+    def models(self, s: dict, top: int | None) -> list[str]:
+        """One row per model: enabled, wanted, and its replicas counted per state (one table, to stay a screenful)."""
+        title = self.section("Models") + (" (--replicas lists every replica)" if top is not None else "")
         counts: dict[str, Counter] = defaultdict(Counter)
         for r in s["replica_list"]:
             counts[r["model"]][r["state"]] += 1
         states = [state for state in s["replicas"] if state != "total"]
-        rows = [[model] + [counts[model][state] for state in states] for model in sorted(counts)]
-        out += self.styled_table(["MODEL"] + [state.upper() for state in states], rows) if rows else ["  none"]
-        return out
+        rows = [
+            [m["name"], "yes" if m["enabled"] else "no", m["wanted"]] + [counts[m["name"]][state] for state in states]
+            for m in s["models"]
+        ]
+        headers = ["MODEL", "ENABLED", "WANTED"] + [state.upper() for state in states]
+        return [title] + (self.styled_table(headers, rows) if rows else ["  none"])
 
     def replica_list(self, s: dict) -> list[str]:
         out = [self.section("Replica list")]
