@@ -1,7 +1,12 @@
 """`ctl_status` at fleet scale: --nodes, --replicas, failures grouped by reason, --check and --watch."""
 
+import os
+import signal
+import subprocess
+import sys
 from datetime import timedelta
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
@@ -16,6 +21,8 @@ from reconciler.models import Lease, Replica
 from tests.fleet import bulk_fleet, make_model, make_node, make_replica, set_gpu, watch_usage
 
 pytestmark = pytest.mark.django_db
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args) -> str:
@@ -187,3 +194,28 @@ def test_only_the_five_most_frequent_failure_reasons_print_unless_all(healthy):
     assert [line.split()[-1] for line in lines[start : start + 5]] == ["0", "1", "2", "3", "4"]
     assert lines[start + 5] == "  … and 2 more reasons (--all)"
     assert sum(1 for line in run("--all").splitlines() if "reason " in line) == 7
+
+
+def test_watch_in_a_real_process_ends_quietly_on_ctrl_c(tmp_path):
+    """A real `ctl_status --watch 1` on its own SQLite file: two frames, then SIGINT exits 0 without a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "SECRET_KEY", "REDIS_URL")}
+    env |= {"LLMGW_VAR_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    manage = [sys.executable, str(ROOT / "manage.py")]
+    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=120)
+    process = subprocess.Popen(
+        [*manage, "ctl_status", "--watch", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        frames = 0
+        while frames < 2:
+            line = process.stdout.readline()
+            assert line, "ctl_status --watch exited early"
+            frames += line.startswith(b"llmgw status at")
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
