@@ -6,10 +6,14 @@ default REGISTRY, which django-prometheus serves at /metrics; llmgw_site.urls
 imports it.
 """
 
+import hmac
 import logging
 
+from django.conf import settings
 from django.db import DatabaseError
 from django.db.models import Sum
+from django.http import HttpRequest, HttpResponse
+from django_prometheus.exports import ExportToDjangoView
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -45,6 +49,19 @@ def _families() -> dict[str, GaugeMetricFamily]:
         ),
         "usage_known": GaugeMetricFamily(
             "llmgw_usage_known", "1 while the fleet's usage is known; 0 pauses idle stops and evictions."
+        ),
+        "unplaceable": GaugeMetricFamily(
+            "llmgw_unplaceable_models",
+            "Models with a replica that found no room and is waiting on an operator (victims not already draining).",
+        ),
+        "lease_epoch": GaugeMetricFamily(
+            "llmgw_lease_epoch", "Epoch of the leader lease; a rise is a change of leader (absent: no lease yet)."
+        ),
+        "lease_holder": GaugeMetricFamily(
+            "llmgw_lease_holder", "1 for the control plane holding the leader lease.", labels=["owner"]
+        ),
+        "lease_expires": GaugeMetricFamily(
+            "llmgw_lease_expires_in_seconds", "Seconds until the leader lease lapses; negative once it has."
         ),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
@@ -109,9 +126,32 @@ class FleetCollector(Collector):
         for row in summary["idle_held_gpus"]["by_class"]:
             families["idle_held"].add_metric([row["gpu_class"]], row["gpus"])
         families["usage_known"].add_metric([], 1 if summary["usage"]["known"] else 0)
+        families["unplaceable"].add_metric([], len(summary["unplaceable_models"]))
+        leader = summary["leader"]
+        if leader is not None:
+            families["lease_epoch"].add_metric([], leader["epoch"])
+            families["lease_holder"].add_metric([leader["owner"]], 1)
+            families["lease_expires"].add_metric([], leader["expires_in_seconds"])
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """/metrics, behind `Authorization: Bearer <LLMGW_METRICS_TOKEN>` when that is set (401 otherwise)."""
+    token = settings.LLMGW_METRICS_TOKEN
+    if token:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        # Constant-time compare: the answer's timing must not tell how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            response = HttpResponse(
+                "/metrics needs 'Authorization: Bearer <token>' (LLMGW_METRICS_TOKEN).\n",
+                status=401,
+                content_type="text/plain",
+            )
+            response["WWW-Authenticate"] = "Bearer"
+            return response
+    return ExportToDjangoView(request)
 
 
 _collector: FleetCollector | None = None

@@ -17,6 +17,11 @@ GPU states (DESIGN invariant 5, plus node availability), decided in this order:
 GPUs on lost nodes are not counted at all. `total = used + free + unhealthy +
 unavailable` holds for every GPU class.
 
+Failed replicas are grouped by the first line of their `last_error` (`failed`,
+most frequent first); `unplaceable_models` are the models with a pending
+replica that found no room and whose victims are not already draining — the
+ones waiting on an operator. `node_list` is every node with its GPUs by state.
+
 `usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
 `dashboard.stoppable`, on the reconciler's own eviction rules.
 """
@@ -42,6 +47,7 @@ from .stoppable import what_can_i_stop
 
 GPU_STATES = ("used", "free", "unhealthy", "unavailable")
 REPLICA_STATES = tuple(ReplicaState.values)
+NO_ERROR = "(no error recorded)"
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -91,13 +97,15 @@ def _leader(now: datetime) -> dict | None:
     }
 
 
-def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:
+def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict], dict[int, Counter]]:
     capacity: dict[str, Counter] = defaultdict(Counter)
+    per_node: dict[int, Counter] = defaultdict(Counter)
     # (node_id, gpu_class) -> what the placer would see of it, for ready, schedulable nodes
     per_node_class: dict[tuple[int, str], dict] = {}
     for gpu in _gpu_rows():
         state = gpu_state(gpu, now)
         capacity[gpu["gpu_class"]][state] += 1
+        per_node[gpu["node_id"]][state] += 1
         if gpu["node__state"] == NodeState.READY and gpu["node__schedulable"]:
             key = (gpu["node_id"], gpu["gpu_class"])
             entry = per_node_class.setdefault(
@@ -127,17 +135,40 @@ def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict]]:
         {"fabric": fabric, "gpu_class": gpu_class, "whole_free_nodes": len(names), "nodes": sorted(names)}
         for (fabric, gpu_class), names in sorted(groups.items())
     ]
-    return capacity_list, free_nodes
+    return capacity_list, free_nodes, per_node
 
 
-def _node_counts() -> dict:
+def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
+    """Node counts by state, and every node with its GPUs by state (from the GPU pass, no query per node)."""
     counts = {"total": 0, "ready": 0, "unreachable": 0, "lost": 0, "new": 0, "cordoned": 0}
-    for state, schedulable in Node.objects.values_list("state", "schedulable"):
+    node_list = []
+    rows = Node.objects.order_by("name").values_list("id", "name", "fabric", "state", "schedulable", "last_seen")
+    for node_id, name, fabric, state, schedulable, last_seen in rows:
         counts["total"] += 1
         counts[state] = counts.get(state, 0) + 1
         if not schedulable:
             counts["cordoned"] += 1
-    return counts
+        gpus = gpus_per_node.get(node_id, Counter())
+        node_list.append(
+            {
+                "name": name,
+                "fabric": fabric,
+                "state": state,
+                "schedulable": schedulable,
+                "last_seen": _iso(last_seen),
+                "gpus": sum(gpus.values()),
+                **{state_name: gpus[state_name] for state_name in GPU_STATES},
+            }
+        )
+    return counts, node_list
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of an error, stripped; failures are grouped by it."""
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return NO_ERROR
 
 
 def _shards_by_replica() -> tuple[dict[int, list[str]], dict[int, int]]:
@@ -164,8 +195,8 @@ def cluster_summary(now: datetime | None = None) -> dict:
     """
     now = now or timezone.now()
     leader = _leader(now)
-    capacity, free_nodes = _capacity_and_free_nodes(now)
-    nodes = _node_counts()
+    capacity, free_nodes, gpus_per_node = _capacity_and_free_nodes(now)
+    nodes, node_list = _nodes(gpus_per_node)
     shard_nodes, shard_gpus = _shards_by_replica()
 
     replica_rows = list(
@@ -178,12 +209,14 @@ def cluster_summary(now: datetime | None = None) -> dict:
             "ready_at",
             "last_used",
             "placement_error",
+            "last_error",
         )
     )
     replica_counts = {state: 0 for state in REPLICA_STATES}
     wanted: Counter = Counter()
     ready: Counter = Counter()
     unplaceable: Counter = Counter()
+    failed: dict[str, Counter] = defaultdict(Counter)  # first line of last_error -> model -> replicas
     # Models that found no room; one whose victims are already draining is not waiting on an operator.
     blocked: set[str] = set()
     replica_list = []
@@ -194,6 +227,8 @@ def cluster_summary(now: datetime | None = None) -> dict:
             wanted[model_name] += 1
         if state == ReplicaState.READY:
             ready[model_name] += 1
+        if state == ReplicaState.FAILED:
+            failed[first_line(row["last_error"])][model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
             unplaceable[(model_name, row["placement_error"])] += 1
             if not row["placement_error"].startswith(HOLDING_NOTES):
@@ -240,8 +275,49 @@ def cluster_summary(now: datetime | None = None) -> dict:
             {"model": model, "reason": reason, "pending": count}
             for (model, reason), count in sorted(unplaceable.items())
         ],
+        "unplaceable_models": sorted(blocked),
+        # Most frequent reason first, so the line an operator needs is at the top.
+        "failed": [
+            {"reason": reason, "replicas": sum(models.values()), "models": sorted(models)}
+            for reason, models in sorted(failed.items(), key=lambda item: (-sum(item[1].values()), item[0]))
+        ],
+        "node_list": node_list,
         "replica_list": replica_list,
         "usage": stop["usage"],
         "idle_held_gpus": stop["idle_held_gpus"],
         "stoppable": stop["stoppable"],
     }
+
+
+def needs_attention(s: dict) -> list[str]:
+    """What an operator should look at, one short phrase each; empty when all is well.
+
+    The `ctl_status --check` rule: no leader or an expired lease (nothing is
+    reconciled), the partition brake, unreachable nodes, unhealthy GPUs,
+    models that cannot be placed without an operator, failed replicas, and
+    unknown usage (idle stops and evictions are paused). Cordoned and lost
+    nodes are not listed: an operator or the tick has already acted on them.
+    """
+    problems = []
+    leader = s["leader"]
+    if leader is None:
+        problems.append("no leader")
+    elif leader["expires_in_seconds"] < 0:
+        problems.append(f"leader lease expired {-leader['expires_in_seconds']:.0f}s ago")
+    if s["partition_brake"]["engaged"]:
+        problems.append("partition brake engaged")
+    if s["nodes"]["unreachable"]:
+        problems.append(f"{s['nodes']['unreachable']} unreachable nodes")
+    unhealthy = sum(row["unhealthy"] for row in s["capacity"])
+    if unhealthy:
+        problems.append(f"{unhealthy} unhealthy GPUs")
+    if s["unplaceable_models"]:
+        names = s["unplaceable_models"]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        problems.append(f"{len(names)} unplaceable models ({shown})")
+    failed = s["replicas"].get(ReplicaState.FAILED, 0)
+    if failed:
+        problems.append(f"{failed} failed replicas")
+    if not s["usage"]["known"]:
+        problems.append(f"usage unknown ({s['usage']['reason']})")
+    return problems

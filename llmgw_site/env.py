@@ -81,3 +81,11 @@ def env_port_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
     if not (1024 <= low <= high):
         raise ImproperlyConfigured(f"{name}={value!r} must satisfy 1024 <= low <= high <= 65535")
     return low, high
+
+
+def env_list(name: str, default: list[str] | None = None) -> list[str]:
+    """A comma-separated list, items stripped and empty ones dropped (`a, b,` is `["a", "b"]`)."""
+    value = os.environ.get(name)
+    if value is None:
+        return list(default or [])
+    return [item.strip() for item in value.split(",") if item.strip()]

@@ -1,4 +1,5 @@
-"""Django settings for llmgw, all taken from the environment (see README).
+"""Django settings for llmgw, all taken from the environment through the registry in
+`llmgw_site.config` (the README's Configuration table is printed from it).
 
 Unset DATABASE_URL means SQLite in var/; unset REDIS_URL means embedded mode,
 with in-process channel layer, endpoint list, usage store and activation queue.
@@ -11,19 +12,19 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import env_bool, env_float, env_int, env_port, env_port_range, env_str
+from .config import setting
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(env_str("LLMGW_VAR_DIR", str(BASE_DIR / "var")))
+VAR_DIR = Path(setting("LLMGW_VAR_DIR", str(BASE_DIR / "var")))
 
-DEBUG = env_bool("DEBUG", False)
-DATABASE_URL = env_str("DATABASE_URL")
-REDIS_URL = env_str("REDIS_URL") or None
+DEBUG = setting("DEBUG")
+DATABASE_URL = setting("DATABASE_URL")
+REDIS_URL = setting("REDIS_URL") or None
 EMBEDDED = REDIS_URL is None
 
 
 def _secret_key() -> str:
-    key = env_str("SECRET_KEY")
+    key = setting("SECRET_KEY")
     if key:
         return key
     if DATABASE_URL is None:
@@ -40,11 +41,15 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 # Where `manage.py up` listens; allowed as a Host header by default.
-LLMGW_HOST = env_str("LLMGW_HOST", "127.0.0.1")
-ALLOWED_HOSTS = [
-    h.strip() for h in env_str("ALLOWED_HOSTS", f"127.0.0.1,localhost,[::1],{LLMGW_HOST}").split(",") if h.strip()
-]
-CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+LLMGW_HOST = setting("LLMGW_HOST")
+# ALLOWED_HOSTS replaces the default list (as before); LLMGW_ALLOWED_HOSTS adds to whichever is in force,
+# so a deployment names its public host without restating the local ones.
+ALLOWED_HOSTS = setting("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", LLMGW_HOST]) + setting(
+    "LLMGW_ALLOWED_HOSTS"
+)
+CSRF_TRUSTED_ORIGINS = setting("CSRF_TRUSTED_ORIGINS") + setting("LLMGW_CSRF_TRUSTED_ORIGINS")
+# When set, /metrics on the control plane and on routers needs `Authorization: Bearer <token>`.
+LLMGW_METRICS_TOKEN = setting("LLMGW_METRICS_TOKEN")
 
 INSTALLED_APPS = [
     "dashboard.apps.FleetAdminConfig",
@@ -64,6 +69,7 @@ INSTALLED_APPS = [
     "agent",
     "agentlink",
     "runner",
+    "llmgw_site",  # for `manage.py settings_table`
 ]
 
 MIDDLEWARE = [
@@ -134,7 +140,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 # Static files are served from the apps by WhiteNoise; collectstatic is optional.
-STATIC_ROOT = env_str("STATIC_ROOT")
+STATIC_ROOT = setting("STATIC_ROOT")
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
@@ -167,64 +173,64 @@ REST_FRAMEWORK = {
 }
 
 # --- llmgw -------------------------------------------------------------------
-LLMGW_PORT = env_port("LLMGW_PORT", 8000)
-LLMGW_ROUTER_PORT = env_port("LLMGW_ROUTER_PORT", 8080)
+LLMGW_PORT = setting("LLMGW_PORT")
+LLMGW_ROUTER_PORT = setting("LLMGW_ROUTER_PORT")
 # Seconds between reconcile ticks (Celery beat in distributed mode).
-LLMGW_TICK_SECONDS = env_float("LLMGW_TICK_SECONDS", 2.0, minimum=0.1)
+LLMGW_TICK_SECONDS = setting("LLMGW_TICK_SECONDS")
 LLMGW_LEASE_NAME = "reconciler"
-LLMGW_LEASE_TTL_SECONDS = env_float("LLMGW_LEASE_TTL_SECONDS", 15.0, minimum=1.0)
-LLMGW_HEARTBEAT_SECONDS = env_float("LLMGW_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
-LLMGW_UNREACHABLE_AFTER_SECONDS = env_float("LLMGW_UNREACHABLE_AFTER_SECONDS", 20.0, minimum=1.0)
-LLMGW_LOST_AFTER_SECONDS = env_float("LLMGW_LOST_AFTER_SECONDS", 120.0, minimum=1.0)
+LLMGW_LEASE_TTL_SECONDS = setting("LLMGW_LEASE_TTL_SECONDS")
+LLMGW_HEARTBEAT_SECONDS = setting("LLMGW_HEARTBEAT_SECONDS")
+LLMGW_UNREACHABLE_AFTER_SECONDS = setting("LLMGW_UNREACHABLE_AFTER_SECONDS")
+LLMGW_LOST_AFTER_SECONDS = setting("LLMGW_LOST_AFTER_SECONDS")
 # An unhealthy GPU must report healthy this long before it is used again.
-LLMGW_GPU_QUARANTINE_SECONDS = env_float("LLMGW_GPU_QUARANTINE_SECONDS", 300.0, minimum=0.0)
+LLMGW_GPU_QUARANTINE_SECONDS = setting("LLMGW_GPU_QUARANTINE_SECONDS")
 # A shard still "assigned" (start sent, no answer) this long gets its start command again.
-LLMGW_START_RESEND_SECONDS = env_float("LLMGW_START_RESEND_SECONDS", 10.0, minimum=0.5)
-LLMGW_SHARD_START_TIMEOUT_SECONDS = env_float("LLMGW_SHARD_START_TIMEOUT_SECONDS", 900.0, minimum=1.0)
-LLMGW_BACKOFF_BASE_SECONDS = env_float("LLMGW_BACKOFF_BASE_SECONDS", 5.0, minimum=0.0)
-LLMGW_BACKOFF_MAX_SECONDS = env_float("LLMGW_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)
+LLMGW_START_RESEND_SECONDS = setting("LLMGW_START_RESEND_SECONDS")
+LLMGW_SHARD_START_TIMEOUT_SECONDS = setting("LLMGW_SHARD_START_TIMEOUT_SECONDS")
+LLMGW_BACKOFF_BASE_SECONDS = setting("LLMGW_BACKOFF_BASE_SECONDS")
+LLMGW_BACKOFF_MAX_SECONDS = setting("LLMGW_BACKOFF_MAX_SECONDS")
 # A replica ready this long has its failure count reset: the next failure backs off from the base again.
-LLMGW_BACKOFF_RESET_SECONDS = env_float("LLMGW_BACKOFF_RESET_SECONDS", 120.0, minimum=0.0)
-LLMGW_ENGINE_PORT_RANGE = env_port_range("LLMGW_ENGINE_PORT_RANGE", (20000, 29999))
+LLMGW_BACKOFF_RESET_SECONDS = setting("LLMGW_BACKOFF_RESET_SECONDS")
+LLMGW_ENGINE_PORT_RANGE = setting("LLMGW_ENGINE_PORT_RANGE")
 # A port an agent found taken by another program is not given to that host again for this long.
-LLMGW_BUSY_PORT_SECONDS = env_float("LLMGW_BUSY_PORT_SECONDS", 600.0, minimum=0.0)
+LLMGW_BUSY_PORT_SECONDS = setting("LLMGW_BUSY_PORT_SECONDS")
 # How long the router holds a request for a model that is starting.
-LLMGW_ACTIVATION_TIMEOUT_SECONDS = env_float("LLMGW_ACTIVATION_TIMEOUT_SECONDS", 120.0, minimum=0.0)
+LLMGW_ACTIVATION_TIMEOUT_SECONDS = setting("LLMGW_ACTIVATION_TIMEOUT_SECONDS")
 # Router backstop: re-read the endpoint list this often even without a push.
-LLMGW_ROUTER_POLL_SECONDS = env_float("LLMGW_ROUTER_POLL_SECONDS", 5.0, minimum=0.1)
-LLMGW_USAGE_FLUSH_SECONDS = env_float("LLMGW_USAGE_FLUSH_SECONDS", 1.0, minimum=0.05)
+LLMGW_ROUTER_POLL_SECONDS = setting("LLMGW_ROUTER_POLL_SECONDS")
+LLMGW_USAGE_FLUSH_SECONDS = setting("LLMGW_USAGE_FLUSH_SECONDS")
 # Router upstream deadlines: connecting to an engine, waiting for its first byte, silence between chunks.
-LLMGW_UPSTREAM_CONNECT_SECONDS = env_float("LLMGW_UPSTREAM_CONNECT_SECONDS", 5.0, minimum=0.001)
-LLMGW_UPSTREAM_FIRST_BYTE_SECONDS = env_float("LLMGW_UPSTREAM_FIRST_BYTE_SECONDS", 600.0, minimum=0.001)
-LLMGW_UPSTREAM_IDLE_SECONDS = env_float("LLMGW_UPSTREAM_IDLE_SECONDS", 120.0, minimum=0.001)
+LLMGW_UPSTREAM_CONNECT_SECONDS = setting("LLMGW_UPSTREAM_CONNECT_SECONDS")
+LLMGW_UPSTREAM_FIRST_BYTE_SECONDS = setting("LLMGW_UPSTREAM_FIRST_BYTE_SECONDS")
+LLMGW_UPSTREAM_IDLE_SECONDS = setting("LLMGW_UPSTREAM_IDLE_SECONDS")
 # Requests one router holds per model while it starts; beyond, 503 with Retry-After.
-LLMGW_MAX_WAITERS_PER_MODEL = env_int("LLMGW_MAX_WAITERS_PER_MODEL", 1000, minimum=1)
+LLMGW_MAX_WAITERS_PER_MODEL = setting("LLMGW_MAX_WAITERS_PER_MODEL")
 # On SIGTERM the router lets in-flight requests finish this long before it exits.
-LLMGW_SHUTDOWN_GRACE_SECONDS = env_float("LLMGW_SHUTDOWN_GRACE_SECONDS", 30.0, minimum=0.0)
+LLMGW_SHUTDOWN_GRACE_SECONDS = setting("LLMGW_SHUTDOWN_GRACE_SECONDS")
 
 # More than this share of the watched nodes silent at once (and more than one node): declare none lost.
-LLMGW_PARTITION_BRAKE_FRACTION = env_float("LLMGW_PARTITION_BRAKE_FRACTION", 0.3, minimum=0.0)
+LLMGW_PARTITION_BRAKE_FRACTION = setting("LLMGW_PARTITION_BRAKE_FRACTION")
 
 # More models than cards (demand, eviction, safe stops).
 # A profile with an empty idle timeout stops replicas above min after this long unused (known idle).
-LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS = env_float("LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS", 1800.0, minimum=1.0)
+LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS = setting("LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS")
 # Eviction takes only replicas idle at least this long and ready at least LLMGW_MIN_RESIDENCY_SECONDS.
-LLMGW_EVICT_MIN_IDLE_SECONDS = env_float("LLMGW_EVICT_MIN_IDLE_SECONDS", 60.0, minimum=0.0)
-LLMGW_MIN_RESIDENCY_SECONDS = env_float("LLMGW_MIN_RESIDENCY_SECONDS", 300.0, minimum=0.0)
+LLMGW_EVICT_MIN_IDLE_SECONDS = setting("LLMGW_EVICT_MIN_IDLE_SECONDS")
+LLMGW_MIN_RESIDENCY_SECONDS = setting("LLMGW_MIN_RESIDENCY_SECONDS")
 # Load over the target concurrency must last this long before the tick adds a replica.
-LLMGW_SCALE_OUT_AFTER_SECONDS = env_float("LLMGW_SCALE_OUT_AFTER_SECONDS", 30.0, minimum=0.0)
+LLMGW_SCALE_OUT_AFTER_SECONDS = setting("LLMGW_SCALE_OUT_AFTER_SECONDS")
 # A replica created for waiting requests is withdrawn if still unplaced this long after the last ask.
-LLMGW_ACTIVATION_LINGER_SECONDS = env_float("LLMGW_ACTIVATION_LINGER_SECONDS", 10.0, minimum=1.0)
+LLMGW_ACTIVATION_LINGER_SECONDS = setting("LLMGW_ACTIVATION_LINGER_SECONDS")
 # How long an agent lets a draining engine finish its running requests before stopping it anyway.
-LLMGW_DRAIN_TIMEOUT_SECONDS = env_float("LLMGW_DRAIN_TIMEOUT_SECONDS", 300.0, minimum=0.0)
+LLMGW_DRAIN_TIMEOUT_SECONDS = setting("LLMGW_DRAIN_TIMEOUT_SECONDS")
 # A router whose watch mark has lapsed this long is presumed gone (until then, idleness is unknown).
-LLMGW_ROUTER_FORGET_SECONDS = env_float("LLMGW_ROUTER_FORGET_SECONDS", 300.0, minimum=1.0)
+LLMGW_ROUTER_FORGET_SECONDS = setting("LLMGW_ROUTER_FORGET_SECONDS")
 
 # The router balances on the engines' own load: each router reads each replica's /metrics this often, and skips replicas with less KV cache free.
-LLMGW_ENGINE_POLL_SECONDS = env_float("LLMGW_ENGINE_POLL_SECONDS", 1.0, minimum=0.1)
-LLMGW_KV_CACHE_FULL_FRACTION = env_float("LLMGW_KV_CACHE_FULL_FRACTION", 0.95, minimum=0.0)
+LLMGW_ENGINE_POLL_SECONDS = setting("LLMGW_ENGINE_POLL_SECONDS")
+LLMGW_KV_CACHE_FULL_FRACTION = setting("LLMGW_KV_CACHE_FULL_FRACTION")
 # Requests sharing a prompt prefix go to the same replica while it has at most this many more in flight.
-LLMGW_PREFIX_AFFINITY_SLACK = env_int("LLMGW_PREFIX_AFFINITY_SLACK", 4, minimum=0)
+LLMGW_PREFIX_AFFINITY_SLACK = setting("LLMGW_PREFIX_AFFINITY_SLACK")
 
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
@@ -262,7 +268,7 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": setting("LOG_LEVEL")},
     # httpx logs every request at INFO: the agent's health polls would drown the log.
     "loggers": {"django.channels.server": {"level": "WARNING"}, "httpx": {"level": "WARNING"}},
 }

@@ -3,10 +3,11 @@
 from django.contrib import admin
 from django.urls import include, path
 
-import dashboard.metrics  # noqa: F401  (registers the fleet gauges served at /metrics)
+from dashboard.metrics import metrics_view  # importing it registers the fleet gauges served at /metrics
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("dashboard.api.urls")),
-    path("", include("django_prometheus.urls")),
+    # django_prometheus's exporter, behind LLMGW_METRICS_TOKEN when set.
+    path("metrics", metrics_view, name="prometheus-django-metrics"),
 ]

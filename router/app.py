@@ -30,7 +30,7 @@ from .balancer import EjectionPolicy
 from .body import decode_object, echo, requested_model
 from .errors import RouterError, method_not_allowed, shutting_down
 from .keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
-from .metrics import UNKNOWN_MODEL
+from .metrics import UNKNOWN_MODEL, metrics_token_ok
 from .state import RouterState
 from .wire import Outcome
 
@@ -76,6 +76,7 @@ class RouterApp:
         self._metrics = state.metrics
         self._proxy = state.proxy
         self._max_body_bytes = state.max_body_bytes
+        self._metrics_token = getattr(settings, "LLMGW_METRICS_TOKEN", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -125,6 +126,13 @@ class RouterApp:
             elif path == "/health":
                 await send_json(send, 200, self._health())
             elif path == "/metrics":
+                if not metrics_token_ok(scope["headers"], self._metrics_token):
+                    raise RouterError(
+                        401,
+                        "/metrics needs 'Authorization: Bearer <token>' (LLMGW_METRICS_TOKEN).",
+                        "invalid_metrics_token",
+                        headers=[(b"www-authenticate", b"Bearer")],
+                    )
                 await send_bytes(send, 200, self._metrics.render(), self._metrics.content_type.encode())
             else:
                 raise RouterError(404, f"Unknown path: {method} {path}", "not_found")

@@ -10,7 +10,8 @@ nothing for them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hmac
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +21,20 @@ from prometheus_client.registry import Collector
 from .balancer import Balancer
 
 UNKNOWN_MODEL = "-"
+
+
+def metrics_token_ok(headers: Iterable[tuple[bytes, bytes]], token: str) -> bool:
+    """Whether a scrape may read /metrics: always without a token, else only with `Authorization: Bearer <token>`.
+
+    Compared in constant time, so the answer's timing does not reveal how much of a guess was right.
+    """
+    if not token:
+        return True
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, given = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
+    return False
 
 
 class RouterMetrics:
@@ -107,12 +122,12 @@ class EngineLoadCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         waiting = GaugeMetricFamily(
-            "llmgw_router_engine_waiting",
+            "llmgw_router_engine_waiting_requests",
             "Requests waiting in the engine's own queue, as last polled from its /metrics.",
             labels=["model", "replica"],
         )
         kv_usage = GaugeMetricFamily(
-            "llmgw_router_engine_kv_usage",
+            "llmgw_router_engine_kv_cache_usage_ratio",
             "The engine's KV cache usage (1 = full), as last polled from its /metrics.",
             labels=["model", "replica"],
         )

@@ -75,7 +75,11 @@ def test_top_limits_the_table_and_says_how_many_more(idle_fleet):
 def test_json_keeps_every_key_and_adds_what_can_i_stop(idle_fleet):
     printed = json.loads(run("--json", "--top", "1"))
     old = {"generated_at", "leader", "partition_brake", "capacity", "free_nodes", "nodes", "replicas", "models"}
-    assert old | {"unplaceable", "replica_list", "usage", "idle_held_gpus", "stoppable"} == set(printed)
+    assert old | {"unplaceable", "replica_list", "usage", "idle_held_gpus", "stoppable"} | {
+        "unplaceable_models",
+        "failed",
+        "node_list",
+    } == set(printed)
     assert [e["replica"] for e in printed["stoppable"]] == [r.pk for r in idle_fleet]  # --top is for text only
 
 
@@ -101,9 +105,9 @@ def test_unknown_usage_prints_why_and_that_stops_wait(idle_fleet):
 
 def test_replicas_are_counted_per_model_and_state_unless_all(idle_fleet):
     text = run()
-    lines = section(text, "Replicas per model (--all lists every replica)")
-    assert lines[0].split() == ["MODEL", "PENDING", "STARTING", "READY", "STOPPING", "FAILED"]
-    assert lines[3].split() == ["qwen-32b", "1", "0", "1", "0", "0"]
+    lines = section(text, "Models (--replicas lists every replica)")
+    assert lines[0].split() == ["MODEL", "ENABLED", "WANTED", "PENDING", "STARTING", "READY", "STOPPING", "FAILED"]
+    assert lines[3].split() == ["qwen-32b", "yes", "2", "1", "0", "1", "0", "0"]
     assert "Replica list" not in text
     assert len(section(run("--all"), "Replica list")) == 1 + 4
 

@@ -207,8 +207,8 @@ def test_waiting_requests_reported_by_an_engine_steer_requests_through_the_route
     wait_until(lambda: [e.engine_waiting for e in router.state.balancer.endpoints(MODEL)] == [0, 10])
     assert {chat(router, auth, f"question {i}") for i in range(6)} == {"1"}
     metrics = httpx.get(f"{router.url}/metrics").text
-    assert f'llmgw_router_engine_waiting{{model="{MODEL}",replica="2"}} 10.0' in metrics
-    assert f'llmgw_router_engine_kv_usage{{model="{MODEL}",replica="1"}} 0.1' in metrics
+    assert f'llmgw_router_engine_waiting_requests{{model="{MODEL}",replica="2"}} 10.0' in metrics
+    assert f'llmgw_router_engine_kv_cache_usage_ratio{{model="{MODEL}",replica="1"}} 0.1' in metrics
 
 
 # -- end to end with the bundled mock engine -------------------------------------------------------
@@ -329,7 +329,7 @@ def test_a_replica_whose_kv_cache_is_full_is_skipped_until_it_drains(settings, s
         wait_until(lambda: balancer.endpoints(MODEL)[0].kv_full, timeout=3)
         assert {chat(router, auth, f"question {i}") for i in range(8)} == {"2"}
         metrics = httpx.get(f"{router.url}/metrics").text
-        assert f'llmgw_router_engine_kv_usage{{model="{MODEL}",replica="1"}} 0.25' in metrics
+        assert f'llmgw_router_engine_kv_cache_usage_ratio{{model="{MODEL}",replica="1"}} 0.25' in metrics
     finally:
         held.close()
     wait_until(lambda: not balancer.endpoints(MODEL)[0].kv_full, timeout=5)

@@ -1,25 +1,36 @@
-"""`manage.py ctl_status [--json] [--top N] [--all]`: the cluster summary for a terminal or a script.
+"""`manage.py ctl_status [--json] [--top N] [--all] [--nodes] [--replicas] [--check] [--watch N]`.
 
-The text stays a screenful at any fleet size: free whole nodes show a few
-names per (fabric, class), replicas are counted per model and state, and "what
-can I stop" shows the top entries; `--all` prints everything.
+The cluster summary for a terminal or a script. The text stays a screenful at
+any fleet size: free whole nodes show a few names per (fabric, class),
+replicas are counted per model and state, failed replicas are grouped by
+reason and "what can I stop" shows the top entries; `--all` prints
+everything, `--nodes` and `--replicas` print just the full node or replica
+list. `--check` prints one line and exits 2 when something needs attention
+(`dashboard.summary.needs_attention`), 0 otherwise: for cron and monitoring.
+`--watch N` redraws every N seconds until Ctrl-C.
 """
 
 import json
 import os
 import sys
+import time
 from collections import Counter, defaultdict
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from dashboard.summary import cluster_summary
+from dashboard.summary import cluster_summary, needs_attention
 from reconciler.idle import Idle
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3
 """Node names printed per (fabric, class) in "Free whole nodes" without --all."""
 DEFAULT_TOP = 10
+FAILED_REASONS_SHOWN = 5
+"""Failure reasons printed without --all (most frequent first)."""
+CHECK_FAILED = 2
+"""Exit status of `--check` when something needs attention (1 stays Django's "the command failed")."""
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 def usage_bar(row: dict, width: int = BAR_WIDTH) -> str:
@@ -61,18 +72,56 @@ class Command(BaseCommand):
         parser.add_argument(
             "--all", action="store_true", help="Print everything: every node name, replica and stop candidate."
         )
+        parser.add_argument("--nodes", action="store_true", help="Print just the list of every node.")
+        parser.add_argument("--replicas", action="store_true", help="Print just the list of every replica.")
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help='Print one line; exit 2 when something needs attention, 0 ("ok: ...") otherwise.',
+        )
+        parser.add_argument("--watch", type=int, metavar="N", help="Redraw every N seconds (N >= 1) until Ctrl-C.")
+
+    # time.sleep, as an attribute so a test can stop the loop without waiting.
+    sleep = staticmethod(time.sleep)
 
     def handle(self, *args, **options):
         if options["top"] < 1:
             raise CommandError(f"--top must be at least 1, got {options['top']}")
+        watch = options["watch"]
+        if watch is not None and watch < 1:
+            raise CommandError(f"--watch must be at least 1 (seconds), got {watch}")
+        if watch is not None and options["check"]:
+            raise CommandError("--check and --watch do not go together: --check answers once, for a script")
+        if watch is None:
+            self.once(options)
+            return
+        try:
+            while True:
+                if self.stdout.isatty():
+                    self.stdout.write(CLEAR_SCREEN, ending="")
+                self.once(options)
+                self.sleep(watch)
+        except KeyboardInterrupt:
+            # Ctrl-C is how --watch is meant to end: no traceback, a clean exit.
+            self.stdout.write("")
+
+    def once(self, options: dict) -> None:
         try:
             summary = cluster_summary()
         except DatabaseError as exc:
             raise CommandError(
                 f"cannot read the fleet from the database ({exc}); has `manage.py migrate` run?"
             ) from None
-        if options["json"]:
+        problems: list[str] = []
+        if options["check"]:
+            problems = needs_attention(summary)
+            lines = ["attention: " + "; ".join(problems) if problems else "ok: " + self.ok_line(summary)]
+        elif options["json"]:
             lines = [json.dumps(summary, indent=2)]
+        elif options["nodes"] or options["replicas"]:
+            lines = (self.node_list(summary) if options["nodes"] else []) + (
+                self.replica_list(summary) if options["replicas"] else []
+            )
         else:
             lines = self.render(summary, top=None if options["all"] else options["top"])
         try:
@@ -83,6 +132,18 @@ class Command(BaseCommand):
             # The reader has gone (`ctl_status | head`): that is not an error. Point stdout at
             # /dev/null so the interpreter's final flush cannot raise again on the way out.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if problems:
+            raise SystemExit(CHECK_FAILED)
+
+    @staticmethod
+    def ok_line(s: dict) -> str:
+        gpus = sum(row["total"] for row in s["capacity"])
+        used = sum(row["used"] for row in s["capacity"])
+        leader = s["leader"] or {}
+        return (
+            f"{s['nodes']['ready']} nodes ready, {used}/{gpus} GPUs used, "
+            f"{s['replicas'].get('ready', 0)} replicas ready, leader {leader.get('owner')} epoch {leader.get('epoch')}"
+        )
 
     def section(self, title: str) -> str:
         return "\n" + self.style.MIGRATE_HEADING(title)
@@ -137,20 +198,51 @@ class Command(BaseCommand):
         out.append(self.section("Replicas"))
         out.append("  " + "  ".join(f"{k} {v}" for k, v in s["replicas"].items()))
 
-        out.append(self.section("Models"))
-        rows = [[m["name"], "yes" if m["enabled"] else "no", m["wanted"], m["ready"]] for m in s["models"]]
-        out += self.styled_table(["MODEL", "ENABLED", "WANTED", "READY"], rows) if rows else ["  none"]
+        out += self.models(s, top)
 
         if s["unplaceable"]:
             out.append(self.section("Unplaceable"))
             rows = [[u["model"], u["pending"], " ".join(u["reason"].split())] for u in s["unplaceable"]]
             out += self.styled_table(["MODEL", "PENDING", "REASON"], rows, row_style=self.style.ERROR)
 
+        out += self.failed(s, top)
         out += self.what_can_i_stop(s, top)
         if top is None:
             out += self.replica_list(s)
-        else:
-            out += self.replicas_per_model(s)
+        return out
+
+    def failed(self, s: dict, top: int | None) -> list[str]:
+        """Failed replicas grouped by the first line of their error, most frequent first."""
+        groups = s["failed"]
+        if not groups:
+            return []
+        out = [self.section("Failed replicas")]
+        shown = groups if top is None else groups[:FAILED_REASONS_SHOWN]
+        limit = None if top is None else NAMES_SHOWN
+        rows = [[g["replicas"], some_names(g["models"], limit), g["reason"]] for g in shown]
+        out += self.styled_table(["REPLICAS", "MODELS", "REASON"], rows, row_style=self.style.ERROR)
+        if len(groups) > len(shown):
+            out.append(f"  … and {len(groups) - len(shown)} more reasons (--all)")
+        return out
+
+    def node_list(self, s: dict) -> list[str]:
+        out = [self.section("Node list")]
+        rows = [
+            [
+                n["name"],
+                n["fabric"] or "-",
+                n["state"] + ("" if n["schedulable"] else ",cordoned"),
+                n["gpus"],
+                n["used"],
+                n["free"],
+                n["unhealthy"],
+                n["unavailable"],
+                n["last_seen"] or "-",
+            ]
+            for n in s["node_list"]
+        ]
+        headers = ["NODE", "FABRIC", "STATE", "GPUS", "USED", "FREE", "UNHEALTHY", "UNAVAILABLE", "LAST SEEN"]
+        out += self.styled_table(headers, rows) if rows else ["  none"]
         return out
 
     def what_can_i_stop(self, s: dict, top: int | None) -> list[str]:
@@ -191,15 +283,19 @@ class Command(BaseCommand):
             out.append(f"  … and {len(entries) - len(shown)} more (--all)")
         return out
 
-    def replicas_per_model(self, s: dict) -> list[str]:
-        out = [self.section("Replicas per model") + " (--all lists every replica)"]
+    def models(self, s: dict, top: int | None) -> list[str]:
+        """One row per model: enabled, wanted, and its replicas counted per state (one table, to stay a screenful)."""
+        title = self.section("Models") + (" (--replicas lists every replica)" if top is not None else "")
         counts: dict[str, Counter] = defaultdict(Counter)
         for r in s["replica_list"]:
             counts[r["model"]][r["state"]] += 1
         states = [state for state in s["replicas"] if state != "total"]
-        rows = [[model] + [counts[model][state] for state in states] for model in sorted(counts)]
-        out += self.styled_table(["MODEL"] + [state.upper() for state in states], rows) if rows else ["  none"]
-        return out
+        rows = [
+            [m["name"], "yes" if m["enabled"] else "no", m["wanted"]] + [counts[m["name"]][state] for state in states]
+            for m in s["models"]
+        ]
+        headers = ["MODEL", "ENABLED", "WANTED"] + [state.upper() for state in states]
+        return [title] + (self.styled_table(headers, rows) if rows else ["  none"])
 
     def replica_list(self, s: dict) -> list[str]:
         out = [self.section("Replica list")]

@@ -1,0 +1,235 @@
+"""Every setting llmgw reads from the environment, in one registry: name, type, default and meaning.
+
+`settings.py` reads each one through `setting(NAME)`, which picks the strict
+`env_*` reader for its type (a bad value stops start-up naming the variable),
+and `manage.py settings_table` prints the README's Configuration table from
+the same entries, so the documentation cannot drift from what is read (a test
+compares them, and checks settings.py reads nothing around the registry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .env import env_bool, env_float, env_int, env_list, env_port, env_port_range, env_str
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its reader type, default, meaning, and how the README shows the default."""
+
+    name: str
+    kind: str  # str, bool, float, int, port, port_range, list
+    default: Any
+    help: str
+    minimum: float | None = None
+    shown_default: str | None = None  # when the default is computed at start-up
+
+
+def _s(name, kind, default, help, minimum=None, shown=None) -> Setting:
+    return Setting(name, kind, default, help, minimum, shown)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    _s("DATABASE_URL", "str", None, "database (PostgreSQL for a fleet)", shown="SQLite at `var/llmgw.sqlite3`"),
+    _s("REDIS_URL", "str", None, "channel layer, endpoint list, usage, activations, Celery broker; unset = embedded"),
+    _s(
+        "SECRET_KEY", "str", None, "required with `DATABASE_URL`", shown="random, kept in `var/` without `DATABASE_URL`"
+    ),
+    _s("DEBUG", "bool", False, "Django debug mode"),
+    _s("LLMGW_VAR_DIR", "str", None, "where embedded mode keeps its SQLite file and secret key", shown="`var/`"),
+    _s("LLMGW_HOST", "str", "127.0.0.1", "where `up` listens (`--host`); also an allowed `Host` header"),
+    _s(
+        "ALLOWED_HOSTS",
+        "list",
+        None,
+        "Django's, comma-separated; replaces the default list; `up --host` refuses a host not allowed",
+        shown="`127.0.0.1,localhost,[::1]` and `LLMGW_HOST`",
+    ),
+    _s(
+        "LLMGW_ALLOWED_HOSTS",
+        "list",
+        [],
+        "comma-separated hosts added to `ALLOWED_HOSTS` (e.g. `llmgw.example.com,.internal`) behind a load balancer",
+    ),
+    _s("CSRF_TRUSTED_ORIGINS", "list", [], "Django's, comma-separated origins (`https://llmgw.example.com`)"),
+    _s("LLMGW_CSRF_TRUSTED_ORIGINS", "list", [], "comma-separated origins added to `CSRF_TRUSTED_ORIGINS`"),
+    _s(
+        "LLMGW_METRICS_TOKEN",
+        "str",
+        "",
+        "when set, both `/metrics` (control plane and router) need `Authorization: Bearer <token>` (401 otherwise)",
+    ),
+    _s("STATIC_ROOT", "str", None, "Django's; static files are served by the app, `collectstatic` is optional"),
+    _s("LOG_LEVEL", "str", "INFO", "root log level"),
+    _s("LLMGW_PORT", "port", 8000, "control-plane port of `up` (`--port`)"),
+    _s("LLMGW_ROUTER_PORT", "port", 8080, "router port of `up` (`--router-port`)"),
+    _s("LLMGW_TICK_SECONDS", "float", 2.0, "reconcile interval (beat schedule too)", 0.1),
+    _s(
+        "LLMGW_LEASE_TTL_SECONDS",
+        "float",
+        15.0,
+        "leader lease lifetime (renewed every tick, or every third of it when shorter)",
+        1.0,
+    ),
+    _s("LLMGW_HEARTBEAT_SECONDS", "float", 5.0, "agent heartbeat interval (embedded agents)", 0.1),
+    _s("LLMGW_UNREACHABLE_AFTER_SECONDS", "float", 20.0, "a node silent this long is unreachable", 1.0),
+    _s("LLMGW_LOST_AFTER_SECONDS", "float", 120.0, "a node silent this long is lost (not below the above)", 1.0),
+    _s("LLMGW_GPU_QUARANTINE_SECONDS", "float", 300.0, "a recovered GPU waits this long before reuse", 0.0),
+    _s("LLMGW_START_RESEND_SECONDS", "float", 10.0, "resend a start command the agent has not answered", 0.5),
+    _s("LLMGW_SHARD_START_TIMEOUT_SECONDS", "float", 900.0, "a shard not ready by then fails its replica", 1.0),
+    _s("LLMGW_BACKOFF_BASE_SECONDS", "float", 5.0, "retry backoff for failed replicas: first delay", 0.0),
+    _s("LLMGW_BACKOFF_MAX_SECONDS", "float", 300.0, "retry backoff for failed replicas: longest delay", 0.0),
+    _s("LLMGW_BACKOFF_RESET_SECONDS", "float", 120.0, "a replica ready this long has its failure count reset", 0.0),
+    _s("LLMGW_ENGINE_PORT_RANGE", "port_range", (20000, 29999), "ports given to engines"),
+    _s(
+        "LLMGW_BUSY_PORT_SECONDS",
+        "float",
+        600.0,
+        "a port an agent found taken is not given to that host for this long",
+        0.0,
+    ),
+    _s(
+        "LLMGW_ACTIVATION_TIMEOUT_SECONDS",
+        "float",
+        120.0,
+        "how long the router holds a request for a starting model",
+        0.0,
+    ),
+    _s("LLMGW_ROUTER_POLL_SECONDS", "float", 5.0, "routers re-read the endpoint list this often besides the push", 0.1),
+    _s("LLMGW_USAGE_FLUSH_SECONDS", "float", 1.0, "routers write last-use stamps and in-flight peaks this often", 0.05),
+    _s(
+        "LLMGW_UPSTREAM_CONNECT_SECONDS",
+        "float",
+        5.0,
+        "router deadline for connecting to an engine (then another replica is tried)",
+        0.001,
+    ),
+    _s(
+        "LLMGW_UPSTREAM_FIRST_BYTE_SECONDS",
+        "float",
+        600.0,
+        "router deadline for an engine's first byte (then 504)",
+        0.001,
+    ),
+    _s(
+        "LLMGW_UPSTREAM_IDLE_SECONDS",
+        "float",
+        120.0,
+        "silence allowed between chunks of a stream (then it ends with an error event)",
+        0.001,
+    ),
+    _s(
+        "LLMGW_MAX_WAITERS_PER_MODEL",
+        "int",
+        1000,
+        "requests a router holds for one starting model; beyond, 503 with `Retry-After`",
+        1,
+    ),
+    _s(
+        "LLMGW_SHUTDOWN_GRACE_SECONDS",
+        "float",
+        30.0,
+        "on SIGTERM a router refuses new requests and lets streams finish this long",
+        0.0,
+    ),
+    _s(
+        "LLMGW_PARTITION_BRAKE_FRACTION",
+        "float",
+        0.3,
+        "more than this share of nodes silent together (and more than one): declare none lost",
+        0.0,
+    ),
+    _s("LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS", "float", 1800.0, "idle timeout of a profile that sets none", 1.0),
+    _s("LLMGW_EVICT_MIN_IDLE_SECONDS", "float", 60.0, "eviction takes only replicas idle at least this long", 0.0),
+    _s("LLMGW_MIN_RESIDENCY_SECONDS", "float", 300.0, "eviction takes only replicas ready at least this long", 0.0),
+    _s(
+        "LLMGW_SCALE_OUT_AFTER_SECONDS",
+        "float",
+        30.0,
+        "load above target concurrency must last this long to add a replica",
+        0.0,
+    ),
+    _s(
+        "LLMGW_ACTIVATION_LINGER_SECONDS",
+        "float",
+        10.0,
+        "an unplaced replica nobody has asked for this long is withdrawn",
+        1.0,
+    ),
+    _s(
+        "LLMGW_DRAIN_TIMEOUT_SECONDS",
+        "float",
+        300.0,
+        "a draining engine is stopped after this long even with requests running",
+        0.0,
+    ),
+    _s(
+        "LLMGW_ROUTER_FORGET_SECONDS",
+        "float",
+        300.0,
+        "a router silent this long is presumed gone (until then idleness is unknown)",
+        1.0,
+    ),
+    _s("LLMGW_ENGINE_POLL_SECONDS", "float", 1.0, "each router reads each replica's `/metrics` this often", 0.1),
+    _s("LLMGW_KV_CACHE_FULL_FRACTION", "float", 0.95, "routers skip replicas whose KV cache is fuller than this", 0.0),
+    _s(
+        "LLMGW_PREFIX_AFFINITY_SLACK",
+        "int",
+        4,
+        "a shared prompt prefix sticks to a replica while it has at most this many more in flight",
+        0,
+    ),
+)
+REGISTRY: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+_UNSET: Any = object()
+
+
+def setting(name: str, default: Any = _UNSET) -> Any:
+    """The value of registered setting `name` from the environment, read by the strict reader of its type.
+
+    `default` overrides the registry's only where the default is computed at
+    start-up (such entries show it in `shown_default`).
+    """
+    entry = REGISTRY[name]  # KeyError: every variable read must be registered (and so documented)
+    value = entry.default if default is _UNSET else default
+    if entry.kind == "str":
+        return env_str(name, value)
+    if entry.kind == "bool":
+        return env_bool(name, value)
+    if entry.kind == "float":
+        return env_float(name, value, minimum=entry.minimum)
+    if entry.kind == "int":
+        return env_int(name, value, minimum=None if entry.minimum is None else int(entry.minimum))
+    if entry.kind == "port":
+        return env_port(name, value)
+    if entry.kind == "port_range":
+        return env_port_range(name, value)
+    if entry.kind == "list":
+        return env_list(name, value)
+    raise ValueError(f"{name}: unknown setting kind {entry.kind!r}")
+
+
+def shown_default(entry: Setting) -> str:
+    """The default as the README shows it."""
+    if entry.shown_default is not None:
+        return entry.shown_default
+    value = entry.default
+    if value is None or value == "" or value == []:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{int(value)}`"
+    if isinstance(value, float) and value.is_integer():
+        return f"`{int(value)}`"
+    if isinstance(value, tuple):
+        return f"`{value[0]}-{value[1]}`"
+    return f"`{value}`"
+
+
+def markdown_table() -> str:
+    """The README's Configuration table, one row per registered setting."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{e.name}` | {shown_default(e)} | {e.help} |" for e in SETTINGS]
+    return "\n".join(lines) + "\n"
