@@ -69,7 +69,7 @@ def _text(browser, css):
     return found[0].text if found else ""
 
 
-def test_staff_sees_panels_update_live_and_stops_a_replica(browser, live_server):
+def test_staff_sees_panels_update_live_stops_a_replica_and_is_told_when_the_session_lapses(browser, live_server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -119,4 +119,11 @@ def test_staff_sees_panels_update_live_and_stops_a_replica(browser, live_server)
     browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
     _wait_for(browser, lambda: "Asked 1 replica(s) to stop" in _text(browser, "ul.messagelist"), "the stop message")
     assert Replica.objects.get(pk=serving.pk).state == ReplicaState.STOPPING
+
+    # A lapsed session: the loop keeps the last panels and says they may be stale.
+    browser.get(f"{live_server.url}/admin/")
+    _wait_for(browser, lambda: "stopping" in _text(browser, "#fleet-panels"), "the dashboard again")
+    browser.delete_cookie("sessionid")
+    _wait_for(browser, lambda: "session expired" in _text(browser, "#live-status"), "the stale notice")
+    assert "8/8 used" in _text(browser, "#capacity")
     assert time.monotonic() - started < 30

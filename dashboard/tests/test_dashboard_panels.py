@@ -17,10 +17,11 @@ from dashboard.panels import (
     usage_by_model,
     usage_window_start,
 )
+from dashboard.views import REPLICAS_SHOWN
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease, Replica
 from router.models import TokenUsage
-from tests.fleet import make_model, make_node, make_replica
+from tests.fleet import bulk_fleet, make_model, make_node, make_replica
 
 NOW = datetime(2026, 11, 30, 7, 40, 0, tzinfo=UTC)
 
@@ -186,3 +187,21 @@ def test_the_index_includes_the_panels_and_the_fetch_loop(admin_client):
     assert 'data-refresh-ms="5000"' in html
     assert re.search(r'<script src="/static/dashboard/live\.js" defer></script>', html)
     assert 'http-equiv="refresh"' not in html  # live by fetch, not by reloading the page
+
+
+@pytest.mark.django_db
+def test_replica_panel_lists_fifty_not_ready_first_and_counts_the_rest(admin_client):
+    bulk_fleet(13, replicas=52)
+    failed = make_replica(Replica.objects.first().profile, state=ReplicaState.FAILED)
+    html = admin_client.get("/admin/panels/").content.decode()
+    panel = html[html.index("<h2>Replicas</h2>") : html.index('id="usage"')]
+    rows = re.findall(r"<tr><td>(\d+)</td>", panel)
+    assert len(rows) == REPLICAS_SHOWN and rows[0] == str(failed.pk)
+    assert "… and 3 more; those not ready are listed first" in panel
+
+
+@pytest.mark.django_db
+def test_usage_chart_groups_thousands(admin_client):
+    _usage("llama-70b", timezone.now().replace(minute=0, second=0, microsecond=0), 1200, 50000, 20000)
+    usage = admin_client.get("/admin/panels/").content.decode().split('id="usage"')[1]
+    assert ">1,200 req</text>" in usage and ">70,000 tok</text>" in usage
