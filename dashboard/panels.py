@@ -84,10 +84,17 @@ def failed_replicas(now: datetime) -> list[dict]:
             "model": row["model__name"],
             "error": row["last_error"] or "-",
             "failures": row["failure_count"],
-            "retry": humanize_ago(row["next_attempt_at"], now),
+            "retry": _retry(row["next_attempt_at"], now),
         }
         for row in rows
     ]
+
+
+def _retry(next_attempt_at: datetime | None, now: datetime) -> str:
+    # Past due reads "due" (the next tick retries it), not "2 min ago", which looks like a retry that happened.
+    if next_attempt_at is not None and next_attempt_at <= now:
+        return "due"
+    return humanize_ago(next_attempt_at, now)
 
 
 def usage_window_start(now: datetime) -> datetime:

@@ -4,6 +4,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
 
 from reconciler.choices import ReplicaState
 from reconciler.idle import Idle
@@ -68,6 +69,7 @@ def dashboard_context(summary: dict | None = None) -> dict:
     }
 
 
+@require_GET
 @never_cache
 def panels_view(request: HttpRequest) -> HttpResponse:
     """The dashboard panels alone, as an HTML fragment (staff only: wrapped in `admin_view` by the site)."""

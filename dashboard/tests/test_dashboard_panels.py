@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from dashboard.panels import (
     CHART_WIDTH,
+    failed_replicas,
     humanize_ago,
     humanize_duration,
     short_id,
@@ -205,3 +206,18 @@ def test_usage_chart_groups_thousands(admin_client):
     _usage("llama-70b", timezone.now().replace(minute=0, second=0, microsecond=0), 1200, 50000, 20000)
     usage = admin_client.get("/admin/panels/").content.decode().split('id="usage"')[1]
     assert ">1,200 req</text>" in usage and ">70,000 tok</text>" in usage
+
+
+@pytest.mark.django_db
+def test_failed_replica_next_attempt_reads_in_words_or_due():
+    profile = make_model("m", min_replicas=0).profiles.get()
+    for due in (timezone.now() + timedelta(seconds=90), timezone.now() - timedelta(minutes=2), None):
+        replica = make_replica(profile, state=ReplicaState.FAILED)
+        Replica.objects.filter(pk=replica.pk).update(next_attempt_at=due)
+    assert [f["retry"] for f in failed_replicas(timezone.now())] == ["in 1 min", "due", "-"]
+
+
+@pytest.mark.django_db
+def test_panels_fragment_only_answers_get(admin_client):
+    response = admin_client.post("/admin/panels/")
+    assert response.status_code == 405 and response["Allow"] == "GET"
