@@ -2,10 +2,12 @@
 
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 
 from dashboard.metrics import metrics_view  # importing it registers the fleet gauges served at /metrics
 
 urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/")),  # the dashboard is the home page
     path("admin/", admin.site.urls),
     path("api/v1/", include("dashboard.api.urls")),
     # django_prometheus's exporter, behind LLMGW_METRICS_TOKEN when set.

@@ -36,7 +36,7 @@ def test_dashboard_shows_capacity_free_nodes_unplaceable_and_idle_for_staff(admi
     response = admin_client.get("/admin/")
     html = response.content.decode()
     assert response.status_code == 200
-    assert '<meta http-equiv="refresh" content="10">' in html
+    assert 'data-panels-url="/admin/panels/"' in html
     assert "4/16 used" in html and "12 free" in html
     assert 'class="used" style="width: 25.00%"' in html
     assert "needs 2 whole H100-80GB nodes on one fabric" in html

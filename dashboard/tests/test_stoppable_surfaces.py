@@ -53,7 +53,7 @@ def test_dashboard_panel_lists_candidates_and_the_idle_held_total(admin_client):
     panel = panel[: panel.index('<div class="module">')]
     assert "8 GPUs held by replicas idle over an hour (H100-80GB 8)." in panel
     assert f'<tr class="stoppable-row"><td>{replica.pk}</td><td>llama-70b</td><td>8</td><td>gpu-000</td>' in panel
-    assert "<td>2h00m</td><td>a whole H100-80GB node on ib-a</td><td>-</td>" in panel
+    assert '<td title="2h00m">2 h</td><td>a whole H100-80GB node on ib-a</td><td>-</td>' in panel
 
 
 def test_dashboard_panel_shows_ten_and_counts_the_rest(admin_client):
