@@ -53,7 +53,9 @@ class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
     """Catalog models with their aliases and profiles; `{name}` is a model's name or one of its aliases.
 
     Writes take the catalog file's entry shape and its checks (`catalog apply`).
-    Replacing profiles keeps rows by position; a model's deletion takes its replicas.
+    PUT replaces the whole entry; PATCH replaces only the keys it gives (a given
+    `aliases` or `profiles` list replaces that whole list). Profiles are kept by
+    position, as `catalog apply` does; deleting a model takes its replicas.
     """
 
     queryset = Model.objects.prefetch_related("aliases", "profiles").order_by("name")

@@ -1,12 +1,18 @@
 """REST API writes: each happy path, and bad input answered 400 naming the field with nothing changed."""
 
+import asyncio
+from functools import partial
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from catalog.models import Alias, Model, Profile
+from hub import get_hub
 from inventory.models import Node
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
@@ -206,3 +212,36 @@ def test_nul_characters_are_a_400_on_every_database(staff, method, path, body):
     response = getattr(staff, method)(path, body, format="json") if body else getattr(staff, method)(path)
     assert response.status_code == 400 and "NUL" in response.json()["detail"]
     assert not Model.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_revoking_through_the_api_tells_the_routers():
+    """The revoke is a save, so the key's hash goes out through the hub on commit (routers drop it at once)."""
+    client = client_for(get_user_model().objects.create_user("ops", is_staff=True))
+    api_key, _ = ApiKey.issue("k")
+    hub = get_hub()
+
+    async def scenario():
+        changes = hub.watch_key_changes()
+        heard = asyncio.ensure_future(anext(changes))
+        await asyncio.sleep(0.2)  # subscribed
+        revoke = partial(client.post, f"/api/v1/keys/{api_key.pk}/revoke")
+        response = await asyncio.get_running_loop().run_in_executor(None, revoke)
+        assert response.status_code == 200
+        async with asyncio.timeout(2):
+            return await heard
+
+    assert asyncio.run(scenario()) == [api_key.key_hash]
+
+
+def test_key_list_runs_a_constant_number_of_queries(staff):
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert staff.get("/api/v1/keys/").status_code == 200
+        return len(captured)
+
+    ApiKey.issue("first")
+    few = queries()
+    for i in range(20):
+        ApiKey.issue(f"k{i}", allowed_models=["m"])
+    assert queries() == few
