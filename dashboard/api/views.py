@@ -61,15 +61,21 @@ class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
     queryset = Model.objects.prefetch_related("aliases", "profiles").order_by("name")
     serializer_class = ModelSerializer
     lookup_field = "name"
-    lookup_value_regex = "[^/]+"
+    # Model names may hold "/" (hub ids such as meta-llama/Llama-3-8B), so the name is the rest of the path.
+    lookup_value_regex = r"[\s\S]+"
 
     def get_object(self):
         name = self.kwargs["name"]
-        found = self.get_queryset().filter(Q(name=name) | Q(aliases__name=name)).distinct().first()
+        found = self._named(name)
+        if found is None and name.endswith("/"):
+            found = self._named(name.rstrip("/"))  # the optional trailing slash, swallowed by the name
         if found is None:
-            raise Http404(f"No model or alias named “{name}”.")
+            raise Http404(f"No model or alias named “{name.rstrip('/')}”.")
         self.check_object_permissions(self.request, found)
         return found
+
+    def _named(self, name: str) -> Model | None:
+        return self.get_queryset().filter(Q(name=name) | Q(aliases__name=name)).distinct().first()
 
     def create(self, request, *args, **kwargs):
         model = writes.create_model(request.data)

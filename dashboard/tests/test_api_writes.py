@@ -245,3 +245,13 @@ def test_key_list_runs_a_constant_number_of_queries(staff):
     for i in range(20):
         ApiKey.issue(f"k{i}", allowed_models=["m"])
     assert queries() == few
+
+
+@pytest.mark.parametrize("path", ["meta-llama/Llama-3-8B", "meta-llama/Llama-3-8B/", "llama3", "llama3/"])
+def test_models_are_found_by_names_with_slashes_and_by_alias(staff, path):
+    model = make_model("meta-llama/Llama-3-8B")
+    Alias.objects.create(model=model, name="llama3")
+    response = staff.get(f"/api/v1/models/{path}")
+    assert response.status_code == 200 and response.json()["name"] == "meta-llama/Llama-3-8B"
+    assert staff.patch(f"/api/v1/models/{path}", {"enabled": False}, format="json").status_code == 200
+    assert staff.get("/api/v1/models/meta-llama/nope").status_code == 404
