@@ -60,6 +60,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "rest_framework.authtoken",
+    "drf_spectacular",
     "django_prometheus",
     "catalog",
     "inventory",
@@ -164,12 +165,24 @@ CHANNEL_LAYERS = channel_layers(REDIS_URL)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "dashboard.api.auth.TokenOrBearerAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "dashboard.api.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 100,
+    "DEFAULT_SCHEMA_CLASS": "dashboard.api.schema.ApiAutoSchema",
+    # JSON bodies only: one documented shape per write (forms would be a second, untyped one).
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "llmgw API",
+    "DESCRIPTION": "Operate the fleet: status summary, models (with aliases and profiles), nodes, replicas, "
+    "API keys and token usage. Staff only: a token (`Authorization: Bearer …`) or an admin session.",
+    "VERSION": "1",
+    # The schema and its Swagger UI are staff-only, like the API (drf-spectacular's default is anyone).
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
+    "COMPONENT_SPLIT_REQUEST": True,
 }
 
 # --- llmgw -------------------------------------------------------------------

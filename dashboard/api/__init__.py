@@ -1,1 +1,1 @@
-"""REST API under /api/v1/: the cluster summary and read-only catalog, inventory and replica lists."""
+"""REST API under /api/v1/ (staff only): the cluster summary; models, nodes, replicas and API keys, read and changed."""

@@ -1,16 +1,21 @@
-"""Read-only serializers for the REST API; related rows come from the viewsets' prefetches."""
+"""Serializers for the REST API; related rows come from the viewsets' prefetches. Writes are checked in `writes`."""
 
 from django.utils import timezone
 from rest_framework import serializers
 
+from catalog.catalog_file import PROFILE_FIELDS
 from catalog.models import Model, Profile
 from inventory.models import GPU, Node
 from reconciler.idle import Idle
 from reconciler.models import Replica
-from router.models import TokenUsage
+from router.models import ApiKey, TokenUsage
 
 
 class ProfileSerializer(serializers.ModelSerializer):
+    """A profile as read (with its id, order and learned start time)."""
+
+    engine_args = serializers.ListField(child=serializers.CharField(), read_only=True)
+
     class Meta:
         model = Profile
         fields = [
@@ -134,3 +139,73 @@ class TokenUsageSerializer(serializers.ModelSerializer):
     class Meta:
         model = TokenUsage
         fields = ["id", "key", "key_id", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
+
+
+class ProfileWriteSerializer(serializers.ModelSerializer):
+    """A profile as written: the catalog file's profile fields (order is the list position)."""
+
+    class Meta:
+        model = Profile
+        fields = list(PROFILE_FIELDS)
+        extra_kwargs = {"engine_args": {"help_text": 'Extra engine argv, e.g. ["--max-model-len", "8192"].'}}
+
+    def get_fields(self):
+        fields = super().get_fields()
+        fields["engine_args"] = serializers.ListField(child=serializers.CharField(), required=False)
+        return fields
+
+
+class ModelWriteSerializer(serializers.Serializer):
+    """A model as written by POST/PUT/PATCH: the same entry as in a catalog file (`catalog apply`).
+
+    Documents the body; the checks are the catalog file's (`dashboard.api.writes`).
+    """
+
+    name = serializers.CharField(max_length=200, help_text="Public name; cannot change after creation.")
+    source = serializers.CharField(max_length=500)
+    enabled = serializers.BooleanField(required=False, default=True)
+    aliases = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
+    profiles = ProfileWriteSerializer(many=True)
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    """An API key for the router; its secret is never shown again after creation."""
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "name",
+            "prefix",
+            "active",
+            "created_at",
+            "allowed_models",
+            "allowed_pools",
+            "expires_at",
+            "rpm",
+            "tpm",
+            "last_used_at",
+        ]
+        read_only_fields = ["id", "prefix", "active", "created_at", "last_used_at"]
+
+    def get_fields(self):
+        fields = super().get_fields()
+        for name in ("allowed_models", "allowed_pools"):
+            fields[name] = serializers.ListField(child=serializers.CharField(), required=False)
+        return fields
+
+
+class NewApiKeySerializer(ApiKeySerializer):
+    """A key just created, with its secret: store it now, it is not shown again."""
+
+    key = serializers.CharField(read_only=True, help_text="The secret; shown this once.")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+class DrainedSerializer(serializers.Serializer):
+    """What draining a node did."""
+
+    node = NodeSerializer()
+    replicas_stopped = serializers.IntegerField()

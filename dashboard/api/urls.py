@@ -1,29 +1,43 @@
-"""URLs under /api/v1/ (included from llmgw_site.urls)."""
+"""URLs under /api/v1/ (included from llmgw_site.urls): the router's viewsets, status, schema and Swagger UI."""
+
+from collections import OrderedDict
 
 from django.urls import re_path
-from rest_framework.renderers import JSONOpenAPIRenderer
-from rest_framework.routers import DefaultRouter
-from rest_framework.schemas import get_schema_view
+from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
+from rest_framework.routers import APIRootView, DefaultRouter
 
-from .views import ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
+from .views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
 
-router = DefaultRouter()
+
+class RootView(APIRootView):
+    """The API's endpoints: lists, plus status, the OpenAPI schema and its Swagger UI."""
+
+    api_root_dict = OrderedDict()
+
+
+class Router(DefaultRouter):
+    """DefaultRouter whose root also lists status, schema and docs."""
+
+    APIRootView = RootView
+
+    def get_api_root_view(self, api_urls=None):
+        names = {prefix: self.routes[0].name.format(basename=basename) for prefix, _, basename in self.registry}
+        names.update({"status": "api-status", "schema": "api-schema", "docs": "api-docs"})
+        return self.APIRootView.as_view(api_root_dict=names)
+
+
+router = Router()
 # Scripts tend to leave the trailing slash off; accept both (the constructor only knows "/" or "").
 router.trailing_slash = "/?"
 router.register("models", ModelViewSet, basename="model")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("replicas", ReplicaViewSet, basename="replica")
+router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", TokenUsageViewSet, basename="usage")
-
-schema_view = get_schema_view(
-    title="llmgw API",
-    description="Read the fleet: status summary, models, nodes, replicas, token usage per key, model and hour.",
-    version="1",
-    renderer_classes=[JSONOpenAPIRenderer],
-)
 
 urlpatterns = [
     re_path(r"^status/?$", StatusView.as_view(), name="api-status"),
-    re_path(r"^schema/?$", schema_view, name="api-schema"),
+    re_path(r"^schema/?$", SpectacularJSONAPIView.as_view(), name="api-schema"),
+    re_path(r"^docs/?$", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     *router.urls,
 ]

@@ -1,10 +1,15 @@
-"""REST API views: the cluster summary and read-only lists (a fixed number of queries each)."""
+"""REST API views: thin; the summary, lists (a fixed number of queries each) and writes through `writes`."""
 
 from datetime import UTC, datetime
 
+from django.db.models import Q
+from django.http import Http404
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
-from rest_framework import mixins, viewsets
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -12,38 +17,113 @@ from rest_framework.views import APIView
 from catalog.models import Model
 from dashboard.summary import cluster_summary
 from inventory.models import Node
+from reconciler.choices import ReplicaState
 from reconciler.models import Replica
-from router.models import TokenUsage
+from router.models import ApiKey, TokenUsage
 
-from .serializers import ModelSerializer, NodeSerializer, ReplicaSerializer, TokenUsageSerializer
+from . import writes
+from .guards import RefuseNulMixin
+from .serializers import (
+    ApiKeySerializer,
+    DrainedSerializer,
+    ModelSerializer,
+    ModelWriteSerializer,
+    NewApiKeySerializer,
+    NodeSerializer,
+    ReplicaSerializer,
+    TokenUsageSerializer,
+)
+from .status import StatusSerializer
 
 
 class StatusView(APIView):
     """GET /api/v1/status: `cluster_summary()`, the same data ctl_status and the dashboard show."""
 
+    @extend_schema(responses=StatusSerializer)
     def get(self, request):
         return Response(cluster_summary())
 
 
-class ModelViewSet(viewsets.ReadOnlyModelViewSet):
-    """Catalog models with their aliases and profiles."""
+@extend_schema_view(
+    create=extend_schema(request=ModelWriteSerializer, responses={201: ModelSerializer}),
+    update=extend_schema(request=ModelWriteSerializer, responses=ModelSerializer),
+    partial_update=extend_schema(request=ModelWriteSerializer(partial=True), responses=ModelSerializer),
+)
+class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
+    """Catalog models with their aliases and profiles; `{name}` is a model's name or one of its aliases.
+
+    Writes take the catalog file's entry shape and its checks (`catalog apply`).
+    PUT replaces the whole entry; PATCH replaces only the keys it gives (a given
+    `aliases` or `profiles` list replaces that whole list). Profiles are kept by
+    position, as `catalog apply` does; deleting a model takes its replicas.
+    """
 
     queryset = Model.objects.prefetch_related("aliases", "profiles").order_by("name")
     serializer_class = ModelSerializer
     lookup_field = "name"
-    lookup_value_regex = "[^/]+"
+    # Model names may hold "/" (hub ids such as meta-llama/Llama-3-8B), so the name is the rest of the path.
+    lookup_value_regex = r"[\s\S]+"
+
+    def get_object(self):
+        name = self.kwargs["name"]
+        found = self._named(name)
+        if found is None and name.endswith("/"):
+            found = self._named(name.rstrip("/"))  # the optional trailing slash, swallowed by the name
+        if found is None:
+            raise Http404(f"No model or alias named “{name.rstrip('/')}”.")
+        self.check_object_permissions(self.request, found)
+        return found
+
+    def _named(self, name: str) -> Model | None:
+        return self.get_queryset().filter(Q(name=name) | Q(aliases__name=name)).distinct().first()
+
+    def create(self, request, *args, **kwargs):
+        model = writes.create_model(request.data)
+        return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
+
+    def update(self, request, *args, **kwargs):
+        model = writes.update_model(self.get_object(), request.data, partial=kwargs.get("partial", False))
+        return Response(ModelSerializer(model).data)
 
 
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """Nodes with their GPUs."""
+@extend_schema_view(
+    cordon=extend_schema(request=None, responses=NodeSerializer),
+    uncordon=extend_schema(request=None, responses=NodeSerializer),
+    drain=extend_schema(request=None, responses=DrainedSerializer),
+)
+class NodeViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
+    """Nodes with their GPUs; cordon, uncordon and drain (cordon, then stop its replicas)."""
 
     queryset = Node.objects.prefetch_related("gpus").order_by("name")
     serializer_class = NodeSerializer
     lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+
+    @action(detail=True, methods=["post"])
+    def cordon(self, request, name=None):
+        return Response(NodeSerializer(writes.set_cordoned(self.get_object(), True)).data)
+
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request, name=None):
+        return Response(NodeSerializer(writes.set_cordoned(self.get_object(), False)).data)
+
+    @action(detail=True, methods=["post"])
+    def drain(self, request, name=None):
+        node = self.get_object()
+        stopped = writes.drain_node(node)
+        return Response({"node": NodeSerializer(node).data, "replicas_stopped": stopped})
 
 
-class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
-    """Replicas with their nodes, GPU count and idle time."""
+STATE_FILTER = OpenApiParameter("state", OpenApiTypes.STR, enum=list(ReplicaState.values), description="Only these.")
+
+
+@extend_schema_view(
+    list=extend_schema(parameters=[STATE_FILTER]),
+    stop=extend_schema(request=None, responses=ReplicaSerializer),
+    drain=extend_schema(request=None, responses=ReplicaSerializer),
+)
+class ReplicaViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
+    """Replicas with their nodes, GPU count and idle time; stop (or drain) one gracefully."""
 
     queryset = (
         Replica.objects.select_related("model")
@@ -51,14 +131,64 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
         .order_by("id")
     )
     serializer_class = ReplicaSerializer
+    # Any segment reaches the view, so a non-number is this API's JSON 404, not Django's HTML one.
+    lookup_value_regex = "[^/]+"
 
     def get_queryset(self):
         queryset = super().get_queryset()
         state = self.request.query_params.get("state")
+        if state is not None and state not in ReplicaState.values:
+            raise ValidationError({"state": f"{state!r} is not one of {', '.join(ReplicaState.values)}."})
         return queryset.filter(state=state) if state else queryset
 
+    def _stopped(self, reason: str) -> Response:
+        replica = self.get_object()
+        writes.stop_one_replica(replica, reason)
+        fresh = self.get_queryset().filter(pk=replica.pk).first()
+        # A replica with no shards is deleted at once; answer with what it was.
+        return Response(ReplicaSerializer(fresh or replica, context={"request": self.request}).data)
 
-class TokenUsageViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    @action(detail=True, methods=["post"])
+    def stop(self, request, pk=None):
+        return self._stopped("stopped by an operator (API)")
+
+    @action(detail=True, methods=["post"])
+    def drain(self, request, pk=None):
+        return self._stopped("drained by an operator (API)")
+
+
+@extend_schema_view(
+    create=extend_schema(request=ApiKeySerializer, responses={201: NewApiKeySerializer}),
+    revoke=extend_schema(request=None, responses=ApiKeySerializer),
+)
+class ApiKeyViewSet(RefuseNulMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Router API keys: list, create (the secret is in this one answer), revoke (routers refuse it within a second)."""
+
+    queryset = ApiKey.objects.order_by("name", "id")
+    serializer_class = ApiKeySerializer
+    lookup_value_regex = "[^/]+"
+
+    def create(self, request, *args, **kwargs):
+        serializer = ApiKeySerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        key, secret = writes.issue_key(dict(serializer.validated_data))
+        return Response({**ApiKeySerializer(key).data, "key": secret}, status=status.HTTP_201_CREATED)
+
+    @action(detail=True, methods=["post"])
+    def revoke(self, request, pk=None):
+        return Response(ApiKeySerializer(writes.revoke_key(self.get_object())).data)
+
+
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[
+            OpenApiParameter("key", OpenApiTypes.STR, description="The key's name."),
+            OpenApiParameter("model", OpenApiTypes.STR),
+            OpenApiParameter("since", OpenApiTypes.STR, description="ISO 8601 date or time (UTC unless it says)."),
+        ]
+    )
+)
+class TokenUsageViewSet(RefuseNulMixin, mixins.ListModelMixin, viewsets.GenericViewSet):
     """GET /api/v1/usage/: tokens per API key, model and hour, newest hour first.
 
     Filters: `key` (the key's name), `model`, `since` (an ISO 8601 date or

@@ -1,0 +1,87 @@
+"""schemathesis, every check, against /api/v1/schema on the live app (in-process WSGI) with a staff token.
+
+The schema comes from the serializers that answer, so any disagreement between
+what the API says and what it does fails here. Deterministic and bounded
+(25 examples per operation) so it runs in the normal suite.
+"""
+
+import time
+from datetime import timedelta
+
+import pytest
+import schemathesis
+from django.conf import settings as django_settings
+from django.contrib.auth import get_user_model
+from django.core.signals import request_finished, request_started
+from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
+from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from rest_framework.authtoken.models import Token
+from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
+
+from catalog.models import Alias
+from dashboard.summary import cluster_summary
+from dashboard.tests.test_stoppable_surfaces import idle_fleet
+from reconciler.choices import ReplicaState
+from reconciler.models import Lease
+from router.models import ApiKey
+from tests.fleet import make_model, make_node, make_replica, watch_usage
+
+CONFIG = {
+    "generation": {"max-examples": 25, "deterministic": True},
+    "checks": {
+        # The schema cannot state the catalog's cross-field and namespace rules (max >= min replicas,
+        # a name not already an alias, at most 16 GPUs per node): well-typed input may still be a 400,
+        # and then the 400 names the rule (tested in test_api_writes).
+        "positive_data_acceptance": {"expected-statuses": ["2xx", "400", "401", "403", "404"]},
+    },
+}
+
+
+@pytest.fixture
+def api_schema(db):
+    user = get_user_model().objects.create_user("fuzzer", password="pw", is_staff=True)
+    token = Token.objects.create(user=user).key
+    # A fleet where every part of the status answer has content: a leader, a replica that can be
+    # stopped, an unplaceable model, a failed replica with its reason, a key with scopes and usage.
+    Lease.objects.create(name=django_settings.LLMGW_LEASE_NAME, owner="cp-1", epoch=3, expires_at=time.time() + 30)
+    watch_usage(known_since=timezone.now() - timedelta(days=1))
+    idle_fleet()
+    model = make_model("fuzz-model", gpus_per_node=1, min_replicas=0)
+    Alias.objects.create(model=model, name="fuzz-alias")
+    make_replica(model.profiles.get(), placement=[(make_node("fuzz-node", gpus=2), [0])])
+    make_replica(model.profiles.get(), state=ReplicaState.FAILED, error="engine exited: CUDA out of memory")
+    ApiKey.issue("fuzz-key", allowed_models=["fuzz-model"], rpm=60)
+    summary = cluster_summary()
+    assert summary["leader"] and summary["stoppable"] and summary["unplaceable"], "the fleet lost its variety"
+    # The app runs in this thread on the test's own connection; like Django's test client, keep it open.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    config = SchemathesisConfig.from_dict({**CONFIG, "headers": {"Authorization": f"Bearer {token}"}})
+    yield schemathesis.openapi.from_wsgi(
+        "/api/v1/schema", get_wsgi_application(), config=config, headers={"Authorization": f"Bearer {token}"}
+    )
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_api_conforms_to_its_schema(api_schema, mode):
+    # schemathesis's own pytest plugin does not run under this pytest (9.x); its strategies do.
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    assert len(operations) > 20
+    for operation in operations:
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=25, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+        def conforms(case):
+            case.call_and_validate()
+
+        try:
+            conforms()
+        except Unsatisfiable:
+            # Nothing in this operation can be made invalid (e.g. a bare string path parameter).
+            assert mode is GenerationMode.NEGATIVE, operation.label
