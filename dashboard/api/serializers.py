@@ -18,23 +18,8 @@ class ProfileSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Profile
-        fields = [
-            "id",
-            "order",
-            "engine",
-            "gpu_class",
-            "gpus_per_node",
-            "nodes_per_replica",
-            "min_replicas",
-            "max_replicas",
-            "target_concurrency",
-            "priority",
-            "pool",
-            "weight",
-            "idle_timeout_seconds",
-            "engine_args",
-            "start_seconds",
-        ]
+        # The fields a catalog file sets (one list for both), with the row's id, order and learned start time.
+        fields = ["id", "order", *PROFILE_FIELDS, "start_seconds"]
 
 
 class ModelSerializer(serializers.ModelSerializer):
