@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: demo test lint test-sqlite test-postgres migrate faults
+.PHONY: browser demo test lint test-sqlite test-postgres migrate faults
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,15 @@ test-sqlite: $(VENV)/.installed
 test-postgres: $(VENV)/.installed
 	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
 
-test: lint test-sqlite test-postgres
+test: lint browser test-sqlite test-postgres
+
+# The dashboard's browser test drives a real headless Chromium: find it, or install it where we may
+# (root with apt-get); elsewhere say loudly that the browser test will be skipped.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } ; } || \
+	  echo "*** NO BROWSER: install chromium and chromium-driver, or the dashboard's browser test is skipped ***"
 
 # The fault drill: the distributed stack on private PostgreSQL and Redis, each fault in turn, a verdict table.
 faults: $(VENV)/.installed

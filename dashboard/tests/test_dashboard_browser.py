@@ -1,7 +1,7 @@
 """The dashboard in a real headless Chromium (Selenium) against a live server: log in, watch panels update, stop a replica.
 
-Needs /usr/bin/chromium and /usr/bin/chromedriver (apt: chromium chromium-driver;
-`.ci/run` installs them). Without them the test is skipped with a loud reason —
+Needs /usr/bin/chromium and /usr/bin/chromedriver (apt: chromium chromium-driver; `make test`
+and `.ci/run` install them where they may). Without them the test is skipped with a loud reason —
 the one skip issue 9 allows.
 """
 
