@@ -1,20 +1,20 @@
 """Requests and tokens per minute per API key, shared by every router without a network call per request.
 
 Minutes are fixed windows of the wall clock (UTC), the same on every router.
-Each router admits a limited key's requests from an allowance it holds in
-memory; once a flush interval it hands the hub what it admitted (and the
-tokens those requests spent) and gets back the key's totals over every router
-this minute and how many routers report. Its next allowance is its share of
-what is left: ceil((limit - total) / routers).
+Each of the N routers reporting usage may admit a limited key's requests up to
+its share of the limit, ceil(limit / N), and never once the key's total over
+every router (as of its last exchange with the hub) has reached the limit.
+Once a flush interval it hands the hub what it admitted (and the tokens those
+requests spent) and takes back the key's totals and N.
 
-Worst case, per key and minute: the routers together admit at most
-`rpm + routers - 1` requests (each share is rounded up), and spend at most
-`tpm` plus the tokens of the requests admitted before the totals caught up:
-tokens are known only once an answer is complete, so a request is admitted
-while the key is under its limit and may end above it. Before a router's
-first exchange with the hub in a minute (or while the hub is unreachable), it
-admits its share as of its last exchange (the whole limit when it has never
-had one). Keys without limits cost nothing here: the check returns at once.
+Worst case, per key and minute, while the routers are stable: at most
+`rpm + N - 1` requests (N shares, each rounded up), whatever the timing of
+the exchanges; tokens at most `tpm + N - 1` plus the tokens of the answers in
+flight when a router's share ran out (tokens are known only once an answer is
+complete). The price of that bound: a key whose traffic reaches only one of N
+routers gets about rpm / N there. A router learns N at start and at each
+exchange; while routers join, a share is computed on the old N for up to a
+flush interval. Keys without limits cost nothing here: the app does not call in.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import RouterError
 
@@ -36,40 +36,44 @@ class _KeyWindow:
     rpm: int | None
     tpm: int | None
     minute: int
-    requests_allowed: float = math.inf
-    tokens_allowed: float = math.inf
-    requests: int = 0  # admitted here since the last exchange
-    tokens: int = 0  # spent here since the last exchange
+    name: str = ""
+    admitted: int = 0  # requests admitted here this minute
+    spent: int = 0  # tokens spent here this minute
+    requests: int = 0  # of which not yet handed to the hub
+    tokens: int = 0
     total_requests: int = 0  # every router, as of the last exchange
     total_tokens: int = 0
-    name: str = ""
-    shares: int = field(default=1)
 
 
 class RateLimiter:
-    """Admits limited keys' requests from per-router allowances; see the module docstring."""
+    """Admits limited keys' requests up to this router's share; see the module docstring."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self._clock = clock
         self._keys: dict[str, _KeyWindow] = {}
-        self._routers = 1  # routers reporting, as of the last exchange
+        self.routers = 1  # routers reporting usage, as of the last exchange
 
     def admit(self, digest: str, name: str, rpm: int | None, tpm: int | None) -> None:
         """Count one request of a limited key, or raise a 429 RouterError in OpenAI's shape."""
         minute = int(self._clock() // WINDOW_SECONDS)
         state = self._keys.get(digest)
         if state is None or state.minute != minute or (state.rpm, state.tpm) != (rpm, tpm):
-            state = self._keys[digest] = self._fresh(minute, rpm, tpm, name)
-        if rpm is not None and state.requests >= state.requests_allowed:
+            state = self._keys[digest] = _KeyWindow(rpm, tpm, minute, name)
+        routers = self.routers
+        if rpm is not None and (
+            state.admitted >= math.ceil(rpm / routers) or state.total_requests + state.requests >= rpm
+        ):
             raise self._limited(state, "requests")
-        if tpm is not None and state.tokens >= state.tokens_allowed:
+        if tpm is not None and (state.spent >= math.ceil(tpm / routers) or state.total_tokens + state.tokens >= tpm):
             raise self._limited(state, "tokens")
+        state.admitted += 1
         state.requests += 1
 
-    def spent(self, digest: str | None, tokens: int) -> None:
+    def spent_tokens(self, digest: str | None, tokens: int) -> None:
         """Tokens an answer of a limited key spent (other keys are not tracked)."""
         state = self._keys.get(digest) if digest is not None else None
         if state is not None and tokens > 0:
+            state.spent += tokens
             state.tokens += tokens
 
     def take(self) -> tuple[int, dict[str, list[int]]]:
@@ -81,58 +85,45 @@ class RateLimiter:
                 del self._keys[digest]  # an old minute's counts no longer limit anything
                 continue
             deltas[digest] = [state.requests, state.tokens]
-            # Handed on: what is left of the allowance until the hub's totals include them.
-            state.requests_allowed -= state.requests
-            state.tokens_allowed -= state.tokens
+            # Handed on: the hub's totals will count them from now on.
+            state.total_requests += state.requests
+            state.total_tokens += state.tokens
             state.requests = state.tokens = 0
         return minute, deltas
 
     def restore(self, minute: int, deltas: dict[str, list[int]]) -> None:
-        """Put back counts the hub did not take, so this router's own admissions still count."""
+        """Put back counts the hub did not take, so they are handed on at the next exchange."""
         for digest, (requests, tokens) in deltas.items():
             state = self._keys.get(digest)
             if state is not None and state.minute == minute:
                 state.requests += requests
                 state.tokens += tokens
-                state.requests_allowed += requests
-                state.tokens_allowed += tokens
+                state.total_requests -= requests
+                state.total_tokens -= tokens
 
     def apply(self, minute: int, totals: dict[str, list[int]], routers: int) -> None:
-        """The hub's totals over every router this minute: each key's next allowance is this router's share."""
-        self._routers = max(1, routers)
+        """The hub's answer: each key's totals over every router this minute, and how many routers report."""
+        self.routers = max(1, routers)
         for digest, (requests, tokens) in totals.items():
             state = self._keys.get(digest)
-            if state is None or state.minute != minute:
-                continue
-            state.total_requests, state.total_tokens = requests, tokens
-            state.shares = self._routers
-            state.requests_allowed = _share(state.rpm, requests, self._routers)
-            state.tokens_allowed = _share(state.tpm, tokens, self._routers)
+            if state is not None and state.minute == minute:
+                # What was admitted here since the exchange began is not in the hub's totals yet.
+                state.total_requests, state.total_tokens = requests, tokens
 
     def limited_keys(self) -> int:
         return len(self._keys)
-
-    def _fresh(self, minute: int, rpm: int | None, tpm: int | None, name: str) -> _KeyWindow:
-        # Until the first exchange of the minute: this router's share of the whole limit.
-        return _KeyWindow(
-            rpm,
-            tpm,
-            minute,
-            requests_allowed=_share(rpm, 0, self._routers),
-            tokens_allowed=_share(tpm, 0, self._routers),
-            name=name,
-            shares=self._routers,
-        )
 
     def _limited(self, state: _KeyWindow, kind: str) -> RouterError:
         now = self._clock()
         reset = max(1, math.ceil((state.minute + 1) * WINDOW_SECONDS - now))
         limit = state.rpm if kind == "requests" else state.tpm
-        used = (state.total_requests + state.requests) if kind == "requests" else (state.total_tokens + state.tokens)
+        used_requests = max(state.total_requests + state.requests, state.admitted)
+        used_tokens = max(state.total_tokens + state.tokens, state.spent)
+        used = used_requests if kind == "requests" else used_tokens
         headers = [(b"retry-after", str(reset).encode())]
         for each, each_limit, each_used in (
-            ("requests", state.rpm, state.total_requests + state.requests),
-            ("tokens", state.tpm, state.total_tokens + state.tokens),
+            ("requests", state.rpm, used_requests),
+            ("tokens", state.tpm, used_tokens),
         ):
             if each_limit is not None:
                 headers += [
@@ -141,18 +132,12 @@ class RateLimiter:
                     (f"x-ratelimit-reset-{each}".encode(), f"{reset}s".encode()),
                 ]
         short = "rpm" if kind == "requests" else "tpm"
+        scope = f"this router's share ({math.ceil((limit or 0) / self.routers)} of {limit}, {self.routers} routers)"
         return RouterError(
             429,
             f"Rate limit reached for {kind} per minute ({short}) on API key “{state.name}”: "
-            f"limit {limit}, used {used}. Retry after {reset} s.",
+            f"limit {limit}, used {used}" + (f"; {scope}" if self.routers > 1 else "") + f". Retry after {reset} s.",
             "rate_limit_exceeded",
             type_=kind,
             headers=headers,
         )
-
-
-def _share(limit: int | None, used: int, routers: int) -> float:
-    """What one of `routers` routers may still admit of `limit` when `used` is spent; infinite without a limit."""
-    if limit is None:
-        return math.inf
-    return math.ceil(max(0, limit - used) / routers)

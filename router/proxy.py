@@ -365,4 +365,4 @@ class Proxy:
                 usage = reader.usage() if reader is not None else None
                 self.balancer.tokens.count(outcome.key, endpoint.model, usage, 200 <= status < 300)
                 if usage is not None:
-                    self.balancer.limits.spent(outcome.key, usage[0] + usage[1])
+                    self.balancer.limits.spent_tokens(outcome.key, usage[0] + usage[1])

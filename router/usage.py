@@ -56,6 +56,7 @@ class UsageFlusher:
 
     async def run(self) -> None:
         """Flush every `flush_seconds`, until cancelled."""
+        await self._sync_limits(always=True)  # learn how many routers share each key's limits, before any request
         while True:
             await asyncio.sleep(self.flush_seconds)
             await self.flush()
@@ -91,13 +92,14 @@ class UsageFlusher:
         if self._failing:
             log.info("usage store is taking usage reports again")
             self._failing = False
-        await self._sync_limits()
+        # Every flush, even with no limited key in use: the count of routers must be current before one is.
+        await self._sync_limits(always=True)
         return True
 
-    async def _sync_limits(self) -> None:
+    async def _sync_limits(self, always: bool = False) -> None:
         """Hand the hub what limited keys used here; take back their totals over every router (router.limits)."""
         limits = self.balancer.limits
-        if not limits.limited_keys():
+        if not limits.limited_keys() and not always:
             return
         minute, deltas = limits.take()
         try:

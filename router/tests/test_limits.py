@@ -55,15 +55,31 @@ def test_a_new_minute_starts_afresh():
     assert limited(limiter, 5, rpm=2)[0] == 2
 
 
-def test_after_an_exchange_each_router_admits_its_share_of_what_is_left():
+def test_each_router_admits_at_most_its_share_whatever_the_timing_of_exchanges():
+    """N routers, each up to ceil(rpm / N): together at most rpm + N - 1, however their exchanges interleave."""
+    clock = Clock()
+    first, second = RateLimiter(clock), RateLimiter(clock)
+    for limiter in (first, second):
+        limiter.apply(int(clock.now // 60), {}, routers=2)
+    assert limited(first, 20, rpm=9)[0] == 5
+    # `first` hands its 5 on; `second` has not heard the total yet, and keeps to its own share.
+    minute, deltas = first.take()
+    first.apply(minute, {"d": [5, 0]}, routers=2)
+    assert limited(second, 20, rpm=9)[0] == 5  # 5 + 5 = 10: the worst case, rpm + routers - 1
+    assert limited(first, 20, rpm=9)[0] == 0
+    # Once `second` hands its 5 on, the hub's total (10) is over the limit: nothing more anywhere this minute.
+    minute, deltas = second.take()
+    second.apply(minute, {"d": [10, 0]}, routers=2)
+    assert limited(second, 20, rpm=9)[0] == 0
+
+
+def test_a_router_alone_admits_the_whole_limit_and_stops_when_the_total_is_reached():
     clock = Clock()
     limiter = RateLimiter(clock)
     limiter.admit("d", "team", 10, None)
-    minute, deltas = limiter.take()
-    assert deltas == {"d": [1, 0]}
-    # Every router together has used 4 of 10 this minute, and two routers report: a share of 3 each.
-    limiter.apply(minute, {"d": [4, 0]}, routers=2)
-    assert limited(limiter, 10, rpm=10)[0] == 3
+    minute, _ = limiter.take()
+    limiter.apply(minute, {"d": [8, 0]}, routers=1)  # other routers that left spent 7 more this minute
+    assert limited(limiter, 10, rpm=10)[0] == 2
 
 
 def test_counts_the_hub_did_not_take_still_count_here():
@@ -79,7 +95,7 @@ def test_tokens_per_minute_stop_a_key_once_spent():
     clock = Clock()
     limiter = RateLimiter(clock)
     limiter.admit("d", "team", None, 10)
-    limiter.spent("d", 12)  # an answer may take the key past its limit: tokens are known only afterwards
+    limiter.spent_tokens("d", 12)  # an answer may take the key past its limit: tokens are known only afterwards
     admitted, refusal = limited(limiter, 3, tpm=10)
     assert admitted == 0 and refusal.type == "tokens"
     assert dict(refusal.headers)[b"x-ratelimit-remaining-tokens"] == b"0"
@@ -87,7 +103,7 @@ def test_tokens_per_minute_stop_a_key_once_spent():
 
 def test_keys_without_limits_are_not_tracked():
     limiter = RateLimiter(Clock())
-    limiter.spent("unlimited", 1000)
+    limiter.spent_tokens("unlimited", 1000)
     assert limiter.limited_keys() == 0 and limiter.take()[1] == {}
 
 
@@ -110,7 +126,7 @@ def test_hubs_add_up_every_routers_counts_per_minute(kind, request):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("kind", ["in-process", "redis"])
 def test_two_routers_share_one_rpm_within_the_stated_overshoot(kind, request, start_router, start_engine):
-    """Worst case per minute: rpm + routers - 1 (each router's share is rounded up)."""
+    """Worst case per minute: rpm + routers - 1 (each router admits at most its share, rounded up)."""
     # One minute window for the whole test: do not start in its last seconds.
     if time.time() % 60 > 45:
         time.sleep(60.5 - time.time() % 60)
