@@ -2,7 +2,7 @@
 
 Needs /usr/bin/chromium and /usr/bin/chromedriver (apt: chromium chromium-driver; `make test`
 and `.ci/run` install them where they may). Without them the test is skipped with a loud reason —
-the one skip issue 9 allows.
+the one skip the project allows.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""The /metrics endpoints: the token, the gauges issue 9 asks for, and the sample Grafana dashboard's names."""
+"""The /metrics endpoints: the token, the fleet gauges, and the sample Grafana dashboard's names."""
 
 import json
 import re

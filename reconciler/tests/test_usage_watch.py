@@ -1,4 +1,4 @@
-"""Unknown stays unknown at fleet level (issue 7, DESIGN invariant 3): every router's mark, judged each tick."""
+"""Unknown stays unknown at fleet level (DESIGN invariant 3): every router's mark, judged each tick."""
 
 import asyncio
 import time
