@@ -67,14 +67,52 @@ def chat_with_key(router, key):
     )
 
 
-class FakeEngine:
+class ThreadedEngine:
+    """A small aiohttp server on an event loop of its own thread, for tests; subclasses add their routes."""
+
+    # Seconds aiohttp waits for handlers still running when the engine stops (aiohttp's default).
+    shutdown_timeout = 60.0
+
+    def __init__(self, name: str = "engine"):
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"engine-{name}")
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def routes(self, app: web.Application) -> None:
+        """Add this engine's routes to `app`."""
+
+    def start(self):
+        app = web.Application()
+        self.routes(app)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(app), self._loop).result(5)
+        return self
+
+    async def _serve(self, app) -> None:
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.shutdown_timeout)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+class FakeEngine(ThreadedEngine):
     """An engine stand-in speaking enough of the OpenAI API; its failures and delays are set by the test."""
 
     def __init__(self, name: str = "engine", *, status: int = 200, delay: float = 0.0):
+        super().__init__(name)
         self.name = name
         self.status = status
         self.delay = delay
-        self.port = free_port()
         self.requests: list[dict] = []
         self.active = 0
         self.max_active = 0
@@ -84,33 +122,11 @@ class FakeEngine:
         self.released_in_time: bool | None = None
         self.endless = False
         self.stream_cut = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"engine-{name}")
-        self._runner: web.AppRunner | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> FakeEngine:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/embeddings", self._embedding)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(app), self._loop).result(5)
-        return self
-
-    async def _serve(self, app) -> None:
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
     async def _begin(self, request) -> dict:
         body = await request.json()

@@ -21,7 +21,7 @@ from conftest import free_port, wait_until
 from router.balancer import Balancer
 from router.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
 
-from .conftest import MODEL, PROJECT, make_table
+from .conftest import MODEL, PROJECT, ThreadedEngine, make_table
 
 # -- parsing -----------------------------------------------------------------------------------
 
@@ -88,47 +88,25 @@ def test_the_mock_engines_metrics_are_read():
 # -- a small engine whose /metrics the test sets -----------------------------------------------
 
 
-class MetricsEngine:
+class MetricsEngine(ThreadedEngine):
     """An aiohttp engine answering chat completions with its name, and /metrics with what the test sets."""
 
     def __init__(self, name: str):
+        super().__init__(name)
         self.name = name
-        self.port = free_port()
         self.metrics = ""
         self.status = 200
         self.delay = 0.0
         self.served = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"engine-{name}")
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def report(self, waiting: float, kv_usage: float) -> None:
         self.metrics = gauge("vllm:num_requests_waiting", f" {waiting}") + gauge(
             "vllm:kv_cache_usage_perc", f" {kv_usage}"
         )
 
-    def start(self) -> "MetricsEngine":
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions", self._chat)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(app), self._loop).result(5)
-        return self
-
-    async def _serve(self, app) -> None:
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
     async def _metrics(self, request):
         if self.delay:

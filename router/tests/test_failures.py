@@ -17,9 +17,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from conftest import free_port, wait_until
+from conftest import wait_until
 
-from .conftest import MODEL, make_table
+from .conftest import MODEL, ThreadedEngine, make_table
 from .test_proxy import assert_openai_error, chat, metric, run_concurrently, stream_lines
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,7 +31,7 @@ def chunk(text: str) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
-class BrokenEngine:
+class BrokenEngine(ThreadedEngine):
     """An engine that begins its answer and then fails as `mode` says.
 
     Modes: "stall" (first chunk, then silence), "die" (first chunk, then the
@@ -40,37 +40,17 @@ class BrokenEngine:
     only after `delay` seconds, then a whole answer).
     """
 
+    shutdown_timeout = 0.1
+
     def __init__(self, mode: str, delay: float = 0.0):
+        super().__init__(f"broken-{mode}")
         self.mode = mode
         self.delay = delay
-        self.port = free_port()
         self.requests = 0
         self.done = threading.Event()  # set when the engine's handler ended (the router hung up on it)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> BrokenEngine:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._answer)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(app), self._loop).result(5)
-        return self
-
-    async def _serve(self, app) -> None:
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
     async def _answer(self, request):
         self.requests += 1
