@@ -63,6 +63,48 @@ PROXY_PATHS = frozenset(
 MODEL_PATH_PREFIX = "/v1/models/"
 # nginx's convention for "the client closed the request"; only ever a metric label.
 CLIENT_CLOSED = 499
+# How long a request runs before the router starts watching for its client's disconnect (seconds).
+DISCONNECT_WATCH_DELAY = 0.2
+
+
+class DisconnectWatch:
+    """Cancels the request's task when its client goes away, so the upstream request stops with it.
+
+    `start()` (run by a timer on the request's loop) begins waiting for the
+    disconnect; `stop()` ends the wait once the request is over. The task it
+    cancels tells its own cancellation from any other by `client_gone()`.
+    """
+
+    __slots__ = ("_receive", "_outcome", "_task", "_request", "_gone")
+
+    def __init__(self, receive: Receive, outcome: Outcome):
+        self._receive = receive
+        self._outcome = outcome
+        self._request = asyncio.current_task()
+        self._task: asyncio.Task | None = None
+        self._gone = False
+
+    def start(self) -> None:
+        if self._request is not None and not self._request.done():
+            self._task = asyncio.ensure_future(self._wait())
+
+    async def _wait(self) -> None:
+        await until_disconnect(self._receive)
+        request = self._request
+        if request is not None and not request.done():
+            self._gone = True
+            request.cancel()
+
+    def client_gone(self) -> bool:
+        """Whether this watch cancelled the request (and takes that cancellation back, so it ends normally)."""
+        if self._gone and self._request is not None:
+            self._request.uncancel()
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 class RouterApp:
@@ -206,13 +248,13 @@ class RouterApp:
         return info
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        metrics = self._metrics
+        traffic = self._metrics.traffic
         model = UNKNOWN_MODEL
         try:
             key = await self._authorize(scope)
             body = await read_body(receive, self._max_body_bytes)
             if body is None:
-                metrics.requests.labels(model, str(CLIENT_CLOSED)).inc()
+                traffic.answered(model, CLIENT_CLOSED)
                 return
             model, body, streaming, affinity = self._parse(body)
             if key.allowed_models and not key.allows(model, self._balancer.resolve):
@@ -220,41 +262,39 @@ class RouterApp:
             if key.rpm is not None or key.tpm is not None:
                 self._balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
         except RouterError as exc:
-            metrics.requests.labels(model, str(exc.status)).inc()
+            traffic.answered(model, exc.status)
             raise
 
         # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.tokens.
         outcome = Outcome(key.digest)
-        forward = asyncio.ensure_future(
-            self._proxy.forward(
+        # The client may go away while we wait for a replica or stream: then the upstream request must
+        # stop. The request is forwarded in this task, and a watch for the disconnect starts only if it
+        # is still running after DISCONNECT_WATCH_DELAY: most answers are done by then, and spare the
+        # task a watch costs.
+        watch = DisconnectWatch(receive, outcome)
+        timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_DELAY, watch.start)
+        traffic.in_flight += 1
+        try:
+            await self._proxy.forward(
                 scope, send, path, model, body, outcome, streaming, affinity=affinity, pools=key.allowed_pools or None
             )
-        )
-        # The client may go away while we wait for a replica or stream: then stop the upstream request.
-        gone = asyncio.ensure_future(until_disconnect(receive))
-        metrics.in_flight.inc()
-        try:
-            done, _ = await asyncio.wait((forward, gone), return_when=asyncio.FIRST_COMPLETED)
-            if forward in done:
-                gone.cancel()
-                forward.result()
-            else:
-                # A disconnect reported after the response was complete is just the end of the exchange.
-                if not outcome.complete:
-                    outcome.status = CLIENT_CLOSED
-                forward.cancel()
-                await asyncio.gather(forward, return_exceptions=True)
+        except asyncio.CancelledError:
+            if not watch.client_gone():
+                raise
+            # The watch cancelled us: the client left. A disconnect after the whole answer is just its end.
+            if not outcome.complete:
+                outcome.status = CLIENT_CLOSED
         except RouterError as exc:
             outcome.status = exc.status
             raise
         except BaseException:
-            forward.cancel()
-            gone.cancel()
             outcome.status = outcome.status or 500
             raise
         finally:
-            metrics.in_flight.dec()
-            metrics.requests.labels(model, str(outcome.status or CLIENT_CLOSED)).inc()
+            timer.cancel()
+            watch.stop()
+            traffic.in_flight -= 1
+            traffic.answered(model, outcome.status or CLIENT_CLOSED)
 
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
         """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError

@@ -223,7 +223,7 @@ class Proxy:
                 metrics.retries.labels(model).inc()
                 endpoint = nxt
                 continue
-            metrics.upstream_latency.labels(model).observe(time.perf_counter() - started)
+            metrics.traffic.upstream_latency(model, time.perf_counter() - started)
             self._begin_idle_deadline(response)
             status = response.status
             if status < 500:

@@ -89,11 +89,17 @@ def read_usage(usage: object) -> tuple[int, int] | None:
 
 def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
     """The usage of a JSON answer from its last bytes: the last `"usage": {...}` decoded on its own."""
-    start = -1
-    for found in _USAGE_OBJECT.finditer(tail):
-        start = found.end() - 1  # at the object's "{"
-    if start < 0:
+    # The last `"usage"` is almost always the key sought: try it first, and search before it only if not.
+    at = tail.rfind(b'"usage"')
+    if at < 0:
         return None
+    found = _USAGE_OBJECT.match(tail, at)
+    start = found.end() - 1 if found is not None else -1  # at the object's "{"
+    if found is None:
+        for found in _USAGE_OBJECT.finditer(tail, 0, at):
+            start = found.end() - 1
+        if start < 0:
+            return None
     try:
         usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:
