@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from conftest import free_port, wait_until
+from router.app import DISCONNECT_WATCH_DELAY
 from router.balancer import EjectionPolicy
 from router.models import ApiKey
 
@@ -420,6 +421,28 @@ def test_client_disconnect_cancels_the_upstream_request(start_router, hub, auth,
     asyncio.run(read_a_little_then_leave())
     assert engine.stream_cut.wait(3)
     wait_until(lambda: router.state.balancer.in_flight() == 0)
+
+
+@pytest.mark.parametrize("stay_seconds", [0.0, DISCONNECT_WATCH_DELAY + 0.3])
+def test_a_client_leaving_before_or_after_the_disconnect_watch_starts_cuts_the_stream(
+    start_router, hub, auth, start_engine, stay_seconds
+):
+    engine = start_engine("endless")
+    engine.endless = True
+    hub.publish_endpoints(make_table([engine.url]))
+    router = start_router()
+
+    async def stay_then_leave():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "messages": [], "stream": True}
+            async with session.post(f"{router.url}/v1/chat/completions", json=body, headers=auth) as response:
+                await response.content.readline()
+                await asyncio.sleep(stay_seconds)
+
+    asyncio.run(stay_then_leave())
+    assert engine.stream_cut.wait(3)
+    wait_until(lambda: router.state.metrics.traffic.in_flight == 0)
+    assert f'llmgw_router_requests_total{{code="499",model="{MODEL}"}} 1.0' in httpx.get(f"{router.url}/metrics").text
 
 
 # -- cold start ------------------------------------------------------------------------------------
