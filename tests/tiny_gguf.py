@@ -1,7 +1,7 @@
 """A tiny llama-architecture model in GGUF with random weights, for running a real llama.cpp server in tests.
 
 Two layers of 64 dimensions and a byte-level BPE vocabulary (GPT-2's: every
-byte is a token, plus a few merges and one end-of-text token): about 0.3 MB,
+byte is a token, plus a few merges and one end-of-text token): about 0.5 MB,
 loaded by `llama-server` in well under a second on a CPU. Its answers are
 noise, so tests assert their shape, not their text.
 
