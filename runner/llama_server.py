@@ -148,9 +148,18 @@ def _source_tree(version: str, place: BuildPlace, progress: Callable[[str], None
         if not sdists:
             raise BuildError(f"pip downloaded no llama_cpp_python-{version}.tar.gz into {download}")
     progress(f"extracting {sdists[0].name}")
-    with tarfile.open(sdists[0]) as archive:
-        # The "data" filter refuses absolute paths, links out of the tree and device files.
-        archive.extractall(place.root / "src", filter="data")
+    # Extracted aside and renamed, so an interrupted extraction never passes for a source tree.
+    partial = place.root / "src.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with tarfile.open(sdists[0]) as archive:
+            # The "data" filter refuses absolute paths, links out of the tree and device files.
+            archive.extractall(partial, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise BuildError(f"cannot extract {sdists[0]}: {exc}") from None
+    shutil.rmtree(place.root / "src", ignore_errors=True)
+    os.replace(partial, place.root / "src")
     if not (source / "CMakeLists.txt").is_file():
         raise BuildError(f"{sdists[0].name} holds no vendor/llama.cpp/CMakeLists.txt")
     return source

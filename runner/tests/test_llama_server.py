@@ -5,8 +5,10 @@ real-engine test; these tests run stand-in binaries (small shell scripts) in a
 cache of their own, so they take milliseconds.
 """
 
+import io
 import os
 import stat
+import tarfile
 from io import StringIO
 from pathlib import Path
 
@@ -96,3 +98,59 @@ def test_command_prints_the_cached_binary_path(tmp_path, monkeypatch):
 def test_command_refuses_bad_arguments(args, problem):
     with pytest.raises(CommandError, match=problem):
         call_command("build_llama_server", *args, stdout=StringIO(), stderr=StringIO())
+
+
+def sdist(place: BuildPlace, version: str, members: dict[str, str]) -> None:
+    """A source distribution in the download folder, as pip would have left it."""
+    (place.root / "dl").mkdir(parents=True)
+    with tarfile.open(place.root / "dl" / f"llama_cpp_python-{version}.tar.gz", "w:gz") as archive:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture
+def stand_in_toolchain(tmp_path, monkeypatch):
+    """cmake that 'builds' a stand-in llama-server and logs each call; compilers that exist."""
+    tools = tmp_path / "tools"
+    calls = tmp_path / "cmake-calls"
+    for name in ("g++", "gcc", "make"):
+        stand_in(tools / name, "exit 0")
+    stand_in(
+        tools / "cmake",
+        f'echo "$*" >> {calls}\n'
+        'if [ "$1" = "--build" ]; then mkdir -p "$2/bin"; '
+        "printf '#!/bin/sh\\necho version: stand-in\\n' > \"$2/bin/llama-server\"; "
+        'chmod +x "$2/bin/llama-server"; fi',
+    )
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    return calls
+
+
+def test_a_build_extracts_the_vendored_tree_configures_builds_and_caches_the_binary(tmp_path, stand_in_toolchain):
+    place = BuildPlace(tmp_path / "cache" / "llama-server-9.9.9")
+    sdist(place, "9.9.9", {"llama_cpp_python-9.9.9/vendor/llama.cpp/CMakeLists.txt": "project(llama.cpp)"})
+    lines: list[str] = []
+    binary = build_llama_server("9.9.9", place=place, jobs=3, progress=lines.append)
+    assert binary == place.binary and binary.is_file()
+    configure, build = stand_in_toolchain.read_text().splitlines()
+    assert configure.startswith(f"-S {place.root}/src/llama_cpp_python-9.9.9/vendor/llama.cpp -B {place.root}/build")
+    assert "-DGGML_NATIVE=OFF" in configure and "-DLLAMA_CURL=OFF" in configure
+    assert build == f"--build {place.root}/build --target llama-server -j 3"
+    assert "built in" in place.info.read_text() and lines[-1].startswith(f"built {binary}")
+    assert not (place.root / "src.partial").exists() and not binary.with_suffix(".partial").exists()
+
+    # Built once: the next call returns the cached binary without running cmake.
+    assert build_llama_server("9.9.9", place=place, progress=lines.append) == binary
+    assert len(stand_in_toolchain.read_text().splitlines()) == 2
+
+
+def test_an_sdist_that_escapes_its_folder_is_refused(tmp_path, stand_in_toolchain):
+    place = BuildPlace(tmp_path / "cache" / "llama-server-9.9.9")
+    sdist(place, "9.9.9", {"../../escaped.txt": "x"})
+    with pytest.raises(BuildError, match="cannot extract .*llama_cpp_python-9.9.9.tar.gz"):
+        build_llama_server("9.9.9", place=place, progress=lambda line: None)
+    assert not (tmp_path / "escaped.txt").exists() and not (place.root / "src.partial").exists()
+    assert not stand_in_toolchain.exists(), "cmake never ran"
