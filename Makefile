@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: browser demo test lint test-sqlite test-postgres migrate faults
+.PHONY: browser demo test lint test-sqlite test-postgres migrate faults llama-server
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ test-sqlite: $(VENV)/.installed
 test-postgres: $(VENV)/.installed
 	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
 
-test: lint browser test-sqlite test-postgres
+test: lint browser llama-server test-sqlite test-postgres
 
 # The dashboard's browser test drives a real headless Chromium: find it, or install it where we may
 # (root with apt-get); elsewhere say loudly that the browser test will be skipped.
@@ -45,3 +45,12 @@ browser:
 # The fault drill: the distributed stack on private PostgreSQL and Redis, each fault in turn, a verdict table.
 faults: $(VENV)/.installed
 	$(PY) bench/fault_drill.py
+
+# llama.cpp's llama-server for the real-engine test (tests/test_e2e_llamacpp.py): built from source once into
+# ${XDG_CACHE_HOME:-~/.cache}/llmgw/ and reused; without cmake and a compiler say so loudly (that test then skips).
+llama-server: $(VENV)/.installed
+	@if command -v cmake >/dev/null && { command -v c++ >/dev/null || command -v g++ >/dev/null; }; then \
+	  $(PY) manage.py build_llama_server; \
+	else \
+	  echo "*** NO C++ TOOLCHAIN: install cmake and g++, or the real-engine test (llama.cpp) is skipped ***"; \
+	fi

@@ -2,7 +2,7 @@
 
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
-        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5]
+        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
 so it creates no var/ folder and no secret key there. `manage.py agent` is a
@@ -24,11 +24,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .engines import DEFAULT_LLAMA_SERVER
 from .gpus import GPUDiscoveryError, discover_gpus
 from .protocol import NODE_NAME_PATTERN
 from .runtime import Agent, AgentRejected
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
+LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 # The control plane's settings use the same floor for the same variable.
 MIN_HEARTBEAT_SECONDS = 0.1
@@ -63,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"seconds between heartbeats (default: ${HEARTBEAT_ENV}, else {DEFAULT_HEARTBEAT_SECONDS:g})",
     )
+    parser.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help=f"llama.cpp server binary, a name on PATH or a path (default: ${LLAMA_SERVER_ENV}, "
+        f"else {DEFAULT_LLAMA_SERVER})",
+    )
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
@@ -88,6 +97,18 @@ def heartbeat_from_env(environ: Mapping[str, str] = os.environ) -> float:
     if math.isnan(seconds) or seconds < MIN_HEARTBEAT_SECONDS:
         raise UsageError(f"{HEARTBEAT_ENV}={value!r} must be a number of at least {MIN_HEARTBEAT_SECONDS}.")
     return seconds
+
+
+def llama_server_from(option: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The llama.cpp server binary: the option, else LLMGW_LLAMA_SERVER, else `llama-server` on PATH."""
+    if option is not None:
+        if not option.strip():
+            raise UsageError("--llama-server must name a binary, not be empty.")
+        return option
+    value = environ.get(LLAMA_SERVER_ENV)
+    if value is None or not value.strip():
+        return DEFAULT_LLAMA_SERVER
+    return value
 
 
 def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> Agent:
@@ -123,6 +144,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         fabric=options["fabric"],
         labels=labels,
         heartbeat_seconds=heartbeat,
+        llama_server=llama_server_from(options.get("llama_server")),
     )
 
 

@@ -14,7 +14,10 @@ Multi-node rules (node_count > 1, rank 0 is the head):
   process stays up. The profile's extra args are vLLM arguments and go to rank 0 only.
 * SGLang runs one `launch_server` per node with `--nnodes/--node-rank` and
   rendezvous at `<head>:<port + 1>`; ranks above 0 serve no API.
-* llama.cpp runs on one node only.
+* llama.cpp runs on one node only. Its server is the `llama-server` binary,
+  found on PATH unless the agent is given another (`LLMGW_LLAMA_SERVER`, a name
+  or a path; `manage.py build_llama_server` builds one). The flags are those of
+  llama.cpp's `tools/server` as vendored by llama-cpp-python 0.3.36 (runner/llama_server.py).
 * The mock engine runs a full server on every rank, so simulated multi-node
   replicas answer health checks everywhere.
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINES = ("vllm", "sglang", "llamacpp", "mock")
+DEFAULT_LLAMA_SERVER = "llama-server"
 VLLM_RAY_PORT = 6379
 # The mock engine is imported from this checkout, whatever directory the agent was started from.
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
@@ -96,6 +100,7 @@ def build_launch(
     head_address: str,
     args: list[str],
     python: str = sys.executable,
+    llama_server: str = DEFAULT_LLAMA_SERVER,
 ) -> Launch:
     """The launch for one shard of `model` on this node; ValueError names any bad input."""
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args)
@@ -131,7 +136,7 @@ def build_launch(
         return Launch(argv + args, env, "/health" if head else None, metrics_path="/metrics" if head else None)
 
     if engine == "llamacpp":
-        argv = ["llama-server", "-m", source, "--host", "0.0.0.0", "--port", str(port), "--alias", model, "-ngl", "999"]
+        argv = [llama_server, "-m", source, "--host", "0.0.0.0", "--port", str(port), "--alias", model, "-ngl", "999"]
         argv += ["--metrics"]
         return Launch(argv + args, env)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from . import draining, protocol
 from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
-from .engines import Launch, build_launch
+from .engines import DEFAULT_LLAMA_SERVER, Launch, build_launch
 from .gpus import GPUInfo
 from .link import AgentRejected, AgentSuperseded, ControlPlaneLink
 from .supervisor import EngineProcess, Readiness, port_in_use
@@ -77,6 +77,7 @@ class Agent:
         labels: dict | None = None,
         heartbeat_seconds: float = 5.0,
         engine_python: str = sys.executable,
+        llama_server: str = DEFAULT_LLAMA_SERVER,
         health_timeout: float = 600.0,
         stop_grace_seconds: float = STOP_GRACE_SECONDS,
         load_timeout: float = POLL_TIMEOUT_SECONDS,
@@ -91,6 +92,7 @@ class Agent:
         self.labels = dict(labels or {})
         self.heartbeat_seconds = heartbeat_seconds
         self.engine_python = engine_python
+        self.llama_server = llama_server
         self.health_timeout = health_timeout
         self.stop_grace_seconds = stop_grace_seconds
         self.drain_poll_seconds = drain_poll_seconds
@@ -272,6 +274,7 @@ class Agent:
             head_address=cmd.head_address,
             args=list(cmd.args),
             python=self.engine_python,
+            llama_server=self.llama_server,
         )
 
     async def _watch(self, shard: Shard) -> None:

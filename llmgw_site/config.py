@@ -74,6 +74,12 @@ SETTINGS: tuple[Setting, ...] = (
         1.0,
     ),
     _s("LLMGW_HEARTBEAT_SECONDS", "float", 5.0, "agent heartbeat interval (embedded agents)", 0.1),
+    _s(
+        "LLMGW_LLAMA_SERVER",
+        "str",
+        "llama-server",
+        "llama.cpp server binary agents start, a name on PATH or a path (`manage.py build_llama_server` prints one)",
+    ),
     _s("LLMGW_UNREACHABLE_AFTER_SECONDS", "float", 20.0, "a node silent this long is unreachable", 1.0),
     _s("LLMGW_LOST_AFTER_SECONDS", "float", 120.0, "a node silent this long is lost (not below the above)", 1.0),
     _s("LLMGW_GPU_QUARANTINE_SECONDS", "float", 300.0, "a recovered GPU waits this long before reuse", 0.0),

@@ -193,6 +193,7 @@ LLMGW_TICK_SECONDS = setting("LLMGW_TICK_SECONDS")
 LLMGW_LEASE_NAME = "reconciler"
 LLMGW_LEASE_TTL_SECONDS = setting("LLMGW_LEASE_TTL_SECONDS")
 LLMGW_HEARTBEAT_SECONDS = setting("LLMGW_HEARTBEAT_SECONDS")
+LLMGW_LLAMA_SERVER = setting("LLMGW_LLAMA_SERVER")
 LLMGW_UNREACHABLE_AFTER_SECONDS = setting("LLMGW_UNREACHABLE_AFTER_SECONDS")
 LLMGW_LOST_AFTER_SECONDS = setting("LLMGW_LOST_AFTER_SECONDS")
 # An unhealthy GPU must report healthy this long before it is used again.
@@ -245,6 +246,8 @@ LLMGW_KV_CACHE_FULL_FRACTION = setting("LLMGW_KV_CACHE_FULL_FRACTION")
 # Requests sharing a prompt prefix go to the same replica while it has at most this many more in flight.
 LLMGW_PREFIX_AFFINITY_SLACK = setting("LLMGW_PREFIX_AFFINITY_SLACK")
 
+if not LLMGW_LLAMA_SERVER.strip():
+    raise ImproperlyConfigured("LLMGW_LLAMA_SERVER must name the llama.cpp server binary, not be empty")
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
 

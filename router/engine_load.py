@@ -9,9 +9,11 @@ endpoints; the pick only reads those cached numbers (DESIGN invariant 4).
 |-----------|------------------------------|--------------------------------------------------------------|
 | vLLM      | `vllm:num_requests_waiting`  | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) |
 | SGLang    | `sglang:num_queue_reqs`      | `sglang:token_usage`                                         |
-| llama.cpp | `llamacpp:requests_deferred` | `llamacpp:kv_cache_usage_ratio`                              |
+| llama.cpp | `llamacpp:requests_deferred` | `llamacpp:kv_cache_usage_ratio` (older builds only)           |
 
-The bundled mock engine exposes vLLM's older names. Several label sets add up
+The bundled mock engine exposes vLLM's older names. llama.cpp's current server
+publishes no KV cache gauge at all, so its replicas' KV usage is unknown
+(tests/test_e2e_llamacpp.py runs one). Several label sets add up
 for the waiting count (vLLM's data-parallel engine cores, SGLang's data-parallel
 ranks) and average for KV usage (one full rank of several is not a full
 replica); the ranks of one tensor-parallel group (`tp_rank`) report one batch,

@@ -93,6 +93,7 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
                 fabric=node.fabric,
                 heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
                 engine_python=sys.executable,
+                llama_server=settings.LLMGW_LLAMA_SERVER,
             )
             agents.append(agent)
             tasks.append(asyncio.create_task(agent.run(), name=f"agent-{node.name}"))

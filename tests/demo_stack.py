@@ -20,8 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "sk-llmgw-e2e-test-key-0123456789"
 
 
-def engine_pids(var_dir: Path) -> set[int]:
-    """Mock engine processes started for this test's `up` (found by their environment)."""
+def engine_pids(var_dir: Path, program: bytes = b"agent.mock_engine") -> set[int]:
+    """Engine processes (the mock, or those with `program` as an argument) started for this test's `up`.
+
+    They are found by their environment, which the agent passes on to them.
+    """
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -31,7 +34,7 @@ def engine_pids(var_dir: Path) -> set[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if b"agent.mock_engine" in cmdline and f"LLMGW_VAR_DIR={var_dir}".encode() in environ:
+        if program in cmdline and f"LLMGW_VAR_DIR={var_dir}".encode() in environ:
             pids.add(int(entry.name))
     return pids
 

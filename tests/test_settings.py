@@ -70,6 +70,12 @@ def test_start_up_fails_on_a_bad_tick_interval():
     assert "LLMGW_TICK_SECONDS='soon' is not a number" in result.stderr
 
 
+def test_start_up_fails_on_an_empty_llama_server_binary():
+    result = django_setup(LLMGW_LLAMA_SERVER=" ")
+    assert result.returncode != 0
+    assert "LLMGW_LLAMA_SERVER must name the llama.cpp server binary" in result.stderr
+
+
 def test_the_host_up_listens_on_is_an_allowed_host():
     result = subprocess.run(
         [

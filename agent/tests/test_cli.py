@@ -118,6 +118,9 @@ def test_heartbeat_default_comes_from_the_environment():
     }
     assert cli.agent_from_options(options, 2.5).heartbeat_seconds == 2.5
     assert cli.agent_from_options({**options, "heartbeat_seconds": 1.0}, 2.5).heartbeat_seconds == 1.0
+    assert cli.agent_from_options({**options, "llama_server": "/opt/llama-server"}, 2.5).llama_server == (
+        "/opt/llama-server"
+    )
 
 
 def test_rejected_credential_exits_non_zero_saying_so(capsys):
@@ -142,3 +145,14 @@ def test_agent_modules_import_nothing_from_the_control_plane_and_only_at_the_top
         assert not packages & CONTROL_PLANE_PACKAGES, f"agent/{module}.py line {node.lineno} imports {names}"
         if packages & PROJECT_PACKAGES:
             assert node in top_level, f"agent/{module}.py line {node.lineno} imports {names} inside a function"
+
+
+def test_llama_server_binary_comes_from_the_option_else_the_environment_else_path():
+    assert cli.llama_server_from(None, {}) == "llama-server"
+    assert cli.llama_server_from(None, {"LLMGW_LLAMA_SERVER": " "}) == "llama-server"
+    assert cli.llama_server_from(None, {"LLMGW_LLAMA_SERVER": "/opt/llama/llama-server"}) == "/opt/llama/llama-server"
+    assert cli.llama_server_from("/usr/local/bin/llama-server", {"LLMGW_LLAMA_SERVER": "x"}) == (
+        "/usr/local/bin/llama-server"
+    )
+    with pytest.raises(cli.UsageError, match="--llama-server must name a binary"):
+        cli.llama_server_from("", {})

@@ -25,6 +25,8 @@ DATA = Path(__file__).parent / "data"
         ("metrics_sglang_tp2.txt", 3),
         # 1 slot processing + 2 deferred.
         ("metrics_llamacpp.txt", 3),
+        # Captured from a real llama-server (make llama-server): idle, and known to be.
+        ("metrics_llamacpp_idle_real.txt", 0),
     ],
 )
 def test_each_engines_recorded_metrics_give_its_requests_in_flight(sample, expected):

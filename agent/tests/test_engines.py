@@ -81,6 +81,12 @@ def test_llamacpp():
     assert result.metrics_path == "/metrics"
 
 
+def test_llamacpp_runs_the_llama_server_binary_it_is_given():
+    fields = {**BASE, "gpu_indices": [0], "rank": 0, "node_count": 1}
+    result = build_launch("llamacpp", llama_server="/opt/llama/bin/llama-server", **fields)
+    assert result.argv[:3] == ["/opt/llama/bin/llama-server", "-m", "meta-llama/Llama-3.1-70B-Instruct"]
+
+
 def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
     result = launch("mock", args=["--token-delay-ms", "5"])
     assert result.argv == [

@@ -60,6 +60,12 @@ def test_llama_cpp_names_are_read():
     assert parse_engine_load(text) == EngineReading(2.0, 0.5)
 
 
+def test_a_real_llama_server_page_gives_its_queue_and_no_kv_usage():
+    # Captured from the llama-server `make llama-server` builds: it publishes no KV cache gauge any more.
+    text = (PROJECT / "agent" / "tests" / "data" / "metrics_llamacpp_idle_real.txt").read_text()
+    assert parse_engine_load(text) == EngineReading(0.0, None)
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
