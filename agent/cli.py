@@ -2,7 +2,7 @@
 
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
-        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5]
+        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--weights-root /data/models]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
 so it creates no var/ folder and no secret key there. `manage.py agent` is a
@@ -18,17 +18,20 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .gpu_health import HealthReader, hardware_reader
 from .gpus import GPUDiscoveryError, discover_gpus
 from .protocol import NODE_NAME_PATTERN
 from .runtime import Agent, AgentRejected
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
+WEIGHTS_ROOT_ENV = "LLMGW_WEIGHTS_ROOT"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 # The control plane's settings use the same floor for the same variable.
 MIN_HEARTBEAT_SECONDS = 0.1
@@ -63,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"seconds between heartbeats (default: ${HEARTBEAT_ENV}, else {DEFAULT_HEARTBEAT_SECONDS:g})",
     )
+    parser.add_argument(
+        "--weights-root",
+        default=None,
+        metavar="DIR",
+        help=f"folder holding model weights (Hugging Face cache under hub/, GGUF files); reported to the "
+        f"control plane and given to engines as HF_HOME (default: ${WEIGHTS_ROOT_ENV}, else none)",
+    )
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
@@ -90,6 +100,20 @@ def heartbeat_from_env(environ: Mapping[str, str] = os.environ) -> float:
     return seconds
 
 
+def weights_root_from(option: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The weights root from --weights-root or LLMGW_WEIGHTS_ROOT: an existing folder, made absolute; None if unset."""
+    value, name = (
+        (option, "--weights-root") if option is not None else (environ.get(WEIGHTS_ROOT_ENV), WEIGHTS_ROOT_ENV)
+    )
+    if value is None or not value.strip():
+        if option is not None:
+            raise UsageError("--weights-root is empty; give a folder, or leave the option out.")
+        return None
+    if not os.path.isdir(value):
+        raise UsageError(f"{name}={value!r} is not an existing folder.")
+    return os.path.abspath(value)
+
+
 def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> Agent:
     """The Agent the parsed options describe; UsageError names the first bad option."""
     control_planes = options["control_planes"]
@@ -110,10 +134,17 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
     if not heartbeat > 0:
         raise UsageError(f"--heartbeat-seconds must be positive, got {heartbeat}.")
     labels = parse_labels(options["labels"])
+    weights_root = weights_root_from(options.get("weights_root"))
     try:
         gpus = discover_gpus(options["fake_gpus"], node)
     except (ValueError, GPUDiscoveryError) as exc:
         raise UsageError(f"Cannot discover GPUs: {exc}.") from None
+    health: HealthReader | None = None  # fake GPUs: simulated health
+    if not options["fake_gpus"]:
+        try:
+            health = hardware_reader({g.index: g.uuid for g in gpus}, shutil.which("nvidia-smi"))
+        except RuntimeError as exc:
+            raise UsageError(f"Cannot read GPU health: {exc}.") from None
     return Agent(
         control_planes,
         node,
@@ -123,6 +154,8 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         fabric=options["fabric"],
         labels=labels,
         heartbeat_seconds=heartbeat,
+        health=health,
+        weights_root=weights_root,
     )
 
 
