@@ -82,6 +82,16 @@ def gpu_in_service(health: str, healthy_since, now) -> bool:
     return healthy_since is None or healthy_since <= now - quarantine
 
 
+def human_size(size_bytes: int) -> str:
+    """A byte count for people, in powers of 1024: `512 B`, `1.5 KiB`, `15.2 GiB`."""
+    size = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 class Weights(models.Model):
     """One source's weights on a node's disk, as its agent last reported them (agent/weights.py).
 
