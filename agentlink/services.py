@@ -37,10 +37,11 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat) -> None:
     A GPU that turned unhealthy fails the replica holding it (reconciler.gpu_faults).
     """
     turned_unhealthy = record_heartbeat(node_id, heartbeat)
-    if turned_unhealthy:
-        fail_replicas_on_unhealthy_gpus(node_id, node_name, [gpu.pk for gpu in turned_unhealthy])
     record_running(node_id, heartbeat.shards)
     stop_orphan_shards(node_id, node_name, heartbeat.shards)
+    # Last, so the orphan check above does not take the failed replica's shards for orphans.
+    if turned_unhealthy:
+        fail_replicas_on_unhealthy_gpus(node_id, node_name, [gpu.pk for gpu in turned_unhealthy])
 
 
 def on_shard_status(node_id: int, status: ShardStatus) -> None:

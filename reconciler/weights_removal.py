@@ -58,7 +58,7 @@ def _pending_callback():
 def remove_unused_weights(keys: set[str]) -> int:
     """Send remove_weights for every node's copy of `keys` no remaining profile uses; return how many were sent.
 
-    Three queries: remaining profiles' sources, the holders, the epoch.
+    Three queries: the remaining profiles, the holders, the epoch.
     """
     # The whole catalog's profiles (a deletion is rare, the catalog small): keys are normalised forms of
     # the sources, so they cannot be matched in SQL.
@@ -78,7 +78,7 @@ def remove_unused_weights(keys: set[str]) -> int:
         sent = len(outbox.commands)
         outbox.send_on_commit()
     if sent:
-        log.info("asked %d node(s) to remove the weights of %s", sent, ", ".join(sorted(unused)))
+        log.info("sent %d remove_weights command(s) for %s", sent, ", ".join(sorted(unused)))
     return sent
 
 
