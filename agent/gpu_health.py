@@ -29,6 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
+from .gpus import GPUInfo
+from .protocol import GPUHealth, GPUReport
+
 log = logging.getLogger(__name__)
 
 NVIDIA_SMI_HEALTH_FIELDS = (
@@ -252,6 +257,24 @@ class SimulatedHealth:
 
     def read(self) -> Reading:
         return dict(self._conditions)
+
+
+def gpu_reports(gpus: list[GPUInfo], reading: Reading) -> list[GPUReport]:
+    """The GPUs as hello describes them, with their health as last read."""
+    return [
+        msgspec.structs.replace(gpu.report(), healthy=now.healthy, reason=now.reason)
+        for gpu in gpus
+        for now in [reading.get(gpu.index, GPUCondition(gpu.healthy))]
+    ]
+
+
+def gpu_health_reports(gpus: list[GPUInfo], reading: Reading) -> list[GPUHealth]:
+    """The GPUs' health as a heartbeat reports it."""
+    return [
+        GPUHealth(index=gpu.index, healthy=now.healthy, reason=now.reason)
+        for gpu in gpus
+        for now in [reading.get(gpu.index, GPUCondition(gpu.healthy))]
+    ]
 
 
 class HealthMonitor:

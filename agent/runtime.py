@@ -8,12 +8,14 @@ EngineProcess (agent/supervisor.py) started from its launch (agent/engines.py).
 
 Each heartbeat carries the requests every serving engine holds, read from its
 /metrics just before (agent/engine_load.py, bounded so a slow engine cannot
-hold the heartbeat back), and every GPU's health read again just before
+hold the heartbeat back). A drain waits for those to reach zero, or for its
+timeout, before the engine is stopped (agent/draining.py).
+
+Each heartbeat also carries every GPU's health, read again just before
 (agent/gpu_health.py, bounded the same way). Hello and, when they change,
 heartbeats report the weights under the weights root (agent/weights_inventory.py);
-`remove_weights` deletes one source's weights there and is answered with
-`weights_status`. A drain waits for those to reach zero, or for its
-timeout, before the engine is stopped (agent/draining.py).
+`remove_weights` deletes one source's weights there, off the command path,
+and is answered with `weights_status`.
 
 The Agent installs no signal handlers, so several can run as tasks in one
 event loop (`manage.py up`); whoever owns the loop calls `shutdown()`.
@@ -28,12 +30,10 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-import msgspec
-
 from . import draining, protocol
 from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
 from .engines import Launch, build_launch
-from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth
+from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
 from .gpus import GPUInfo
 from .link import AgentRejected, AgentSuperseded, ControlPlaneLink
 from .supervisor import EngineProcess, Readiness, port_in_use
@@ -154,13 +154,6 @@ class Agent:
         reader.set(index, healthy, reason)
         self._health.last.update(reader.read())
 
-    def _gpu_reports(self) -> list[protocol.GPUReport]:
-        reports = []
-        for gpu in self.gpus:
-            now = self._health.last.get(gpu.index, GPUCondition(gpu.healthy))
-            reports.append(msgspec.structs.replace(gpu.report(), healthy=now.healthy, reason=now.reason))
-        return reports
-
     def _hello(self) -> bytes:
         return protocol.encode(
             protocol.Hello(
@@ -169,7 +162,7 @@ class Agent:
                 address=self.address,
                 fabric=self.fabric,
                 labels=self.labels,
-                gpus=self._gpu_reports(),
+                gpus=gpu_reports(self.gpus, self._health.last),
                 shards=[shard.report() for shard in self._shards.values()],
                 weights=self._weights.for_hello(),
             )
@@ -185,11 +178,7 @@ class Agent:
             protocol.ShardHeartbeat(shard_id=s.shard_id, state=s.state, running=running.get(s.shard_id))
             for s in self._shards.values()
         ]
-        gpus = [
-            protocol.GPUHealth(index=g.index, healthy=now.healthy, reason=now.reason)
-            for g in self.gpus
-            for now in [health.get(g.index, GPUCondition(g.healthy))]
-        ]
+        gpus = gpu_health_reports(self.gpus, health)
         return protocol.encode(protocol.Heartbeat(gpus=gpus, shards=shards, weights=self._weights.for_heartbeat()))
 
     async def _report(
@@ -218,8 +207,7 @@ class Agent:
             return
         if isinstance(message, protocol.RemoveWeights):
             if self._fence(message.__struct_config__.tag, message.epoch, f"weights {message.source}"):
-                status = await self._weights.remove(message)
-                await self._link.send(protocol.encode(status))
+                self._weights.start_removal(message, self._link.send)
             return
         if not self._fence(message.__struct_config__.tag, message.epoch, message.shard_id):
             return

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from . import weights
-from .protocol import RemoveWeights, WeightsReport, WeightsStatus
+from .protocol import RemoveWeights, WeightsReport, WeightsStatus, encode
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class WeightsInventory:
         self._beats = 0
         self._dirty = False
         self._scan: asyncio.Task | None = None
+        self._removals: set[asyncio.Task] = set()
 
     async def scan_now(self) -> list[WeightsReport] | None:
         """Scan and wait for the result (before hello)."""
@@ -79,6 +81,22 @@ class WeightsInventory:
     def _read(self) -> list[WeightsReport]:
         assert self.root is not None
         return [WeightsReport(source=w.source, path=w.path, size_bytes=w.size_bytes) for w in weights.scan(self.root)]
+
+    def start_removal(self, cmd: RemoveWeights, send: Callable[[bytes], Awaitable[bool]]) -> asyncio.Task:
+        """Carry out remove_weights in the background and send its weights_status with `send`.
+
+        Deleting hundreds of GB takes a while: the commands behind it must not wait.
+        """
+
+        async def run() -> None:
+            status = await self.remove(cmd)
+            if not await send(encode(status)):
+                log.debug("not connected; dropped weights_status for %s", cmd.source)
+
+        task = asyncio.create_task(run(), name=f"remove-weights-{cmd.source}")
+        self._removals.add(task)  # a running task must be referenced, or it may be collected
+        task.add_done_callback(self._removals.discard)
+        return task
 
     async def remove(self, cmd: RemoveWeights) -> WeightsStatus:
         """Carry out remove_weights: delete inside the root only, or refuse and say why."""
