@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .gpu_health import HealthReader, hardware_reader
+from .gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
 from .gpus import GPUDiscoveryError, discover_gpus
 from .protocol import NODE_NAME_PATTERN
 from .runtime import Agent, AgentRejected
@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", required=True, help="this node's enrolled name")
     parser.add_argument("--token", default=None, help="the node credential (default: $LLMGW_NODE_TOKEN)")
     parser.add_argument("--fake-gpus", default=None, help="simulate GPUs, e.g. 8xH100-80GB or 4xL40S-48GB,2xA100-40GB")
+    parser.add_argument(
+        "--fake-gpu-health",
+        default=None,
+        metavar="FILE",
+        help='with --fake-gpus: a JSON file {"INDEX": "reason"} naming the simulated GPUs that are unhealthy '
+        "now, read again before each heartbeat when it changes (for drills)",
+    )
     parser.add_argument("--fabric", default="", help="interconnect domain of this node, e.g. ib-a")
     parser.add_argument("--address", default=None, help="host or IP engines are reached on (default: this host's)")
     parser.add_argument("--label", action="append", dest="labels", default=[], metavar="KEY=VALUE")
@@ -135,12 +142,17 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         raise UsageError(f"--heartbeat-seconds must be positive, got {heartbeat}.")
     labels = parse_labels(options["labels"])
     weights_root = weights_root_from(options.get("weights_root"))
+    fake_health = options.get("fake_gpu_health")
+    if fake_health is not None and not options["fake_gpus"]:
+        raise UsageError("--fake-gpu-health goes with --fake-gpus; real GPUs report their own health.")
     try:
         gpus = discover_gpus(options["fake_gpus"], node)
     except (ValueError, GPUDiscoveryError) as exc:
         raise UsageError(f"Cannot discover GPUs: {exc}.") from None
     health: HealthReader | None = None  # fake GPUs: simulated health
-    if not options["fake_gpus"]:
+    if fake_health is not None:
+        health = SimulatedHealth({g.index: HEALTHY for g in gpus}, watch=os.path.abspath(fake_health))
+    elif not options["fake_gpus"]:
         try:
             health = hardware_reader({g.index: g.uuid for g in gpus}, shutil.which("nvidia-smi"))
         except RuntimeError as exc:

@@ -9,8 +9,9 @@ Three readers share one shape, `read() -> {index: GPUCondition}`:
   (NVML_ERROR_GPU_IS_LOST / NVML_ERROR_RESET_REQUIRED on any call).
 * `NvidiaSmiHealth` runs `nvidia-smi --query-gpu` when NVML cannot be loaded;
   it sees the same things but XIDs (nvidia-smi does not report them).
-* `SimulatedHealth` for `--fake-gpus`: healthy until a test or an operator
-  says otherwise (`set`).
+* `SimulatedHealth` for `--fake-gpus`: healthy until a test says otherwise
+  (`set`, or `Agent.set_gpu_health`), or a drill writes the file given with
+  `--fake-gpu-health` (JSON `{"INDEX": "reason"}`: the GPUs unhealthy now).
 
 A critical XID leaves the GPU unhealthy until the agent restarts: the driver
 needs a reset for most of them, and a card that recovers by itself is rare
@@ -23,10 +24,13 @@ reading is reported again.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -245,10 +249,17 @@ class NVMLHealth:
 
 
 class SimulatedHealth:
-    """Health of fake GPUs: healthy unless `set` says otherwise (tests, demos)."""
+    """Health of fake GPUs: as discovered, unless `set` or the watched file says otherwise (tests, drills).
 
-    def __init__(self, indices: list[int]):
-        self._conditions: Reading = {index: HEALTHY for index in indices}
+    The file is read again only when its modification time changes; a file
+    that cannot be read or parsed changes nothing (a warning says why).
+    """
+
+    def __init__(self, initial: Reading, watch: str | None = None):
+        self._base = dict(initial)
+        self._conditions: Reading = dict(initial)
+        self.watch = watch
+        self._seen: float | None = None
 
     def set(self, index: int, healthy: bool, reason: str = "") -> None:
         if index not in self._conditions:
@@ -256,7 +267,42 @@ class SimulatedHealth:
         self._conditions[index] = GPUCondition(healthy, "" if healthy else (reason or "marked unhealthy"))
 
     def read(self) -> Reading:
+        if self.watch is not None:
+            self._reload(self.watch)
         return dict(self._conditions)
+
+    def _reload(self, path: str) -> None:
+        try:
+            mtime: float | None = os.stat(path).st_mtime
+        except FileNotFoundError:
+            mtime = None
+        if mtime == self._seen:
+            return
+        self._seen = mtime
+        try:
+            sick = parse_fake_health(Path(path).read_text(), set(self._base)) if mtime is not None else {}
+        except (OSError, ValueError) as exc:
+            log.warning("fake GPU health file %s ignored: %s", path, exc)
+            return
+        self._conditions = {i: GPUCondition(False, sick[i]) if i in sick else c for i, c in self._base.items()}
+
+
+def parse_fake_health(text: str, indices: set[int]) -> dict[int, str]:
+    """The unhealthy fake GPUs a `--fake-gpu-health` file names: `{"INDEX": "reason"}`; ValueError says why not."""
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError('expected an object such as {"0": "XID 79"}')
+    sick = {}
+    for key, reason in data.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) in indices):
+            raise ValueError(f"{key!r} is not a GPU index of this node ({sorted(indices)})")
+        if not isinstance(reason, str):
+            raise ValueError(f"the reason for GPU {key} must be a string")
+        sick[int(key)] = reason or "marked unhealthy"
+    return sick
 
 
 def gpu_reports(gpus: list[GPUInfo], reading: Reading) -> list[GPUReport]:

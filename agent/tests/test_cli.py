@@ -151,6 +151,27 @@ def test_the_weights_root_comes_from_the_option_or_the_environment_and_must_be_a
     assert "LLMGW_WEIGHTS_ROOT=" in capsys.readouterr().err
 
 
+def test_fake_gpu_health_goes_with_fake_gpus_only(tmp_path, capsys):
+    args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t"]
+    assert cli.main([*args, "--fake-gpu-health", str(tmp_path / "h.json")]) == 1
+    assert "--fake-gpu-health goes with --fake-gpus" in capsys.readouterr().err
+    options = {
+        "control_planes": args[1:2],
+        "node": "n1",
+        "token": "t",
+        "fake_gpus": "2xL4-24GB",
+        "fake_gpu_health": str(tmp_path / "h.json"),
+        "fabric": "",
+        "address": "127.0.0.1",
+        "labels": [],
+        "heartbeat_seconds": None,
+    }
+    (tmp_path / "h.json").write_text('{"1": "XID 79 (drill)"}')
+    agent = cli.agent_from_options(options, 5.0)
+    agent.set_gpu_health(0, False, "set by a test")  # simulated health, so it can be set too
+    assert agent._health.reader.read()[1].reason == "XID 79 (drill)"
+
+
 def test_rejected_credential_exits_non_zero_saying_so(capsys):
     with ThreadedControlPlane(reject_status=HTTPStatus.FORBIDDEN) as cp:
         args = ["--control-plane", cp.url, "--node", "n1", "--token", "llmgw-node-wrong", "--fake-gpus", "1xL4-24GB"]

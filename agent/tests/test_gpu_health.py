@@ -1,6 +1,7 @@
 """Live GPU health: recorded nvidia-smi output and NVML readings, simulated GPUs, and reads bounded in time."""
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from agent.gpu_health import (
     NVMLHealth,
     SimulatedHealth,
     hardware_reader,
+    parse_fake_health,
     parse_health_csv,
 )
 
@@ -173,3 +175,30 @@ def test_a_failing_reader_reports_the_previous_reading():
 
     monitor = HealthMonitor(Broken(), {0: GPUCondition(False, "XID 48")})
     assert asyncio.run(monitor.read()) == {0: GPUCondition(False, "XID 48")}
+
+
+def test_a_drill_makes_fake_gpus_unhealthy_by_writing_the_watched_file(tmp_path):
+    path = tmp_path / "health.json"
+    health = SimulatedHealth({0: HEALTHY, 1: HEALTHY}, watch=str(path))
+    assert health.read() == {0: HEALTHY, 1: HEALTHY}  # no file yet: as discovered
+    path.write_text('{"1": "XID 79 (drill)"}')
+    assert health.read() == {0: HEALTHY, 1: GPUCondition(False, "XID 79 (drill)")}
+    path.write_text("{not json")
+    os.utime(path, (1, 1))  # a new modification time, whatever the clock's resolution
+    assert health.read()[1] == GPUCondition(False, "XID 79 (drill)")  # a broken file changes nothing
+    path.unlink()
+    assert health.read() == {0: HEALTHY, 1: HEALTHY}
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[1]", "expected an object"),
+        ('{"7": "x"}', r"'7' is not a GPU index of this node \(\[0, 1\]\)"),
+        ('{"0": 3}', "the reason for GPU 0 must be a string"),
+        ("{oops", "not JSON"),
+    ],
+)
+def test_a_bad_fake_health_file_is_refused_naming_the_problem(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_fake_health(text, {0, 1})
