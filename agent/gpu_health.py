@@ -165,7 +165,12 @@ class NVMLHealth:
         self._xids: dict[int, list[int]] = {}
         nvml.nvmlInit()
         self._handles: dict[int, Any] = {}
-        self._events = nvml.nvmlEventSetCreate()
+        try:
+            self._events: Any = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            # XIDs are then not seen; ECC, slowdown and lost GPUs still are.
+            log.warning("NVML events unavailable (%s); XID errors will not be reported", exc)
+            self._events = None
         for index in uuids:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -173,6 +178,8 @@ class NVMLHealth:
                 log.warning("GPU %s: no NVML handle (%s); it is reported lost", index, exc)
                 continue
             self._handles[index] = handle
+            if self._events is None:
+                continue
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._events)
             except nvml.NVMLError as exc:
@@ -227,7 +234,7 @@ class NVMLHealth:
     def _drain_xids(self) -> None:
         """Take every pending XID event without waiting (timeout 0 ms)."""
         nvml = self.nvml
-        while True:
+        while self._events is not None:
             try:
                 event = nvml.nvmlEventSetWait_v2(self._events, 0)
             except nvml.NVMLError as exc:

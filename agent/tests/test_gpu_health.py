@@ -202,3 +202,16 @@ def test_a_drill_makes_fake_gpus_unhealthy_by_writing_the_watched_file(tmp_path)
 def test_a_bad_fake_health_file_is_refused_naming_the_problem(text, problem):
     with pytest.raises(ValueError, match=problem):
         parse_fake_health(text, {0, 1})
+
+
+def test_without_nvml_events_the_other_checks_still_run():
+    nvml = FakeNVML("nvml_readings_4xH100.json")
+
+    def no_events():
+        raise nvml.NVMLError(nvml.NVML_ERROR_NOT_SUPPORTED)
+
+    nvml.nvmlEventSetCreate = no_events
+    reading = NVMLHealth(nvml, nvml.uuids).read()
+    assert nvml.registered == []
+    assert reading[0] == HEALTHY  # its XID 79 cannot be seen
+    assert reading[1] == GPUCondition(False, "2 uncorrectable ECC error(s)")
