@@ -4,8 +4,9 @@ A replica goes on the first of its model's profiles with room (profile
 fallback); when none has room, `room.make_room` may stop idle replicas for it.
 The placer (`placement.place`) decides on a capacity snapshot in memory,
 preferring nodes that hold the profile's weights on disk; this module reads
-the rows once (one query for the weights of every candidate source), writes shards and GPU assignments in bulk, and
-queues one start_shard per shard in the tick's Outbox. A unique constraint on
+the rows once (one query for the weights of every candidate source), writes
+shards and GPU assignments in bulk, and queues one start_shard per shard in
+the tick's Outbox. A unique constraint on
 GPUAssignment.gpu backs the arithmetic (DESIGN invariant 2).
 """
 
