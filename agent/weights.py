@@ -12,6 +12,10 @@ as HF_HOME so their downloads land there):
 * llama.cpp loads one GGUF file: a relative source is a path under the root,
   an absolute one must lie inside the root.
 
+An absolute source for the other engines (a local folder) is a path too,
+matched against what nodes report; a scan does not look for such folders,
+so they are not tracked unless they are GGUF files.
+
 A scan reports every cache entry and every `.gguf` file under the root, keyed
 by source: the repository id, or the GGUF path relative to the root. Sizes
 count regular files only (snapshots are symlinks to blobs, counted once).
@@ -37,7 +41,7 @@ def weights_key(engine: str, source: str) -> str:
     the path nodes report (it does not know their roots).
     """
     source = source.strip()
-    if engine in GGUF_ENGINES:
+    if engine in GGUF_ENGINES or source.startswith("/"):
         return posixpath.normpath(source)
     return source.strip("/")
 
@@ -57,11 +61,11 @@ def repo_id_of(dir_name: str) -> str | None:
 def weights_path(root: str, engine: str, source: str) -> str:
     """Where a profile's weights live under `root` (ValueError for a GGUF path that leaves the root)."""
     key = weights_key(engine, source)
-    if engine not in GGUF_ENGINES:
+    if engine not in GGUF_ENGINES and not os.path.isabs(key):
         return os.path.join(root, HUB_DIR, cache_dir_name(key))
     path = os.path.normpath(key if os.path.isabs(key) else os.path.join(root, key))
     if not _strictly_inside(path, os.path.normpath(root)):
-        raise ValueError(f"GGUF source {source!r} is not inside the weights root {root}")
+        raise ValueError(f"source {source!r} is not inside the weights root {root}")
     return path
 
 

@@ -20,6 +20,7 @@ from agent.weights_inventory import WeightsInventory
         ("vllm", "gpt2", "/w/hub/models--gpt2"),
         ("llamacpp", "gguf/llama-8b.Q4_K_M.gguf", "/w/gguf/llama-8b.Q4_K_M.gguf"),
         ("llamacpp", "/w/gguf/x.gguf", "/w/gguf/x.gguf"),
+        ("vllm", "/w/local/llama", "/w/local/llama"),  # a local folder is a path, not a repository
     ],
 )
 def test_each_engine_finds_its_weights_where_the_layout_says(engine, source, expected):
@@ -35,6 +36,7 @@ def test_a_gguf_source_outside_the_root_has_no_place_in_it(source):
 def test_keys_are_what_a_node_reports():
     assert weights_key("vllm", " org/m ") == "org/m"
     assert weights_key("llamacpp", "./gguf//x.gguf") == "gguf/x.gguf"
+    assert weights_key("vllm", "/data//llama/") == "/data/llama"
     assert weights.repo_id_of(weights.cache_dir_name("org/name-v2")) == "org/name-v2"
     assert weights.repo_id_of("datasets--org--d") is None
 
