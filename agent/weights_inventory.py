@@ -44,10 +44,13 @@ class WeightsInventory:
         self._removals: set[asyncio.Task] = set()
 
     async def scan_now(self) -> list[WeightsReport] | None:
-        """Scan and wait for the result (before hello)."""
+        """Scan and wait for the result (before hello); a failed scan leaves the weights unknown (None)."""
         if self.root is None:
             return None
-        self.found = await asyncio.to_thread(self._read)
+        try:
+            self.found = await asyncio.to_thread(self._read)
+        except OSError as exc:
+            log.warning("could not scan the weights under %s: %s; they are reported once a scan works", self.root, exc)
         return self.found
 
     def for_hello(self) -> list[WeightsReport] | None:

@@ -157,3 +157,15 @@ def test_without_a_root_nothing_is_reported_and_removal_is_refused():
     assert asyncio.run(inventory.scan_now()) is None and inventory.for_heartbeat() is None
     status = asyncio.run(inventory.remove(RemoveWeights(epoch=1, source="org/m", path="/w/hub/models--org--m")))
     assert (status.removed, status.message) == (False, "this agent has no weights root")
+
+
+def test_a_root_that_cannot_be_read_leaves_the_weights_unknown_instead_of_stopping_the_agent(tmp_path):
+    class UnreadableRoot(WeightsInventory):
+        """A root the disk refuses (an NFS mount gone stale); tests run as root, so permissions cannot do it."""
+
+        def _read(self):
+            raise PermissionError(13, "Permission denied", self.root)
+
+    inventory = UnreadableRoot(str(tmp_path), scan_every=1)
+    assert asyncio.run(inventory.scan_now()) is None
+    assert inventory.for_hello() is None  # unknown: the control plane keeps what it knew
