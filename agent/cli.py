@@ -3,6 +3,7 @@
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
         [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH]
+        [--weights-root /data/models]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
 so it creates no var/ folder and no secret key there. `manage.py agent` is a
@@ -18,6 +19,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -25,12 +27,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .engines import DEFAULT_LLAMA_SERVER
+from .gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
 from .gpus import GPUDiscoveryError, discover_gpus
 from .protocol import NODE_NAME_PATTERN
 from .runtime import Agent, AgentRejected
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"
+WEIGHTS_ROOT_ENV = "LLMGW_WEIGHTS_ROOT"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 # The control plane's settings use the same floor for the same variable.
 MIN_HEARTBEAT_SECONDS = 0.1
@@ -56,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", required=True, help="this node's enrolled name")
     parser.add_argument("--token", default=None, help="the node credential (default: $LLMGW_NODE_TOKEN)")
     parser.add_argument("--fake-gpus", default=None, help="simulate GPUs, e.g. 8xH100-80GB or 4xL40S-48GB,2xA100-40GB")
+    parser.add_argument(
+        "--fake-gpu-health",
+        default=None,
+        metavar="FILE",
+        help='with --fake-gpus: a JSON file {"INDEX": "reason"} naming the simulated GPUs that are unhealthy '
+        "now, read again before each heartbeat when it changes (for drills)",
+    )
     parser.add_argument("--fabric", default="", help="interconnect domain of this node, e.g. ib-a")
     parser.add_argument("--address", default=None, help="host or IP engines are reached on (default: this host's)")
     parser.add_argument("--label", action="append", dest="labels", default=[], metavar="KEY=VALUE")
@@ -71,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help=f"llama.cpp server binary, a name on PATH or a path (default: ${LLAMA_SERVER_ENV}, "
         f"else {DEFAULT_LLAMA_SERVER})",
+    )
+    parser.add_argument(
+        "--weights-root",
+        default=None,
+        metavar="DIR",
+        help=f"folder holding model weights (Hugging Face cache under hub/, GGUF files); reported to the "
+        f"control plane and given to engines as HF_HOME (default: ${WEIGHTS_ROOT_ENV}, else none)",
     )
 
 
@@ -111,6 +129,20 @@ def llama_server_from(option: str | None, environ: Mapping[str, str] = os.enviro
     return value
 
 
+def weights_root_from(option: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The weights root from --weights-root or LLMGW_WEIGHTS_ROOT: an existing folder, made absolute; None if unset."""
+    value, name = (
+        (option, "--weights-root") if option is not None else (environ.get(WEIGHTS_ROOT_ENV), WEIGHTS_ROOT_ENV)
+    )
+    if value is None or not value.strip():
+        if option is not None:
+            raise UsageError("--weights-root is empty; give a folder, or leave the option out.")
+        return None
+    if not os.path.isdir(value):
+        raise UsageError(f"{name}={value!r} is not an existing folder.")
+    return os.path.abspath(value)
+
+
 def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> Agent:
     """The Agent the parsed options describe; UsageError names the first bad option."""
     control_planes = options["control_planes"]
@@ -131,10 +163,22 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
     if not heartbeat > 0:
         raise UsageError(f"--heartbeat-seconds must be positive, got {heartbeat}.")
     labels = parse_labels(options["labels"])
+    weights_root = weights_root_from(options.get("weights_root"))
+    fake_health = options.get("fake_gpu_health")
+    if fake_health is not None and not options["fake_gpus"]:
+        raise UsageError("--fake-gpu-health goes with --fake-gpus; real GPUs report their own health.")
     try:
         gpus = discover_gpus(options["fake_gpus"], node)
     except (ValueError, GPUDiscoveryError) as exc:
         raise UsageError(f"Cannot discover GPUs: {exc}.") from None
+    health: HealthReader | None = None  # fake GPUs: simulated health
+    if fake_health is not None:
+        health = SimulatedHealth({g.index: HEALTHY for g in gpus}, watch=os.path.abspath(fake_health))
+    elif not options["fake_gpus"]:
+        try:
+            health = hardware_reader({g.index: g.uuid for g in gpus}, shutil.which("nvidia-smi"))
+        except RuntimeError as exc:
+            raise UsageError(f"Cannot read GPU health: {exc}.") from None
     return Agent(
         control_planes,
         node,
@@ -145,6 +189,8 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         labels=labels,
         heartbeat_seconds=heartbeat,
         llama_server=llama_server_from(options.get("llama_server")),
+        health=health,
+        weights_root=weights_root,
     )
 
 

@@ -6,10 +6,13 @@ receiving side trusts what the gate let through (CONVENTIONS, "typed
 structures defined once"). Every message carries `type` (its tag) and `v`.
 
 agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
-  hello         node, version, address, fabric, labels{}, gpus[], shards[]
-  heartbeat     gpus[{index, healthy}], shards[{shard_id, state, running}]
+  hello         node, version, address, fabric, labels{}, gpus[], shards[], weights[]
+  heartbeat     gpus[{index, healthy, reason}], shards[{shard_id, state, running}], weights[]
                 (running: requests the engine holds, running or queued; null = unknown)
+                (weights: every source on disk, {source, path, size_bytes}; null = unchanged
+                since last reported, or no weights root)
   shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
+  weights_status source, path, removed, message   (the answer to remove_weights)
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
 stamped with the leader's lease `epoch`, and an agent refuses one older than
@@ -19,6 +22,7 @@ the newest epoch it has seen (fencing, DESIGN invariant 1)
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
                 reports no requests in flight, or when the timeout passes
+  remove_weights epoch, source, path: delete a source's weights from the node's disk
   error         message   (the control plane could not accept a message)
 """
 
@@ -37,6 +41,8 @@ SHARD_STATUS = "shard_status"
 START_SHARD = "start_shard"
 STOP_SHARD = "stop_shard"
 DRAIN_SHARD = "drain_shard"
+REMOVE_WEIGHTS = "remove_weights"
+WEIGHTS_STATUS = "weights_status"
 ERROR = "error"
 
 ShardState = Literal["starting", "ready", "failed", "stopped"]
@@ -91,6 +97,14 @@ def _no_repeated_gpus(indices: list[int], where: str) -> None:
         seen.add(index)
 
 
+def _no_repeated_sources(weights: list[WeightsReport] | None) -> None:
+    seen: set[str] = set()
+    for item in weights or ():
+        if item.source in seen:
+            raise ValueError(f"weights source {item.source!r} is repeated in `weights`")
+        seen.add(item.source)
+
+
 # The parts of messages below are untagged and unversioned: they are list items, not messages.
 class GPUReport(Struct, frozen=True, kw_only=True):
     """One GPU as `hello` describes it."""
@@ -100,13 +114,23 @@ class GPUReport(Struct, frozen=True, kw_only=True):
     gpu_class: Annotated[str, Meta(min_length=1)]
     memory_mb: Annotated[int, Meta(ge=0)]
     healthy: bool
+    reason: str = ""
 
 
 class GPUHealth(Struct, frozen=True, kw_only=True):
-    """One GPU's health as `heartbeat` reports it."""
+    """One GPU's health as `heartbeat` reports it; `reason` says why when unhealthy (XID, ECC, lost, …)."""
 
     index: GPUIndex
     healthy: bool
+    reason: str = ""
+
+
+class WeightsReport(Struct, frozen=True, kw_only=True):
+    """One source's weights on the node's disk (agent/weights.py says where each source lives)."""
+
+    source: Annotated[str, Meta(min_length=1, max_length=500)]
+    path: Annotated[str, Meta(min_length=1, max_length=1000)]
+    size_bytes: Annotated[int, Meta(ge=0)]
 
 
 class RunningShard(Struct, frozen=True, kw_only=True):
@@ -147,9 +171,12 @@ class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
     labels: dict[str, str] = {}
     gpus: list[GPUReport]
     shards: list[RunningShard] = []
+    # None: the agent has no weights root (or predates weights), so nothing is known.
+    weights: list[WeightsReport] | None = None
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
+        _no_repeated_sources(self.weights)
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag=HEARTBEAT):
@@ -157,9 +184,12 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag=HEARTBEAT):
 
     gpus: list[GPUHealth]
     shards: list[ShardHeartbeat] = []
+    # Only after a scan found a change; None (most heartbeats) leaves what is known alone.
+    weights: list[WeightsReport] | None = None
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
+        _no_repeated_sources(self.weights)
 
 
 class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
@@ -216,17 +246,44 @@ class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
     timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
 
 
+class RemoveWeights(_Message, frozen=True, kw_only=True, tag=REMOVE_WEIGHTS):
+    """Delete a source's weights at `path` (as the node reported it); the agent answers with weights_status."""
+
+    epoch: int
+    source: Annotated[str, Meta(min_length=1)]
+    path: Annotated[str, Meta(min_length=1)]
+
+
+class WeightsStatus(_Message, frozen=True, kw_only=True, tag=WEIGHTS_STATUS):
+    """The outcome of remove_weights: removed, or refused (the message says why)."""
+
+    source: str
+    path: str
+    removed: bool
+    message: str = ""
+
+
 class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
     """The control plane could not accept a message; the text says why."""
 
     message: str
 
 
-AgentMessage = Hello | Heartbeat | ShardStatus
-Command = StartShard | StopShard | DrainShard
+AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus
+Command = StartShard | StopShard | DrainShard | RemoveWeights
 
-_AGENT_MESSAGES: dict[str, type[Any]] = {HELLO: Hello, HEARTBEAT: Heartbeat, SHARD_STATUS: ShardStatus}
-_COMMANDS: dict[str, type[Any]] = {START_SHARD: StartShard, STOP_SHARD: StopShard, DRAIN_SHARD: DrainShard}
+_AGENT_MESSAGES: dict[str, type[Any]] = {
+    HELLO: Hello,
+    HEARTBEAT: Heartbeat,
+    SHARD_STATUS: ShardStatus,
+    WEIGHTS_STATUS: WeightsStatus,
+}
+_COMMANDS: dict[str, type[Any]] = {
+    START_SHARD: StartShard,
+    STOP_SHARD: StopShard,
+    DRAIN_SHARD: DrainShard,
+    REMOVE_WEIGHTS: RemoveWeights,
+}
 _FROM_CONTROL_PLANE: dict[str, type[Any]] = {**_COMMANDS, ERROR: Error}
 
 _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}

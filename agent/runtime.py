@@ -11,6 +11,12 @@ Each heartbeat carries the requests every serving engine holds, read from its
 hold the heartbeat back). A drain waits for those to reach zero, or for its
 timeout, before the engine is stopped (agent/draining.py).
 
+Each heartbeat also carries every GPU's health, read again just before
+(agent/gpu_health.py, bounded the same way). Hello and, when they change,
+heartbeats report the weights under the weights root (agent/weights_inventory.py);
+`remove_weights` deletes one source's weights there, off the command path,
+and is answered with `weights_status`.
+
 The Agent installs no signal handlers, so several can run as tasks in one
 event loop (`manage.py up`); whoever owns the loop calls `shutdown()`.
 """
@@ -27,9 +33,11 @@ from dataclasses import dataclass, field
 from . import draining, protocol
 from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
 from .engines import DEFAULT_LLAMA_SERVER, Launch, build_launch
+from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
 from .gpus import GPUInfo
 from .link import AgentRejected, AgentSuperseded, ControlPlaneLink
 from .supervisor import EngineProcess, Readiness, port_in_use
+from .weights_inventory import DEFAULT_SCAN_EVERY, WeightsInventory
 
 __all__ = ["Agent", "AgentRejected", "AgentSuperseded"]
 
@@ -82,6 +90,9 @@ class Agent:
         stop_grace_seconds: float = STOP_GRACE_SECONDS,
         load_timeout: float = POLL_TIMEOUT_SECONDS,
         drain_poll_seconds: float = draining.DRAIN_POLL_SECONDS,
+        health: HealthReader | None = None,
+        weights_root: str | None = None,
+        weights_scan_every: int = DEFAULT_SCAN_EVERY,
     ):
         self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds)
         self.control_planes = self._link.control_planes
@@ -100,6 +111,11 @@ class Agent:
         self.highest_epoch: int | None = None
         self._shards: dict[int, Shard] = {}
         self._shutdown_task: asyncio.Task | None = None
+        discovered = {g.index: GPUCondition(g.healthy, "" if g.healthy else "unreadable at discovery") for g in gpus}
+        # Fake GPUs (and tests) get a health that set_gpu_health can change.
+        self._health = HealthMonitor(health or SimulatedHealth(discovered), discovered)
+        self.weights_root = weights_root
+        self._weights = WeightsInventory(weights_root, weights_scan_every)
 
     async def run(self) -> None:
         """Hold the control-plane stream until shutdown(); raise AgentRejected if refused.
@@ -108,6 +124,7 @@ class Agent:
         outlive the agent that answers for them.
         """
         try:
+            await self._weights.scan_now()
             await self._link.run(self._hello, self._heartbeat, self._receive)
         finally:
             await self.shutdown()
@@ -131,6 +148,14 @@ class Agent:
         shard = self._shards.get(shard_id)
         return shard.engine.pid if shard else None
 
+    def set_gpu_health(self, index: int, healthy: bool, reason: str = "") -> None:
+        """Simulate a GPU turning (un)healthy; the next heartbeat reports it. Only for simulated health."""
+        reader = self._health.reader
+        if not isinstance(reader, SimulatedHealth):
+            raise RuntimeError("GPU health can be set only on an agent with simulated GPUs")
+        reader.set(index, healthy, reason)
+        self._health.last.update(reader.read())
+
     def _hello(self) -> bytes:
         return protocol.encode(
             protocol.Hello(
@@ -139,8 +164,9 @@ class Agent:
                 address=self.address,
                 fabric=self.fabric,
                 labels=self.labels,
-                gpus=[gpu.report() for gpu in self.gpus],
+                gpus=gpu_reports(self.gpus, self._health.last),
                 shards=[shard.report() for shard in self._shards.values()],
+                weights=self._weights.for_hello(),
             )
         )
 
@@ -148,14 +174,14 @@ class Agent:
         serving = {
             s.shard_id: (s.port, s.launch.metrics_path) for s in self._shards.values() if s.state in SERVING_STATES
         }
-        running = await self._load.read_many(serving)
+        running, health = await asyncio.gather(self._load.read_many(serving), self._health.read())
         # Shards that started or stopped while the engines were read are reported as they are now.
         shards = [
             protocol.ShardHeartbeat(shard_id=s.shard_id, state=s.state, running=running.get(s.shard_id))
             for s in self._shards.values()
         ]
-        gpus = [protocol.GPUHealth(index=g.index, healthy=g.healthy) for g in self.gpus]
-        return protocol.encode(protocol.Heartbeat(gpus=gpus, shards=shards))
+        gpus = gpu_health_reports(self.gpus, health)
+        return protocol.encode(protocol.Heartbeat(gpus=gpus, shards=shards, weights=self._weights.for_heartbeat()))
 
     async def _report(
         self,
@@ -181,6 +207,10 @@ class Agent:
         if isinstance(message, protocol.Error):
             log.error("control plane reported an error: %s", message.message)
             return
+        if isinstance(message, protocol.RemoveWeights):
+            if self._fence(message.__struct_config__.tag, message.epoch, f"weights {message.source}"):
+                self._weights.start_removal(message, self._link.send)
+            return
         if not self._fence(message.__struct_config__.tag, message.epoch, message.shard_id):
             return
         if isinstance(message, protocol.StartShard):
@@ -190,7 +220,7 @@ class Agent:
         else:
             self._begin_stop(message.shard_id)
 
-    def _fence(self, kind: str, epoch: int, shard_id: int) -> bool:
+    def _fence(self, kind: str, epoch: int, shard_id: int | str) -> bool:
         """Whether a command's epoch is current; remember the newest (DESIGN invariant 1, fencing).
 
         A leader older than one we have heard from may act on stale beliefs.
@@ -242,7 +272,9 @@ class Agent:
             )
             return
         # The assigned GPUs (in launch.env) always win over a profile's environment.
-        env = {**os.environ, **cmd.env, **launch.env}
+        # Hub downloads land in the weights root, where the weights inventory looks (agent/weights.py).
+        weights_env = {"HF_HOME": self.weights_root} if self.weights_root else {}
+        env = {**os.environ, **weights_env, **cmd.env, **launch.env}
         try:
             # The name prefixes every line of the engine's output in the agent's log.
             engine = await EngineProcess.launch(
@@ -290,6 +322,7 @@ class Agent:
             return
         if readiness is Readiness.READY:
             shard.state = "ready"
+            self._weights.changed()  # the engine may have downloaded its weights
             await self._report(shard.shard_id, "ready", port=shard.port)
         code = await shard.engine.wait_exit()
         if shard.stopping:
@@ -353,6 +386,7 @@ class Agent:
         if shard.watch is not None:
             shard.watch.cancel()
         self._shards.pop(shard.shard_id, None)
+        self._weights.changed()
         exited = f"engine exited with code {code}"
         await self._report(shard.shard_id, "stopped", f"{reason}; {exited}" if reason else exited)
 

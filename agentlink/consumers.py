@@ -71,6 +71,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
             case protocol.ShardStatus():
                 await database_sync_to_async(services.on_shard_status)(self.node_id, message)
+            case protocol.WeightsStatus():
+                await database_sync_to_async(services.on_weights_status)(self.node_id, message)
 
     async def _error(self, text: str) -> None:
         await self.send(text_data=protocol.encode(protocol.Error(message=text)).decode())

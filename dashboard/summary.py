@@ -20,7 +20,8 @@ unavailable` holds for every GPU class.
 Failed replicas are grouped by the first line of their `last_error` (`failed`,
 most frequent first); `unplaceable_models` are the models with a pending
 replica that found no room and whose victims are not already draining — the
-ones waiting on an operator. `node_list` is every node with its GPUs by state.
+ones waiting on an operator. `node_list` is every node with its GPUs by state
+and the weights its agent reports on disk (`weights`: source, size_bytes, size).
 
 `usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
 `dashboard.stoppable`, on the reconciler's own eviction rules.
@@ -35,7 +36,7 @@ from django.utils import timezone
 
 from catalog.models import Model
 from inventory.choices import NodeState
-from inventory.models import GPU, Node, gpu_in_service
+from inventory.models import GPU, Node, Weights, gpu_in_service, human_size
 from reconciler.choices import WANTED_STATES, ReplicaState
 from reconciler.eviction import HOLDING_NOTES
 from reconciler.idle import Idle
@@ -138,8 +139,19 @@ def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict], dic
     return capacity_list, free_nodes, per_node
 
 
+def _weights_per_node() -> dict[int, list[dict]]:
+    """The weights each node holds on disk, by source. One query."""
+    weights: dict[int, list[dict]] = defaultdict(list)
+    for node_id, source, size in Weights.objects.order_by("node_id", "source").values_list(
+        "node_id", "source", "size_bytes"
+    ):
+        weights[node_id].append({"source": source, "size_bytes": size, "size": human_size(size)})
+    return weights
+
+
 def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
-    """Node counts by state, and every node with its GPUs by state (from the GPU pass, no query per node)."""
+    """Node counts by state, and every node with its GPUs by state and its weights (no query per node)."""
+    weights = _weights_per_node()
     counts = {"total": 0, "ready": 0, "unreachable": 0, "lost": 0, "new": 0, "cordoned": 0}
     node_list = []
     rows = Node.objects.order_by("name").values_list("id", "name", "fabric", "state", "schedulable", "last_seen")
@@ -158,6 +170,7 @@ def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
                 "last_seen": _iso(last_seen),
                 "gpus": sum(gpus.values()),
                 **{state_name: gpus[state_name] for state_name in GPU_STATES},
+                "weights": weights.get(node_id, []),
             }
         )
     return counts, node_list
@@ -188,7 +201,7 @@ def _shards_by_replica() -> tuple[dict[int, list[str]], dict[int, int]]:
 def cluster_summary(now: datetime | None = None) -> dict:
     """The state of the fleet, as plain JSON-ready data; see the module docstring.
 
-    Six queries whatever the fleet size: lease, GPUs, nodes, models,
+    Seven queries whatever the fleet size: lease, GPUs, nodes, weights, models,
     replicas, shards (with their GPU counts) — and nothing per row; plus
     "what can I stop" (`stoppable.what_can_i_stop`): one more when usage is
     unknown, at most ten more otherwise.

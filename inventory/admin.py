@@ -1,6 +1,6 @@
-"""Inventory admin: nodes with their GPUs inline, cordon/uncordon, credentials and the GPU list.
+"""Inventory admin: nodes with their GPUs and weights inline, cordon/uncordon, credentials and the GPU list.
 
-GPU rows are what agents report, so they are read-only here; enrolment (which
+GPU and weights rows are what agents report, so they are read-only here; enrolment (which
 issues a node's credential) is `manage.py enrol_node`, not an admin form.
 """
 
@@ -11,9 +11,9 @@ from django.contrib import admin, messages
 from catalog.admin import set_gpu_class_source
 
 from .choices import NodeState
-from .models import GPU, Node, NodeCredential
+from .models import GPU, Node, NodeCredential, Weights, human_size
 
-GPU_FIELDS = ["index", "uuid", "gpu_class", "memory_mb", "health", "healthy_since"]
+GPU_FIELDS = ["index", "uuid", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since"]
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -53,6 +53,21 @@ class GPUInline(ReadOnlyInline):
     show_change_link = True
 
 
+class WeightsInline(ReadOnlyInline):
+    """The weights the node's agent reports on its disk, with human sizes."""
+
+    model = Weights
+    fields = ["source", "size", "path", "seen_at"]
+    verbose_name_plural = "weights on disk"
+
+    def get_readonly_fields(self, request, obj=None):
+        return self.fields
+
+    @admin.display(description="size", ordering="size_bytes")
+    def size(self, obj):
+        return human_size(obj.size_bytes)
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
     """Nodes are enrolled with `manage.py enrol_node` (which issues the credential), so there is no add form;
@@ -63,7 +78,7 @@ class NodeAdmin(admin.ModelAdmin):
     search_fields = ["name", "address", "fabric"]
     readonly_fields = ["name", "state", "last_seen", "agent_version", "created_at"]
     fields = ["name", "address", "fabric", "labels", "schedulable", "state", "last_seen", "agent_version", "created_at"]
-    inlines = [GPUInline]
+    inlines = [GPUInline, WeightsInline]
     actions = ["cordon", "uncordon", "declare_lost"]
 
     def has_add_permission(self, request):
@@ -102,7 +117,7 @@ class NodeAdmin(admin.ModelAdmin):
 
 @admin.register(GPU)
 class GPUAdmin(ReadOnlyAdmin):
-    list_display = ["__str__", "node", "index", "gpu_class", "memory_mb", "health", "healthy_since"]
+    list_display = ["__str__", "node", "index", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since"]
     list_filter = ["gpu_class", "health", "node__fabric"]
     search_fields = ["node__name", "uuid", "gpu_class"]
     list_select_related = ["node"]

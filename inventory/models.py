@@ -1,4 +1,4 @@
-"""Inventory models: Node, GPU and the per-node NodeCredential."""
+"""Inventory models: Node, GPU, the per-node NodeCredential, and the Weights each node holds on disk."""
 
 from datetime import timedelta
 
@@ -56,6 +56,9 @@ class GPU(models.Model):
     health = models.CharField(max_length=16, choices=GPUHealth.choices, default=GPUHealth.HEALTHY)
     # When it last turned healthy; an unhealthy GPU returns to service only after a quarantine.
     healthy_since = models.DateTimeField(null=True, blank=True)
+    health_reason = models.CharField(
+        max_length=500, blank=True, help_text="Why the agent reports it unhealthy (XID, ECC errors, lost, slowdown)."
+    )
 
     class Meta:
         ordering = ["node", "index"]
@@ -77,6 +80,38 @@ def gpu_in_service(health: str, healthy_since, now) -> bool:
         return False
     quarantine = timedelta(seconds=settings.LLMGW_GPU_QUARANTINE_SECONDS)
     return healthy_since is None or healthy_since <= now - quarantine
+
+
+def human_size(size_bytes: int) -> str:
+    """A byte count for people, in powers of 1024: `512 B`, `1.5 KiB`, `15.2 GiB`."""
+    size = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+class Weights(models.Model):
+    """One source's weights on a node's disk, as its agent last reported them (agent/weights.py).
+
+    Rows are written only when what the node reports changes, so `seen_at` is
+    when this path and size were first reported.
+    """
+
+    node = models.ForeignKey(Node, related_name="weights", on_delete=models.CASCADE)
+    source = models.CharField(max_length=500, help_text="Hub repository id, or GGUF path relative to the root.")
+    path = models.CharField(max_length=1000)
+    size_bytes = models.PositiveBigIntegerField("size (bytes)")
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["node", "source"]
+        verbose_name_plural = "weights"
+        constraints = [models.UniqueConstraint(fields=["node", "source"], name="weights_unique_source_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.source} on {self.node.name}"
 
 
 class NodeCredentialQuerySet(models.QuerySet):

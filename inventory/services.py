@@ -1,13 +1,21 @@
 """Inventory changes: enrolling nodes and recording what their agents report."""
 
+import logging
+
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import Heartbeat, Hello
+from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus
 from hub.credentials import hash_secret
 
 from .choices import GPUHealth, NodeState
-from .models import GPU, Node, NodeCredential
+from .models import GPU, Node, NodeCredential, Weights
+
+log = logging.getLogger(__name__)
+
+HEALTH_FIELDS = ["health", "healthy_since", "health_reason"]
+# The column's length; an agent's reason is cut to it rather than refused (it is for people to read).
+HEALTH_REASON_MAX = 500
 
 
 class EnrolmentError(ValueError):
@@ -32,15 +40,18 @@ def enrol_node(name: str, *, address: str = "", fabric: str = "", token: str | N
     return node, token
 
 
-def _apply_gpu_health(gpu, healthy: bool, now) -> bool:
-    """Update one GPU's health; return whether anything changed.
+def _apply_gpu_health(gpu, healthy: bool, now, reason: str = "") -> bool:
+    """Update one GPU's health and the agent's reason for it; return whether anything changed.
 
     A GPU that turns healthy again starts a quarantine (healthy_since = now) so
     a flapping card is not handed straight back to the placer (DESIGN invariant 5).
     """
     health = GPUHealth.HEALTHY if healthy else GPUHealth.UNHEALTHY
+    reason = "" if healthy else (reason or "reported unhealthy")[:HEALTH_REASON_MAX]
+    reason_changed = gpu.health_reason != reason
+    gpu.health_reason = reason
     if gpu.health == health:
-        return False
+        return reason_changed
     gpu.health = health
     gpu.healthy_since = now if healthy else None
     return True
@@ -77,10 +88,11 @@ def register_node(node_id: int, hello: Hello) -> Node:
                     gpu_class=info.gpu_class,
                     memory_mb=info.memory_mb,
                     health=GPUHealth.HEALTHY if info.healthy else GPUHealth.UNHEALTHY,
+                    health_reason="" if info.healthy else (info.reason or "reported unhealthy")[:HEALTH_REASON_MAX],
                 )
             )
             continue
-        changed = _apply_gpu_health(gpu, info.healthy, now)
+        changed = _apply_gpu_health(gpu, info.healthy, now, info.reason)
         for field in ("uuid", "gpu_class", "memory_mb"):
             if getattr(gpu, field) != getattr(info, field):
                 setattr(gpu, field, getattr(info, field))
@@ -88,22 +100,75 @@ def register_node(node_id: int, hello: Hello) -> Node:
         if changed:
             to_update.append(gpu)
     for gpu in existing.values():
-        if _apply_gpu_health(gpu, False, now):
+        if _apply_gpu_health(gpu, False, now, "no longer reported by the node's agent"):
             to_update.append(gpu)
     GPU.objects.bulk_create(to_create)
-    GPU.objects.bulk_update(to_update, ["uuid", "gpu_class", "memory_mb", "health", "healthy_since"])
+    GPU.objects.bulk_update(to_update, ["uuid", "gpu_class", "memory_mb", *HEALTH_FIELDS])
+    if hello.weights is not None:
+        record_weights(node.pk, hello.weights, now)
     return node
 
 
 @transaction.atomic
-def record_heartbeat(node_id: int, heartbeat: Heartbeat) -> None:
-    """Record a validated `heartbeat`: the node is alive, and its GPUs' health."""
+def record_heartbeat(node_id: int, heartbeat: Heartbeat) -> list[GPU]:
+    """Record a validated `heartbeat`: the node is alive, its GPUs' health, and its weights if reported.
+
+    Returns the GPUs that turned unhealthy with this heartbeat (their holders
+    must fail). Only GPUs whose health or reason changed are written: a steady
+    heartbeat reads the GPUs and writes none.
+    """
     now = timezone.now()
     Node.objects.filter(pk=node_id).update(last_seen=now, state=NodeState.READY)
-    reported = {g.index: g.healthy for g in heartbeat.gpus}
-    changed = [
-        gpu
-        for gpu in GPU.objects.filter(node_id=node_id, index__in=list(reported))
-        if _apply_gpu_health(gpu, reported[gpu.index], now)
-    ]
-    GPU.objects.bulk_update(changed, ["health", "healthy_since"])
+    reported = {g.index: g for g in heartbeat.gpus}
+    changed, turned_unhealthy = [], []
+    for gpu in GPU.objects.filter(node_id=node_id, index__in=list(reported)):
+        was_healthy = gpu.health == GPUHealth.HEALTHY
+        report = reported[gpu.index]
+        if _apply_gpu_health(gpu, report.healthy, now, report.reason):
+            changed.append(gpu)
+            if was_healthy and not report.healthy:
+                turned_unhealthy.append(gpu)
+    if changed:
+        GPU.objects.bulk_update(changed, HEALTH_FIELDS)
+    if heartbeat.weights is not None:
+        record_weights(node_id, heartbeat.weights, now)
+    return turned_unhealthy
+
+
+def record_weights(node_id: int, reported: list[WeightsReport], now) -> tuple[int, int, int]:
+    """Make the node's Weights rows what the agent reports, writing only what changed.
+
+    One read; then at most one insert, one update and one delete. Returns
+    (created, updated, deleted).
+    """
+    existing = {w.source: w for w in Weights.objects.filter(node_id=node_id)}
+    to_create, to_update = [], []
+    for item in reported:
+        row = existing.pop(item.source, None)
+        if row is None:
+            to_create.append(
+                Weights(node_id=node_id, source=item.source, path=item.path, size_bytes=item.size_bytes, seen_at=now)
+            )
+        elif (row.path, row.size_bytes) != (item.path, item.size_bytes):
+            row.path, row.size_bytes, row.seen_at = item.path, item.size_bytes, now
+            to_update.append(row)
+    if to_create:
+        Weights.objects.bulk_create(to_create)
+    if to_update:
+        Weights.objects.bulk_update(to_update, ["path", "size_bytes", "seen_at"])
+    if existing:
+        Weights.objects.filter(pk__in=[row.pk for row in existing.values()]).delete()
+    return len(to_create), len(to_update), len(existing)
+
+
+def record_weights_status(node: Node, status: WeightsStatus) -> bool:
+    """Apply an agent's answer to remove_weights: forget the weights if removed, else keep them and warn.
+
+    Returns whether a row was deleted.
+    """
+    if not status.removed:
+        log.warning("node %s kept the weights of %s at %s: %s", node.name, status.source, status.path, status.message)
+        return False
+    log.info("node %s removed the weights of %s (%s)", node.name, status.source, status.message)
+    deleted, _ = Weights.objects.filter(node=node, source=status.source, path=status.path).delete()
+    return deleted > 0

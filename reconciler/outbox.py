@@ -16,7 +16,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 
-from agent.protocol import DrainShard, StartShard, StopShard, to_builtins
+from agent.protocol import DrainShard, RemoveWeights, StartShard, StopShard, to_builtins
 
 from .models import Lease
 
@@ -57,7 +57,7 @@ class Outbox:
 
     def __init__(self, epoch: int | None = None):
         self.epoch = epoch
-        self.commands: list[tuple[str, type[StartShard | StopShard | DrainShard], dict]] = []
+        self.commands: list[tuple[str, type[StartShard | StopShard | DrainShard | RemoveWeights], dict]] = []
 
     def start(self, node_name: str, **fields) -> None:
         """Queue a start_shard; `fields` are StartShard's fields but the epoch."""
@@ -80,6 +80,10 @@ class Outbox:
         ):
             raise ValueError(f"drain timeout must be a number of seconds >= 0, got {timeout_seconds!r}")
         self.commands.append((node_name, DrainShard, {"shard_id": shard_id, "timeout_seconds": float(timeout_seconds)}))
+
+    def remove_weights(self, node_name: str, source: str, path: str) -> None:
+        """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""
+        self.commands.append((node_name, RemoveWeights, {"source": source, "path": path}))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""

@@ -2,14 +2,15 @@
 
 The caller passes free capacity per (node, GPU class) — only healthy,
 out-of-quarantine, unassigned GPUs on ready, schedulable nodes count as free —
-and a profile's shape. `place` answers with a Placement (rank 0 first) or an
+and a profile's shape, and the nodes already holding the profile's weights on
+disk. `place` answers with a Placement (rank 0 first) or an
 Unplaceable whose reason is written in aggregate words for operators.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -78,35 +79,43 @@ class Unplaceable:
     reason: str
 
 
-def place(capacity: Iterable[NodeCapacity], shape: Shape) -> Placement | Unplaceable:
+def place(
+    capacity: Iterable[NodeCapacity], shape: Shape, holding: Collection[str] = frozenset()
+) -> Placement | Unplaceable:
     """Choose GPUs for one replica of `shape` from `capacity`.
 
-    Single node: best fit, the node with the fewest free GPUs of the class that
-    still fits (ties by name), taking its lowest free indices. Multi-node: N
-    whole free nodes on one non-empty fabric (DESIGN invariant 5), choosing the
-    fabric with the fewest whole free nodes that still fits (ties by fabric
-    name) and its nodes by name.
+    Weights first, best fit second: a node in `holding` (it has the weights on
+    disk, so the engine starts without a download) wins over any node without
+    them, however much better that one fits.
+
+    Single node: among the fitting nodes (holders first), best fit: the fewest
+    free GPUs of the class (ties by name), taking its lowest free indices.
+    Multi-node: N whole free nodes on one non-empty fabric (DESIGN invariant 5),
+    choosing the fabric where the most of the N nodes hold the weights, then
+    the one with the fewest whole free nodes that still fits (ties by fabric
+    name); its nodes are taken holders first, then by name.
     """
     candidates = [c for c in capacity if c.gpu_class == shape.gpu_class]
     if not candidates:
         return Unplaceable(f"no node has GPU class {shape.gpu_class}")
+    holders = frozenset(holding)
     if shape.nodes_per_replica == 1:
-        return _place_single(candidates, shape)
-    return _place_multi(candidates, shape)
+        return _place_single(candidates, shape, holders)
+    return _place_multi(candidates, shape, holders)
 
 
-def _place_single(candidates: list[NodeCapacity], shape: Shape) -> Placement | Unplaceable:
+def _place_single(candidates: list[NodeCapacity], shape: Shape, holders: frozenset[str]) -> Placement | Unplaceable:
     need = shape.gpus_per_node
     fitting = [c for c in candidates if len(c.free) >= need]
     if not fitting:
         most = min(candidates, key=lambda c: (-len(c.free), c.name))
         where = f"{len(most.free)} ({most.name})" if most.free else "0"
         return Unplaceable(f"needs {need}×{shape.gpu_class} on one node; most free on one node: {where}")
-    best = min(fitting, key=lambda c: (len(c.free), c.name))
+    best = min(fitting, key=lambda c: (c.name not in holders, len(c.free), c.name))
     return Placement((ShardPlacement(best.name, best.address, tuple(sorted(best.free)[:need])),))
 
 
-def _place_multi(candidates: list[NodeCapacity], shape: Shape) -> Placement | Unplaceable:
+def _place_multi(candidates: list[NodeCapacity], shape: Shape, holders: frozenset[str]) -> Placement | Unplaceable:
     need_nodes, need = shape.nodes_per_replica, shape.gpus_per_node
     by_fabric: dict[str, list[NodeCapacity]] = defaultdict(list)
     unfabricated = 0
@@ -124,8 +133,12 @@ def _place_multi(candidates: list[NodeCapacity], shape: Shape) -> Placement | Un
         return Unplaceable(
             f"needs {need_nodes} whole {shape.gpu_class} nodes on one fabric; free: {', '.join(free) or 'none'}"
         )
-    fabric = min(fitting, key=lambda f: (len(by_fabric[f]), f))
-    nodes = sorted(by_fabric[fabric], key=lambda c: c.name)[:need_nodes]
+
+    def holding_in(fabric: str) -> int:
+        return min(need_nodes, sum(c.name in holders for c in by_fabric[fabric]))
+
+    fabric = min(fitting, key=lambda f: (-holding_in(f), len(by_fabric[f]), f))
+    nodes = sorted(by_fabric[fabric], key=lambda c: (c.name not in holders, c.name))[:need_nodes]
     return Placement(tuple(ShardPlacement(c.name, c.address, tuple(sorted(c.free)[:need])) for c in nodes))
 
 

@@ -2,9 +2,11 @@
 
 A replica goes on the first of its model's profiles with room (profile
 fallback); when none has room, `room.make_room` may stop idle replicas for it.
-The placer (`placement.place`) decides on a capacity snapshot in memory; this
-module reads the rows once, writes shards and GPU assignments in bulk, and
-queues one start_shard per shard in the tick's Outbox. A unique constraint on
+The placer (`placement.place`) decides on a capacity snapshot in memory,
+preferring nodes that hold the profile's weights on disk; this module reads
+the rows once (one query for the weights of every candidate source), writes
+shards and GPU assignments in bulk, and queues one start_shard per shard in
+the tick's Outbox. A unique constraint on
 GPUAssignment.gpu backs the arithmetic (DESIGN invariant 2).
 """
 
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Count
+from django.db.models import Count, Q
 
+from agent.weights import weights_key
 from catalog.models import Profile
+from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState, ShardState
@@ -71,6 +75,7 @@ def place_pending(
     profiles = _profiles_of({r.model_id for r in pending})
     running_on = _running_per_profile(profiles)
     capacity = free_capacity(now)
+    holders = _weights_holders(profiles)
 
     placed: list[tuple[Replica, list[_NewShard]]] = []
     moved: list[Replica] = []
@@ -82,7 +87,7 @@ def place_pending(
                 reasons.append(f"{shape_label(profile)}: at its max of {profile.max_replicas}")
                 continue
             tried.append(profile)
-            result = _place_one(replica, profile, capacity)
+            result = _place_one(replica, profile, capacity, holders.get(profile.pk, frozenset()))
             if isinstance(result, Unplaceable):
                 reasons.append(f"{shape_label(profile)}: {result.reason}")
                 continue
@@ -172,10 +177,29 @@ def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
     return counts
 
 
-def _place_one(replica: Replica, profile: Profile, capacity: CapacitySnapshot) -> list[_NewShard] | Unplaceable:
+def _weights_holders(profiles: dict[int, list[Profile]]) -> dict[int, frozenset[str]]:
+    """The names of the nodes holding each profile's weights on disk. One query.
+
+    A node reports a hub repository or a GGUF path relative to its root as the
+    source; an absolute GGUF source is matched against the path it reports.
+    """
+    keys = {p.pk: weights_key(p.engine, p.model.source) for ps in profiles.values() for p in ps}
+    wanted = set(keys.values())
+    where: dict[str, set[str]] = defaultdict(set)
+    rows = Weights.objects.filter(Q(source__in=wanted) | Q(path__in=wanted)).values_list("source", "path", "node__name")
+    for source, path, node_name in rows:
+        where[source].add(node_name)
+        where[path].add(node_name)
+    return {pk: frozenset(where.get(key, ())) for pk, key in keys.items()}
+
+
+def _place_one(
+    replica: Replica, profile: Profile, capacity: CapacitySnapshot, holders: frozenset[str]
+) -> list[_NewShard] | Unplaceable:
     """Choose GPUs and ports for one replica on `profile` and take them from the snapshot, or say why not."""
     gpu_class = profile.gpu_class
-    result = place(capacity.records(gpu_class), Shape(gpu_class, profile.gpus_per_node, profile.nodes_per_replica))
+    shape = Shape(gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
+    result = place(capacity.records(gpu_class), shape, holders)
     if isinstance(result, Unplaceable):
         return result
     assert isinstance(result, Placement)

@@ -145,6 +145,7 @@ def command(kind: str, epoch: int, **fields) -> dict:
         protocol.START_SHARD: protocol.StartShard,
         protocol.STOP_SHARD: protocol.StopShard,
         protocol.DRAIN_SHARD: protocol.DrainShard,
+        protocol.REMOVE_WEIGHTS: protocol.RemoveWeights,
     }[kind]
     return protocol.to_builtins(struct(epoch=epoch, **fields))
 

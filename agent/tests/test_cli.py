@@ -16,7 +16,20 @@ from agent.tests.stand_ins import BAD_ARGUMENTS, ThreadedControlPlane
 PROJECT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE_PACKAGES = {"django", "llmgw_site", "catalog", "inventory", "reconciler", "router", "dashboard", "hub"}
 PROJECT_PACKAGES = CONTROL_PLANE_PACKAGES - {"django"} | {"agent"}
-AGENT_MODULES = ["link", "supervisor", "runtime", "protocol", "engines", "gpus", "cli", "mock_engine", "__main__"]
+AGENT_MODULES = [
+    "link",
+    "supervisor",
+    "runtime",
+    "protocol",
+    "engines",
+    "gpus",
+    "gpu_health",
+    "weights",
+    "weights_inventory",
+    "cli",
+    "mock_engine",
+    "__main__",
+]
 
 # Runs `python -m agent` and, at exit, names every control-plane module that was imported.
 WRAPPER = f"""
@@ -33,7 +46,7 @@ runpy.run_module("agent", run_name="__main__", alter_sys=True)
 
 @pytest.fixture(autouse=True)
 def _no_agent_settings_in_env(monkeypatch):
-    for name in ("LLMGW_NODE_TOKEN", "LLMGW_HEARTBEAT_SECONDS"):
+    for name in ("LLMGW_NODE_TOKEN", "LLMGW_HEARTBEAT_SECONDS", "LLMGW_WEIGHTS_ROOT"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -121,6 +134,45 @@ def test_heartbeat_default_comes_from_the_environment():
     assert cli.agent_from_options({**options, "llama_server": "/opt/llama-server"}, 2.5).llama_server == (
         "/opt/llama-server"
     )
+
+
+def test_the_weights_root_comes_from_the_option_or_the_environment_and_must_be_a_folder(tmp_path, monkeypatch, capsys):
+    assert cli.weights_root_from(None, {}) is None
+    assert cli.weights_root_from(None, {"LLMGW_WEIGHTS_ROOT": str(tmp_path)}) == str(tmp_path)
+    assert cli.weights_root_from(str(tmp_path), {"LLMGW_WEIGHTS_ROOT": "/nowhere"}) == str(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w").mkdir()
+    assert cli.weights_root_from("w", {}) == str(tmp_path / "w")  # made absolute: engines run elsewhere
+    args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t", "--fake-gpus", "1xL4-24GB"]
+    assert cli.main([*args, "--weights-root", str(tmp_path / "missing")]) == 1
+    assert f"--weights-root='{tmp_path / 'missing'}' is not an existing folder." in capsys.readouterr().err
+    assert cli.main([*args, "--weights-root", ""]) == 1
+    assert "--weights-root is empty" in capsys.readouterr().err
+    monkeypatch.setenv("LLMGW_WEIGHTS_ROOT", str(tmp_path / "notes.txt"))
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    assert cli.main(args) == 1
+    assert "LLMGW_WEIGHTS_ROOT=" in capsys.readouterr().err
+
+
+def test_fake_gpu_health_goes_with_fake_gpus_only(tmp_path, capsys):
+    args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t"]
+    assert cli.main([*args, "--fake-gpu-health", str(tmp_path / "h.json")]) == 1
+    assert "--fake-gpu-health goes with --fake-gpus" in capsys.readouterr().err
+    options = {
+        "control_planes": args[1:2],
+        "node": "n1",
+        "token": "t",
+        "fake_gpus": "2xL4-24GB",
+        "fake_gpu_health": str(tmp_path / "h.json"),
+        "fabric": "",
+        "address": "127.0.0.1",
+        "labels": [],
+        "heartbeat_seconds": None,
+    }
+    (tmp_path / "h.json").write_text('{"1": "XID 79 (drill)"}')
+    agent = cli.agent_from_options(options, 5.0)
+    agent.set_gpu_health(0, False, "set by a test")  # simulated health, so it can be set too
+    assert agent._health.reader.read()[1].reason == "XID 79 (drill)"
 
 
 def test_rejected_credential_exits_non_zero_saying_so(capsys):

@@ -40,7 +40,7 @@ def test_fake_uuids_are_stable_per_node_and_differ_between_nodes():
 
 def test_gpu_message_has_the_protocol_shape():
     message = parse_fake_gpus("1xL4-24GB", "n")[0].to_message()
-    assert set(message) == {"index", "uuid", "gpu_class", "memory_mb", "healthy"}
+    assert set(message) == {"index", "uuid", "gpu_class", "memory_mb", "healthy", "reason"}
     assert message["gpu_class"] == "L4-24GB" and message["memory_mb"] == 24576
 
 

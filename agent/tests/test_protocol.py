@@ -98,6 +98,7 @@ def test_commands_round_trip(message):
 
 
 def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
+    # Fields added since (GPU `reason`, `weights`) are optional: see the backward-compatibility test.
     assert json.loads(protocol.encode(HELLO)) == {
         "type": "hello",
         "v": 1,
@@ -107,19 +108,21 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
         "fabric": "ib-a",
         "labels": {"rack": "r3"},
         "gpus": [
-            {"index": 0, "uuid": "GPU-a", "gpu_class": "H100-80GB", "memory_mb": 81920, "healthy": True},
-            {"index": 1, "uuid": "GPU-b", "gpu_class": "H100-80GB", "memory_mb": 81920, "healthy": False},
+            {"index": 0, "uuid": "GPU-a", "gpu_class": "H100-80GB", "memory_mb": 81920, "healthy": True, "reason": ""},
+            {"index": 1, "uuid": "GPU-b", "gpu_class": "H100-80GB", "memory_mb": 81920, "healthy": False, "reason": ""},
         ],
         "shards": [{"shard_id": 4, "replica_id": 9, "state": "ready", "port": 20001}],
+        "weights": None,
     }
     assert protocol.to_builtins(HEARTBEAT) == {
         "type": "heartbeat",
         "v": 1,
-        "gpus": [{"index": 0, "healthy": True}, {"index": 1, "healthy": False}],
+        "gpus": [{"index": 0, "healthy": True, "reason": ""}, {"index": 1, "healthy": False, "reason": ""}],
         "shards": [
             {"shard_id": 4, "state": "ready", "running": None},
             {"shard_id": 5, "state": "draining", "running": 3},
         ],
+        "weights": None,
     }
     assert protocol.to_builtins(SHARD_STATUS) == {
         "type": "shard_status",
@@ -207,7 +210,7 @@ def test_optional_fields_take_their_defaults_when_absent():
 
 
 def test_fields_a_newer_agent_adds_are_ignored():
-    assert protocol.decode_agent_message(json.dumps(hello_dict(weights=["llama-70b"]))) == HELLO
+    assert protocol.decode_agent_message(json.dumps(hello_dict(cpu_model=["EPYC 9654"]))) == HELLO
 
 
 @pytest.mark.parametrize(

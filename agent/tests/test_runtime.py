@@ -136,7 +136,7 @@ def test_frames_that_are_not_current_commands_are_ignored_and_logged(caplog):
             task = asyncio.create_task(agent.run())
             await cp.next(protocol.HELLO)
             await cp.ws.send("{not json")
-            await cp.send({"type": "remove_weights", "v": 1, "epoch": 1})
+            await cp.send({"type": "resize_disk", "v": 1, "epoch": 1})
             await cp.send(command(protocol.STOP_SHARD, 7, shard_id=98))
             assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 98
             # A malformed start from a deposed leader is not answered: only current leaders are.
@@ -148,7 +148,7 @@ def test_frames_that_are_not_current_commands_are_ignored_and_logged(caplog):
 
     run(scenario())
     assert "message is not JSON" in caplog.text
-    assert "unknown message type 'remove_weights'" in caplog.text
+    assert "unknown message type 'resize_disk'" in caplog.text
     assert "epoch 6 is older than epoch 7" in caplog.text
 
 

@@ -36,7 +36,7 @@ class ModelSerializer(serializers.ModelSerializer):
 class GPUSerializer(serializers.ModelSerializer):
     class Meta:
         model = GPU
-        fields = ["index", "uuid", "gpu_class", "memory_mb", "health", "healthy_since"]
+        fields = ["index", "uuid", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since"]
 
 
 class NodeSerializer(serializers.ModelSerializer):

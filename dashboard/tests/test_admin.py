@@ -138,6 +138,7 @@ def test_node_admin_edits_fabric_but_not_the_enrolled_name(admin_client, fleet):
     data.update(
         {"gpus-TOTAL_FORMS": "8", "gpus-INITIAL_FORMS": "8", "gpus-MIN_NUM_FORMS": "0", "gpus-MAX_NUM_FORMS": "0"}
     )
+    data.update({"weights-TOTAL_FORMS": "0", "weights-INITIAL_FORMS": "0"})
     data.update({f"gpus-{i}-id": str(pk) for i, pk in enumerate(node.gpus.values_list("pk", flat=True))})
     data.update({f"gpus-{i}-node": str(node.pk) for i in range(8)})
     response = admin_client.post(reverse("admin:inventory_node_change", args=[node.pk]), data)

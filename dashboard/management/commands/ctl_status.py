@@ -243,6 +243,9 @@ class Command(BaseCommand):
         ]
         headers = ["NODE", "FABRIC", "STATE", "GPUS", "USED", "FREE", "UNHEALTHY", "UNAVAILABLE", "LAST SEEN"]
         out += self.styled_table(headers, rows) if rows else ["  none"]
+        out.append(self.section("Weights on disk"))
+        held = [[n["name"], w["source"], w["size"]] for n in s["node_list"] for w in n["weights"]]
+        out += self.styled_table(["NODE", "SOURCE", "SIZE"], held) if held else ["  none reported"]
         return out
 
     def what_can_i_stop(self, s: dict, top: int | None) -> list[str]:

@@ -1,0 +1,78 @@
+"""Weights per node and GPU health reasons on every operator surface: summary, ctl_status, REST status and admin."""
+
+from io import StringIO
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.urls import reverse
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from dashboard.summary import cluster_summary
+from inventory.choices import GPUHealth
+from inventory.models import GPU, Weights
+from tests.fleet import make_node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def holding():
+    a, b = make_node("gpu-a", gpus=2), make_node("gpu-b", gpus=2)
+    now = timezone.now()
+    Weights.objects.bulk_create(
+        [
+            Weights(node=a, source="org/small", path="/w/hub/models--org--small", size_bytes=1536, seen_at=now),
+            Weights(node=a, source="gguf/q4.gguf", path="/w/gguf/q4.gguf", size_bytes=5 * 1024**3, seen_at=now),
+        ]
+    )
+    GPU.objects.filter(node=b, index=1).update(health=GPUHealth.UNHEALTHY, health_reason="XID 79")
+    return a, b
+
+
+def test_the_summary_lists_each_nodes_weights_with_sizes(holding):
+    nodes = {n["name"]: n for n in cluster_summary()["node_list"]}
+    assert nodes["gpu-a"]["weights"] == [
+        {"source": "gguf/q4.gguf", "size_bytes": 5 * 1024**3, "size": "5.0 GiB"},
+        {"source": "org/small", "size_bytes": 1536, "size": "1.5 KiB"},
+    ]
+    assert nodes["gpu-b"]["weights"] == []
+
+
+def test_ctl_status_nodes_prints_the_weights_on_disk(holding):
+    out = StringIO()
+    call_command("ctl_status", "--nodes", stdout=out)
+    text = out.getvalue()
+    assert "Weights on disk" in text
+    rows = [line.split() for line in text.splitlines()[text.splitlines().index("Weights on disk") :]]
+    assert ["gpu-a", "gguf/q4.gguf", "5.0", "GiB"] in rows
+    assert ["gpu-a", "org/small", "1.5", "KiB"] in rows
+
+
+def test_rest_status_carries_the_weights_and_gpus_their_health_reason(holding):
+    client = APIClient()
+    client.force_authenticate(get_user_model().objects.create_user("ops", is_staff=True))
+    status = client.get(reverse("api-status")).json()
+    assert [w["source"] for w in next(n for n in status["node_list"] if n["name"] == "gpu-a")["weights"]] == [
+        "gguf/q4.gguf",
+        "org/small",
+    ]
+    nodes = client.get("/api/v1/nodes/").json()
+    rows = nodes["results"] if isinstance(nodes, dict) else nodes
+    gpus = next(n for n in rows if n["name"] == "gpu-b")["gpus"]
+    assert [(g["index"], g["health"], g["health_reason"]) for g in gpus] == [
+        (0, "healthy", ""),
+        (1, "unhealthy", "XID 79"),
+    ]
+
+
+def test_node_admin_shows_weights_read_only_with_human_sizes_and_gpu_health_reasons(admin_client, holding):
+    a, b = holding
+    html = admin_client.get(reverse("admin:inventory_node_change", args=[a.pk])).content.decode()
+    assert "Weights on disk" in html
+    assert "org/small" in html and "1.5 KiB" in html and "5.0 GiB" in html
+    assert 'name="weights-0-source"' not in html  # read-only: no input for it
+    html = admin_client.get(reverse("admin:inventory_node_change", args=[b.pk])).content.decode()
+    assert "XID 79" in html
+    assert "XID 79" in admin_client.get(reverse("admin:inventory_gpu_changelist")).content.decode()

@@ -1,0 +1,87 @@
+"""Deleting a model or a profile frees the disk its weights took on every node (remove_weights).
+
+A profile's source (its model's, keyed by engine: agent/weights.py) is noted
+when the profile is about to be deleted (deleting a model deletes its
+profiles). After the deleting transaction commits, for each noted source that
+no remaining profile still uses, every node whose Weights rows hold it is sent
+remove_weights, after a second, short transaction that decides it (Outbox:
+commands leave only after commit). The agent answers with weights_status;
+inventory.services forgets the row on success and keeps it (with a warning)
+on refusal.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import connection, transaction
+from django.db.models import Q
+from django.db.models.signals import pre_delete
+
+from agent.weights import weights_key
+from catalog.models import Profile
+from inventory.models import Weights
+
+from .outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+def profile_deleting(sender, instance: Profile, **_kwargs) -> None:
+    """Note the profile's weights key; one check per transaction, after it commits."""
+    key = weights_key(instance.engine, instance.model.source)
+    pending = _pending_callback()
+    if pending is not None:
+        pending.keys.add(key)  # type: ignore[attr-defined]
+        return
+
+    def remove_unused() -> None:
+        remove_unused.ran = True  # type: ignore[attr-defined]
+        remove_unused_weights(remove_unused.keys)  # type: ignore[attr-defined]
+
+    remove_unused.keys = {key}  # type: ignore[attr-defined]
+    remove_unused.ran = False  # type: ignore[attr-defined]
+    transaction.on_commit(remove_unused)
+
+
+def _pending_callback():
+    """This transaction's removal check, still waiting for its commit, if there is one."""
+    if not connection.in_atomic_block:
+        return None
+    for entry in connection.run_on_commit:
+        callback = entry[1]
+        if getattr(callback, "ran", True) is False and hasattr(callback, "keys"):
+            return callback
+    return None
+
+
+def remove_unused_weights(keys: set[str]) -> int:
+    """Send remove_weights for every node's copy of `keys` no remaining profile uses; return how many were sent.
+
+    Three queries: the remaining profiles, the holders, the epoch.
+    """
+    # The whole catalog's profiles (a deletion is rare, the catalog small): keys are normalised forms of
+    # the sources, so they cannot be matched in SQL.
+    still_used = {
+        weights_key(engine, source) for engine, source in Profile.objects.values_list("engine", "model__source")
+    }
+    unused = keys - still_used
+    if not unused:
+        return 0
+    with transaction.atomic():
+        outbox = Outbox()
+        rows = Weights.objects.filter(Q(source__in=unused) | Q(path__in=unused)).values_list(
+            "node__name", "source", "path"
+        )
+        for node_name, source, path in rows.order_by("node__name", "source"):
+            outbox.remove_weights(node_name, source, path)
+        sent = len(outbox.commands)
+        outbox.send_on_commit()
+    if sent:
+        log.info("sent %d remove_weights command(s) for %s", sent, ", ".join(sorted(unused)))
+    return sent
+
+
+def connect() -> None:
+    """Listen for profile deletions (called once, from the app's ready())."""
+    pre_delete.connect(profile_deleting, sender=Profile, dispatch_uid="weights-removal-profile-deleting")
