@@ -28,10 +28,11 @@ from . import draining, protocol
 from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
 from .engines import Launch, build_launch
 from .gpus import GPUInfo
-from .link import AgentRejected, AgentSuperseded, ControlPlaneLink
+from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
+from .state import AgentState, StateError
 from .supervisor import EngineProcess, Readiness, port_in_use
 
-__all__ = ["Agent", "AgentRejected", "AgentSuperseded"]
+__all__ = ["Agent", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,15 @@ class Agent:
         stop_grace_seconds: float = STOP_GRACE_SECONDS,
         load_timeout: float = POLL_TIMEOUT_SECONDS,
         drain_poll_seconds: float = draining.DRAIN_POLL_SECONDS,
+        state_dir: str | os.PathLike | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
     ):
-        self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds)
+        # None keeps the highest epoch in memory only (tests, embedded demo agents); a node agent
+        # has a state directory so fencing survives its restarts (agent/state.py). StateError if unusable.
+        self._state = AgentState.open(state_dir, node) if state_dir is not None else None
+        self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds, ca_file, cert_file, key_file)
         self.control_planes = self._link.control_planes
         self.node = node
         self.gpus = list(gpus)
@@ -95,7 +103,7 @@ class Agent:
         self.stop_grace_seconds = stop_grace_seconds
         self.drain_poll_seconds = drain_poll_seconds
         self._load = EngineLoad(load_timeout)
-        self.highest_epoch: int | None = None
+        self.highest_epoch: int | None = self._state.highest_epoch if self._state else None
         self._shards: dict[int, Shard] = {}
         self._shutdown_task: asyncio.Task | None = None
 
@@ -199,6 +207,13 @@ class Agent:
                 kind, shard_id, epoch, self.highest_epoch,
             )  # fmt: skip
             return False
+        if self._state is not None and (self.highest_epoch is None or epoch > self.highest_epoch):
+            # Recorded before acting: a restart must not forget a leader this agent already obeyed.
+            try:
+                self._state.record_epoch(epoch)
+            except StateError as exc:
+                log.error("%s for shard %s refused: epoch %s cannot be recorded: %s", kind, shard_id, epoch, exc)
+                return False
         self.highest_epoch = epoch
         return True
 
