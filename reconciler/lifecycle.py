@@ -218,7 +218,7 @@ def mark_ready_if_whole(replica: Replica, now: datetime) -> bool:
     head = peers[0]
     replica.state = ReplicaState.READY
     replica.ready_at = now
-    replica.endpoint_url = f"http://{head.node.address or head.node.name}:{head.port}"
+    replica.endpoint_url = f"http://{head.node.effective_address or head.node.name}:{head.port}"
     replica.save(update_fields=["state", "ready_at", "endpoint_url"])
     if replica.started_at is not None:
         _learn_start_time(replica.profile_id, (now - replica.started_at).total_seconds())

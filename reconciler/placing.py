@@ -217,7 +217,7 @@ def resend_starts(now: datetime, outbox: Outbox) -> int:
     for shard in due:
         mates = peers[shard.replica_id]
         head = min(mates, key=lambda s: s.rank).node
-        fields = start_fields(shard, shard.replica, len(mates), head.address or head.name, gpus[shard.pk])
+        fields = start_fields(shard, shard.replica, len(mates), head.effective_address or head.name, gpus[shard.pk])
         outbox.start(shard.node.name, **fields)
     Shard.objects.filter(pk__in=[s.pk for s in due]).update(updated_at=now)
     return len(due)

@@ -174,6 +174,8 @@ class Command(BaseCommand):
                 )
             )
 
+        out += self.node_warnings(s)
+
         out.append(self.section("GPU capacity"))
         if not s["capacity"]:
             out.append("  no GPUs reported")
@@ -243,7 +245,15 @@ class Command(BaseCommand):
         ]
         headers = ["NODE", "FABRIC", "STATE", "GPUS", "USED", "FREE", "UNHEALTHY", "UNAVAILABLE", "LAST SEEN"]
         out += self.styled_table(headers, rows) if rows else ["  none"]
-        return out
+        return out + self.node_warnings(s)
+
+    def node_warnings(self, s: dict) -> list[str]:
+        """Nodes whose operator-set address, fabric or labels disagree with what their agents report."""
+        return [
+            self.style.WARNING(f"node {n['name']}: {warning} (the operator's value is used)")
+            for n in s["node_list"]
+            for warning in n["warnings"]
+        ]
 
     def what_can_i_stop(self, s: dict, top: int | None) -> list[str]:
         out = [self.section("What can I stop")]
