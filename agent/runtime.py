@@ -152,7 +152,9 @@ class Agent:
 
     async def _heartbeat(self) -> bytes:
         serving = {
-            s.shard_id: (s.port, s.launch.metrics_path) for s in self._shards.values() if s.state in SERVING_STATES
+            s.shard_id: (s.port, s.launch.metrics_path, s.launch.url_host)
+            for s in self._shards.values()
+            if s.state in SERVING_STATES
         }
         running = await self._load.read_many(serving)
         # Shards that started or stopped while the engines were read are reported as they are now.
@@ -245,7 +247,7 @@ class Agent:
         except ValueError as exc:
             await self._report(cmd.shard_id, "failed", f"cannot start shard: {exc}")
             return
-        if port_in_use(cmd.port):
+        if port_in_use(cmd.port, launch.host):
             await self._report(
                 cmd.shard_id,
                 "failed",
@@ -286,12 +288,15 @@ class Agent:
             node_count=cmd.node_count,
             head_address=cmd.head_address,
             args=list(cmd.args),
+            host=cmd.host or self.address,
             python=self.engine_python,
         )
 
     async def _watch(self, shard: Shard) -> None:
         """Report ready when the engine is healthy, failed if it exits or never becomes healthy."""
-        readiness = await shard.engine.wait_ready(shard.port, shard.launch.health_path, self.health_timeout)
+        readiness = await shard.engine.wait_ready(
+            shard.port, shard.launch.health_path, self.health_timeout, shard.launch.url_host
+        )
         if shard.stopping:
             return
         if readiness is Readiness.TIMED_OUT:
@@ -352,7 +357,7 @@ class Agent:
     async def _drain(self, shard: Shard, timeout: float) -> None:
         log.info("shard %s: draining (up to %g s)", shard.shard_id, timeout)
         reason = await draining.wait_until_idle(
-            lambda: self._load.read(shard.port, shard.launch.metrics_path),
+            lambda: self._load.read(shard.port, shard.launch.metrics_path, shard.launch.url_host),
             timeout,
             shard.stop_now,
             lambda: shard.engine.running,

@@ -190,8 +190,14 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     return len(due), deleted.get(Replica._meta.label, 0)
 
 
-def start_fields(shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices) -> dict:
-    """The start_shard fields of agent.protocol for one shard."""
+def start_fields(
+    shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices, host: str = ""
+) -> dict:
+    """The start_shard fields of agent.protocol for one shard.
+
+    `host` is the address of the shard's node that its endpoint is published on;
+    the engine listens there only ("" lets the agent use its own --address).
+    """
     return {
         "shard_id": shard.pk,
         "replica_id": replica.pk,
@@ -205,6 +211,7 @@ def start_fields(shard: Shard, replica: Replica, node_count: int, head_address: 
         "port": shard.port,
         "args": list(replica.profile.engine_args or []),
         "env": {},
+        "host": host,
     }
 
 

@@ -136,7 +136,10 @@ def place_pending(
         Replica.objects.bulk_update(changed_error, ["placement_error"])
     for replica, shards in placed:
         for new in shards:
-            outbox.start(new.node_name, **start_fields(new.shard, replica, len(shards), shards[0].address, new.indices))
+            head = shards[0].address
+            # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
+            fields = start_fields(new.shard, replica, len(shards), head, new.indices, host=new.address)
+            outbox.start(new.node_name, **fields)
             outcome.starts_sent += 1
     outcome.placed = len(placed)
     return outcome
@@ -217,7 +220,10 @@ def resend_starts(now: datetime, outbox: Outbox) -> int:
     for shard in due:
         mates = peers[shard.replica_id]
         head = min(mates, key=lambda s: s.rank).node
-        fields = start_fields(shard, shard.replica, len(mates), head.effective_address or head.name, gpus[shard.pk])
+        own = shard.node.effective_address or shard.node.name
+        fields = start_fields(
+            shard, shard.replica, len(mates), head.effective_address or head.name, gpus[shard.pk], host=own
+        )
         outbox.start(shard.node.name, **fields)
     Shard.objects.filter(pk__in=[s.pk for s in due]).update(updated_at=now)
     return len(due)
