@@ -67,6 +67,20 @@ def client_tls_context(
     return context
 
 
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS failure behind a failed handshake, if that is what it was.
+
+    With TLS 1.3 a server refuses a client certificate after the client has
+    finished its side, so the refusal surfaces while the HTTP answer is read.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class ControlPlaneLink:
     """One node's connection to whichever control-plane process answers; `await run(...)` holds it."""
 
@@ -97,6 +111,7 @@ class ControlPlaneLink:
         self.heartbeat_seconds = heartbeat_seconds
         self.ca_file = ca_file
         secure = any(uri.startswith("wss://") for uri in control_planes)
+        self._presents_certificate = bool(cert_file)
         self._tls = client_tls_context(ca_file, cert_file, key_file) if secure else None
         self.closing = asyncio.Event()
         self._ws: ClientConnection | None = None
@@ -136,16 +151,19 @@ class ControlPlaneLink:
                 log.warning("control plane %s answered HTTP %s to the agent handshake", uri, status)
             except InvalidURI as exc:
                 raise ValueError(f"control-plane address {uri!r} is not a WebSocket URI: {exc}") from None
-            except ssl.SSLError as exc:
-                tls_failures += 1
-                log.error("TLS with control plane %s failed: %s", uri, self._tls_reason(exc))
-                if tls_failures >= len(self.control_planes):
-                    raise AgentTLSError(
-                        f"no control plane completed TLS with node “{self.node}”; last, {uri}: {self._tls_reason(exc)}"
-                    ) from None
-            except InvalidMessage as exc:
-                hint = " (is it a wss:// address?)" if uri.startswith("ws://") else ""
-                log.warning("control plane %s did not answer the WebSocket handshake%s: %s", uri, hint, exc)
+            except (ssl.SSLError, InvalidMessage) as exc:
+                tls_error = _ssl_error(exc)
+                if tls_error is None:
+                    hint = self._handshake_hint(uri)
+                    log.warning("control plane %s did not answer the WebSocket handshake%s: %s", uri, hint, exc)
+                else:
+                    tls_failures += 1
+                    reason = self._tls_reason(tls_error)
+                    log.error("TLS with control plane %s failed: %s", uri, reason)
+                    if tls_failures >= len(self.control_planes):
+                        raise AgentTLSError(
+                            f"no control plane completed TLS with node “{self.node}”; last, {uri}: {reason}"
+                        ) from None
             except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
                 if isinstance(exc, ConnectionClosed):
                     self._check_close(exc.rcvd.code if exc.rcvd else None, uri)
@@ -159,6 +177,16 @@ class ControlPlaneLink:
             delay *= random.uniform(0.8, 1.2)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.closing.wait(), delay)
+
+    def _handshake_hint(self, uri: str) -> str:
+        """What an unanswered WebSocket handshake most likely means for this address."""
+        if uri.startswith("ws://"):
+            return " (is it a wss:// address?)"
+        if self._presents_certificate:
+            # Under TLS 1.3 the server judges the client certificate after the client's side of the
+            # handshake is done, and a refusal reaches the client as the connection closing.
+            return " (was this node's certificate refused? check --cert-file against the control plane's client CA)"
+        return ""
 
     def _tls_reason(self, exc: ssl.SSLError) -> str:
         if isinstance(exc, ssl.SSLCertVerificationError):
