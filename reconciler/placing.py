@@ -11,7 +11,7 @@ GPUAssignment.gpu backs the arithmetic (DESIGN invariant 2).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -47,6 +47,8 @@ class PlacingOutcome:
     placed: int = 0
     unplaceable: int = 0
     starts_sent: int = 0
+    # Unplaceable replicas for which no room is being made either (no eviction, not waiting for nodes).
+    no_room: set[int] = field(default_factory=set)
 
 
 def place_pending(
@@ -105,6 +107,8 @@ def place_pending(
     changed_error = []
     for replica, _tried, reason in unplaceable:
         outcome.unplaceable += 1
+        if replica.pk not in notes:
+            outcome.no_room.add(replica.pk)
         reason = notes.get(replica.pk, reason)
         if replica.placement_error != reason:
             replica.placement_error = reason
@@ -166,6 +170,8 @@ def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
     rows = (
         Replica.objects.filter(profile_id__in=ids)
         .exclude(state__in=(ReplicaState.PENDING, ReplicaState.STOPPING))
+        # A replica a node drain is replacing makes way for its replacement (reconciler.drain).
+        .filter(drain_deadline__isnull=True)
         .values("profile_id")
         .annotate(n=Count("id"))
         .values_list("profile_id", "n")
