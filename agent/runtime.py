@@ -11,6 +11,9 @@ Each heartbeat carries the requests every serving engine holds, read from its
 hold the heartbeat back). A drain waits for those to reach zero, or for its
 timeout, before the engine is stopped (agent/draining.py).
 
+Given a state directory (agent/state.py), the agent remembers the highest
+leader epoch it has obeyed across restarts, and is bound to one node name.
+
 The Agent installs no signal handlers, so several can run as tasks in one
 event loop (`manage.py up`); whoever owns the loop calls `shutdown()`.
 """

@@ -16,6 +16,7 @@ from conftest import free_port, wait_until
 from inventory.choices import NodeState
 from inventory.models import Node
 from inventory.services import enrol_node
+from llmgw_site.asgi import application
 from runner.embedded import _Server, control_plane_options
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -38,18 +39,20 @@ def control_plane(settings, pki):
     """Start a TLS control plane (as `manage.py up` configures uvicorn); call with mutual=True for a client CA."""
     servers = []
 
-    def start(mutual: bool = False) -> str:
-        settings.LLMGW_TLS_CERT_FILE = str(pki["server"].cert)
-        settings.LLMGW_TLS_KEY_FILE = str(pki["server"].key)
+    def start(mutual: bool = False, tls: bool = True) -> str:
+        settings.LLMGW_TLS_CERT_FILE = str(pki["server"].cert) if tls else ""
+        settings.LLMGW_TLS_KEY_FILE = str(pki["server"].key) if tls else ""
         settings.LLMGW_TLS_CLIENT_CA_FILE = str(pki["ca"].bundle) if mutual else ""
         port = free_port()
-        server = _Server(uvicorn.Config("llmgw_site.asgi:application", host="127.0.0.1", port=port,
-                                        **control_plane_options()))  # fmt: skip
+        # log_config=None: uvicorn's logging setup would take pytest's log capture off the root logger
+        # (so would Django's, run when the ASGI module is first imported: it is imported with this module).
+        options = control_plane_options() | {"log_config": None}
+        server = _Server(uvicorn.Config(application, host="127.0.0.1", port=port, **options))
         thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
         thread.start()
         servers.append((server, thread))
         wait_until(lambda: server.started, 10, 0.02)
-        return f"wss://127.0.0.1:{port}/agent/ws"
+        return f"{'wss' if tls else 'ws'}://127.0.0.1:{port}/agent/ws"
 
     yield start
     for server, thread in servers:
@@ -120,6 +123,15 @@ def test_plain_ws_to_a_tls_control_plane_fails_naming_the_likely_cause(control_p
 
     run(scenario())
     assert f"control plane {url} did not answer the WebSocket handshake (is it a wss:// address?)" in caplog.text
+
+
+def test_wss_to_a_plain_control_plane_gives_up_saying_it_does_not_speak_tls(control_plane, caplog):
+    caplog.set_level(logging.ERROR, logger="agent.link")
+    url = control_plane(tls=False).replace("ws://", "wss://")
+    _, token = enrol_node("gpu-a")
+    with pytest.raises(AgentTLSError, match="it does not speak TLS \\(is it a ws:// address\\?\\)"):
+        run(agent_for(url, "gpu-a", token).run())
+    assert f"TLS with control plane {url} failed: it does not speak TLS" in caplog.text
 
 
 def test_mutual_tls_accepts_the_certificate_named_after_the_node(control_plane, pki):
