@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=None, help="the node credential (default: $LLMGW_NODE_TOKEN)")
     parser.add_argument("--fake-gpus", default=None, help="simulate GPUs, e.g. 8xH100-80GB or 4xL40S-48GB,2xA100-40GB")
     parser.add_argument("--fabric", default="", help="interconnect domain of this node, e.g. ib-a")
-    parser.add_argument("--address", default=None, help="host or IP engines are reached on (default: this host's)")
+    parser.add_argument(
+        "--address", default=None, help="host or IP engines listen on and are reached on (default: this host's FQDN)"
+    )
     parser.add_argument("--label", action="append", dest="labels", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--heartbeat-seconds",
