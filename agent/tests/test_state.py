@@ -41,7 +41,8 @@ def test_restarted_agent_refuses_an_epoch_older_than_one_seen_before_the_restart
             await task
 
     run(scenario())
-    assert "epoch 4 is older than epoch 5" in caplog.text
+    assert "epoch 4 is older than epoch 5 already seen (remembered in " in caplog.text
+    assert "remove it if the control plane's database was replaced" in caplog.text
     assert json.loads((state_dir / STATE_FILE).read_text()) == {"version": 1, "node": NODE, "highest_epoch": 5}
 
 
