@@ -7,6 +7,7 @@ then is the old replica unpublished and drained, and its engine stops after
 the stream has finished whole.
 """
 
+import random
 import re
 import subprocess
 import sys
@@ -35,7 +36,10 @@ models:
 def test_node_drain_replaces_first_and_lets_the_stream_in_flight_finish(tmp_path):
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text(CATALOG)
-    with demo_stack(tmp_path, "--catalog", str(catalog), env={"LLMGW_HEARTBEAT_SECONDS": "0.5"}) as stack:
+    # Engine ports of its own: other stacks on this machine start engines from the default range's first port.
+    base = random.randrange(21000, 29000, 100)
+    env = {"LLMGW_HEARTBEAT_SECONDS": "0.5", "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}"}
+    with demo_stack(tmp_path, "--catalog", str(catalog), env=env) as stack:
         client = OpenAI(base_url=stack["router"] + "/v1", api_key=API_KEY, timeout=90, max_retries=0)
         first = client.chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}])
         assert first.choices[0].message.content.startswith("mock reply from slow")

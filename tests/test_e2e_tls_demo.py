@@ -1,5 +1,6 @@
 """End to end: `up --demo` serving its control plane over TLS; the demo agents connect over wss://."""
 
+import random
 import ssl
 
 import httpx
@@ -16,10 +17,13 @@ pytestmark = pytest.mark.e2e
 def test_up_serves_the_control_plane_over_tls_and_its_agents_use_wss(tmp_path):
     ca = TestCA(tmp_path / "pki")
     server = ca.issue("control-plane", server=True)
+    base = random.randrange(21000, 29000, 100)
     env = {
         "LLMGW_TLS_CERT_FILE": str(server.cert),
         "LLMGW_TLS_KEY_FILE": str(server.key),
         "LLMGW_AGENT_CA_FILE": str(ca.bundle),
+        # Engine ports of its own: other stacks on this machine start engines from the default range's first port.
+        "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}",
     }
     with demo_stack(tmp_path, env=env) as stack:
         assert f"https://127.0.0.1:{stack['port']}/admin/" in stack["log"].read_text()
