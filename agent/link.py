@@ -227,7 +227,8 @@ class ControlPlaneLink:
                 proxy=None,
                 open_timeout=10,
                 close_timeout=5,
-                **({"ssl": self._tls} if uri.startswith("wss://") else {}),
+                # An ssl context only for wss:// (websockets refuses one for ws://).
+                ssl=self._tls if uri.startswith("wss://") else None,
             )
         )
         closing = asyncio.ensure_future(self.closing.wait())

@@ -208,10 +208,14 @@ class Agent:
         """
         if self.highest_epoch is not None and epoch < self.highest_epoch:
             # A control plane started on a new database counts epochs from 1 again: say where the memory is.
-            remembered = f" (remembered in {self._state.path}; remove it if the control plane's database was replaced)"
+            remembered = (
+                f" (remembered in {self._state.path}; remove it if the control plane's database was replaced)"
+                if self._state is not None
+                else ""
+            )
             log.warning(
                 "%s for shard %s refused: epoch %s is older than epoch %s already seen%s",
-                kind, shard_id, epoch, self.highest_epoch, remembered if self._state else "",
+                kind, shard_id, epoch, self.highest_epoch, remembered,
             )  # fmt: skip
             return False
         if self._state is not None and (self.highest_epoch is None or epoch > self.highest_epoch):

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 STATE_FILE = "state.json"
@@ -32,7 +33,7 @@ class StateError(Exception):
     """The state directory cannot be used; the text names the file and the problem."""
 
 
-def default_state_dir(environ: dict[str, str] | os._Environ = os.environ, is_root: bool | None = None) -> str:
+def default_state_dir(environ: Mapping[str, str] = os.environ, is_root: bool | None = None) -> str:
     """Where an agent keeps its state when neither --state-dir nor LLMGW_AGENT_STATE_DIR says.
 
     /var/lib/llmgw-agent for root (a system service), else the user's XDG state

@@ -60,4 +60,5 @@ def client_common_name(scope: dict) -> str | None:
 
 
 def has_tls_extension(scope: dict) -> bool:
+    """Whether the server filled in the ASGI TLS extension (it does only on TLS connections, and only ours)."""
     return "tls" in (scope.get("extensions") or {})
