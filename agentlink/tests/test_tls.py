@@ -9,6 +9,7 @@ import threading
 import pytest
 import uvicorn
 
+from agent import cli
 from agent.gpus import parse_fake_gpus
 from agent.runtime import Agent, AgentRejected, AgentTLSError
 from agentlink.tests.pki import TestCA
@@ -104,6 +105,16 @@ def test_agent_with_the_wrong_ca_is_refused_and_gives_up_with_a_clear_error(cont
     assert f"is not trusted by the CA bundle {pki['other_ca'].bundle}" in str(refused.value)
     assert f"TLS with control plane {url} failed: its certificate is not trusted" in caplog.text
     assert Node.objects.get(name="gpu-a").state == NodeState.NEW
+
+
+def test_agent_command_with_the_wrong_ca_exits_non_zero_saying_why(control_plane, pki, capsys):
+    url = control_plane()
+    _, token = enrol_node("gpu-a")
+    args = ["--control-plane", url, "--node", "gpu-a", "--token", token, "--fake-gpus", "1xL4-24GB"]
+    assert cli.main([*args, "--address", "127.0.0.1", "--ca-file", str(pki["other_ca"].bundle)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m agent: error: no control plane completed TLS with node “gpu-a”")
+    assert "unable to get local issuer certificate" in err
 
 
 def test_plain_ws_to_a_tls_control_plane_fails_naming_the_likely_cause(control_plane, caplog):
