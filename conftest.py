@@ -70,6 +70,12 @@ def redis_settings(settings, redis_url):
 
 
 @pytest.fixture(autouse=True)
+def _agent_state_in_tmp(tmp_path, monkeypatch):
+    """Agents started by a test keep their state in the test's own directory, never in the user's."""
+    monkeypatch.setenv("LLMGW_AGENT_STATE_DIR", str(tmp_path / "agent-state"))
+
+
+@pytest.fixture(autouse=True)
 def _fresh_hub():
     """Each test starts with an empty embedded hub."""
     from hub import reset_hub

@@ -2,8 +2,9 @@
 
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
-        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH]
-        [--weights-root /data/models]
+        [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH] \
+        [--weights-root /data/models] [--state-dir /var/lib/llmgw-agent] [--ca-file ca.pem] \
+        [--cert-file node.pem --key-file node-key.pem]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
 so it creates no var/ folder and no secret key there. `manage.py agent` is a
@@ -31,10 +32,14 @@ from .gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
 from .gpus import GPUDiscoveryError, discover_gpus
 from .protocol import NODE_NAME_PATTERN
 from .runtime import Agent, AgentRejected
+from .state import STATE_DIR_ENV, StateError, default_state_dir
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"
 WEIGHTS_ROOT_ENV = "LLMGW_WEIGHTS_ROOT"
+CA_FILE_ENV = "LLMGW_AGENT_CA_FILE"
+CERT_FILE_ENV = "LLMGW_AGENT_CERT_FILE"
+KEY_FILE_ENV = "LLMGW_AGENT_KEY_FILE"
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 # The control plane's settings use the same floor for the same variable.
 MIN_HEARTBEAT_SECONDS = 0.1
@@ -68,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "now, read again before each heartbeat when it changes (for drills)",
     )
     parser.add_argument("--fabric", default="", help="interconnect domain of this node, e.g. ib-a")
-    parser.add_argument("--address", default=None, help="host or IP engines are reached on (default: this host's)")
+    parser.add_argument(
+        "--address", default=None, help="host or IP engines listen on and are reached on (default: this host's FQDN)"
+    )
     parser.add_argument("--label", action="append", dest="labels", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--heartbeat-seconds",
@@ -89,6 +96,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"folder holding model weights (Hugging Face cache under hub/, GGUF files); reported to the "
         f"control plane and given to engines as HF_HOME (default: ${WEIGHTS_ROOT_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        help=f"where the agent remembers its node name and the highest leader epoch seen (default: ${STATE_DIR_ENV}, "
+        f"else /var/lib/llmgw-agent for root, ~/.local/state/llmgw-agent otherwise)",
+    )
+    parser.add_argument(
+        "--ca-file",
+        default=None,
+        help=f"PEM bundle the control plane's wss:// certificate must chain to (default: ${CA_FILE_ENV}, "
+        "else the system's trusted CAs)",
+    )
+    parser.add_argument(
+        "--cert-file",
+        default=None,
+        help=f"this node's PEM certificate, for a control plane that requires one (default: ${CERT_FILE_ENV})",
+    )
+    parser.add_argument(
+        "--key-file", default=None, help=f"the private key of --cert-file (default: ${KEY_FILE_ENV}, else in it)"
     )
 
 
@@ -167,6 +194,8 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
     fake_health = options.get("fake_gpu_health")
     if fake_health is not None and not options["fake_gpus"]:
         raise UsageError("--fake-gpu-health goes with --fake-gpus; real GPUs report their own health.")
+    tls = _tls_files(options, control_planes)
+    state_dir = options.get("state_dir") or os.environ.get(STATE_DIR_ENV, "").strip() or default_state_dir()
     try:
         gpus = discover_gpus(options["fake_gpus"], node)
     except (ValueError, GPUDiscoveryError) as exc:
@@ -179,19 +208,42 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
             health = hardware_reader({g.index: g.uuid for g in gpus}, shutil.which("nvidia-smi"))
         except RuntimeError as exc:
             raise UsageError(f"Cannot read GPU health: {exc}.") from None
-    return Agent(
-        control_planes,
-        node,
-        token,
-        gpus,
-        address=options["address"] or socket.getfqdn(),
-        fabric=options["fabric"],
-        labels=labels,
-        heartbeat_seconds=heartbeat,
-        llama_server=llama_server_from(options.get("llama_server")),
-        health=health,
-        weights_root=weights_root,
-    )
+    try:
+        return Agent(
+            control_planes,
+            node,
+            token,
+            gpus,
+            address=options["address"] or socket.getfqdn(),
+            fabric=options["fabric"],
+            labels=labels,
+            heartbeat_seconds=heartbeat,
+            llama_server=llama_server_from(options.get("llama_server")),
+            health=health,
+            weights_root=weights_root,
+            state_dir=state_dir,
+            **tls,
+        )
+    except StateError as exc:
+        raise UsageError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
+    except ValueError as exc:
+        raise UsageError(f"{exc}.") from None
+
+
+def _tls_files(options: Mapping[str, Any], control_planes: list[str]) -> dict[str, str | None]:
+    """--ca-file, --cert-file and --key-file (or their variables), each checked to be a readable file."""
+    files: dict[str, str | None] = {}
+    for option, env in (("ca_file", CA_FILE_ENV), ("cert_file", CERT_FILE_ENV), ("key_file", KEY_FILE_ENV)):
+        value = options.get(option) or os.environ.get(env, "").strip() or None
+        flag = "--" + option.replace("_", "-")
+        if value is not None and not os.access(value, os.R_OK):
+            raise UsageError(f"{flag} {value!r} is not a readable file.")
+        files[option] = value
+    if files["key_file"] and not files["cert_file"]:
+        raise UsageError("--key-file needs --cert-file.")
+    if any(files.values()) and not any(uri.startswith("wss://") for uri in control_planes):
+        raise UsageError("--ca-file, --cert-file and --key-file need a wss:// control-plane address.")
+    return files
 
 
 def configure_logging(environ: Mapping[str, str] = os.environ) -> None:

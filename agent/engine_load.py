@@ -68,7 +68,7 @@ def requests_in_flight(text: str) -> int | None:
 
 
 class EngineLoad:
-    """Reads engines' requests in flight over HTTP on 127.0.0.1, with one shared client.
+    """Reads engines' requests in flight over HTTP where each listens (127.0.0.1 unless told), with one shared client.
 
     Every read is bounded by `timeout` seconds in all, so a slow engine delays
     a heartbeat by at most that. Call `aclose()` when done.
@@ -79,21 +79,21 @@ class EngineLoad:
         # trust_env=False: an HTTP proxy from the environment must not sit between the agent and its engines.
         self._client = httpx.AsyncClient(trust_env=False, timeout=timeout)
 
-    async def read(self, port: int, metrics_path: str | None) -> int | None:
+    async def read(self, port: int, metrics_path: str | None, host: str = "127.0.0.1") -> int | None:
         """The requests the engine on `port` holds; None without a metrics path or when it cannot be read in time."""
         if metrics_path is None:
             return None
         try:
             async with asyncio.timeout(self.timeout):
-                response = await self._client.get(f"http://127.0.0.1:{port}{metrics_path}")
+                response = await self._client.get(f"http://{host}:{port}{metrics_path}")
         except (httpx.HTTPError, TimeoutError):
             return None
         if response.status_code != 200:
             return None
         return requests_in_flight(response.text)
 
-    async def read_many(self, targets: dict[int, tuple[int, str | None]]) -> dict[int, int | None]:
-        """Read several engines at once: {key: (port, metrics path)} to {key: requests or None}."""
+    async def read_many(self, targets: dict[int, tuple]) -> dict[int, int | None]:
+        """Read several engines at once: {key: (port, metrics path[, URL host])} to {key: requests or None}."""
         keys = list(targets)
         counts = await asyncio.gather(*(self.read(*targets[key]) for key in keys))
         return dict(zip(keys, counts, strict=True))

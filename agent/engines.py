@@ -21,6 +21,10 @@ Multi-node rules (node_count > 1, rank 0 is the head):
 * The mock engine runs a full server on every rank, so simulated multi-node
   replicas answer health checks everywhere.
 
+Every engine listens on `host`, the node's management address: the one its
+endpoint is published on (start_shard's `host`, else the agent's `--address`),
+never on every interface. All four take `--host`.
+
 Each launch also says where the engine publishes its Prometheus metrics (the
 agent reads its requests in flight there, agent/engine_load.py): vLLM always
 serves `/metrics`; SGLang only with `--enable-metrics` and llama.cpp's server
@@ -48,7 +52,8 @@ class Launch:
     `health_path` is None for ranks that serve no HTTP; those are ready once
     their process has stayed up. `metrics_path` is None when the engine's
     requests in flight cannot be read (a drain then stops it at once).
-    `cwd` is None to inherit the agent's.
+    `cwd` is None to inherit the agent's. `host` is the address the engine
+    listens on, where the agent reads its health and load too.
     """
 
     argv: list[str]
@@ -56,9 +61,18 @@ class Launch:
     health_path: str | None = "/health"
     cwd: str | None = None
     metrics_path: str | None = "/metrics"
+    host: str = "127.0.0.1"
+
+    @property
+    def url_host(self) -> str:
+        """`host` as it goes into a URL, where the agent reaches the engine (a wildcard means this machine)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"[{host}]" if ":" in host else host
 
 
-def _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args) -> None:
+def _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host) -> None:
+    if not isinstance(host, str) or not host or host.startswith("-") or any(c.isspace() for c in host):
+        raise ValueError(f"host to listen on must be an address or host name, got {host!r}")
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
     if not isinstance(model, str) or not model:
@@ -99,27 +113,32 @@ def build_launch(
     node_count: int,
     head_address: str,
     args: list[str],
+    host: str,
     python: str = sys.executable,
     llama_server: str = DEFAULT_LLAMA_SERVER,
 ) -> Launch:
-    """The launch for one shard of `model` on this node; ValueError names any bad input."""
-    _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args)
+    """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input."""
+    _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_indices)}
     multi = node_count > 1
 
     if engine == "vllm":
         if rank > 0:
             return Launch(
-                ["ray", "start", f"--address={head_address}:{VLLM_RAY_PORT}", "--block"], env, None, metrics_path=None
+                ["ray", "start", f"--address={head_address}:{VLLM_RAY_PORT}", "--block"],
+                env,
+                None,
+                metrics_path=None,
+                host=host,
             )
-        argv = ["vllm", "serve", source, "--host", "0.0.0.0", "--port", str(port)]
+        argv = ["vllm", "serve", source, "--host", host, "--port", str(port)]
         argv += ["--served-model-name", model, "--tensor-parallel-size", str(len(gpu_indices))]
         if multi:
             argv += ["--pipeline-parallel-size", str(node_count), "--distributed-executor-backend", "ray"]
-        return Launch(argv + args, env)
+        return Launch(argv + args, env, host=host)
 
     if engine == "sglang":
-        argv = ["python", "-m", "sglang.launch_server", "--model-path", source, "--host", "0.0.0.0"]
+        argv = ["python", "-m", "sglang.launch_server", "--model-path", source, "--host", host]
         argv += ["--port", str(port), "--served-model-name", model, "--tp-size", str(len(gpu_indices) * node_count)]
         # On every rank: SGLang expects the same server arguments on each node of a replica.
         argv += ["--enable-metrics"]
@@ -133,12 +152,14 @@ def build_launch(
                 f"{head_address}:{port + 1}",
             ]
         head = rank == 0
-        return Launch(argv + args, env, "/health" if head else None, metrics_path="/metrics" if head else None)
+        return Launch(
+            argv + args, env, "/health" if head else None, metrics_path="/metrics" if head else None, host=host
+        )
 
     if engine == "llamacpp":
-        argv = [llama_server, "-m", source, "--host", "0.0.0.0", "--port", str(port), "--alias", model, "-ngl", "999"]
+        argv = [llama_server, "-m", source, "--host", host, "--port", str(port), "--alias", model, "-ngl", "999"]
         argv += ["--metrics"]
-        return Launch(argv + args, env)
+        return Launch(argv + args, env, host=host)
 
-    argv = [python, "-m", "agent.mock_engine", "--host", "0.0.0.0", "--port", str(port), "--model", model]
-    return Launch(argv + args, env, cwd=PROJECT_DIR)
+    argv = [python, "-m", "agent.mock_engine", "--host", host, "--port", str(port), "--model", model]
+    return Launch(argv + args, env, cwd=PROJECT_DIR, host=host)

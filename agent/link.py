@@ -6,6 +6,13 @@ with jitter between attempts. A refused credential or a newer connection for
 the same node (invariant 8) ends it with AgentRejected or AgentSuperseded:
 retrying would not help, and two agents must not fight over one node.
 
+wss:// addresses are verified against `ca_file` (a PEM bundle; the system's
+trusted CAs without it), and `cert_file`/`key_file` give the node's own
+certificate to a control plane that requires one (mutual TLS). A certificate
+the agent cannot trust is logged as an error naming the address and the
+reason; once every address has failed that way in a row the link gives up
+with AgentTLSError instead of retrying a misconfiguration forever.
+
 It knows nothing of what the messages mean; agent/runtime.py supplies them.
 """
 
@@ -15,10 +22,11 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 from collections.abc import Awaitable, Callable
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
 
 from .protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
 
@@ -36,10 +44,56 @@ class AgentSuperseded(AgentRejected):
     """Another connection for this node replaced ours; this process no longer speaks for the node."""
 
 
+class AgentTLSError(AgentRejected):
+    """No control plane presented a certificate this agent trusts (or they refused its own); retrying would not help."""
+
+
+def client_tls_context(
+    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext:
+    """The TLS settings for wss:// addresses: verify the server against `ca_file`, present `cert_file` if given.
+
+    ValueError names a file that cannot be loaded.
+    """
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the CA bundle {ca_file!r}: {exc}") from None
+    if cert_file:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the node certificate {cert_file!r} (key {key_file!r}): {exc}") from None
+    return context
+
+
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS failure behind a failed handshake, if that is what it was.
+
+    With TLS 1.3 a server refuses a client certificate after the client has
+    finished its side, so the refusal surfaces while the HTTP answer is read.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class ControlPlaneLink:
     """One node's connection to whichever control-plane process answers; `await run(...)` holds it."""
 
-    def __init__(self, control_planes: list[str], node: str, token: str, heartbeat_seconds: float):
+    def __init__(
+        self,
+        control_planes: list[str],
+        node: str,
+        token: str,
+        heartbeat_seconds: float,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ):
         if not control_planes:
             raise ValueError("an agent needs at least one control-plane address")
         for uri in control_planes:
@@ -55,6 +109,10 @@ class ControlPlaneLink:
         self.node = node
         self.token = token
         self.heartbeat_seconds = heartbeat_seconds
+        self.ca_file = ca_file
+        secure = any(uri.startswith("wss://") for uri in control_planes)
+        self._presents_certificate = bool(cert_file)
+        self._tls = client_tls_context(ca_file, cert_file, key_file) if secure else None
         self.closing = asyncio.Event()
         self._ws: ClientConnection | None = None
         # One frame at a time: heartbeats and replies come from different tasks.
@@ -73,6 +131,7 @@ class ControlPlaneLink:
         losses are retried with backoff, rotating through the addresses.
         """
         failures = 0
+        tls_failures = 0
         turn = 0
         while not self.closing.is_set():
             uri = self.control_planes[turn % len(self.control_planes)]
@@ -80,7 +139,7 @@ class ControlPlaneLink:
                 ws = await self._connect(uri)
                 if ws is None:
                     return
-                failures = 0
+                failures = tls_failures = 0
                 await self._session(ws, uri, hello, heartbeat, receive)
             except InvalidStatus as exc:
                 status = exc.response.status_code
@@ -92,6 +151,19 @@ class ControlPlaneLink:
                 log.warning("control plane %s answered HTTP %s to the agent handshake", uri, status)
             except InvalidURI as exc:
                 raise ValueError(f"control-plane address {uri!r} is not a WebSocket URI: {exc}") from None
+            except (ssl.SSLError, InvalidMessage) as exc:
+                tls_error = _ssl_error(exc)
+                if tls_error is None:
+                    hint = self._handshake_hint(uri)
+                    log.warning("control plane %s did not answer the WebSocket handshake%s: %s", uri, hint, exc)
+                else:
+                    tls_failures += 1
+                    reason = self._tls_reason(tls_error)
+                    log.error("TLS with control plane %s failed: %s", uri, reason)
+                    if tls_failures >= len(self.control_planes):
+                        raise AgentTLSError(
+                            f"no control plane completed TLS with node “{self.node}”; last, {uri}: {reason}"
+                        ) from None
             except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
                 if isinstance(exc, ConnectionClosed):
                     self._check_close(exc.rcvd.code if exc.rcvd else None, uri)
@@ -105,6 +177,24 @@ class ControlPlaneLink:
             delay *= random.uniform(0.8, 1.2)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.closing.wait(), delay)
+
+    def _handshake_hint(self, uri: str) -> str:
+        """What an unanswered WebSocket handshake most likely means for this address."""
+        if uri.startswith("ws://"):
+            return " (is it a wss:// address?)"
+        if self._presents_certificate:
+            # Under TLS 1.3 the server judges the client certificate after the client's side of the
+            # handshake is done, and a refusal reaches the client as the connection closing.
+            return " (was this node's certificate refused? check --cert-file against the control plane's client CA)"
+        return ""
+
+    def _tls_reason(self, exc: ssl.SSLError) -> str:
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            trust = f"the CA bundle {self.ca_file}" if self.ca_file else "the system's trusted CAs (give --ca-file)"
+            return f"its certificate is not trusted by {trust}: {exc.verify_message}"
+        if "WRONG_VERSION_NUMBER" in str(exc) or "record layer" in str(exc):
+            return f"it does not speak TLS (is it a ws:// address?): {exc}"
+        return str(exc)
 
     async def send(self, frame: bytes, ws: ClientConnection | None = None) -> bool:
         """Send a JSON frame on the current stream; a lost frame is fine, `hello` re-reports on reconnect."""
@@ -131,7 +221,15 @@ class ControlPlaneLink:
         """Open the stream, or return None if close() comes first."""
         headers = {"Authorization": f"Bearer {self.token}", "X-Llmgw-Node": self.node}
         opening = asyncio.ensure_future(
-            connect(uri, additional_headers=headers, proxy=None, open_timeout=10, close_timeout=5)
+            connect(
+                uri,
+                additional_headers=headers,
+                proxy=None,
+                open_timeout=10,
+                close_timeout=5,
+                # An ssl context only for wss:// (websockets refuses one for ws://).
+                ssl=self._tls if uri.startswith("wss://") else None,
+            )
         )
         closing = asyncio.ensure_future(self.closing.wait())
         try:

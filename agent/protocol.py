@@ -18,7 +18,8 @@ control plane → agent (`Command`, checked by `decode_command`); each command i
 stamped with the leader's lease `epoch`, and an agent refuses one older than
 the newest epoch it has seen (fencing, DESIGN invariant 1)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
-                engine, model, source, gpu_indices[], port, args[], env{}
+                engine, model, source, gpu_indices[], port, args[], env{},
+                host (the address the engine listens on; "" = the agent's --address)
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
                 reports no requests in flight, or when the timeout passes
@@ -223,6 +224,8 @@ class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     port: PORT
     args: list[str] = []
     env: dict[str, str] = {}
+    # The node's management address, where its endpoint is published; "" = the agent's own --address.
+    host: str = ""
 
     def __post_init__(self) -> None:
         _no_repeated_gpus(self.gpu_indices, "gpu_indices")

@@ -16,6 +16,8 @@ Each heartbeat also carries every GPU's health, read again just before
 heartbeats report the weights under the weights root (agent/weights_inventory.py);
 `remove_weights` deletes one source's weights there, off the command path,
 and is answered with `weights_status`.
+Given a state directory (agent/state.py), the agent remembers the highest
+leader epoch it has obeyed across restarts, and is bound to one node name.
 
 The Agent installs no signal handlers, so several can run as tasks in one
 event loop (`manage.py up`); whoever owns the loop calls `shutdown()`.
@@ -35,11 +37,12 @@ from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
 from .engines import DEFAULT_LLAMA_SERVER, Launch, build_launch
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
 from .gpus import GPUInfo
-from .link import AgentRejected, AgentSuperseded, ControlPlaneLink
+from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
+from .state import AgentState, Fence, StateError
 from .supervisor import EngineProcess, Readiness, port_in_use
 from .weights_inventory import DEFAULT_SCAN_EVERY, WeightsInventory
 
-__all__ = ["Agent", "AgentRejected", "AgentSuperseded"]
+__all__ = ["Agent", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,15 @@ class Agent:
         health: HealthReader | None = None,
         weights_root: str | None = None,
         weights_scan_every: int = DEFAULT_SCAN_EVERY,
+        state_dir: str | os.PathLike | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
     ):
-        self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds)
+        # None keeps the highest epoch in memory only (tests, embedded demo agents); a node agent
+        # has a state directory so fencing survives its restarts (agent/state.py). StateError if unusable.
+        self._state = AgentState.open(state_dir, node) if state_dir is not None else None
+        self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds, ca_file, cert_file, key_file)
         self.control_planes = self._link.control_planes
         self.node = node
         self.gpus = list(gpus)
@@ -108,7 +118,7 @@ class Agent:
         self.stop_grace_seconds = stop_grace_seconds
         self.drain_poll_seconds = drain_poll_seconds
         self._load = EngineLoad(load_timeout)
-        self.highest_epoch: int | None = None
+        self._fencing = Fence(self._state)
         self._shards: dict[int, Shard] = {}
         self._shutdown_task: asyncio.Task | None = None
         discovered = {g.index: GPUCondition(g.healthy, "" if g.healthy else "unreadable at discovery") for g in gpus}
@@ -172,7 +182,9 @@ class Agent:
 
     async def _heartbeat(self) -> bytes:
         serving = {
-            s.shard_id: (s.port, s.launch.metrics_path) for s in self._shards.values() if s.state in SERVING_STATES
+            s.shard_id: (s.port, s.launch.metrics_path, s.launch.url_host)
+            for s in self._shards.values()
+            if s.state in SERVING_STATES
         }
         running, health = await asyncio.gather(self._load.read_many(serving), self._health.read())
         # Shards that started or stopped while the engines were read are reported as they are now.
@@ -221,18 +233,13 @@ class Agent:
             self._begin_stop(message.shard_id)
 
     def _fence(self, kind: str, epoch: int, shard_id: int | str) -> bool:
-        """Whether a command's epoch is current; remember the newest (DESIGN invariant 1, fencing).
+        """Whether a command's epoch is current (agent/state.py, Fence)."""
+        return self._fencing.admits(kind, epoch, shard_id)
 
-        A leader older than one we have heard from may act on stale beliefs.
-        """
-        if self.highest_epoch is not None and epoch < self.highest_epoch:
-            log.warning(
-                "%s for shard %s refused: epoch %s is older than epoch %s already seen",
-                kind, shard_id, epoch, self.highest_epoch,
-            )  # fmt: skip
-            return False
-        self.highest_epoch = epoch
-        return True
+    @property
+    def highest_epoch(self) -> int | None:
+        """The newest leader epoch this agent has obeyed (remembered across restarts with a state directory)."""
+        return self._fencing.highest_epoch
 
     async def _refuse(self, exc: protocol.ProtocolError) -> None:
         """Log a malformed message; answer a malformed start the control plane would otherwise wait on."""
@@ -262,7 +269,7 @@ class Agent:
         except ValueError as exc:
             await self._report(cmd.shard_id, "failed", f"cannot start shard: {exc}")
             return
-        if port_in_use(cmd.port):
+        if port_in_use(cmd.port, launch.host):
             await self._report(
                 cmd.shard_id,
                 "failed",
@@ -305,13 +312,16 @@ class Agent:
             node_count=cmd.node_count,
             head_address=cmd.head_address,
             args=list(cmd.args),
+            host=cmd.host or self.address,
             python=self.engine_python,
             llama_server=self.llama_server,
         )
 
     async def _watch(self, shard: Shard) -> None:
         """Report ready when the engine is healthy, failed if it exits or never becomes healthy."""
-        readiness = await shard.engine.wait_ready(shard.port, shard.launch.health_path, self.health_timeout)
+        readiness = await shard.engine.wait_ready(
+            shard.port, shard.launch.health_path, self.health_timeout, shard.launch.url_host
+        )
         if shard.stopping:
             return
         if readiness is Readiness.TIMED_OUT:
@@ -373,7 +383,7 @@ class Agent:
     async def _drain(self, shard: Shard, timeout: float) -> None:
         log.info("shard %s: draining (up to %g s)", shard.shard_id, timeout)
         reason = await draining.wait_until_idle(
-            lambda: self._load.read(shard.port, shard.launch.metrics_path),
+            lambda: self._load.read(shard.port, shard.launch.metrics_path, shard.launch.url_host),
             timeout,
             shard.stop_now,
             lambda: shard.engine.running,

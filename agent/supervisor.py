@@ -39,13 +39,18 @@ class Readiness(enum.Enum):
     TIMED_OUT = "timed out"
 
 
-def port_in_use(port: int) -> bool:
-    """Whether an engine could not listen on `port` on this node."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def port_in_use(port: int, host: str = "0.0.0.0") -> bool:
+    """Whether an engine could not listen on `port` on this node.
+
+    Tried on every interface whatever `host` the engine will use, so a port held on any address counts
+    (an IPv6 `host` is tried on the IPv6 wildcard).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         # As servers do, so connections of a previous engine in TIME_WAIT do not count as "in use".
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("0.0.0.0", port))
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
         except OSError:
             return True
     return False
@@ -126,7 +131,9 @@ class EngineProcess:
             # Each line says whose it is: many engines share one agent's log.
             log.info("%s: %s", self.name, text)
 
-    async def wait_ready(self, port: int, health_path: str | None, timeout: float) -> Readiness:
+    async def wait_ready(
+        self, port: int, health_path: str | None, timeout: float, host: str = "127.0.0.1"
+    ) -> Readiness:
         """Poll the engine's health endpoint until it answers 200, the process exits, or `timeout` passes.
 
         With no health path, the engine is ready once it has stayed up for
@@ -135,7 +142,7 @@ class EngineProcess:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout
-        url = f"http://127.0.0.1:{port}{health_path or ''}"
+        url = f"http://{host}:{port}{health_path or ''}"
         interval = 0.05
         exited = asyncio.ensure_future(self._process.wait())
         try:

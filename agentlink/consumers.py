@@ -10,12 +10,14 @@ import logging
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 
 from agent import protocol
 from inventory.models import NodeCredential
 from reconciler.outbox import node_group
 
 from . import services
+from .tls import client_common_name, has_tls_extension
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # Closing before accept makes the handshake fail with HTTP 403.
             await self.close(code=protocol.CLOSE_UNAUTHORIZED)
             return
+        refusal = self._certificate_refusal(name)
+        if refusal:
+            log.warning("agent connection refused: %s", refusal)
+            await self.close(code=protocol.CLOSE_UNAUTHORIZED)
+            return
         self.node_name, self.node_id = name, cred.node_id
         self.group = node_group(name)
         await self.channel_layer.group_add(self.group, self.channel_name)
@@ -47,6 +54,22 @@ class AgentConsumer(AsyncWebsocketConsumer):
         # A second connection for the same node replaces the first.
         await self.channel_layer.group_send(self.group, {"type": "agent.superseded", "by": self.channel_name})
         log.info("agent connected: %s", name)
+
+    def _certificate_refusal(self, node: str) -> str | None:
+        """With mutual TLS on, why this connection's certificate does not prove it is `node` (None if it does)."""
+        if not settings.LLMGW_TLS_CLIENT_CA_FILE:
+            return None
+        if not has_tls_extension(self.scope):
+            return (
+                f"node “{node}” connected without TLS details (serve the control plane over TLS with "
+                "--ws agentlink.tls:TLSWebSocketProtocol), so its certificate cannot be checked"
+            )
+        common_name = client_common_name(self.scope)
+        if common_name is None:
+            return f"node “{node}” presented no client certificate"
+        if common_name != node:
+            return f"certificate CN “{common_name}” does not match node “{node}” of the credential"
+        return None
 
     async def disconnect(self, code):
         if self.node_name:

@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from catalog.models import Model
 from inventory.choices import NodeState
-from inventory.models import GPU, Node, Weights, gpu_in_service, human_size
+from inventory.models import GPU, Node, Weights, effective, gpu_in_service, human_size, report_warnings
 from reconciler.choices import WANTED_STATES, ReplicaState
 from reconciler.eviction import HOLDING_NOTES
 from reconciler.idle import Idle
@@ -70,11 +70,11 @@ def _gpu_rows():
     held = GPUAssignment.objects.filter(gpu=OuterRef("pk"))
     return (
         GPU.objects.exclude(node__state=NodeState.LOST)
-        .annotate(assigned=Exists(held))
+        .annotate(assigned=Exists(held), node_fabric=effective("fabric", "node__"))
         .values(
             "node_id",
             "node__name",
-            "node__fabric",
+            "node_fabric",
             "node__state",
             "node__schedulable",
             "index",
@@ -110,7 +110,7 @@ def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict], dic
         if gpu["node__state"] == NodeState.READY and gpu["node__schedulable"]:
             key = (gpu["node_id"], gpu["gpu_class"])
             entry = per_node_class.setdefault(
-                key, {"name": gpu["node__name"], "fabric": gpu["node__fabric"], "free": [], "total": 0}
+                key, {"name": gpu["node__name"], "fabric": gpu["node_fabric"], "free": [], "total": 0}
             )
             entry["total"] += 1
             if state == "free":
@@ -154,8 +154,12 @@ def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
     weights = _weights_per_node()
     counts = {"total": 0, "ready": 0, "unreachable": 0, "lost": 0, "new": 0, "cordoned": 0}
     node_list = []
-    rows = Node.objects.order_by("name").values_list("id", "name", "fabric", "state", "schedulable", "last_seen")
-    for node_id, name, fabric, state, schedulable, last_seen in rows:
+    rows = Node.objects.order_by("name").values_list(
+        "id", "name", "state", "schedulable", "last_seen",
+        "address", "fabric", "labels", "reported_address", "reported_fabric", "reported_labels",
+    )  # fmt: skip
+    for node_id, name, state, schedulable, last_seen, *fields in rows:
+        address, fabric, labels, reported_address, reported_fabric, reported_labels = fields
         counts["total"] += 1
         counts[state] = counts.get(state, 0) + 1
         if not schedulable:
@@ -164,13 +168,17 @@ def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
         node_list.append(
             {
                 "name": name,
-                "fabric": fabric,
+                "fabric": fabric or reported_fabric,
                 "state": state,
                 "schedulable": schedulable,
                 "last_seen": _iso(last_seen),
                 "gpus": sum(gpus.values()),
                 **{state_name: gpus[state_name] for state_name in GPU_STATES},
                 "weights": weights.get(node_id, []),
+                "warnings": report_warnings(
+                    {"address": address, "fabric": fabric, "labels": labels},
+                    {"address": reported_address, "fabric": reported_fabric, "labels": reported_labels},
+                ),
             }
         )
     return counts, node_list

@@ -7,6 +7,7 @@ issues a node's credential) is `manage.py enrol_node`, not an admin form.
 from collections import Counter
 
 from django.contrib import admin, messages
+from django.utils.html import format_html_join
 
 from catalog.admin import set_gpu_class_source
 
@@ -73,11 +74,21 @@ class NodeAdmin(admin.ModelAdmin):
     """Nodes are enrolled with `manage.py enrol_node` (which issues the credential), so there is no add form;
     the name is fixed because the agent's credential is bound to it (DESIGN invariant 8)."""
 
-    list_display = ["name", "state", "schedulable", "fabric", "gpu_summary", "address", "last_seen", "agent_version"]
+    list_display = [
+        "name", "state", "schedulable", "shown_fabric", "gpu_summary", "shown_address", "last_seen", "agent_version",
+        "warnings",
+    ]  # fmt: skip
     list_filter = ["state", "schedulable", "fabric"]
-    search_fields = ["name", "address", "fabric"]
-    readonly_fields = ["name", "state", "last_seen", "agent_version", "created_at"]
-    fields = ["name", "address", "fabric", "labels", "schedulable", "state", "last_seen", "agent_version", "created_at"]
+    search_fields = ["name", "address", "fabric", "reported_address", "reported_fabric"]
+    readonly_fields = [
+        "name", "state", "last_seen", "agent_version", "created_at",
+        "reported_address", "reported_fabric", "reported_labels", "warnings",
+    ]  # fmt: skip
+    # The operator's address, fabric and labels are edited here; an agent's hello never overwrites them.
+    fields = [
+        "name", "warnings", "address", "reported_address", "fabric", "reported_fabric", "labels", "reported_labels",
+        "schedulable", "state", "last_seen", "agent_version", "created_at",
+    ]  # fmt: skip
     inlines = [GPUInline, WeightsInline]
     actions = ["cordon", "uncordon", "declare_lost"]
 
@@ -91,6 +102,22 @@ class NodeAdmin(admin.ModelAdmin):
     def gpu_summary(self, obj):
         by_class = Counter(gpu.gpu_class for gpu in obj.gpus.all())
         return ", ".join(f"{n}×{gpu_class}" for gpu_class, n in sorted(by_class.items())) or "-"
+
+    @admin.display(description="address", ordering="address")
+    def shown_address(self, obj):
+        return obj.effective_address or "-"
+
+    @admin.display(description="fabric", ordering="fabric")
+    def shown_fabric(self, obj):
+        return obj.effective_fabric or "-"
+
+    @admin.display(description="warnings")
+    def warnings(self, obj):
+        """Where the operator's address, fabric or labels disagree with what the agent reports."""
+        found = obj.report_warnings()
+        if not found:
+            return "-"
+        return format_html_join("", '<div class="warning" style="color:#ba2121">⚠ {}</div>', ((w,) for w in found))
 
     @admin.action(description="Cordon: place no new shards on the selected nodes", permissions=["change"])
     def cordon(self, request, queryset):

@@ -1,10 +1,13 @@
 """Inventory models: Node, GPU, the per-node NodeCredential, and the Weights each node holds on disk."""
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce, NullIf
 
 from agent.protocol import NODE_NAME_PATTERN
 from hub.credentials import new_secret, secret_matches
@@ -17,6 +20,35 @@ TOKEN_PREFIX = "llmgw-node-"
 node_name_validator = RegexValidator(NODE_NAME_PATTERN, "Use letters, digits and . _ - (at most 63 characters).")
 
 
+def effective(field: str, prefix: str = "") -> Coalesce:
+    """A query expression for a node's effective `address` or `fabric`: the operator's, else the agent's report.
+
+    `prefix` reaches the node through a relation (e.g. "node__" from GPU rows), so
+    placement and status read the same value in the query they already run.
+    """
+    return Coalesce(NullIf(F(f"{prefix}{field}"), Value("")), F(f"{prefix}reported_{field}"))
+
+
+def report_warnings(operator: dict[str, Any], reported: dict[str, Any]) -> list[str]:
+    """One sentence per field an operator set that the node's agent reports differently.
+
+    The operator's value wins (it is what placement and endpoints use); the
+    warning is there so a stale address or a miscabled node is noticed.
+    """
+    warnings = []
+    for field in ("address", "fabric", "labels"):
+        mine, theirs = operator.get(field), reported.get(field)
+        if mine and theirs and mine != theirs:
+            warnings.append(f"{field} set to {_shown(mine)} but its agent reports {_shown(theirs)}")
+    return warnings
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "none"
+    return f"“{value}”"
+
+
 class NodeQuerySet(models.QuerySet):
     def schedulable(self):
         """Nodes the placer may put new shards on."""
@@ -27,9 +59,18 @@ class Node(models.Model):
     """A GPU machine running an agent."""
 
     name = models.CharField(max_length=63, unique=True, validators=[node_name_validator])
-    address = models.CharField(max_length=255, blank=True, help_text="Host or IP engines are reached on.")
-    fabric = models.CharField(max_length=64, blank=True, help_text="Interconnect domain, e.g. an InfiniBand fabric.")
-    labels = models.JSONField(default=dict, blank=True)
+    # Operator-set (admin, REST, enrolment); blank means "as the agent reports" (the reported_* fields).
+    address = models.CharField(
+        max_length=255, blank=True, help_text="Host or IP engines are reached on; blank: the address its agent reports."
+    )
+    fabric = models.CharField(
+        max_length=64, blank=True, help_text="Interconnect domain, e.g. an InfiniBand fabric; blank: its agent's."
+    )
+    labels = models.JSONField(default=dict, blank=True, help_text="Empty: the labels its agent reports.")
+    # What the agent said in its last hello; never overrides the operator's fields above.
+    reported_address = models.CharField(max_length=255, blank=True, editable=False)
+    reported_fabric = models.CharField(max_length=64, blank=True, editable=False)
+    reported_labels = models.JSONField(default=dict, blank=True, editable=False)
     schedulable = models.BooleanField(default=True, help_text="Cordoned nodes get no new shards.")
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.NEW)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -43,6 +84,25 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def effective_address(self) -> str:
+        return self.address or self.reported_address
+
+    @property
+    def effective_fabric(self) -> str:
+        return self.fabric or self.reported_fabric
+
+    @property
+    def effective_labels(self) -> dict:
+        return self.labels or self.reported_labels
+
+    def report_warnings(self) -> list[str]:
+        """Where the operator's address, fabric or labels disagree with the agent's report."""
+        return report_warnings(
+            {"address": self.address, "fabric": self.fabric, "labels": self.labels},
+            {"address": self.reported_address, "fabric": self.reported_fabric, "labels": self.reported_labels},
+        )
 
 
 class GPU(models.Model):

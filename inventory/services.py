@@ -59,7 +59,11 @@ def _apply_gpu_health(gpu, healthy: bool, now, reason: str = "") -> bool:
 
 @transaction.atomic
 def register_node(node_id: int, hello: Hello) -> Node:
-    """Record a validated `hello`: the node's address, fabric, labels and GPUs.
+    """Record a validated `hello`: the node's reported address, fabric and labels, and its GPUs.
+
+    What the agent reports is kept apart from what an operator set (admin, REST,
+    enrolment): the operator's address, fabric and labels are never overwritten,
+    and the reports stand in only where the operator left a field empty.
 
     GPUs are matched by index. A GPU the agent no longer reports is marked
     unhealthy rather than deleted, so a shard holding it keeps its assignment
@@ -67,13 +71,15 @@ def register_node(node_id: int, hello: Hello) -> Node:
     """
     now = timezone.now()
     node = Node.objects.select_for_update().get(pk=node_id)
-    node.address = hello.address
-    node.fabric = hello.fabric
-    node.labels = hello.labels
+    node.reported_address = hello.address
+    node.reported_fabric = hello.fabric
+    node.reported_labels = hello.labels
     node.agent_version = hello.version
     node.last_seen = now
     node.state = NodeState.READY
-    node.save(update_fields=["address", "fabric", "labels", "agent_version", "last_seen", "state"])
+    node.save(
+        update_fields=["reported_address", "reported_fabric", "reported_labels", "agent_version", "last_seen", "state"]
+    )
 
     existing = {gpu.index: gpu for gpu in GPU.objects.filter(node=node)}
     to_create, to_update = [], []

@@ -187,6 +187,38 @@ SETTINGS: tuple[Setting, ...] = (
         "a shared prompt prefix sticks to a replica while it has at most this many more in flight",
         0,
     ),
+    _s(
+        "LLMGW_TLS_CERT_FILE",
+        "str",
+        "",
+        "PEM certificate (chain) `up` serves the control plane with: https:// and wss://",
+    ),
+    _s("LLMGW_TLS_KEY_FILE", "str", "", "private key of `LLMGW_TLS_CERT_FILE` (unset: it is in that file)"),
+    _s(
+        "LLMGW_TLS_CLIENT_CA_FILE",
+        "str",
+        "",
+        "mutual TLS: an agent must present a certificate from this CA whose CN is its node's name",
+    ),
+    _s(
+        "LLMGW_AGENT_CONTROL_PLANES",
+        "list",
+        [],
+        "comma-separated `/agent/ws` URLs `enrol_node --print-command` gives agents",
+    ),
+    _s(
+        "LLMGW_AGENT_CA_FILE",
+        "str",
+        "",
+        "CA bundle path on the nodes that `enrol_node --print-command` passes as `--ca-file`",
+    ),
+    _s(
+        "LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS",
+        "float",
+        600.0,
+        "a node drain waits this long for a replica's replacement to be ready before draining it anyway",
+        0.0,
+    ),
 )
 REGISTRY: dict[str, Setting] = {s.name: s for s in SETTINGS}
 

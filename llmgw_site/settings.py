@@ -6,6 +6,7 @@ with in-process channel layer, endpoint list, usage store and activation queue.
 """
 
 import math
+import os
 import secrets
 from pathlib import Path
 
@@ -50,6 +51,20 @@ ALLOWED_HOSTS = setting("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", LLM
 CSRF_TRUSTED_ORIGINS = setting("CSRF_TRUSTED_ORIGINS") + setting("LLMGW_CSRF_TRUSTED_ORIGINS")
 # When set, /metrics on the control plane and on routers needs `Authorization: Bearer <token>`.
 LLMGW_METRICS_TOKEN = setting("LLMGW_METRICS_TOKEN")
+# TLS of the control plane as `up` serves it; with a client CA, agents need a node certificate
+# (agentlink/tls.py). A separate uvicorn is given the same files on its command line.
+LLMGW_TLS_CERT_FILE = setting("LLMGW_TLS_CERT_FILE")
+LLMGW_TLS_KEY_FILE = setting("LLMGW_TLS_KEY_FILE")
+LLMGW_TLS_CLIENT_CA_FILE = setting("LLMGW_TLS_CLIENT_CA_FILE")
+for _name in ("LLMGW_TLS_CERT_FILE", "LLMGW_TLS_KEY_FILE", "LLMGW_TLS_CLIENT_CA_FILE"):
+    _path = globals()[_name]
+    if _path and not os.access(_path, os.R_OK):
+        raise ImproperlyConfigured(f"{_name}={_path!r} is not a readable file")
+if LLMGW_TLS_KEY_FILE and not LLMGW_TLS_CERT_FILE:
+    raise ImproperlyConfigured("LLMGW_TLS_KEY_FILE is set but LLMGW_TLS_CERT_FILE is not")
+# What `enrol_node --print-command` tells a new node: where the control plane is, and the CA to trust.
+LLMGW_AGENT_CONTROL_PLANES = setting("LLMGW_AGENT_CONTROL_PLANES")
+LLMGW_AGENT_CA_FILE = setting("LLMGW_AGENT_CA_FILE")
 
 INSTALLED_APPS = [
     "dashboard.apps.FleetAdminConfig",
@@ -194,6 +209,8 @@ LLMGW_LEASE_NAME = "reconciler"
 LLMGW_LEASE_TTL_SECONDS = setting("LLMGW_LEASE_TTL_SECONDS")
 LLMGW_HEARTBEAT_SECONDS = setting("LLMGW_HEARTBEAT_SECONDS")
 LLMGW_LLAMA_SERVER = setting("LLMGW_LLAMA_SERVER")
+# A node drain starts a replacement first; the old replica is drained once it is ready, or after this long.
+LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS = setting("LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS")
 LLMGW_UNREACHABLE_AFTER_SECONDS = setting("LLMGW_UNREACHABLE_AFTER_SECONDS")
 LLMGW_LOST_AFTER_SECONDS = setting("LLMGW_LOST_AFTER_SECONDS")
 # An unhealthy GPU must report healthy this long before it is used again.

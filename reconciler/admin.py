@@ -112,8 +112,8 @@ class DrainingNodeAdmin(NodeAdmin):
         self.message_user(
             request,
             f"Cordoned {nodes} node(s) and asked their {replicas} replica(s) to stop (reason “node drained”): "
-            "they left the endpoint table; engines finish their requests, then stop; "
-            "replicas a model still needs are placed on other nodes.",
+            "a serving replica keeps serving until its replacement on another node is ready (at once if there "
+            "is no room for one), then leaves the endpoint table; engines finish their requests, then stop.",
             messages.SUCCESS,
         )
 

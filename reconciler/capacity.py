@@ -14,7 +14,7 @@ from datetime import datetime
 
 from django.db.models import Exists, OuterRef
 
-from inventory.models import GPU, Node, gpu_in_service
+from inventory.models import GPU, Node, effective, gpu_in_service
 
 from .models import BusyPort, GPUAssignment, Shard
 from .placement import NodeCapacity
@@ -68,7 +68,12 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
     snapshot = CapacitySnapshot()
     rows = (
         GPU.objects.filter(node__in=Node.objects.schedulable())
-        .annotate(held=Exists(GPUAssignment.objects.filter(gpu=OuterRef("pk"))))
+        .annotate(
+            held=Exists(GPUAssignment.objects.filter(gpu=OuterRef("pk"))),
+            # The operator's fabric and address, else the agent's report (inventory.models.effective).
+            node_fabric=effective("fabric", "node__"),
+            node_address=effective("address", "node__"),
+        )
         .values_list(
             "id",
             "index",
@@ -78,8 +83,8 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
             "held",
             "node_id",
             "node__name",
-            "node__fabric",
-            "node__address",
+            "node_fabric",
+            "node_address",
         )
         .order_by("node_id", "index")
     )
@@ -92,10 +97,10 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
             node.free[index] = gpu_id
     for gpu_class, nodes in snapshot.nodes.items():
         snapshot._records[gpu_class] = {name: node.record() for name, node in nodes.items()}
-    for address, name, port in Shard.objects.values_list("node__address", "node__name", "port"):
+    shard_ports = Shard.objects.annotate(node_address=effective("address", "node__"))
+    for address, name, port in shard_ports.values_list("node_address", "node__name", "port"):
         snapshot.ports[address or name].add(port)
-    for address, name, port in BusyPort.objects.filter(until__gt=now).values_list(
-        "node__address", "node__name", "port"
-    ):
+    busy_ports = BusyPort.objects.filter(until__gt=now).annotate(node_address=effective("address", "node__"))
+    for address, name, port in busy_ports.values_list("node_address", "node__name", "port"):
         snapshot.ports[address or name].add(port)
     return snapshot

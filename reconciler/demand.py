@@ -74,7 +74,8 @@ class _ModelDemand:
         return self.profiles[0]
 
     def wanted(self) -> list[Replica]:
-        return [r for r in self.replicas if r.state in WANTED_STATES]
+        # A replica a node drain is replacing is on its way out: its replacement counts instead.
+        return [r for r in self.replicas if r.state in WANTED_STATES and r.drain_deadline is None]
 
 
 def apply_demand(
@@ -130,7 +131,7 @@ def _read_models() -> dict[int, _ModelDemand]:
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
     replicas = Replica.objects.exclude(state=ReplicaState.STOPPING).only(
-        "id", "model_id", "profile_id", "state", "last_used", "demand_until"
+        "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline"
     )
     for replica in replicas:
         if replica.model_id in models:

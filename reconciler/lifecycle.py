@@ -190,8 +190,14 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     return len(due), deleted.get(Replica._meta.label, 0)
 
 
-def start_fields(shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices) -> dict:
-    """The start_shard fields of agent.protocol for one shard."""
+def start_fields(
+    shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices, host: str = ""
+) -> dict:
+    """The start_shard fields of agent.protocol for one shard.
+
+    `host` is the address of the shard's node that its endpoint is published on;
+    the engine listens there only ("" lets the agent use its own --address).
+    """
     return {
         "shard_id": shard.pk,
         "replica_id": replica.pk,
@@ -205,6 +211,7 @@ def start_fields(shard: Shard, replica: Replica, node_count: int, head_address: 
         "port": shard.port,
         "args": list(replica.profile.engine_args or []),
         "env": {},
+        "host": host,
     }
 
 
@@ -218,7 +225,7 @@ def mark_ready_if_whole(replica: Replica, now: datetime) -> bool:
     head = peers[0]
     replica.state = ReplicaState.READY
     replica.ready_at = now
-    replica.endpoint_url = f"http://{head.node.address or head.node.name}:{head.port}"
+    replica.endpoint_url = f"http://{head.node.effective_address or head.node.name}:{head.port}"
     replica.save(update_fields=["state", "ready_at", "endpoint_url"])
     if replica.started_at is not None:
         _learn_start_time(replica.profile_id, (now - replica.started_at).total_seconds())

@@ -38,6 +38,14 @@ class Replica(models.Model):
     )
     stopping_since = models.DateTimeField(null=True, blank=True)
     stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
+    # Make-before-break node drain (reconciler.drain): this replica keeps serving until `replaced_by`
+    # is ready, then is drained; at `drain_deadline` at the latest.
+    replaced_by = models.ForeignKey(
+        "self", null=True, blank=True, related_name="replacing", on_delete=models.SET_NULL, editable=False
+    )
+    drain_deadline = models.DateTimeField(
+        null=True, blank=True, help_text="A node drain stops it once its replacement is ready, or at this time."
+    )
 
     objects = ReplicaQuerySet.as_manager()
 

@@ -13,7 +13,7 @@ GPUAssignment.gpu backs the arithmetic (DESIGN invariant 2).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -51,6 +51,8 @@ class PlacingOutcome:
     placed: int = 0
     unplaceable: int = 0
     starts_sent: int = 0
+    # Unplaceable replicas for which no room is being made either (no eviction, not waiting for nodes).
+    no_room: set[int] = field(default_factory=set)
 
 
 def place_pending(
@@ -110,6 +112,8 @@ def place_pending(
     changed_error = []
     for replica, _tried, reason in unplaceable:
         outcome.unplaceable += 1
+        if replica.pk not in notes:
+            outcome.no_room.add(replica.pk)
         reason = notes.get(replica.pk, reason)
         if replica.placement_error != reason:
             replica.placement_error = reason
@@ -141,7 +145,10 @@ def place_pending(
         Replica.objects.bulk_update(changed_error, ["placement_error"])
     for replica, shards in placed:
         for new in shards:
-            outbox.start(new.node_name, **start_fields(new.shard, replica, len(shards), shards[0].address, new.indices))
+            head = shards[0].address
+            # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
+            fields = start_fields(new.shard, replica, len(shards), head, new.indices, host=new.address)
+            outbox.start(new.node_name, **fields)
             outcome.starts_sent += 1
     outcome.placed = len(placed)
     return outcome
@@ -168,6 +175,8 @@ def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
     rows = (
         Replica.objects.filter(profile_id__in=ids)
         .exclude(state__in=(ReplicaState.PENDING, ReplicaState.STOPPING))
+        # A replica a node drain is replacing makes way for its replacement (reconciler.drain).
+        .filter(drain_deadline__isnull=True)
         .values("profile_id")
         .annotate(n=Count("id"))
         .values_list("profile_id", "n")
@@ -241,7 +250,10 @@ def resend_starts(now: datetime, outbox: Outbox) -> int:
     for shard in due:
         mates = peers[shard.replica_id]
         head = min(mates, key=lambda s: s.rank).node
-        fields = start_fields(shard, shard.replica, len(mates), head.address or head.name, gpus[shard.pk])
+        own = shard.node.effective_address or shard.node.name
+        fields = start_fields(
+            shard, shard.replica, len(mates), head.effective_address or head.name, gpus[shard.pk], host=own
+        )
         outbox.start(shard.node.name, **fields)
     Shard.objects.filter(pk__in=[s.pk for s in due]).update(updated_at=now)
     return len(due)

@@ -1,7 +1,7 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
 Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
-liveness → slow starts → demand → retries → resends → placement → stops →
+liveness → slow starts → demand → retries → resends → placement → replaced replicas drained → stops →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
 its tables once, decides in memory and writes in bulk.
@@ -19,6 +19,7 @@ from hub import ControlPlaneHub, get_hub
 from hub.contracts import UsageSnapshot
 
 from .demand import apply_demand
+from .drain import drain_replaced
 from .endpoints import build_endpoint_table
 from .lease import Leadership, LeaseLost, get_leadership
 from .lifecycle import forgive_stable, retry_failed, stop_shards
@@ -55,6 +56,7 @@ class TickReport:
     replicas_placed: int = 0
     replicas_unplaceable: int = 0
     replicas_deleted: int = 0
+    replicas_replaced: int = 0
     starts_sent: int = 0
     starts_resent: int = 0
     stops_sent: int = 0
@@ -119,6 +121,8 @@ def tick(
                 settling=fleet_settling(now, leadership),
             )
             report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
+            # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
+            report.replicas_replaced = drain_replaced(now, placing.no_room)
             report.stops_sent, deleted = stop_shards(now, outbox)
             report.starts_sent = placing.starts_sent
             report.replicas_deleted = demand.deleted + deleted

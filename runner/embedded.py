@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import sys
 
 import uvicorn
@@ -20,6 +21,7 @@ from django.conf import settings
 
 from agent.gpus import parse_fake_gpus
 from agent.runtime import Agent
+from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app
 
@@ -51,6 +53,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def control_plane_options() -> dict:
+    """uvicorn options of the control plane: TLS from the LLMGW_TLS_* settings, and the TLS-aware WebSocket.
+
+    A client CA makes a client certificate optional at the TLS layer (browsers on
+    /admin have none) and required by the agent link, which checks its CN
+    (agentlink/tls.py, agentlink/consumers.py).
+    """
+    options: dict = {"lifespan": "off", "log_level": "warning", "ws": TLSWebSocketProtocol}
+    if settings.LLMGW_TLS_CERT_FILE:
+        options |= {"ssl_certfile": settings.LLMGW_TLS_CERT_FILE, "ssl_keyfile": settings.LLMGW_TLS_KEY_FILE or None}
+    if settings.LLMGW_TLS_CLIENT_CA_FILE:
+        options |= {"ssl_ca_certs": settings.LLMGW_TLS_CLIENT_CA_FILE, "ssl_cert_reqs": ssl.CERT_OPTIONAL}
+    return options
+
+
 async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None = None, on_ready=None) -> None:
     """Run everything until SIGINT/SIGTERM; then stop engines, servers and the ticker."""
     control_sock = bind(host, port)
@@ -59,7 +76,7 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
     except OSError:
         control_sock.close()
         raise
-    control = _Server(uvicorn.Config("llmgw_site.asgi:application", lifespan="off", log_level="warning"))
+    control = _Server(uvicorn.Config("llmgw_site.asgi:application", **control_plane_options()))
     # The router reads no client address, so the proxy-headers middleware is pure cost.
     router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning", proxy_headers=False))
 
@@ -82,7 +99,8 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
     agents = []
     if fleet is not None:
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        url = f"ws://{connect_host}:{port}/agent/ws"
+        scheme = "wss" if settings.LLMGW_TLS_CERT_FILE else "ws"
+        url = f"{scheme}://{connect_host}:{port}/agent/ws"
         for node in fleet.nodes:
             agent = Agent(
                 [url],
@@ -94,6 +112,7 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
                 heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
                 engine_python=sys.executable,
                 llama_server=settings.LLMGW_LLAMA_SERVER,
+                ca_file=settings.LLMGW_AGENT_CA_FILE or None,
             )
             agents.append(agent)
             tasks.append(asyncio.create_task(agent.run(), name=f"agent-{node.name}"))

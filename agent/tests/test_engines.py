@@ -10,6 +10,7 @@ BASE = {
     "port": 20000,
     "head_address": "",
     "args": [],
+    "host": "10.0.0.7",
 }
 
 
@@ -21,7 +22,7 @@ def launch(engine, **overrides):
 def test_vllm_single_node():
     result = launch("vllm", gpu_indices=[2, 3], args=["--max-model-len", "8192"])
     assert result.argv == [
-        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "0.0.0.0", "--port", "20000",
+        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "10.0.0.7", "--port", "20000",
         "--served-model-name", "llama-70b", "--tensor-parallel-size", "2", "--max-model-len", "8192",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
@@ -33,7 +34,7 @@ def test_vllm_single_node():
 def test_vllm_head_of_two_nodes_adds_pipeline_parallelism_over_ray():
     result = launch("vllm", gpu_indices=list(range(8)), node_count=2, head_address="10.0.0.1")
     assert result.argv == [
-        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "0.0.0.0", "--port", "20000",
+        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "10.0.0.7", "--port", "20000",
         "--served-model-name", "llama-70b", "--tensor-parallel-size", "8",
         "--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray",
     ]  # fmt: skip
@@ -52,7 +53,7 @@ def test_sglang_single_node():
     result = launch("sglang", args=["--mem-fraction-static", "0.8"])
     assert result.argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
-        "--host", "0.0.0.0", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "2",
+        "--host", "10.0.0.7", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "2",
         "--enable-metrics", "--mem-fraction-static", "0.8",
     ]  # fmt: skip
     assert result.health_path == "/health"
@@ -63,7 +64,7 @@ def test_sglang_second_rank_of_two_nodes_rendezvous_at_head_port_plus_one():
     result = launch("sglang", gpu_indices=[0, 1, 2, 3], rank=1, node_count=2, head_address="10.0.0.1")
     assert result.argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
-        "--host", "0.0.0.0", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "8",
+        "--host", "10.0.0.7", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "8",
         "--enable-metrics", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20001",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
@@ -74,7 +75,7 @@ def test_sglang_second_rank_of_two_nodes_rendezvous_at_head_port_plus_one():
 def test_llamacpp():
     result = launch("llamacpp", source="/models/qwen.gguf", gpu_indices=[5], args=["-c", "4096"])
     assert result.argv == [
-        "llama-server", "-m", "/models/qwen.gguf", "--host", "0.0.0.0", "--port", "20000",
+        "llama-server", "-m", "/models/qwen.gguf", "--host", "10.0.0.7", "--port", "20000",
         "--alias", "llama-70b", "-ngl", "999", "--metrics", "-c", "4096",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "5"}
@@ -90,7 +91,7 @@ def test_llamacpp_runs_the_llama_server_binary_it_is_given():
 def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
     result = launch("mock", args=["--token-delay-ms", "5"])
     assert result.argv == [
-        "/opt/py/bin/python", "-m", "agent.mock_engine", "--host", "0.0.0.0", "--port", "20000",
+        "/opt/py/bin/python", "-m", "agent.mock_engine", "--host", "10.0.0.7", "--port", "20000",
         "--model", "llama-70b", "--token-delay-ms", "5",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}

@@ -138,7 +138,7 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
     assert older.port_busy is False
     assert set(protocol.to_builtins(START)) == {
         "type", "v", "epoch", "shard_id", "replica_id", "rank", "node_count", "head_address",
-        "engine", "model", "source", "gpu_indices", "port", "args", "env",
+        "engine", "model", "source", "gpu_indices", "port", "args", "env", "host",
     }  # fmt: skip
     assert protocol.to_builtins(StopShard(epoch=2, shard_id=5)) == {
         "type": "stop_shard",

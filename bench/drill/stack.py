@@ -214,8 +214,9 @@ class Stack:
         return self.proc(f"beat{index}", argv)
 
     def agent(self, node: str, token: str, gpus: str, fabric: str) -> Proc:
+        # Each agent its own state directory, kept across its restarts in the drill (as on a real node).
         argv = [PYTHON, "-m", "agent", "--node", node, "--token", token, "--fake-gpus", gpus, "--fabric", fabric,
-                "--address", "127.0.0.1"]  # fmt: skip
+                "--address", "127.0.0.1", "--state-dir", str(self.workdir / "agent-state" / node)]  # fmt: skip
         for cp in ("cp1", "cp2"):
             argv += ["--control-plane", f"ws://127.0.0.1:{self.ports[cp]}/agent/ws"]
         return self.proc(f"agent-{node}", argv)

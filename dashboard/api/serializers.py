@@ -40,9 +40,14 @@ class GPUSerializer(serializers.ModelSerializer):
 
 
 class NodeSerializer(serializers.ModelSerializer):
-    """A node with the GPUs its agent last reported."""
+    """A node with the GPUs its agent last reported.
+
+    address, fabric and labels are the operator's (blank: the agent's report
+    stands in); reported_* are what the agent said, and warnings name where the two differ.
+    """
 
     gpus = GPUSerializer(many=True, read_only=True)
+    warnings = serializers.SerializerMethodField()
 
     class Meta:
         model = Node
@@ -52,12 +57,19 @@ class NodeSerializer(serializers.ModelSerializer):
             "address",
             "fabric",
             "labels",
+            "reported_address",
+            "reported_fabric",
+            "reported_labels",
+            "warnings",
             "schedulable",
             "state",
             "last_seen",
             "agent_version",
             "gpus",
         ]
+
+    def get_warnings(self, node: Node) -> list[str]:
+        return node.report_warnings()
 
 
 class ReplicaSerializer(serializers.ModelSerializer):

@@ -13,17 +13,16 @@ import re
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
 from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
 from catalog.models import Model, name_clash
 from inventory.models import Node
-from reconciler.lifecycle import StopRequest, notify_work_pending, stop_replica, stop_replicas
-from reconciler.models import Replica, Shard
+from reconciler.drain import drain_nodes
+from reconciler.lifecycle import stop_replica
+from reconciler.models import Replica
 from router.models import ApiKey
 
-NODE_DRAINED = "node drained"
 # Messages from the catalog file reader start with where the entry is in the file; here there is one entry.
 _FILE_LABEL = re.compile(r'^models\[0\](?: "[^"]*")?: ')
 
@@ -76,14 +75,13 @@ def set_cordoned(node: Node, cordoned: bool) -> Node:
 
 
 def drain_node(node: Node) -> int:
-    """Cordon the node and stop every replica with a shard on it (reason "node drained"); return how many."""
-    with transaction.atomic():
-        set_cordoned(node, True)
-        on_node = Shard.objects.filter(node=node).values("replica_id")
-        replicas = list(Replica.objects.select_for_update().filter(pk__in=on_node))
-        deleted, stopping = stop_replicas([StopRequest(r, NODE_DRAINED) for r in replicas], timezone.now())
-        notify_work_pending()
-    return deleted + stopping
+    """Cordon the node; its serving replicas are replaced elsewhere, then drained (`reconciler.drain`).
+
+    Returns how many replicas will be stopped.
+    """
+    _, replicas = drain_nodes([node.pk])
+    node.schedulable = False
+    return replicas
 
 
 def stop_one_replica(replica: Replica, reason: str) -> None:

@@ -27,18 +27,17 @@ def test_the_node_drain_action_cordons_and_drains_its_replicas(admin_client, fle
     response = admin_client.post(
         "/admin/inventory/node/", {"action": "drain", "_selected_action": [str(a.pk)]}, follow=True
     )
-    assert "Cordoned 1 node(s) and asked their 2 replica(s) to stop (reason “node drained”)" in (
-        response.content.decode()
-    )
+    page = response.content.decode()
+    assert "Cordoned 1 node(s) and asked their 2 replica(s) to stop (reason “node drained”)" in page
+    assert "keeps serving until its replacement on another node is ready" in page
     assert list(Node.objects.order_by("name").values_list("name", "schedulable")) == [
         ("gpu-a", False),
         ("gpu-b", True),
     ]
-    rows = dict(Replica.objects.values_list("pk", "state"))
-    assert rows == {on_a.pk: ReplicaState.STOPPING, across.pk: ReplicaState.STOPPING, on_b.pk: ReplicaState.READY}
-    assert set(Replica.objects.filter(state=ReplicaState.STOPPING).values_list("stop_reason", "endpoint_url")) == {
-        ("node drained", "")
-    }
+    # Serving replicas on the node stay up, each with a pending replacement (make-before-break).
+    rows = dict(Replica.objects.filter(pk__in=[on_a.pk, across.pk, on_b.pk]).values_list("pk", "replaced_by__state"))
+    assert rows == {on_a.pk: ReplicaState.PENDING, across.pk: ReplicaState.PENDING, on_b.pk: None}
+    assert set(Replica.objects.values_list("state", flat=True)) == {ReplicaState.READY, ReplicaState.PENDING}
 
 
 def test_draining_a_node_without_replicas_only_cordons_it():

@@ -49,6 +49,7 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
             "port": 20000,
             "args": ["--max-model-len", "8192"],
             "env": {},
+            "host": "127.0.0.1",
         }
     ]
     assert roomy.shards.count() == 0

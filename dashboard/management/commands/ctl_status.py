@@ -174,6 +174,8 @@ class Command(BaseCommand):
                 )
             )
 
+        out += self.node_warnings(s)
+
         out.append(self.section("GPU capacity"))
         if not s["capacity"]:
             out.append("  no GPUs reported")
@@ -246,7 +248,15 @@ class Command(BaseCommand):
         out.append(self.section("Weights on disk"))
         held = [[n["name"], w["source"], w["size"]] for n in s["node_list"] for w in n["weights"]]
         out += self.styled_table(["NODE", "SOURCE", "SIZE"], held) if held else ["  none reported"]
-        return out
+        return out + self.node_warnings(s)
+
+    def node_warnings(self, s: dict) -> list[str]:
+        """Nodes whose operator-set address, fabric or labels disagree with what their agents report."""
+        return [
+            self.style.WARNING(f"node {n['name']}: {warning} (the operator's value is used)")
+            for n in s["node_list"]
+            for warning in n["warnings"]
+        ]
 
     def what_can_i_stop(self, s: dict, top: int | None) -> list[str]:
         out = [self.section("What can I stop")]

@@ -114,13 +114,14 @@ class Command(BaseCommand):
 
     def _banner(self, host, port, router_port, fleet) -> str:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        web = "https" if settings.LLMGW_TLS_CERT_FILE else "http"
         database = settings.DATABASES["default"]
         where = f"SQLite at {database['NAME']}" if database["ENGINE"].endswith("sqlite3") else database["ENGINE"]
         lines = [
             self.style.SUCCESS(f"llmgw is up ({'embedded' if settings.EMBEDDED else 'Redis'} mode, {where})"),
             f"  router (OpenAI API)   http://{shown}:{router_port}/v1",
-            f"  admin and dashboard   http://{shown}:{port}/admin/",
-            f"  REST API              http://{shown}:{port}/api/v1/status",
+            f"  admin and dashboard   {web}://{shown}:{port}/admin/",
+            f"  REST API              {web}://{shown}:{port}/api/v1/status",
         ]
         if fleet is not None:
             lines += [
