@@ -7,7 +7,10 @@ what is wrong, in JSON's own type names.
 
 Cost: the depth check is two `bytes.count` calls for a body with at most
 MAX_JSON_DEPTH brackets (almost every request); only bodies with more brackets
-pay a linear pass to measure their real depth.
+pay a linear pass to measure their real depth. Bodies are decoded with msgspec
+(several times faster than `json`); one it refuses is decoded again with
+`json`, which accepts what it always did (NaN, lone surrogates) and words the
+error when there is one, so the faster decoder changes no answer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+import msgspec
 
 from .errors import RouterError
 
@@ -25,6 +30,7 @@ MAX_JSON_DEPTH = 128
 ECHO_CHARS = 200
 
 _ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_FAST_DECODER = msgspec.json.Decoder()
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _AS_SQUARE = bytes.maketrans(b"{}", b"[]")
 
@@ -76,6 +82,17 @@ def decode_object(body: bytes) -> dict[str, Any]:
             400, f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep.", "invalid_json"
         )
     try:
+        payload = _FAST_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        payload = _decode_slowly(body)
+    if not isinstance(payload, dict):
+        raise RouterError(400, f"The request body must be a JSON object, not {json_type(payload)}.", "invalid_body")
+    return payload
+
+
+def _decode_slowly(body: bytes) -> Any:
+    """`body` decoded by `json`, or a 400 RouterError naming what is wrong with it."""
+    try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RouterError(
@@ -90,8 +107,6 @@ def decode_object(body: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:
         # Integers of more than 4300 digits (CPython's conversion limit) and the like.
         raise RouterError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(payload, dict):
-        raise RouterError(400, f"The request body must be a JSON object, not {json_type(payload)}.", "invalid_body")
     return payload
 
 

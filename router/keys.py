@@ -155,6 +155,9 @@ class ApiKeyCache:
         self._lookup = lookup
         self._entries: dict[str, tuple[KeyInfo | None, float]] = {}  # sha256 of key -> (key or None, expires at)
         self._pending: dict[str, asyncio.Future[KeyInfo | None]] = {}
+        # Bearer token -> its digest, so a known token is not hashed again on every request (bounded like
+        # the entries; a flood of made-up tokens only empties it).
+        self._digests: dict[str, str] = {}
         # Digests changed while a lookup for them was running: that lookup may have read the old row.
         self._changed_during_lookup: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
@@ -168,7 +171,11 @@ class ApiKeyCache:
 
         Raises KeyStoreUnreachable if the database cannot be asked and never answered for `key`.
         """
-        digest = hash_secret(key)
+        digest = self._digests.get(key)
+        if digest is None:
+            if len(self._digests) >= self.max_entries:
+                self._digests.clear()
+            digest = self._digests[key] = hash_secret(key)
         cached = self._entries.get(digest)
         if cached is not None and cached[1] > self._clock():
             return cached[0]

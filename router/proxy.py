@@ -292,13 +292,13 @@ class Proxy:
         clean = False
         status = response.status
         reader = None
+        engine_headers = response.headers
+        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
+        content_type = engine_headers.get("Content-Type", "")
         if outcome.key is not None and 200 <= status < 300:
-            engine_headers = response.headers
-            reader = usage_reader(
-                engine_headers.get("Content-Type", ""), engine_headers.get("Content-Encoding", ""), pass_usage
-            )
+            reader = usage_reader(content_type, engine_headers.get("Content-Encoding", ""), pass_usage)
         try:
-            streamed = headers_sent or response.content_type == "text/event-stream"
+            streamed = headers_sent or content_type.startswith("text/event-stream")
             length = response.content_length
             if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
                 try:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from agent.mock_engine import EXTRA_ENDPOINTS
 from router.app import PROXY_PATHS, create_app
-from router.body import MAX_JSON_DEPTH, nesting_depth_exceeds
+from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
+from router.errors import RouterError
 
 from .conftest import ALIAS, MODEL, make_table
 from .test_proxy import assert_openai_error
@@ -198,3 +199,47 @@ def test_no_generated_request_is_a_500_or_logs_a_traceback(
         # The router's own answer (not an engine's, relayed): OpenAI's error shape.
         assert set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+# -- the fast decoder changes no answer ------------------------------------------------------------
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _JSON_VALUES, max_size=6))
+def test_bodies_decode_to_what_the_json_module_reads(payload):
+    body = json.dumps(payload).encode()
+    assert decode_object(body) == json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "temperature": NaN}',  # the json module's extension: accepted as before
+        b'{"model": "m", "x": "\\ud800"}',  # a lone surrogate
+        b'{"model": "m", "n": 1e999}',  # a float out of range reads as infinity
+        b'{"model": "m", "n": 18446744073709551616000}',  # past 64 bits
+        b'{"model": "a", "model": "b"}',  # the last of a repeated key wins
+    ],
+)
+def test_what_the_fast_decoder_refuses_is_read_as_the_json_module_reads_it(body):
+    assert repr(decode_object(body)) == repr(json.loads(body))
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"\xff{}", "The request body is not valid UTF-8: byte 0xff at position 0."),
+        (b'{"model": "m"', "The request body is not valid JSON: Expecting ',' delimiter: line 1 column 14 (char 13)"),
+        (b"[1]", "The request body must be a JSON object, not array."),
+    ],
+)
+def test_bad_bodies_are_named_as_before(body, message):
+    with pytest.raises(RouterError) as caught:
+        decode_object(body)
+    assert caught.value.message == message

@@ -85,6 +85,7 @@ def test_a_flood_of_distinct_wrong_keys_does_not_grow_the_cache_without_bound():
     cache = ApiKeyCache(max_entries=10)
     check(cache, *(f"sk-wrong-{i}" for i in range(25)))
     assert len(cache._entries) <= 10
+    assert len(cache._digests) <= 10  # nor the tokens remembered with their digests
 
 
 # -- the key store unreachable -------------------------------------------------------------------
