@@ -1,7 +1,7 @@
 """Router overhead benchmark: the same load straight at an engine, through the floor proxy, and through the router.
 
     .venv/bin/python bench/router_bench.py [--duration 10] [--concurrency 1,16,64] [--mode json,stream]
-                                           [--engine mock|builtin]
+                                           [--engine mock|builtin] [--rounds 3]
     .venv/bin/python bench/router_bench.py --streams 1000 [--token-delay-ms 200]
 
 Four processes on 127.0.0.1: an engine (the bundled mock engine, or a minimal
@@ -11,9 +11,12 @@ aiohttp, the least any Python proxy does), the router as production runs it
 directory, one API key), and this load generator, which keeps `concurrency`
 chat requests (JSON or streamed) in flight for `duration` seconds against each
 target and prints requests/s, latency percentiles, the router/floor ratio and
-each proxy's CPU time per request (from /proc: the shared cores do not distort
-it). Each proxy runs in its own process so the load generator does not share
-its interpreter.
+each proxy's CPU time per request (from /proc: the shared cores distort it
+less than throughput), with the router's CPU against the floor's. The targets
+take `--rounds` turns each, alternating, and each figure is the median of its
+rounds, so a change in the machine's load does not land on one target alone.
+Each proxy runs in its own process so the load generator does not share its
+interpreter.
 
 `--streams N` instead opens N slow streams through the router at once (the
 mock engine answering a token every `--token-delay-ms`) and reports errors and
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -205,6 +209,18 @@ async def drive(url: str, headers: dict, duration: float, concurrency: int, stre
     }
 
 
+def summarise(runs: list[dict]) -> dict:
+    """The median of each figure over a target's rounds (errors are summed)."""
+    cpus = [r["cpu_us"] for r in runs if "cpu_us" in r]
+    return {
+        "rps": statistics.median(r["rps"] for r in runs),
+        "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+        "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+        "errors": sum(r["errors"] for r in runs),
+        "cpu_us": statistics.median(cpus) if cpus else None,
+    }
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -249,6 +265,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64", help="requests kept in flight, a comma list")
     parser.add_argument("--mode", default="json,stream", help="json and/or stream (comma list)")
     parser.add_argument("--targets", default="direct,floor,router", help="which of direct, floor, router")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns each target takes; medians are printed (default 3)"
+    )
     parser.add_argument("--streams", type=int, help="instead: hold this many slow streams through the router")
     parser.add_argument("--token-delay-ms", type=float, default=200.0, help="--streams: the mock engine's delay")
     has_mock = (ROOT / "agent" / "mock_engine.py").exists()
@@ -272,8 +291,8 @@ def main() -> None:
         parser.error(f"--concurrency must be a comma list of numbers, not {args.concurrency!r}")
     modes = args.mode.split(",")
     targets = args.targets.split(",")
-    if args.duration <= 0 or min(levels) < 1:
-        parser.error("--duration must be > 0 and every --concurrency >= 1")
+    if args.duration <= 0 or min(levels) < 1 or args.rounds < 1:
+        parser.error("--duration must be > 0, every --concurrency >= 1 and --rounds >= 1")
     if not set(modes) <= {"json", "stream"} or not set(targets) <= {"direct", "floor", "router"}:
         parser.error("--mode takes json,stream and --targets direct,floor,router")
 
@@ -318,27 +337,38 @@ def main() -> None:
                     f"peak {rss_kib(router_pid, 'VmHWM') / 1024:.0f} MB"
                 )
                 return
-            print(f"engine={args.engine} duration={args.duration:g}s cpus={os.cpu_count()}")
+            print(f"engine={args.engine} duration={args.duration:g}s rounds={args.rounds} cpus={os.cpu_count()}")
             print(
                 f"{'mode':<6} {'conns':>5} {'target':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
-                f"{'CPU us/req':>10} {'vs floor':>8}"
+                f"{'CPU us/req':>10} {'vs floor':>8} {'CPU vs floor':>12}"
             )
             for mode in modes:
                 for level in levels:
-                    floor_rps = None
+                    # Targets take turns, round after round, so a change in the machine's load falls on
+                    # all of them; each figure is the median over the rounds.
+                    runs: dict[str, list[dict]] = {name: [] for name in targets}
+                    for _ in range(args.rounds):
+                        for name in targets:
+                            pid = processes[name].pid if name != "direct" else None
+                            cpu_before = cpu_seconds(pid) if pid else 0.0
+                            headers = key if name == "router" else {}
+                            url = f"{urls[name]}/v1/chat/completions"
+                            r = asyncio.run(drive(url, headers, args.duration, level, stream=mode == "stream"))
+                            if pid:
+                                r["cpu_us"] = (cpu_seconds(pid) - cpu_before) / max(r["requests"], 1) * 1e6
+                            runs[name].append(r)
+                    floor = summarise(runs["floor"]) if "floor" in runs else None
                     for name in targets:
-                        pid = processes[name].pid if name != "direct" else None
-                        cpu_before = cpu_seconds(pid) if pid else 0.0
-                        headers = key if name == "router" else {}
-                        url = f"{urls[name]}/v1/chat/completions"
-                        r = asyncio.run(drive(url, headers, args.duration, level, stream=mode == "stream"))
-                        cpu = f"{(cpu_seconds(pid) - cpu_before) / max(r['requests'], 1) * 1e6:.0f}" if pid else "-"
-                        if name == "floor":
-                            floor_rps = r["rps"]
-                        ratio = f"{r['rps'] / floor_rps:.2f}x" if name == "router" and floor_rps else "-"
+                        m = summarise(runs[name])
+                        cpu = f"{m['cpu_us']:.0f}" if m["cpu_us"] is not None else "-"
+                        ratio = cpu_ratio = "-"
+                        if name == "router" and floor is not None:
+                            ratio = f"{m['rps'] / floor['rps']:.2f}x"
+                            if m["cpu_us"] is not None and floor["cpu_us"]:
+                                cpu_ratio = f"{m['cpu_us'] / floor['cpu_us'] - 1:+.0%}"
                         print(
-                            f"{mode:<6} {level:>5} {name:<7} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} "
-                            f"{r['p99_ms']:>8.2f} {r['errors']:>6} {cpu:>10} {ratio:>8}",
+                            f"{mode:<6} {level:>5} {name:<7} {m['rps']:>8.0f} {m['p50_ms']:>8.2f} "
+                            f"{m['p99_ms']:>8.2f} {m['errors']:>6} {cpu:>10} {ratio:>8} {cpu_ratio:>12}",
                             flush=True,
                         )
         finally:
