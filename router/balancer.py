@@ -186,7 +186,10 @@ class Balancer:
             if best:
                 chosen = None
                 if tier:
-                    preferred = max(tier, key=lambda e: hash((affinity, e.affinity_seed)))
+                    # One replica at the top priority (the common case) is its own rendezvous winner.
+                    preferred = (
+                        tier[0] if len(tier) == 1 else max(tier, key=lambda e: hash((affinity, e.affinity_seed)))
+                    )
                     if preferred.load <= best_load + self.affinity_slack:
                         chosen = preferred
                 if chosen is None:
