@@ -10,10 +10,14 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   heartbeat     gpus[{index, healthy}], shards[{shard_id, state, running}]
                 (running: requests the engine holds, running or queued; null = unknown)
   shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
+  ack           cid, refused, message: the command `cid` reached the agent and was
+                accepted (refused = fenced or malformed; message says why)
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
 stamped with the leader's lease `epoch`, and an agent refuses one older than
-the newest epoch it has seen (fencing, DESIGN invariant 1)
+the newest epoch it has seen (fencing, DESIGN invariant 1). A command with a
+`cid` (command id) is answered with `ack` as soon as the agent has it, refused or
+not; the control plane re-sends it until then (reconciler/commands.py)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{}
   stop_shard    epoch, shard_id
@@ -34,6 +38,7 @@ PROTOCOL_VERSION = 1
 HELLO = "hello"
 HEARTBEAT = "heartbeat"
 SHARD_STATUS = "shard_status"
+ACK = "ack"
 START_SHARD = "start_shard"
 STOP_SHARD = "stop_shard"
 DRAIN_SHARD = "drain_shard"
@@ -63,11 +68,19 @@ class ProtocolError(ValueError):
     shard it can name instead of leaving the control plane waiting.
     """
 
-    def __init__(self, text: str, kind: str | None = None, epoch: int | None = None, shard_id: int | None = None):
+    def __init__(
+        self,
+        text: str,
+        kind: str | None = None,
+        epoch: int | None = None,
+        shard_id: int | None = None,
+        cid: str | None = None,
+    ):
         super().__init__(text)
         self.kind = kind
         self.epoch = epoch
         self.shard_id = shard_id
+        self.cid = cid
 
 
 def parse_port(text: str | int) -> int:
@@ -177,10 +190,26 @@ class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
     port_busy: bool = False
 
 
+# A command id: unique per command, answered by `ack`; empty on a command that wants no answer.
+CommandId = Annotated[str, Meta(max_length=64)]
+
+
+class Ack(_Message, frozen=True, kw_only=True, tag=ACK):
+    """The agent has command `cid`: accepted, or refused (stale epoch, malformed) with the reason.
+
+    Sent before the command is carried out, so a slow start does not look like a lost one.
+    """
+
+    cid: Annotated[str, Meta(min_length=1, max_length=64)]
+    refused: bool = False
+    message: str = ""
+
+
 class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     """Start one shard (one node's part of a replica) on the given GPUs and port."""
 
     epoch: int
+    cid: CommandId = ""
     shard_id: int
     replica_id: int | None = None
     rank: Annotated[int, Meta(ge=0)] = 0
@@ -202,6 +231,7 @@ class StopShard(_Message, frozen=True, kw_only=True, tag=STOP_SHARD):
     """Stop a shard's engine now (SIGTERM, then SIGKILL after a grace)."""
 
     epoch: int
+    cid: CommandId = ""
     shard_id: int
 
 
@@ -212,6 +242,7 @@ class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
     """Stop a shard's engine once it reports no requests in flight, or after `timeout_seconds` regardless."""
 
     epoch: int
+    cid: CommandId = ""
     shard_id: int
     timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
 
@@ -222,10 +253,10 @@ class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
     message: str
 
 
-AgentMessage = Hello | Heartbeat | ShardStatus
+AgentMessage = Hello | Heartbeat | ShardStatus | Ack
 Command = StartShard | StopShard | DrainShard
 
-_AGENT_MESSAGES: dict[str, type[Any]] = {HELLO: Hello, HEARTBEAT: Heartbeat, SHARD_STATUS: ShardStatus}
+_AGENT_MESSAGES: dict[str, type[Any]] = {HELLO: Hello, HEARTBEAT: Heartbeat, SHARD_STATUS: ShardStatus, ACK: Ack}
 _COMMANDS: dict[str, type[Any]] = {START_SHARD: StartShard, STOP_SHARD: StopShard, DRAIN_SHARD: DrainShard}
 _FROM_CONTROL_PLANE: dict[str, type[Any]] = {**_COMMANDS, ERROR: Error}
 
@@ -274,6 +305,7 @@ def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
         "kind": kind if isinstance(kind, str) else None,
         "epoch": _int_or_none(obj.get("epoch")),
         "shard_id": _int_or_none(obj.get("shard_id")),
+        "cid": cid if isinstance(cid := obj.get("cid"), str) and cid else None,
     }
     # The version is checked first: another version may name its types and fields differently.
     if type(version) is not int or version != PROTOCOL_VERSION:

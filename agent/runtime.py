@@ -180,7 +180,11 @@ class Agent:
             log.error("control plane reported an error: %s", message.message)
             return
         if not self._fence(message.__struct_config__.tag, message.epoch, message.shard_id):
+            await self._ack(message.cid, f"epoch {message.epoch} is older than epoch {self.highest_epoch} already seen")
             return
+        # Answered before it is carried out: the control plane stops re-sending it now, and a re-sent
+        # copy is answered again (a start for a shard already running is not started twice).
+        await self._ack(message.cid)
         if isinstance(message, protocol.StartShard):
             await self._start_shard(message)
         elif isinstance(message, protocol.DrainShard):
@@ -202,9 +206,19 @@ class Agent:
         self.highest_epoch = epoch
         return True
 
+    async def _ack(self, cid: str | None, refused: str = "") -> None:
+        """Acknowledge command `cid` (none: the command wants no answer); `refused` says why it is not carried out."""
+        if not cid:
+            return
+        ack = protocol.Ack(cid=cid, refused=bool(refused), message=refused)
+        if not await self._link.send(protocol.encode(ack)):
+            log.debug("not connected; dropped ack for command %s (it will be sent again)", cid)
+
     async def _refuse(self, exc: protocol.ProtocolError) -> None:
         """Log a malformed message; answer a malformed start the control plane would otherwise wait on."""
         log.warning("control plane sent a message the agent cannot use: %s; ignored", exc)
+        # Re-sending it would not make it well-formed: acknowledged as refused, with the reason.
+        await self._ack(exc.cid, f"malformed command: {exc}")
         if exc.kind != protocol.START_SHARD or exc.epoch is None or exc.shard_id is None:
             return
         if not self._fence(exc.kind, exc.epoch, exc.shard_id):

@@ -3,21 +3,35 @@
 Thin: it authenticates the node (DESIGN invariant 8), validates each message
 with agent.protocol, hands it to one service function, and relays commands
 that arrive on the node's channel-layer group (invariant 9).
+
+At fleet scale a steady heartbeat costs no query: `last_seen` is batched
+(agentlink.seen), and a heartbeat identical to the node's previous one is
+checked against the tables only every LLMGW_HEARTBEAT_RECHECK_SECONDS (so an
+orphan engine of a deleted shard is noticed within that).
 """
 
+import asyncio
 import json
 import logging
+import time
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 
 from agent import protocol
 from inventory.models import NodeCredential
 from reconciler.outbox import node_group
 
 from . import services
+from .seen import seen_nodes
 
 log = logging.getLogger(__name__)
+
+# Leaving the node's group is retried: a member left behind would be sent its node's commands
+# until the group expiry (LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS) drops it.
+DISCARD_ATTEMPTS = 4
+DISCARD_FIRST_DELAY_SECONDS = 0.2
 
 
 def _credentials(scope) -> tuple[str, str]:
@@ -31,6 +45,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
     """One node agent's stream."""
 
     node_name = None
+    # The last heartbeat checked against the tables, and when (time.monotonic()).
+    last_heartbeat: protocol.Heartbeat | None = None
+    heartbeat_checked_at = 0.0
 
     async def connect(self):
         name, token = _credentials(self.scope)
@@ -50,8 +67,24 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     async def disconnect(self, code):
         if self.node_name:
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+            await self._leave_group()
             log.info("agent disconnected: %s (code %s)", self.node_name, code)
+
+    async def _leave_group(self) -> None:
+        delay = DISCARD_FIRST_DELAY_SECONDS
+        for attempt in range(1, DISCARD_ATTEMPTS + 1):
+            try:
+                await self.channel_layer.group_discard(self.group, self.channel_name)
+                return
+            except Exception as exc:
+                if attempt == DISCARD_ATTEMPTS:
+                    log.error(
+                        "agent stream of %s could not leave its group (%s); the group expiry drops it",
+                        self.node_name, exc,
+                    )  # fmt: skip
+                    return
+                await asyncio.sleep(delay)
+                delay *= 2
 
     async def receive(self, text_data=None, bytes_data=None):
         try:
@@ -63,14 +96,34 @@ class AgentConsumer(AsyncWebsocketConsumer):
             case protocol.Hello() if message.node != self.node_name:
                 await self._error(f"hello names node “{message.node}” but this credential is for “{self.node_name}”")
             case protocol.Hello():
+                self.last_heartbeat = None
                 await database_sync_to_async(services.on_hello)(self.node_id, message)
             case protocol.Heartbeat():
                 # Join the node's group again: a Redis restarted empty forgot it, and commands sent
-                # to the group would reach nobody until the agent reconnected. Idempotent, one write.
+                # to the group would reach nobody until the agent reconnected. Idempotent, one write;
+                # it also renews the membership against the group expiry.
                 await self.channel_layer.group_add(self.group, self.channel_name)
-                await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
+                await self._heartbeat(message)
             case protocol.ShardStatus():
+                self.last_heartbeat = None
                 await database_sync_to_async(services.on_shard_status)(self.node_id, message)
+            case protocol.Ack():
+                await database_sync_to_async(services.on_ack)(self.node_name, message)
+
+    async def _heartbeat(self, message: protocol.Heartbeat) -> None:
+        batched = settings.LLMGW_LAST_SEEN_FLUSH_SECONDS > 0
+        if batched:
+            seen_nodes.mark(self.node_id)
+        now = time.monotonic()
+        if (
+            message == self.last_heartbeat
+            and now - self.heartbeat_checked_at < settings.LLMGW_HEARTBEAT_RECHECK_SECONDS
+        ):
+            if not batched:
+                await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
+            return
+        await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message, not batched)
+        self.last_heartbeat, self.heartbeat_checked_at = message, now
 
     async def _error(self, text: str) -> None:
         await self.send(text_data=protocol.encode(protocol.Error(message=text)).decode())

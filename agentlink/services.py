@@ -4,8 +4,9 @@ Messages arrive validated by agent.protocol; these functions trust them.
 """
 
 from django.db import transaction
+from django.utils import timezone
 
-from agent.protocol import Heartbeat, Hello, ShardStatus
+from agent.protocol import Ack, Heartbeat, Hello, ShardStatus
 from inventory.models import Node
 from inventory.services import record_heartbeat, register_node
 from reconciler.agent_reports import (
@@ -14,6 +15,7 @@ from reconciler.agent_reports import (
     record_shard_status,
     stop_orphan_shards,
 )
+from reconciler.commands import acknowledge, send_pending_soon
 
 
 @transaction.atomic
@@ -24,13 +26,18 @@ def on_hello(node_id: int, hello: Hello) -> Node:
     """
     node = register_node(node_id, hello)
     reconcile_reported_shards(node, hello.shards)
+    # What the agent may have missed while away goes to it at the next tick, not after the backoff.
+    send_pending_soon(node.name, timezone.now())
     return node
 
 
 @transaction.atomic
-def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat) -> None:
-    """The node is alive, its GPUs' health and its shards' requests in flight are recorded, and orphans stopped."""
-    record_heartbeat(node_id, heartbeat)
+def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: bool = True) -> None:
+    """The node's GPUs' health and its shards' requests in flight are recorded, and orphans stopped.
+
+    `mark_seen=False` leaves `last_seen` to the caller (agentlink.seen batches it).
+    """
+    record_heartbeat(node_id, heartbeat, mark_seen=mark_seen)
     record_running(node_id, heartbeat.shards)
     stop_orphan_shards(node_id, node_name, heartbeat.shards)
 
@@ -38,3 +45,8 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat) -> None:
 def on_shard_status(node_id: int, status: ShardStatus) -> None:
     """Apply a shard_status report from the node (reconciler.agent_reports does it in one transaction)."""
     record_shard_status(Node.objects.get(pk=node_id), status)
+
+
+def on_ack(node_name: str, ack: Ack) -> None:
+    """The agent has a command: it is no longer re-sent (reconciler.commands); one query."""
+    acknowledge(node_name, ack.cid, ack.refused, ack.message)

@@ -95,11 +95,18 @@ def register_node(node_id: int, hello: Hello) -> Node:
     return node
 
 
+def mark_nodes_seen(node_ids, now) -> int:
+    """Nodes heard from: alive (READY) as of `now`, in one UPDATE however many; returns rows updated."""
+    return Node.objects.filter(pk__in=list(node_ids)).update(last_seen=now, state=NodeState.READY)
+
+
 @transaction.atomic
-def record_heartbeat(node_id: int, heartbeat: Heartbeat) -> None:
-    """Record a validated `heartbeat`: the node is alive, and its GPUs' health."""
+def record_heartbeat(node_id: int, heartbeat: Heartbeat, mark_seen: bool = True) -> None:
+    """Record a validated `heartbeat`: the node is alive (unless `mark_seen` is False: batched by the caller),
+    and its GPUs' health."""
     now = timezone.now()
-    Node.objects.filter(pk=node_id).update(last_seen=now, state=NodeState.READY)
+    if mark_seen:
+        mark_nodes_seen([node_id], now)
     reported = {g.index: g.healthy for g in heartbeat.gpus}
     changed = [
         gpu

@@ -4,11 +4,13 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.utils import timezone
 
 from agent.protocol import RunningShard
 from hub import get_hub
 from reconciler.agent_reports import reconcile_reported_shards
 from reconciler.choices import ReplicaState, ShardState
+from reconciler.commands import send_pending_soon
 from reconciler.endpoints import build_endpoint_table
 from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
 from reconciler.models import GPUAssignment, Replica, Shard
@@ -92,8 +94,10 @@ def test_a_start_the_agent_never_answered_is_sent_again_after_its_hello_not_fail
     inbox = agent_inbox("gpu-a")
 
     with django_capture_on_commit_callbacks(execute=True):
+        # What agentlink.services.on_hello does with a hello that lists no shards.
         reconcile_reported_shards(node, [])
-    run_tick()
+        send_pending_soon(node.name, timezone.now())
+    assert run_tick().commands_resent == 1
 
     replica = Replica.objects.get()
     assert replica.state == ReplicaState.STARTING and replica.failure_count == 0
