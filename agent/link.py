@@ -133,7 +133,9 @@ class ControlPlaneLink:
         """Open the stream, or return None if close() comes first."""
         headers = {"Authorization": f"Bearer {self.token}", "X-Llmgw-Node": self.node}
         opening = asyncio.ensure_future(
-            connect(uri, additional_headers=headers, proxy=None, open_timeout=10, close_timeout=5)
+            # No permessage-deflate: frames are small JSON, and compressing each one costs both ends
+            # CPU a fleet's worth of times over for a few bytes.
+            connect(uri, additional_headers=headers, proxy=None, open_timeout=10, close_timeout=5, compression=None)
         )
         closing = asyncio.ensure_future(self.closing.wait())
         try:

@@ -5,7 +5,7 @@ with agent.protocol, hands it to one service function, and relays commands
 that arrive on the node's channel-layer group (invariant 9).
 
 At fleet scale a steady heartbeat costs no query: `last_seen` is batched
-(agentlink.seen), and a heartbeat identical to the node's previous one is
+(agentlink.batches, as are acks), and a heartbeat identical to the node's previous one is
 checked against the tables only every LLMGW_HEARTBEAT_RECHECK_SECONDS (so an
 orphan engine of a deleted shard is noticed within that).
 """
@@ -15,16 +15,18 @@ import json
 import logging
 import time
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.db import connections
 
 from agent import protocol
 from inventory.models import NodeCredential
 from reconciler.outbox import node_group
 
 from . import services
-from .seen import seen_nodes
+from .batches import acks, seen_nodes
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,18 @@ log = logging.getLogger(__name__)
 # until the group expiry (LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS) drops it.
 DISCARD_ATTEMPTS = 4
 DISCARD_FIRST_DELAY_SECONDS = 0.2
+# Heartbeats renew the stream's group membership this share of the group expiry apart.
+GROUP_RENEW_FRACTION = 0.25
+
+
+def in_database(fn):
+    """`fn` as a coroutine run on a database thread.
+
+    PostgreSQL takes concurrent transactions (it does from several control-plane
+    processes anyway), so a burst of connects and hellos runs on the thread
+    pool; SQLite has one writer, so there it keeps Django's one thread.
+    """
+    return database_sync_to_async(fn, thread_sensitive=connections["default"].vendor == "sqlite")
 
 
 def _credentials(scope) -> tuple[str, str]:
@@ -48,10 +62,20 @@ class AgentConsumer(AsyncWebsocketConsumer):
     # The last heartbeat checked against the tables, and when (time.monotonic()).
     last_heartbeat: protocol.Heartbeat | None = None
     heartbeat_checked_at = 0.0
+    group_renewed_at = float("-inf")  # time.monotonic() of the last group_add
+
+    async def dispatch(self, message):
+        # channels hops to its one sync thread before every message to close stale database
+        # connections; at a thousand streams that hop is the queue commands wait in. Every database
+        # call here goes through database_sync_to_async, which closes them on its own thread.
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']}")
+        await handler(message)
 
     async def connect(self):
         name, token = _credentials(self.scope)
-        cred = await database_sync_to_async(NodeCredential.objects.verify)(name, token) if name and token else None
+        cred = await in_database(NodeCredential.objects.verify)(name, token) if name and token else None
         if cred is None:
             log.warning("agent connection refused: bad or missing credential for node %r", name)
             # Closing before accept makes the handshake fail with HTTP 403.
@@ -97,32 +121,40 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self._error(f"hello names node “{message.node}” but this credential is for “{self.node_name}”")
             case protocol.Hello():
                 self.last_heartbeat = None
-                await database_sync_to_async(services.on_hello)(self.node_id, message)
+                await in_database(services.on_hello)(self.node_id, message)
             case protocol.Heartbeat():
-                # Join the node's group again: a Redis restarted empty forgot it, and commands sent
-                # to the group would reach nobody until the agent reconnected. Idempotent, one write;
-                # it also renews the membership against the group expiry.
-                await self.channel_layer.group_add(self.group, self.channel_name)
+                await self._renew_group()
                 await self._heartbeat(message)
             case protocol.ShardStatus():
                 self.last_heartbeat = None
-                await database_sync_to_async(services.on_shard_status)(self.node_id, message)
+                await in_database(services.on_shard_status)(self.node_id, message)
             case protocol.Ack():
-                await database_sync_to_async(services.on_ack)(self.node_name, message)
+                if message.refused:
+                    log.warning("node %s refused command %s: %s", self.node_name, message.cid, message.message)
+                acks.add((self.node_name, message.cid))
+
+    async def _renew_group(self) -> None:
+        # Join the node's group again: a Redis restarted empty forgot it (commands sent meanwhile stay
+        # pending and are re-sent), and the membership must be renewed within the group expiry. A
+        # quarter of the expiry apart, not at every heartbeat: a write per beat is a write per node.
+        now = time.monotonic()
+        if now - self.group_renewed_at >= GROUP_RENEW_FRACTION * settings.LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS:
+            await self.channel_layer.group_add(self.group, self.channel_name)
+            self.group_renewed_at = now
 
     async def _heartbeat(self, message: protocol.Heartbeat) -> None:
         batched = settings.LLMGW_LAST_SEEN_FLUSH_SECONDS > 0
         if batched:
-            seen_nodes.mark(self.node_id)
+            seen_nodes.add(self.node_id)
         now = time.monotonic()
         if (
             message == self.last_heartbeat
             and now - self.heartbeat_checked_at < settings.LLMGW_HEARTBEAT_RECHECK_SECONDS
         ):
             if not batched:
-                await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message)
+                await in_database(services.on_heartbeat)(self.node_id, self.node_name, message)
             return
-        await database_sync_to_async(services.on_heartbeat)(self.node_id, self.node_name, message, not batched)
+        await in_database(services.on_heartbeat)(self.node_id, self.node_name, message, not batched)
         self.last_heartbeat, self.heartbeat_checked_at = message, now
 
     async def _error(self, text: str) -> None:

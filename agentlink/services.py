@@ -6,7 +6,7 @@ Messages arrive validated by agent.protocol; these functions trust them.
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import Ack, Heartbeat, Hello, ShardStatus
+from agent.protocol import Heartbeat, Hello, ShardStatus
 from inventory.models import Node
 from inventory.services import record_heartbeat, register_node
 from reconciler.agent_reports import (
@@ -15,7 +15,7 @@ from reconciler.agent_reports import (
     record_shard_status,
     stop_orphan_shards,
 )
-from reconciler.commands import acknowledge, send_pending_soon
+from reconciler.commands import send_pending_soon
 
 
 @transaction.atomic
@@ -45,8 +45,3 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: 
 def on_shard_status(node_id: int, status: ShardStatus) -> None:
     """Apply a shard_status report from the node (reconciler.agent_reports does it in one transaction)."""
     record_shard_status(Node.objects.get(pk=node_id), status)
-
-
-def on_ack(node_name: str, ack: Ack) -> None:
-    """The agent has a command: it is no longer re-sent (reconciler.commands); one query."""
-    acknowledge(node_name, ack.cid, ack.refused, ack.message)

@@ -146,6 +146,10 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 
+# Read here, not only into CHANNEL_LAYERS: the agent consumer renews memberships against it.
+LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS = setting("LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS")
+
+
 def channel_layers(redis_url: str | None) -> dict:
     """The channel layer: in-process when embedded, Redis otherwise."""
     if redis_url is None:
@@ -161,7 +165,7 @@ def channel_layers(redis_url: str | None) -> dict:
                 "hosts": [host],
                 "prefix": "llmgw:asgi",
                 "capacity": setting("LLMGW_CHANNEL_CAPACITY"),
-                "group_expiry": setting("LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS"),
+                "group_expiry": LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS,
                 "pool_size": setting("LLMGW_REDIS_POOL_SIZE"),
                 "pool_timeout": setting("LLMGW_REDIS_POOL_TIMEOUT_SECONDS"),
             },

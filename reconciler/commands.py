@@ -2,7 +2,7 @@
 
 reconciler.outbox records every command as a PendingCommand when it is
 decided. The agent answers each with `ack` as soon as it has it (refused or
-not); `acknowledge` deletes the row. The leader's tick sends again the oldest
+not); `acknowledge` (or `acknowledge_many`, for a batch) deletes the row. The leader's tick sends again the oldest
 due ones, at most LLMGW_COMMAND_RESEND_BATCH a tick, in two queries whatever
 their number: a message the channel layer dropped costs about
 LLMGW_COMMAND_RESEND_SECONDS (plus up to a tick), and a dropped burst is re-sent
@@ -16,6 +16,7 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 
 from .models import PendingCommand
 from .outbox import deliver, resend_due
@@ -56,6 +57,23 @@ def acknowledge(node_name: str, cid: str, refused: bool = False, message: str = 
         log.warning("node %s refused command %s: %s", node_name, cid, message or "no reason given")
     deleted, _ = PendingCommand.objects.filter(node_name=node_name, cid=cid).delete()
     return bool(deleted)
+
+
+def acknowledge_many(acks) -> int:
+    """Stop sending the commands of (node name, cid) pairs; one query whatever their number.
+
+    Returns how many were still pending. A refused ack is logged by the caller as it comes.
+    """
+    by_node: dict[str, list[str]] = {}
+    for node_name, cid in acks:
+        by_node.setdefault(node_name, []).append(cid)
+    if not by_node:
+        return 0
+    which = Q()
+    for node_name, cids in by_node.items():
+        which |= Q(node_name=node_name, cid__in=cids)
+    deleted, _ = PendingCommand.objects.filter(which).delete()
+    return deleted
 
 
 def send_pending_soon(node_name: str, now: datetime) -> int:
