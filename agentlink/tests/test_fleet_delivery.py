@@ -103,6 +103,25 @@ def test_a_full_channel_is_an_error_the_sender_sees_and_the_command_stays_pendin
     assert {first["shard_id"], again["shard_id"]} == {1, 2}
 
 
+def test_a_burst_to_many_streams_reaches_each_its_own_message_and_says_where_nobody_listens(settings, redis_url):
+    layer = redis_layer(settings, redis_url)
+
+    async def burst():
+        channels = [await layer.new_channel() for _ in range(300)]
+        for i, channel in enumerate(channels):
+            await layer.group_add(f"node.n{i}", channel)
+        items = [(f"node.n{i}", {"type": "agent.command", "command": {"n": i}}) for i in range(300)]
+        outcome = await layer.send_to_groups([*items, ("node.gone", {"type": "agent.command", "command": {}})])
+        # All 300 wait on one Redis queue (this process's); the receiver takes them in batches.
+        received = await asyncio.gather(*(layer.receive(channel) for channel in channels))
+        await layer.flush()
+        return outcome, received
+
+    outcome, received = async_to_sync(burst)()
+    assert [(o.members, o.full, o.delivered) for o in outcome] == [(1, 0, True)] * 300 + [(0, 0, False)]
+    assert [m["command"]["n"] for m in received] == list(range(300))
+
+
 def test_a_dropped_command_is_sent_again_and_acknowledged_within_two_seconds(live_control_plane, redis_url):
     url = live_control_plane()
     _, token = enrol_node("gpu-a")
