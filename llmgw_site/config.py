@@ -77,7 +77,13 @@ SETTINGS: tuple[Setting, ...] = (
     _s("LLMGW_UNREACHABLE_AFTER_SECONDS", "float", 20.0, "a node silent this long is unreachable", 1.0),
     _s("LLMGW_LOST_AFTER_SECONDS", "float", 120.0, "a node silent this long is lost (not below the above)", 1.0),
     _s("LLMGW_GPU_QUARANTINE_SECONDS", "float", 300.0, "a recovered GPU waits this long before reuse", 0.0),
-    _s("LLMGW_START_RESEND_SECONDS", "float", 10.0, "resend a start command the agent has not answered", 0.5),
+    _s(
+        "LLMGW_START_RESEND_SECONDS",
+        "float",
+        10.0,
+        "a start the agent acknowledged but never answered with a status is sent again after this",
+        0.5,
+    ),
     _s(
         "LLMGW_COMMAND_RESEND_SECONDS",
         "float",
