@@ -4,10 +4,11 @@ Thin: it authenticates the node (DESIGN invariant 8), validates each message
 with agent.protocol, hands it to one service function, and relays commands
 that arrive on the node's channel-layer group (invariant 9).
 
-At fleet scale a steady heartbeat costs no query: `last_seen` is batched
-(agentlink.batches, as are acks), and a heartbeat identical to the node's previous one is
-checked against the tables only every LLMGW_HEARTBEAT_RECHECK_SECONDS (so an
-orphan engine of a deleted shard is noticed within that).
+At fleet scale a steady heartbeat writes nothing: `last_seen` is batched
+(agentlink.batches, as are acks); a node running no shard whose heartbeat is
+the same as its last costs no query at all (checked against the tables every
+LLMGW_HEARTBEAT_RECHECK_SECONDS), and one running shards costs reads only, so
+an orphan engine of a deleted shard is still stopped at its next heartbeat.
 """
 
 import asyncio
@@ -147,10 +148,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if batched:
             seen_nodes.add(self.node_id)
         now = time.monotonic()
-        if (
-            message == self.last_heartbeat
-            and now - self.heartbeat_checked_at < settings.LLMGW_HEARTBEAT_RECHECK_SECONDS
-        ):
+        # Only a node running no shard skips the check: one that runs some must hear at once when a
+        # shard's row is gone (its engine is an orphan holding GPUs), and reading its rows writes nothing.
+        unchanged = message == self.last_heartbeat and not message.shards
+        if unchanged and now - self.heartbeat_checked_at < settings.LLMGW_HEARTBEAT_RECHECK_SECONDS:
             if not batched:
                 await in_database(services.on_heartbeat)(self.node_id, self.node_name, message)
             return

@@ -127,7 +127,8 @@ SETTINGS: tuple[Setting, ...] = (
         "LLMGW_HEARTBEAT_RECHECK_SECONDS",
         "float",
         30.0,
-        "a heartbeat the same as the node's last one is checked against the tables only this often",
+        "a heartbeat the same as the node's last one, from a node running no shard, is checked against the "
+        "tables only this often",
         0.0,
     ),
     _s("LLMGW_SHARD_START_TIMEOUT_SECONDS", "float", 900.0, "a shard not ready by then fails its replica", 1.0),

@@ -97,3 +97,17 @@ async def test_an_ack_settles_the_pending_command_within_a_fraction_of_a_second(
     left = await database_sync_to_async(lambda: list(PendingCommand.objects.values_list("cid", flat=True)))()
     assert left == ["other"]
     await comm.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_a_node_running_shards_is_checked_at_every_heartbeat_so_an_orphan_is_stopped_at_once(token, settings):
+    settings.LLMGW_HEARTBEAT_RECHECK_SECONDS = 60
+    comm, _, _ = await connect("gpu-a", token)
+    beat = {**BEAT, "shards": [{"shard_id": 77, "state": "ready"}]}
+    await comm.send_json_to(beat)
+    assert (await comm.receive_json_from(timeout=5))["shard_id"] == 77  # no row holds it: stopped
+    # The same heartbeat again (the stop was lost, say): checked again, stopped again.
+    await comm.send_json_to(beat)
+    stop = await comm.receive_json_from(timeout=5)
+    assert (stop["type"], stop["shard_id"]) == ("stop_shard", 77)
+    await comm.disconnect()
