@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_SECONDS = 0.2
 BACKOFF_MAX_SECONDS = 30.0
+# Each heartbeat interval is the configured one ±10%.
+HEARTBEAT_JITTER = 0.1
 
 
 class AgentRejected(Exception):
@@ -227,6 +229,9 @@ class ControlPlaneLink:
                 proxy=None,
                 open_timeout=10,
                 close_timeout=5,
+                # No permessage-deflate: frames are small JSON, and compressing each one costs both ends
+                # CPU a fleet's worth of times over for a few bytes.
+                compression=None,
                 # An ssl context only for wss:// (websockets refuses one for ws://).
                 ssl=self._tls if uri.startswith("wss://") else None,
             )
@@ -281,11 +286,18 @@ class ControlPlaneLink:
                 await beats
             self._ws = None
 
+    def heartbeat_delays(self):
+        """Seconds before each heartbeat, from the start of a session: the first at a random point of one
+        interval, then every interval ±10%, so a fleet that (re)connected together does not beat together."""
+        yield random.uniform(0, self.heartbeat_seconds)
+        while True:
+            yield self.heartbeat_seconds * random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER)
+
     async def _heartbeats(self, ws: ClientConnection, heartbeat: Callable[[], Awaitable[bytes]]) -> None:
         loop = asyncio.get_running_loop()
         due = loop.time()
-        while True:
-            # On a fixed cadence: the time spent reading engines' load comes out of the wait, not on top of it.
-            due = max(due + self.heartbeat_seconds, loop.time())
+        for delay in self.heartbeat_delays():
+            # On a cadence: the time spent reading engines' load comes out of the wait, not on top of it.
+            due = max(due + delay, loop.time())
             await asyncio.sleep(due - loop.time())
             await self.send(await heartbeat(), ws)

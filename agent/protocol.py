@@ -13,10 +13,14 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
                 since last reported, or no weights root)
   shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
   weights_status source, path, removed, message   (the answer to remove_weights)
+  ack           cid, refused, message: the command `cid` reached the agent and was
+                accepted (refused = fenced or malformed; message says why)
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
 stamped with the leader's lease `epoch`, and an agent refuses one older than
-the newest epoch it has seen (fencing, DESIGN invariant 1)
+the newest epoch it has seen (fencing, DESIGN invariant 1). A command with a
+`cid` (command id) is answered with `ack` as soon as the agent has it, refused or
+not; the control plane re-sends it until then (reconciler/commands.py)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{},
                 host (the address the engine listens on; "" = the agent's --address)
@@ -39,6 +43,7 @@ PROTOCOL_VERSION = 1
 HELLO = "hello"
 HEARTBEAT = "heartbeat"
 SHARD_STATUS = "shard_status"
+ACK = "ack"
 START_SHARD = "start_shard"
 STOP_SHARD = "stop_shard"
 DRAIN_SHARD = "drain_shard"
@@ -70,11 +75,19 @@ class ProtocolError(ValueError):
     shard it can name instead of leaving the control plane waiting.
     """
 
-    def __init__(self, text: str, kind: str | None = None, epoch: int | None = None, shard_id: int | None = None):
+    def __init__(
+        self,
+        text: str,
+        kind: str | None = None,
+        epoch: int | None = None,
+        shard_id: int | None = None,
+        cid: str | None = None,
+    ):
         super().__init__(text)
         self.kind = kind
         self.epoch = epoch
         self.shard_id = shard_id
+        self.cid = cid
 
 
 def parse_port(text: str | int) -> int:
@@ -208,10 +221,26 @@ class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
     port_busy: bool = False
 
 
+# A command id: unique per command, answered by `ack`; empty on a command that wants no answer.
+CommandId = Annotated[str, Meta(max_length=64)]
+
+
+class Ack(_Message, frozen=True, kw_only=True, tag=ACK):
+    """The agent has command `cid`: accepted, or refused (stale epoch, malformed) with the reason.
+
+    Sent before the command is carried out, so a slow start does not look like a lost one.
+    """
+
+    cid: Annotated[str, Meta(min_length=1, max_length=64)]
+    refused: bool = False
+    message: str = ""
+
+
 class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     """Start one shard (one node's part of a replica) on the given GPUs and port."""
 
     epoch: int
+    cid: CommandId = ""
     shard_id: int
     replica_id: int | None = None
     rank: Annotated[int, Meta(ge=0)] = 0
@@ -235,6 +264,7 @@ class StopShard(_Message, frozen=True, kw_only=True, tag=STOP_SHARD):
     """Stop a shard's engine now (SIGTERM, then SIGKILL after a grace)."""
 
     epoch: int
+    cid: CommandId = ""
     shard_id: int
 
 
@@ -245,6 +275,7 @@ class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
     """Stop a shard's engine once it reports no requests in flight, or after `timeout_seconds` regardless."""
 
     epoch: int
+    cid: CommandId = ""
     shard_id: int
     timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
 
@@ -253,6 +284,7 @@ class RemoveWeights(_Message, frozen=True, kw_only=True, tag=REMOVE_WEIGHTS):
     """Delete a source's weights at `path` (as the node reported it); the agent answers with weights_status."""
 
     epoch: int
+    cid: CommandId = ""
     source: Annotated[str, Meta(min_length=1)]
     path: Annotated[str, Meta(min_length=1)]
 
@@ -272,7 +304,7 @@ class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
     message: str
 
 
-AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus
+AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus | Ack
 Command = StartShard | StopShard | DrainShard | RemoveWeights
 
 _AGENT_MESSAGES: dict[str, type[Any]] = {
@@ -280,6 +312,7 @@ _AGENT_MESSAGES: dict[str, type[Any]] = {
     HEARTBEAT: Heartbeat,
     SHARD_STATUS: ShardStatus,
     WEIGHTS_STATUS: WeightsStatus,
+    ACK: Ack,
 }
 _COMMANDS: dict[str, type[Any]] = {
     START_SHARD: StartShard,
@@ -334,6 +367,7 @@ def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
         "kind": kind if isinstance(kind, str) else None,
         "epoch": _int_or_none(obj.get("epoch")),
         "shard_id": _int_or_none(obj.get("shard_id")),
+        "cid": cid if isinstance(cid := obj.get("cid"), str) and cid else None,
     }
     # The version is checked first: another version may name its types and fields differently.
     if type(version) is not int or version != PROTOCOL_VERSION:

@@ -30,7 +30,6 @@ import logging
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
 
 from . import draining, protocol
 from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
@@ -39,7 +38,7 @@ from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHeal
 from .gpus import GPUInfo
 from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
 from .state import AgentState, Fence, StateError
-from .supervisor import EngineProcess, Readiness, port_in_use
+from .supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
 from .weights_inventory import DEFAULT_SCAN_EVERY, WeightsInventory
 
 __all__ = ["Agent", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
@@ -48,30 +47,6 @@ log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
 STOP_GRACE_SECONDS = 10.0
-# States in which an engine serves requests, so its load is worth reading.
-SERVING_STATES = ("ready", "draining")
-
-
-@dataclass
-class Shard:
-    """An engine this agent started for one shard of a replica."""
-
-    shard_id: int
-    replica_id: int | None
-    port: int
-    launch: Launch
-    engine: EngineProcess
-    state: str = "starting"  # starting | ready | draining, until the process is gone
-    stopping: bool = False
-    watch: asyncio.Task | None = None
-    stop_task: asyncio.Task | None = None
-    # Set by a stop (or shutdown) to end a drain at once.
-    stop_now: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def report(self) -> protocol.RunningShard:
-        return protocol.RunningShard(
-            shard_id=self.shard_id, replica_id=self.replica_id, state=self.state, port=self.port
-        )
 
 
 class Agent:
@@ -219,13 +194,17 @@ class Agent:
         if isinstance(message, protocol.Error):
             log.error("control plane reported an error: %s", message.message)
             return
-        if isinstance(message, protocol.RemoveWeights):
-            if self._fence(message.__struct_config__.tag, message.epoch, f"weights {message.source}"):
-                self._weights.start_removal(message, self._link.send)
+        weights = isinstance(message, protocol.RemoveWeights)
+        subject = f"weights {message.source}" if weights else message.shard_id
+        if not self._fence(message.__struct_config__.tag, message.epoch, subject):
+            await self._ack(message.cid, f"epoch {message.epoch} is older than epoch {self.highest_epoch} already seen")
             return
-        if not self._fence(message.__struct_config__.tag, message.epoch, message.shard_id):
-            return
-        if isinstance(message, protocol.StartShard):
+        # Answered before it is carried out: the control plane stops re-sending it now, and a re-sent
+        # copy is answered again (a start for a shard already running is not started twice).
+        await self._ack(message.cid)
+        if weights:
+            self._weights.start_removal(message, self._link.send)
+        elif isinstance(message, protocol.StartShard):
             await self._start_shard(message)
         elif isinstance(message, protocol.DrainShard):
             self._begin_drain(message.shard_id, message.timeout_seconds)
@@ -241,9 +220,19 @@ class Agent:
         """The newest leader epoch this agent has obeyed (remembered across restarts with a state directory)."""
         return self._fencing.highest_epoch
 
+    async def _ack(self, cid: str | None, refused: str = "") -> None:
+        """Acknowledge command `cid` (none: the command wants no answer); `refused` says why it is not carried out."""
+        if not cid:
+            return
+        ack = protocol.Ack(cid=cid, refused=bool(refused), message=refused)
+        if not await self._link.send(protocol.encode(ack)):
+            log.debug("not connected; dropped ack for command %s (it will be sent again)", cid)
+
     async def _refuse(self, exc: protocol.ProtocolError) -> None:
         """Log a malformed message; answer a malformed start the control plane would otherwise wait on."""
         log.warning("control plane sent a message the agent cannot use: %s; ignored", exc)
+        # Re-sending it would not make it well-formed: acknowledged as refused, with the reason.
+        await self._ack(exc.cid, f"malformed command: {exc}")
         if exc.kind != protocol.START_SHARD or exc.epoch is None or exc.shard_id is None:
             return
         if not self._fence(exc.kind, exc.epoch, exc.shard_id):

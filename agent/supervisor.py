@@ -5,7 +5,8 @@ in its own process group so a stop reaches the workers it spawns. It outlives
 a dropped control-plane connection but not the agent: the kernel sends it
 SIGTERM when the agent dies, even by SIGKILL (Linux parent-death signal).
 
-This module knows nothing of shards or the protocol; agent/runtime.py does.
+`Shard` is what the agent keeps for each engine it started for a shard of a
+replica; what shards are asked to do comes from agent/runtime.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import os
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
+
+from . import protocol
+from .engines import Launch
 
 log = logging.getLogger(__name__)
 
@@ -195,3 +200,29 @@ class EngineProcess:
             if self.running:
                 with contextlib.suppress(ProcessLookupError):
                     self._process.send_signal(sig)
+
+
+# States in which an engine serves requests, so its load is worth reading.
+SERVING_STATES = ("ready", "draining")
+
+
+@dataclass
+class Shard:
+    """An engine this agent started for one shard of a replica."""
+
+    shard_id: int
+    replica_id: int | None
+    port: int
+    launch: Launch
+    engine: EngineProcess
+    state: str = "starting"  # starting | ready | draining, until the process is gone
+    stopping: bool = False
+    watch: asyncio.Task | None = None
+    stop_task: asyncio.Task | None = None
+    # Set by a stop (or shutdown) to end a drain at once.
+    stop_now: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def report(self) -> protocol.RunningShard:
+        return protocol.RunningShard(
+            shard_id=self.shard_id, replica_id=self.replica_id, state=self.state, port=self.port
+        )

@@ -4,6 +4,7 @@ Messages arrive validated by agent.protocol; these functions trust them.
 """
 
 from django.db import transaction
+from django.utils import timezone
 
 from agent.protocol import Heartbeat, Hello, ShardStatus, WeightsStatus
 from inventory.models import Node
@@ -14,6 +15,7 @@ from reconciler.agent_reports import (
     record_shard_status,
     stop_orphan_shards,
 )
+from reconciler.commands import send_pending_soon
 from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus
 
 
@@ -27,16 +29,19 @@ def on_hello(node_id: int, hello: Hello) -> Node:
     reconcile_reported_shards(node, hello.shards)
     # A GPU that went bad while the agent was away (or is no longer reported) fails what it held.
     fail_replicas_on_unhealthy_gpus(node.pk, node.name)
+    # What the agent may have missed while away goes to it at the next tick, not after the backoff.
+    send_pending_soon(node.name, timezone.now())
     return node
 
 
 @transaction.atomic
-def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat) -> None:
-    """The node is alive, its GPUs' health and its shards' requests in flight are recorded, and orphans stopped.
+def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: bool = True) -> None:
+    """The node's GPUs' health and its shards' requests in flight are recorded, and orphans stopped.
 
     A GPU that turned unhealthy fails the replica holding it (reconciler.gpu_faults).
+    `mark_seen=False` leaves `last_seen` to the caller (agentlink.seen batches it).
     """
-    turned_unhealthy = record_heartbeat(node_id, heartbeat)
+    turned_unhealthy = record_heartbeat(node_id, heartbeat, mark_seen=mark_seen)
     record_running(node_id, heartbeat.shards)
     stop_orphan_shards(node_id, node_name, heartbeat.shards)
     # Last, so the orphan check above does not take the failed replica's shards for orphans.

@@ -115,16 +115,23 @@ def register_node(node_id: int, hello: Hello) -> Node:
     return node
 
 
+def mark_nodes_seen(node_ids, now) -> int:
+    """Nodes heard from: alive (READY) as of `now`, in one UPDATE however many; returns rows updated."""
+    return Node.objects.filter(pk__in=list(node_ids)).update(last_seen=now, state=NodeState.READY)
+
+
 @transaction.atomic
-def record_heartbeat(node_id: int, heartbeat: Heartbeat) -> list[GPU]:
-    """Record a validated `heartbeat`: the node is alive, its GPUs' health, and its weights if reported.
+def record_heartbeat(node_id: int, heartbeat: Heartbeat, mark_seen: bool = True) -> list[GPU]:
+    """Record a validated `heartbeat`: the node is alive (unless `mark_seen` is False: batched by the caller),
+    its GPUs' health, and its weights if reported.
 
     Returns the GPUs that turned unhealthy with this heartbeat (their holders
     must fail). Only GPUs whose health or reason changed are written: a steady
     heartbeat reads the GPUs and writes none.
     """
     now = timezone.now()
-    Node.objects.filter(pk=node_id).update(last_seen=now, state=NodeState.READY)
+    if mark_seen:
+        mark_nodes_seen([node_id], now)
     reported = {g.index: g for g in heartbeat.gpus}
     changed, turned_unhealthy = [], []
     for gpu in GPU.objects.filter(node_id=node_id, index__in=list(reported)):

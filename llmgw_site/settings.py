@@ -161,6 +161,10 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 
+# Read here, not only into CHANNEL_LAYERS: the agent consumer renews memberships against it.
+LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS = setting("LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS")
+
+
 def channel_layers(redis_url: str | None) -> dict:
     """The channel layer: in-process when embedded, Redis otherwise."""
     if redis_url is None:
@@ -170,8 +174,16 @@ def channel_layers(redis_url: str | None) -> dict:
     host = {"address": redis_url, "socket_timeout": 30, "socket_connect_timeout": 5}
     return {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [host], "prefix": "llmgw:asgi"},
+            # hub.channel_layer: a blocking pool, group delivery the sender hears about, batched receive.
+            "BACKEND": "hub.channel_layer.FleetChannelLayer",
+            "CONFIG": {
+                "hosts": [host],
+                "prefix": "llmgw:asgi",
+                "capacity": setting("LLMGW_CHANNEL_CAPACITY"),
+                "group_expiry": LLMGW_CHANNEL_GROUP_EXPIRY_SECONDS,
+                "pool_size": setting("LLMGW_REDIS_POOL_SIZE"),
+                "pool_timeout": setting("LLMGW_REDIS_POOL_TIMEOUT_SECONDS"),
+            },
         }
     }
 
@@ -217,6 +229,10 @@ LLMGW_LOST_AFTER_SECONDS = setting("LLMGW_LOST_AFTER_SECONDS")
 LLMGW_GPU_QUARANTINE_SECONDS = setting("LLMGW_GPU_QUARANTINE_SECONDS")
 # A shard still "assigned" (start sent, no answer) this long gets its start command again.
 LLMGW_START_RESEND_SECONDS = setting("LLMGW_START_RESEND_SECONDS")
+LLMGW_COMMAND_RESEND_SECONDS = setting("LLMGW_COMMAND_RESEND_SECONDS")
+LLMGW_COMMAND_RESEND_BATCH = setting("LLMGW_COMMAND_RESEND_BATCH")
+LLMGW_LAST_SEEN_FLUSH_SECONDS = setting("LLMGW_LAST_SEEN_FLUSH_SECONDS")
+LLMGW_HEARTBEAT_RECHECK_SECONDS = setting("LLMGW_HEARTBEAT_RECHECK_SECONDS")
 LLMGW_SHARD_START_TIMEOUT_SECONDS = setting("LLMGW_SHARD_START_TIMEOUT_SECONDS")
 LLMGW_BACKOFF_BASE_SECONDS = setting("LLMGW_BACKOFF_BASE_SECONDS")
 LLMGW_BACKOFF_MAX_SECONDS = setting("LLMGW_BACKOFF_MAX_SECONDS")

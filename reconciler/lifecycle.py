@@ -165,20 +165,22 @@ def stop_replica(replica: Replica, reason: str = "stopped by an operator") -> No
 
 
 def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
-    """Send drain_shard to STOPPING replicas' shards (again if unanswered); delete replicas with none left.
+    """Send drain_shard to STOPPING replicas' shards, once; delete replicas with none left.
+
+    Once: a drain not acknowledged is sent again by reconciler.commands, and
+    one acknowledged is under way on the agent until the engine stops (its
+    report deletes the shard) or the agent restarts (its hello does).
 
     A replica that became STOPPING less than UNPUBLISH_GRACE_SECONDS ago waits
     for the next tick: routers must have the table without it before its
     engine is asked to finish (DESIGN "Stopping is always a drain").
     Returns (drains sent, replicas deleted).
     """
-    resend_before = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
     unpublished_before = now - timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
     due = list(
         Shard.objects.filter(replica__state=ReplicaState.STOPPING)
         .filter(Q(replica__stopping_since__isnull=True) | Q(replica__stopping_since__lte=unpublished_before))
-        .exclude(state=ShardState.STOPPED)
-        .filter(~Q(state=ShardState.STOPPING) | Q(updated_at__lt=resend_before))
+        .exclude(state__in=[ShardState.STOPPED, ShardState.STOPPING])
         .values_list("id", "node__name")
     )
     for shard_id, node_name in due:

@@ -166,3 +166,31 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} held by {self.owner} (epoch {self.epoch})"
+
+
+class PendingCommand(models.Model):
+    """An agent command sent and not yet acknowledged: the tick sends it again until the agent answers.
+
+    One per (node, shard): a newer command for the same shard replaces the
+    older one (a stop supersedes the start it follows), so what is re-sent is
+    only ever the latest decision. `payload` is the command as sent, epoch and
+    `cid` included, so a re-sent copy is the same command and a leader's
+    successor's agents refuse it (and acknowledge the refusal).
+    """
+
+    node_name = models.CharField(max_length=64)
+    shard_id = models.BigIntegerField()
+    cid = models.CharField(max_length=64, unique=True)
+    kind = models.CharField(max_length=16)
+    payload = models.JSONField()
+    attempts = models.PositiveIntegerField(default=1)
+    created_at = models.DateTimeField()
+    due_at = models.DateTimeField(db_index=True, help_text="When it is sent again if still unacknowledged.")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["node_name", "shard_id"], name="pending_command_one_per_shard"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.cid} for shard {self.shard_id} on {self.node_name}"

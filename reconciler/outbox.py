@@ -5,20 +5,32 @@ stamped with the lease epoch (DESIGN invariant 1): the tick's own, or — for
 commands sent outside a tick (agent reports, admin actions) — the lease row's
 current one. Delivery goes through the channel layer to the node's group, so
 whichever control-plane process holds the node's stream relays it (invariant 9).
+
+Every command carries a `cid` and is recorded as a PendingCommand in the same
+transaction that decided it; the agent acknowledges it, and until then the tick
+sends it again (reconciler/commands.py). So a message the channel layer drops,
+or a node between connections, costs a resend, never the command. A full
+channel is reported to the sender here (logged as an error), not dropped silently.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import secrets
+from datetime import datetime, timedelta
 
 from asgiref.sync import async_to_sync
+from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from agent.protocol import DrainShard, RemoveWeights, StartShard, StopShard, to_builtins
+from hub.channel_layer import deliver_to_groups
 
-from .models import Lease
+from .models import Lease, PendingCommand
 
 log = logging.getLogger(__name__)
 
@@ -33,30 +45,72 @@ def current_epoch() -> int:
     return Lease.objects.filter(name=settings.LLMGW_LEASE_NAME).values_list("epoch", flat=True).first() or 0
 
 
+def new_command_id() -> str:
+    """A command id no other command has (the agent echoes it in its `ack`)."""
+    return secrets.token_hex(8)
+
+
+def resend_due(now: datetime, attempts: int) -> datetime:
+    """When a command sent `attempts` times is sent again unless acknowledged: about
+    LLMGW_COMMAND_RESEND_SECONDS, doubling per attempt up to 8 times that, with ±20% jitter so
+    a burst dropped together is not re-sent together."""
+    delay = settings.LLMGW_COMMAND_RESEND_SECONDS * min(2 ** max(attempts - 1, 0), 8)
+    return now + timedelta(seconds=delay * random.uniform(0.8, 1.2))
+
+
 def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exception]]:
     """Deliver (node name, command as plain data) pairs in one trip to the event loop, however many there are.
 
-    Returns the ones that could not be sent, with the error, so one unreachable
-    channel layer shard does not stop the rest.
+    Returns the ones that could not be sent, with the error (ChannelFull when
+    the stream's queue was full), so one unreachable channel layer shard does
+    not stop the rest. A node with no stream now is not an error: the command
+    waits, pending, for the agent to connect.
     """
 
     async def deliver():
-        layer, failed = get_channel_layer(), []
-        for node_name, cmd in commands:
-            try:
-                await layer.group_send(node_group(node_name), {"type": "agent.command", "command": cmd})
-            except Exception as exc:  # reported to the caller, which decides what covers it
-                failed.append((node_name, cmd, exc))
-        return failed
+        items = [(node_group(node), {"type": "agent.command", "command": cmd}) for node, cmd in commands]
+        return await deliver_to_groups(get_channel_layer(), items)
 
-    return async_to_sync(deliver)() if commands else []
+    if not commands:
+        return []
+    failed: list[tuple[str, dict, Exception]] = []
+    for (node_name, cmd), outcome in zip(commands, async_to_sync(deliver)(), strict=True):
+        if outcome.full:
+            failed.append((node_name, cmd, ChannelFull(f"{outcome.full} of {outcome.members} streams full")))
+        elif not outcome.members:
+            log.debug("node %s has no stream now; %s %s waits for it", node_name, cmd["type"], cmd.get("cid"))
+    return failed
+
+
+def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
+    """Record commands about to be sent as pending, each replacing any pending one for its shard; one query."""
+    rows = {
+        (node, cmd["shard_id"]): PendingCommand(
+            node_name=node,
+            shard_id=cmd["shard_id"],
+            cid=cmd["cid"],
+            kind=cmd["type"],
+            payload=cmd,
+            attempts=1,
+            created_at=now,
+            due_at=resend_due(now, 1),
+        )
+        for node, cmd in built
+    }
+    PendingCommand.objects.bulk_create(
+        list(rows.values()),
+        update_conflicts=True,
+        unique_fields=["node_name", "shard_id"],
+        update_fields=["cid", "kind", "payload", "attempts", "created_at", "due_at"],
+    )
 
 
 class Outbox:
     """Agent commands decided inside a transaction, sent after it commits."""
 
-    def __init__(self, epoch: int | None = None):
+    def __init__(self, epoch: int | None = None, now: datetime | None = None):
         self.epoch = epoch
+        self.now = now  # when the commands are decided (the tick's clock); None: the wall clock
         self.commands: list[tuple[str, type[StartShard | StopShard | DrainShard | RemoveWeights], dict]] = []
 
     def start(self, node_name: str, **fields) -> None:
@@ -90,15 +144,25 @@ class Outbox:
         if not self.commands:
             return
         epoch = current_epoch() if self.epoch is None else self.epoch
-        built = [(node, to_builtins(kind(epoch=epoch, **fields))) for node, kind, fields in self.commands]
-        transaction.on_commit(lambda: _deliver(built))
+        built = [
+            (node, to_builtins(kind(epoch=epoch, cid=new_command_id(), **fields)))
+            for node, kind, fields in self.commands
+        ]
+        # Shard commands wait, pending, for their ack; a remove_weights is answered by weights_status, and
+        # one lost leaves the weights listed on the node (admin, status) until it is deleted again.
+        record_pending([(node, cmd) for node, cmd in built if "shard_id" in cmd], self.now or timezone.now())
+        transaction.on_commit(lambda: deliver(built))
 
 
-def _deliver(commands: list[tuple[str, dict]]) -> None:
+def deliver(commands: list[tuple[str, dict]]) -> None:
+    """Send commands already recorded as pending; what fails is logged and stays pending, to be sent again."""
     try:
         failed = send_to_nodes(commands)
-    except Exception:  # channel layer down: resends (starts) and the next tick (stops) cover it
-        log.exception("could not send %d agent commands", len(commands))
+    except Exception:  # channel layer down: the commands stay pending and are sent again
+        log.exception("could not send %d agent commands; they stay pending", len(commands))
         return
     for node_name, cmd, exc in failed:
-        log.error("could not send %s to node %s: %s", cmd["type"], node_name, exc)
+        log.error(
+            "could not send %s %s to node %s (%s): %s; it stays pending",
+            cmd["type"], cmd["cid"], node_name, type(exc).__name__, exc,
+        )  # fmt: skip

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Count, Q
+from django.db.models import Count, Exists, OuterRef, Q
 
 from agent.weights import weights_key
 from catalog.models import Profile
@@ -27,7 +27,7 @@ from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState, ShardState
 from .eviction import WAITING_FOR_NODES
 from .lifecycle import start_fields
-from .models import GPUAssignment, Replica, Shard
+from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
 from .placement import Placement, Shape, Unplaceable, pick_port, place
 from .room import make_room
@@ -230,9 +230,17 @@ def _place_one(
 
 
 def resend_starts(now: datetime, outbox: Outbox) -> int:
-    """Send start_shard again for shards that have not answered (the agent treats a repeat as idempotent)."""
+    """Send start_shard again for shards that have not answered (the agent treats a repeat as idempotent).
+
+    The backstop behind acknowledgements: a start still pending is re-sent by
+    reconciler.commands within about a second; this covers a start the agent
+    acknowledged and then lost (it restarted before the engine began), after
+    LLMGW_START_RESEND_SECONDS or at once when its `hello` shows it missing.
+    """
+    pending = PendingCommand.objects.filter(node_name=OuterRef("node__name"), shard_id=OuterRef("pk"))
     due = list(
         Shard.objects.filter(
+            ~Exists(pending),
             state=ShardState.ASSIGNED,
             replica__state=ReplicaState.STARTING,
             updated_at__lt=now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS),

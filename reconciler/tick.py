@@ -1,7 +1,8 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
 Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
-liveness → slow starts → demand → retries → resends → placement → replaced replicas drained → stops →
+liveness → slow starts → demand → retries → resends of starts never answered → placement →
+replaced replicas drained → stops → commands recorded as pending → unacknowledged ones sent again →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
 its tables once, decides in memory and writes in bulk.
@@ -18,6 +19,7 @@ from django.utils import timezone
 from hub import ControlPlaneHub, get_hub
 from hub.contracts import UsageSnapshot
 
+from .commands import resend_unacknowledged
 from .demand import apply_demand
 from .drain import drain_replaced
 from .endpoints import build_endpoint_table
@@ -59,6 +61,7 @@ class TickReport:
     replicas_replaced: int = 0
     starts_sent: int = 0
     starts_resent: int = 0
+    commands_resent: int = 0
     stops_sent: int = 0
     published: bool = False
     unknown_activations: list[str] = field(default_factory=list)
@@ -89,7 +92,7 @@ def tick(
     # one, so a tick that loses the lease loses none of them (reconciler.tokens).
     record_token_usage(readings.usage, hub)
 
-    outbox = Outbox(leadership.epoch)
+    outbox = Outbox(leadership.epoch, now)
     try:
         # The fence is the transaction's last statement (DESIGN invariant 1): no lease lock while it works.
         with leadership.fenced_transaction():
@@ -127,6 +130,9 @@ def tick(
             report.starts_sent = placing.starts_sent
             report.replicas_deleted = demand.deleted + deleted
             outbox.send_on_commit()
+            # Last: this tick's commands have superseded the pending ones for the same shards by now,
+            # so a start about to be drained is not sent again first.
+            report.commands_resent = resend_unacknowledged(now)
     except LeaseLost as exc:
         log.warning("tick abandoned, nothing committed: %s", exc)
         leadership.held = False

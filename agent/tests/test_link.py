@@ -6,6 +6,7 @@ from http import HTTPStatus
 import pytest
 
 from agent import protocol
+from agent.link import ControlPlaneLink
 from agent.runtime import AgentRejected, AgentSuperseded
 from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, process_gone, run, start_ready
 from conftest import free_port
@@ -77,3 +78,15 @@ def test_messages_are_sent_as_json_text_frames():
             assert cp.frame_types == {str}
 
     run(scenario())
+
+
+def test_heartbeats_are_jittered_so_a_fleet_that_connected_together_does_not_beat_together():
+    firsts, laters = [], []
+    for _ in range(200):
+        delays = ControlPlaneLink(["ws://127.0.0.1:1/agent/ws"], "n1", "t", 5.0).heartbeat_delays()
+        firsts.append(next(delays))
+        laters += [next(delays) for _ in range(5)]
+    assert all(0 <= d < 5.0 for d in firsts)
+    # Spread over the whole first interval, not bunched at its start or end.
+    assert min(firsts) < 1.0 and max(firsts) > 4.0
+    assert all(4.5 <= d <= 5.5 for d in laters) and len({round(d, 6) for d in laters}) > 100

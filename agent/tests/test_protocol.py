@@ -137,23 +137,32 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
     older = protocol.decode_agent_message('{"type": "shard_status", "v": 1, "shard_id": 4, "state": "failed"}')
     assert older.port_busy is False
     assert set(protocol.to_builtins(START)) == {
-        "type", "v", "epoch", "shard_id", "replica_id", "rank", "node_count", "head_address",
+        "type", "v", "epoch", "cid", "shard_id", "replica_id", "rank", "node_count", "head_address",
         "engine", "model", "source", "gpu_indices", "port", "args", "env", "host",
     }  # fmt: skip
-    assert protocol.to_builtins(StopShard(epoch=2, shard_id=5)) == {
+    assert protocol.to_builtins(StopShard(epoch=2, shard_id=5, cid="c1")) == {
         "type": "stop_shard",
         "v": 1,
         "epoch": 2,
+        "cid": "c1",
         "shard_id": 5,
     }
     assert protocol.to_builtins(DrainShard(epoch=2, shard_id=5, timeout_seconds=30)) == {
         "type": "drain_shard",
         "v": 1,
         "epoch": 2,
+        "cid": "",
         "shard_id": 5,
         "timeout_seconds": 30,
     }
     assert protocol.to_builtins(Error(message="x")) == {"type": "error", "v": 1, "message": "x"}
+    assert protocol.to_builtins(protocol.Ack(cid="c1")) == {
+        "type": "ack",
+        "v": 1,
+        "cid": "c1",
+        "refused": False,
+        "message": "",
+    }
 
 
 def test_heartbeat_running_and_drain_timeout_are_optional_so_version_1_peers_still_agree():
@@ -164,6 +173,8 @@ def test_heartbeat_running_and_drain_timeout_are_optional_so_version_1_peers_sti
     older_drain = protocol.decode_command('{"type": "drain_shard", "v": 1, "epoch": 2, "shard_id": 5}')
     assert older_drain == DrainShard(epoch=2, shard_id=5, timeout_seconds=protocol.DEFAULT_DRAIN_TIMEOUT_SECONDS)
     assert older_drain.timeout_seconds == 300.0
+    # A command from a control plane that predates acknowledgements has no id: the agent answers nothing.
+    assert older_drain.cid == ""
 
 
 @pytest.mark.parametrize(

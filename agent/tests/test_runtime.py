@@ -208,3 +208,55 @@ def test_shutdown_stops_every_engine_and_is_safe_to_call_twice():
             assert agent.running_shards() == []
 
     run(scenario())
+
+
+def test_every_command_with_an_id_is_acknowledged_before_it_is_carried_out_and_a_stale_one_as_refused():
+    async def scenario():
+        async with ControlPlane() as cp:
+            agent = make_agent([cp.url])
+            task = asyncio.create_task(agent.run())
+            await cp.next(protocol.HELLO)
+            await cp.send(command(protocol.STOP_SHARD, 5, shard_id=9, cid="c-stop"))
+            ack = await cp.next(protocol.ACK)
+            assert checked(ack) == {"type": "ack", "v": 1, "cid": "c-stop", "refused": False, "message": ""}
+            status = await cp.next(protocol.SHARD_STATUS)
+            assert (status["shard_id"], status["state"]) == (9, "stopped")
+
+            # A deposed leader's command is answered too, as refused, so it is not sent again forever.
+            await cp.send(command(protocol.STOP_SHARD, 4, shard_id=9, cid="c-stale"))
+            ack = await cp.next(protocol.ACK)
+            assert (ack["cid"], ack["refused"]) == ("c-stale", True)
+            assert "epoch 4 is older than epoch 5" in ack["message"]
+
+            # A malformed command that names its id is refused with the reason: sending it again would not help.
+            bad = command(protocol.STOP_SHARD, 5, shard_id=9, cid="c-bad") | {"shard_id": "nine"}
+            await cp.send(bad)
+            ack = await cp.next(protocol.ACK)
+            assert (ack["cid"], ack["refused"]) == ("c-bad", True) and "malformed" in ack["message"]
+            await agent.shutdown()
+            await task
+
+    run(scenario())
+
+
+def test_a_resent_start_is_acknowledged_again_and_answered_without_a_second_engine():
+    async def scenario():
+        async with ControlPlane() as cp:
+            agent = make_agent([cp.url])
+            task = asyncio.create_task(agent.run())
+            await cp.next(protocol.HELLO)
+            port = await start_ready(cp, shard_id=2)
+            pid = agent.engine_pid(2)
+            again = start_command(2, port) | {"cid": "c-again"}
+            await cp.send(again)
+            await cp.send(again)
+            for _ in range(2):
+                assert (await cp.next(protocol.ACK))["cid"] == "c-again"
+            status = await cp.next(protocol.SHARD_STATUS)
+            assert (status["shard_id"], status["state"]) == (2, "ready")
+            assert agent.engine_pid(2) == pid and len(agent.running_shards()) == 1
+            await agent.shutdown()
+            await task
+            assert process_gone(pid)
+
+    run(scenario())

@@ -168,7 +168,7 @@ def test_commands_sent_from_sync_code_reach_the_agent(token):
         comm, connected, _ = await connect("gpu-a", token)
         assert connected
         failed = await database_sync_to_async(send_to_nodes)(
-            [("gpu-a", protocol.to_builtins(protocol.StopShard(epoch=1, shard_id=4)))]
+            [("gpu-a", protocol.to_builtins(protocol.StopShard(epoch=1, shard_id=4, cid="c1")))]
         )
         assert failed == []
         received = await comm.receive_json_from(timeout=5)
@@ -176,7 +176,7 @@ def test_commands_sent_from_sync_code_reach_the_agent(token):
         return received
 
     received = async_to_sync(scenario)()
-    assert received == {"type": "stop_shard", "v": 1, "epoch": 1, "shard_id": 4}
+    assert received == {"type": "stop_shard", "v": 1, "epoch": 1, "cid": "c1", "shard_id": 4}
 
 
 @pytest.mark.asyncio

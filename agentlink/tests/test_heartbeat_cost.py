@@ -1,9 +1,15 @@
-"""A heartbeat is one transaction with a fixed number of queries, however many shards the node runs."""
+"""A heartbeat is one transaction with a fixed number of queries, however many shards the node runs;
+a steady one writes nothing, and `last_seen` is written for many nodes in one statement."""
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from agent.protocol import GPUHealth, Heartbeat, ShardHeartbeat
 from agentlink.services import on_heartbeat
+from inventory.models import Node
+from inventory.services import mark_nodes_seen
 from reconciler.models import Shard
 from tests.fleet import make_model, make_node, make_replica
 
@@ -29,3 +35,23 @@ def test_a_heartbeat_costs_the_same_queries_for_one_shard_or_eight(replicas, dja
     with django_assert_num_queries(8):
         on_heartbeat(node.pk, node.name, heartbeat(shards, running=1))  # nothing changed: no write
     assert set(Shard.objects.values_list("running", flat=True)) == {1}
+
+
+def test_a_steady_heartbeat_writes_nothing_and_last_seen_is_one_update_for_a_whole_batch(
+    django_assert_num_queries,
+):
+    nodes = [make_node(f"gpu-{i}", gpus=8) for i in range(50)]
+    node = nodes[0]
+    profile = make_model("m").profiles.get()
+    shards = [make_replica(profile, placement=[(node, [0])]).shards.get()]
+    on_heartbeat(node.pk, node.name, heartbeat(shards, running=1), mark_seen=False)
+    with CaptureQueriesContext(connection) as steady:
+        on_heartbeat(node.pk, node.name, heartbeat(shards, running=1), mark_seen=False)
+    # Savepoints in and out, GPU health read, running read, orphan check: reads only.
+    assert len(steady) == 7
+    assert not [q["sql"] for q in steady if q["sql"].lstrip().upper().startswith(("UPDATE", "INSERT", "DELETE"))]
+
+    seen_at = timezone.now()
+    with django_assert_num_queries(1):
+        assert mark_nodes_seen([n.pk for n in nodes], seen_at) == 50
+    assert set(Node.objects.values_list("last_seen", flat=True)) == {seen_at}

@@ -66,7 +66,8 @@ def run_tick(leader, django_capture_on_commit_callbacks):
 
 @pytest.fixture
 def agent_inbox():
-    """Join a node's group on the real in-memory channel layer; return a function draining its commands."""
+    """Join a node's group on the real in-memory channel layer; return a function draining its commands
+    (each checked to carry a `cid`, which is then left out)."""
     layer = get_channel_layer()
 
     def join(node_name):
@@ -80,7 +81,10 @@ def agent_inbox():
                     message = await asyncio.wait_for(layer.receive(channel), 0.05)
                 except TimeoutError:
                     return commands
-                commands.append(message["command"])
+                command = dict(message["command"])
+                # Every command carries an id for its ack; the tests compare what was decided.
+                assert isinstance(command.pop("cid", None), str), f"command without a cid: {command}"
+                commands.append(command)
 
         return async_to_sync(drain)
 

@@ -10,8 +10,9 @@ from django.utils import timezone
 
 from inventory.models import Node
 from reconciler.choices import ReplicaState
+from reconciler.commands import acknowledge
 from reconciler.lifecycle import backoff_seconds, fail_replicas
-from reconciler.models import BusyPort, GPUAssignment, Replica, Shard
+from reconciler.models import BusyPort, GPUAssignment, PendingCommand, Replica, Shard
 from reconciler.outbox import Outbox
 from tests.fleet import make_model, make_node, make_replica
 
@@ -84,13 +85,15 @@ def test_a_shard_that_never_starts_fails_its_replica(run_tick, settings):
     assert Replica.objects.get().last_error == "not ready within 60 s of placement"
 
 
-def test_an_unanswered_start_is_sent_again(run_tick, agent_inbox, settings):
+def test_an_acknowledged_start_never_answered_is_sent_again(run_tick, agent_inbox, settings):
+    """The backstop behind acks: the agent had the start and lost it (it restarted before the engine began)."""
     settings.LLMGW_START_RESEND_SECONDS = 10
     make_node("gpu-a")
     make_model("llama")
     inbox = agent_inbox("gpu-a")
     run_tick()
     (first,) = inbox()
+    acknowledge("gpu-a", PendingCommand.objects.get().cid)
 
     assert run_tick(now=timezone.now() + timedelta(seconds=5)).starts_resent == 0
     assert run_tick(now=timezone.now() + timedelta(seconds=11)).starts_resent == 1

@@ -4,14 +4,16 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.utils import timezone
 
 from agent.protocol import RunningShard
 from hub import get_hub
 from reconciler.agent_reports import reconcile_reported_shards
 from reconciler.choices import ReplicaState, ShardState
+from reconciler.commands import acknowledge, send_pending_soon
 from reconciler.endpoints import build_endpoint_table
 from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
-from reconciler.models import GPUAssignment, Replica, Shard
+from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
@@ -38,7 +40,11 @@ def test_stopping_a_replica_drains_it_once_unpublished_and_deletes_it_when_its_s
     later = stopping.stopping_since + timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
     assert run_tick(now=later).stops_sent == 1
     assert [(c["type"], c["shard_id"]) for c in inbox()] == [("drain_shard", shard.pk)]
-    assert run_tick(now=later).stops_sent == 0  # not re-sent before the resend interval
+    assert run_tick(now=later).stops_sent == 0
+    # Acknowledged, it is under way on the agent: not sent again, however long the engine takes.
+    assert acknowledge("gpu-a", PendingCommand.objects.get(kind="drain_shard").cid)
+    assert run_tick(now=later + timedelta(seconds=60)).stops_sent == 0
+    assert inbox() == []
 
     shard_report(node, shard, "stopped")
     assert Replica.objects.count() == 0 and GPUAssignment.objects.count() == 0
@@ -92,8 +98,10 @@ def test_a_start_the_agent_never_answered_is_sent_again_after_its_hello_not_fail
     inbox = agent_inbox("gpu-a")
 
     with django_capture_on_commit_callbacks(execute=True):
+        # What agentlink.services.on_hello does with a hello that lists no shards.
         reconcile_reported_shards(node, [])
-    run_tick()
+        send_pending_soon(node.name, timezone.now())
+    assert run_tick().commands_resent == 1
 
     replica = Replica.objects.get()
     assert replica.state == ReplicaState.STARTING and replica.failure_count == 0
