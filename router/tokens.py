@@ -23,6 +23,8 @@ import re
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from hub.contracts import TokenCounts
 
 # A usage object is read from the end of a JSON answer; it sits within the last few hundred bytes in
@@ -38,6 +40,7 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 _DECODER = json.JSONDecoder()  # built once: constructing one costs more than decoding a usage object
+_FAST_DECODER = msgspec.json.Decoder()
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -100,6 +103,13 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
             start = found.end() - 1
         if start < 0:
             return None
+    end = tail.find(b"}", start)
+    if end > 0 and tail.find(b"{", start + 1, end) < 0:
+        # A flat object (the usual usage): decoded alone, quickly.
+        try:
+            return read_usage(_FAST_DECODER.decode(tail[start : end + 1]))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass  # a brace inside a string, say: the general path below reads it
     try:
         usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:

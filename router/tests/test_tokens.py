@@ -305,3 +305,22 @@ def test_a_failed_flush_keeps_the_counts_for_the_next(tmp_path):
     assert asyncio.run(flusher.flush()) is True
     assert balancer.tokens.pending() == ({}, {})
     assert list(working.collect_usage().tokens.values()) == [{"k": {MODEL: [2, 4, 5]}}]
+
+
+@pytest.mark.parametrize(
+    "tail, expected",
+    [
+        (b'{"x": 1, "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}', (3, 2)),
+        # Nested details, a brace inside a string, and a "usage" inside a string after the real one.
+        (
+            b'{"usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens": 2}}',
+            (3, 2),
+        ),
+        (b'{"usage": {"prompt_tokens": 3, "note": "a}b", "completion_tokens": 2}}', (3, 2)),
+        (b'{"usage": {"prompt_tokens": 4, "completion_tokens": 1}, "echo": "\\"usage\\" here"}', (4, 1)),
+        (b'{"usage": {"prompt_tokens": 3,', None),  # cut short
+        (b'{"choices": []}', None),
+    ],
+)
+def test_the_usage_of_a_json_answer_is_read_from_its_tail(tail, expected):
+    assert usage_in_json_tail(tail) == expected
