@@ -100,6 +100,8 @@ def test_weights_first_placement_a_gpu_fault_moves_the_replica_and_deleting_the_
                         str(roots[node]),
                         "--address",
                         "127.0.0.1",
+                        "--state-dir",  # one per node: a state directory belongs to one node
+                        str(tmp_path / f"{node}-state"),
                         "--control-plane",
                         f"ws://127.0.0.1:{port}/agent/ws",
                     ],

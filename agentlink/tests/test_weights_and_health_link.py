@@ -49,6 +49,7 @@ async def test_weights_reported_at_hello_are_removed_when_the_agent_says_so(toke
     assert (await comm.receive_json_from(timeout=5))["type"] == "error"
     await database_sync_to_async(queue_removal)()
     command = await comm.receive_json_from(timeout=5)
+    assert command.pop("cid")  # acknowledged like every command
     assert command == {"type": "remove_weights", "v": 1, "epoch": 2, **{k: WEIGHTS[0][k] for k in ("source", "path")}}
     rows = await database_sync_to_async(lambda: list(Weights.objects.values_list("source", "size_bytes")))()
     assert rows == [("org/llama", 123)]
