@@ -163,6 +163,11 @@ class SseUsage:
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to relay now for `chunk` (possibly none, while an event is incomplete)."""
+        if not self._carry and chunk[-2:] == b"\n\n":
+            # Whole events (the usual read): nothing to hold back, and most carry no usage at all.
+            if b'"usage"' not in chunk or _USAGE_OBJECT.search(chunk) is None:
+                return chunk
+            return self._take_usage(chunk)
         if self._carry:
             chunk = self._carry + chunk
             self._carry = b""
