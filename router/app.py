@@ -91,7 +91,8 @@ class DisconnectWatch:
     async def _wait(self) -> None:
         await until_disconnect(self._receive)
         request = self._request
-        if request is not None and not request.done():
+        # A disconnect once the whole answer is sent is only the end of the exchange.
+        if request is not None and not request.done() and not self._outcome.complete:
             self._gone = True
             request.cancel()
 
