@@ -14,7 +14,7 @@ from agent.tests.stand_ins import NODE, ControlPlane, command, make_agent, run
 
 
 def test_restarted_agent_refuses_an_epoch_older_than_one_seen_before_the_restart(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="agent.runtime")
+    caplog.set_level(logging.WARNING, logger="agent.state")
     state_dir = tmp_path / "state"
 
     async def scenario():
@@ -56,7 +56,7 @@ def test_epoch_is_written_atomically_before_the_command_is_carried_out(tmp_path)
 
 
 def test_a_newer_epoch_that_cannot_be_recorded_is_refused(tmp_path, caplog):
-    caplog.set_level(logging.ERROR, logger="agent.runtime")
+    caplog.set_level(logging.ERROR, logger="agent.state")
     state_dir = tmp_path / "state"
 
     async def scenario():
