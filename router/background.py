@@ -9,8 +9,15 @@ mistaken for a store error.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+# How often, and for how long, shutdown cancels a task that has not ended yet.
+RECANCEL_SECONDS = 0.25
+CANCEL_PATIENCE_SECONDS = 5.0
 
 
 class BackgroundTasks:
@@ -27,11 +34,22 @@ class BackgroundTasks:
         return task
 
     async def cancel_all(self) -> None:
-        """Cancel every task and wait until each has ended."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel every task and wait until each has ended, within CANCEL_PATIENCE_SECONDS.
+
+        A client library can swallow a cancellation (redis-py has answered one with
+        a normal reply), after which the loop would sleep and carry on for ever and
+        shutdown would hang: a task still running is cancelled again until it ends.
+        """
+        pending = set(self._tasks)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_PATIENCE_SECONDS
+        while pending and loop.time() < deadline:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=RECANCEL_SECONDS)
+        if pending:
+            names = ", ".join(sorted(task.get_name() for task in pending))
+            log.warning("background tasks still running after %g s of cancelling: %s", CANCEL_PATIENCE_SECONDS, names)
 
 
 def raise_if_cancelling() -> None:

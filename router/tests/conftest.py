@@ -419,8 +419,14 @@ def start_router(hub):
         return server
 
     yield start
+    # Every router is stopped even if one fails to: one left running flushes into the shared test Redis.
+    failures = []
     for server in started:
-        server.stop()
+        try:
+            server.stop()
+        except AssertionError as exc:
+            failures.append(exc)
+    assert not failures, failures
 
 
 @pytest.fixture
