@@ -5,10 +5,11 @@ with agent.protocol, hands it to one service function, and relays commands
 that arrive on the node's channel-layer group (invariant 9).
 
 At fleet scale a steady heartbeat writes nothing: `last_seen` is batched
-(agentlink.batches, as are acks); a node running no shard whose heartbeat is
-the same as its last costs no query at all (checked against the tables every
-LLMGW_HEARTBEAT_RECHECK_SECONDS), and one running shards costs reads only, so
-an orphan engine of a deleted shard is still stopped at its next heartbeat.
+(agentlink.batches, as are acks and shard_status reports); a node running no
+shard whose heartbeat is the same as its last costs no query at all (checked
+against the tables every LLMGW_HEARTBEAT_RECHECK_SECONDS), and one running
+shards costs reads only, so an orphan engine of a deleted shard is still
+stopped at its next heartbeat.
 """
 
 import asyncio
@@ -27,7 +28,7 @@ from inventory.models import NodeCredential
 from reconciler.outbox import node_group
 
 from . import services
-from .batches import acks, seen_nodes
+from .batches import acks, hellos, seen_nodes, shard_statuses
 from .tls import client_common_name, has_tls_extension
 
 log = logging.getLogger(__name__)
@@ -144,13 +145,18 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self._error(f"hello names node “{message.node}” but this credential is for “{self.node_name}”")
             case protocol.Hello():
                 self.last_heartbeat = None
-                await in_database(services.on_hello)(self.node_id, message)
+                await hellos.submit((self.node_id, message))
+                # The hello recorded what a heartbeat reports: a first heartbeat saying the same costs no query.
+                self.last_heartbeat = protocol.Heartbeat(
+                    gpus=[protocol.GPUHealth(index=g.index, healthy=g.healthy, reason=g.reason) for g in message.gpus]
+                )
+                self.heartbeat_checked_at = time.monotonic()
             case protocol.Heartbeat():
                 await self._renew_group()
                 await self._heartbeat(message)
             case protocol.ShardStatus():
                 self.last_heartbeat = None
-                await in_database(services.on_shard_status)(self.node_id, message)
+                shard_statuses.add((self.node_id, self.node_name, message))
             case protocol.WeightsStatus():
                 await in_database(services.on_weights_status)(self.node_id, message)
             case protocol.Ack():

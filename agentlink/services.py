@@ -1,37 +1,67 @@
-"""What each agent message changes, one transaction per message.
+"""What each agent message changes, one transaction per message (or per batch of hellos).
 
 Messages arrive validated by agent.protocol; these functions trust them.
 """
 
+from collections.abc import Sequence
+
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import Heartbeat, Hello, ShardStatus, WeightsStatus
+from agent.protocol import Heartbeat, Hello, WeightsStatus
 from inventory.models import Node
-from inventory.services import record_heartbeat, record_weights_status, register_node
+from inventory.services import record_heartbeat, record_weights_status, register_nodes
 from reconciler.agent_reports import (
-    reconcile_reported_shards,
+    reconcile_reported_shards_of_nodes,
     record_running,
-    record_shard_status,
     stop_orphan_shards,
 )
-from reconciler.commands import send_pending_soon
-from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus
+from reconciler.commands import send_pending_soon_to
+from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
+
+
+def on_hello(node_id: int, hello: Hello) -> Node:
+    """Record the node and its GPUs, and match the shards it runs against its rows, all or nothing."""
+    return on_hellos([(node_id, hello)])[0]
 
 
 @transaction.atomic
-def on_hello(node_id: int, hello: Hello) -> Node:
-    """Record the node and its GPUs, and match the shards it runs against its rows, all or nothing.
+def on_hellos(hellos: Sequence[tuple[int, Hello]]) -> list[Node]:
+    """Record a batch of hellos in one transaction, all or nothing; returns each hello's node.
 
-    Commands this decides (stop orphans, fail lost engines) are sent after commit.
+    What a hello changes: the node and its GPUs and weights; the shards it runs
+    matched against its rows; the replicas on GPUs that went bad while the agent
+    was away failed; its unacknowledged commands made due at once. Commands this
+    decides (stop orphans, fail lost engines) are sent after commit. For nodes
+    running nothing, the batch costs the same few statements however many
+    hellos it holds. A node that said hello twice (a reconnect) is recorded in
+    that order.
     """
-    node = register_node(node_id, hello)
-    reconcile_reported_shards(node, hello.shards)
-    # A GPU that went bad while the agent was away (or is no longer reported) fails what it held.
-    fail_replicas_on_unhealthy_gpus(node.pk, node.name)
-    # What the agent may have missed while away goes to it at the next tick, not after the backoff.
-    send_pending_soon(node.name, timezone.now())
-    return node
+    recorded: dict[int, Node] = {}  # position in `hellos`: its node
+    for round_ in _distinct_rounds(hellos):
+        nodes = register_nodes([hello for _, hello in round_])
+        reconcile_reported_shards_of_nodes(
+            [(node, hello.shards) for node, (_, (_, hello)) in zip(nodes, round_, strict=True)]
+        )
+        # A GPU that went bad while the agent was away (or is no longer reported) fails what it held.
+        fail_replicas_on_unhealthy_gpus_of_nodes({node.pk: node.name for node in nodes})
+        # What the agent may have missed while away goes to it at the next tick, not after the backoff.
+        send_pending_soon_to([node.name for node in nodes], timezone.now())
+        recorded.update((position, node) for node, (position, _) in zip(nodes, round_, strict=True))
+    return [recorded[position] for position in range(len(hellos))]
+
+
+def _distinct_rounds(hellos: Sequence[tuple[int, Hello]]) -> list[list[tuple[int, tuple[int, Hello]]]]:
+    """(position, hello) in rounds where each node appears once, in arrival order."""
+    rounds: list[list[tuple[int, tuple[int, Hello]]]] = []
+    count: dict[int, int] = {}
+    for position, hello in enumerate(hellos):
+        turn = count.get(hello[0], 0)
+        count[hello[0]] = turn + 1
+        if turn == len(rounds):
+            rounds.append([])
+        rounds[turn].append((position, hello))
+    return rounds
 
 
 @transaction.atomic
@@ -47,11 +77,6 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: 
     # Last, so the orphan check above does not take the failed replica's shards for orphans.
     if turned_unhealthy:
         fail_replicas_on_unhealthy_gpus(node_id, node_name, [gpu.pk for gpu in turned_unhealthy])
-
-
-def on_shard_status(node_id: int, status: ShardStatus) -> None:
-    """Apply a shard_status report from the node (reconciler.agent_reports does it in one transaction)."""
-    record_shard_status(Node.objects.get(pk=node_id), status)
 
 
 def on_weights_status(node_id: int, status: WeightsStatus) -> None:

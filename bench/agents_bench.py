@@ -11,7 +11,7 @@ by the bench) and an emptied Redis database:
    project's ASGI app (agent consumer at /agent/ws, Redis channel layer);
 2. starts N agents in this process: agent.runtime.Agent itself, with 8 fake
    GPUs each and no engines, so they speak (and acknowledge) exactly as a node does,
-   and times until every node's `hello` is recorded (state READY in the table);
+   and times until every node's `hello` is recorded (READY, with the agent's version it reports);
 3. measures the control plane's CPU over `--steady` seconds of heartbeats;
 4. plays one tick's burst: a stop_shard to every node (cheap for the agent:
    it answers at once, no engine) through reconciler.outbox, committed in one
@@ -229,7 +229,8 @@ def run_size(args, code: Path, env: dict, n: int) -> str:
         fleet = AgentFleet(f"ws://127.0.0.1:{args.port}/agent/ws", tokens, args.heartbeat)
         started = time.perf_counter()
         fleet.start()
-        ready = Node.objects.filter(state=NodeState.READY)
+        # Recorded by its hello (which sets the agent's version), not merely alive (a heartbeat marks it READY).
+        ready = Node.objects.filter(state=NodeState.READY).exclude(agent_version="")
         while ready.count() < n:
             if time.perf_counter() - started > 120:
                 raise SystemExit(f"only {ready.count()} of {n} hellos recorded after 120 s")
@@ -270,6 +271,7 @@ def run_size(args, code: Path, env: dict, n: int) -> str:
         delays = sorted((t - sent_at) * 1000 for t in first.values())
         p50 = statistics.median(delays) if delays else float("nan")
         p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))] if delays else float("nan")
+        print("DECILES", [round(delays[int(len(delays) * q / 20)]) for q in range(20)], round(delays[-1]))
         print(
             f"    burst: {len(first)} of {n} received on the first send, p50 {p50:.0f} ms p99 {p99:.0f} ms", flush=True
         )

@@ -1,6 +1,7 @@
 """Inventory changes: enrolling nodes and recording what their agents report."""
 
 import logging
+from collections.abc import Sequence
 
 from django.db import transaction
 from django.utils import timezone
@@ -57,9 +58,17 @@ def _apply_gpu_health(gpu, healthy: bool, now, reason: str = "") -> bool:
     return True
 
 
-@transaction.atomic
 def register_node(node_id: int, hello: Hello) -> Node:
-    """Record a validated `hello`: the node's reported address, fabric and labels, and its GPUs.
+    """Record one validated `hello` (see register_nodes)."""
+    return register_nodes([(node_id, hello)])[0]
+
+
+REPORTED_NODE_FIELDS = ["reported_address", "reported_fabric", "reported_labels", "agent_version", "last_seen", "state"]
+
+
+@transaction.atomic(savepoint=False)
+def register_nodes(hellos: Sequence[tuple[int, Hello]]) -> list[Node]:
+    """Record validated hellos of distinct nodes: each node's reported address, fabric and labels, and its GPUs.
 
     What the agent reports is kept apart from what an operator set (admin, REST,
     enrolment): the operator's address, fabric and labels are never overwritten,
@@ -68,20 +77,42 @@ def register_node(node_id: int, hello: Hello) -> Node:
     GPUs are matched by index. A GPU the agent no longer reports is marked
     unhealthy rather than deleted, so a shard holding it keeps its assignment
     until the reconciler deals with the shard.
+
+    However many nodes: the nodes locked and updated in two statements, their
+    GPUs read in one and written in at most two, their weights likewise.
+    Returns the nodes in the order given; Node.DoesNotExist if one is gone.
     """
     now = timezone.now()
-    node = Node.objects.select_for_update().get(pk=node_id)
-    node.reported_address = hello.address
-    node.reported_fabric = hello.fabric
-    node.reported_labels = hello.labels
-    node.agent_version = hello.version
-    node.last_seen = now
-    node.state = NodeState.READY
-    node.save(
-        update_fields=["reported_address", "reported_fabric", "reported_labels", "agent_version", "last_seen", "state"]
-    )
+    ids = [node_id for node_id, _ in hellos]
+    locked = {node.pk: node for node in Node.objects.select_for_update().filter(pk__in=ids).order_by("pk")}
+    gpus: dict[int, dict[int, GPU]] = {node_id: {} for node_id in ids}
+    for gpu in GPU.objects.filter(node_id__in=ids):
+        gpus[gpu.node_id][gpu.index] = gpu
+    nodes, to_create, to_update, weights = [], [], [], []
+    for node_id, hello in hellos:
+        node = locked.get(node_id)
+        if node is None:
+            raise Node.DoesNotExist(f"node {node_id} (“{hello.node}”) is gone")
+        node.reported_address, node.reported_fabric, node.reported_labels = hello.address, hello.fabric, hello.labels
+        node.agent_version, node.last_seen, node.state = hello.version, now, NodeState.READY
+        nodes.append(node)
+        created, updated = _match_gpus(node, gpus[node_id], hello, now)
+        to_create += created
+        to_update += updated
+        if hello.weights is not None:
+            weights.append((node_id, hello.weights))
+    Node.objects.bulk_update(nodes, REPORTED_NODE_FIELDS)
+    if to_create:
+        GPU.objects.bulk_create(to_create)
+    if to_update:
+        GPU.objects.bulk_update(to_update, ["uuid", "gpu_class", "memory_mb", *HEALTH_FIELDS])
+    if weights:
+        record_weights_of_nodes(weights, now)
+    return nodes
 
-    existing = {gpu.index: gpu for gpu in GPU.objects.filter(node=node)}
+
+def _match_gpus(node: Node, existing: dict[int, GPU], hello: Hello, now) -> tuple[list[GPU], list[GPU]]:
+    """The node's GPUs to create and to update for what its hello reports (`existing` by index, consumed)."""
     to_create, to_update = [], []
     for info in hello.gpus:
         gpu = existing.pop(info.index, None)
@@ -108,11 +139,7 @@ def register_node(node_id: int, hello: Hello) -> Node:
     for gpu in existing.values():
         if _apply_gpu_health(gpu, False, now, "no longer reported by the node's agent"):
             to_update.append(gpu)
-    GPU.objects.bulk_create(to_create)
-    GPU.objects.bulk_update(to_update, ["uuid", "gpu_class", "memory_mb", *HEALTH_FIELDS])
-    if hello.weights is not None:
-        record_weights(node.pk, hello.weights, now)
-    return node
+    return to_create, to_update
 
 
 def mark_nodes_seen(node_ids, now) -> int:
@@ -120,7 +147,8 @@ def mark_nodes_seen(node_ids, now) -> int:
     return Node.objects.filter(pk__in=list(node_ids)).update(last_seen=now, state=NodeState.READY)
 
 
-@transaction.atomic
+# Part of the heartbeat's transaction (agentlink.services.on_heartbeat): no savepoint of its own.
+@transaction.atomic(savepoint=False)
 def record_heartbeat(node_id: int, heartbeat: Heartbeat, mark_seen: bool = True) -> list[GPU]:
     """Record a validated `heartbeat`: the node is alive (unless `mark_seen` is False: batched by the caller),
     its GPUs' health, and its weights if reported.
@@ -149,29 +177,41 @@ def record_heartbeat(node_id: int, heartbeat: Heartbeat, mark_seen: bool = True)
 
 
 def record_weights(node_id: int, reported: list[WeightsReport], now) -> tuple[int, int, int]:
-    """Make the node's Weights rows what the agent reports, writing only what changed.
+    """Make the node's Weights rows what the agent reports (see record_weights_of_nodes)."""
+    return record_weights_of_nodes([(node_id, reported)], now)
 
-    One read; then at most one insert, one update and one delete. Returns
-    (created, updated, deleted).
+
+def record_weights_of_nodes(reports: Sequence[tuple[int, list[WeightsReport]]], now) -> tuple[int, int, int]:
+    """Make each node's Weights rows what its agent reports, writing only what changed.
+
+    One read for all the nodes; then at most one insert, one update and one
+    delete. Returns (created, updated, deleted).
     """
-    existing = {w.source: w for w in Weights.objects.filter(node_id=node_id)}
-    to_create, to_update = [], []
-    for item in reported:
-        row = existing.pop(item.source, None)
-        if row is None:
-            to_create.append(
-                Weights(node_id=node_id, source=item.source, path=item.path, size_bytes=item.size_bytes, seen_at=now)
-            )
-        elif (row.path, row.size_bytes) != (item.path, item.size_bytes):
-            row.path, row.size_bytes, row.seen_at = item.path, item.size_bytes, now
-            to_update.append(row)
+    existing: dict[int, dict[str, Weights]] = {node_id: {} for node_id, _ in reports}
+    for row in Weights.objects.filter(node_id__in=list(existing)):
+        existing[row.node_id][row.source] = row
+    to_create, to_update, to_delete = [], [], []
+    for node_id, reported in reports:
+        rows = existing[node_id]
+        for item in reported:
+            row = rows.pop(item.source, None)
+            if row is None:
+                to_create.append(
+                    Weights(
+                        node_id=node_id, source=item.source, path=item.path, size_bytes=item.size_bytes, seen_at=now
+                    )
+                )
+            elif (row.path, row.size_bytes) != (item.path, item.size_bytes):
+                row.path, row.size_bytes, row.seen_at = item.path, item.size_bytes, now
+                to_update.append(row)
+        to_delete += [row.pk for row in rows.values()]
     if to_create:
         Weights.objects.bulk_create(to_create)
     if to_update:
         Weights.objects.bulk_update(to_update, ["path", "size_bytes", "seen_at"])
-    if existing:
-        Weights.objects.filter(pk__in=[row.pk for row in existing.values()]).delete()
-    return len(to_create), len(to_update), len(existing)
+    if to_delete:
+        Weights.objects.filter(pk__in=to_delete).delete()
+    return len(to_create), len(to_update), len(to_delete)
 
 
 def record_weights_status(node: Node, status: WeightsStatus) -> bool:

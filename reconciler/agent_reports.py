@@ -1,6 +1,6 @@
-"""What agents report about their shards, applied to the rows (one transaction per report).
+"""What agents report about their shards, applied to the rows (one transaction per report or batch).
 
-`record_shard_status` takes a `shard_status`; `reconcile_reported_shards`
+`record_shard_statuses` takes a batch of `shard_status` reports; `reconcile_reported_shards`
 matches the shards a `hello` says are running against the node's rows;
 `stop_orphan_shards` stops engines a heartbeat reports that no row owns;
 `record_running` keeps each shard's requests in flight as its engine last
@@ -11,10 +11,11 @@ nodes are ignored.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
@@ -35,6 +36,7 @@ def _apply_shard_status(
     """Apply one report about a shard known to be on the reporting node; return whether to wake the ticker."""
     replica = shard.replica
     node_name = shard.node.name
+    shard_id = shard.pk  # delete() forgets it
     if state == "stopped" or (state == "failed" and replica.state == ReplicaState.STOPPING):
         shard.delete()
         if replica.state == ReplicaState.STOPPING:
@@ -44,7 +46,7 @@ def _apply_shard_status(
         if replica.state in (ReplicaState.STARTING, ReplicaState.READY):
             # The agent stopped an engine nobody asked it to stop (it is shutting down):
             # the replica cannot serve whole, through no fault of its own.
-            message = message or f"shard {shard.pk} stopped on {node_name}"
+            message = message or f"shard {shard_id} stopped on {node_name}"
             fail_replicas([replica.pk], message, now, outbox, node_fault=True)
             return True
         return False
@@ -87,25 +89,56 @@ def _mark_port_busy(shard: Shard, now: datetime) -> None:
 
 
 def record_shard_status(node: Node, status: ShardStatus) -> None:
-    """Record an agent's shard_status report (starting / ready / failed / stopped) in one transaction.
+    """Record one agent's shard_status report (starting / ready / failed / stopped) in one transaction."""
+    record_shard_statuses([(node.pk, node.name, status)])
 
-    Reports about shards that are not on `node` are logged and ignored: a node
-    speaks only for itself.
+
+def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> None:
+    """Record (node id, node name, report) shard_status reports in one transaction, in the order given.
+
+    One query finds and locks every shard named (in id order, so concurrent
+    batches cannot deadlock); each report then costs only the writes it makes.
+    A report about a shard not on the reporting node is logged and ignored: a
+    node speaks only for itself. A report that fails to apply is logged and
+    undone alone (its savepoint); the others stand.
     """
-    shard_id, state = status.shard_id, status.state
     outbox = Outbox()
+    wake = False
     with transaction.atomic():
-        shard = (
-            Shard.objects.select_for_update()
+        shards = {
+            shard.pk: shard
+            for shard in Shard.objects.select_for_update()
             .select_related("replica", "node")
-            .filter(pk=shard_id, node_id=node.pk)
-            .first()
-        )
-        if shard is None:
-            log.info("node %s reported shard %s as %s, but no such shard is on it; ignored", node.name, shard_id, state)
-            return
+            .filter(pk__in={status.shard_id for _, _, status in reports})
+            .order_by("pk")
+        }
+        touched_replicas: set[int] = set()
         now = timezone.now()
-        if _apply_shard_status(shard, state, status.message, status.port, now, outbox, port_busy=status.port_busy):
+        for node_id, node_name, status in reports:
+            shard = shards.get(status.shard_id)
+            if shard is not None and shard.replica_id in touched_replicas:
+                # An earlier report of this batch may have changed the replica (failed it, published it):
+                # read it again, as a report of its own would.
+                shard = Shard.objects.select_related("replica", "node").filter(pk=status.shard_id).first()
+            if shard is None or shard.node_id != node_id:
+                log.info(
+                    "node %s reported shard %s as %s, but no such shard is on it; ignored",
+                    node_name, status.shard_id, status.state,
+                )  # fmt: skip
+                continue
+            touched_replicas.add(shard.replica_id)
+            decided = len(outbox.commands)
+            try:
+                with transaction.atomic():
+                    wake |= _apply_shard_status(
+                        shard, status.state, status.message, status.port, now, outbox, port_busy=status.port_busy
+                    )
+            except DatabaseError:
+                del outbox.commands[decided:]  # what the undone report decided is not sent either
+                log.exception("could not record node %s's report of shard %s as %s", node_name, shard.pk, status.state)
+            if shard.pk is None:  # deleted (stopped): a later report of this batch finds no such shard
+                shards.pop(status.shard_id, None)
+        if wake:
             notify_work_pending()
         outbox.send_on_commit()
 
@@ -117,60 +150,78 @@ def reconcile_reported_shards(node: Node, reported: list[RunningShard]) -> None:
     unknown: stopped (orphans). Expected but not reported: the agent lost its
     engines, so their replicas fail and back off.
     """
+    reconcile_reported_shards_of_nodes([(node, reported)])
+
+
+def reconcile_reported_shards_of_nodes(reports: Sequence[tuple[Node, list[RunningShard]]]) -> None:
+    """reconcile_reported_shards for several nodes' hellos: their shards read and locked in one query."""
     now = timezone.now()
     outbox = Outbox()
     wake = False
-    with transaction.atomic():
-        expected = {
-            s.pk: s for s in Shard.objects.select_for_update().select_related("replica", "node").filter(node_id=node.pk)
-        }
-        reported_ids = set()
-        for item in reported:
-            reported_ids.add(item.shard_id)
-            shard = expected.get(item.shard_id)
-            if shard is None:
-                outbox.stop(node.name, item.shard_id)
-                continue
-            # One shard per replica per node, so applying one report never deletes another expected shard.
-            # An agent's own in-between states (newer agents may have more) change nothing here.
-            if item.state in SHARD_REPORT_STATES:
-                wake |= _apply_shard_status(shard, item.state, "", item.port, now, outbox)
-        missing = [s for shard_id, s in expected.items() if shard_id not in reported_ids]
-        going = [s.pk for s in missing if s.replica.state == ReplicaState.STOPPING]
-        if going:
-            Shard.objects.filter(pk__in=going).delete()
-            Replica.objects.filter(
-                ~Exists(Shard.objects.filter(replica=OuterRef("pk"))),
-                state=ReplicaState.STOPPING,
-                pk__in={s.replica_id for s in missing},
-            ).delete()
-        # A start the agent never answered may simply not have reached it (it was between
-        # connections): send it again at the next tick rather than failing the replica.
-        unanswered = [
-            s.pk for s in missing if s.state == ShardState.ASSIGNED and s.replica.state != ReplicaState.STOPPING
-        ]
-        if unanswered:
-            resend_due = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
-            Shard.objects.filter(pk__in=unanswered).update(updated_at=resend_due)
-            wake = True
-        lost = {
-            s.replica_id for s in missing if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
-        }
-        if lost:
-            # The agent restarted and lost its engines: the node's doing, so no backoff.
-            fail_replicas(
-                lost,
-                f"agent on {node.name} no longer runs shard(s) "
-                f"{', '.join(str(s.pk) for s in missing if s.replica_id in lost)}",
-                now,
-                outbox,
-                node_fault=True,
-                silent_shard_ids={s.pk for s in missing if s.replica_id in lost},
-            )
-            wake = True
+    with transaction.atomic(savepoint=False):
+        expected: dict[int, dict[int, Shard]] = {node.pk: {} for node, _ in reports}
+        shards = Shard.objects.select_for_update().select_related("replica", "node")
+        for shard in shards.filter(node_id__in=list(expected)).order_by("pk"):
+            expected[shard.node_id][shard.pk] = shard
+        touched_replicas: set[int] = set()
+        for node, reported in reports:
+            mine = expected[node.pk]
+            if any(shard.replica_id in touched_replicas for shard in mine.values()):
+                # A replica spanning nodes of this batch may have been changed by an earlier node's hello.
+                mine = {shard.pk: shard for shard in shards.filter(node_id=node.pk)}
+            touched_replicas |= {shard.replica_id for shard in mine.values()}
+            wake |= _reconcile_node(node, reported, mine, now, outbox)
         if wake:
             notify_work_pending()
         outbox.send_on_commit()
+
+
+def _reconcile_node(node: Node, reported: list[RunningShard], expected: dict[int, Shard], now, outbox: Outbox) -> bool:
+    """Match one node's reported shards against its (locked) rows; return whether to wake the ticker."""
+    wake = False
+    reported_ids = set()
+    for item in reported:
+        reported_ids.add(item.shard_id)
+        shard = expected.get(item.shard_id)
+        if shard is None:
+            outbox.stop(node.name, item.shard_id)
+            continue
+        # One shard per replica per node, so applying one report never deletes another expected shard.
+        # An agent's own in-between states (newer agents may have more) change nothing here.
+        if item.state in SHARD_REPORT_STATES:
+            wake |= _apply_shard_status(shard, item.state, "", item.port, now, outbox)
+    missing = [s for shard_id, s in expected.items() if shard_id not in reported_ids]
+    going = [s.pk for s in missing if s.replica.state == ReplicaState.STOPPING]
+    if going:
+        Shard.objects.filter(pk__in=going).delete()
+        Replica.objects.filter(
+            ~Exists(Shard.objects.filter(replica=OuterRef("pk"))),
+            state=ReplicaState.STOPPING,
+            pk__in={s.replica_id for s in missing},
+        ).delete()
+    # A start the agent never answered may simply not have reached it (it was between
+    # connections): send it again at the next tick rather than failing the replica.
+    unanswered = [s.pk for s in missing if s.state == ShardState.ASSIGNED and s.replica.state != ReplicaState.STOPPING]
+    if unanswered:
+        resend_due = now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS)
+        Shard.objects.filter(pk__in=unanswered).update(updated_at=resend_due)
+        wake = True
+    lost = {
+        s.replica_id for s in missing if s.replica.state != ReplicaState.STOPPING and s.state != ShardState.ASSIGNED
+    }
+    if lost:
+        # The agent restarted and lost its engines: the node's doing, so no backoff.
+        fail_replicas(
+            lost,
+            f"agent on {node.name} no longer runs shard(s) "
+            f"{', '.join(str(s.pk) for s in missing if s.replica_id in lost)}",
+            now,
+            outbox,
+            node_fault=True,
+            silent_shard_ids={s.pk for s in missing if s.replica_id in lost},
+        )
+        wake = True
+    return wake
 
 
 def stop_orphan_shards(node_id: int, node_name: str, reported: list[ShardHeartbeat]) -> int:

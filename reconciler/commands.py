@@ -12,6 +12,7 @@ spread by the jitter, not as one burst.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import datetime
 
 from django.conf import settings
@@ -78,4 +79,9 @@ def acknowledge_many(acks) -> int:
 
 def send_pending_soon(node_name: str, now: datetime) -> int:
     """Make the node's unacknowledged commands due now (its agent has just said hello); one query."""
-    return PendingCommand.objects.filter(node_name=node_name, due_at__gt=now).update(due_at=now)
+    return send_pending_soon_to([node_name], now)
+
+
+def send_pending_soon_to(node_names: Iterable[str], now: datetime) -> int:
+    """send_pending_soon for several nodes, in one query."""
+    return PendingCommand.objects.filter(node_name__in=list(node_names), due_at__gt=now).update(due_at=now)

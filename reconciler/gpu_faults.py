@@ -12,7 +12,7 @@ keeps failing does not pull the same replica back at once.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from django.db import transaction
 from django.utils import timezone
@@ -30,15 +30,25 @@ def fail_replicas_on_unhealthy_gpus(node_id: int, node_name: str, gpu_ids: Itera
     One query when nothing is held; the failure itself runs in the caller's
     transaction (or its own), and stop commands go out after commit.
     """
-    held = GPUAssignment.objects.filter(gpu__node_id=node_id).exclude(gpu__health=GPUHealth.HEALTHY)
+    held = GPUAssignment.objects.filter(gpu__node_id=node_id)
     if gpu_ids is not None:
         held = held.filter(gpu_id__in=list(gpu_ids))
-    rows = list(held.order_by("gpu__index").values_list("shard__replica_id", "gpu__index", "gpu__health_reason"))
+    return _fail_holders(held, {node_id: node_name})
+
+
+def fail_replicas_on_unhealthy_gpus_of_nodes(names: Mapping[int, str]) -> int:
+    """fail_replicas_on_unhealthy_gpus for several nodes (node id: name), in one query when nothing is held."""
+    return _fail_holders(GPUAssignment.objects.filter(gpu__node_id__in=list(names)), names)
+
+
+def _fail_holders(assignments, names: Mapping[int, str]) -> int:
+    held = assignments.exclude(gpu__health=GPUHealth.HEALTHY).order_by("gpu__node_id", "gpu__index")
+    rows = list(held.values_list("shard__replica_id", "gpu__node_id", "gpu__index", "gpu__health_reason"))
     if not rows:
         return 0
     reasons: dict[int, list[str]] = defaultdict(list)
-    for replica_id, index, reason in rows:
-        reasons[replica_id].append(f"GPU {index} on {node_name} is unhealthy: {reason or 'no reason given'}")
+    for replica_id, node_id, index, reason in rows:
+        reasons[replica_id].append(f"GPU {index} on {names[node_id]} is unhealthy: {reason or 'no reason given'}")
     failed = 0
     now = timezone.now()
     with transaction.atomic():

@@ -85,6 +85,24 @@ async def test_an_unchanged_heartbeat_is_checked_against_the_tables_only_every_r
 
 
 @pytest.mark.asyncio
+async def test_a_first_heartbeat_saying_what_the_hello_said_is_not_checked_again(token, settings):
+    """The hello has just recorded the GPUs: a connect storm's first heartbeats cost no query."""
+    settings.LLMGW_HEARTBEAT_RECHECK_SECONDS = 60
+    comm, _, _ = await connect("gpu-a", token)
+    await comm.send_json_to(hello(gpus=1))
+    await handled(comm)
+    await database_sync_to_async(GPU.objects.update)(health=GPUHealth.UNHEALTHY)  # changed behind its back
+    await comm.send_json_to(BEAT)
+    await handled(comm)
+    assert (await database_sync_to_async(GPU.objects.get)(index=0)).health == GPUHealth.UNHEALTHY
+    # One that says otherwise is checked.
+    await comm.send_json_to({**BEAT, "gpus": [{"index": 0, "healthy": True, "reason": "x"}]})
+    await handled(comm)
+    assert (await database_sync_to_async(GPU.objects.get)(index=0)).health == GPUHealth.HEALTHY
+    await comm.disconnect()
+
+
+@pytest.mark.asyncio
 async def test_an_ack_settles_the_pending_command_within_a_fraction_of_a_second(token):
     comm, _, _ = await connect("gpu-a", token)
     cid = new_command_id()

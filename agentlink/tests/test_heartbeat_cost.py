@@ -28,11 +28,10 @@ def test_a_heartbeat_costs_the_same_queries_for_one_shard_or_eight(replicas, dja
     node = make_node("gpu-a", gpus=8)
     profile = make_model("m", max_replicas=8).profiles.get()
     shards = [make_replica(profile, placement=[(node, [i])]).shards.get() for i in range(replicas)]
-    # Two savepoints in and out (the heartbeat's, the GPU health's), node alive, GPU health read,
-    # running read + write, orphan check.
-    with django_assert_num_queries(9):
+    # The heartbeat's savepoint in and out, node alive, GPU health read, running read + write, orphan check.
+    with django_assert_num_queries(7):
         on_heartbeat(node.pk, node.name, heartbeat(shards, running=1))
-    with django_assert_num_queries(8):
+    with django_assert_num_queries(6):
         on_heartbeat(node.pk, node.name, heartbeat(shards, running=1))  # nothing changed: no write
     assert set(Shard.objects.values_list("running", flat=True)) == {1}
 
@@ -47,8 +46,8 @@ def test_a_steady_heartbeat_writes_nothing_and_last_seen_is_one_update_for_a_who
     on_heartbeat(node.pk, node.name, heartbeat(shards, running=1), mark_seen=False)
     with CaptureQueriesContext(connection) as steady:
         on_heartbeat(node.pk, node.name, heartbeat(shards, running=1), mark_seen=False)
-    # Savepoints in and out, GPU health read, running read, orphan check: reads only.
-    assert len(steady) == 7
+    # The savepoint in and out, GPU health read, running read, orphan check: reads only.
+    assert len(steady) == 5
     assert not [q["sql"] for q in steady if q["sql"].lstrip().upper().startswith(("UPDATE", "INSERT", "DELETE"))]
 
     seen_at = timezone.now()

@@ -108,13 +108,13 @@ def test_a_steady_heartbeat_writes_no_gpu_row_and_a_change_costs_a_fixed_few_que
 ):
     node = make_node("gpu-a", gpus=8)
     shards = [make_replica(make_model(f"m{i}").profiles.get(), placement=[(node, [i])]).shards.get() for i in range(4)]
-    # As agentlink's heartbeat cost test counts: savepoints, node alive, GPU read, running read (+write), orphans.
+    # As agentlink's heartbeat cost test counts: savepoint, node alive, GPU read, running read (+write), orphans.
     on_heartbeat(node.pk, node.name, heartbeat(8, shards))
-    with django_assert_num_queries(8) as steady:
+    with django_assert_num_queries(6) as steady:
         on_heartbeat(node.pk, node.name, heartbeat(8, shards))
     assert not [q for q in steady.captured_queries if "UPDATE" in q["sql"] and "inventory_gpu" in q["sql"]]
     # A reason changing on an already unhealthy, unheld GPU: one more query (its update), nothing failed.
     on_heartbeat(node.pk, node.name, heartbeat(8, shards, sick={7: "XID 48"}))
-    with django_assert_num_queries(9):
+    with django_assert_num_queries(7):
         on_heartbeat(node.pk, node.name, heartbeat(8, shards, sick={7: "XID 48; XID 63"}))
     assert GPU.objects.get(node=node, index=7).health_reason == "XID 48; XID 63"
