@@ -94,4 +94,3 @@ def test_items_arriving_during_a_write_go_together_in_the_next_and_at_most_max_i
 
     assert asyncio.run(scenario()) == ["A", "B", "C", "D", "E"]
     assert writes.calls == [["a", "b"], ["c", "d"], ["e"]]
-
