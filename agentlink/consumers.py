@@ -155,7 +155,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self._renew_group()
                 await self._heartbeat(message)
             case protocol.ShardStatus():
-                self.last_heartbeat = None
+                # The next heartbeat is checked anyway if the node runs shards; a report changes no GPU's health.
                 shard_statuses.add((self.node_id, self.node_name, message))
             case protocol.WeightsStatus():
                 await in_database(services.on_weights_status)(self.node_id, message)
