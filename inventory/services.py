@@ -1,7 +1,10 @@
 """Inventory changes: enrolling nodes and recording what their agents report."""
 
+import json
 import logging
+from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
@@ -63,7 +66,31 @@ def register_node(node_id: int, hello: Hello) -> Node:
     return register_nodes([(node_id, hello)])[0]
 
 
-REPORTED_NODE_FIELDS = ["reported_address", "reported_fabric", "reported_labels", "agent_version", "last_seen", "state"]
+REPORTED_NODE_FIELDS = ["reported_address", "reported_fabric", "reported_labels", "agent_version"]
+# A field with more distinct new values than this in one batch is written with one CASE, not an UPDATE per value.
+_UPDATES_PER_FIELD = 4
+
+
+def _reported(hello: Hello) -> tuple:
+    """What a hello says of the node, in REPORTED_NODE_FIELDS' order."""
+    return hello.address, hello.fabric, hello.labels, hello.version
+
+
+def _write_reported(nodes: list[Node], changed: dict[str, dict[str, list[int]]]) -> None:
+    """Write the reported fields that changed: an UPDATE per distinct value (a fleet's hellos mostly share
+    their agent version, fabric and labels), or one CASE for a field of many values (addresses).
+
+    Django's bulk_update of every field for every node spent most of a connect storm building CASE terms.
+    """
+    for field, by_value in changed.items():
+        if not by_value:
+            continue
+        if len(by_value) <= _UPDATES_PER_FIELD:
+            for value, node_ids in by_value.items():
+                Node.objects.filter(pk__in=node_ids).update(**{field: json.loads(value)})
+        else:
+            ids = {node_id for node_ids in by_value.values() for node_id in node_ids}
+            Node.objects.bulk_update([node for node in nodes if node.pk in ids], [field])
 
 
 @transaction.atomic(savepoint=False)
@@ -89,19 +116,24 @@ def register_nodes(hellos: Sequence[tuple[int, Hello]]) -> list[Node]:
     for gpu in GPU.objects.filter(node_id__in=ids):
         gpus[gpu.node_id][gpu.index] = gpu
     nodes, to_create, to_update, weights = [], [], [], []
+    reported: dict[str, dict[Any, list[int]]] = {field: defaultdict(list) for field in REPORTED_NODE_FIELDS}
     for node_id, hello in hellos:
         node = locked.get(node_id)
         if node is None:
             raise Node.DoesNotExist(f"node {node_id} (“{hello.node}”) is gone")
-        node.reported_address, node.reported_fabric, node.reported_labels = hello.address, hello.fabric, hello.labels
-        node.agent_version, node.last_seen, node.state = hello.version, now, NodeState.READY
+        for field, value in zip(REPORTED_NODE_FIELDS, _reported(hello), strict=True):
+            if getattr(node, field) != value:
+                setattr(node, field, value)
+                reported[field][json.dumps(value, sort_keys=True)].append(node_id)
+        node.last_seen, node.state = now, NodeState.READY
         nodes.append(node)
         created, updated = _match_gpus(node, gpus[node_id], hello, now)
         to_create += created
         to_update += updated
         if hello.weights is not None:
             weights.append((node_id, hello.weights))
-    Node.objects.bulk_update(nodes, REPORTED_NODE_FIELDS)
+    Node.objects.filter(pk__in=ids).update(last_seen=now, state=NodeState.READY)
+    _write_reported(nodes, reported)
     if to_create:
         GPU.objects.bulk_create(to_create)
     if to_update:

@@ -20,16 +20,30 @@ def hello(name: str, address: str = "10.0.0.1") -> Hello:
 @pytest.mark.django_db
 @pytest.mark.parametrize("count", [3, 12])
 def test_a_batch_of_hellos_costs_the_same_statements_however_many(count, django_assert_num_queries):
-    """Nodes lock + update, GPUs read + insert, shards, held GPUs, pending commands; and the test's savepoint.
+    """Nodes locked, marked seen, and their new address and version written; GPUs read and inserted; shards;
+    held GPUs; pending commands. And the test's savepoint.
 
     (Up to the database's limit of parameters per statement: SQLite's 999 splits inserts of over 124 GPUs.)
     """
     nodes = [make_node(f"gpu-{i:02d}", gpus=0) for i in range(count)]
-    with django_assert_num_queries(7 + 2):
+    with django_assert_num_queries(9 + 2):
         recorded = on_hellos([(node.pk, hello(node.name)) for node in nodes])
     assert [node.name for node in recorded] == [node.name for node in nodes]
     assert GPU.objects.count() == 8 * count
     assert set(Node.objects.values_list("agent_version", flat=True)) == {"1.0"}
+
+
+@pytest.mark.django_db
+def test_hellos_write_each_node_its_own_address_and_again_only_that_it_is_alive(django_assert_num_queries):
+    nodes = [make_node(f"gpu-{i:02d}", gpus=0) for i in range(12)]
+    hellos = [(node.pk, hello(node.name, f"10.0.0.{i}")) for i, node in enumerate(nodes)]
+    on_hellos(hellos)
+    assert dict(Node.objects.values_list("name", "reported_address")) == {
+        f"gpu-{i:02d}": f"10.0.0.{i}" for i in range(12)
+    }
+    # Nothing reported changed: nodes locked and marked seen, GPUs read, shards, held GPUs, pending commands.
+    with django_assert_num_queries(6 + 2):
+        on_hellos(hellos)
 
 
 @pytest.mark.django_db
