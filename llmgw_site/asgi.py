@@ -11,6 +11,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from agentlink.consumers import AgentConsumer  # noqa: E402
+from hub.gc_tuning import tune_gc  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
@@ -18,3 +19,6 @@ application = ProtocolTypeRouter(
         "websocket": URLRouter([path("agent/ws", AgentConsumer.as_asgi())]),
     }
 )
+
+# A thousand agent streams make a big heap: full collections with the default thresholds stall command relay.
+tune_gc()

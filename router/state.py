@@ -10,10 +10,10 @@ backstop (DESIGN invariant 7).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 from hub.contracts import EndpointTable, RouterHub
+from hub.gc_tuning import tune_gc
 
 from .background import BackgroundTasks, raise_if_cancelling
 from .balancer import Balancer, EjectionPolicy, TableError
@@ -167,24 +167,3 @@ class RouterState:
             self._poll_failing = False
             if table is not None:
                 self.apply_table(table)
-
-
-def tune_gc() -> None:
-    """Fewer, cheaper garbage collections for a process that serves requests.
-
-    Each request allocates thousands of short-lived objects, so with CPython's
-    default thresholds (700) the collector runs every few requests and, every
-    so often, walks the whole heap: measured at 64 connections, that doubled
-    the router's p99 (bench/README.md). Objects alive at start-up (modules,
-    settings, the app) are frozen out of collections, and the youngest
-    generation is collected every 100,000 allocations instead.
-    """
-    global _gc_tuned
-    if _gc_tuned:  # once per process: what is frozen is never collected, so freeze only the start-up heap
-        return
-    _gc_tuned = True
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 1000)
-
-
-_gc_tuned = False
