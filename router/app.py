@@ -25,9 +25,10 @@ from hub import get_hub
 from hub.contracts import RouterHub
 
 from .affinity import prefix_affinity
-from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json, until_disconnect
+from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
 from .balancer import EjectionPolicy
 from .body import decode_object, echo, requested_model
+from .disconnect import DisconnectWatch, DisconnectWatches
 from .errors import RouterError, method_not_allowed, shutting_down
 from .keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL, metrics_token_ok
@@ -63,49 +64,6 @@ PROXY_PATHS = frozenset(
 MODEL_PATH_PREFIX = "/v1/models/"
 # nginx's convention for "the client closed the request"; only ever a metric label.
 CLIENT_CLOSED = 499
-# How long a request runs before the router starts watching for its client's disconnect (seconds).
-DISCONNECT_WATCH_DELAY = 0.2
-
-
-class DisconnectWatch:
-    """Cancels the request's task when its client goes away, so the upstream request stops with it.
-
-    `start()` (run by a timer on the request's loop) begins waiting for the
-    disconnect; `stop()` ends the wait once the request is over. The task it
-    cancels tells its own cancellation from any other by `client_gone()`.
-    """
-
-    __slots__ = ("_receive", "_outcome", "_task", "_request", "_gone")
-
-    def __init__(self, receive: Receive, outcome: Outcome):
-        self._receive = receive
-        self._outcome = outcome
-        self._request = asyncio.current_task()
-        self._task: asyncio.Task | None = None
-        self._gone = False
-
-    def start(self) -> None:
-        if self._request is not None and not self._request.done():
-            self._task = asyncio.ensure_future(self._wait())
-
-    async def _wait(self) -> None:
-        await until_disconnect(self._receive)
-        request = self._request
-        # A disconnect once the whole answer is sent is only the end of the exchange.
-        if request is not None and not request.done() and not self._outcome.complete:
-            self._gone = True
-            request.cancel()
-
-    def client_gone(self) -> bool:
-        """Whether this watch cancelled the request (and takes that cancellation back, so it ends normally)."""
-        if self._gone and self._request is not None:
-            self._request.uncancel()
-            return True
-        return False
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
 
 class RouterApp:
@@ -120,6 +78,7 @@ class RouterApp:
         self._proxy = state.proxy
         self._max_body_bytes = state.max_body_bytes
         self._metrics_token = getattr(settings, "LLMGW_METRICS_TOKEN", "")
+        self._watches = DisconnectWatches(state.tasks)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -273,7 +232,8 @@ class RouterApp:
         # is still running after DISCONNECT_WATCH_DELAY: most answers are done by then, and spare the
         # task a watch costs.
         watch = DisconnectWatch(receive, outcome)
-        timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_DELAY, watch.start)
+        watches = self._watches
+        watches.add(watch)
         traffic.in_flight += 1
         try:
             await self._proxy.forward(
@@ -292,7 +252,7 @@ class RouterApp:
             outcome.status = outcome.status or 500
             raise
         finally:
-            timer.cancel()
+            watches.discard(watch)
             watch.stop()
             traffic.in_flight -= 1
             traffic.answered(model, outcome.status or CLIENT_CLOSED)

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from conftest import free_port, wait_until
-from router.app import DISCONNECT_WATCH_DELAY
 from router.balancer import EjectionPolicy
+from router.disconnect import DISCONNECT_WATCH_DELAY
 from router.models import ApiKey
 
 from .conftest import ALIAS, MODEL, make_table
