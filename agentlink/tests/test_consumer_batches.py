@@ -33,6 +33,14 @@ def token():
     return enrol_node("gpu-a")[1]
 
 
+async def greeted(token):
+    """A stream for gpu-a whose hello (one GPU) is recorded."""
+    comm, _, _ = await connect("gpu-a", token)
+    await comm.send_json_to(hello(gpus=1))
+    await handled(comm)
+    return comm
+
+
 async def handled(comm) -> None:
     """Wait until every message sent so far was handled (an invalid one's error reply comes after them)."""
     await comm.send_json_to({"type": "bogus", "v": 1})
@@ -42,9 +50,7 @@ async def handled(comm) -> None:
 @pytest.mark.asyncio
 async def test_last_seen_is_written_within_the_flush_interval_not_at_each_heartbeat(token, settings):
     settings.LLMGW_LAST_SEEN_FLUSH_SECONDS = 0.3
-    comm, _, _ = await connect("gpu-a", token)
-    await comm.send_json_to(hello(gpus=1))
-    await handled(comm)
+    comm = await greeted(token)
     node = database_sync_to_async(Node.objects.get)
     stale = timezone.now() - timedelta(seconds=60)
     await database_sync_to_async(Node.objects.update)(last_seen=stale)
@@ -88,9 +94,7 @@ async def test_an_unchanged_heartbeat_is_checked_against_the_tables_only_every_r
 async def test_a_first_heartbeat_saying_what_the_hello_said_is_not_checked_again(token, settings):
     """The hello has just recorded the GPUs: a connect storm's first heartbeats cost no query."""
     settings.LLMGW_HEARTBEAT_RECHECK_SECONDS = 60
-    comm, _, _ = await connect("gpu-a", token)
-    await comm.send_json_to(hello(gpus=1))
-    await handled(comm)
+    comm = await greeted(token)
     await database_sync_to_async(GPU.objects.update)(health=GPUHealth.UNHEALTHY)  # changed behind its back
     await comm.send_json_to(BEAT)
     await handled(comm)
