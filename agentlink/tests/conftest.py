@@ -1,8 +1,12 @@
 """Fixtures of the agent link tests."""
 
 import pytest
+import pytest_asyncio
+from channels.db import database_sync_to_async
+from django.db import connections
 
 from agentlink import batches, consumers
+from inventory.services import enrol_node
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +21,19 @@ def fresh_batches(monkeypatch):
     fresh_hellos = batches.GroupCommit(batches.hellos.name, batches.hellos._write_many, batches.hellos.gather_seconds)
     monkeypatch.setattr(batches, "hellos", fresh_hellos)
     monkeypatch.setattr(consumers, "hellos", fresh_hellos)
+
+
+@pytest_asyncio.fixture
+async def close_consumer_connection():
+    """Close the database connection of the thread the consumer's queries ran on.
+
+    Left open, it keeps the PostgreSQL test database busy at teardown.
+    """
+    yield
+    await database_sync_to_async(connections.close_all)()
+
+
+@pytest.fixture
+def token():
+    """The credential of node gpu-a, freshly enrolled."""
+    return enrol_node("gpu-a")[1]

@@ -1,12 +1,10 @@
 """The agent WebSocket: authentication, validation, registration, command relay."""
 
 import pytest
-import pytest_asyncio
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
-from django.db import connections
 
 from agent import protocol
 from inventory.choices import GPUHealth, NodeState
@@ -18,16 +16,6 @@ from reconciler.outbox import send_to_nodes
 from tests.fleet import make_model, make_replica
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_consumer_connection")]
-
-
-@pytest_asyncio.fixture
-async def close_consumer_connection():
-    """Close the database connection of the thread the consumer's queries ran on.
-
-    Left open, it keeps the PostgreSQL test database busy at teardown.
-    """
-    yield
-    await database_sync_to_async(connections.close_all)()
 
 
 def hello(node="gpu-a", gpus=2, **extra):
@@ -55,12 +43,6 @@ def communicator(node, token):
     if token is not None:
         headers.append((b"authorization", f"Bearer {token}".encode()))
     return WebsocketCommunicator(application, "/agent/ws", headers=headers)
-
-
-@pytest.fixture
-def token():
-    _, token = enrol_node("gpu-a")
-    return token
 
 
 async def connect(node, token):

@@ -4,33 +4,19 @@ import asyncio
 from datetime import timedelta
 
 import pytest
-import pytest_asyncio
 from channels.db import database_sync_to_async
-from django.db import connections
 from django.utils import timezone
 
 from agent import protocol
 from agentlink.tests.test_consumer import connect, hello
 from inventory.choices import GPUHealth
 from inventory.models import GPU, Node
-from inventory.services import enrol_node
 from reconciler.models import PendingCommand
 from reconciler.outbox import new_command_id, record_pending
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_consumer_connection")]
 
 BEAT = {"type": "heartbeat", "v": 1, "gpus": [{"index": 0, "healthy": True}], "shards": []}
-
-
-@pytest_asyncio.fixture
-async def close_consumer_connection():
-    yield
-    await database_sync_to_async(connections.close_all)()
-
-
-@pytest.fixture
-def token():
-    return enrol_node("gpu-a")[1]
 
 
 async def greeted(token):

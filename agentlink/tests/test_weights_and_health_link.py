@@ -2,32 +2,17 @@
 and a heartbeat reporting a held GPU unhealthy fails the replica and stops its shard."""
 
 import pytest
-import pytest_asyncio
 from channels.db import database_sync_to_async
-from django.db import connections
 
 from agent import protocol
 from agentlink.tests.test_consumer import connect, hello
 from inventory.models import Node, Weights
-from inventory.services import enrol_node
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
 from reconciler.outbox import Outbox
 from tests.fleet import make_model, make_replica
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_consumer_connection")]
-
-
-@pytest_asyncio.fixture
-async def close_consumer_connection():
-    """Close the consumer thread's database connection (as test_consumer does), or PostgreSQL stays busy."""
-    yield
-    await database_sync_to_async(connections.close_all)()
-
-
-@pytest.fixture
-def token():
-    return enrol_node("gpu-a")[1]
 
 
 WEIGHTS = [{"source": "org/llama", "path": "/w/hub/models--org--llama", "size_bytes": 123}]
