@@ -5,11 +5,13 @@ import asyncio
 import pytest
 
 from agent.gpus import parse_fake_gpus
-from agent.protocol import Hello
+from agent.protocol import Hello, RunningShard
 from agentlink.batches import GroupCommit
 from agentlink.services import on_hellos
 from inventory.models import GPU, Node
-from tests.fleet import make_node
+from reconciler.choices import ReplicaState
+from reconciler.models import PendingCommand, Replica, Shard
+from tests.fleet import make_model, make_node, make_replica
 
 
 def hello(name: str, address: str = "10.0.0.1") -> Hello:
@@ -44,6 +46,29 @@ def test_hellos_write_each_node_its_own_address_and_again_only_that_it_is_alive(
     # Nothing reported changed: nodes locked and marked seen, GPUs read, shards, held GPUs, pending commands.
     with django_assert_num_queries(6 + 2):
         on_hellos(hellos)
+
+
+@pytest.mark.django_db
+def test_a_replica_spanning_two_nodes_of_one_batch_fails_once_and_its_other_engine_is_stopped():
+    """gpu-a restarted and lost its engine: the two-node replica fails, and gpu-b's engine of it is an orphan."""
+    a, b = make_node("gpu-a", gpus=0), make_node("gpu-b", gpus=0)
+    profile = make_model("big", nodes_per_replica=2).profiles.get()
+    replica = make_replica(profile, placement=[(a, []), (b, [])])
+    worker = Shard.objects.get(node=b)
+    running = RunningShard(shard_id=worker.pk, replica_id=replica.pk, state="ready", port=worker.port)
+
+    on_hellos([(a.pk, hello("gpu-a")), (b.pk, Hello(**{**_fields(hello("gpu-b")), "shards": [running]}))])
+
+    assert Replica.objects.get().state == ReplicaState.PENDING  # lost with its node: placed again at once
+    assert not Shard.objects.exists()
+    # The stop of gpu-b's engine is decided (recorded pending, sent after commit), not an error of the batch.
+    assert list(PendingCommand.objects.values_list("node_name", "kind", "shard_id")) == [
+        ("gpu-b", "stop_shard", worker.pk)
+    ]
+
+
+def _fields(message: Hello) -> dict:
+    return {name: getattr(message, name) for name in message.__struct_fields__}
 
 
 @pytest.mark.django_db
