@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
@@ -13,32 +14,34 @@ from agent.state import STATE_FILE, AgentState, StateError, default_state_dir
 from agent.tests.stand_ins import NODE, ControlPlane, command, make_agent, run
 
 
+@contextlib.asynccontextmanager
+async def greeted(state_dir):
+    """A control plane and an agent on `state_dir` that has said hello; the agent is shut down after."""
+    async with ControlPlane() as cp:
+        agent = make_agent([cp.url], state_dir=state_dir)
+        task = asyncio.create_task(agent.run())
+        await cp.next(protocol.HELLO)
+        yield cp, agent
+        await agent.shutdown()
+        await task
+
+
 def test_restarted_agent_refuses_an_epoch_older_than_one_seen_before_the_restart(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="agent.state")
     state_dir = tmp_path / "state"
 
     async def scenario():
-        async with ControlPlane() as cp:
-            agent = make_agent([cp.url], state_dir=state_dir)
-            task = asyncio.create_task(agent.run())
-            await cp.next(protocol.HELLO)
+        async with greeted(state_dir) as (cp, _):
             await cp.send(command(protocol.STOP_SHARD, 5, shard_id=1))
             assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 1
-            await agent.shutdown()
-            await task
 
         # A new process (a new Agent) on the same state directory.
-        async with ControlPlane() as cp:
-            agent = make_agent([cp.url], state_dir=state_dir)
+        async with greeted(state_dir) as (cp, agent):
             assert agent.highest_epoch == 5
-            task = asyncio.create_task(agent.run())
-            await cp.next(protocol.HELLO)
             await cp.send(command(protocol.STOP_SHARD, 4, shard_id=2))
             # The current leader's command is answered; the stale one never is.
             await cp.send(command(protocol.STOP_SHARD, 5, shard_id=3))
             assert (await cp.next(protocol.SHARD_STATUS))["shard_id"] == 3
-            await agent.shutdown()
-            await task
 
     run(scenario())
     assert "epoch 4 is older than epoch 5 already seen (remembered in " in caplog.text
@@ -60,10 +63,7 @@ def test_a_newer_epoch_that_cannot_be_recorded_is_refused(tmp_path, caplog):
     state_dir = tmp_path / "state"
 
     async def scenario():
-        async with ControlPlane() as cp:
-            agent = make_agent([cp.url], state_dir=state_dir)
-            task = asyncio.create_task(agent.run())
-            await cp.next(protocol.HELLO)
+        async with greeted(state_dir) as (cp, agent):
             # The directory vanishes under the agent (a disk replaced, a wrong mount).
             shutil.rmtree(state_dir)
             state_dir.write_text("not a directory")
@@ -71,8 +71,6 @@ def test_a_newer_epoch_that_cannot_be_recorded_is_refused(tmp_path, caplog):
             with pytest.raises(TimeoutError):
                 await cp.next(protocol.SHARD_STATUS, timeout=0.5)
             assert agent.highest_epoch is None
-            await agent.shutdown()
-            await task
 
     run(scenario())
     assert "epoch 3 cannot be recorded" in caplog.text and "cannot write the agent state file" in caplog.text
