@@ -20,11 +20,6 @@ from reconciler.commands import send_pending_soon_to
 from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
 
 
-def on_hello(node_id: int, hello: Hello) -> Node:
-    """Record the node and its GPUs, and match the shards it runs against its rows, all or nothing."""
-    return on_hellos([(node_id, hello)])[0]
-
-
 @transaction.atomic
 def on_hellos(hellos: Sequence[tuple[int, Hello]]) -> list[Node]:
     """Record a batch of hellos in one transaction, all or nothing; returns each hello's node.

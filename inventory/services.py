@@ -61,11 +61,6 @@ def _apply_gpu_health(gpu, healthy: bool, now, reason: str = "") -> bool:
     return True
 
 
-def register_node(node_id: int, hello: Hello) -> Node:
-    """Record one validated `hello` (see register_nodes)."""
-    return register_nodes([(node_id, hello)])[0]
-
-
 REPORTED_NODE_FIELDS = ["reported_address", "reported_fabric", "reported_labels", "agent_version"]
 # A field with more distinct new values than this in one batch is written with one CASE, not an UPDATE per value.
 _UPDATES_PER_FIELD = 4

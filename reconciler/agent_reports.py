@@ -1,7 +1,8 @@
-"""What agents report about their shards, applied to the rows (one transaction per report or batch).
+"""What agents report about their shards, applied to the rows (one transaction per batch or report).
 
-`record_shard_statuses` takes a batch of `shard_status` reports; `reconcile_reported_shards`
-matches the shards a `hello` says are running against the node's rows;
+`record_shard_statuses` takes a batch of `shard_status` reports;
+`reconcile_reported_shards_of_nodes` matches the shards hellos say are running
+against their nodes' rows;
 `stop_orphan_shards` stops engines a heartbeat reports that no row owns;
 `record_running` keeps each shard's requests in flight as its engine last
 reported them. A node speaks only for itself: reports about shards on other
@@ -88,11 +89,6 @@ def _mark_port_busy(shard: Shard, now: datetime) -> None:
     log.warning("port %s is busy on node %s; not using it there until %s", shard.port, shard.node.name, until)
 
 
-def record_shard_status(node: Node, status: ShardStatus) -> None:
-    """Record one agent's shard_status report (starting / ready / failed / stopped) in one transaction."""
-    record_shard_statuses([(node.pk, node.name, status)])
-
-
 def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> None:
     """Record (node id, node name, report) shard_status reports in one transaction, in the order given.
 
@@ -143,18 +139,14 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
         outbox.send_on_commit()
 
 
-def reconcile_reported_shards(node: Node, reported: list[RunningShard]) -> None:
-    """Match what an agent says it runs (on hello) against the shard rows for its node.
+def reconcile_reported_shards_of_nodes(reports: Sequence[tuple[Node, list[RunningShard]]]) -> None:
+    """Match what agents say they run (on hello) against the shard rows for their nodes.
 
     Known and reported: kept, with the reported state applied. Reported but
     unknown: stopped (orphans). Expected but not reported: the agent lost its
-    engines, so their replicas fail and back off.
+    engines, so their replicas fail and back off. The nodes' shards are read
+    and locked in one query.
     """
-    reconcile_reported_shards_of_nodes([(node, reported)])
-
-
-def reconcile_reported_shards_of_nodes(reports: Sequence[tuple[Node, list[RunningShard]]]) -> None:
-    """reconcile_reported_shards for several nodes' hellos: their shards read and locked in one query."""
     now = timezone.now()
     outbox = Outbox()
     wake = False

@@ -78,11 +78,6 @@ def acknowledge_many(acks) -> int:
     return deleted
 
 
-def send_pending_soon(node_name: str, now: datetime) -> int:
-    """Make the node's unacknowledged commands due now (its agent has just said hello); one query."""
-    return send_pending_soon_to([node_name], now)
-
-
 def send_pending_soon_to(node_names: Iterable[str], now: datetime) -> int:
-    """send_pending_soon for several nodes, in one query."""
+    """Make the nodes' unacknowledged commands due now (their agents have just said hello); one query."""
     return PendingCommand.objects.filter(node_name__in=list(node_names), due_at__gt=now).update(due_at=now)

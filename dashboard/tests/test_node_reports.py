@@ -10,7 +10,7 @@ from django.utils import timezone
 from agent.protocol import GPUReport, Hello
 from dashboard.summary import cluster_summary
 from inventory.models import Node
-from inventory.services import enrol_node, register_node
+from inventory.services import enrol_node, register_nodes
 from reconciler.capacity import free_capacity
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.lifecycle import mark_ready_if_whole
@@ -28,7 +28,7 @@ def hello(name: str, address: str, fabric: str, labels: dict | None = None) -> H
 def test_operator_address_and_fabric_survive_a_hello_that_reports_others_with_a_warning():
     node, _ = enrol_node("gpu-a", address="10.0.0.5", fabric="ib-a")
     Node.objects.filter(pk=node.pk).update(labels={"rack": "r1"})
-    register_node(node.pk, hello("gpu-a", "192.168.1.9", "ib-b", {"rack": "r9"}))
+    register_nodes([(node.pk, hello("gpu-a", "192.168.1.9", "ib-b", {"rack": "r9"}))])
 
     node.refresh_from_db()
     assert (node.address, node.fabric, node.labels) == ("10.0.0.5", "ib-a", {"rack": "r1"})
@@ -62,7 +62,7 @@ def test_operator_address_and_fabric_survive_a_hello_that_reports_others_with_a_
 
 def test_empty_operator_fields_are_filled_from_the_report_and_placement_uses_them():
     node, _ = enrol_node("gpu-b")
-    register_node(node.pk, hello("gpu-b", "10.0.0.7", "ib-c", {"zone": "z1"}))
+    register_nodes([(node.pk, hello("gpu-b", "10.0.0.7", "ib-c", {"zone": "z1"}))])
 
     node.refresh_from_db()
     assert (node.address, node.fabric, node.labels) == ("", "", {})
@@ -87,7 +87,7 @@ def test_empty_operator_fields_are_filled_from_the_report_and_placement_uses_the
 
     # An operator sets the address later: the next hello does not take it back.
     Node.objects.filter(pk=node.pk).update(address="10.9.9.9")
-    register_node(node.pk, hello("gpu-b", "10.0.0.7", "ib-c"))
+    register_nodes([(node.pk, hello("gpu-b", "10.0.0.7", "ib-c"))])
     node.refresh_from_db()
     assert node.effective_address == "10.9.9.9"
     assert free_capacity(timezone.now()).nodes[H100]["gpu-b"].address == "10.9.9.9"
@@ -95,7 +95,7 @@ def test_empty_operator_fields_are_filled_from_the_report_and_placement_uses_the
 
 def test_admin_node_list_and_change_page_show_the_warning(admin_client):
     node, _ = enrol_node("gpu-c", address="10.0.0.5")
-    register_node(node.pk, hello("gpu-c", "10.0.0.6", ""))
+    register_nodes([(node.pk, hello("gpu-c", "10.0.0.6", ""))])
     expected = "address set to “10.0.0.5” but its agent reports “10.0.0.6”"
     listing = admin_client.get("/admin/inventory/node/").content.decode()
     assert expected in listing
@@ -105,7 +105,7 @@ def test_admin_node_list_and_change_page_show_the_warning(admin_client):
 
 def test_rest_node_shows_reports_and_warnings(admin_client):
     node, _ = enrol_node("gpu-d", fabric="ib-a")
-    register_node(node.pk, hello("gpu-d", "10.0.0.8", "ib-z"))
+    register_nodes([(node.pk, hello("gpu-d", "10.0.0.8", "ib-z"))])
     body = admin_client.get("/api/v1/nodes/gpu-d/").json()
     assert (body["fabric"], body["reported_fabric"], body["reported_address"]) == ("ib-a", "ib-z", "10.0.0.8")
     assert body["warnings"] == ["fabric set to “ib-a” but its agent reports “ib-z”"]

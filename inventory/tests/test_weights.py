@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus
 from inventory.models import Node, Weights, human_size
-from inventory.services import record_heartbeat, record_weights, record_weights_status, register_node
+from inventory.services import record_heartbeat, record_weights, record_weights_status, register_nodes
 
 pytestmark = pytest.mark.django_db
 
@@ -22,9 +22,9 @@ def node():
 
 
 def test_hello_records_the_weights_and_a_hello_without_weights_leaves_them(node):
-    register_node(node.pk, Hello(node="gpu-a", version="v", address="a", gpus=[], weights=[report("org/m", 5)]))
+    register_nodes([(node.pk, Hello(node="gpu-a", version="v", address="a", gpus=[], weights=[report("org/m", 5)]))])
     assert list(Weights.objects.values_list("source", "size_bytes")) == [("org/m", 5)]
-    register_node(node.pk, Hello(node="gpu-a", version="v", address="a", gpus=[]))  # an older agent: unknown
+    register_nodes([(node.pk, Hello(node="gpu-a", version="v", address="a", gpus=[]))])  # an older agent: unknown
     assert Weights.objects.count() == 1
 
 

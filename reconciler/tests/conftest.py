@@ -12,7 +12,7 @@ from django.utils import timezone
 from agent.protocol import ShardStatus
 from hub import UsageReport, get_hub
 from llmgw_site.celery import app as celery_app
-from reconciler.agent_reports import record_shard_status
+from reconciler.agent_reports import record_shard_statuses
 from reconciler.lease import Leadership
 from reconciler.tick import tick
 from tests.fleet import watch_usage
@@ -98,7 +98,7 @@ def shard_report(django_capture_on_commit_callbacks):
     def report(node, shard, state, message="", port=None, port_busy=False):
         status = ShardStatus(shard_id=shard.pk, state=state, message=message, port=port, port_busy=port_busy)
         with django_capture_on_commit_callbacks(execute=True):
-            record_shard_status(node, status)
+            record_shard_statuses([(node.pk, node.name, status)])
 
     return report
 

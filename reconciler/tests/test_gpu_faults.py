@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from agent.protocol import GPUHealth, GPUReport, Heartbeat, Hello, RunningShard, ShardHeartbeat
-from agentlink.services import on_heartbeat, on_hello
+from agentlink.services import on_heartbeat, on_hellos
 from inventory.choices import GPUHealth as Health
 from inventory.models import GPU
 from reconciler.choices import ReplicaState
@@ -97,7 +97,7 @@ def test_a_gpu_the_agent_no_longer_reports_at_hello_fails_the_replica_on_it(djan
         shards=[RunningShard(shard_id=shard.pk, replica_id=replica.pk, state="ready", port=shard.port)],
     )
     with django_capture_on_commit_callbacks(execute=True):
-        on_hello(node.pk, hello)
+        on_hellos([(node.pk, hello)])
     replica.refresh_from_db()
     assert replica.state == ReplicaState.FAILED
     assert replica.last_error == "GPU 1 on gpu-a is unhealthy: no longer reported by the node's agent"

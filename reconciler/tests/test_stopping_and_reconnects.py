@@ -8,9 +8,9 @@ from django.utils import timezone
 
 from agent.protocol import RunningShard
 from hub import get_hub
-from reconciler.agent_reports import reconcile_reported_shards
+from reconciler.agent_reports import reconcile_reported_shards_of_nodes
 from reconciler.choices import ReplicaState, ShardState
-from reconciler.commands import acknowledge, send_pending_soon
+from reconciler.commands import acknowledge, send_pending_soon_to
 from reconciler.endpoints import build_endpoint_table
 from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
 from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
@@ -70,12 +70,16 @@ def test_agent_hello_keeps_known_shards_stops_orphans_and_fails_missing_ones(
     inbox = agent_inbox("gpu-a")
 
     with django_capture_on_commit_callbacks(execute=True):
-        reconcile_reported_shards(
-            node,
+        reconcile_reported_shards_of_nodes(
             [
-                RunningShard(shard_id=kept.pk, replica_id=kept.replica_id, state="ready", port=kept.port),
-                RunningShard(shard_id=424242, replica_id=7, state="ready", port=29999),
-            ],
+                (
+                    node,
+                    [
+                        RunningShard(shard_id=kept.pk, replica_id=kept.replica_id, state="ready", port=kept.port),
+                        RunningShard(shard_id=424242, replica_id=7, state="ready", port=29999),
+                    ],
+                )
+            ]
         )
 
     assert Replica.objects.get(model__name="kept").state == ReplicaState.READY
@@ -98,9 +102,9 @@ def test_a_start_the_agent_never_answered_is_sent_again_after_its_hello_not_fail
     inbox = agent_inbox("gpu-a")
 
     with django_capture_on_commit_callbacks(execute=True):
-        # What agentlink.services.on_hello does with a hello that lists no shards.
-        reconcile_reported_shards(node, [])
-        send_pending_soon(node.name, timezone.now())
+        # What agentlink.services.on_hellos does with a hello that lists no shards.
+        reconcile_reported_shards_of_nodes([(node, [])])
+        send_pending_soon_to([node.name], timezone.now())
     assert run_tick().commands_resent == 1
 
     replica = Replica.objects.get()
