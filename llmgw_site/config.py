@@ -169,7 +169,7 @@ SETTINGS: tuple[Setting, ...] = (
         "LLMGW_UPSTREAM_FIRST_BYTE_SECONDS",
         "float",
         600.0,
-        "router deadline for an engine's first byte (then 504)",
+        "router deadline for an engine's first byte, from sending (connecting included; then 504)",
         0.001,
     ),
     _s(

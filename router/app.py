@@ -28,12 +28,10 @@ from .affinity import prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
 from .balancer import EjectionPolicy
 from .body import decode_object, echo, requested_model
-from .disconnect import DisconnectWatch, DisconnectWatches
 from .errors import RouterError, method_not_allowed, shutting_down
-from .keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
+from .keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL, metrics_token_ok
 from .state import RouterState
-from .wire import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -78,35 +76,13 @@ class RouterApp:
         self._proxy = state.proxy
         self._max_body_bytes = state.max_body_bytes
         self._metrics_token = getattr(settings, "LLMGW_METRICS_TOKEN", "")
-        self._watches = DisconnectWatches(state.tasks)
+        self._in_flight = state.in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-        elif kind == "websocket":
-            await receive()
-            await send({"type": "websocket.close", "code": 1008})
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.state.start()
-                except Exception as exc:
-                    log.exception("router startup failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.state.stop()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # HTTP is routed here rather than in a method of its own: a coroutine less on every request.
+        if scope["type"] != "http":
+            await self._not_http(scope, receive, send)
+            return
         path, method = scope["path"], scope["method"]
         try:
             if self.state.draining and path != "/metrics":
@@ -140,6 +116,30 @@ class RouterApp:
                 raise RouterError(404, f"Unknown path: {method} {path}", "not_found")
         except RouterError as exc:
             await send_bytes(send, exc.status, exc.body(), JSON_CONTENT_TYPE, exc.headers)
+
+    async def _not_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "websocket":
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.state.start()
+                except Exception as exc:
+                    log.exception("router startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.state.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
     def _model_list(self, key: KeyInfo) -> dict[str, Any]:
         """Every model the key may use, under its name and each alias."""
@@ -181,8 +181,21 @@ class RouterApp:
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise RouterError(401, "The Authorization header must be 'Bearer <key>'.", "invalid_api_key")
+        info = self._keys.cached(key)
+        if info is NOT_CACHED:
+            info = await self._lookup(key)
+        if info is None:
+            raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
+        expires_at = info.expires_at
+        if expires_at is not None and time.time() >= expires_at:
+            when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
+            raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
+        return info
+
+    async def _lookup(self, key: str) -> KeyInfo | None:
+        """The key from the store (the cache had no answer), or a 503 RouterError when it cannot be verified."""
         try:
-            info = await self._keys.check(key)
+            return await self._keys.check(key)
         except KeyStoreUnreachable:
             raise RouterError(
                 503,
@@ -199,13 +212,6 @@ class RouterApp:
                 "key_check_unavailable",
                 type_="server_error",
             ) from None
-        if info is None:
-            raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
-        expires_at = info.expires_at
-        if expires_at is not None and time.time() >= expires_at:
-            when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
-            raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
-        return info
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         traffic = self._metrics.traffic
@@ -225,37 +231,31 @@ class RouterApp:
             traffic.answered(model, exc.status)
             raise
 
-        # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.tokens.
-        outcome = Outcome(key.digest)
-        # The client may go away while we wait for a replica or stream: then the upstream request must
-        # stop. The request is forwarded in this task, and a watch for the disconnect starts only if it
-        # is still running after DISCONNECT_WATCH_DELAY: most answers are done by then, and spare the
-        # task a watch costs.
-        watch = DisconnectWatch(receive, outcome)
-        watches = self._watches
-        watches.add(watch)
+        # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.tokens. The client may
+        # go away while we wait for a replica or stream: the sweep of requests in flight then cancels this
+        # task, so the upstream request stops with it (router.inflight).
+        exchange = self._in_flight.begin(key.digest, receive)
         traffic.in_flight += 1
         try:
             await self._proxy.forward(
-                scope, send, path, model, body, outcome, streaming, affinity=affinity, pools=key.allowed_pools or None
+                scope, send, path, model, body, exchange, streaming, affinity=affinity, pools=key.allowed_pools or None
             )
         except asyncio.CancelledError:
-            if not watch.client_gone():
+            if not exchange.client_gone():
                 raise
-            # The watch cancelled us: the client left. A disconnect after the whole answer is just its end.
-            if not outcome.complete:
-                outcome.status = CLIENT_CLOSED
+            # The client left. A disconnect after the whole answer is just its end.
+            if not exchange.complete:
+                exchange.status = CLIENT_CLOSED
         except RouterError as exc:
-            outcome.status = exc.status
+            exchange.status = exc.status
             raise
         except BaseException:
-            outcome.status = outcome.status or 500
+            exchange.status = exchange.status or 500
             raise
         finally:
-            watches.discard(watch)
-            watch.stop()
+            self._in_flight.end(exchange)
             traffic.in_flight -= 1
-            traffic.answered(model, outcome.status or CLIENT_CLOSED)
+            traffic.answered(model, exchange.status or CLIENT_CLOSED)
 
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
         """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError

@@ -170,7 +170,9 @@ class Balancer:
         stamp are one critical section, so a stamp always names the replica
         actually used.
         """
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`: its __enter__/__exit__ calls cost as much again, twice per request
+        try:
             candidates = self._endpoints.get(model)
             if not candidates:
                 return None
@@ -180,26 +182,10 @@ class Balancer:
                 candidates = [e for e in candidates if e not in excluded and (pools is None or e.pool in pools)]
                 if not candidates:
                     return None
-            best, best_load, tier = self._least_loaded(candidates, True, affinity is not None)
-            if not best:  # every replica left is KV-full (or ejected): the least loaded of them
-                best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
-            if best:
-                chosen = None
-                if tier:
-                    # One replica at the top priority (the common case) is its own rendezvous winner.
-                    preferred = (
-                        tier[0] if len(tier) == 1 else max(tier, key=lambda e: hash((affinity, e.affinity_seed)))
-                    )
-                    if preferred.load <= best_load + self.affinity_slack:
-                        chosen = preferred
-                if chosen is None:
-                    turn = self._turn.get(model, 0)
-                    chosen = best[turn % len(best)]
-                    self._turn[model] = turn + 1
-                if chosen.health.ejected_until:
-                    chosen.health.probing = True  # half-open: this request is the one probe
+            if len(candidates) == 1 and not candidates[0].health.ejected_until:
+                chosen = candidates[0]  # what the rules choose when there is no choice (a model's usual case)
             else:
-                chosen = min(candidates, key=_ejected_at)
+                chosen = self._choose(model, candidates, affinity)
             chosen.outstanding += 1
             self._stamps[chosen.replica_id] = self._clock()
             model = chosen.model
@@ -208,6 +194,29 @@ class Balancer:
             if in_flight > self._peaks.get(model, 0):
                 self._peaks[model] = in_flight
             return chosen
+        finally:
+            lock.release()
+
+    def _choose(self, model: str, candidates: list[Endpoint], affinity: int | None) -> Endpoint:
+        """The replica `pick` takes among `candidates` (see there). Under the lock."""
+        best, best_load, tier = self._least_loaded(candidates, True, affinity is not None)
+        if not best:  # every replica left is KV-full (or ejected): the least loaded of them
+            best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
+        if not best:
+            return min(candidates, key=_ejected_at)
+        chosen = None
+        if tier:
+            # One replica at the top priority is its own rendezvous winner.
+            preferred = tier[0] if len(tier) == 1 else max(tier, key=lambda e: hash((affinity, e.affinity_seed)))
+            if preferred.load <= best_load + self.affinity_slack:
+                chosen = preferred
+        if chosen is None:
+            turn = self._turn.get(model, 0)
+            chosen = best[turn % len(best)]
+            self._turn[model] = turn + 1
+        if chosen.health.ejected_until:
+            chosen.health.probing = True  # half-open: this request is the one probe
+        return chosen
 
     def _least_loaded(
         self, candidates: list[Endpoint], skip_full: bool, with_tier: bool
@@ -255,18 +264,21 @@ class Balancer:
 
     def release(self, endpoint: Endpoint, failure: Failure | None = None) -> None:
         """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`, as in `pick`
+        try:
             endpoint.outstanding -= 1
             try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)
                 self._in_flight[endpoint.model] -= 1
             except KeyError:  # a release without its pick: nothing was counted
                 pass
-            if failure is not None:
-                change = self._record_failure(endpoint, failure)
-            else:
+            if failure is None:
                 # A probe that ended without an outcome (the client left): let another request probe.
                 endpoint.health.probing = False
                 return
+            change = self._record_failure(endpoint, failure)
+        finally:
+            lock.release()
         if change:
             self._log_change(endpoint, change)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import math
 import time
@@ -46,6 +47,15 @@ from .background import raise_if_cancelling
 from .models import ApiKey
 
 log = logging.getLogger(__name__)
+
+
+class NotCached(enum.Enum):
+    """The type of NOT_CACHED: the cache has no answer for a key (never looked up, or its answer expired)."""
+
+    NOT_CACHED = "not cached"
+
+
+NOT_CACHED = NotCached.NOT_CACHED
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,20 +176,31 @@ class ApiKeyCache:
         self.lookups = 0  # database lookups made, for tests and /health
         self.changes_heard = 0  # key changes applied from the hub, for tests and /health
 
+    def cached(self, key: str) -> KeyInfo | None | NotCached:
+        """What the cache answers for `key` without asking the store (an active key, or None: unknown or
+        revoked), or NOT_CACHED: then `check` asks the store. No coroutine: the hot path of every request."""
+        digest = self._digests.get(key)
+        if digest is None:
+            return NOT_CACHED
+        cached = self._entries.get(digest)
+        if cached is not None and cached[1] > self._clock():
+            return cached[0]
+        return NOT_CACHED
+
     async def check(self, key: str) -> KeyInfo | None:
         """The active key `key` is, or None if it is unknown or revoked.
 
         Raises KeyStoreUnreachable if the database cannot be asked and never answered for `key`.
         """
+        info = self.cached(key)
+        if info is not NOT_CACHED:
+            return info
         digest = self._digests.get(key)
         if digest is None:
             if len(self._digests) >= self.max_entries:
                 self._digests.clear()
             digest = self._digests[key] = hash_secret(key)
-        cached = self._entries.get(digest)
-        if cached is not None and cached[1] > self._clock():
-            return cached[0]
-        return await self._ask_store(digest, cached)
+        return await self._ask_store(digest, self._entries.get(digest))
 
     async def is_valid(self, key: str) -> bool:
         """Whether `key` belongs to an active ApiKey (expiry aside)."""

@@ -29,7 +29,7 @@ from .errors import RouterError
 WINDOW_SECONDS = 60
 
 
-@dataclass
+@dataclass(slots=True)
 class _KeyWindow:
     """One limited key's state in the current minute on this router."""
 
@@ -57,14 +57,13 @@ class RateLimiter:
         """Count one request of a limited key, or raise a 429 RouterError in OpenAI's shape."""
         minute = int(self._clock() // WINDOW_SECONDS)
         state = self._keys.get(digest)
-        if state is None or state.minute != minute or (state.rpm, state.tpm) != (rpm, tpm):
+        if state is None or state.minute != minute or state.rpm != rpm or state.tpm != tpm:
             state = self._keys[digest] = _KeyWindow(rpm, tpm, minute, name)
         routers = self.routers
-        if rpm is not None and (
-            state.admitted >= math.ceil(rpm / routers) or state.total_requests + state.requests >= rpm
-        ):
+        # `used * routers >= limit` is `used >= ceil(limit / routers)`, the share, without dividing.
+        if rpm is not None and (state.admitted * routers >= rpm or state.total_requests + state.requests >= rpm):
             raise self._limited(state, "requests")
-        if tpm is not None and (state.spent >= math.ceil(tpm / routers) or state.total_tokens + state.tokens >= tpm):
+        if tpm is not None and (state.spent * routers >= tpm or state.total_tokens + state.tokens >= tpm):
             raise self._limited(state, "tokens")
         state.admitted += 1
         state.requests += 1

@@ -23,6 +23,7 @@ model (router.tokens).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -32,13 +33,13 @@ from .asgi_io import Scope, Send
 from .balancer import Balancer, Endpoint, Failure
 from .coldstart import ColdStart
 from .errors import RouterError
+from .inflight import Exchange
 from .metrics import RouterMetrics
-from .tokens import ask_for_usage, usage_reader
+from .tokens import ask_for_usage, usage_of_whole_answer, usage_reader
 from .wire import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
     WHOLE_BODY_LIMIT,
-    Outcome,
     response_headers,
     sse_error_event,
     upstream_headers,
@@ -67,9 +68,10 @@ class Proxy:
         self.cold_start = cold_start
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
-        # Per-phase deadlines only: a stream may run as long as the engine keeps sending. Until the
-        # answer begins, sock_read is the first-byte deadline; _begin_idle_deadline then shortens it.
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=first_byte_timeout)
+        # Per-phase deadlines only: a stream may run as long as the engine keeps sending. The first byte's
+        # is kept by the sweep of requests in flight (router.inflight), the silence between chunks by
+        # aiohttp's read deadline, armed by _begin_idle_deadline once the answer has begun.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=None)
         self.session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
@@ -83,6 +85,8 @@ class Proxy:
             timeout=self.timeout,
             # Bytes go to the client as the engine sent them; Accept-Encoding is the client's own.
             auto_decompress=False,
+            # A cookie an engine sets is for its client: never kept here and sent along with other requests.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def close(self) -> None:
@@ -97,7 +101,7 @@ class Proxy:
         path: str,
         model: str,
         body: bytes,
-        outcome: Outcome,
+        exchange: Exchange,
         streaming: bool = False,
         *,
         affinity: int | None = None,
@@ -116,7 +120,7 @@ class Proxy:
             # Answer at once and keep the stream alive while the model starts. From here on an
             # error can only travel inside the stream, as an OpenAI error event.
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            outcome.status = 200
+            exchange.status = 200
             try:
                 endpoint = await cold_start.wait_with_keepalives(send, model, affinity, pools)
                 await self._send_upstream(
@@ -125,7 +129,7 @@ class Proxy:
                     path,
                     model,
                     body,
-                    outcome,
+                    exchange,
                     endpoint,
                     headers_sent=True,
                     affinity=affinity,
@@ -133,7 +137,7 @@ class Proxy:
                     pass_usage=pass_usage,
                 )
             except RouterError as exc:
-                outcome.status = exc.status
+                exchange.status = exc.status
                 await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n", "more_body": False})
             return
         if endpoint is None:
@@ -146,7 +150,7 @@ class Proxy:
             path,
             model,
             body,
-            outcome,
+            exchange,
             endpoint,
             headers_sent=False,
             affinity=affinity,
@@ -161,7 +165,7 @@ class Proxy:
         path: str,
         model: str,
         body: bytes,
-        outcome: Outcome,
+        exchange: Exchange,
         endpoint: Endpoint,
         *,
         headers_sent: bool,
@@ -181,6 +185,8 @@ class Proxy:
         while True:
             tried.append(endpoint)
             retry_possible = len(tried) == 1
+            # The first byte is due from now (router.inflight); a retry has a deadline of its own.
+            exchange.awaiting, exchange.due = True, None
             try:
                 started = time.perf_counter()
                 response = await session.post(endpoint.url + path, data=body, headers=headers)
@@ -188,7 +194,10 @@ class Proxy:
                 failure, error = Failure.CONNECT, exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 failure, error = Failure.LOST, exc
-            except (aiohttp.SocketTimeoutError, TimeoutError):
+            except asyncio.CancelledError:
+                if not exchange.deadline_passed():
+                    balancer.release(endpoint)
+                    raise
                 # Not retried: the engine accepted the request and may be working on it.
                 balancer.release(endpoint, Failure.LOST)
                 raise RouterError(
@@ -203,6 +212,8 @@ class Proxy:
                 raise
             else:
                 failure = None
+            finally:
+                exchange.awaiting = False
             if failure is not None:
                 # Nothing reached the client yet: count the failure (it may eject the replica) and retry once.
                 balancer.release(endpoint, failure)
@@ -249,13 +260,13 @@ class Proxy:
                     "upstream_error",
                     type_="server_error",
                 )
-            await self._relay(send, endpoint, response, outcome, headers_sent=headers_sent, pass_usage=pass_usage)
+            await self._relay(send, endpoint, response, exchange, headers_sent=headers_sent, pass_usage=pass_usage)
             return
 
     def _begin_idle_deadline(self, response: aiohttp.ClientResponse) -> None:
         """Once the answer has begun, the read deadline is the silence allowed between chunks."""
-        if self.idle_timeout == self.first_byte_timeout or response.content.is_eof():
-            return  # nothing more to read (the common small answer), or the deadline is the same
+        if response.content.is_eof():
+            return  # nothing more to read: the common small answer
         connection = response.connection
         protocol = connection.protocol if connection is not None else None
         if protocol is not None:
@@ -279,7 +290,7 @@ class Proxy:
         send: Send,
         endpoint: Endpoint,
         response: aiohttp.ClientResponse,
-        outcome: Outcome,
+        exchange: Exchange,
         *,
         headers_sent: bool = False,
         pass_usage: bool = True,
@@ -292,11 +303,11 @@ class Proxy:
         clean = False
         status = response.status
         reader = None
+        usage = None
         engine_headers = response.headers
         # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
         content_type = engine_headers.get("Content-Type", "")
-        if outcome.key is not None and 200 <= status < 300:
-            reader = usage_reader(content_type, engine_headers.get("Content-Encoding", ""), pass_usage)
+        counted = exchange.key is not None and 200 <= status < 300
         try:
             streamed = headers_sent or content_type.startswith("text/event-stream")
             length = response.content_length
@@ -308,9 +319,9 @@ class Proxy:
                     status, message = self._break_message(endpoint, exc)
                     log.warning("%s (%r)", message, exc)
                     raise RouterError(status, message, "upstream_failed", type_="server_error") from None
-                if reader is not None:
+                if counted:
                     # A whole JSON answer: its usage is read here; nothing of it is dropped.
-                    body = reader.feed(body) + reader.finish()
+                    usage = usage_of_whole_answer(content_type, engine_headers.get("Content-Encoding", ""), body)
                 await send(
                     {
                         "type": "http.response.start",
@@ -318,10 +329,12 @@ class Proxy:
                         "headers": response_headers(response, endpoint),
                     }
                 )
-                outcome.status = response.status
+                exchange.status = response.status
                 await send({"type": "http.response.body", "body": body, "more_body": False})
-                outcome.complete = clean = True
+                exchange.complete = clean = True
                 return
+            if counted:
+                reader = usage_reader(content_type, engine_headers.get("Content-Encoding", ""), pass_usage)
             if not headers_sent:
                 # A body that may lose its usage event cannot keep the engine's length.
                 dropping = reader is not None and reader.drops
@@ -332,7 +345,7 @@ class Proxy:
                         "headers": response_headers(response, endpoint, without_length=dropping),
                     }
                 )
-            outcome.status = response.status
+            exchange.status = response.status
             try:
                 async for chunk in response.content.iter_any():
                     if reader is not None:
@@ -348,11 +361,11 @@ class Proxy:
                 if not streamed:
                     # Too late for a status and a body of known length cannot be ended early: the client sees a cut.
                     return
-                outcome.status = status
+                exchange.status = status
                 await send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome.complete = True
+            exchange.complete = True
             clean = True
         finally:
             if clean:
@@ -361,8 +374,9 @@ class Proxy:
                 # Closing (not pooling) the connection is what makes the engine stop generating.
                 response.close()
             self.balancer.release(endpoint)
-            if outcome.key is not None:
-                usage = reader.usage() if reader is not None else None
-                self.balancer.tokens.count(outcome.key, endpoint.model, usage, 200 <= status < 300)
+            if exchange.key is not None:
+                if reader is not None:
+                    usage = reader.usage()
+                self.balancer.tokens.count(exchange.key, endpoint.model, usage, 200 <= status < 300)
                 if usage is not None:
-                    self.balancer.limits.spent_tokens(outcome.key, usage[0] + usage[1])
+                    self.balancer.limits.spent_tokens(exchange.key, usage[0] + usage[1])

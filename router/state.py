@@ -19,6 +19,7 @@ from .background import BackgroundTasks, raise_if_cancelling
 from .balancer import Balancer, EjectionPolicy, TableError
 from .coldstart import ColdStart
 from .engine_load import EngineLoadPoller, balancer_options
+from .inflight import InFlight
 from .keys import ApiKeyCache
 from .metrics import RouterMetrics
 from .proxy import Proxy
@@ -77,6 +78,8 @@ class RouterState:
             first_byte_timeout=first_byte_timeout,
             idle_timeout=idle_timeout,
         )
+        # Requests being proxied, watched for an overdue first byte and for clients that leave.
+        self.in_flight = InFlight(self.tasks, first_byte_timeout)
         self.started = False
         # Set when the server is told to stop: new requests get 503 while in-flight ones finish.
         self.draining = False

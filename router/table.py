@@ -39,9 +39,11 @@ class Endpoint:
     kv_full: bool = field(default=False, compare=False, repr=False)
     # Stable across routers and restarts (unlike hash() of a str), so every router prefers the same replica per key.
     affinity_seed: int = field(init=False, compare=False, repr=False)
+    replica_id_bytes: bytes = field(init=False, compare=False, repr=False)  # as every answer's header names it
 
     def __post_init__(self) -> None:
-        self.affinity_seed = zlib.crc32(self.replica_id.encode())
+        self.replica_id_bytes = self.replica_id.encode()
+        self.affinity_seed = zlib.crc32(self.replica_id_bytes)
 
     @property
     def load(self) -> float:

@@ -22,6 +22,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from typing import Annotated
 
 import msgspec
 
@@ -40,7 +41,16 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 _DECODER = json.JSONDecoder()  # built once: constructing one costs more than decoding a usage object
-_FAST_DECODER = msgspec.json.Decoder()
+
+
+class _Usage(msgspec.Struct):
+    """A usage object as `read_usage` accepts it, for msgspec to decode and check in one step."""
+
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] | None = 0
+
+
+_USAGE_DECODER = msgspec.json.Decoder(_Usage)
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -96,25 +106,36 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
     at = tail.rfind(b'"usage"')
     if at < 0:
         return None
-    found = _USAGE_OBJECT.match(tail, at)
-    start = found.end() - 1 if found is not None else -1  # at the object's "{"
-    if found is None:
-        for found in _USAGE_OBJECT.finditer(tail, 0, at):
+    start = tail.find(b"{", at + 7, at + 64)  # at the object's "{", if only a colon stands between
+    if start < 0 or tail[at + 7 : start].strip() != b":":
+        start = -1
+        for found in _USAGE_OBJECT.finditer(tail):
             start = found.end() - 1
         if start < 0:
             return None
     end = tail.find(b"}", start)
     if end > 0 and tail.find(b"{", start + 1, end) < 0:
-        # A flat object (the usual usage): decoded alone, quickly.
+        # A flat object (the usual usage): decoded and checked alone, in C.
         try:
-            return read_usage(_FAST_DECODER.decode(tail[start : end + 1]))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            usage = _USAGE_DECODER.decode(tail[start : end + 1])
+        except msgspec.ValidationError:
+            return None  # a whole object, but not a usable usage
+        except msgspec.DecodeError:
             pass  # a brace inside a string, say: the general path below reads it
+        else:
+            return usage.prompt_tokens, usage.completion_tokens or 0
     try:
         usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:
         return None
     return read_usage(usage)
+
+
+def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes) -> tuple[int, int] | None:
+    """The usage of a JSON answer read whole (a usage object of another type or a compressed body is not read)."""
+    if (content_encoding and content_encoding != "identity") or not content_type.startswith("application/json"):
+        return None
+    return usage_in_json_tail(body[-JSON_TAIL_BYTES:])
 
 
 class JsonUsage:

@@ -1,5 +1,5 @@
 """What goes on the wire around a proxied request: the headers an engine gets and the client gets back,
-the error event that ends a broken stream, and how a request ended (for metrics and accounting)."""
+and the error event that ends a broken stream."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .balancer import Endpoint
 from .errors import error_body
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
-PASSED_RESPONSE_HEADERS = frozenset({"content-type", "content-length", "content-encoding", "cache-control"})
+PASSED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-length", b"content-encoding", b"cache-control"})
 RETRIABLE_STATUSES = frozenset({502, 503})
 REPLICA_HEADER = b"x-llmgw-replica"
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -24,28 +24,17 @@ def sse_error_event(message: str, code: str) -> bytes:
     return b"data: " + error_body(message, "server_error", code) + b"\n\n" + SSE_DONE
 
 
-class Outcome:
-    """What a proxied request ended as, for the metrics; `key` is its API key's digest, for token accounting."""
-
-    __slots__ = ("status", "complete", "key")
-
-    def __init__(self, key: str | None = None) -> None:
-        self.status: int | None = None
-        self.complete = False
-        self.key = key
-
-
 def response_headers(
     response: aiohttp.ClientResponse, endpoint: Endpoint, *, without_length: bool = False
 ) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers the client gets, and which replica answered."""
-    skipped = "content-length" if without_length else ""
+    """The engine's response headers the client gets, as it sent them, and which replica answered."""
+    skipped = b"content-length" if without_length else b""
     headers = [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
-        for k, v in response.headers.items()
-        if k.lower() in PASSED_RESPONSE_HEADERS and k.lower() != skipped
+        (lower, value)
+        for name, value in response.raw_headers
+        if (lower := name.lower()) in PASSED_RESPONSE_HEADERS and lower != skipped
     ]
-    headers.append((REPLICA_HEADER, endpoint.replica_id.encode()))
+    headers.append((REPLICA_HEADER, endpoint.replica_id_bytes))
     return headers
 
 

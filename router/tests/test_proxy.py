@@ -13,7 +13,7 @@ import pytest
 
 from conftest import free_port, wait_until
 from router.balancer import EjectionPolicy
-from router.disconnect import DISCONNECT_WATCH_DELAY
+from router.inflight import DISCONNECT_WATCH_DELAY
 from router.models import ApiKey
 
 from .conftest import ALIAS, MODEL, make_table

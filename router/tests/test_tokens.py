@@ -14,7 +14,15 @@ from hub.contracts import hour_of
 from hub.credentials import hash_secret
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
-from router.tokens import JSON_TAIL_BYTES, JsonUsage, SseUsage, TokenCounter, ask_for_usage, usage_in_json_tail
+from router.tokens import (
+    JSON_TAIL_BYTES,
+    JsonUsage,
+    SseUsage,
+    TokenCounter,
+    ask_for_usage,
+    usage_in_json_tail,
+    usage_of_whole_answer,
+)
 from router.usage import UsageFlusher
 
 from .conftest import MODEL, make_table
@@ -57,12 +65,27 @@ def test_json_usage_is_read_from_the_tail_and_embeddings_have_no_completion_toke
     chat = b'{"choices": [{"text": "the \\"usage\\": {} word"}], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
     assert usage_in_json_tail(chat) == (7, 3)
     assert usage_in_json_tail(b'{"data": [], "usage": {"prompt_tokens": 5, "total_tokens": 5}}') == (5, 0)
+    assert usage_in_json_tail(b'{"data": [], "usage": {"prompt_tokens": 5, "completion_tokens": null}}') == (5, 0)
+    assert usage_in_json_tail(b'{"usage":{"prompt_tokens":5,"completion_tokens":1}}') == (5, 1)  # no spaces
+    assert usage_in_json_tail(b'{"usage" :\n {"prompt_tokens": 5}, "x": {"usage": null}}') == (5, 0)
+
+
+def test_a_whole_answer_is_read_only_when_it_is_uncompressed_json():
+    body = b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+    assert usage_of_whole_answer("application/json; charset=utf-8", "", body) == (7, 3)
+    assert usage_of_whole_answer("application/json", "identity", body) == (7, 3)
+    assert usage_of_whole_answer("application/json", "gzip", body) is None
+    assert usage_of_whole_answer("text/plain", "", body) is None
+    # Only the tail is looked at: a usage object further from the end than that is not found.
+    assert usage_of_whole_answer("application/json", "", body + b" " * JSON_TAIL_BYTES) is None
 
 
 @pytest.mark.parametrize(
     "body",
     [
         b'{"usage": {"prompt_tokens": "7", "completion_tokens": 3}}',
+        b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3.0}}',
+        b'{"usage": {"prompt_tokens": 7, "completion_tokens": 1099511627777}}',
         b'{"usage": {"prompt_tokens": -1, "completion_tokens": 3}}',
         b'{"usage": {"prompt_tokens": true, "completion_tokens": 3}}',
         b'{"usage": {"completion_tokens": 3}}',
