@@ -168,29 +168,15 @@ class RouterApp:
             "table": balancer.fingerprint,
         }
 
+    def _cached_key(self, scope: Scope) -> KeyInfo | None:
+        """The request's key if the key cache answers for it (None: the store must be asked), or a 401
+        RouterError. No coroutine: the hot path of every request."""
+        info = self._keys.cached(bearer_token(scope))
+        return None if info is NOT_CACHED else usable_key(info)
+
     async def _authorize(self, scope: Scope) -> KeyInfo:
         """The request's key, or a RouterError: 401 when missing, unknown, revoked or expired."""
-        header = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value
-                break
-        if header is None:
-            raise RouterError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.", "invalid_api_key")
-        scheme, _, key = header.decode("latin-1").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise RouterError(401, "The Authorization header must be 'Bearer <key>'.", "invalid_api_key")
-        info = self._keys.cached(key)
-        if info is NOT_CACHED:
-            info = await self._lookup(key)
-        if info is None:
-            raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
-        expires_at = info.expires_at
-        if expires_at is not None and time.time() >= expires_at:
-            when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
-            raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
-        return info
+        return self._cached_key(scope) or usable_key(await self._lookup(bearer_token(scope)))
 
     async def _lookup(self, key: str) -> KeyInfo | None:
         """The key from the store (the cache had no answer), or a 503 RouterError when it cannot be verified."""
@@ -217,13 +203,14 @@ class RouterApp:
         traffic = self._metrics.traffic
         model = UNKNOWN_MODEL
         try:
-            key = await self._authorize(scope)
+            key = self._cached_key(scope) or await self._authorize(scope)
             body = await read_body(receive, self._max_body_bytes)
             if body is None:
                 traffic.answered(model, CLIENT_CLOSED)
                 return
             model, body, streaming, affinity = self._parse(body)
-            if key.allowed_models and not key.allows(model, self._balancer.resolve):
+            allowed = key.allowed_models
+            if allowed and model not in allowed and not key.allows(model, self._balancer.resolve):
                 raise model_not_allowed(key, model)
             if key.rpm is not None or key.tpm is not None:
                 self._balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
@@ -270,6 +257,33 @@ class RouterApp:
             payload["model"] = public
             body = json.dumps(payload).encode()
         return public, body, payload.get("stream") is True, prefix_affinity(payload)
+
+
+def bearer_token(scope: Scope) -> str:
+    """The API key a request carries, or a 401 RouterError when it carries none."""
+    header = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            header = value
+            break
+    if header is None:
+        raise RouterError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.", "invalid_api_key")
+    scheme, _, key = header.decode("latin-1").partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise RouterError(401, "The Authorization header must be 'Bearer <key>'.", "invalid_api_key")
+    return key
+
+
+def usable_key(info: KeyInfo | None) -> KeyInfo:
+    """`info` if it is a key that may be used now, or a 401 RouterError: unknown, revoked or expired."""
+    if info is None:
+        raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
+    expires_at = info.expires_at
+    if expires_at is not None and time.time() >= expires_at:
+        when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
+        raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
+    return info
 
 
 def _model_object(name: str, public: str) -> dict[str, Any]:

@@ -77,7 +77,8 @@ def nesting_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
 
 def decode_object(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 RouterError naming what is wrong with it."""
-    if nesting_depth_exceeds(body):
+    # The quick test of nesting_depth_exceeds, first here: almost every body passes it, and spares the call.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nesting_depth_exceeds(body):
         raise RouterError(
             400, f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep.", "invalid_json"
         )

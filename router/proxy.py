@@ -33,7 +33,7 @@ from .asgi_io import Scope, Send
 from .balancer import Balancer, Endpoint, Failure
 from .coldstart import ColdStart
 from .errors import RouterError
-from .inflight import Exchange
+from .inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
 from .metrics import RouterMetrics
 from .tokens import ask_for_usage, usage_of_whole_answer, usage_reader
 from .wire import (
@@ -68,9 +68,8 @@ class Proxy:
         self.cold_start = cold_start
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
-        # Per-phase deadlines only: a stream may run as long as the engine keeps sending. The first byte's
-        # is kept by the sweep of requests in flight (router.inflight), the silence between chunks by
-        # aiohttp's read deadline, armed by _begin_idle_deadline once the answer has begun.
+        # Per-phase deadlines only: a stream may run as long as the engine keeps sending. aiohttp keeps
+        # the connect deadline; the first byte's and the next chunk's are the sweep's (router.inflight).
         self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=None)
         self.session: aiohttp.ClientSession | None = None
 
@@ -185,8 +184,8 @@ class Proxy:
         while True:
             tried.append(endpoint)
             retry_possible = len(tried) == 1
-            # The first byte is due from now (router.inflight); a retry has a deadline of its own.
-            exchange.awaiting, exchange.due = True, None
+            # The engine owes the first byte from now (router.inflight); a retry has a deadline of its own.
+            exchange.phase, exchange.since = FIRST_BYTE, None
             try:
                 started = time.perf_counter()
                 response = await session.post(endpoint.url + path, data=body, headers=headers)
@@ -195,7 +194,7 @@ class Proxy:
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 failure, error = Failure.LOST, exc
             except asyncio.CancelledError:
-                if not exchange.deadline_passed():
+                if exchange.deadline_passed() is None:
                     balancer.release(endpoint)
                     raise
                 # Not retried: the engine accepted the request and may be working on it.
@@ -212,10 +211,9 @@ class Proxy:
                 raise
             else:
                 failure = None
-            finally:
-                exchange.awaiting = False
             if failure is not None:
                 # Nothing reached the client yet: count the failure (it may eject the replica) and retry once.
+                exchange.phase = None  # a hold for a replacement below is not the engine's to answer
                 balancer.release(endpoint, failure)
                 log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
                 nxt = balancer.pick(model, tried, affinity, pools) if retry_possible else None
@@ -235,7 +233,8 @@ class Proxy:
                 endpoint = nxt
                 continue
             metrics.traffic.upstream_latency(model, time.perf_counter() - started)
-            self._begin_idle_deadline(response)
+            # The answer has begun: from now on the engine owes its next chunk.
+            exchange.phase, exchange.since = NEXT_CHUNK, None
             status = response.status
             if status < 500:
                 balancer.succeeded(endpoint)
@@ -251,9 +250,15 @@ class Proxy:
                 balancer.failed(endpoint, Failure.ERROR)
             if headers_sent and status != 200:
                 # The client already has a 200 and a stream: carry the engine's error inside it.
-                detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
-                response.close()
-                balancer.release(endpoint)
+                try:
+                    detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
+                except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                    if isinstance(exc, asyncio.CancelledError) and exchange.deadline_passed() is None:
+                        raise
+                    detail = f"(its body broke off: {type(exc).__name__})"
+                finally:
+                    response.close()
+                    balancer.release(endpoint)
                 raise RouterError(
                     status,
                     f"Replica {endpoint.replica_id} of `{model}` answered {status}: {detail}",
@@ -263,19 +268,10 @@ class Proxy:
             await self._relay(send, endpoint, response, exchange, headers_sent=headers_sent, pass_usage=pass_usage)
             return
 
-    def _begin_idle_deadline(self, response: aiohttp.ClientResponse) -> None:
-        """Once the answer has begun, the read deadline is the silence allowed between chunks."""
-        if response.content.is_eof():
-            return  # nothing more to read: the common small answer
-        connection = response.connection
-        protocol = connection.protocol if connection is not None else None
-        if protocol is not None:
-            protocol.read_timeout = self.idle_timeout
-            protocol.start_timeout()
-
     def _break_message(self, endpoint: Endpoint, exc: BaseException) -> tuple[int, str]:
-        """(status, text) for an answer that broke after it began, naming the deadline if one passed."""
-        if isinstance(exc, TimeoutError):
+        """(status, text) for an answer that broke after it began (`exc`: a cancellation by the sweep of
+        requests in flight when its deadline passed), naming the deadline if one passed."""
+        if isinstance(exc, TimeoutError | asyncio.CancelledError):
             return 504, (
                 f"Replica {endpoint.replica_id} of `{endpoint.model}` sent nothing for {self.idle_timeout:g} s "
                 "(LLMGW_UPSTREAM_IDLE_SECONDS) in the middle of its answer; the answer is incomplete."
@@ -314,11 +310,14 @@ class Proxy:
             if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
                 try:
                     body = await response.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                    if isinstance(exc, asyncio.CancelledError) and exchange.deadline_passed() is None:
+                        raise
                     # Nothing was sent yet: the client still gets an error status.
                     status, message = self._break_message(endpoint, exc)
                     log.warning("%s (%r)", message, exc)
                     raise RouterError(status, message, "upstream_failed", type_="server_error") from None
+                exchange.phase = None  # all read
                 if counted:
                     # A whole JSON answer: its usage is read here; nothing of it is dropped.
                     usage = usage_of_whole_answer(content_type, engine_headers.get("Content-Encoding", ""), body)
@@ -351,11 +350,17 @@ class Proxy:
                     if reader is not None:
                         chunk = reader.feed(chunk)
                         if not chunk:
+                            exchange.since = None  # the engine sent something all the same
                             continue
+                    exchange.phase = None  # while sending: a slow client's time is not the engine's silence
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    exchange.phase, exchange.since = NEXT_CHUNK, None
+                exchange.phase = None
                 if reader is not None and (rest := reader.finish()):
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and exchange.deadline_passed() is None:
+                    raise
                 status, message = self._break_message(endpoint, exc)
                 log.warning("%s (%r)", message, exc)
                 if not streamed:

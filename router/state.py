@@ -79,7 +79,7 @@ class RouterState:
             idle_timeout=idle_timeout,
         )
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
-        self.in_flight = InFlight(self.tasks, first_byte_timeout)
+        self.in_flight = InFlight(self.tasks, first_byte_timeout, idle_timeout)
         self.started = False
         # Set when the server is told to stop: new requests get 503 while in-flight ones finish.
         self.draining = False

@@ -5,9 +5,12 @@ event loop, and the usage flusher (router.usage) hands them to the hub with
 its once-a-second report (DESIGN invariant 4), so the cost follows keys and
 models, never traffic.
 
-* Non-streamed JSON answers: the proxy relays the body as it arrives and keeps
-  only its last `JSON_TAIL_BYTES`; `usage` is the last `"usage": {...}` in
-  that tail (engines put it at the end), decoded alone — never the whole body.
+* Non-streamed JSON answers: `usage` is the last `"usage": {...}` in the
+  answer's last `JSON_TAIL_BYTES` (engines put it at the end), decoded alone —
+  never the whole of a long body. A short answer read whole is decoded whole
+  instead, skipping everything but its top-level `usage` (that is cheaper
+  than searching it); one too long to read whole is relayed as it arrives,
+  keeping only its tail.
 * Streams: `ask_for_usage` rewrites a request that did not ask for usage to
   add `stream_options.include_usage`, and `SseUsage` finds the event carrying
   a non-null `usage` (the last one wins) and drops it again when the client
@@ -31,6 +34,8 @@ from hub.contracts import TokenCounts
 # A usage object is read from the end of a JSON answer; it sits within the last few hundred bytes in
 # every engine we know (vLLM, SGLang, llama.cpp, TGI), so 64 KiB leaves room for trailing extras.
 JSON_TAIL_BYTES = 64 * 1024
+# A whole answer up to this size is decoded whole for its usage instead (see usage_of_whole_answer).
+WHOLE_DECODE_BYTES = 2048
 # An SSE event not yet ended is held back until it is (the client cannot use half an event anyway);
 # one longer than this is passed on unread, so a stream without recognisable framing is never stalled.
 SSE_CARRY_BYTES = 64 * 1024
@@ -50,7 +55,14 @@ class _Usage(msgspec.Struct):
     completion_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] | None = 0
 
 
+class _Answer(msgspec.Struct):
+    """A JSON answer as far as accounting reads it: its top-level `usage`, every other field skipped."""
+
+    usage: _Usage | None = None
+
+
 _USAGE_DECODER = msgspec.json.Decoder(_Usage)
+_ANSWER_DECODER = msgspec.json.Decoder(_Answer)
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -132,10 +144,21 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
 
 
 def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes) -> tuple[int, int] | None:
-    """The usage of a JSON answer read whole (a usage object of another type or a compressed body is not read)."""
+    """The usage of a JSON answer read whole (one of another type, or compressed, is not read).
+
+    A short answer (a chat completion, usually) is decoded whole, skipping all
+    but its top-level `usage`, which costs less than searching it; a longer one
+    (embeddings: mostly numbers, slow to skip) by its tail.
+    """
     if (content_encoding and content_encoding != "identity") or not content_type.startswith("application/json"):
         return None
-    return usage_in_json_tail(body[-JSON_TAIL_BYTES:])
+    if len(body) > WHOLE_DECODE_BYTES:
+        return usage_in_json_tail(body[-JSON_TAIL_BYTES:])
+    try:
+        usage = _ANSWER_DECODER.decode(body).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if usage is None else (usage.prompt_tokens, usage.completion_tokens or 0)
 
 
 class JsonUsage:

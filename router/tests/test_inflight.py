@@ -1,12 +1,13 @@
-"""The sweep of requests in flight: disconnect watches only for requests still running after the delay, an overdue
-first byte cancelled as a timeout (each attempt its own deadline), and no timer left once nothing is in flight."""
+"""The sweep of requests in flight: disconnect watches only for requests still running after the delay, an engine
+overdue cancelled as a timeout (each wait its own deadline, a slow client not counted), and no timer left once nothing
+is in flight."""
 
 import asyncio
 
 import pytest
 
 from router.background import BackgroundTasks
-from router.inflight import DISCONNECT_WATCH_DELAY, MIN_SWEEP_SECONDS, SWEEP_SECONDS, InFlight
+from router.inflight import DISCONNECT_WATCH_DELAY, FIRST_BYTE, MIN_SWEEP_SECONDS, NEXT_CHUNK, SWEEP_SECONDS, InFlight
 
 
 class Client:
@@ -26,7 +27,7 @@ def run(scenario):
     async def main():
         tasks = BackgroundTasks()
         try:
-            return await scenario(InFlight(tasks, first_byte_timeout=0.3), tasks)
+            return await scenario(InFlight(tasks, first_byte_timeout=0.3, idle_timeout=0.5), tasks)
         finally:
             await tasks.cancel_all()
 
@@ -74,16 +75,17 @@ def test_a_client_that_leaves_cancels_its_request_which_tells_that_cancellation_
         client.left.set()
         return await asyncio.wait_for(task, 2)
 
-    assert run(scenario) == (True, False, 0)
+    assert run(scenario) == (True, None, 0)
 
 
-def test_a_first_byte_overdue_is_cancelled_within_two_sweeps_of_its_deadline_and_not_before():
+@pytest.mark.parametrize("phase, deadline", [(FIRST_BYTE, 0.3), (NEXT_CHUNK, 0.5)])
+def test_an_engine_overdue_is_cancelled_within_two_sweeps_of_its_deadline_and_not_before(phase, deadline):
     async def scenario(in_flight, tasks):
         loop = asyncio.get_running_loop()
 
         async def request():
             exchange = in_flight.begin("k", Client().receive)
-            exchange.awaiting = True
+            exchange.phase = phase
             began = loop.time()
             try:
                 await asyncio.sleep(10)
@@ -94,31 +96,38 @@ def test_a_first_byte_overdue_is_cancelled_within_two_sweeps_of_its_deadline_and
 
         return await asyncio.wait_for(request(), 3)
 
-    waited, timed_out, cancelling = run(scenario)
-    assert (timed_out, cancelling) == (True, 0)
-    assert 0.3 <= waited <= 0.3 + 2 * 0.075 + 0.1  # the deadline, two sweeps, and a busy machine's slack
+    waited, overdue, cancelling = run(scenario)
+    assert (overdue, cancelling) == (phase, 0)
+    assert deadline <= waited <= deadline + 2 * 0.075 + 0.1  # the deadline, two sweeps, and a busy machine's slack
 
 
-def test_each_attempt_has_its_own_first_byte_deadline_and_an_answer_ends_it():
+def test_each_wait_has_its_own_deadline_and_time_spent_sending_to_the_client_does_not_count():
     async def scenario(in_flight, tasks):
         exchange = in_flight.begin("k", Client().receive)
-        exchange.awaiting = True
+        exchange.phase = FIRST_BYTE
         await asyncio.sleep(0.2)  # the first attempt fails after 0.2 s: the second one is sent
-        exchange.awaiting, exchange.due = True, None
+        exchange.phase, exchange.since = FIRST_BYTE, None
         await asyncio.sleep(0.2)  # 0.4 s since the first send, 0.2 s since the second: not overdue
-        second_in_time = not exchange.timed_out
-        exchange.awaiting = False  # its answer began
-        await asyncio.sleep(0.5)
+        in_time = [exchange.overdue]
+        exchange.phase, exchange.since = NEXT_CHUNK, None  # the answer began
+        for _ in range(3):  # chunks 0.3 s apart: each within the idle deadline of the one before
+            await asyncio.sleep(0.3)
+            exchange.since = None
+        in_time.append(exchange.overdue)
+        exchange.phase = None  # sending to a client slower than the idle deadline
+        await asyncio.sleep(0.8)
+        in_time.append(exchange.overdue)
         in_flight.end(exchange)
-        return second_in_time, exchange.timed_out
+        return in_time
 
-    assert run(scenario) == (True, False)
+    assert run(scenario) == [None, None, None]
 
 
-def test_the_sweep_runs_often_enough_for_a_short_first_byte_deadline_and_no_more_often_than_needed():
+def test_the_sweep_runs_often_enough_for_short_deadlines_and_no_more_often_than_needed():
     tasks = BackgroundTasks()
-    assert InFlight(tasks, first_byte_timeout=600).period == SWEEP_SECONDS
-    assert InFlight(tasks, first_byte_timeout=0.2).period == pytest.approx(0.05)
-    assert InFlight(tasks, first_byte_timeout=0.001).period == MIN_SWEEP_SECONDS
-    with pytest.raises(ValueError, match="first_byte_timeout"):
-        InFlight(tasks, first_byte_timeout=0)
+    assert InFlight(tasks, first_byte_timeout=600, idle_timeout=120).period == SWEEP_SECONDS
+    assert InFlight(tasks, first_byte_timeout=0.2, idle_timeout=5).period == pytest.approx(0.05)
+    assert InFlight(tasks, first_byte_timeout=5, idle_timeout=0.2).period == pytest.approx(0.05)
+    assert InFlight(tasks, first_byte_timeout=0.001, idle_timeout=5).period == MIN_SWEEP_SECONDS
+    with pytest.raises(ValueError, match="first_byte_timeout and idle_timeout"):
+        InFlight(tasks, first_byte_timeout=0, idle_timeout=5)

@@ -16,6 +16,7 @@ from router.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.tokens import (
     JSON_TAIL_BYTES,
+    WHOLE_DECODE_BYTES,
     JsonUsage,
     SseUsage,
     TokenCounter,
@@ -76,8 +77,37 @@ def test_a_whole_answer_is_read_only_when_it_is_uncompressed_json():
     assert usage_of_whole_answer("application/json", "identity", body) == (7, 3)
     assert usage_of_whole_answer("application/json", "gzip", body) is None
     assert usage_of_whole_answer("text/plain", "", body) is None
-    # Only the tail is looked at: a usage object further from the end than that is not found.
+    # A long answer: only the tail is looked at, so a usage object further from the end than that is not found.
+    assert usage_of_whole_answer("application/json", "", body + b" " * WHOLE_DECODE_BYTES) == (7, 3)
     assert usage_of_whole_answer("application/json", "", body + b" " * JSON_TAIL_BYTES) is None
+
+
+@pytest.mark.parametrize("padding", [0, WHOLE_DECODE_BYTES], ids=["short, decoded whole", "long, by its tail"])
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        (
+            b'{"choices": [{"text": "a \\"usage\\": {} b"}], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}',
+            (7, 3),
+        ),
+        (b'{"data": [], "usage": {"prompt_tokens": 5, "total_tokens": 5}}', (5, 0)),
+        (b'{"usage": {"prompt_tokens": 5, "completion_tokens": null}}', (5, 0)),
+        (
+            b'{"usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens": 2}}',
+            (3, 2),
+        ),
+        (b'{"usage": {"prompt_tokens": "7", "completion_tokens": 3}}', None),
+        (b'{"usage": {"prompt_tokens": 7, "completion_tokens": -1}}', None),
+        (b'{"usage": {"prompt_tokens": true}}', None),
+        (b'{"usage": null}', None),
+        (b'{"choices": []}', None),
+        (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3', None),
+    ],
+)
+def test_a_whole_answer_reads_the_same_usage_short_or_long(answer, expected, padding):
+    # JSON allows whitespace anywhere between tokens: the same answer made long enough to be read by its tail.
+    body = answer[:1] + b" " * padding + answer[1:]
+    assert usage_of_whole_answer("application/json", "", body) == expected
 
 
 @pytest.mark.parametrize(
