@@ -233,8 +233,7 @@ class Proxy:
                 endpoint = nxt
                 continue
             metrics.traffic.upstream_latency(model, time.perf_counter() - started)
-            # The answer has begun: from now on the engine owes its next chunk.
-            exchange.phase, exchange.since = NEXT_CHUNK, None
+            exchange.phase = None  # the answer has begun; what it still owes is awaited below, each wait named
             status = response.status
             if status < 500:
                 balancer.succeeded(endpoint)
@@ -250,6 +249,7 @@ class Proxy:
                 balancer.failed(endpoint, Failure.ERROR)
             if headers_sent and status != 200:
                 # The client already has a 200 and a stream: carry the engine's error inside it.
+                exchange.phase, exchange.since = NEXT_CHUNK, None
                 try:
                     detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
                 except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
@@ -308,6 +308,7 @@ class Proxy:
             streamed = headers_sent or content_type.startswith("text/event-stream")
             length = response.content_length
             if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
+                exchange.phase, exchange.since = NEXT_CHUNK, None
                 try:
                     body = await response.read()
                 except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
@@ -345,6 +346,7 @@ class Proxy:
                     }
                 )
             exchange.status = response.status
+            exchange.phase, exchange.since = NEXT_CHUNK, None
             try:
                 async for chunk in response.content.iter_any():
                     if reader is not None:
