@@ -176,12 +176,14 @@ class RouterApp:
 
     async def _authorize(self, scope: Scope) -> KeyInfo:
         """The request's key, or a RouterError: 401 when missing, unknown, revoked or expired."""
-        return self._cached_key(scope) or usable_key(await self._lookup(bearer_token(scope)))
+        return self._cached_key(scope) or await self._stored_key(scope)
 
-    async def _lookup(self, key: str) -> KeyInfo | None:
-        """The key from the store (the cache had no answer), or a 503 RouterError when it cannot be verified."""
+    async def _stored_key(self, scope: Scope) -> KeyInfo:
+        """The request's key as the store has it (the cache had no answer): a 401 RouterError when it is
+        unknown, revoked or expired, a 503 when it cannot be verified."""
+        token = bearer_token(scope)
         try:
-            return await self._keys.check(key)
+            info = await self._keys.check(token)
         except KeyStoreUnreachable:
             raise RouterError(
                 503,
@@ -198,12 +200,13 @@ class RouterApp:
                 "key_check_unavailable",
                 type_="server_error",
             ) from None
+        return usable_key(info)
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         traffic = self._metrics.traffic
         model = UNKNOWN_MODEL
         try:
-            key = self._cached_key(scope) or await self._authorize(scope)
+            key = self._cached_key(scope) or await self._stored_key(scope)
             body = await read_body(receive, self._max_body_bytes)
             if body is None:
                 traffic.answered(model, CLIENT_CLOSED)

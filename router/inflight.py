@@ -55,7 +55,7 @@ class Exchange:
     complete = False
     phase: str | None = None
     since: float | None = None  # loop time the sweep first saw the current wait (None: not seen yet)
-    overdue: str | None = None  # the phase whose deadline passed, once the sweep has cancelled the request
+    overdue: str | None = None  # the phase whose deadline passed: from the sweep's cancel until deadline_passed()
     _seen_at: float | None = None
     _watch: asyncio.Task[None] | None = None
     _gone = False
@@ -67,10 +67,13 @@ class Exchange:
 
     def deadline_passed(self) -> str | None:
         """The deadline (FIRST_BYTE, NEXT_CHUNK) the sweep cancelled the request for, taking that
-        cancellation back; None if it did not."""
-        if self.overdue is not None and self._task is not None:
-            self._task.uncancel()
-        return self.overdue
+        cancellation back (once: a later cancellation is not mistaken for it); None if it did not."""
+        overdue = self.overdue
+        if overdue is not None:
+            self.overdue = self.phase = None  # the wait is over; a new one is watched afresh
+            if self._task is not None:
+                self._task.uncancel()
+        return overdue
 
     def client_gone(self) -> bool:
         """Whether the request was cancelled because its client left (taking the cancellation back)."""
