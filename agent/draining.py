@@ -1,7 +1,7 @@
 """Draining one engine: wait until it holds no requests, or a timeout passes, before it is stopped.
 
-DESIGN: "Stopping is always a drain: unpublish, wait until the engine reports
-no running requests (or a timeout), then stop." The control plane has already
+DESIGN "Stopping is always a drain": unpublish, wait until the engine reports
+no running requests (or a timeout), then stop. The control plane has already
 taken the replica out of the endpoint table when it sends `drain_shard`, so
 no new requests arrive; this waits for the ones in flight. A count that cannot
 be read is not known to be zero (DESIGN invariant 3), so it keeps the wait

@@ -1,4 +1,4 @@
-""" "What can I stop" (DESIGN "What can I stop" as an answer): the summary's `stoppable`, `idle_held_gpus` and `usage`.
+""" "What can I stop" (DESIGN "What can I stop"): the summary's `stoppable`, `idle_held_gpus` and `usage`.
 
 The candidates are the reconciler's own (`eviction.stop_candidates` over
 `holdings.read_holdings`), so status never offers a replica the tick would

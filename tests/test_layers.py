@@ -1,4 +1,4 @@
-"""The dependency stack DESIGN draws, checked on the source: no import runs from a lower part to a
+"""The stack of DESIGN "Packages and their order", checked on the source: no import runs from a lower part to a
 higher one, the router and the hub stand alone, and no function-level import hides a cycle."""
 
 import ast
@@ -20,7 +20,7 @@ LAYERS = {
 # Packages that stand alone: what each may import besides itself.
 ALONE = {
     "hub": set(),
-    "router": {"hub"},  # DESIGN: the router depends on the hub only (and its own key model)
+    "router": {"hub"},  # DESIGN "Packages and their order": the router depends on the hub only (and its own key model)
     "agent": set(),  # runs on GPU nodes, without the control plane
 }
 # What the control plane may use of the agent package: the protocol both ends speak, and where weights live.
