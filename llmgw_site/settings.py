@@ -82,7 +82,6 @@ INSTALLED_APPS = [
     "reconciler",
     "router",
     "dashboard",
-    "agent",
     "agentlink",
     "runner",
     "llmgw_site",  # for `manage.py settings_table`

@@ -25,8 +25,8 @@ ALONE = {
 }
 # What the control plane may use of the agent package: the protocol both ends speak, and where weights live.
 AGENT_SHARED = {"agent.protocol", "agent.weights"}
-# The embedded runner also runs simulated nodes' agents in its process.
-AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime"}, "router": set()}
+# The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
+AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.cli"}, "router": set()}
 PROJECT = set(LAYERS) | set(ALONE)
 
 
@@ -122,3 +122,4 @@ def test_the_layer_check_catches_a_violation():
     assert not allowed("reconciler.tick", "router.keys")
     assert not allowed("inventory.models", "router.models")
     assert allowed("runner.embedded", "router.app")
+    assert allowed("runner.management.commands.agent", "agent.cli")
