@@ -80,6 +80,7 @@ INSTALLED_APPS = [
     "catalog",
     "inventory",
     "reconciler",
+    "keys",
     "router",
     "dashboard",
     "agentlink",

@@ -10,8 +10,8 @@ import pytest
 from django.db import OperationalError
 
 from hub.credentials import hash_secret
+from keys.models import KEY_PREFIX, ApiKey
 from router.keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
-from router.models import KEY_PREFIX, ApiKey
 
 from .conftest import Clock, make_table
 from .conftest import chat_with_key as chat

@@ -8,10 +8,9 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from keys.models import ApiKey
 from router.keys import KeyInfo
-from router.models import ApiKey
-
-from .conftest import ALIAS, MODEL, make_table
+from router.tests.conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
