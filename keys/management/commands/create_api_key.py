@@ -46,6 +46,8 @@ def parse_expiry(value: str, now: dt.datetime) -> dt.datetime:
 
 
 class Command(BaseCommand):
+    """Thin over ApiKey.issue: check the arguments against the catalog, issue the key, print it once."""
+
     help = (
         "Create an API key for the router and print it once on stdout (only its hash is stored). "
         "--key imports an existing secret, e.g. when moving from another gateway."
