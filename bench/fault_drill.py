@@ -78,7 +78,7 @@ def build(workdir: Path, workers: int) -> Stack:
     from catalog.choices import Engine
     from catalog.models import Model, Profile
     from inventory.services import enrol_node
-    from router.models import ApiKey
+    from keys.models import ApiKey
 
     call_command("migrate", verbosity=0)
     ApiKey.issue("fault drill", KEY)

@@ -105,10 +105,10 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
     from django.core.management import call_command
 
     from hub import InProcessHub
+    from keys.models import ApiKey
     from router.app import create_app
-    from router.models import ApiKey
 
-    call_command("migrate", "router", verbosity=0)
+    call_command("migrate", "keys", verbosity=0)
     features = set(filter(None, key_features.split(",")))
     # A scoped and limited key exercises the scope check and the rate limiter on every request
     # (a limit no run reaches: the cost measured is the bookkeeping, not refusals).

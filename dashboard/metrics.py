@@ -17,7 +17,7 @@ from django_prometheus.exports import ExportToDjangoView
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.models import TokenUsage
+from keys.models import TokenUsage
 
 from .summary import cluster_summary
 

@@ -3,7 +3,7 @@
 The figures of record stay in `dashboard.summary.cluster_summary()` (DESIGN
 invariant 6); this module only reads two more things the panels show, each in
 one query whatever the fleet size — failed replicas with their last error, and
-per-model token usage over the last hour (`router.models.TokenUsage`) — and
+per-model token usage over the last hour (`keys.models.TokenUsage`) — and
 turns seconds and timestamps into text an operator reads at a glance
 ("3 min ago", "in 40 s"). Unknown stays unknown: `-`, never zero (DESIGN
 invariant 3).
@@ -16,9 +16,9 @@ from datetime import datetime, timedelta
 from django.db.models import Sum
 from django.utils import timezone
 
+from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
-from router.models import TokenUsage
 
 SHORT_ID_LENGTH = 8
 JUST_NOW_SECONDS = 5

@@ -80,9 +80,9 @@ INSTALLED_APPS = [
     "catalog",
     "inventory",
     "reconciler",
+    "keys",
     "router",
     "dashboard",
-    "agent",
     "agentlink",
     "runner",
     "llmgw_site",  # for `manage.py settings_table`

@@ -2,7 +2,7 @@
 
 Routers count requests and tokens per key digest and model (router.tokens);
 the hub adds their counts up per hour until the tick takes them in one step
-(`collect_usage`). This module adds what was taken to `router.models.TokenUsage`
+(`collect_usage`). This module adds what was taken to `keys.models.TokenUsage`
 and moves keys' last use into `ApiKey.last_used_at` (newest wins), in a fixed
 number of queries: one read of the keys, one upsert per `UPSERT_BATCH` rows,
 one update. The upsert adds in the database (`INSERT … ON CONFLICT DO UPDATE
@@ -21,7 +21,7 @@ from django.db.models import Case, DateTimeField, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
 from hub.contracts import TokenCounts, UsageSnapshot, UsageSource
-from router.models import ApiKey, TokenUsage
+from keys.models import ApiKey, TokenUsage
 
 log = logging.getLogger(__name__)
 

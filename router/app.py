@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -67,8 +68,10 @@ CLIENT_CLOSED = 499
 class RouterApp:
     """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /v1/models/{id}, /health, /metrics."""
 
-    def __init__(self, state: RouterState):
+    def __init__(self, state: RouterState, wall_clock: Callable[[], float] = time.time):
         self.state = state
+        # Keys expire at an instant of the wall clock (UTC), the same on every router.
+        self._wall_clock = wall_clock
         # The parts every request touches, bound once rather than looked up through `state` per request.
         self._balancer = state.balancer
         self._keys = state.keys
@@ -172,7 +175,7 @@ class RouterApp:
         """The request's key if the key cache answers for it (None: the store must be asked), or a 401
         RouterError. No coroutine: the hot path of every request."""
         info = self._keys.cached(bearer_token(scope))
-        return None if info is NOT_CACHED else usable_key(info)
+        return None if info is NOT_CACHED else usable_key(info, self._wall_clock())
 
     async def _authorize(self, scope: Scope) -> KeyInfo:
         """The request's key, or a RouterError: 401 when missing, unknown, revoked or expired."""
@@ -200,7 +203,7 @@ class RouterApp:
                 "key_check_unavailable",
                 type_="server_error",
             ) from None
-        return usable_key(info)
+        return usable_key(info, self._wall_clock())
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         traffic = self._metrics.traffic
@@ -278,12 +281,13 @@ def bearer_token(scope: Scope) -> str:
     return key
 
 
-def usable_key(info: KeyInfo | None) -> KeyInfo:
-    """`info` if it is a key that may be used now, or a 401 RouterError: unknown, revoked or expired."""
+def usable_key(info: KeyInfo | None, now: float) -> KeyInfo:
+    """`info` if it is a key that may be used at `now` (wall clock), or a 401 RouterError: unknown, revoked
+    or expired."""
     if info is None:
         raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
     expires_at = info.expires_at
-    if expires_at is not None and time.time() >= expires_at:
+    if expires_at is not None and now >= expires_at:
         when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
         raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
     return info
@@ -316,6 +320,7 @@ def create_app(
     ejection: EjectionPolicy | None = None,
     router_id: str | None = None,
     max_waiters: int | None = None,
+    wall_clock: Callable[[], float] = time.time,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
@@ -328,6 +333,7 @@ def create_app(
     starts. `ejection` sets when failing replicas are ejected (default:
     `EjectionPolicy()`). `router_id` names this router's usage reports and
     watch mark (default: a new id per process, `router.usage.new_router_id`).
+    `wall_clock` tells when a key has expired.
     """
     state = RouterState(
         get_hub() if hub is None else hub,
@@ -349,4 +355,4 @@ def create_app(
         router_id=router_id,
         max_waiters=settings.LLMGW_MAX_WAITERS_PER_MODEL if max_waiters is None else max_waiters,
     )
-    return RouterApp(state)
+    return RouterApp(state, wall_clock)

@@ -42,9 +42,9 @@ from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, Error, InterfaceError, OperationalError, close_old_connections, connections
 
 from hub.credentials import hash_secret
+from keys.models import ApiKey
 
 from .background import raise_if_cancelling
-from .models import ApiKey
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from catalog.catalog_file import load_catalog_text
 from hub.credentials import hash_secret, new_secret
 from inventory.models import NodeCredential
 from inventory.services import enrol_node
-from router.models import KEY_PREFIX, ApiKey
+from keys.models import KEY_PREFIX, ApiKey
 
 DEMO_KEY_NAME = "demo (up --demo)"
 

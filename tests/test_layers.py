@@ -1,5 +1,5 @@
 """The stack of DESIGN "Packages and their order", checked on the source: no import runs from a lower part to a
-higher one, the router and the hub stand alone, and no function-level import hides a cycle."""
+higher one, the router, the hub and the agent stand alone, and no function-level import hides a cycle."""
 
 import ast
 from pathlib import Path
@@ -11,6 +11,7 @@ LAYERS = {
     "hub": 0,
     "catalog": 0,
     "inventory": 1,
+    "keys": 1,
     "reconciler": 2,
     "dashboard": 3,
     "agentlink": 3,
@@ -20,13 +21,15 @@ LAYERS = {
 # Packages that stand alone: what each may import besides itself.
 ALONE = {
     "hub": set(),
-    "router": {"hub"},  # DESIGN "Packages and their order": the router depends on the hub only (and its own key model)
+    "router": {"hub", "keys"},  # DESIGN "Packages and their order": the hub, and the key rows it reads
     "agent": set(),  # runs on GPU nodes, without the control plane
 }
+# Who may import a package that stands alone outside the layers: the embedded runner runs a router in its process.
+ALONE_USERS = {"router": {"runner"}}
 # What the control plane may use of the agent package: the protocol both ends speak, and where weights live.
 AGENT_SHARED = {"agent.protocol", "agent.weights"}
-# The embedded runner also runs simulated nodes' agents in its process.
-AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime"}, "router": set()}
+# The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
+AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.cli"}, "router": set()}
 PROJECT = set(LAYERS) | set(ALONE)
 
 
@@ -81,11 +84,9 @@ def allowed(importer: str, imported: str) -> bool:
         return imported in AGENT_USERS.get(mine, AGENT_SHARED)
     if mine in ALONE:
         return theirs in ALONE[mine]
-    if theirs == "router":
-        # Only the embedded runner runs a router in its process; the control plane reads and writes
-        # the router's rows (keys, token usage) it is told about, never the router's code.
-        return mine == "runner" or (imported == "router.models" and mine in ("reconciler", "dashboard"))
-    return theirs in LAYERS and LAYERS[theirs] <= LAYERS[mine]
+    if theirs in LAYERS:
+        return LAYERS[theirs] <= LAYERS[mine]
+    return mine in ALONE_USERS.get(theirs, set())
 
 
 def test_no_import_runs_up_the_stack():
@@ -118,7 +119,14 @@ def test_the_layer_check_catches_a_violation():
     assert allowed("agentlink.services", "reconciler.agent_reports")
     assert allowed("inventory.models", "agent.protocol")
     assert not allowed("dashboard.summary", "router.app")
-    assert allowed("reconciler.tick", "router.models")
-    assert not allowed("reconciler.tick", "router.keys")
-    assert not allowed("inventory.models", "router.models")
+    assert not allowed("reconciler.tokens", "router.keys")
+    assert allowed("reconciler.tokens", "keys.models")
+    assert allowed("dashboard.metrics", "keys.models")
+    assert allowed("keys.scopes", "catalog.models")
+    assert not allowed("keys.models", "reconciler.models")
+    assert not allowed("catalog.models", "keys.models")
+    assert allowed("router.keys", "keys.models")
+    assert not allowed("router.keys", "catalog.models")
+    assert not allowed("keys.changes", "router.keys")
     assert allowed("runner.embedded", "router.app")
+    assert allowed("runner.management.commands.agent", "agent.cli")

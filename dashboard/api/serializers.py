@@ -6,9 +6,9 @@ from rest_framework import serializers
 from catalog.catalog_file import PROFILE_FIELDS
 from catalog.models import Model, Profile
 from inventory.models import GPU, Node
+from keys.models import ApiKey, TokenUsage
 from reconciler.idle import Idle
 from reconciler.models import Replica
-from router.models import ApiKey, TokenUsage
 
 
 class ProfileSerializer(serializers.ModelSerializer):

@@ -17,9 +17,9 @@ from rest_framework.views import APIView
 from catalog.models import Model
 from dashboard.summary import cluster_summary
 from inventory.models import Node
+from keys.models import ApiKey, TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
-from router.models import ApiKey, TokenUsage
 
 from . import writes
 from .guards import RefuseNulMixin

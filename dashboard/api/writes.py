@@ -18,10 +18,10 @@ from rest_framework.exceptions import ValidationError
 from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
 from catalog.models import Model, name_clash
 from inventory.models import Node
+from keys.models import ApiKey
 from reconciler.drain import drain_nodes
 from reconciler.lifecycle import stop_replica
 from reconciler.models import Replica
-from router.models import ApiKey
 
 # Messages from the catalog file reader start with where the entry is in the file; here there is one entry.
 _FILE_LABEL = re.compile(r'^models\[0\](?: "[^"]*")?: ')

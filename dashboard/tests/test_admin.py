@@ -7,9 +7,9 @@ from django.urls import reverse
 
 from hub.credentials import hash_secret
 from inventory.models import GPU, Node, NodeCredential
+from keys.models import ApiKey
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease
-from router.models import ApiKey
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -97,7 +97,7 @@ def test_lease_admin_allows_no_add_change_or_delete(admin_client, settings):
 
 
 def test_adding_an_api_key_shows_the_plaintext_once_and_stores_only_its_hash(admin_client):
-    response = admin_client.post(reverse("admin:router_apikey_add"), {"name": "team-a"}, follow=True)
+    response = admin_client.post(reverse("admin:keys_apikey_add"), {"name": "team-a"}, follow=True)
     html = response.content.decode()
     key = re.search(r"sk-llmgw-[A-Za-z0-9_-]{20,}", html).group(0)
     assert html.count(key) == 1 and "will not be shown again" in html
@@ -107,19 +107,19 @@ def test_adding_an_api_key_shows_the_plaintext_once_and_stores_only_its_hash(adm
     assert key.startswith(api_key.prefix)
     assert all(key not in str(value) for value in ApiKey.objects.values_list().get())
     # Shown once: the next page does not carry it.
-    assert key not in admin_client.get(reverse("admin:router_apikey_changelist")).content.decode()
-    assert key not in admin_client.get(reverse("admin:router_apikey_change", args=[api_key.pk])).content.decode()
+    assert key not in admin_client.get(reverse("admin:keys_apikey_changelist")).content.decode()
+    assert key not in admin_client.get(reverse("admin:keys_apikey_change", args=[api_key.pk])).content.decode()
 
 
 def test_api_key_add_form_asks_only_for_a_name(admin_client):
-    html = admin_client.get(reverse("admin:router_apikey_add")).content.decode()
+    html = admin_client.get(reverse("admin:keys_apikey_add")).content.decode()
     assert 'name="name"' in html and 'name="key_hash"' not in html and 'name="prefix"' not in html
 
 
 def test_revoke_action_deactivates_keys(admin_client):
     kept, _ = ApiKey.issue("kept")
     revoked, _ = ApiKey.issue("revoked")
-    admin_client.post(reverse("admin:router_apikey_changelist"), {"action": "revoke", "_selected_action": [revoked.pk]})
+    admin_client.post(reverse("admin:keys_apikey_changelist"), {"action": "revoke", "_selected_action": [revoked.pk]})
     assert list(ApiKey.objects.active().values_list("name", flat=True)) == ["kept"]
 
 

@@ -25,9 +25,9 @@ from schemathesis.config import SchemathesisConfig
 from catalog.models import Alias
 from dashboard.summary import cluster_summary
 from dashboard.tests.test_stoppable_surfaces import idle_fleet
+from keys.models import ApiKey
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease
-from router.models import ApiKey
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 CONFIG = {

@@ -14,9 +14,9 @@ from rest_framework.test import APIClient
 from catalog.models import Alias, Model, Profile
 from hub import get_hub
 from inventory.models import Node
+from keys.models import ApiKey
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
-from router.models import ApiKey
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db

@@ -7,7 +7,7 @@ from django.core.management import CommandError, call_command
 
 from hub.credentials import hash_secret
 from inventory.models import Node, NodeCredential
-from router.models import ApiKey
+from keys.models import ApiKey
 
 pytestmark = pytest.mark.django_db
 

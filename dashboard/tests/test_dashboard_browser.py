@@ -13,9 +13,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
+from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
-from router.models import TokenUsage
 from tests.fleet import make_model, make_node, make_replica
 
 CHROMIUM = "/usr/bin/chromium"

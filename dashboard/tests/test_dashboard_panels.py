@@ -19,9 +19,9 @@ from dashboard.panels import (
     usage_window_start,
 )
 from dashboard.views import REPLICAS_SHOWN
+from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease, Replica
-from router.models import TokenUsage
 from tests.fleet import bulk_fleet, make_model, make_node, make_replica
 
 NOW = datetime(2026, 11, 30, 7, 40, 0, tzinfo=UTC)

@@ -10,7 +10,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from dashboard.metrics import tokens_family
-from router.models import ApiKey, TokenUsage
+from keys.models import ApiKey, TokenUsage
 
 from .test_metrics import scrape
 
@@ -130,7 +130,7 @@ def test_tokens_total_costs_one_query_whatever_the_rows(client, spent):
 
 
 def test_admin_lists_token_usage_read_only(admin_client, spent):
-    response = admin_client.get("/admin/router/tokenusage/?key_name=bob")
+    response = admin_client.get("/admin/keys/tokenusage/?key_name=bob")
     assert response.status_code == 200
     assert [row.key_name for row in response.context["cl"].result_list] == ["bob"]
-    assert admin_client.get("/admin/router/tokenusage/add/").status_code == 403
+    assert admin_client.get("/admin/keys/tokenusage/add/").status_code == 403

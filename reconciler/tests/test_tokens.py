@@ -12,8 +12,8 @@ from django.test.utils import CaptureQueriesContext
 from hub import InProcessHub, RedisHub
 from hub.contracts import UsageReport, UsageSnapshot
 from hub.credentials import hash_secret
+from keys.models import ApiKey, TokenUsage
 from reconciler.tokens import UPSERT_BATCH, record_token_usage, store_tokens
-from router.models import ApiKey, TokenUsage
 
 pytestmark = pytest.mark.django_db
 

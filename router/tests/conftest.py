@@ -27,8 +27,8 @@ from aiohttp import web
 
 from conftest import free_port, wait_until
 from hub import InProcessHub
+from keys.models import ApiKey
 from router.app import create_app
-from router.models import ApiKey
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"

@@ -11,8 +11,8 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from hub.credentials import hash_secret
+from keys.models import KEY_PREFIX, ApiKey
 from router.keys import ApiKeyCache, find_active_key
-from router.models import KEY_PREFIX, ApiKey
 
 from .conftest import Clock, make_table
 from .conftest import chat_with_key as chat

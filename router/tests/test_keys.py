@@ -10,8 +10,8 @@ import pytest
 from django.db import OperationalError
 
 from hub.credentials import hash_secret
+from keys.models import ApiKey
 from router.keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
-from router.models import KEY_PREFIX, ApiKey
 
 from .conftest import Clock, make_table
 from .conftest import chat_with_key as chat
@@ -29,14 +29,6 @@ def check(cache, *keys):
             await cache.close()
 
     return asyncio.run(run())
-
-
-def test_an_issued_key_is_stored_only_as_its_hash_and_prefix():
-    api_key, plaintext = ApiKey.issue("hashed")
-    assert plaintext.startswith(KEY_PREFIX) and len(plaintext) > len(KEY_PREFIX) + 32
-    api_key.refresh_from_db()
-    assert api_key.key_hash == hash_secret(plaintext) != plaintext
-    assert api_key.prefix == plaintext[: len(KEY_PREFIX) + 6]
 
 
 def test_valid_key_is_looked_up_once_then_answered_from_memory():

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from hub import InProcessHub, RedisHub, get_hub
+from keys.models import ApiKey
 from router.errors import RouterError
 from router.limits import RateLimiter
-from router.models import ApiKey
 
 from .conftest import chat_with_key, make_table
 

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from conftest import free_port, wait_until
+from keys.models import ApiKey
 from router.balancer import EjectionPolicy
 from router.inflight import DISCONNECT_WATCH_DELAY
-from router.models import ApiKey
 
 from .conftest import ALIAS, MODEL, make_table
 

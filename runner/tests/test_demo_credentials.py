@@ -9,7 +9,7 @@ from django.contrib.auth import authenticate, get_user_model
 from django.core.management import CommandError, call_command
 
 from hub.credentials import hash_secret
-from router.models import ApiKey
+from keys.models import ApiKey
 from runner.demo import DEMO_KEY_NAME, DemoCredentialsError, create_demo_fleet
 from runner.management.commands.up import Command
 

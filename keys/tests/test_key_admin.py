@@ -9,7 +9,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from catalog.models import Alias, Model
-from router.models import ApiKey
+from keys.models import ApiKey
 
 pytestmark = pytest.mark.django_db
 
@@ -22,12 +22,12 @@ def catalog():
 
 
 def add(admin_client, **data):
-    return admin_client.post(reverse("admin:router_apikey_add"), {"name": "team-a", **data}, follow=True)
+    return admin_client.post(reverse("admin:keys_apikey_add"), {"name": "team-a", **data}, follow=True)
 
 
 def change(admin_client, api_key, **data):
     fields = {"name": api_key.name, "active": "on", "allowed_models": "", "allowed_pools": "", **data}
-    return admin_client.post(reverse("admin:router_apikey_change", args=[api_key.pk]), fields, follow=True)
+    return admin_client.post(reverse("admin:keys_apikey_change", args=[api_key.pk]), fields, follow=True)
 
 
 def test_a_key_is_added_with_its_scopes_expiry_and_limits(admin_client, catalog):
@@ -66,7 +66,7 @@ def test_a_limit_below_one_is_a_form_error(admin_client, field):
 
 def test_a_keys_scopes_are_shown_as_lists_and_edited(admin_client, catalog):
     api_key, _ = ApiKey.issue("team-a", allowed_models=["llama"], allowed_pools=["eu"])
-    page = admin_client.get(reverse("admin:router_apikey_change", args=[api_key.pk])).content.decode()
+    page = admin_client.get(reverse("admin:keys_apikey_change", args=[api_key.pk])).content.decode()
     assert 'value="llama"' in page and 'value="eu"' in page
     change(admin_client, api_key, allowed_models="qwen-7b, llama-3-8b", tpm="500")
     api_key.refresh_from_db()
@@ -77,7 +77,7 @@ def test_a_keys_scopes_are_shown_as_lists_and_edited(admin_client, catalog):
 def test_last_use_is_shown_and_cannot_be_edited(admin_client):
     used_at = timezone.now() - dt.timedelta(minutes=5)
     api_key, _ = ApiKey.issue("team-a", last_used_at=used_at)
-    page = admin_client.get(reverse("admin:router_apikey_change", args=[api_key.pk])).content.decode()
+    page = admin_client.get(reverse("admin:keys_apikey_change", args=[api_key.pk])).content.decode()
     assert "Last used at" in page and 'name="last_used_at"' not in page
     change(admin_client, api_key, last_used_at="2000-01-01 00:00:00")
     api_key.refresh_from_db()
@@ -87,7 +87,7 @@ def test_last_use_is_shown_and_cannot_be_edited(admin_client):
 def test_revoke_and_restore_actions_say_every_router_follows_within_a_second(admin_client):
     kept, _ = ApiKey.issue("kept")
     revoked, _ = ApiKey.issue("revoked")
-    url = reverse("admin:router_apikey_changelist")
+    url = reverse("admin:keys_apikey_changelist")
     page = admin_client.post(url, {"action": "revoke", "_selected_action": [revoked.pk]}, follow=True)
     assert "Revoked 1 key(s): refused by every router within a second." in page.content.decode()
     assert list(ApiKey.objects.active().values_list("name", flat=True)) == ["kept"]

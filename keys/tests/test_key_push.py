@@ -13,11 +13,10 @@ from conftest import wait_until
 from hub import RedisHub, get_hub
 from hub.credentials import hash_secret
 from hub.redis_hub import KEY_CHANGES_CHANNEL
-from router.key_changes import set_keys_active
+from keys.changes import set_keys_active
+from keys.models import ApiKey
 from router.keys import ApiKeyCache, KeyInfo
-from router.models import ApiKey
-
-from .conftest import chat_with_key, make_table
+from router.tests.conftest import chat_with_key, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -1,14 +1,16 @@
 """`manage.py create_api_key NAME [...]`: issue (or import) a router API key with its scopes and limits; print it once."""
 
 import datetime as dt
+from argparse import ArgumentParser
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
 from hub.credentials import hash_secret
-from router.key_scopes import parse_names, unknown_models, unknown_models_message
-from router.models import ApiKey
+from keys.models import ApiKey
+from keys.scopes import parse_names, unknown_models, unknown_models_message
 
 # An imported key shorter than this is too easy to guess to stand for a team.
 MIN_IMPORTED_KEY_LENGTH = 20
@@ -28,8 +30,8 @@ def positive_int(value: str) -> int:
 def parse_expiry(value: str, now: dt.datetime) -> dt.datetime:
     """`2027-01-01` (midnight, server time zone) or an ISO date-time; must be in the future."""
     try:
-        when = parse_datetime(value)
-        day = parse_date(value) if when is None else None
+        when: dt.datetime | None = parse_datetime(value)
+        day: dt.date | None = parse_date(value) if when is None else None
     except ValueError as exc:  # well formed but not a real date: 2027-02-30
         raise CommandError(f"--expires {value!r}: {exc}") from None
     if day is not None:
@@ -44,12 +46,14 @@ def parse_expiry(value: str, now: dt.datetime) -> dt.datetime:
 
 
 class Command(BaseCommand):
+    """Thin over ApiKey.issue: check the arguments against the catalog, issue the key, print it once."""
+
     help = (
         "Create an API key for the router and print it once on stdout (only its hash is stored). "
         "--key imports an existing secret, e.g. when moving from another gateway."
     )
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("name", help="Who or what the key is for, e.g. a team or a service.")
         parser.add_argument(
             "--key",
@@ -63,7 +67,18 @@ class Command(BaseCommand):
         parser.add_argument("--rpm", help="Requests per minute (default: no limit).")
         parser.add_argument("--tpm", help="Tokens per minute (default: no limit).")
 
-    def handle(self, *args, name, key, models, pools, expires, rpm, tpm, **options):
+    def handle(
+        self,
+        *args: Any,
+        name: str,
+        key: str | None,
+        models: str,
+        pools: str,
+        expires: str | None,
+        rpm: str | None,
+        tpm: str | None,
+        **options: Any,
+    ) -> None:
         name = name.strip()
         if not name:
             raise CommandError("the key name must not be empty")

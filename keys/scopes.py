@@ -1,15 +1,14 @@
 """Checking what a key's scopes name, where keys are edited (admin, `create_api_key`), never per request.
 
 Scopes name models by public name or alias. They are checked against the
-catalog's rows, looked up by app label: the router's code does not import the
-catalog (tests/test_layers.py), and these checks run in the control plane,
-which owns both. A deployment with an empty catalog (router-only mode:
+catalog's rows: keys sit above the catalog in the control plane's layers
+(tests/test_layers.py). A deployment with an empty catalog (router-only mode:
 models exist only as `manage.py router --endpoint` names) accepts any name.
 """
 
 from __future__ import annotations
 
-from django.apps import apps
+from catalog.models import Alias, Model
 
 
 def parse_names(text: str) -> list[str]:
@@ -24,10 +23,10 @@ def parse_names(text: str) -> list[str]:
 
 def catalog_names() -> set[str] | None:
     """Every model name and alias in the catalog; None when the catalog has no models (router-only mode)."""
-    model_names = set(apps.get_model("catalog", "Model").objects.values_list("name", flat=True))
+    model_names = set(Model.objects.values_list("name", flat=True))
     if not model_names:
         return None
-    return model_names | set(apps.get_model("catalog", "Alias").objects.values_list("name", flat=True))
+    return model_names | set(Alias.objects.values_list("name", flat=True))
 
 
 def unknown_models(names: list[str]) -> list[str]:

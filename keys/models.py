@@ -1,4 +1,4 @@
-"""Router models: API keys (stored hashed, shown once)."""
+"""API keys (stored hashed, shown once) and the tokens each key spent per model and hour."""
 
 from typing import Any
 
@@ -12,8 +12,10 @@ KEY_PREFIX = "sk-llmgw-"
 class ApiKeyQuerySet(models.QuerySet):
     """Queries over API keys."""
 
-    def active(self):
-        return self.filter(active=True)
+    def active(self) -> "ApiKeyQuerySet":
+        """The keys not revoked (expired ones included: expiry is checked where a key is used)."""
+        active: ApiKeyQuerySet = self.filter(active=True)
+        return active
 
 
 class ApiKey(models.Model):

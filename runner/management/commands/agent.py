@@ -15,6 +15,8 @@ from agent.runtime import AgentRejected
 
 
 class Command(BaseCommand):
+    """Thin over agent.cli: build the agent from the parsed options, run it until a signal stops it."""
+
     help = "Run the node agent: connect to the control plane and start or stop engine shards on this node's GPUs."
 
     def add_arguments(self, parser):

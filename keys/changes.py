@@ -49,7 +49,7 @@ def set_keys_active(keys: QuerySet[ApiKey], active: bool) -> int:
     with transaction.atomic(using=keys.db):
         changed = keys.exclude(active=active)
         digests = list(changed.values_list("key_hash", flat=True))
-        count = ApiKey.objects.using(keys.db).filter(key_hash__in=digests).update(active=active)
+        count: int = ApiKey.objects.using(keys.db).filter(key_hash__in=digests).update(active=active)
         publish_on_commit(digests, using=keys.db)
     return count
 

@@ -1,28 +1,42 @@
-"""Router admin: API keys are created from a name (and scopes, expiry, limits), shown once, revoked and restored.
+"""API keys in the admin: keys are created from a name (and scopes, expiry, limits), shown once, revoked and restored.
 
 Only a key's hash is stored. Every change reaches every router within a
-second (router.key_changes).
+second (keys.changes).
 """
+
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django import forms
 from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
 
-from .key_changes import set_keys_active
-from .key_scopes import parse_names, unknown_models, unknown_models_message
+from .changes import set_keys_active
 from .models import ApiKey, TokenUsage
+from .scopes import parse_names, unknown_models, unknown_models_message
 
 PUSHED = "refused by every router within a second"
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def typed(decorator: Any) -> Callable[[Method], Method]:
+    """One of Django's admin decorators, which return the method they are given with attributes set, as such
+    (Django ships no types)."""
+    kept: Callable[[Method], Method] = decorator
+    return kept
 
 
 class CommaListField(forms.CharField):
     """A JSON list of names edited as `a, b, c`."""
 
-    def prepare_value(self, value):
+    def prepare_value(self, value: Any) -> Any:
         if isinstance(value, list):
             return ", ".join(value)
         return value
 
-    def to_python(self, value):
+    def to_python(self, value: Any) -> list[str]:
         return parse_names(super().to_python(value) or "")
 
 
@@ -46,8 +60,8 @@ class ApiKeyForm(forms.ModelForm):
         model = ApiKey
         fields = ["name", "active", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
 
-    def clean_allowed_models(self):
-        names = self.cleaned_data["allowed_models"]
+    def clean_allowed_models(self) -> list[str]:
+        names: list[str] = self.cleaned_data["allowed_models"]
         unknown = unknown_models(names)
         if unknown:
             message = unknown_models_message(unknown)
@@ -76,21 +90,22 @@ class ApiKeyAdmin(admin.ModelAdmin):
     actions = ["revoke", "restore"]
     SCOPE_FIELDS = ["allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
 
-    @admin.display(description="models")
-    def models_shown(self, obj):
+    @typed(admin.display(description="models"))
+    def models_shown(self, obj: ApiKey) -> str:
         return ", ".join(obj.allowed_models) or "all"
 
-    def get_fields(self, request, obj=None):
+    def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         if obj is None:
             return ["name", *self.SCOPE_FIELDS]
         return ["name", "prefix", "active", *self.SCOPE_FIELDS, "last_used_at", "created_at"]
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         return [] if obj is None else ["prefix", "last_used_at", "created_at"]
 
-    def save_model(self, request, obj, form, change):
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: ApiKeyForm, change: bool) -> None:
         if change:
-            return super().save_model(request, obj, form, change)
+            super().save_model(request, obj, form, change)
+            return
         data = form.cleaned_data
         issued, plaintext = ApiKey.issue(data["name"], **{field: data[field] for field in self.SCOPE_FIELDS})
         # The admin goes on to log and redirect with `obj`, so it becomes the issued row.
@@ -103,13 +118,13 @@ class ApiKeyAdmin(admin.ModelAdmin):
             messages.WARNING,
         )
 
-    @admin.action(description="Revoke the selected keys", permissions=["change"])
-    def revoke(self, request, queryset):
+    @typed(admin.action(description="Revoke the selected keys", permissions=["change"]))
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         count = set_keys_active(queryset, False)
         self.message_user(request, f"Revoked {count} key(s): {PUSHED}.", messages.SUCCESS)
 
-    @admin.action(description="Restore (unrevoke) the selected keys", permissions=["change"])
-    def restore(self, request, queryset):
+    @typed(admin.action(description="Restore (unrevoke) the selected keys", permissions=["change"]))
+    def restore(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         count = set_keys_active(queryset, True)
         self.message_user(
             request, f"Restored {count} key(s): accepted by every router within a second.", messages.SUCCESS
@@ -126,11 +141,11 @@ class TokenUsageAdmin(admin.ModelAdmin):
     date_hierarchy = "hour"
     list_select_related = False
 
-    def has_add_permission(self, request):
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None):
+    def has_change_permission(self, request: HttpRequest, obj: TokenUsage | None = None) -> bool:
         return False
 
-    def has_delete_permission(self, request, obj=None):
+    def has_delete_permission(self, request: HttpRequest, obj: TokenUsage | None = None) -> bool:
         return False

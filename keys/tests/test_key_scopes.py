@@ -8,10 +8,9 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from keys.models import ApiKey
 from router.keys import KeyInfo
-from router.models import ApiKey
-
-from .conftest import ALIAS, MODEL, make_table
+from router.tests.conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,12 +19,27 @@ OTHER_ALIAS = "qwen"
 MODELS = {MODEL: {"aliases": [ALIAS]}, OTHER: {"aliases": [OTHER_ALIAS]}}
 
 
+class WallClock:
+    """The wall clock, or a fixed instant once a test sets `now`."""
+
+    def __init__(self) -> None:
+        self.now: float | None = None
+
+    def __call__(self) -> float:
+        return time.time() if self.now is None else self.now
+
+
 @pytest.fixture
-def router(start_router, hub, start_engine):
+def wall_clock():
+    return WallClock()
+
+
+@pytest.fixture
+def router(start_router, hub, start_engine, wall_clock):
     engine = start_engine()
     table = make_table([engine.url, {"url": engine.url, "model": OTHER, "replica_id": "9"}], models=MODELS)
     hub.publish_endpoints(table)
-    return start_router()
+    return start_router(wall_clock=wall_clock)
 
 
 def key(**fields) -> dict:
@@ -111,11 +125,13 @@ def test_an_expired_key_is_401_naming_the_expiry(router):
     assert httpx.get(f"{router.url}/v1/models", headers=headers).status_code == 401
 
 
-def test_a_cached_key_is_refused_from_the_instant_it_expires_without_a_new_lookup(router):
-    headers = key(expires_at=timezone.now() + dt.timedelta(seconds=1.5))
+def test_a_cached_key_is_refused_from_the_instant_it_expires_without_a_new_lookup(router, wall_clock):
+    expiry = timezone.now() + dt.timedelta(minutes=5)
+    headers = key(expires_at=expiry)
+    wall_clock.now = expiry.timestamp() - 0.001
     assert chat(router, headers, MODEL).status_code == 200
     lookups = router.state.keys.lookups
-    time.sleep(1.6)
+    wall_clock.now = expiry.timestamp()
     assert chat(router, headers, MODEL).status_code == 401
     assert router.state.keys.lookups == lookups  # the expiry was checked against the cached value
 

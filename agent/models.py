@@ -1,1 +1,0 @@
-"""The agent owns no tables: it runs on the GPU nodes."""

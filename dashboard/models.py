@@ -1,1 +1,0 @@
-"""The dashboard owns no tables: it renders the cluster summary."""

@@ -1,0 +1,20 @@
+"""App configuration for keys."""
+
+from django.apps import AppConfig
+from django.db.models.signals import post_delete, post_save
+
+
+class KeysConfig(AppConfig):
+    """The keys app; connects the receivers that push API-key changes to every router."""
+
+    default_auto_field = "django.db.models.BigAutoField"
+    name = "keys"
+    verbose_name = "API keys"
+
+    def ready(self) -> None:
+        # Imported here: Django wants models loaded before receivers that name them.
+        from .changes import key_deleted, key_saved
+        from .models import ApiKey
+
+        post_save.connect(key_saved, sender=ApiKey, dispatch_uid="keys.key_saved")
+        post_delete.connect(key_deleted, sender=ApiKey, dispatch_uid="keys.key_deleted")
