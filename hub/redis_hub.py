@@ -91,14 +91,25 @@ def _parse_token_fields(raw: dict[bytes, bytes]) -> dict[int, TokenCounts]:
     return tokens
 
 
+class _StoredMark(msgspec.Struct):
+    """A watch mark as RENEW_MARK_LUA writes it in the marks hash (the router id is its field name)."""
+
+    since: float
+    renewed: float
+    ttl: float
+    in_flight: dict[str, int] = {}
+
+
+_decode_mark = msgspec.json.Decoder(_StoredMark).decode
+
+
 def _parse_mark(router: str, raw: bytes) -> RouterMark:
     """A mark as the Lua script wrote it; ValueError if it is not that shape."""
     try:
-        data = json.loads(raw)
-        in_flight = {str(model): int(count) for model, count in (data.get("in_flight") or {}).items()}
-        return RouterMark(router, float(data["since"]), float(data["renewed"]), float(data["ttl"]), in_flight)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        mark = _decode_mark(raw)
+    except msgspec.DecodeError as exc:
         raise ValueError(f"malformed watch mark of router {router!r}: {raw!r} ({exc})") from None
+    return RouterMark(router, mark.since, mark.renewed, mark.ttl, mark.in_flight)
 
 
 class _Fingerprint(msgspec.Struct):
@@ -237,7 +248,8 @@ class RedisHub:
         # After the stamps, in the same MULTI: a renewed mark vouches for what this router used.
         # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
         # first, a second round trip per flush; Redis caches the compiled script either way.
-        args = [report.router, repr(float(now)), repr(float(report.ttl)), json.dumps(report.in_flight)]
+        in_flight = msgspec.json.encode(report.in_flight).decode()
+        args = [report.router, repr(float(now)), repr(float(report.ttl)), in_flight]
         pipe.eval(RENEW_MARK_LUA, 1, ROUTERS_KEY, *args)
         await pipe.execute()
 
