@@ -19,6 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import msgspec  # noqa: E402
+
+from hub.contracts import EndpointTable  # noqa: E402
 from router.balancer import Balancer  # noqa: E402
 
 MODEL = "bench-model"
@@ -30,7 +33,7 @@ def balancer_with(replicas: int) -> Balancer:
         {"replica_id": str(i), "model": MODEL, "url": f"http://127.0.0.1:{20000 + i}", "pool": "default"}
         for i in range(replicas)
     ]
-    balancer.apply_table({"models": {MODEL: {}}, "endpoints": endpoints})
+    balancer.apply_table(msgspec.convert({"models": {MODEL: {}}, "endpoints": endpoints}, EndpointTable))
     return balancer
 
 

@@ -105,6 +105,7 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
     from django.core.management import call_command
 
     from hub import InProcessHub
+    from hub.contracts import EndpointRow, EndpointTable, ModelEntry
     from keys.models import ApiKey
     from router.app import create_app
 
@@ -120,14 +121,7 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
         tpm=10**12 if "limits" in features else None,
     )
     hub = InProcessHub()
-    hub.publish_endpoints(
-        {
-            "models": {MODEL: {"aliases": []}},
-            "endpoints": [
-                {"replica_id": "1", "model": MODEL, "url": upstream, "priority": 0, "weight": 1, "pool": "default"}
-            ],
-        }
-    )
+    hub.publish_endpoints(EndpointTable(models={MODEL: ModelEntry()}, endpoints=[EndpointRow("1", MODEL, upstream)]))
     uvicorn.run(
         create_app(hub),
         host="127.0.0.1",

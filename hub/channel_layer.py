@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from channels.exceptions import ChannelFull
 from channels_redis.core import RedisChannelLayer
@@ -93,7 +93,7 @@ class FleetChannelLayer(RedisChannelLayer):
             address, max_connections=self.pool_size, timeout=self.pool_timeout, **host
         )
 
-    async def send_to_groups(self, items: list[tuple[str, dict]]) -> list[GroupDelivery]:
+    async def send_to_groups(self, items: list[tuple[str, dict[str, Any]]]) -> list[GroupDelivery]:
         """Send each (group, message); say for each how many streams it reached and how many were full.
 
         Two round trips per Redis host whatever the number of items: the groups'
@@ -129,14 +129,14 @@ class FleetChannelLayer(RedisChannelLayer):
                 outcome[rows[int(n) - 1][0]].full += 1
         return outcome
 
-    async def receive_single(self, channel: str) -> tuple[Any, dict]:
+    async def receive_single(self, channel: str) -> tuple[Any, dict[str, Any]]:
         """Take up to `receive_batch` waiting messages in one round trip; wait as channels-redis does when none.
 
         The extra messages go straight to their streams' buffers, as the parent's
         receive() does with the one it is given.
         """
         if "!" not in channel:
-            return await super().receive_single(channel)
+            return cast(tuple[Any, dict[str, Any]], await super().receive_single(channel))
         key = self.prefix + channel
         # ZPOPMIN's answer carries scores, which redis-py converts one by one (a third of the event
         # loop's time in a burst); the oldest members and their removal, in one MULTI, carry none.
@@ -145,7 +145,7 @@ class FleetChannelLayer(RedisChannelLayer):
         pipe.zremrangebyrank(key, 0, self.receive_batch - 1)
         popped, _ = await pipe.execute()
         if not popped:
-            return await super().receive_single(channel)
+            return cast(tuple[Any, dict[str, Any]], await super().receive_single(channel))
         unpacked = [self._unpack(self.deserialize(content), channel) for content in popped]
         for target, message in unpacked[1:]:
             for name in target if isinstance(target, list) else [target]:
@@ -153,12 +153,12 @@ class FleetChannelLayer(RedisChannelLayer):
         return unpacked[0]
 
     @staticmethod
-    def _unpack(message: dict, channel: str) -> tuple[Any, dict]:
+    def _unpack(message: dict[str, Any], channel: str) -> tuple[Any, dict[str, Any]]:
         target = message.pop("__asgi_channel__", channel)
         return target, message
 
 
-async def deliver_to_groups(layer: Any, items: list[tuple[str, dict]]) -> list[GroupDelivery]:
+async def deliver_to_groups(layer: Any, items: list[tuple[str, dict[str, Any]]]) -> list[GroupDelivery]:
     """`send_to_groups` on any channel layer; one without it reports one member reached per group it accepted."""
     if isinstance(layer, FleetChannelLayer):
         return await layer.send_to_groups(items)

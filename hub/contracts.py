@@ -5,13 +5,13 @@ other: both depend on these protocols, and each mode supplies one object that
 implements all of them (`hub.memory.InProcessHub` embedded,
 `hub.redis_hub.RedisHub` distributed).
 
-* endpoint table: the tick publishes, routers read and watch (DESIGN invariant 7);
+* endpoint table (`EndpointTable`): the tick publishes, routers read, watch and decode it (DESIGN invariant 7);
 * usage reports: each router flushes its last-use stamps (invariant 4), its
   per-model peak of requests in flight, its requests and tokens per API key and
   model with each key's last use, and renews its own watch mark ("I am
   recording usage"), so the tick can tell "never used while watched" from
   "unknown", and notice one router that cannot flush (invariant 3). Token
-  counts add up in the hub until the tick takes them (read and reset at once);
+  counts (`TokenCount`) add up in the hub until the tick takes them (read and reset at once);
 * activation queue: routers ask for a model to be started, the tick drains;
 * key changes: the control plane names API keys (by hash) that were revoked,
   deleted or edited, and every router drops them from its cache at once;
@@ -23,17 +23,68 @@ methods are coroutines (they run on the router's loop).
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Protocol
 
-EndpointTable = dict[str, Any]
-"""{"models": {name: {"aliases": [...], "unplaceable"?: str, "failed"?: str, "start_seconds"?: float}},
-"endpoints": [{"replica_id", "model", "url", "priority", "weight", "pool"}], "fingerprint": str}"""
+import msgspec
 
-TokenCounts = dict[str, dict[str, list[int]]]
-"""API-key digest (`hub.credentials.hash_secret`) -> public model name -> [requests, prompt tokens, completion tokens]."""
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1)]
+# Unix seconds; the bound refuses inf (and NaN fails every comparison), which the hubs could not store.
+UnixTime = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
+
+
+class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One enabled model as routers know it: its aliases, and why requests for it cannot wait, if they cannot."""
+
+    aliases: list[str] = []
+    unplaceable: Name | None = None
+    """Why the control plane cannot place it now: routers answer at once instead of holding requests."""
+    failed: Name | None = None
+    """Why its only wanted replica failed (the engine's own last words)."""
+    start_seconds: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """How long its first profile takes from placement to ready, as learned; None while unknown."""
+
+
+class EndpointRow(msgspec.Struct, frozen=True):
+    """One READY replica routers may send a model's requests to."""
+
+    replica_id: Name
+    model: Name
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://")]
+    priority: int = 0
+    weight: Annotated[int, msgspec.Meta(ge=1)] = 1
+    pool: str = "default"
+
+
+class EndpointTable(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the tick publishes and routers serve from (DESIGN invariant 7): models by public name, endpoints.
+
+    `fingerprint` is empty as built; the hub sets it to `fingerprint(table)` when it publishes.
+    """
+
+    models: dict[str, ModelEntry] = {}
+    endpoints: list[EndpointRow] = []
+    fingerprint: str = ""
+
+
+class TokenCount(msgspec.Struct, array_like=True):
+    """Requests and tokens of one key on one model; `[requests, prompt, completion]` on the wire. Counters."""
+
+    requests: NonNegative
+    prompt: NonNegative
+    completion: NonNegative
+
+    def add(self, other: TokenCount) -> None:
+        """Add `other`'s counts to these."""
+        self.requests += other.requests
+        self.prompt += other.prompt
+        self.completion += other.completion
+
+
+TokenCounts = dict[str, dict[str, TokenCount]]
+"""API-key digest (`hub.credentials.hash_secret`) -> public model name -> its counts."""
 
 HOUR = 3600
 
@@ -41,6 +92,18 @@ HOUR = 3600
 def hour_of(ts: float) -> int:
     """The start (Unix seconds, UTC) of the hour `ts` falls in: token counts are kept per hour."""
     return int(ts // HOUR) * HOUR
+
+
+def add_token_counts(into: TokenCounts, counts: TokenCounts) -> None:
+    """Add `counts` to `into` (copies, so later additions to one never change the other)."""
+    for digest, models in counts.items():
+        per_key = into.setdefault(digest, {})
+        for model, count in models.items():
+            total = per_key.get(model)
+            if total is None:
+                per_key[model] = TokenCount(count.requests, count.prompt, count.completion)
+            else:
+                total.add(count)
 
 
 class EndpointSink(Protocol):
@@ -52,65 +115,45 @@ class EndpointSink(Protocol):
 
 
 class EndpointSource(Protocol):
-    """The router's side of the endpoint table."""
+    """The router's side of the endpoint table: the published table as JSON, for the router to decode.
 
-    async def read_endpoints(self) -> EndpointTable | None: ...
+    Encoded, whichever hub: routers decode it row by row (router.table), so one
+    malformed row costs that row, never the table.
+    """
 
-    def watch_endpoints(self) -> AsyncIterator[EndpointTable]:
+    async def read_endpoints(self) -> bytes | None: ...
+
+    def watch_endpoints(self) -> AsyncIterator[bytes]:
         """Yield each newly published table, forever."""
         ...
 
 
-@dataclass(frozen=True)
-class UsageReport:
-    """One router's flush: what it saw since its previous flush, and its watch mark renewed for `ttl` seconds."""
+class UsageReport(msgspec.Struct, frozen=True):
+    """One router's flush: what it saw since its previous flush, and its watch mark renewed for `ttl` seconds.
 
-    router: str
+    The hubs take it only through `checked`, which refuses a malformed one naming the field.
+    """
+
+    router: Name
     """This router's id, unique per process (it starts a new watch when the process starts)."""
-    stamps: dict[str, float] = field(default_factory=dict)
+    stamps: dict[str, float] = {}
     """Replica id -> last use (Unix time); newest wins across routers."""
-    in_flight: dict[str, int] = field(default_factory=dict)
+    in_flight: dict[str, NonNegative] = {}
     """Public model name -> the most requests this router had in flight at once since its previous flush."""
-    ttl: float = 3.0
-    tokens: TokenCounts = field(default_factory=dict)
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 3.0
+    tokens: dict[Name, dict[str, TokenCount]] = {}
     """Requests and tokens per key digest and model since the previous flush; counters: they add up."""
-    keys: dict[str, float] = field(default_factory=dict)
+    keys: dict[str, UnixTime] = {}
     """Key digest -> last use (Unix time); newest wins across routers."""
 
-    def __post_init__(self) -> None:
-        # A report crosses a process boundary: refuse a malformed one where it is built.
-        if not isinstance(self.router, str) or not self.router:
-            raise ValueError(f"usage report: router id must be a non-empty string, got {self.router!r}")
-        if not isinstance(self.ttl, int | float) or not math.isfinite(self.ttl) or self.ttl <= 0:
-            raise ValueError(f"usage report from {self.router}: ttl must be a finite number > 0, got {self.ttl!r}")
-        for model, count in self.in_flight.items():
-            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                raise ValueError(
-                    f"usage report from {self.router}: in-flight count for {model!r} must be an int >= 0, got {count!r}"
-                )
-        check_token_counts(self.tokens, f"usage report from {self.router}")
-        for digest, ts in self.keys.items():
-            if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
-                raise ValueError(
-                    f"usage report from {self.router}: last use of key {digest!r} must be a time, got {ts!r}"
-                )
 
+def checked(report: UsageReport) -> UsageReport:
+    """`report` validated against its declared types; msgspec.ValidationError (a ValueError) names what is wrong.
 
-def check_token_counts(tokens: TokenCounts, where: str) -> None:
-    """Raise ValueError unless `tokens` is {digest: {model: [requests, prompt, completion]}} of ints >= 0."""
-    for digest, models in tokens.items():
-        if not isinstance(digest, str) or not digest or not isinstance(models, dict):
-            raise ValueError(f"{where}: token counts must map key digests to models, got {digest!r}: {models!r}")
-        for model, row in models.items():
-            if (
-                not isinstance(model, str)
-                or not isinstance(row, list)
-                or len(row) != 3
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in row)
-            ):
-                raise ValueError(
-                    f"{where}: token counts of {model!r} must be [requests, prompt, completion] ints >= 0, got {row!r}"
-                )
+    A report is built in the router's process and stored by the hub: this is where
+    the hub refuses one a bug made malformed, before any of it is stored.
+    """
+    return msgspec.convert(msgspec.to_builtins(report), UsageReport)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-import json
-from typing import Any
+
+import msgspec
+
+from .contracts import EndpointTable
 
 
-def fingerprint(table: dict[str, Any]) -> str:
+def fingerprint(table: EndpointTable) -> str:
     """A stable digest of an endpoint table (its own fingerprint field excluded)."""
-    body = {k: v for k, v in table.items() if k != "fingerprint"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    body = msgspec.structs.replace(table, fingerprint="")
+    return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()
+
+
+def fingerprinted(table: EndpointTable) -> tuple[EndpointTable, bytes]:
+    """`table` with its fingerprint set, and its JSON as routers decode it."""
+    table = msgspec.structs.replace(table, fingerprint=fingerprint(table))
+    return table, msgspec.json.encode(table)

@@ -13,20 +13,30 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from .contracts import EndpointTable, RouterMark, TokenCounts, UsageReport, UsageSnapshot, hour_of
-from .fingerprint import fingerprint
+from .contracts import (
+    EndpointTable,
+    RouterMark,
+    TokenCounts,
+    UsageReport,
+    UsageSnapshot,
+    add_token_counts,
+    checked,
+    hour_of,
+)
+from .fingerprint import fingerprinted
 
 
 class InProcessHub:
     """Embedded backends: everything in memory. `clock` (Unix seconds) is injectable for tests."""
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._table: EndpointTable | None = None
+        self._encoded: bytes | None = None  # `_table` as routers read it
         self._stamps: dict[str, float] = {}
         self._activations: set[str] = set()
-        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[EndpointTable]]] = []
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[bytes]]] = []
         self._key_watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[list[str]]]] = []
         self._marks: dict[str, RouterMark] = {}  # router id -> its watch mark
         self._activation_listeners: list[Callable[[], None]] = []
@@ -44,15 +54,15 @@ class InProcessHub:
 
     # -- control plane side -------------------------------------------------
     def publish_endpoints(self, table: EndpointTable) -> bool:
-        table = {**table, "fingerprint": fingerprint(table)}
+        table, encoded = fingerprinted(table)
         with self._lock:
-            if self._table is not None and self._table["fingerprint"] == table["fingerprint"]:
+            if self._table is not None and self._table.fingerprint == table.fingerprint:
                 return False
-            self._table = table
+            self._table, self._encoded = table, encoded
             watchers = list(self._watchers)
         for loop, queue in watchers:
             with contextlib.suppress(RuntimeError):  # that router's loop has closed
-                loop.call_soon_threadsafe(queue.put_nowait, table)
+                loop.call_soon_threadsafe(queue.put_nowait, encoded)
         return True
 
     def collect_usage(self) -> UsageSnapshot:
@@ -68,13 +78,7 @@ class InProcessHub:
             self._add_keys(keys)
 
     def _add_tokens(self, hour: int, counts: TokenCounts) -> None:
-        into = self._tokens.setdefault(hour, {})
-        for digest, models in counts.items():
-            per_key = into.setdefault(digest, {})
-            for model, row in models.items():
-                total = per_key.setdefault(model, [0, 0, 0])
-                for i in range(3):
-                    total[i] += row[i]
+        add_token_counts(self._tokens.setdefault(hour, {}), counts)
 
     def _add_keys(self, keys: dict[str, float]) -> None:
         for digest, ts in keys.items():
@@ -97,12 +101,12 @@ class InProcessHub:
                 self._marks.pop(router, None)
 
     # -- router side ----------------------------------------------------------
-    async def read_endpoints(self) -> EndpointTable | None:
+    async def read_endpoints(self) -> bytes | None:
         with self._lock:
-            return self._table
+            return self._encoded
 
-    async def watch_endpoints(self) -> AsyncIterator[EndpointTable]:
-        queue: asyncio.Queue[EndpointTable] = asyncio.Queue()
+    async def watch_endpoints(self) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
         entry = (asyncio.get_running_loop(), queue)
         with self._lock:
             self._watchers.append(entry)
@@ -114,6 +118,7 @@ class InProcessHub:
                 self._watchers.remove(entry)
 
     async def report_usage(self, report: UsageReport) -> None:
+        report = checked(report)
         now = self._clock()
         with self._lock:
             for rid, ts in report.stamps.items():
@@ -164,7 +169,7 @@ class InProcessHub:
             # Older minutes limit nothing any more.
             for old in [k for k in self._limits if k[0] < minute]:
                 del self._limits[old]
-            totals = {}
+            totals: dict[str, list[int]] = {}
             for digest, (requests, tokens) in deltas.items():
                 counts = self._limits.setdefault((minute, digest), [0, 0])
                 counts[0] += requests

@@ -22,11 +22,12 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import cast
 
+import msgspec
 import redis
 import redis.asyncio
 
-from .contracts import EndpointTable, RouterMark, TokenCounts, UsageReport, UsageSnapshot, hour_of
-from .fingerprint import fingerprint
+from .contracts import EndpointTable, RouterMark, TokenCount, TokenCounts, UsageReport, UsageSnapshot, checked, hour_of
+from .fingerprint import fingerprinted
 
 log = logging.getLogger(__name__)
 
@@ -67,41 +68,68 @@ def _token_fields(hour: int, tokens: TokenCounts) -> dict[str, int]:
     """The counter increments for one hour's counts (zeros left out: HINCRBY by 0 is a wasted command)."""
     fields = {}
     for digest, models in tokens.items():
-        for model, row in models.items():
-            for kind, amount in zip(TOKEN_KINDS, row, strict=True):
+        for model, count in models.items():
+            for kind, amount in zip(TOKEN_KINDS, msgspec.structs.astuple(count), strict=True):
                 if amount:
                     fields[f"{kind} {hour} {digest} {model}"] = amount
     return fields
 
 
 def _parse_token_fields(raw: dict[bytes, bytes]) -> dict[int, TokenCounts]:
-    """Counter fields back into {hour: {digest: {model: [requests, prompt, completion]}}}; malformed ones logged."""
+    """Counter fields back into {hour: {digest: {model: TokenCount}}}; malformed ones logged and dropped."""
     tokens: dict[int, TokenCounts] = {}
     for field_name, value in raw.items():
         try:
             kind, hour, digest, model = field_name.decode().split(" ", 3)
-            index = TOKEN_KINDS.index(kind)
-            row = tokens.setdefault(int(hour), {}).setdefault(digest, {}).setdefault(model, [0, 0, 0])
-            row[index] += int(value)
+            if kind not in TOKEN_KINDS:
+                raise ValueError(kind)
+            amount = int(value)
+            count = tokens.setdefault(int(hour), {}).setdefault(digest, {}).setdefault(model, TokenCount(0, 0, 0))
+            setattr(count, kind, getattr(count, kind) + amount)
         except ValueError:
             log.warning("dropping a malformed token counter %r=%r", field_name, value)
     return tokens
 
 
+class _StoredMark(msgspec.Struct):
+    """A watch mark as RENEW_MARK_LUA writes it in the marks hash (the router id is its field name)."""
+
+    since: float
+    renewed: float
+    ttl: float
+    in_flight: dict[str, int] = {}
+
+
+_decode_mark = msgspec.json.Decoder(_StoredMark).decode
+
+
 def _parse_mark(router: str, raw: bytes) -> RouterMark:
     """A mark as the Lua script wrote it; ValueError if it is not that shape."""
     try:
-        data = json.loads(raw)
-        in_flight = {str(model): int(count) for model, count in (data.get("in_flight") or {}).items()}
-        return RouterMark(router, float(data["since"]), float(data["renewed"]), float(data["ttl"]), in_flight)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        mark = _decode_mark(raw)
+    except msgspec.DecodeError as exc:
         raise ValueError(f"malformed watch mark of router {router!r}: {raw!r} ({exc})") from None
+    return RouterMark(router, mark.since, mark.renewed, mark.ttl, mark.in_flight)
+
+
+class _Fingerprint(msgspec.Struct):
+    """Just the fingerprint of a stored table: what a publish compares with."""
+
+    fingerprint: str = ""
+
+
+def _fingerprint_of(stored: bytes | str) -> str | None:
+    """The fingerprint of the stored table, or None when it is unreadable (then it is replaced)."""
+    try:
+        return msgspec.json.decode(stored, type=_Fingerprint).fingerprint
+    except msgspec.DecodeError:
+        return None
 
 
 class RedisHub:
     """Distributed backends in Redis; the control plane's calls are synchronous, the router's async."""
 
-    def __init__(self, url: str, clock: Callable[[], float] = time.time):
+    def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.url = url
         self._clock = clock
         self._sync = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
@@ -121,11 +149,10 @@ class RedisHub:
 
     # -- control plane side -------------------------------------------------
     def publish_endpoints(self, table: EndpointTable) -> bool:
-        table = {**table, "fingerprint": fingerprint(table)}
+        table, payload = fingerprinted(table)
         current = self._sync.get(ENDPOINTS_KEY)
-        if current is not None and json.loads(current).get("fingerprint") == table["fingerprint"]:
+        if current is not None and _fingerprint_of(current) == table.fingerprint:
             return False
-        payload = json.dumps(table, sort_keys=True)
         pipe = self._sync.pipeline(transaction=True)
         pipe.set(ENDPOINTS_KEY, payload)
         pipe.publish(ENDPOINTS_CHANNEL, payload)
@@ -184,11 +211,10 @@ class RedisHub:
             self._sync.hdel(ROUTERS_KEY, *names)
 
     # -- router side ----------------------------------------------------------
-    async def read_endpoints(self) -> EndpointTable | None:
-        raw = await self._aio().get(ENDPOINTS_KEY)
-        return None if raw is None else json.loads(raw)
+    async def read_endpoints(self) -> bytes | None:
+        return cast(bytes | None, await self._aio().get(ENDPOINTS_KEY))
 
-    async def watch_endpoints(self) -> AsyncIterator[EndpointTable]:
+    async def watch_endpoints(self) -> AsyncIterator[bytes]:
         """Yield each table published on the channel, reconnecting after failures."""
         while True:
             pubsub = self._aio().pubsub()
@@ -196,7 +222,7 @@ class RedisHub:
                 await pubsub.subscribe(ENDPOINTS_CHANNEL)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
-                        yield json.loads(message["data"])
+                        yield message["data"]
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down: the poll backstop covers the gap
@@ -204,9 +230,10 @@ class RedisHub:
                 await asyncio.sleep(1)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     async def report_usage(self, report: UsageReport) -> None:
+        report = checked(report)
         pipe = self._aio().pipeline(transaction=True)
         if report.stamps:
             # GT: newest wins, so routers flushing out of order never move a stamp back.
@@ -221,7 +248,8 @@ class RedisHub:
         # After the stamps, in the same MULTI: a renewed mark vouches for what this router used.
         # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
         # first, a second round trip per flush; Redis caches the compiled script either way.
-        args = [report.router, repr(float(now)), repr(float(report.ttl)), json.dumps(report.in_flight)]
+        in_flight = msgspec.json.encode(report.in_flight).decode()
+        args = [report.router, repr(float(now)), repr(float(report.ttl)), in_flight]
         pipe.eval(RENEW_MARK_LUA, 1, ROUTERS_KEY, *args)
         await pipe.execute()
 
@@ -260,7 +288,7 @@ class RedisHub:
                 await asyncio.sleep(1)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
         key = LIMITS_KEY.format(minute=minute)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db.models import Exists, OuterRef
 
 from catalog.models import Alias, Model, Profile
-from hub import EndpointTable
+from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from inventory.choices import NodeState
 
 from .choices import ReplicaState
@@ -30,6 +30,11 @@ def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, and how long
     it takes to start, or why its last replica failed), and READY replicas whose nodes are all heard from.
     Six queries, plain rows: it runs every tick, over every ready replica of the fleet."""
+    return EndpointTable(models=_models(), endpoints=_endpoints())
+
+
+def _models() -> dict[str, ModelEntry]:
+    """Every enabled model with a profile, by public name (sorted), with its aliases and notes."""
     # The first profile is the one an activation starts, so its learned start time is the ETA.
     first_start: dict[int, float | None] = {}
     for model_id, start_seconds in (
@@ -42,18 +47,36 @@ def build_endpoint_table() -> EndpointTable:
     aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
     for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
         aliases[model_id].append(alias)
+    unplaceable, failed = _unplaceable(), _failed()
+    models: dict[str, ModelEntry] = {}
+    for model_id, name in sorted(names.items(), key=lambda item: item[1]):
+        start = first_start[model_id]
+        models[name] = ModelEntry(
+            aliases=sorted(aliases[model_id]),
+            unplaceable=unplaceable.get(name),
+            failed=failed.get(name),
+            start_seconds=None if start is None else round(start, 1),
+        )
+    return models
 
+
+def _endpoints() -> list[EndpointRow]:
+    """READY replicas of enabled models whose shards' nodes are all heard from, by replica id."""
     # A replica with a shard on a node that missed its heartbeat window takes no traffic; it
     # returns when the node's heartbeats do (DESIGN "Reconcile tick": unreachable → unpublished).
     on_silent_node = Shard.objects.filter(replica=OuterRef("pk")).exclude(node__state=NodeState.READY)
-    endpoints = (
+    rows = (
         Replica.objects.ready()
         .filter(model__enabled=True)
         .exclude(Exists(on_silent_node))
         .order_by("id")
         .values_list("id", "model__name", "endpoint_url", "profile__priority", "profile__weight", "profile__pool")
     )
-    # Why a wanted model has no room right now, so routers can answer at once instead of holding requests.
+    return [EndpointRow(str(pk), model, url, priority, weight, pool) for pk, model, url, priority, weight, pool in rows]
+
+
+def _unplaceable() -> dict[str, str]:
+    """Why a wanted model has no room right now, so routers can answer at once instead of holding requests."""
     unplaceable: dict[str, str] = {}
     for name, reason in (
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
@@ -65,10 +88,15 @@ def build_endpoint_table() -> EndpointTable:
         .values_list("model__name", "placement_error")
     ):
         unplaceable.setdefault(name, reason)
+    return unplaceable
 
-    # A model whose only wanted replica failed (its engine exited, in its start or later): routers answer
-    # at once with the engine's own words instead of holding requests until their deadline. A replica
-    # pending or starting again (after the backoff) withdraws the reason: then requests wait for it.
+
+def _failed() -> dict[str, str]:
+    """A model whose only wanted replica failed (its engine exited, in its start or later) -> the engine's words.
+
+    Routers answer at once with them instead of holding requests until their deadline. A replica
+    pending or starting again (after the backoff) withdraws the reason: then requests wait for it.
+    """
     another_wanted = Replica.objects.filter(
         model=OuterRef("model"), state__in=(ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
     )
@@ -80,22 +108,4 @@ def build_endpoint_table() -> EndpointTable:
         .values_list("model__name", "last_error")
     ):
         failed.setdefault(name, failure_reason(error))
-
-    models: dict[str, dict] = {}
-    for model_id, name in sorted(names.items(), key=lambda item: item[1]):
-        described: dict = {"aliases": sorted(aliases[model_id])}
-        if name in unplaceable:
-            described["unplaceable"] = unplaceable[name]
-        if name in failed:
-            described["failed"] = failed[name]
-        start = first_start[model_id]
-        if start is not None:
-            described["start_seconds"] = round(start, 1)
-        models[name] = described
-    return {
-        "models": models,
-        "endpoints": [
-            {"replica_id": str(pk), "model": model, "url": url, "priority": priority, "weight": weight, "pool": pool}
-            for pk, model, url, priority, weight, pool in endpoints
-        ],
-    }
+    return failed

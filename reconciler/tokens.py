@@ -48,7 +48,7 @@ def record_token_usage(snapshot: UsageSnapshot | None, hub: UsageSource) -> int:
 
 
 def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
-    """Add `tokens` ({hour start: {digest: {model: [requests, prompt, completion]}}}) to TokenUsage and move
+    """Add `tokens` ({hour start: {digest: {model: TokenCount}}}) to TokenUsage and move
     `keys` (digest -> last use) into ApiKey.last_used_at; one transaction. Unknown digests are dropped."""
     digests = set(keys)
     for counts in tokens.values():
@@ -64,11 +64,11 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
         if unknown:
             log.warning("dropping token usage of %d unknown API key(s) (deleted since?)", len(unknown))
         rows = [
-            (known[digest][0], known[digest][1], model, hour, *row)
+            (known[digest][0], known[digest][1], model, hour, count.requests, count.prompt, count.completion)
             for hour, counts in sorted(tokens.items())
             for digest, models in counts.items()
             if digest in known
-            for model, row in models.items()
+            for model, count in models.items()
         ]
         for start in range(0, len(rows), UPSERT_BATCH):
             _upsert(rows[start : start + UPSERT_BATCH])

@@ -27,11 +27,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+
+from hub.contracts import EndpointTable
 
 from .ejection import EjectionPolicy, Failure, log_change
 from .limits import RateLimiter
-from .table import Endpoint, TableError, parse_endpoint, parse_models
+from .table import Endpoint, endpoint_of, model_lookups
 from .tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -83,31 +84,18 @@ class Balancer:
         self.limits = RateLimiter(clock)
 
     # -- the table --------------------------------------------------------------
-    def apply_table(self, table: dict[str, Any]) -> bool:
-        """Install a published table; return False when it is the one already installed.
-
-        Malformed entries are logged and skipped rather than failing the whole
-        table: one bad row must not take every model offline.
-        """
-        if not isinstance(table, dict):
-            raise TableError(f"endpoint table is not an object: {type(table).__name__}")
-        fingerprint = table.get("fingerprint")
+    def apply_table(self, table: EndpointTable) -> bool:
+        """Install a published table (router.table decoded it); return False when it is the one already installed."""
+        fingerprint = table.fingerprint or None
         if fingerprint is not None and fingerprint == self.fingerprint:
             return False
-        models = table.get("models") or {}
-        if not isinstance(models, dict):
-            raise TableError("endpoint table 'models' is not an object")
-        names, catalog, unplaceable, start_failed, start_seconds = parse_models(models)
+        names, catalog, unplaceable, start_failed, start_seconds = model_lookups(table.models)
 
         endpoints: dict[str, list[Endpoint]] = {}
         by_replica: dict[str, Endpoint] = {}
         with self._lock:
-            for raw in table.get("endpoints") or []:
-                try:
-                    fresh = parse_endpoint(raw)
-                except TableError as exc:
-                    log.warning("skipping endpoint: %s", exc)
-                    continue
+            for row in table.endpoints:
+                fresh = endpoint_of(row)
                 if fresh.model not in catalog:
                     continue
                 current = self._by_replica.get(fresh.replica_id)

@@ -2,11 +2,10 @@
 
 The command hands the table to each uvicorn worker in the environment
 variable `LLMGW_ROUTER_STATIC_TABLE` (JSON, as `static_table.encode_table`
-writes it): a hand-off between the command and its own workers, not a
+writes it and `decode_table_variable` reads it): a hand-off between the command and its own workers, not a
 setting. Key changes are heard from Redis when REDIS_URL is set.
 """
 
-import json
 import os
 
 import django
@@ -18,11 +17,11 @@ from django.conf import settings  # noqa: E402  (needs django.setup() first)
 
 from hub import RedisHub  # noqa: E402
 from router.app import create_app  # noqa: E402
-from router.static_table import TABLE_VARIABLE, StaticHub  # noqa: E402
+from router.static_table import TABLE_VARIABLE, StaticHub, decode_table_variable  # noqa: E402
 
 application = create_app(
     StaticHub(
-        json.loads(os.environ[TABLE_VARIABLE]),
+        decode_table_variable(os.environ[TABLE_VARIABLE]),
         key_changes=RedisHub(settings.REDIS_URL) if settings.REDIS_URL else None,
     )
 )

@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from hub.contracts import EndpointTable, RouterHub
+from hub.contracts import RouterHub
 from hub.gc_tuning import tune_gc
 
 from .background import BackgroundTasks, raise_if_cancelling
-from .balancer import Balancer, EjectionPolicy, TableError
+from .balancer import Balancer, EjectionPolicy
 from .coldstart import ColdStart
 from .engine_load import EngineLoadPoller, balancer_options
 from .inflight import InFlight
 from .keys import ApiKeyCache
 from .metrics import RouterMetrics
 from .proxy import Proxy
+from .table import TableError, decode_table
 from .usage import UsageFlusher
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,11 @@ class RouterState:
         await self.proxy.close()
         await self.keys.close()
 
-    def apply_table(self, table: EndpointTable) -> bool:
-        """Install a table (on the router's loop); wake requests waiting for a replica if it changed."""
+    def apply_table(self, table: bytes) -> bool:
+        """Install a table as the hub hands it over (on the router's loop); wake requests waiting for a replica
+        if it changed."""
         try:
-            changed = self.balancer.apply_table(table)
+            changed = self.balancer.apply_table(decode_table(table))
         except TableError as exc:
             log.error("ignoring a malformed endpoint table: %s", exc)
             return False

@@ -10,11 +10,12 @@ Key changes still arrive pushed when a Redis hub is configured (the admin or
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
-from hub.contracts import EndpointTable, KeyChangeSource
+import msgspec
+
+from hub.contracts import EndpointRow, EndpointTable, KeyChangeSource, ModelEntry
 from hub.memory import InProcessHub
 
 # How `manage.py router` hands the table to its uvicorn workers (router.standalone reads it): not a setting.
@@ -29,8 +30,8 @@ class EndpointSpecError(ValueError):
 
 def parse_endpoints(values: Iterable[str]) -> EndpointTable:
     """The endpoint table for `MODEL=URL` values: each model served by the one engine at its http(s) URL."""
-    models: dict[str, dict] = {}
-    endpoints: list[dict] = []
+    models: dict[str, ModelEntry] = {}
+    endpoints: list[EndpointRow] = []
     for value in values:
         model, sep, url = value.partition("=")
         model, url = model.strip(), url.strip()
@@ -41,31 +42,30 @@ def parse_endpoints(values: Iterable[str]) -> EndpointTable:
             raise EndpointSpecError(f"--endpoint {value!r}: {url!r} is not an http:// or https:// URL")
         if model in models:
             raise EndpointSpecError(f"--endpoint {value!r}: model {model!r} is given more than once")
-        models[model] = {"aliases": [], "unplaceable": NO_CONTROL_PLANE}
-        endpoints.append(
-            {
-                "replica_id": f"static-{len(endpoints) + 1}",
-                "model": model,
-                "url": url.rstrip("/"),
-                "priority": 0,
-                "weight": 1,
-                "pool": "default",
-            }
-        )
+        models[model] = ModelEntry(unplaceable=NO_CONTROL_PLANE)
+        endpoints.append(EndpointRow(f"static-{len(endpoints) + 1}", model, url.rstrip("/")))
     if not models:
         raise EndpointSpecError("no --endpoint given")
-    return {"models": models, "endpoints": endpoints}
+    return EndpointTable(models, endpoints)
 
 
 def encode_table(table: EndpointTable) -> str:
     """The table as the text `manage.py router` hands its worker processes."""
-    return json.dumps(table, sort_keys=True)
+    return msgspec.json.encode(table).decode()
+
+
+def decode_table_variable(text: str) -> EndpointTable:
+    """The table `encode_table` wrote; EndpointSpecError naming the variable if it is not one."""
+    try:
+        return msgspec.json.decode(text, type=EndpointTable)
+    except msgspec.DecodeError as exc:
+        raise EndpointSpecError(f"{TABLE_VARIABLE} is not an endpoint table: {exc}") from None
 
 
 class StaticHub(InProcessHub):
     """A hub holding one fixed table: no activations are asked of anyone; key changes from `key_changes` if given."""
 
-    def __init__(self, table: EndpointTable, key_changes: KeyChangeSource | None = None):
+    def __init__(self, table: EndpointTable, key_changes: KeyChangeSource | None = None) -> None:
         super().__init__()
         self.publish_endpoints(table)
         self._key_changes = key_changes

@@ -1,17 +1,23 @@
 """The endpoint table as the router reads it: each ready replica an `Endpoint`, each model's names and notes.
 
-The control plane publishes plain JSON (hub.contracts.EndpointTable); these
-functions turn it into the balancer's structures, skipping what is malformed
-rather than failing the whole table.
+The control plane publishes `hub.contracts.EndpointTable` as JSON; `decode_table`
+decodes it row by row with msgspec, leaving out what is malformed rather than
+failing the whole table, and the balancer turns it into its structures.
 """
 
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
+
+from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 
 from .ejection import ReplicaHealth
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -51,27 +57,68 @@ class Endpoint:
 
 
 class TableError(ValueError):
-    """An endpoint table that does not have the published shape."""
+    """An endpoint table that is not a JSON object of the published shape at all."""
 
 
-def parse_endpoint(raw: object) -> Endpoint:
-    """One published endpoint row as an Endpoint; TableError says what is wrong with it."""
-    if not isinstance(raw, dict):
-        raise TableError(f"endpoint entry is not an object: {raw!r}")
+class _Rows(msgspec.Struct):
+    """The published table with its rows still encoded, so each row is decoded (and refused) on its own."""
+
+    models: dict[str, msgspec.Raw] = {}
+    endpoints: list[msgspec.Raw] = []
+    fingerprint: str = ""
+
+
+class _Aliases(msgspec.Struct):
+    """What is kept of a model entry whose notes are malformed: its aliases."""
+
+    aliases: list[str] = []
+
+
+_decode_rows = msgspec.json.Decoder(_Rows).decode
+_decode_model = msgspec.json.Decoder(ModelEntry).decode
+_decode_aliases = msgspec.json.Decoder(_Aliases).decode
+_decode_endpoint = msgspec.json.Decoder(EndpointRow).decode
+
+
+def decode_table(data: bytes) -> EndpointTable:
+    """The table as the hub hands it over; one malformed row is logged and left out, never the whole table.
+
+    A malformed endpoint row is dropped. A malformed model entry keeps its name (it is the key, so it is
+    sound) and what of its aliases is sound, and loses its notes: dropping the model would answer its
+    requests "no such model". TableError when `data` is not a table at all.
+    """
     try:
-        replica_id, model, url = str(raw["replica_id"]), raw["model"], raw["url"]
-    except KeyError as exc:
-        raise TableError(f"endpoint entry lacks {exc.args[0]!r}: {raw!r}") from None
-    if not isinstance(model, str) or not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise TableError(f"endpoint entry has a bad model or url: {raw!r}")
-    priority, weight = raw.get("priority", 0), raw.get("weight", 1)
-    if not isinstance(priority, int) or not isinstance(weight, int) or weight < 1:
-        raise TableError(f"endpoint entry has a bad priority or weight: {raw!r}")
-    return Endpoint(replica_id, model, url.rstrip("/"), priority, weight, str(raw.get("pool", "default")))
+        rows = _decode_rows(data)
+    except msgspec.DecodeError as exc:
+        raise TableError(f"endpoint table is not an object of the published shape: {exc}") from None
+    models = {name: _model_entry(name, raw) for name, raw in rows.models.items()}
+    endpoints = []
+    for raw in rows.endpoints:
+        try:
+            endpoints.append(_decode_endpoint(raw))
+        except msgspec.DecodeError as exc:
+            log.warning("skipping an endpoint of the table (%s): %s", exc, _excerpt(raw))
+    return EndpointTable(models, endpoints, rows.fingerprint)
 
 
-def parse_models(
-    models: dict[str, Any],
+def _model_entry(name: str, raw: msgspec.Raw) -> ModelEntry:
+    try:
+        return _decode_model(raw)
+    except msgspec.DecodeError as exc:
+        log.warning("model %r of the endpoint table: ignoring its notes (%s): %s", name, exc, _excerpt(raw))
+    try:
+        return ModelEntry(aliases=_decode_aliases(raw).aliases)
+    except msgspec.DecodeError:
+        return ModelEntry()
+
+
+def _excerpt(raw: msgspec.Raw) -> str:
+    """The start of a row as it was published, for the log line."""
+    return bytes(raw)[:200].decode(errors="replace")
+
+
+def model_lookups(
+    models: dict[str, ModelEntry],
 ) -> tuple[dict[str, str], dict[str, list[str]], dict[str, str], dict[str, str], dict[str, float]]:
     """(name or alias -> public name, public name -> aliases, unplaceable reasons, failed-start reasons,
     learned start seconds) from the table's `models`."""
@@ -81,19 +128,20 @@ def parse_models(
     start_failed: dict[str, str] = {}
     start_seconds: dict[str, float] = {}
     for public, entry in models.items():
-        aliases = entry.get("aliases", []) if isinstance(entry, dict) else []
-        aliases = [a for a in aliases if isinstance(a, str)]
-        catalog[public] = aliases
-        reason = entry.get("unplaceable") if isinstance(entry, dict) else None
-        if isinstance(reason, str) and reason:
-            unplaceable[public] = reason
-        failure = entry.get("failed") if isinstance(entry, dict) else None
-        if isinstance(failure, str) and failure:
-            start_failed[public] = failure
-        start = entry.get("start_seconds") if isinstance(entry, dict) else None
-        if isinstance(start, int | float) and not isinstance(start, bool) and start >= 0:
-            start_seconds[public] = float(start)
+        catalog[public] = entry.aliases
+        if entry.unplaceable is not None:
+            unplaceable[public] = entry.unplaceable
+        if entry.failed is not None:
+            start_failed[public] = entry.failed
+        if entry.start_seconds is not None:
+            start_seconds[public] = entry.start_seconds
         names[public] = public
-        for alias in aliases:
+    for public, entry in models.items():
+        for alias in entry.aliases:
             names.setdefault(alias, public)  # a public name always wins over a clashing alias
     return names, catalog, unplaceable, start_failed, start_seconds
+
+
+def endpoint_of(row: EndpointRow) -> Endpoint:
+    """The balancer's Endpoint for a published row."""
+    return Endpoint(row.replica_id, row.model, row.url.rstrip("/"), row.priority, row.weight, row.pool)

@@ -29,7 +29,7 @@ from typing import Annotated
 
 import msgspec
 
-from hub.contracts import TokenCounts
+from hub.contracts import TokenCount, TokenCounts, add_token_counts
 
 # A usage object is read from the end of a JSON answer; it sits within the last few hundred bytes in
 # every engine we know (vLLM, SGLang, llama.cpp, TGI), so 64 KiB leaves room for trailing extras.
@@ -286,13 +286,13 @@ class TokenCounter:
         per_key = self._counts.get(digest)
         if per_key is None:
             per_key = self._counts[digest] = {}
-        row = per_key.get(model)
-        if row is None:
-            row = per_key[model] = [0, 0, 0]
-        row[0] += 1
+        count = per_key.get(model)
+        if count is None:
+            count = per_key[model] = TokenCount(0, 0, 0)
+        count.requests += 1
         if usage is not None:
-            row[1] += usage[0]
-            row[2] += usage[1]
+            count.prompt += usage[0]
+            count.completion += usage[1]
 
     def take(self) -> tuple[TokenCounts, dict[str, float]]:
         """Swap out the counts and last uses gathered since the last take."""
@@ -302,20 +302,16 @@ class TokenCounter:
 
     def restore(self, counts: TokenCounts, last_use: dict[str, float]) -> None:
         """Put back what a flush could not deliver: counts add up, the newer last use wins."""
-        for digest, models in counts.items():
-            per_key = self._counts.setdefault(digest, {})
-            for model, (requests, prompt, completion) in models.items():
-                row = per_key.setdefault(model, [0, 0, 0])
-                row[0] += requests
-                row[1] += prompt
-                row[2] += completion
+        add_token_counts(self._counts, counts)
         for digest, ts in last_use.items():
             if ts > self._last_use.get(digest, float("-inf")):
                 self._last_use[digest] = ts
 
     def pending(self) -> tuple[TokenCounts, dict[str, float]]:
         """A copy of what the next flush would take (for tests and /health)."""
-        return {d: {m: list(r) for m, r in ms.items()} for d, ms in self._counts.items()}, dict(self._last_use)
+        counts: TokenCounts = {}
+        add_token_counts(counts, self._counts)
+        return counts, dict(self._last_use)
 
 
 def usage_reader(content_type: str, content_encoding: str, pass_usage: bool) -> JsonUsage | SseUsage | None:

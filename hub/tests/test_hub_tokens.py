@@ -3,11 +3,12 @@
 import asyncio
 import threading
 
+import msgspec
 import pytest
 import redis
 
 from hub import InProcessHub, RedisHub
-from hub.contracts import UsageReport, hour_of
+from hub.contracts import TokenCounts, UsageReport, hour_of
 from hub.redis_hub import TOKENS_KEY
 
 from .test_hubs import FakeClock
@@ -25,7 +26,13 @@ def clocked_hub(request):
 
 
 def report(router, tokens=None, keys=None):
-    return UsageReport(router, tokens=tokens or {}, keys=keys or {})
+    """A report of `tokens` given as {digest: {model: [requests, prompt, completion]}}."""
+    return UsageReport(router, tokens=msgspec.convert(tokens or {}, TokenCounts), keys=keys or {})
+
+
+def plain(tokens):
+    """Taken token counts as {hour: {digest: {model: [requests, prompt, completion]}}}, as they are compared."""
+    return msgspec.to_builtins(tokens)
 
 
 def test_two_routers_counts_add_up_and_one_take_gets_them_all_once(clocked_hub):
@@ -36,10 +43,12 @@ def test_two_routers_counts_add_up_and_one_take_gets_them_all_once(clocked_hub):
     )
     asyncio.run(hub.report_usage(report("a", {"k1": {"llama": [1, 1, 1]}})))
     snapshot = hub.collect_usage()
-    assert snapshot.tokens == {int(T0): {"k1": {"llama": [4, 12, 22], "qwen": [1, 2, 3]}, "k2": {"llama": [1, 0, 0]}}}
+    assert plain(snapshot.tokens) == {
+        int(T0): {"k1": {"llama": [4, 12, 22], "qwen": [1, 2, 3]}, "k2": {"llama": [1, 0, 0]}}
+    }
     # Taken: a second collection (a second tick, or another leader) finds nothing to count again.
     again = hub.collect_usage()
-    assert again.tokens == {} and again.keys == {}
+    assert plain(again.tokens) == {} and again.keys == {}
 
 
 def test_counts_are_kept_per_hour_of_the_report(clocked_hub):
@@ -47,7 +56,10 @@ def test_counts_are_kept_per_hour_of_the_report(clocked_hub):
     asyncio.run(hub.report_usage(report("a", {"k": {"m": [1, 1, 1]}})))
     clock.now = T0 + 3600 + 1
     asyncio.run(hub.report_usage(report("a", {"k": {"m": [1, 2, 2]}})))
-    assert hub.collect_usage().tokens == {int(T0): {"k": {"m": [1, 1, 1]}}, int(T0) + 3600: {"k": {"m": [1, 2, 2]}}}
+    assert plain(hub.collect_usage().tokens) == {
+        int(T0): {"k": {"m": [1, 1, 1]}},
+        int(T0) + 3600: {"k": {"m": [1, 2, 2]}},
+    }
 
 
 def test_key_last_use_is_newest_wins_and_taken_with_the_tokens(clocked_hub):
@@ -65,7 +77,7 @@ def test_restored_counts_add_to_what_arrived_meanwhile(clocked_hub):
     asyncio.run(hub.report_usage(report("a", {"k": {"m": [1, 5, 5]}}, {"k": 90.0})))
     hub.restore_tokens(taken.tokens, taken.keys)
     snapshot = hub.collect_usage()
-    assert snapshot.tokens == {int(T0): {"k": {"m": [2, 6, 6]}}}
+    assert plain(snapshot.tokens) == {int(T0): {"k": {"m": [2, 6, 6]}}}
     assert snapshot.keys == {"k": 100.0}
 
 
@@ -77,8 +89,8 @@ def test_reports_racing_a_take_are_each_counted_exactly_once(clocked_hub):
 
     def tick():
         while not done.is_set():
-            taken.append(hub.collect_usage().tokens)
-        taken.append(hub.collect_usage().tokens)
+            taken.append(plain(hub.collect_usage().tokens))
+        taken.append(plain(hub.collect_usage().tokens))
 
     ticker = threading.Thread(target=tick)
     ticker.start()
@@ -97,18 +109,27 @@ def test_reports_racing_a_take_are_each_counted_exactly_once(clocked_hub):
     assert total == [flushes, 2 * flushes, 3 * flushes]
 
 
+def nothing_stored(hub):
+    snapshot = hub.collect_usage()
+    return snapshot.stamps == {} and snapshot.routers == [] and snapshot.tokens == {} and snapshot.keys == {}
+
+
 @pytest.mark.parametrize(
     "tokens",
     [{"k": {"m": [1, 2]}}, {"k": {"m": [1, -2, 3]}}, {"k": {"m": [1, 2, 3.5]}}, {"": {"m": [1, 1, 1]}}, {"k": []}],
 )
-def test_a_malformed_token_report_is_refused_where_it_is_built(tokens):
-    with pytest.raises(ValueError, match="token counts"):
-        UsageReport("a", tokens=tokens)
+def test_a_malformed_token_report_is_refused_naming_the_field_and_nothing_stored(clocked_hub, tokens):
+    hub, _ = clocked_hub
+    with pytest.raises(ValueError, match=r"`\$\.tokens"):
+        asyncio.run(hub.report_usage(UsageReport("a", {"1": 5.0}, tokens=tokens)))
+    assert nothing_stored(hub)
 
 
-def test_a_malformed_key_last_use_is_refused_where_it_is_built():
-    with pytest.raises(ValueError, match="last use of key"):
-        UsageReport("a", keys={"k": float("nan")})
+def test_a_malformed_key_last_use_is_refused_naming_the_field_and_nothing_stored(clocked_hub):
+    hub, _ = clocked_hub
+    with pytest.raises(ValueError, match=r"at `\$\.keys"):
+        asyncio.run(hub.report_usage(UsageReport("a", {"1": 5.0}, keys={"k": float("nan")})))
+    assert nothing_stored(hub)
 
 
 def test_redis_drops_a_malformed_counter_and_takes_the_others(redis_url):
@@ -116,6 +137,6 @@ def test_redis_drops_a_malformed_counter_and_takes_the_others(redis_url):
     client.hset(TOKENS_KEY, "bogus", "1")
     hub = RedisHub(redis_url, clock=FakeClock(T0))
     asyncio.run(hub.report_usage(report("a", {"k": {"model with spaces": [1, 2, 3]}})))
-    assert hub.collect_usage().tokens == {int(T0): {"k": {"model with spaces": [1, 2, 3]}}}
+    assert plain(hub.collect_usage().tokens) == {int(T0): {"k": {"model with spaces": [1, 2, 3]}}}
     assert not client.exists(TOKENS_KEY)
     client.close()

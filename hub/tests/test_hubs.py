@@ -1,12 +1,14 @@
 """The hub's contract, run against both backends: in-process and the real Redis."""
 
 import asyncio
+import re
 
+import msgspec
 import pytest
 import redis
 
 from hub import InProcessHub, RedisHub, fingerprint
-from hub.contracts import RouterMark, UsageReport, UsageSnapshot
+from hub.contracts import EndpointRow, EndpointTable, ModelEntry, RouterMark, UsageReport, UsageSnapshot
 from hub.redis_hub import KEY_CHANGES_CHANNEL, ROUTERS_KEY
 
 
@@ -40,18 +42,43 @@ def run(coro):
     return asyncio.run(coro)
 
 
-TABLE = {"models": {"llama": {"aliases": ["l"]}}, "endpoints": []}
+TABLE = EndpointTable(models={"llama": ModelEntry(aliases=["l"])})
 
 
 def test_an_endpoint_table_is_published_only_when_it_changes(hub):
     """DESIGN invariant 7."""
     assert hub.publish_endpoints(TABLE) is True
-    assert hub.publish_endpoints(dict(TABLE)) is False
-    changed = {**TABLE, "endpoints": [{"replica_id": "1", "model": "llama", "url": "http://127.0.0.1:1"}]}
+    assert hub.publish_endpoints(msgspec.structs.replace(TABLE)) is False
+    changed = msgspec.structs.replace(TABLE, endpoints=[EndpointRow("1", "llama", "http://127.0.0.1:1")])
     assert hub.publish_endpoints(changed) is True
-    published = run(hub.read_endpoints())
-    assert published["fingerprint"] == fingerprint(changed)
-    assert published["endpoints"] == changed["endpoints"]
+    published = msgspec.json.decode(run(hub.read_endpoints()), type=EndpointTable)
+    assert published.fingerprint == fingerprint(changed)
+    assert published.endpoints == changed.endpoints
+
+
+def test_a_table_built_again_alike_is_not_published_again(hub):
+    """DESIGN invariant 7: the fingerprint is of the content, whatever order the models were added in."""
+    first = EndpointTable(models={"a": ModelEntry(), "b": ModelEntry(aliases=["x"], start_seconds=12.5)})
+    again = EndpointTable(models={"b": ModelEntry(aliases=["x"], start_seconds=12.5), "a": ModelEntry()})
+    assert hub.publish_endpoints(first) is True
+    assert hub.publish_endpoints(again) is False
+    assert hub.publish_endpoints(EndpointTable(models={"a": ModelEntry(unplaceable="no room")})) is True
+
+
+def test_a_published_table_reaches_a_watching_router(hub):
+    async def watch_one():
+        watching = hub.watch_endpoints()
+        first = asyncio.ensure_future(anext(watching))
+        await asyncio.sleep(0.2)  # subscribed before the publish
+        await asyncio.to_thread(hub.publish_endpoints, TABLE)
+        try:
+            return await asyncio.wait_for(first, 5)
+        finally:
+            await watching.aclose()
+
+    received = msgspec.json.decode(run(watch_one()), type=EndpointTable)
+    assert received.models == TABLE.models
+    assert received.fingerprint == fingerprint(TABLE)
 
 
 def test_activations_are_drained_once_however_often_asked(hub):
@@ -120,16 +147,18 @@ def test_a_router_leaving_or_forgotten_loses_its_mark_and_the_stamps_stay(clocke
 @pytest.mark.parametrize(
     ("fields", "problem"),
     [
-        ({"router": ""}, "router id must be a non-empty string"),
-        ({"ttl": 0}, "ttl must be a finite number > 0"),
-        ({"ttl": float("nan")}, "ttl must be a finite number > 0"),
-        ({"in_flight": {"llama": -1}}, "in-flight count for 'llama' must be an int >= 0"),
-        ({"in_flight": {"llama": 1.5}}, "in-flight count for 'llama' must be an int >= 0"),
+        ({"router": ""}, "length >= 1 - at `$.router`"),
+        ({"ttl": 0}, "> 0.0 - at `$.ttl`"),
+        ({"ttl": float("nan")}, "> 0.0 - at `$.ttl`"),
+        ({"ttl": float("inf")}, "<= 86400.0 - at `$.ttl`"),
+        ({"in_flight": {"llama": -1}}, ">= 0 - at `$.in_flight[...]`"),
+        ({"in_flight": {"llama": 1.5}}, "Expected `int`, got `float` - at `$.in_flight[...]`"),
     ],
 )
-def test_a_malformed_usage_report_is_refused_naming_the_problem(fields, problem):
-    with pytest.raises(ValueError, match=problem):
-        UsageReport(**{"router": "a", **fields})
+def test_a_malformed_usage_report_is_refused_naming_the_problem(hub, fields, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        run(hub.report_usage(UsageReport(**{"router": "a", "stamps": {"1": 5.0}, **fields})))
+    assert hub.collect_usage() == UsageSnapshot(stamps={}, routers=[])
 
 
 def test_redis_writes_the_stamps_before_the_mark_in_one_transaction(redis_url):

@@ -25,7 +25,7 @@ def failed_replica(profile, error=ENGINE_ERROR):
 def test_a_model_whose_only_replica_failed_carries_the_engines_last_line():
     profile = make_model("llama").profiles.get()
     failed_replica(profile)
-    assert build_endpoint_table()["models"]["llama"]["failed"] == (
+    assert build_endpoint_table().models["llama"].failed == (
         "engine exited with code 2: mock_engine: error: unrecognized arguments: --no-such-flag"
     )
 
@@ -35,16 +35,16 @@ def test_another_wanted_replica_withdraws_the_reason(other):
     profile = make_model("llama", max_replicas=2).profiles.get()
     failed_replica(profile)
     make_replica(profile, state=other, placement=[(make_node("gpu-a"), [0])] if other != ReplicaState.PENDING else ())
-    assert "failed" not in build_endpoint_table()["models"]["llama"]
+    assert build_endpoint_table().models["llama"].failed is None
 
 
 def test_only_the_failed_model_carries_a_reason_and_its_latest_failure_wins():
     llama, qwen = make_model("llama", max_replicas=2).profiles.get(), make_model("qwen").profiles.get()
     failed_replica(llama, "engine exited with code 1:\nout of memory")
     failed_replica(llama, "engine did not become healthy within 600 s")
-    models = build_endpoint_table()["models"]
-    assert models["llama"]["failed"] == "engine did not become healthy within 600 s"
-    assert "failed" not in models["qwen"]
+    models = build_endpoint_table().models
+    assert models["llama"].failed == "engine did not become healthy within 600 s"
+    assert models["qwen"].failed is None
     assert qwen is not None
 
 

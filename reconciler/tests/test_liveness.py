@@ -77,16 +77,16 @@ def test_replicas_on_a_silent_node_leave_the_endpoint_table_and_return_with_its_
     node = make_node("gpu-a")
     profile = make_model("llama").profiles.get()
     make_replica(profile, placement=[(node, [0])], endpoint="http://127.0.0.1:21000")
-    assert [e["model"] for e in build_endpoint_table()["endpoints"]] == ["llama"]
+    assert [e.model for e in build_endpoint_table().endpoints] == ["llama"]
 
     Node.objects.filter(pk=node.pk).update(last_seen=timezone.now() - timedelta(seconds=30))
     run_tick()
     assert Node.objects.get().state == NodeState.UNREACHABLE
-    assert build_endpoint_table()["endpoints"] == []
+    assert build_endpoint_table().endpoints == []
     assert Replica.objects.get().state == ReplicaState.READY  # not replaced: the node may come back
 
     record_heartbeat(node.pk, Heartbeat(gpus=[]))
-    assert [e["model"] for e in build_endpoint_table()["endpoints"]] == ["llama"]
+    assert [e.model for e in build_endpoint_table().endpoints] == ["llama"]
 
 
 def _silence(*names, seconds):

@@ -64,7 +64,7 @@ def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newco
     assert Replica.objects.get(pk=stale.pk).stop_reason.startswith("evicted for newcomer")
     assert waiting.state == ReplicaState.PENDING and waiting.placement_error.startswith(MAKING_ROOM)
     # Routers keep holding its requests: the table does not call it unplaceable.
-    assert "unplaceable" not in build_endpoint_table()["models"]["newcomer"]
+    assert build_endpoint_table().models["newcomer"].unplaceable is None
 
     later = timezone.now() + timedelta(seconds=UNPUBLISH_GRACE_SECONDS + 1)
     run_tick(now=later)
@@ -124,7 +124,7 @@ def test_with_nothing_evictable_the_reason_covers_the_fleet_and_nothing_is_stopp
     assert state_of(busy) == ReplicaState.READY
     reason = Replica.objects.get(model__name="newcomer").placement_error
     assert reason == "needs 8×H100-80GB on one node; most free on one node: 0"
-    assert build_endpoint_table()["models"]["newcomer"]["unplaceable"] == reason
+    assert build_endpoint_table().models["newcomer"].unplaceable == reason
 
 
 def test_no_eviction_when_the_tick_may_not_act_on_idleness(full_fleet):
@@ -170,4 +170,4 @@ def test_an_activation_nobody_waits_for_any_more_is_withdrawn_and_leaves_nothing
     result = run_tick(now=timezone.now() + timedelta(seconds=30))
     assert Replica.objects.filter(model__name="newcomer").count() == 0
     assert result.replicas_withdrawn == 1
-    assert "unplaceable" not in build_endpoint_table()["models"]["newcomer"]
+    assert build_endpoint_table().models["newcomer"].unplaceable is None

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.django_db
 
 
 def endpoints() -> set[str]:
-    return {e["url"] for e in build_endpoint_table()["endpoints"]}
+    return {e.url for e in build_endpoint_table().endpoints}
 
 
 def test_replica_on_a_drained_node_serves_until_its_replacement_is_ready_then_gets_drain_shard(

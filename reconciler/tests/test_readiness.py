@@ -2,6 +2,7 @@
 
 from datetime import timedelta
 
+import msgspec
 import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
@@ -9,6 +10,7 @@ from django.utils import timezone
 
 from catalog.models import Alias, Model
 from hub import get_hub
+from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from inventory.choices import NodeState
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.endpoints import build_endpoint_table
@@ -18,6 +20,11 @@ from reconciler.signals import work_pending
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
+
+
+def published(hub):
+    """The endpoint table the hub hands routers, decoded."""
+    return msgspec.json.decode(async_to_sync(hub.read_endpoints)(), type=EndpointTable)
 
 
 def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
@@ -45,17 +52,12 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
     work_pending.disconnect(dispatch_uid="test-woken")
     assert woken, "a replica turning ready must wake the ticker"
     assert run_tick().published is True
-    table = async_to_sync(hub.read_endpoints)()
-    assert table["models"] == {"llama": {"aliases": ["llama-latest"], "start_seconds": 42.0}}
-    assert table["endpoints"] == [
-        {
-            "replica_id": str(replica.pk),
-            "model": "llama",
-            "url": "http://127.0.0.1:20000",
-            "priority": 5,
-            "weight": 3,
-            "pool": "gold",
-        }
+    table = published(hub)
+    assert table.models == {"llama": ModelEntry(aliases=["llama-latest"], start_seconds=42.0)}
+    assert table.endpoints == [
+        EndpointRow(
+            replica_id=str(replica.pk), model="llama", url="http://127.0.0.1:20000", priority=5, weight=3, pool="gold"
+        )
     ]
 
 
@@ -75,7 +77,7 @@ def test_endpoint_table_lists_enabled_models_with_profiles_in_six_queries(django
     Model.objects.create(name="bare", source="org/bare")
     with django_assert_max_num_queries(6):
         table = build_endpoint_table()
-    assert table == {"models": {"llama": {"aliases": []}}, "endpoints": []}
+    assert table == EndpointTable(models={"llama": ModelEntry(aliases=[])}, endpoints=[])
 
 
 def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
@@ -83,10 +85,10 @@ def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
 
     run_tick()
 
-    assert build_endpoint_table()["models"]["llama"] == {
-        "aliases": [],
-        "unplaceable": "no node has GPU class H100-80GB",
-    }
+    assert build_endpoint_table().models["llama"] == ModelEntry(
+        aliases=[],
+        unplaceable="no node has GPU class H100-80GB",
+    )
 
 
 def test_start_times_are_learned_per_profile_as_a_moving_average(
@@ -136,12 +138,12 @@ def test_a_catalog_change_is_published_when_it_commits_not_at_the_next_tick(djan
     with django_capture_on_commit_callbacks(execute=True):
         model = make_model("new-model")
         Alias.objects.create(model=model, name="newest")
-    table = async_to_sync(hub.read_endpoints)()
-    assert table["models"]["new-model"] == {"aliases": ["newest"]}
+    table = published(hub)
+    assert table.models["new-model"] == ModelEntry(aliases=["newest"])
 
     with django_capture_on_commit_callbacks(execute=True):
         Model.objects.filter(pk=model.pk).delete()
-    assert "new-model" not in async_to_sync(hub.read_endpoints)()["models"]
+    assert "new-model" not in published(hub).models
 
 
 def test_a_transaction_saving_many_catalog_rows_publishes_once(django_capture_on_commit_callbacks):
@@ -163,11 +165,11 @@ def test_a_new_leader_holds_requests_while_enrolled_nodes_have_not_reported_in(r
 
     note = Replica.objects.get().placement_error
     assert note.startswith(WAITING_FOR_NODES)
-    assert "unplaceable" not in build_endpoint_table()["models"]["qwen"]
+    assert build_endpoint_table().models["qwen"].unplaceable is None
 
     # A heartbeat window later, what still finds no room is unplaceable.
     run_tick(now=timezone.now() + timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER_SECONDS + 1))
-    assert build_endpoint_table()["models"]["qwen"]["unplaceable"] == "no node has GPU class L40S-48GB"
+    assert build_endpoint_table().models["qwen"].unplaceable == "no node has GPU class L40S-48GB"
 
 
 def test_once_every_enrolled_node_has_reported_in_nothing_waits(run_tick, leader):

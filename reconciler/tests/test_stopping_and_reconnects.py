@@ -34,7 +34,7 @@ def test_stopping_a_replica_drains_it_once_unpublished_and_deletes_it_when_its_s
     stopping = Replica.objects.get()
     assert (stopping.state, stopping.endpoint_url) == (ReplicaState.STOPPING, "")
     assert stopping.stop_reason == "stopped by an operator"
-    assert build_endpoint_table()["endpoints"] == []
+    assert build_endpoint_table().endpoints == []
     run_tick(now=stopping.stopping_since + timedelta(seconds=0.5))
     assert inbox() == []  # routers may not have the table without it yet
     later = stopping.stopping_since + timedelta(seconds=UNPUBLISH_GRACE_SECONDS)

@@ -10,7 +10,7 @@ from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
 from hub import InProcessHub, RedisHub
-from hub.contracts import UsageReport, UsageSnapshot
+from hub.contracts import TokenCount, UsageReport, UsageSnapshot
 from hub.credentials import hash_secret
 from keys.models import ApiKey, TokenUsage
 from reconciler.tokens import UPSERT_BATCH, record_token_usage, store_tokens
@@ -19,6 +19,16 @@ pytestmark = pytest.mark.django_db
 
 H0 = 1_800_000_000  # an hour's start
 H1 = H0 + 3600
+
+
+def counted(tokens):
+    """{digest: {model: [requests, prompt, completion]}} as the TokenCounts routers send (unchecked, as a bug could)."""
+    return {digest: {model: TokenCount(*row) for model, row in models.items()} for digest, models in tokens.items()}
+
+
+def store(tokens, keys):
+    """store_tokens of {hour: {digest: {model: [requests, prompt, completion]}}}."""
+    return store_tokens({hour: counted(counts) for hour, counts in tokens.items()}, keys)
 
 
 def at(ts: float) -> datetime:
@@ -40,8 +50,8 @@ def rows() -> dict:
 def test_counts_are_stored_per_key_model_and_hour_and_added_to_on_the_next_tick():
     _, alice = new_key("alice")
     _, bob = new_key("bob")
-    assert store_tokens({H0: {alice: {"llama": [2, 10, 20]}, bob: {"llama": [1, 1, 1]}}}, {}) == 2
-    store_tokens({H0: {alice: {"llama": [1, 5, 5], "qwen": [1, 1, 0]}}, H1: {alice: {"llama": [1, 1, 1]}}}, {})
+    assert store({H0: {alice: {"llama": [2, 10, 20]}, bob: {"llama": [1, 1, 1]}}}, {}) == 2
+    store({H0: {alice: {"llama": [1, 5, 5], "qwen": [1, 1, 0]}}, H1: {alice: {"llama": [1, 1, 1]}}}, {})
     assert rows() == {
         ("alice", "llama", H0): [3, 15, 25],
         ("alice", "qwen", H0): [1, 1, 0],
@@ -55,7 +65,7 @@ def test_storing_runs_the_same_number_of_queries_for_one_key_and_for_many():
         digests = [new_key(f"k{keys}-{i}")[1] for i in range(keys)]
         tokens = {hour: {d: {m: [1, 1, 1] for m in ("a", "b", "c")} for d in digests} for hour in (H0, H1)}
         with CaptureQueriesContext(connection) as captured:
-            store_tokens(tokens, {d: H0 + 1.0 for d in digests})
+            store(tokens, {d: H0 + 1.0 for d in digests})
         return len(captured)
 
     one, many = queries(1), queries(15)
@@ -66,13 +76,13 @@ def test_storing_runs_the_same_number_of_queries_for_one_key_and_for_many():
 
 def test_last_use_moves_forward_only():
     key, digest = new_key("alice")
-    store_tokens({}, {digest: H0 + 100.0})
+    store({}, {digest: H0 + 100.0})
     key.refresh_from_db()
     assert key.last_used_at == at(H0 + 100)
-    store_tokens({}, {digest: H0 + 50.0})  # an older report, e.g. from a router that was cut off
+    store({}, {digest: H0 + 50.0})  # an older report, e.g. from a router that was cut off
     key.refresh_from_db()
     assert key.last_used_at == at(H0 + 100)
-    store_tokens({}, {digest: H0 + 200.5})
+    store({}, {digest: H0 + 200.5})
     key.refresh_from_db()
     assert key.last_used_at == at(H0 + 200.5)
 
@@ -80,14 +90,14 @@ def test_last_use_moves_forward_only():
 def test_unknown_keys_are_dropped_with_a_log_line(caplog):
     _, alice = new_key("alice")
     with caplog.at_level(logging.WARNING, logger="reconciler.tokens"):
-        assert store_tokens({H0: {alice: {"m": [1, 1, 1]}, "f" * 64: {"m": [5, 5, 5]}}}, {"e" * 64: H0}) == 1
+        assert store({H0: {alice: {"m": [1, 1, 1]}, "f" * 64: {"m": [5, 5, 5]}}}, {"e" * 64: H0}) == 1
     assert rows() == {("alice", "m", H0): [1, 1, 1]}
     assert "2 unknown API key(s)" in caplog.text
 
 
 def test_a_deleted_key_keeps_its_rows_under_its_name():
     key, digest = new_key("alice")
-    store_tokens({H0: {digest: {"m": [1, 2, 3]}}}, {})
+    store({H0: {digest: {"m": [1, 2, 3]}}}, {})
     key.delete()
     row = TokenUsage.objects.get()
     assert (row.key_id, row.key_name, row.prompt_tokens) == (None, "alice", 2)
@@ -97,11 +107,11 @@ def test_counts_the_database_refuses_go_back_to_the_hub():
     _, digest = new_key("alice")
     hub = InProcessHub()
     # A negative count breaks the rows' CHECK constraint: a real refusal by the database.
-    snapshot = UsageSnapshot({}, [], {H0: {digest: {"m": [1, -5, 0]}}}, {digest: H0 + 1.0})
+    snapshot = UsageSnapshot({}, [], {H0: counted({digest: {"m": [1, -5, 0]}})}, {digest: H0 + 1.0})
     assert record_token_usage(snapshot, hub) == 0
     assert TokenUsage.objects.count() == 0
     given_back = hub.collect_usage()
-    assert given_back.tokens == {H0: {digest: {"m": [1, -5, 0]}}}
+    assert given_back.tokens == {H0: counted({digest: {"m": [1, -5, 0]}})}
     assert given_back.keys == {digest: H0 + 1.0}
     assert ApiKey.objects.get().last_used_at is None  # one transaction: nothing of it was kept
 
@@ -112,8 +122,8 @@ def test_two_routers_report_and_ticks_store_each_count_once(backend, request, ru
     hub = InProcessHub() if backend == "in-process" else RedisHub(request.getfixturevalue("redis_url"))
 
     async def routers():
-        await hub.report_usage(UsageReport("a", tokens={digest: {"llama": [2, 10, 20]}}, keys={digest: 100.0}))
-        await hub.report_usage(UsageReport("b", tokens={digest: {"llama": [1, 1, 1]}}, keys={digest: 200.0}))
+        await hub.report_usage(UsageReport("a", tokens=counted({digest: {"llama": [2, 10, 20]}}), keys={digest: 100.0}))
+        await hub.report_usage(UsageReport("b", tokens=counted({digest: {"llama": [1, 1, 1]}}), keys={digest: 200.0}))
 
     asyncio.run(routers())
     run_tick(hub=hub)
@@ -137,7 +147,7 @@ def test_two_leaders_storing_at_once_add_up():
         try:
             barrier.wait(5)
             for _ in range(rounds):
-                store_tokens({H0: {digest: {"m": [1, 2, 3]}}}, {digest: H0 + 1.0})
+                store({H0: {digest: {"m": [1, 2, 3]}}}, {digest: H0 + 1.0})
         finally:
             connections.close_all()
 

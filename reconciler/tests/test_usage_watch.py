@@ -4,11 +4,12 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
 
 from conftest import free_port
 from hub import RedisHub
-from hub.contracts import RouterMark, UsageSnapshot
+from hub.contracts import EndpointTable, RouterMark, UsageSnapshot
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica, UsageWatch
 from reconciler.usage import FLEET, assess_usage
@@ -147,7 +148,7 @@ def router_on(hub, router_id, replicas, model):
         "models": {model.name: {"aliases": []}},
         "endpoints": [{"replica_id": str(r.pk), "model": model.name, "url": "http://127.0.0.1:1"} for r in replicas],
     }
-    balancer.apply_table(table)
+    balancer.apply_table(msgspec.convert(table, EndpointTable))
     return UsageFlusher(hub, balancer, RouterMetrics(balancer), flush_seconds=1.0, router_id=router_id)
 
 

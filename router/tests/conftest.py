@@ -21,12 +21,14 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import uvicorn
 from aiohttp import web
 
 from conftest import free_port, wait_until
 from hub import InProcessHub
+from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from keys.models import ApiKey
 from router.app import create_app
 
@@ -35,8 +37,8 @@ MODEL = "llama-3-8b"
 ALIAS = "llama"
 
 
-def make_table(endpoints=(), models=None) -> dict:
-    """An endpoint table in the shape the control plane publishes."""
+def table_rows(endpoints=(), models=None) -> dict:
+    """An endpoint table as the JSON object the control plane publishes: rows given as URLs or partial dicts."""
     if models is None:
         models = {MODEL: {"aliases": [ALIAS]}}
     rows = []
@@ -45,6 +47,22 @@ def make_table(endpoints=(), models=None) -> dict:
         row.update(ep if isinstance(ep, dict) else {"url": ep})
         rows.append(row)
     return {"models": models, "endpoints": rows}
+
+
+def make_table(endpoints=(), models=None, fingerprint="") -> EndpointTable:
+    """An endpoint table as the control plane builds it (see table_rows)."""
+    table = table_rows(endpoints, models)
+    # Built as the control plane builds it: not validated, so a test can also publish a malformed one.
+    return EndpointTable(
+        models={name: ModelEntry(**entry) for name, entry in table["models"].items()},
+        endpoints=[EndpointRow(**row) for row in table["endpoints"]],
+        fingerprint=fingerprint,
+    )
+
+
+def table_of(rows: dict) -> EndpointTable:
+    """The EndpointTable of a JSON object of the published shape (see table_rows), validated."""
+    return msgspec.convert(rows, EndpointTable)
 
 
 class Clock:

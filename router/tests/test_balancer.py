@@ -1,11 +1,14 @@
 """Replica choice, outlier ejection, name resolution and last-use stamps of the router's Balancer (no I/O)."""
 
+import json
+
 import pytest
 
-from router.balancer import Balancer, EjectionPolicy, Failure, TableError
+from router.balancer import Balancer, EjectionPolicy, Failure
 from router.metrics import RouterMetrics
+from router.table import TableError, decode_table
 
-from .conftest import ALIAS, MODEL, Clock, make_table
+from .conftest import ALIAS, MODEL, Clock, make_table, table_of, table_rows
 
 
 def balancer_with(*endpoints, clock=None):
@@ -58,7 +61,7 @@ def test_a_replica_placed_again_on_a_new_url_is_not_excluded_by_its_old_endpoint
     """The control plane keeps a replica's id when it re-places it; the endpoint (URL) is new."""
     balancer = balancer_with("http://a:1")
     (old,) = balancer.endpoints(MODEL)
-    balancer.apply_table({**make_table(["http://a:2"]), "fingerprint": "placed again"})
+    balancer.apply_table(make_table(["http://a:2"], fingerprint="placed again"))
     (new,) = balancer.endpoints(MODEL)
     assert (new.replica_id, new.url) == (old.replica_id, "http://a:2")
     assert balancer.pick(MODEL, exclude=[old]) is new
@@ -93,9 +96,9 @@ OTHER = "qwen"
 
 def two_model_balancer():
     balancer = Balancer()
-    table = make_table(["http://a:1", "http://b:1"], models={MODEL: {"aliases": []}, OTHER: {"aliases": []}})
+    table = table_rows(["http://a:1", "http://b:1"], models={MODEL: {"aliases": []}, OTHER: {"aliases": []}})
     table["endpoints"].append({"replica_id": "3", "model": OTHER, "url": "http://c:1"})
-    balancer.apply_table(table)
+    balancer.apply_table(table_of(table))
     return balancer
 
 
@@ -142,7 +145,7 @@ def test_the_next_peak_window_starts_at_what_is_in_flight_at_the_take():
 def test_in_flight_follows_the_model_of_the_replica_across_table_updates():
     balancer = two_model_balancer()
     busy = balancer.pick(MODEL)
-    balancer.apply_table({**make_table([], models={MODEL: {"aliases": []}}), "fingerprint": "all gone"})
+    balancer.apply_table(make_table([], models={MODEL: {"aliases": []}}, fingerprint="all gone"))
     assert balancer.in_flight_by_model() == {MODEL: 1}
     balancer.release(busy)  # its replica left the table while the request ran
     assert balancer.in_flight_by_model() == {}
@@ -158,9 +161,7 @@ def test_restored_stamps_do_not_overwrite_newer_ones():
 def test_outstanding_requests_survive_a_table_update_for_the_same_replica():
     balancer = balancer_with("http://a:1", "http://b:1")
     busy = balancer.pick(MODEL)
-    table = make_table(["http://a:1", "http://b:1"])
-    table["endpoints"][0]["pool"] = "batch"
-    table["fingerprint"] = "changed"
+    table = make_table([{"url": "http://a:1", "pool": "batch"}, "http://b:1"], fingerprint="changed")
     assert balancer.apply_table(table)
     assert balancer.in_flight() == 1
     # The idle one is chosen next, because the busy one still counts its request.
@@ -169,7 +170,7 @@ def test_outstanding_requests_survive_a_table_update_for_the_same_replica():
 
 def test_same_fingerprint_is_not_applied_twice():
     balancer = Balancer()
-    table = {**make_table(["http://a:1"]), "fingerprint": "f1"}
+    table = make_table(["http://a:1"], fingerprint="f1")
     assert balancer.apply_table(table)
     assert not balancer.apply_table(table)
 
@@ -183,19 +184,19 @@ def test_alias_resolves_to_the_public_name_and_unknown_names_do_not():
 
 def test_a_public_name_wins_over_an_alias_that_clashes_with_it():
     balancer = Balancer()
-    balancer.apply_table({"models": {"a": {"aliases": ["b"]}, "b": {"aliases": []}}, "endpoints": []})
+    balancer.apply_table(table_of({"models": {"a": {"aliases": ["b"]}, "b": {"aliases": []}}, "endpoints": []}))
     assert balancer.resolve("b") == "b"
 
 
 def test_malformed_endpoint_rows_are_skipped_and_the_rest_kept():
     balancer = Balancer()
-    table = make_table(["http://a:1"])
+    table = table_rows(["http://a:1"])
     table["endpoints"] += [
         {"replica_id": "9", "model": MODEL},
         {"replica_id": "8", "model": MODEL, "url": "x"},
         {"replica_id": "7", "model": MODEL, "url": "http://c:1", "weight": 0},
     ]
-    balancer.apply_table(table)
+    balancer.apply_table(decode_table(json.dumps(table).encode()))
     assert [e.replica_id for e in balancer.endpoints(MODEL)] == ["1"]
 
 
@@ -207,7 +208,7 @@ def test_endpoints_of_models_not_in_the_catalog_are_ignored():
 
 def test_a_table_that_is_not_an_object_is_refused_by_name():
     with pytest.raises(TableError, match="not an object"):
-        Balancer().apply_table(["endpoints"])
+        decode_table(b'["endpoints"]')
 
 
 # -- outlier ejection ------------------------------------------------------------------------------
@@ -220,10 +221,11 @@ def ejecting_balancer(*urls, clock, **policy):
     return balancer
 
 
-def preferred_in_order(*urls, fingerprint=None):
-    table = make_table([{"url": url, "priority": len(urls) - i} for i, url in enumerate(urls)])
-    table["fingerprint"] = fingerprint
-    return table
+def preferred_in_order(*urls, fingerprint="", weights=()):
+    rows = [{"url": url, "priority": len(urls) - i} for i, url in enumerate(urls)]
+    for row, weight in zip(rows, weights, strict=False):
+        row["weight"] = weight
+    return make_table(rows, fingerprint=fingerprint)
 
 
 def fail(balancer, replica_id, failure=Failure.CONNECT):
@@ -396,8 +398,7 @@ def test_ejection_state_survives_a_table_update_for_replicas_that_stay_and_not_a
     fail(balancer, "1")
     fail(balancer, "2", Failure.ERROR)
     fail(balancer, "2", Failure.ERROR)
-    table = preferred_in_order("http://a:1", "http://b:1", "http://c:1", fingerprint="reweighted")
-    table["endpoints"][0]["weight"] = 2
+    table = preferred_in_order("http://a:1", "http://b:1", "http://c:1", fingerprint="reweighted", weights=[2])
     assert balancer.apply_table(table)
     assert ejected_ids(balancer) == ["1"]
     assert "1" not in picks(balancer)

@@ -133,11 +133,13 @@ def test_affinity_never_sends_a_request_to_a_kv_full_replica():
 def test_every_router_prefers_the_same_replica_for_a_prompt():
     """Two processes with different str hash seeds (two routers) derive the same key and replica."""
     script = (
+        "import msgspec\n"
+        "from hub.contracts import EndpointTable\n"
         "from router.affinity import prefix_affinity\n"
         "from router.balancer import Balancer\n"
         "b = Balancer()\n"
-        "b.apply_table({'models': {'m': {}}, 'endpoints': [\n"
-        "    {'replica_id': str(i), 'model': 'm', 'url': f'http://h:{i}'} for i in range(1, 9)]})\n"
+        "b.apply_table(msgspec.convert({'models': {'m': {}}, 'endpoints': [\n"
+        "    {'replica_id': str(i), 'model': 'm', 'url': f'http://h:{i}'} for i in range(1, 9)]}, EndpointTable))\n"
         "keys = [prefix_affinity({'messages': [{'role': 'user', 'content': f'prompt {i}'}]}) for i in range(20)]\n"
         "print(keys, [b.pick('m', affinity=k).replica_id for k in keys])\n"
     )
@@ -173,7 +175,7 @@ def test_engine_figures_survive_a_table_update_that_keeps_the_replica():
     balancer = balancer_with("http://a:1")
     (a,) = balancer.endpoints(MODEL)
     balancer.record_engine_load(a, 4, 0.5)
-    balancer.apply_table({**make_table(["http://a:1", "http://b:1"]), "fingerprint": "grown"})
+    balancer.apply_table(make_table(["http://a:1", "http://b:1"], fingerprint="grown"))
     assert balancer.endpoints(MODEL)[0] is a and (a.engine_waiting, a.kv_usage) == (4, 0.5)
     assert balancer.endpoints(MODEL)[1].engine_waiting is None
 

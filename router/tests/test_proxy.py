@@ -174,7 +174,7 @@ def test_streaming_passes_each_chunk_through_before_the_engine_sends_the_next(st
 
 
 def test_models_lists_catalog_models_and_aliases(start_router, hub, auth):
-    hub.publish_endpoints({"models": {MODEL: {"aliases": [ALIAS]}, "qwen": {"aliases": []}}, "endpoints": []})
+    hub.publish_endpoints(make_table(models={MODEL: {"aliases": [ALIAS]}, "qwen": {"aliases": []}}))
     router = start_router()
     listing = httpx.get(f"{router.url}/v1/models", headers=auth).json()
     assert listing["object"] == "list"

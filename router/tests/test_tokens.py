@@ -5,12 +5,13 @@ import json
 import threading
 
 import httpx
+import msgspec
 import pytest
 from aiohttp import web
 
 from conftest import free_port, wait_until
 from hub import InProcessHub
-from hub.contracts import hour_of
+from hub.contracts import TokenCount, hour_of
 from hub.credentials import hash_secret
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
@@ -209,7 +210,7 @@ def test_counts_add_up_per_key_and_model_and_a_failed_answer_counts_only_last_us
     counter.count("k1", "n", (1, 0), served=True)
     counter.count("k2", "m", (9, 9), served=False)
     counts, last_use = counter.take()
-    assert counts == {"k1": {"m": [2, 3, 4], "n": [1, 1, 0]}}
+    assert counts == {"k1": {"m": TokenCount(2, 3, 4), "n": TokenCount(1, 1, 0)}}
     assert last_use == {"k1": 12.0, "k2": 13.0}
     assert counter.take() == ({}, {})
 
@@ -217,8 +218,8 @@ def test_counts_add_up_per_key_and_model_and_a_failed_answer_counts_only_last_us
 def test_restored_counts_add_to_new_ones_and_the_newer_last_use_wins():
     counter = TokenCounter(clock=lambda: 50.0)
     counter.count("k", "m", (1, 1), served=True)
-    counter.restore({"k": {"m": [2, 5, 6]}}, {"k": 40.0})
-    assert counter.take() == ({"k": {"m": [3, 6, 7]}}, {"k": 50.0})
+    counter.restore({"k": {"m": TokenCount(2, 5, 6)}}, {"k": 40.0})
+    assert counter.take() == ({"k": {"m": TokenCount(3, 6, 7)}}, {"k": 50.0})
 
 
 # -- through the router, against the bundled mock engine -------------------------------------------
@@ -244,9 +245,10 @@ def mock_router(start_router, hub, engine_process):
 
 
 def pending(router, api_key) -> list:
+    """[requests, prompt, completion] counted for `api_key`'s model, not yet flushed."""
     counts, last_use = router.state.balancer.tokens.pending()
     assert hash_secret(api_key) in last_use
-    return counts[hash_secret(api_key)][MODEL]
+    return msgspec.to_builtins(counts[hash_secret(api_key)][MODEL])
 
 
 def test_a_non_streamed_answer_is_counted_from_its_usage(mock_router, auth, api_key):
@@ -341,7 +343,7 @@ def test_tokens_reach_the_hub_with_the_usage_report_and_add_up_across_flushes(
     snapshot = hub.collect_usage()
     digest = hash_secret(api_key)
     # The fake engine's answers carry 1 prompt and 3 completion tokens.
-    assert snapshot.tokens == {hour_of(snapshot.keys[digest]): {digest: {MODEL: [2, 2, 6]}}}
+    assert msgspec.to_builtins(snapshot.tokens) == {hour_of(snapshot.keys[digest]): {digest: {MODEL: [2, 2, 6]}}}
     assert hub.collect_usage().tokens == {}
 
 
@@ -351,13 +353,13 @@ def test_a_failed_flush_keeps_the_counts_for_the_next(tmp_path):
     down = UnreachableRedisHub(make_table())
     flusher = UsageFlusher(down, balancer, RouterMetrics(balancer), flush_seconds=1, router_id="r")
     assert asyncio.run(flusher.flush()) is False
-    assert balancer.tokens.pending()[0] == {"k": {MODEL: [1, 3, 4]}}
+    assert balancer.tokens.pending()[0] == {"k": {MODEL: TokenCount(1, 3, 4)}}
     balancer.tokens.count("k", MODEL, (1, 1), served=True)
     working = InProcessHub()
     flusher.hub = working
     assert asyncio.run(flusher.flush()) is True
     assert balancer.tokens.pending() == ({}, {})
-    assert list(working.collect_usage().tokens.values()) == [{"k": {MODEL: [2, 4, 5]}}]
+    assert list(working.collect_usage().tokens.values()) == [{"k": {MODEL: TokenCount(2, 4, 5)}}]
 
 
 @pytest.mark.parametrize(

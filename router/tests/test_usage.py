@@ -5,6 +5,7 @@ import os
 import time
 
 import httpx
+import msgspec
 import pytest
 import redis
 
@@ -56,7 +57,7 @@ class UnreachableRedisHub(RedisHub):
 
     def __init__(self, table):
         super().__init__(f"redis://127.0.0.1:{free_port()}/0")
-        self.table = table
+        self.table = msgspec.json.encode(table)
 
     async def read_endpoints(self):
         return self.table
@@ -69,7 +70,7 @@ class UnreachableRedisHub(RedisHub):
 
 def test_unreachable_redis_does_not_fail_requests_and_stamps_wait_for_the_next_flush(start_router, auth, start_engine):
     engine = start_engine()
-    hub = UnreachableRedisHub({**make_table([engine.url]), "fingerprint": "f"})
+    hub = UnreachableRedisHub(make_table([engine.url], fingerprint="f"))
     router = start_router(hub, flush_seconds=0.05)
     for _ in range(3):
         assert chat(router, auth).status_code == 200

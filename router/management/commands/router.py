@@ -46,7 +46,7 @@ class Command(BaseCommand):
             # Inherited by every worker process, which builds its app from it (router.standalone).
             os.environ[TABLE_VARIABLE] = encode_table(table)
             app = STATIC_APP
-            served = ", ".join(f"{e['model']} → {e['url']}" for e in table["endpoints"])
+            served = ", ".join(f"{e.model} → {e.url}" for e in table.endpoints)
             self.stderr.write(self.style.SUCCESS(f"router-only mode, no control plane: {served}"))
         grace = settings.LLMGW_SHUTDOWN_GRACE_SECONDS
         if workers == 1:
