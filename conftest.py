@@ -32,6 +32,20 @@ def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01, describe
         time.sleep(interval)
 
 
+def migrate_to(targets=None):
+    """Migrate the test database to `targets` ([(app, migration or None)]; every leaf when None) and return
+    the historical models of that state (an app registry), as a migration sees them."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    targets = targets or executor.loader.graph.leaf_nodes()
+    executor.migrate(targets)
+    # (app, None) means "none of app's migrations": it adds nothing to the state.
+    return executor.loader.project_state([target for target in targets if target[1] is not None]).apps
+
+
 def pytest_collection_modifyitems(config, items):
     """Leave PostgreSQL-only scenarios out when the suite runs on SQLite (they run in the PostgreSQL pass)."""
     from django.conf import settings

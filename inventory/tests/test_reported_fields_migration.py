@@ -3,8 +3,8 @@ fabric and labels were its report (every hello overwrote them), so they move to 
 seen keep their enrolment values as the operator's."""
 
 import pytest
-from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
+
+from conftest import migrate_to
 
 BEFORE = [("inventory", "0003_gpu_health_reason_and_weights")]
 AFTER = [("inventory", "0004_node_reported_address_fabric_labels")]
@@ -12,22 +12,15 @@ AFTER = [("inventory", "0004_node_reported_address_fabric_labels")]
 
 @pytest.mark.django_db(transaction=True)
 def test_reports_move_to_reported_fields_and_enrolment_values_stay():
-    executor = MigrationExecutor(connection)
-    executor.migrate(BEFORE)
-    old = executor.loader.project_state(BEFORE).apps.get_model("inventory", "Node")
+    old = migrate_to(BEFORE).get_model("inventory", "Node")
     old.objects.create(name="seen", address="10.0.0.5", fabric="ib-a", labels={"rack": "r1"}, agent_version="0.1.0")
     old.objects.create(name="never-seen", address="10.0.0.6", fabric="ib-b")
 
-    executor = MigrationExecutor(connection)
-    executor.loader.build_graph()
-    executor.migrate(AFTER)
-    new = executor.loader.project_state(AFTER).apps.get_model("inventory", "Node")
+    new = migrate_to(AFTER).get_model("inventory", "Node")
     seen, never = new.objects.get(name="seen"), new.objects.get(name="never-seen")
     assert (seen.address, seen.fabric, seen.labels) == ("", "", {})
     assert (seen.reported_address, seen.reported_fabric, seen.reported_labels) == ("10.0.0.5", "ib-a", {"rack": "r1"})
     assert (never.address, never.fabric, never.reported_address) == ("10.0.0.6", "ib-b", "")
 
     # Back to the latest state for the tests that follow.
-    executor = MigrationExecutor(connection)
-    executor.loader.build_graph()
-    executor.migrate(executor.loader.graph.leaf_nodes())
+    migrate_to()

@@ -7,30 +7,20 @@ import datetime as dt
 import pytest
 from django.contrib.auth.models import Group, Permission
 from django.contrib.contenttypes.models import ContentType
-from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
+from conftest import migrate_to
 from hub.credentials import hash_secret
 from keys.models import ApiKey, TokenUsage
 
 BEFORE = [("router", "0002_key_scopes_limits_and_token_usage"), ("keys", None)]
 
 
-def migrate(targets):
-    """Migrate the test database to `targets` (all leaves when None); return the executor's loader."""
-    executor = MigrationExecutor(connection)
-    executor.loader.build_graph()
-    executor.migrate(targets or executor.loader.graph.leaf_nodes())
-    return executor.loader
-
-
 @pytest.fixture
 def before_the_move(transactional_db):
     """The schema as router 0002 left it; the latest schema again afterwards, as Django's own migration tests do."""
-    loader = migrate(BEFORE)
-    yield loader.project_state(BEFORE[:1]).apps
-    migrate(None)
+    yield migrate_to(BEFORE)
+    migrate_to()
 
 
 def test_keys_and_their_usage_survive_the_move_to_the_keys_app(before_the_move):
@@ -56,7 +46,7 @@ def test_keys_and_their_usage_survive_the_move_to_the_keys_app(before_the_move):
     )[0]
     Group.objects.create(name="key admins").permissions.add(revoker)
 
-    migrate(None)
+    migrate_to()
 
     api_key = ApiKey.objects.get()
     assert (api_key.pk, api_key.name, api_key.key_hash) == (written.pk, "team-a", hash_secret("sk-llmgw-abcdef-secret"))
@@ -74,8 +64,8 @@ def test_keys_and_their_usage_survive_the_move_to_the_keys_app(before_the_move):
 
 def test_the_move_runs_backwards_to_the_router_tables(before_the_move):
     registry = before_the_move
-    migrate(None)
+    migrate_to()
     ApiKey.issue("kept")
-    migrate(BEFORE)
+    migrate_to(BEFORE)
     assert [key.name for key in registry.get_model("router", "ApiKey").objects.all()] == ["kept"]
     assert ContentType.objects.filter(app_label="router", model="apikey").exists()
