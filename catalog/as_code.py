@@ -65,10 +65,6 @@ class Plan:
     def count(self, verdict: Verdict) -> int:
         return sum(1 for m in self.models if m.verdict == verdict)
 
-    @property
-    def changes_anything(self) -> bool:
-        return any(m.verdict in (Verdict.CREATED, Verdict.CHANGED, Verdict.DELETED) for m in self.models)
-
     def lines(self) -> list[str]:
         summary = ", ".join(f"{self.count(v)} {v.value}" for v in Verdict if v != Verdict.NOT_IN_FILE)
         if self.count(Verdict.NOT_IN_FILE):

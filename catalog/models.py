@@ -197,10 +197,6 @@ class Profile(models.Model):
             shape = f"{self.nodes_per_replica} nodes of {shape}"
         return f"{self.model_id and self.model.name} on {shape} ({self.get_engine_display()})"
 
-    @property
-    def gpus_per_replica(self) -> int:
-        return self.gpus_per_node * self.nodes_per_replica
-
     def clean(self):
         errors = {}
         problem = engine_args_problem(self.engine_args)
