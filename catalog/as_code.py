@@ -17,8 +17,8 @@ import yaml
 from django.db import transaction
 from django.db.models import Count, Prefetch
 
-from .catalog_file import PROFILE_FIELDS, CatalogFileError, WantedModel, check_names, read_models
-from .models import Alias, Model, Profile
+from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
+from .models import PROFILE_FIELDS, Alias, Model, Profile
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 
