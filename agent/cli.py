@@ -27,6 +27,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .control_planes import add_control_plane_option, address_problem
 from .engines import DEFAULT_LLAMA_SERVER
 from .gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
 from .gpus import GPUDiscoveryError, discover_gpus
@@ -45,7 +46,6 @@ DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.1
 NODE_NAME = re.compile(NODE_NAME_PATTERN)
 LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
-CONTROL_PLANE_URL = re.compile(r"^wss?://[^/\s]+")
 
 
 class UsageError(Exception):
@@ -54,13 +54,8 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's options, shared by `python -m agent` and `manage.py agent`."""
-    parser.add_argument(
-        "--control-plane",
-        action="append",
-        dest="control_planes",
-        default=[],
-        metavar="URL",
-        help="ws:// or wss:// address of /agent/ws; repeat for several control-plane processes",
+    add_control_plane_option(
+        parser, help="ws:// or wss:// address of /agent/ws; repeat for several control-plane processes"
     )
     parser.add_argument("--node", required=True, help="this node's enrolled name")
     parser.add_argument("--token", default=None, help="the node credential (default: $LLMGW_NODE_TOKEN)")
@@ -176,8 +171,9 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
     if not control_planes:
         raise UsageError("Give at least one --control-plane ws://HOST:PORT/agent/ws address.")
     for uri in control_planes:
-        if not CONTROL_PLANE_URL.match(uri):
-            raise UsageError(f"Control-plane address {uri!r} must be a ws:// or wss:// URL.")
+        problem = address_problem(uri)
+        if problem is not None:
+            raise UsageError(f"{problem[0].upper()}{problem[1:]}.")
     node = options["node"]
     if not NODE_NAME.match(node):
         raise UsageError(f"Node name {node!r} must be letters, digits and . _ - (at most 63 characters).")

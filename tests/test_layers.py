@@ -23,8 +23,9 @@ ALONE = {
     "router": {"hub"},  # DESIGN: the router depends on the hub only (and its own key model)
     "agent": set(),  # runs on GPU nodes, without the control plane
 }
-# What the control plane may use of the agent package: the protocol both ends speak, and where weights live.
-AGENT_SHARED = {"agent.protocol", "agent.weights"}
+# What the control plane may use of the agent package: the protocol both ends speak, where weights live,
+# and the rule for the control-plane addresses an agent is given.
+AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.control_planes"}
 # The embedded runner also runs simulated nodes' agents in its process.
 AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime"}, "router": set()}
 PROJECT = set(LAYERS) | set(ALONE)
