@@ -32,7 +32,7 @@ from .engines import DEFAULT_LLAMA_SERVER
 from .gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
 from .gpus import GPUDiscoveryError, discover_gpus
 from .protocol import NODE_NAME_PATTERN
-from .runtime import Agent, AgentRejected
+from .runtime import Agent, AgentOptions, AgentRejected
 from .state import STATE_DIR_ENV, StateError, default_state_dir
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
@@ -205,7 +205,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         except RuntimeError as exc:
             raise UsageError(f"Cannot read GPU health: {exc}.") from None
     try:
-        return Agent(
+        agent_options = AgentOptions(
             control_planes,
             node,
             token,
@@ -215,11 +215,11 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
             labels=labels,
             heartbeat_seconds=heartbeat,
             llama_server=llama_server_from(options.get("llama_server")),
-            health=health,
             weights_root=weights_root,
             state_dir=state_dir,
             **tls,
         )
+        return Agent(agent_options, health)
     except StateError as exc:
         raise UsageError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
     except ValueError as exc:
