@@ -27,11 +27,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .control_planes import add_control_plane_option, address_problem
 from .engines import DEFAULT_LLAMA_SERVER
 from .gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
-from .gpus import GPUDiscoveryError, discover_gpus
+from .gpus import GPUDiscoveryError, GPUInfo, discover_gpus
 from .protocol import NODE_NAME_PATTERN
-from .runtime import Agent, AgentRejected
+from .runtime import Agent, AgentOptions, AgentRejected
 from .state import STATE_DIR_ENV, StateError, default_state_dir
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
@@ -45,7 +46,6 @@ DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.1
 NODE_NAME = re.compile(NODE_NAME_PATTERN)
 LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
-CONTROL_PLANE_URL = re.compile(r"^wss?://[^/\s]+")
 
 
 class UsageError(Exception):
@@ -54,16 +54,19 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's options, shared by `python -m agent` and `manage.py agent`."""
-    parser.add_argument(
-        "--control-plane",
-        action="append",
-        dest="control_planes",
-        default=[],
-        metavar="URL",
-        help="ws:// or wss:// address of /agent/ws; repeat for several control-plane processes",
+    add_control_plane_option(
+        parser, help="ws:// or wss:// address of /agent/ws; repeat for several control-plane processes"
     )
     parser.add_argument("--node", required=True, help="this node's enrolled name")
     parser.add_argument("--token", default=None, help="the node credential (default: $LLMGW_NODE_TOKEN)")
+    _add_gpu_arguments(parser)
+    _add_report_arguments(parser)
+    _add_machine_arguments(parser)
+    _add_tls_arguments(parser)
+
+
+def _add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """Simulated GPUs and their health, for drills and machines without GPUs."""
     parser.add_argument("--fake-gpus", default=None, help="simulate GPUs, e.g. 8xH100-80GB or 4xL40S-48GB,2xA100-40GB")
     parser.add_argument(
         "--fake-gpu-health",
@@ -72,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='with --fake-gpus: a JSON file {"INDEX": "reason"} naming the simulated GPUs that are unhealthy '
         "now, read again before each heartbeat when it changes (for drills)",
     )
+
+
+def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the node reports of itself, and how often."""
     parser.add_argument("--fabric", default="", help="interconnect domain of this node, e.g. ib-a")
     parser.add_argument(
         "--address", default=None, help="host or IP engines listen on and are reached on (default: this host's FQDN)"
@@ -83,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"seconds between heartbeats (default: ${HEARTBEAT_ENV}, else {DEFAULT_HEARTBEAT_SECONDS:g})",
     )
+
+
+def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where things are on this machine: the llama.cpp server, the weights, the agent's own state."""
     parser.add_argument(
         "--llama-server",
         default=None,
@@ -103,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"where the agent remembers its node name and the highest leader epoch seen (default: ${STATE_DIR_ENV}, "
         f"else /var/lib/llmgw-agent for root, ~/.local/state/llmgw-agent otherwise)",
     )
+
+
+def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """The files of a wss:// link: the CA the control plane's certificate chains to, the node's own."""
     parser.add_argument(
         "--ca-file",
         default=None,
@@ -176,8 +191,9 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
     if not control_planes:
         raise UsageError("Give at least one --control-plane ws://HOST:PORT/agent/ws address.")
     for uri in control_planes:
-        if not CONTROL_PLANE_URL.match(uri):
-            raise UsageError(f"Control-plane address {uri!r} must be a ws:// or wss:// URL.")
+        problem = address_problem(uri)
+        if problem is not None:
+            raise UsageError(f"{problem[0].upper()}{problem[1:]}.")
     node = options["node"]
     if not NODE_NAME.match(node):
         raise UsageError(f"Node name {node!r} must be letters, digits and . _ - (at most 63 characters).")
@@ -196,20 +212,9 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         raise UsageError("--fake-gpu-health goes with --fake-gpus; real GPUs report their own health.")
     tls = _tls_files(options, control_planes)
     state_dir = options.get("state_dir") or os.environ.get(STATE_DIR_ENV, "").strip() or default_state_dir()
+    gpus, health = _gpus_and_health(options["fake_gpus"], fake_health, node)
     try:
-        gpus = discover_gpus(options["fake_gpus"], node)
-    except (ValueError, GPUDiscoveryError) as exc:
-        raise UsageError(f"Cannot discover GPUs: {exc}.") from None
-    health: HealthReader | None = None  # fake GPUs: simulated health
-    if fake_health is not None:
-        health = SimulatedHealth({g.index: HEALTHY for g in gpus}, watch=os.path.abspath(fake_health))
-    elif not options["fake_gpus"]:
-        try:
-            health = hardware_reader({g.index: g.uuid for g in gpus}, shutil.which("nvidia-smi"))
-        except RuntimeError as exc:
-            raise UsageError(f"Cannot read GPU health: {exc}.") from None
-    try:
-        return Agent(
+        agent_options = AgentOptions(
             control_planes,
             node,
             token,
@@ -219,15 +224,34 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
             labels=labels,
             heartbeat_seconds=heartbeat,
             llama_server=llama_server_from(options.get("llama_server")),
-            health=health,
             weights_root=weights_root,
             state_dir=state_dir,
             **tls,
         )
+        return Agent(agent_options, health)
     except StateError as exc:
         raise UsageError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
     except ValueError as exc:
         raise UsageError(f"{exc}.") from None
+
+
+def _gpus_and_health(
+    fake_gpus: str | None, fake_health: str | None, node: str
+) -> tuple[list[GPUInfo], HealthReader | None]:
+    """This node's GPUs (real, or simulated from --fake-gpus) and what reads their health."""
+    try:
+        gpus = discover_gpus(fake_gpus, node)
+    except (ValueError, GPUDiscoveryError) as exc:
+        raise UsageError(f"Cannot discover GPUs: {exc}.") from None
+    health: HealthReader | None = None  # fake GPUs: simulated health
+    if fake_health is not None:
+        health = SimulatedHealth({g.index: HEALTHY for g in gpus}, watch=os.path.abspath(fake_health))
+    elif not fake_gpus:
+        try:
+            health = hardware_reader({g.index: g.uuid for g in gpus}, shutil.which("nvidia-smi"))
+        except RuntimeError as exc:
+            raise UsageError(f"Cannot read GPU health: {exc}.") from None
+    return gpus, health
 
 
 def _tls_files(options: Mapping[str, Any], control_planes: list[str]) -> dict[str, str | None]:

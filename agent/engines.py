@@ -119,47 +119,71 @@ def build_launch(
 ) -> Launch:
     """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input."""
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_indices)}
-    multi = node_count > 1
-
+    shard = _Shard(model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     if engine == "vllm":
-        if rank > 0:
-            return Launch(
-                ["ray", "start", f"--address={head_address}:{VLLM_RAY_PORT}", "--block"],
-                env,
-                None,
-                metrics_path=None,
-                host=host,
-            )
-        argv = ["vllm", "serve", source, "--host", host, "--port", str(port)]
-        argv += ["--served-model-name", model, "--tensor-parallel-size", str(len(gpu_indices))]
-        if multi:
-            argv += ["--pipeline-parallel-size", str(node_count), "--distributed-executor-backend", "ray"]
-        return Launch(argv + args, env, host=host)
-
+        return _vllm(shard)
     if engine == "sglang":
-        argv = ["python", "-m", "sglang.launch_server", "--model-path", source, "--host", host]
-        argv += ["--port", str(port), "--served-model-name", model, "--tp-size", str(len(gpu_indices) * node_count)]
-        # On every rank: SGLang expects the same server arguments on each node of a replica.
-        argv += ["--enable-metrics"]
-        if multi:
-            argv += [
-                "--nnodes",
-                str(node_count),
-                "--node-rank",
-                str(rank),
-                "--dist-init-addr",
-                f"{head_address}:{port + 1}",
-            ]
-        head = rank == 0
-        return Launch(
-            argv + args, env, "/health" if head else None, metrics_path="/metrics" if head else None, host=host
-        )
-
+        return _sglang(shard)
     if engine == "llamacpp":
-        argv = [llama_server, "-m", source, "--host", host, "--port", str(port), "--alias", model, "-ngl", "999"]
-        argv += ["--metrics"]
-        return Launch(argv + args, env, host=host)
+        return _llamacpp(shard, llama_server)
+    return _mock(shard, python)
 
-    argv = [python, "-m", "agent.mock_engine", "--host", host, "--port", str(port), "--model", model]
-    return Launch(argv + args, env, cwd=PROJECT_DIR, host=host)
+
+@dataclass(frozen=True)
+class _Shard:
+    """One shard of a replica as build_launch was given it, checked."""
+
+    model: str
+    source: str
+    port: int
+    gpu_indices: list[int]
+    rank: int
+    node_count: int
+    head_address: str
+    args: list[str]
+    host: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_indices)}
+
+
+def _vllm(shard: _Shard) -> Launch:
+    if shard.rank > 0:
+        argv = ["ray", "start", f"--address={shard.head_address}:{VLLM_RAY_PORT}", "--block"]
+        return Launch(argv, shard.env, None, metrics_path=None, host=shard.host)
+    argv = ["vllm", "serve", shard.source, "--host", shard.host, "--port", str(shard.port)]
+    argv += ["--served-model-name", shard.model, "--tensor-parallel-size", str(len(shard.gpu_indices))]
+    if shard.node_count > 1:
+        argv += ["--pipeline-parallel-size", str(shard.node_count), "--distributed-executor-backend", "ray"]
+    return Launch(argv + shard.args, shard.env, host=shard.host)
+
+
+def _sglang(shard: _Shard) -> Launch:
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", shard.source, "--host", shard.host]
+    argv += ["--port", str(shard.port), "--served-model-name", shard.model]
+    argv += ["--tp-size", str(len(shard.gpu_indices) * shard.node_count)]
+    # On every rank: SGLang expects the same server arguments on each node of a replica.
+    argv += ["--enable-metrics"]
+    if shard.node_count > 1:
+        argv += ["--nnodes", str(shard.node_count), "--node-rank", str(shard.rank)]
+        argv += ["--dist-init-addr", f"{shard.head_address}:{shard.port + 1}"]
+    head = shard.rank == 0
+    return Launch(
+        argv + shard.args,
+        shard.env,
+        "/health" if head else None,
+        metrics_path="/metrics" if head else None,
+        host=shard.host,
+    )
+
+
+def _llamacpp(shard: _Shard, llama_server: str) -> Launch:
+    argv = [llama_server, "-m", shard.source, "--host", shard.host, "--port", str(shard.port)]
+    argv += ["--alias", shard.model, "-ngl", "999", "--metrics"]
+    return Launch(argv + shard.args, shard.env, host=shard.host)
+
+
+def _mock(shard: _Shard, python: str) -> Launch:
+    argv = [python, "-m", "agent.mock_engine", "--host", shard.host, "--port", str(shard.port), "--model", shard.model]
+    return Launch(argv + shard.args, shard.env, cwd=PROJECT_DIR, host=shard.host)

@@ -12,7 +12,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
-from .protocol import GPUReport, to_builtins
+from .protocol import GPUReport
 
 NVIDIA_SMI_QUERY = ["--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
 
@@ -49,10 +49,6 @@ class GPUInfo:
         return GPUReport(
             index=self.index, uuid=self.uuid, gpu_class=self.gpu_class, memory_mb=self.memory_mb, healthy=self.healthy
         )
-
-    def to_message(self) -> dict:
-        """This GPU as the JSON object in `hello`."""
-        return to_builtins(self.report())
 
 
 def parse_fake_gpus(spec: str, node_name: str = "") -> list[GPUInfo]:

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
 
+from .control_planes import address_problem
 from .protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,9 @@ class ControlPlaneLink:
         if not control_planes:
             raise ValueError("an agent needs at least one control-plane address")
         for uri in control_planes:
-            if not uri.startswith(("ws://", "wss://")):
-                raise ValueError(f"control-plane address {uri!r} must start with ws:// or wss://")
+            problem = address_problem(uri)
+            if problem is not None:
+                raise ValueError(problem)
         if not node:
             raise ValueError("an agent needs a node name")
         if not token:

@@ -29,78 +29,56 @@ import asyncio
 import logging
 import os
 import shlex
-import sys
 
 from . import draining, protocol
-from .engine_load import POLL_TIMEOUT_SECONDS, EngineLoad
-from .engines import DEFAULT_LLAMA_SERVER, Launch, build_launch
+from .engine_load import EngineLoad
+from .engines import Launch, build_launch
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
-from .gpus import GPUInfo
 from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
+from .options import AgentOptions
 from .state import AgentState, Fence, StateError
 from .supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
-from .weights_inventory import DEFAULT_SCAN_EVERY, WeightsInventory
+from .weights_inventory import WeightsInventory
 
-__all__ = ["Agent", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
+__all__ = ["Agent", "AgentOptions", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
 
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
-STOP_GRACE_SECONDS = 10.0
 
 
 class Agent:
     """The agent of one node; `await run()` until shutdown or rejection."""
 
-    def __init__(
-        self,
-        control_planes: list[str],
-        node: str,
-        token: str,
-        gpus: list[GPUInfo],
-        address: str,
-        fabric: str = "",
-        labels: dict | None = None,
-        heartbeat_seconds: float = 5.0,
-        engine_python: str = sys.executable,
-        llama_server: str = DEFAULT_LLAMA_SERVER,
-        health_timeout: float = 600.0,
-        stop_grace_seconds: float = STOP_GRACE_SECONDS,
-        load_timeout: float = POLL_TIMEOUT_SECONDS,
-        drain_poll_seconds: float = draining.DRAIN_POLL_SECONDS,
-        health: HealthReader | None = None,
-        weights_root: str | None = None,
-        weights_scan_every: int = DEFAULT_SCAN_EVERY,
-        state_dir: str | os.PathLike | None = None,
-        ca_file: str | None = None,
-        cert_file: str | None = None,
-        key_file: str | None = None,
-    ):
-        # None keeps the highest epoch in memory only (tests, embedded demo agents); a node agent
-        # has a state directory so fencing survives its restarts (agent/state.py). StateError if unusable.
-        self._state = AgentState.open(state_dir, node) if state_dir is not None else None
-        self._link = ControlPlaneLink(control_planes, node, token, heartbeat_seconds, ca_file, cert_file, key_file)
+    def __init__(self, options: AgentOptions, health: HealthReader | None = None):
+        """`health` reads the GPUs' health before each heartbeat; None simulates it (fake GPUs, tests).
+
+        StateError if `options.state_dir` cannot be used; ValueError if the link refuses the options.
+        """
+        self.options = options
+        self._state = AgentState.open(options.state_dir, options.node) if options.state_dir is not None else None
+        self._link = ControlPlaneLink(
+            list(options.control_planes),
+            options.node,
+            options.token,
+            options.heartbeat_seconds,
+            options.ca_file,
+            options.cert_file,
+            options.key_file,
+        )
         self.control_planes = self._link.control_planes
-        self.node = node
-        self.gpus = list(gpus)
-        self.address = address
-        self.fabric = fabric
-        self.labels = dict(labels or {})
-        self.heartbeat_seconds = heartbeat_seconds
-        self.engine_python = engine_python
-        self.llama_server = llama_server
-        self.health_timeout = health_timeout
-        self.stop_grace_seconds = stop_grace_seconds
-        self.drain_poll_seconds = drain_poll_seconds
-        self._load = EngineLoad(load_timeout)
+        self.node = options.node
+        self.gpus = list(options.gpus)
+        self._load = EngineLoad(options.load_timeout)
         self._fencing = Fence(self._state)
         self._shards: dict[int, Shard] = {}
         self._shutdown_task: asyncio.Task | None = None
-        discovered = {g.index: GPUCondition(g.healthy, "" if g.healthy else "unreadable at discovery") for g in gpus}
+        discovered = {
+            g.index: GPUCondition(g.healthy, "" if g.healthy else "unreadable at discovery") for g in self.gpus
+        }
         # Fake GPUs (and tests) get a health that set_gpu_health can change.
         self._health = HealthMonitor(health or SimulatedHealth(discovered), discovered)
-        self.weights_root = weights_root
-        self._weights = WeightsInventory(weights_root, weights_scan_every)
+        self._weights = WeightsInventory(options.weights_root, options.weights_scan_every)
 
     async def run(self) -> None:
         """Hold the control-plane stream until shutdown(); raise AgentRejected if refused.
@@ -146,9 +124,9 @@ class Agent:
             protocol.Hello(
                 node=self.node,
                 version=AGENT_VERSION,
-                address=self.address,
-                fabric=self.fabric,
-                labels=self.labels,
+                address=self.options.address,
+                fabric=self.options.fabric,
+                labels=dict(self.options.labels),
                 gpus=gpu_reports(self.gpus, self._health.last),
                 shards=[shard.report() for shard in self._shards.values()],
                 weights=self._weights.for_hello(),
@@ -269,7 +247,7 @@ class Agent:
             return
         # The assigned GPUs (in launch.env) always win over a profile's environment.
         # Hub downloads land in the weights root, where the weights inventory looks (agent/weights.py).
-        weights_env = {"HF_HOME": self.weights_root} if self.weights_root else {}
+        weights_env = {"HF_HOME": self.options.weights_root} if self.options.weights_root else {}
         env = {**os.environ, **weights_env, **cmd.env, **launch.env}
         try:
             # The name prefixes every line of the engine's output in the agent's log.
@@ -301,23 +279,23 @@ class Agent:
             node_count=cmd.node_count,
             head_address=cmd.head_address,
             args=list(cmd.args),
-            host=cmd.host or self.address,
-            python=self.engine_python,
-            llama_server=self.llama_server,
+            host=cmd.host or self.options.address,
+            python=self.options.engine_python,
+            llama_server=self.options.llama_server,
         )
 
     async def _watch(self, shard: Shard) -> None:
         """Report ready when the engine is healthy, failed if it exits or never becomes healthy."""
         readiness = await shard.engine.wait_ready(
-            shard.port, shard.launch.health_path, self.health_timeout, shard.launch.url_host
+            shard.port, shard.launch.health_path, self.options.health_timeout, shard.launch.url_host
         )
         if shard.stopping:
             return
         if readiness is Readiness.TIMED_OUT:
             shard.stopping = True
-            await shard.engine.terminate(self.stop_grace_seconds)
+            await shard.engine.terminate(self.options.stop_grace_seconds)
             self._shards.pop(shard.shard_id, None)
-            await self._report_failed(shard, f"engine did not become healthy within {self.health_timeout:g} s")
+            await self._report_failed(shard, f"engine did not become healthy within {self.options.health_timeout:g} s")
             return
         if readiness is Readiness.READY:
             shard.state = "ready"
@@ -376,12 +354,12 @@ class Agent:
             timeout,
             shard.stop_now,
             lambda: shard.engine.running,
-            self.drain_poll_seconds,
+            self.options.drain_poll_seconds,
         )
         await self._stop(shard, reason)
 
     async def _stop(self, shard: Shard, reason: str = "") -> None:
-        code = await shard.engine.terminate(self.stop_grace_seconds)
+        code = await shard.engine.terminate(self.options.stop_grace_seconds)
         if shard.watch is not None:
             shard.watch.cancel()
         self._shards.pop(shard.shard_id, None)

@@ -104,7 +104,7 @@ class AgentFleet:
 
     def __init__(self, uri: str, tokens: dict[str, str], heartbeat: float) -> None:
         from agent.gpus import parse_fake_gpus
-        from agent.runtime import Agent
+        from agent.runtime import Agent, AgentOptions
 
         fleet = self
         self.received: dict[str, list[float]] = {name: [] for name in tokens}
@@ -117,7 +117,9 @@ class AgentFleet:
         self.loop = asyncio.new_event_loop()
         self.agents = [
             TimedAgent(
-                [uri], name, token, parse_fake_gpus("8xH100-80GB", name), address=name, heartbeat_seconds=heartbeat
+                AgentOptions(
+                    [uri], name, token, parse_fake_gpus("8xH100-80GB", name), address=name, heartbeat_seconds=heartbeat
+                )
             )
             for name, token in tokens.items()
         ]

@@ -8,7 +8,7 @@ from django.core.exceptions import ValidationError
 from django.utils.html import escape
 from django.utils.safestring import mark_safe
 
-from .models import Alias, Model, Profile, name_clash
+from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Alias, Model, Profile, name_clash
 
 # The GPU classes nodes report. The catalog sits below inventory in the stack, so inventory's admin
 # plugs its query in here (set_gpu_class_source) rather than the catalog importing it.
@@ -99,13 +99,8 @@ class ProfileInline(admin.StackedInline):
 
     model = Profile
     form = ProfileForm
-    fields = [
-        ("order", "engine"),
-        ("gpu_class", "gpus_per_node", "nodes_per_replica"),
-        ("min_replicas", "max_replicas", "target_concurrency"),
-        ("priority", "pool", "weight", "idle_timeout_seconds"),
-        "engine_args",
-    ]
+    # The position leads the first row; then the profile's own fields as the catalog lists them.
+    fields = [("order", *PROFILE_FIELD_ROWS[0]), *PROFILE_FIELD_ROWS[1:]]
 
     def get_extra(self, request, obj=None, **kwargs):
         # One empty profile to fill in on the add page: a model without one cannot be served.
@@ -150,21 +145,8 @@ class AliasAdmin(admin.ModelAdmin):
 
 @admin.register(Profile)
 class ProfileAdmin(admin.ModelAdmin):
-    list_display = [
-        "model",
-        "order",
-        "engine",
-        "gpu_class",
-        "gpus_per_node",
-        "nodes_per_replica",
-        "min_replicas",
-        "max_replicas",
-        "target_concurrency",
-        "priority",
-        "idle_timeout_seconds",
-        "pool",
-        "start_seconds",
-    ]
+    # engine_args is free-form JSON, too wide for a column; the rest are short values.
+    list_display = ["model", "order", *(name for name in PROFILE_FIELDS if name != "engine_args"), "start_seconds"]
     list_filter = ["engine", "gpu_class", "pool"]
     search_fields = ["model__name", "gpu_class"]
     list_select_related = ["model"]

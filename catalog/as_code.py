@@ -17,8 +17,8 @@ import yaml
 from django.db import transaction
 from django.db.models import Count, Prefetch
 
-from .catalog_file import PROFILE_FIELDS, CatalogFileError, WantedModel, check_names, read_models
-from .models import Alias, Model, Profile
+from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
+from .models import PROFILE_FIELDS, Alias, Model, Profile
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 
@@ -64,10 +64,6 @@ class Plan:
 
     def count(self, verdict: Verdict) -> int:
         return sum(1 for m in self.models if m.verdict == verdict)
-
-    @property
-    def changes_anything(self) -> bool:
-        return any(m.verdict in (Verdict.CREATED, Verdict.CHANGED, Verdict.DELETED) for m in self.models)
 
     def lines(self) -> list[str]:
         summary = ", ".join(f"{self.count(v)} {v.value}" for v in Verdict if v != Verdict.NOT_IN_FILE)

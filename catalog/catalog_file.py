@@ -20,24 +20,8 @@ import yaml
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models as db
 
-from .models import Alias, Model, Profile, alias_is_own_name, name_taken
+from .models import PROFILE_FIELDS, Alias, Model, Profile, alias_is_own_name, name_taken
 
-# The profile fields a file sets, in the order an export writes them. Left out:
-# the id, `order` (the list position) and `start_seconds` (learned).
-PROFILE_FIELDS = (
-    "engine",
-    "gpu_class",
-    "gpus_per_node",
-    "nodes_per_replica",
-    "min_replicas",
-    "max_replicas",
-    "target_concurrency",
-    "priority",
-    "pool",
-    "weight",
-    "idle_timeout_seconds",
-    "engine_args",
-)
 MODEL_KEYS = ("name", "source", "enabled", "aliases", "profiles")
 REQUIRED_MODEL_KEYS = ("name", "source", "profiles")
 NOT_IN_FILE = {

@@ -117,6 +117,19 @@ class Alias(models.Model):
             raise ValidationError({"name": clash})
 
 
+# What an operator sets on a profile, in the order a catalog export writes them, grouped in the rows
+# the admin shows. Left out: the id, `order` (a position in the model's list) and `start_seconds`
+# (learned). The catalog file, its export, the admin and the REST API all read this one list.
+PROFILE_FIELD_ROWS = (
+    ("engine",),
+    ("gpu_class", "gpus_per_node", "nodes_per_replica"),
+    ("min_replicas", "max_replicas", "target_concurrency"),
+    ("priority", "pool", "weight", "idle_timeout_seconds"),
+    ("engine_args",),
+)
+PROFILE_FIELDS = tuple(name for row in PROFILE_FIELD_ROWS for name in row)
+
+
 class Profile(models.Model):
     """One way to deploy a model: engine, GPU shape, replica bounds and priority.
 
@@ -196,10 +209,6 @@ class Profile(models.Model):
         if self.nodes_per_replica > 1:
             shape = f"{self.nodes_per_replica} nodes of {shape}"
         return f"{self.model_id and self.model.name} on {shape} ({self.get_engine_display()})"
-
-    @property
-    def gpus_per_replica(self) -> int:
-        return self.gpus_per_node * self.nodes_per_replica
 
     def clean(self):
         errors = {}

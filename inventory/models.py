@@ -93,10 +93,6 @@ class Node(models.Model):
     def effective_fabric(self) -> str:
         return self.fabric or self.reported_fabric
 
-    @property
-    def effective_labels(self) -> dict:
-        return self.labels or self.reported_labels
-
     def report_warnings(self) -> list[str]:
         """Where the operator's address, fabric or labels disagree with the agent's report."""
         return report_warnings(

@@ -88,13 +88,6 @@ def _milliseconds(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
-def database_now() -> float:
-    """The database's clock, in seconds since the Unix epoch: the clock lease expiry is judged by."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {_db_now()}")
-        return float(cursor.fetchone()[0])
-
-
 def try_acquire(name: str, owner: str, ttl: float, lock_timeout: float | None = None) -> tuple[bool, int]:
     """Take or renew lease `name` for `owner` for `ttl` seconds; return (held, epoch).
 

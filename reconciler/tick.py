@@ -20,7 +20,7 @@ from hub import ControlPlaneHub, get_hub
 from hub.contracts import UsageSnapshot
 
 from .commands import resend_unacknowledged
-from .demand import apply_demand
+from .demand import DemandOutcome, apply_demand
 from .drain import drain_replaced
 from .endpoints import build_endpoint_table
 from .lease import Leadership, LeaseLost, get_leadership
@@ -29,7 +29,7 @@ from .liveness import check_liveness, fail_slow_starts, fleet_settling
 from .outbox import Outbox
 from .placing import place_pending, resend_starts
 from .tokens import record_token_usage
-from .usage import assess_usage, collect_usage, mark_unused_since_ready
+from .usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
 
 log = logging.getLogger(__name__)
 
@@ -92,67 +92,94 @@ def tick(
     # one, so a tick that loses the lease loses none of them (reconciler.tokens).
     record_token_usage(readings.usage, hub)
 
-    outbox = Outbox(leadership.epoch, now)
     try:
         # The fence is the transaction's last statement (DESIGN invariant 1): no lease lock while it works.
         with leadership.fenced_transaction():
-            usage = assess_usage(readings.usage, readings.usage_error, now)
-            report.usage_known, report.usage_unknown_reason = usage.known, usage.reason
-            # Stamps are facts whatever the verdict: move them even while idleness is unknown.
-            report.usage_updated, forget = collect_usage(readings.usage.stamps if readings.usage else {})
-            report.usage_forgotten = len(forget)
-            if usage.known:
-                report.usage_idle_since_ready = mark_unused_since_ready(usage.watching_since)
-            liveness = check_liveness(now, leadership, outbox)
-            report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
-            report.partition_brake = liveness.brake
-            report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
-            # Idleness only while usage is known (DESIGN invariant 3); load only from a collection that worked.
-            in_flight = usage.in_flight if readings.usage is not None else None
-            demand = apply_demand(readings.activations, now, usage_known=usage.known, in_flight=in_flight)
-            report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
-            report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
-            report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn
-            report.replicas_retried = retry_failed(now)
-            forgive_stable(now)
-            report.starts_resent = resend_starts(now, outbox)
-            placing = place_pending(
-                now,
-                leadership.epoch,
-                outbox,
-                evict=usage.known and not liveness.brake,
-                settling=fleet_settling(now, leadership),
-            )
-            report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
-            # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
-            report.replicas_replaced = drain_replaced(now, placing.no_room)
-            report.stops_sent, deleted = stop_shards(now, outbox)
-            report.starts_sent = placing.starts_sent
-            report.replicas_deleted = demand.deleted + deleted
-            outbox.send_on_commit()
-            # Last: this tick's commands have superseded the pending ones for the same shards by now,
-            # so a start about to be drained is not sent again first.
-            report.commands_resent = resend_unacknowledged(now)
+            usage, forget = _reconcile(readings, leadership, now, report)
     except LeaseLost as exc:
         log.warning("tick abandoned, nothing committed: %s", exc)
         leadership.held = False
         return TickReport(leader=False, epoch=report.epoch)
+    _tell_hub(hub, forget, usage.gone, report)
+    return report
 
+
+def _reconcile(
+    readings: _HubReadings, leadership: Leadership, now: datetime, report: TickReport
+) -> tuple[UsageVerdict, list[str]]:
+    """The steps inside the fenced transaction, in the module docstring's order, counted in `report`.
+
+    Returns the usage verdict and the usage stamps to forget once the transaction has committed.
+    """
+    outbox = Outbox(leadership.epoch, now)
+    usage, forget = _take_usage(readings, now, report)
+    liveness = check_liveness(now, leadership, outbox)
+    report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
+    report.partition_brake = liveness.brake
+    report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
+    demand = _apply_demand(readings, usage, now, report)
+    report.replicas_retried = retry_failed(now)
+    forgive_stable(now)
+    report.starts_resent = resend_starts(now, outbox)
+    placing = place_pending(
+        now,
+        leadership.epoch,
+        outbox,
+        evict=usage.known and not liveness.brake,
+        settling=fleet_settling(now, leadership),
+    )
+    report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
+    # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
+    report.replicas_replaced = drain_replaced(now, placing.no_room)
+    report.stops_sent, deleted = stop_shards(now, outbox)
+    report.starts_sent = placing.starts_sent
+    report.replicas_deleted = demand.deleted + deleted
+    outbox.send_on_commit()
+    # Last: this tick's commands have superseded the pending ones for the same shards by now,
+    # so a start about to be drained is not sent again first.
+    report.commands_resent = resend_unacknowledged(now)
+    return usage, forget
+
+
+def _take_usage(readings: _HubReadings, now: datetime, report: TickReport) -> tuple[UsageVerdict, list[str]]:
+    """Judge the usage snapshot and move its stamps into the replicas; (verdict, stamp keys to forget)."""
+    usage = assess_usage(readings.usage, readings.usage_error, now)
+    report.usage_known, report.usage_unknown_reason = usage.known, usage.reason
+    # Stamps are facts whatever the verdict: move them even while idleness is unknown.
+    report.usage_updated, forget = collect_usage(readings.usage.stamps if readings.usage else {})
+    report.usage_forgotten = len(forget)
+    if usage.known:
+        report.usage_idle_since_ready = mark_unused_since_ready(usage.watching_since)
+    return usage, forget
+
+
+def _apply_demand(readings: _HubReadings, usage: UsageVerdict, now: datetime, report: TickReport) -> DemandOutcome:
+    """Create, stop and scale replicas as demand says, counted in `report`."""
+    # Idleness only while usage is known (DESIGN invariant 3); load only from a collection that worked.
+    in_flight = usage.in_flight if readings.usage is not None else None
+    demand = apply_demand(readings.activations, now, usage_known=usage.known, in_flight=in_flight)
+    report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
+    report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
+    report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn
+    return demand
+
+
+def _tell_hub(hub: ControlPlaneHub, forget: list[str], gone: list[str], report: TickReport) -> None:
+    """After commit: forget what was taken, publish the endpoint table. A hub that fails is retried next tick."""
     if forget:
         try:
             hub.forget_usage(forget)
         except Exception as exc:
             log.warning("could not forget usage stamps: %s", exc)
-    if usage.gone:
+    if gone:
         try:
-            hub.forget_routers(usage.gone)
+            hub.forget_routers(gone)
         except Exception as exc:  # they are listed again next tick
             log.warning("could not forget the marks of routers gone quiet: %s", exc)
     try:
         report.published = hub.publish_endpoints(build_endpoint_table())
     except Exception as exc:  # routers keep their last table and poll as a backstop
         log.warning("could not publish endpoints: %s", exc)
-    return report
 
 
 def _read_hub(hub: ControlPlaneHub) -> _HubReadings:

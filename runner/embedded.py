@@ -20,7 +20,7 @@ import uvicorn
 from django.conf import settings
 
 from agent.gpus import parse_fake_gpus
-from agent.runtime import Agent
+from agent.runtime import Agent, AgentOptions
 from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app
@@ -103,16 +103,18 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
         url = f"{scheme}://{connect_host}:{port}/agent/ws"
         for node in fleet.nodes:
             agent = Agent(
-                [url],
-                node.name,
-                node.token,
-                parse_fake_gpus(node.fake_gpus, node.name),
-                address="127.0.0.1",
-                fabric=node.fabric,
-                heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
-                engine_python=sys.executable,
-                llama_server=settings.LLMGW_LLAMA_SERVER,
-                ca_file=settings.LLMGW_AGENT_CA_FILE or None,
+                AgentOptions(
+                    [url],
+                    node.name,
+                    node.token,
+                    parse_fake_gpus(node.fake_gpus, node.name),
+                    address="127.0.0.1",
+                    fabric=node.fabric,
+                    heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
+                    engine_python=sys.executable,
+                    llama_server=settings.LLMGW_LLAMA_SERVER,
+                    ca_file=settings.LLMGW_AGENT_CA_FILE or None,
+                )
             )
             agents.append(agent)
             tasks.append(asyncio.create_task(agent.run(), name=f"agent-{node.name}"))

@@ -26,10 +26,14 @@ ALONE = {
 }
 # Who may import a package that stands alone outside the layers: the embedded runner runs a router in its process.
 ALONE_USERS = {"router": {"runner"}}
-# What the control plane may use of the agent package: the protocol both ends speak, and where weights live.
-AGENT_SHARED = {"agent.protocol", "agent.weights"}
+# What the control plane may use of the agent package: the protocol both ends speak, where weights live,
+# and the rule for the control-plane addresses an agent is given.
+AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.control_planes"}
 # The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
-AGENT_USERS = {"runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.cli"}, "router": set()}
+AGENT_USERS = {
+    "runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.options", "agent.cli"},
+    "router": set(),
+}
 PROJECT = set(LAYERS) | set(ALONE)
 
 

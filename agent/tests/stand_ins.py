@@ -16,7 +16,7 @@ from websockets.sync.server import serve
 
 from agent import protocol
 from agent.gpus import parse_fake_gpus
-from agent.runtime import Agent
+from agent.runtime import Agent, AgentOptions
 from conftest import free_port
 
 
@@ -157,7 +157,9 @@ def checked(message: dict) -> dict:
 
 def make_agent(control_planes: list[str], **overrides) -> Agent:
     options = {"heartbeat_seconds": 0.1, "health_timeout": 10.0, "stop_grace_seconds": 3.0, **overrides}
-    return Agent(control_planes, NODE, TOKEN, parse_fake_gpus("2xH100-80GB", NODE), "127.0.0.1", **options)
+    return Agent(
+        AgentOptions(control_planes, NODE, TOKEN, parse_fake_gpus("2xH100-80GB", NODE), "127.0.0.1", **options)
+    )
 
 
 def run(coro, timeout: float = 20.0):

@@ -129,9 +129,9 @@ def test_heartbeat_default_comes_from_the_environment():
         "labels": [],
         "heartbeat_seconds": None,
     }
-    assert cli.agent_from_options(options, 2.5).heartbeat_seconds == 2.5
-    assert cli.agent_from_options({**options, "heartbeat_seconds": 1.0}, 2.5).heartbeat_seconds == 1.0
-    assert cli.agent_from_options({**options, "llama_server": "/opt/llama-server"}, 2.5).llama_server == (
+    assert cli.agent_from_options(options, 2.5).options.heartbeat_seconds == 2.5
+    assert cli.agent_from_options({**options, "heartbeat_seconds": 1.0}, 2.5).options.heartbeat_seconds == 1.0
+    assert cli.agent_from_options({**options, "llama_server": "/opt/llama-server"}, 2.5).options.llama_server == (
         "/opt/llama-server"
     )
 

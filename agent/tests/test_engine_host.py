@@ -9,7 +9,7 @@ import pytest
 from agent import protocol
 from agent.engines import ENGINES, build_launch
 from agent.gpus import parse_fake_gpus
-from agent.runtime import Agent
+from agent.runtime import Agent, AgentOptions
 from agent.tests.stand_ins import NODE, TOKEN, ControlPlane, run, start_command
 from conftest import free_port
 
@@ -54,10 +54,10 @@ def test_mock_engine_listens_only_on_the_management_address(command_host, agent_
 
     async def scenario():
         async with ControlPlane() as cp:
-            agent = Agent(
+            agent = Agent(AgentOptions(
                 [cp.url], NODE, TOKEN, parse_fake_gpus("2xH100-80GB", NODE), agent_address,
                 heartbeat_seconds=0.1, health_timeout=10.0, stop_grace_seconds=3.0,
-            )  # fmt: skip
+            ))  # fmt: skip
             task = asyncio.create_task(agent.run())
             await cp.next(protocol.HELLO)
             port = free_port()

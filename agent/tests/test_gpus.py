@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from agent.gpus import GPUDiscoveryError, discover_gpus, gpu_class_for, parse_fake_gpus, parse_nvidia_smi
+from agent.protocol import to_builtins
 
 DATA = Path(__file__).parent / "data"
 
@@ -39,7 +40,7 @@ def test_fake_uuids_are_stable_per_node_and_differ_between_nodes():
 
 
 def test_gpu_message_has_the_protocol_shape():
-    message = parse_fake_gpus("1xL4-24GB", "n")[0].to_message()
+    message = to_builtins(parse_fake_gpus("1xL4-24GB", "n")[0].report())
     assert set(message) == {"index", "uuid", "gpu_class", "memory_mb", "healthy", "reason"}
     assert message["gpu_class"] == "L4-24GB" and message["memory_mb"] == 24576
 

@@ -12,6 +12,12 @@ from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, pro
 from conftest import free_port
 
 
+@pytest.mark.parametrize("uri", ["http://cp/agent/ws", "ws://", "wss:///agent/ws", "cp:8000/agent/ws"])
+def test_the_link_refuses_an_address_the_agent_command_refuses(uri):
+    with pytest.raises(ValueError, match="must be a ws:// or wss:// URL"):
+        ControlPlaneLink([uri], "n1", "t", 1.0)
+
+
 def test_handshake_refused_with_403_raises_agent_rejected():
     async def scenario():
         async with ControlPlane(reject_status=HTTPStatus.FORBIDDEN) as cp:

@@ -75,8 +75,8 @@ def test_engine_not_healthy_in_time_is_stopped_and_reported_failed():
 AGENT_SCRIPT = """
 import asyncio, sys
 from agent.gpus import parse_fake_gpus
-from agent.runtime import Agent
-asyncio.run(Agent([sys.argv[1]], "n", "t", parse_fake_gpus("1xL4-24GB", "n"), "127.0.0.1").run())
+from agent.runtime import Agent, AgentOptions
+asyncio.run(Agent(AgentOptions([sys.argv[1]], "n", "t", parse_fake_gpus("1xL4-24GB", "n"), "127.0.0.1")).run())
 """
 
 

@@ -24,7 +24,7 @@ from websockets.exceptions import InvalidStatus
 
 from agent.gpus import parse_fake_gpus
 from agent.protocol import StopShard, to_builtins
-from agent.runtime import Agent
+from agent.runtime import Agent, AgentOptions
 from conftest import free_port, wait_until
 from inventory.choices import NodeState
 from inventory.models import Node
@@ -128,7 +128,8 @@ def test_a_dropped_command_is_sent_again_and_acknowledged_within_two_seconds(liv
     ready = Node.objects.filter(name="gpu-a", state=NodeState.READY)
 
     async def scenario():
-        agent = Agent([url], "gpu-a", token, parse_fake_gpus("1xH100-80GB", "gpu-a"), "127.0.0.1", heartbeat_seconds=1)
+        gpus = parse_fake_gpus("1xH100-80GB", "gpu-a")
+        agent = Agent(AgentOptions([url], "gpu-a", token, gpus, "127.0.0.1", heartbeat_seconds=1))
         running = asyncio.create_task(agent.run())
         try:
             await wait_for(lambda: ready.exists(), 10)

@@ -11,7 +11,7 @@ import uvicorn
 
 from agent import cli
 from agent.gpus import parse_fake_gpus
-from agent.runtime import Agent, AgentRejected, AgentTLSError
+from agent.runtime import Agent, AgentOptions, AgentRejected, AgentTLSError
 from agentlink.tests.pki import TestCA
 from conftest import free_port, wait_until
 from inventory.choices import NodeState
@@ -62,7 +62,8 @@ def control_plane(settings, pki):
 
 
 def agent_for(url: str, node: str, token: str, **tls) -> Agent:
-    return Agent([url], node, token, parse_fake_gpus("1xL4-24GB", node), "127.0.0.1", heartbeat_seconds=0.2, **tls)
+    gpus = parse_fake_gpus("1xL4-24GB", node)
+    return Agent(AgentOptions([url], node, token, gpus, "127.0.0.1", heartbeat_seconds=0.2, **tls))
 
 
 async def says_hello(agent: Agent, node: str) -> None:

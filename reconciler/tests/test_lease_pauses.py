@@ -19,7 +19,7 @@ from hub import get_hub
 from inventory.choices import NodeState
 from inventory.models import Node
 from reconciler import tick as tick_module
-from reconciler.lease import Leadership, database_now, try_acquire
+from reconciler.lease import Leadership, _db_now, try_acquire
 from reconciler.models import Lease, Replica
 from reconciler.tick import tick
 from tests.fleet import make_model, make_node
@@ -99,6 +99,13 @@ def paused_leader(ttl=1.0):
     leader = Leadership(ttl=ttl, idle_timeout=60)
     assert leader.renew()
     return leader
+
+
+def database_now() -> float:
+    """The database's clock in seconds since the Unix epoch: the clock lease expiry is judged by."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_db_now()}")
+        return float(cursor.fetchone()[0])
 
 
 def lease_expired():

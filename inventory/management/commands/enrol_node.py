@@ -5,17 +5,14 @@ ready-to-run agent command line instead (node, token, control-plane URLs,
 and `--ca-file` for wss:// addresses), shell-quoted so it can be pasted.
 """
 
-import re
 import shlex
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from agent.control_planes import add_control_plane_option, address_problem
 from inventory.services import EnrolmentError, enrol_node
-
-# The agent's own rule for a control-plane address (agent/cli.py): checked before anything is written.
-CONTROL_PLANE_URL = re.compile(r"^wss?://[^/\s]+")
 
 
 def _sentence(error: ValidationError) -> str:
@@ -53,12 +50,8 @@ class Command(BaseCommand):
             action="store_true",
             help="Print the whole agent command line (with the token) instead of the token alone.",
         )
-        parser.add_argument(
-            "--control-plane",
-            action="append",
-            dest="control_planes",
-            default=[],
-            metavar="URL",
+        add_control_plane_option(
+            parser,
             help="With --print-command: an /agent/ws URL for the agent; repeat for several "
             "(default: LLMGW_AGENT_CONTROL_PLANES).",
         )
@@ -78,9 +71,9 @@ class Command(BaseCommand):
                     "--print-command needs the control plane's address: give --control-plane "
                     "wss://HOST:PORT/agent/ws or set LLMGW_AGENT_CONTROL_PLANES"
                 )
-            for url in control_planes:
-                if not CONTROL_PLANE_URL.match(url):
-                    raise CommandError(f"control-plane address {url!r} must be a ws:// or wss:// URL")
+            problem = next(filter(None, map(address_problem, control_planes)), None)
+            if problem is not None:
+                raise CommandError(problem)
             ca_file = ca_file if ca_file is not None else settings.LLMGW_AGENT_CA_FILE
         try:
             node, token = enrol_node(name, address=address, fabric=fabric)

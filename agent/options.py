@@ -1,0 +1,56 @@
+"""What one node's agent is told when it starts: `AgentOptions`, built once by whoever runs it.
+
+`python -m agent` builds it from its checked command line (agent/cli.py); the embedded runner
+builds one per simulated node; tests and benches build their own. The agent reads it and keeps it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import draining
+from .engine_load import POLL_TIMEOUT_SECONDS
+from .engines import DEFAULT_LLAMA_SERVER
+from .gpus import GPUInfo
+from .weights_inventory import DEFAULT_SCAN_EVERY
+
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Where the control plane is, which node this is, and how its engines are run and watched.
+
+    `state_dir` None keeps the highest leader epoch in memory only (tests, embedded demo agents);
+    a node's agent has one so fencing survives its restarts (agent/state.py).
+    """
+
+    control_planes: Sequence[str]
+    node: str
+    token: str
+    gpus: Sequence[GPUInfo]
+    address: str
+    fabric: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    heartbeat_seconds: float = 5.0
+    engine_python: str = sys.executable
+    llama_server: str = DEFAULT_LLAMA_SERVER
+    health_timeout: float = 600.0
+    stop_grace_seconds: float = STOP_GRACE_SECONDS
+    load_timeout: float = POLL_TIMEOUT_SECONDS
+    drain_poll_seconds: float = draining.DRAIN_POLL_SECONDS
+    weights_root: str | None = None
+    weights_scan_every: int = DEFAULT_SCAN_EVERY
+    state_dir: str | os.PathLike | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        # Copies, so a caller's later change to its list or dict cannot reach a running agent.
+        object.__setattr__(self, "control_planes", tuple(self.control_planes))
+        object.__setattr__(self, "gpus", tuple(self.gpus))
+        object.__setattr__(self, "labels", dict(self.labels))
