@@ -37,8 +37,7 @@ from django.utils import timezone
 from catalog.models import Model
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, Weights, effective, gpu_in_service, human_size, report_warnings
-from reconciler.choices import WANTED_STATES, ReplicaState
-from reconciler.eviction import HOLDING_NOTES
+from reconciler.choices import WANTED_STATES, Hold, ReplicaState
 from reconciler.idle import Idle
 from reconciler.liveness import partition_brake
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
@@ -230,6 +229,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
             "ready_at",
             "last_used",
             "placement_error",
+            "hold",
             "last_error",
         )
     )
@@ -252,7 +252,7 @@ def cluster_summary(now: datetime | None = None) -> dict:
             failed[first_line(row["last_error"])][model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
             unplaceable[(model_name, row["placement_error"])] += 1
-            if not row["placement_error"].startswith(HOLDING_NOTES):
+            if row["hold"] == Hold.NONE:
                 blocked.add(model_name)
         idle = Idle.since(row["last_used"], now)
         replica_list.append(

@@ -7,9 +7,9 @@ from django.utils import timezone
 
 from catalog.models import Profile
 from dashboard.summary import cluster_summary
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
 from reconciler.eviction import MAKING_ROOM
-from reconciler.models import Lease, Shard
+from reconciler.models import Lease, Replica, Shard
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 pytestmark = pytest.mark.django_db
@@ -135,8 +135,10 @@ def test_frees_counts_a_cordoned_node_as_not_schedulable(usage_known):
     assert stoppable()[0]["frees"] == "8 H100-80GB GPUs on gpu-a (not schedulable now)"
 
 
-def pending(model, error):
-    return make_replica(model.profiles.order_by("order").first(), state=ReplicaState.PENDING, error=error)
+def pending(model, error, hold=Hold.NONE):
+    replica = make_replica(model.profiles.order_by("order").first(), state=ReplicaState.PENDING, error=error)
+    Replica.objects.filter(pk=replica.pk).update(hold=hold)
+    return replica
 
 
 def test_stopping_the_replica_holding_the_rest_of_a_node_unblocks_an_eight_gpu_model(usage_known):
@@ -162,7 +164,7 @@ def test_a_fallback_profile_counts_and_making_room_does_not(usage_known):
     Profile.objects.create(model=flex, order=1, gpu_class=L40S, gpus_per_node=2)
     pending(flex, "H100-80GB×8×2: 1 of 2 nodes free; L40S-48GB×2: most free on one node: 0")
     waiting = make_model("waiting", gpus_per_node=2, min_replicas=0, gpu_class=L40S)
-    pending(waiting, MAKING_ROOM + "stopping replica 7")
+    pending(waiting, MAKING_ROOM + "stopping replica 7", hold=Hold.MAKING_ROOM)
     [entry] = stoppable()
     assert entry["replica"] == held.pk and entry["unblocks"] == ["flex"]
 

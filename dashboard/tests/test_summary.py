@@ -8,9 +8,10 @@ from django.utils import timezone
 
 from dashboard.summary import cluster_summary
 from inventory.choices import GPUHealth, NodeState
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
+from reconciler.eviction import MAKING_ROOM
 from reconciler.idle import Idle
-from reconciler.models import Lease
+from reconciler.models import Lease, Replica
 from tests.fleet import make_model, make_node, make_replica, set_gpu
 
 pytestmark = pytest.mark.django_db
@@ -153,3 +154,17 @@ def test_summary_runs_the_same_number_of_queries_for_2_and_20_nodes(django_asser
     with django_assert_num_queries(8):  # 7 for the summary (weights included); usage unknown: only the usage watch
         large = cluster_summary()
     assert small["nodes"]["total"] == 2 and large["nodes"]["total"] == 22
+
+
+def test_a_pending_replica_is_unplaceable_by_its_hold_not_by_its_note():
+    def pending(name, note, hold):
+        replica = make_replica(make_model(name).profiles.get(), state=ReplicaState.PENDING, error=note)
+        Replica.objects.filter(pk=replica.pk).update(hold=hold)
+
+    pending("held", "stopping replica 7", Hold.MAKING_ROOM)
+    pending("waits", "no node has GPU class X", Hold.WAITING_FOR_NODES)
+    pending("stuck", MAKING_ROOM + "in words only", Hold.NONE)  # reads like a hold, holds nothing
+    summary = cluster_summary()
+    assert summary["unplaceable_models"] == ["stuck"]
+    # Every note is still shown to operators, holding or not.
+    assert {u["model"] for u in summary["unplaceable"]} == {"held", "waits", "stuck"}
