@@ -175,15 +175,18 @@ def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[NodeCounts, list[NodeStat
         gpus = gpus_per_node.get(node_id, Counter())
         node_list.append(
             NodeStatus(
-                name,
-                fabric or reported_fabric,
-                state,
-                schedulable,
-                _iso(last_seen),
-                sum(gpus.values()),
-                *(gpus[state_name] for state_name in GPU_STATES),
-                weights.get(node_id, []),
-                report_warnings(
+                name=name,
+                fabric=fabric or reported_fabric,
+                state=state,
+                schedulable=schedulable,
+                last_seen=_iso(last_seen),
+                gpus=sum(gpus.values()),
+                used=gpus["used"],
+                free=gpus["free"],
+                unhealthy=gpus["unhealthy"],
+                unavailable=gpus["unavailable"],
+                weights=weights.get(node_id, []),
+                warnings=report_warnings(
                     {"address": address, "fabric": fabric, "labels": labels},
                     {"address": reported_address, "fabric": reported_fabric, "labels": reported_labels},
                 ),

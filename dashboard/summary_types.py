@@ -17,27 +17,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Self
 
 from rest_framework import serializers
 
 from reconciler.idle import Idle
 
-
-def _time(*, nullable: bool = False) -> Any:
-    """A dataclass field holding an ISO 8601 timestamp: a date-time in the schema."""
-    return field(metadata={"serializer_field": serializers.DateTimeField(allow_null=nullable)})
-
-
-def _described(text: str) -> Any:
-    return field(metadata={"serializer_kwargs": {"help_text": text}})
+# Field metadata for the schema: ISO 8601 strings are date-times there (the serializer deep-copies these).
+_TIME = {"serializer_field": serializers.DateTimeField()}
+_NULLABLE_TIME = {"serializer_field": serializers.DateTimeField(allow_null=True)}
+_IDLE_SECONDS = {"serializer_kwargs": {"help_text": "-1 when unknown (see idle_known)."}}
 
 
 class _Counts:
     """Counts a table or metric lists one column per field, in field order."""
 
     @classmethod
-    def of(cls, counts: Mapping[str, int]) -> Any:
+    def of(cls, counts: Mapping[str, int]) -> Self:
         """From counts by name (a name not counted is 0)."""
         return cls(**{f.name: counts.get(f.name, 0) for f in fields(cls)})  # type: ignore[arg-type]
 
@@ -159,7 +155,7 @@ class NodeStatus:
     fabric: str
     state: str
     schedulable: bool
-    last_seen: str | None = _time(nullable=True)
+    last_seen: str | None = field(metadata=_NULLABLE_TIME)
     gpus: int
     used: int
     free: int
@@ -180,9 +176,9 @@ class ReplicaStatus:
     nodes: list[str]
     gpus: int
     endpoint: str
-    ready_at: str | None = _time(nullable=True)
-    last_used: str | None = _time(nullable=True)
-    idle_seconds: float = _described("-1 when unknown (see idle_known).")
+    ready_at: str | None = field(metadata=_NULLABLE_TIME)
+    last_used: str | None = field(metadata=_NULLABLE_TIME)
+    idle_seconds: float = field(metadata=_IDLE_SECONDS)
     idle_known: bool
 
     @property
@@ -195,7 +191,7 @@ class UsageState:
     """Whether the fleet's usage is known, since when, and if not, why (then nothing counts as idle)."""
 
     known: bool
-    since: str | None = _time(nullable=True)
+    since: str | None = field(metadata=_NULLABLE_TIME)
     reason: str
 
 
@@ -234,7 +230,7 @@ class StopCandidate:
 class ClusterSummary:
     """The state of the fleet: the same data as `ctl_status`, the dashboard, `/api/v1/status` and the metrics."""
 
-    generated_at: str = _time()
+    generated_at: str = field(metadata=_TIME)
     leader: Leader | None
     partition_brake: PartitionBrake
     capacity: list[Capacity]

@@ -43,6 +43,8 @@ def dashboard_context(summary: ClusterSummary | None = None) -> dict:
         }
         for row in summary.capacity
     ]
+    # Stable sort: what needs a look (pending, starting, failed, stopping) first, each group by id.
+    ordered = sorted(summary.replica_list, key=lambda r: r.state == ReplicaState.READY)
     replicas = [
         {
             "row": r,
@@ -50,10 +52,8 @@ def dashboard_context(summary: ClusterSummary | None = None) -> dict:
             "ready_ago": humanize_ago(r.ready_at, now),
             "used_ago": humanize_ago(r.last_used, now),
         }
-        for r in summary.replica_list
+        for r in ordered
     ]
-    # Stable sort: what needs a look (pending, starting, failed, stopping) first, each group by id.
-    replicas.sort(key=lambda r: r["row"].state == ReplicaState.READY)
     stoppable = [{"row": e, "idle_human": humanize_duration(e.idle_seconds)} for e in summary.stoppable]
     return {
         "summary": summary,
