@@ -20,8 +20,9 @@ unavailable` holds for every GPU class.
 
 Failed replicas are grouped by the first line of their `last_error` (`failed`,
 most frequent first); `unplaceable_models` are the models with a pending
-replica that found no room and whose victims are not already draining — the
-ones waiting on an operator. `node_list` is every node with its GPUs by state
+replica that found no room and is not holding (`Replica.hold` empty: no room
+being made, not waiting for nodes to report in) — the ones waiting on an
+operator. `node_list` is every node with its GPUs by state
 and the weights its agent reports on disk (`weights`: source, size_bytes, size).
 
 `usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
