@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from keys.models import TokenUsage
 
 from .summary import cluster_summary
+from .summary_types import GPU_STATES
 
 log = logging.getLogger(__name__)
 
@@ -108,30 +109,30 @@ class FleetCollector(Collector):
             families["up"].add_metric([], 0)
             yield families["up"]
             return
-        for row in summary["capacity"]:
-            for state in ("used", "free", "unhealthy", "unavailable"):
-                families["gpus"].add_metric([row["gpu_class"], state], row[state])
-        for row in summary["free_nodes"]:
-            families["free"].add_metric([row["fabric"], row["gpu_class"]], row["whole_free_nodes"])
-        for state, count in summary["replicas"].items():
+        for row in summary.capacity:
+            for state in GPU_STATES:
+                families["gpus"].add_metric([row.gpu_class, state], getattr(row, state))
+        for free in summary.free_nodes:
+            families["free"].add_metric([free.fabric, free.gpu_class], free.whole_free_nodes)
+        for state, count in summary.replicas.items():
             if state != "total":
                 families["replicas"].add_metric([state], count)
-        for model in summary["models"]:
-            families["models"].add_metric([model["name"], "wanted"], model["wanted"])
-            families["models"].add_metric([model["name"], "ready"], model["ready"])
-        for state, count in summary["nodes"].items():
+        for model in summary.models:
+            families["models"].add_metric([model.name, "wanted"], model.wanted)
+            families["models"].add_metric([model.name, "ready"], model.ready)
+        for state, count in summary.nodes.items():
             if state != "total":
                 families["nodes"].add_metric([state], count)
-        families["brake"].add_metric([], 1 if summary["partition_brake"]["engaged"] else 0)
-        for row in summary["idle_held_gpus"]["by_class"]:
-            families["idle_held"].add_metric([row["gpu_class"]], row["gpus"])
-        families["usage_known"].add_metric([], 1 if summary["usage"]["known"] else 0)
-        families["unplaceable"].add_metric([], len(summary["unplaceable_models"]))
-        leader = summary["leader"]
+        families["brake"].add_metric([], 1 if summary.partition_brake.engaged else 0)
+        for held in summary.idle_held_gpus.by_class:
+            families["idle_held"].add_metric([held.gpu_class], held.gpus)
+        families["usage_known"].add_metric([], 1 if summary.usage.known else 0)
+        families["unplaceable"].add_metric([], len(summary.unplaceable_models))
+        leader = summary.leader
         if leader is not None:
-            families["lease_epoch"].add_metric([], leader["epoch"])
-            families["lease_holder"].add_metric([leader["owner"]], 1)
-            families["lease_expires"].add_metric([], leader["expires_in_seconds"])
+            families["lease_epoch"].add_metric([], leader.epoch)
+            families["lease_holder"].add_metric([leader.owner], 1)
+            families["lease_expires"].add_metric([], leader.expires_in_seconds)
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens

@@ -20,6 +20,8 @@ from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
 
+from .summary_types import ClusterSummary
+
 SHORT_ID_LENGTH = 8
 JUST_NOW_SECONDS = 5
 CHART_WIDTH = 240
@@ -145,23 +147,23 @@ def _width(value: int, top: int) -> int:
     return max(1, round(CHART_WIDTH * value / top))
 
 
-def panel_extras(summary: dict, now: datetime | None = None) -> dict:
+def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
     """Template context the panels add to the summary: human times, the short leader id, failed, usage."""
     now = now or timezone.now()
-    leader = summary["leader"]
+    leader = summary.leader
     lease = None
     if leader is not None:
-        expires = leader["expires_in_seconds"]
+        expires = leader.expires_in_seconds
         lease = {
-            "id": short_id(leader["owner"]),
-            "epoch": leader["epoch"],
+            "id": short_id(leader.owner),
+            "epoch": leader.epoch,
             "expired": expires < 0,
             "when": humanize_ago(now + timedelta(seconds=expires), now),
         }
     return {
-        "generated": humanize_ago(summary["generated_at"], now),
+        "generated": humanize_ago(summary.generated_at, now),
         "lease": lease,
         "failed": failed_replicas(now),
         "usage_chart": usage_by_model(now),
-        "usage_since": humanize_ago(summary["usage"]["since"], now),
+        "usage_since": humanize_ago(summary.usage.since, now),
     }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
@@ -33,13 +34,24 @@ from reconciler.idle import Idle
 from reconciler.models import UsageWatch
 from reconciler.placement import NodeCapacity, Placement, Shape, place
 
+from .summary_types import IdleHeld, IdleHeldClass, Leader, StopCandidate, UsageState
+
 USAGE_WATCH_NAME = "fleet"
 IDLE_HELD_AFTER_SECONDS = 3600.0
 """A replica idle longer than this counts in `idle_held_gpus` (the "idle over an hour" total)."""
 
 
-def usage_state(now: datetime, leader: dict | None) -> dict:
-    """`{"known", "since", "reason"}` from the usage watch row. One query.
+@dataclass(frozen=True)
+class WhatCanIStop:
+    """The summary's `usage`, `idle_held_gpus` and `stoppable`, read together."""
+
+    usage: UsageState
+    idle_held_gpus: IdleHeld
+    stoppable: list[StopCandidate]
+
+
+def usage_state(now: datetime, leader: Leader | None) -> UsageState:
+    """Whether usage is known, since when, and why not, from the usage watch row. One query.
 
     `leader` is the summary's lease view: when its lease has expired no tick is
     collecting usage, so stamps stop moving and idle times would only grow;
@@ -47,25 +59,24 @@ def usage_state(now: datetime, leader: dict | None) -> dict:
     """
     watch = UsageWatch.objects.filter(name=USAGE_WATCH_NAME).first()
     if watch is None:
-        return {"known": False, "since": None, "reason": "no tick has collected usage yet"}
+        return UsageState(False, None, "no tick has collected usage yet")
     if watch.known_since is None:
-        return {"known": False, "since": None, "reason": watch.reason or "usage is unknown"}
-    if leader is not None and leader["expires_in_seconds"] < 0:
-        ago = -leader["expires_in_seconds"]
-        reason = f"the leader's lease expired {ago:.0f}s ago: no tick is collecting usage"
-        return {"known": False, "since": None, "reason": reason}
-    return {"known": True, "since": watch.known_since.isoformat(), "reason": ""}
+        return UsageState(False, None, watch.reason or "usage is unknown")
+    if leader is not None and leader.expires_in_seconds < 0:
+        ago = -leader.expires_in_seconds
+        return UsageState(False, None, f"the leader's lease expired {ago:.0f}s ago: no tick is collecting usage")
+    return UsageState(True, watch.known_since.isoformat(), "")
 
 
-def idle_held_gpus(holdings: Iterable[Holding], gpu_classes: Iterable[str]) -> dict:
+def idle_held_gpus(holdings: Iterable[Holding], gpu_classes: Iterable[str]) -> IdleHeld:
     """GPUs held by replicas known idle for over an hour, per class (every class listed, 0 included) and in total."""
     per_class: dict[str, int] = dict.fromkeys(gpu_classes, 0)
     for holding in holdings:
         per_class.setdefault(holding.gpu_class, 0)
         if holding.idle_seconds is not None and holding.idle_seconds > IDLE_HELD_AFTER_SECONDS:
             per_class[holding.gpu_class] += holding.gpu_count
-    rows = [{"gpu_class": gpu_class, "gpus": gpus} for gpu_class, gpus in sorted(per_class.items())]
-    return {"total": sum(per_class.values()), "by_class": rows}
+    rows = [IdleHeldClass(gpu_class, gpus) for gpu_class, gpus in sorted(per_class.items())]
+    return IdleHeld(sum(per_class.values()), rows)
 
 
 def _unplaceable_shapes(models: Iterable[str]) -> dict[str, list[Shape]]:
@@ -157,23 +168,24 @@ class _Fleet:
         )
 
 
-def _entry(holding: Holding, fleet: _Fleet) -> dict:
+def _entry(holding: Holding, fleet: _Fleet) -> StopCandidate:
     freed = fleet.after_stopping(holding)
-    idle = Idle(holding.idle_seconds)
-    return {
-        "replica": holding.replica_id,
-        "model": holding.model,
-        "gpu_class": holding.gpu_class,
-        "gpus": holding.gpu_count,
-        "nodes": sorted(holding.gpus),
-        "idle_seconds": round(holding.idle_seconds or 0.0, 3),
-        "idle": str(idle),
-        "frees": fleet.frees(holding, freed),
-        "unblocks": fleet.unblocks(holding, freed),
-    }
+    return StopCandidate(
+        replica=holding.replica_id,
+        model=holding.model,
+        gpu_class=holding.gpu_class,
+        gpus=holding.gpu_count,
+        nodes=sorted(holding.gpus),
+        idle_seconds=round(holding.idle_seconds or 0.0, 3),
+        idle=str(Idle(holding.idle_seconds)),
+        frees=fleet.frees(holding, freed),
+        unblocks=fleet.unblocks(holding, freed),
+    )
 
 
-def what_can_i_stop(now: datetime, *, leader: dict | None, gpu_classes: Iterable[str], unplaceable: set[str]) -> dict:
+def what_can_i_stop(
+    now: datetime, *, leader: Leader | None, gpu_classes: Iterable[str], unplaceable: set[str]
+) -> WhatCanIStop:
     """The summary's `usage`, `idle_held_gpus` and `stoppable` (ranked, best first).
 
     `gpu_classes` are the fleet's classes (each listed in `idle_held_gpus`),
@@ -182,16 +194,16 @@ def what_can_i_stop(now: datetime, *, leader: dict | None, gpu_classes: Iterable
     replicas) + 3 (free capacity) + 1 (profiles of unplaceable models).
     """
     usage = usage_state(now, leader)
-    if not usage["known"]:
-        return {"usage": usage, "idle_held_gpus": idle_held_gpus([], gpu_classes), "stoppable": []}
+    if not usage.known:
+        return WhatCanIStop(usage, idle_held_gpus([], gpu_classes), [])
     holdings = read_holdings(now)
     held = idle_held_gpus(holdings, gpu_classes)
     candidates = stop_candidates(
         holdings, spare_replicas(), min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=0
     )
     if not candidates:
-        return {"usage": usage, "idle_held_gpus": held, "stoppable": []}
+        return WhatCanIStop(usage, held, [])
     fleet = _Fleet(free_capacity(now), _unplaceable_shapes(unplaceable))
     # Most GPU-seconds held while idle first; `candidates` is in eviction order, and sorted() is stable.
     ranked = sorted(candidates, key=lambda h: -(h.gpu_count * (h.idle_seconds or 0.0)))
-    return {"usage": usage, "idle_held_gpus": held, "stoppable": [_entry(h, fleet) for h in ranked]}
+    return WhatCanIStop(usage, held, [_entry(h, fleet) for h in ranked])

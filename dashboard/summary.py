@@ -3,7 +3,8 @@
 `ctl_status`, the /admin dashboard, `/api/v1/status` and the fleet metrics all
 call `cluster_summary()`, so none of them can disagree with another or with the
 tables. It runs a fixed number of queries whatever the fleet size and returns
-only JSON-ready values (str, int, float, bool, None, lists and dicts).
+a `ClusterSummary` (`dashboard.summary_types`), whose `as_json()` is the JSON
+form.
 
 GPU states (DESIGN invariant 5, plus node availability), decided in this order:
 
@@ -19,8 +20,9 @@ unavailable` holds for every GPU class.
 
 Failed replicas are grouped by the first line of their `last_error` (`failed`,
 most frequent first); `unplaceable_models` are the models with a pending
-replica that found no room and whose victims are not already draining — the
-ones waiting on an operator. `node_list` is every node with its GPUs by state
+replica that found no room and is not holding (`Replica.hold` empty: no room
+being made, not waiting for nodes to report in) — the ones waiting on an
+operator. `node_list` is every node with its GPUs by state
 and the weights its agent reports on disk (`weights`: source, size_bytes, size).
 
 `usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
@@ -28,6 +30,7 @@ and the weights its agent reports on disk (`weights`: source, size_bytes, size).
 """
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.conf import settings
@@ -37,17 +40,30 @@ from django.utils import timezone
 from catalog.models import Model
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, Weights, effective, gpu_in_service, human_size, report_warnings
-from reconciler.choices import WANTED_STATES, ReplicaState
-from reconciler.eviction import HOLDING_NOTES
+from reconciler.choices import WANTED_STATES, Hold, ReplicaState
 from reconciler.idle import Idle
 from reconciler.liveness import partition_brake
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
 from reconciler.placement import NodeCapacity
 
 from .stoppable import what_can_i_stop
+from .summary_types import (
+    GPU_STATES,
+    Capacity,
+    ClusterSummary,
+    FailedReason,
+    FreeNodes,
+    Leader,
+    ModelStatus,
+    NodeCounts,
+    NodeStatus,
+    NodeWeights,
+    PartitionBrake,
+    ReplicaCounts,
+    ReplicaStatus,
+    Unplaceable,
+)
 
-GPU_STATES = ("used", "free", "unhealthy", "unavailable")
-REPLICA_STATES = tuple(ReplicaState.values)
 NO_ERROR = "(no error recorded)"
 
 
@@ -86,19 +102,15 @@ def _gpu_rows():
     )
 
 
-def _leader(now: datetime) -> dict | None:
+def _leader(now: datetime) -> Leader | None:
     lease = Lease.objects.filter(name=settings.LLMGW_LEASE_NAME).first()
     if lease is None:
         return None
     # expires_at is by the database's clock; the difference is for display only.
-    return {
-        "owner": lease.owner,
-        "epoch": lease.epoch,
-        "expires_in_seconds": round(lease.expires_at - now.timestamp(), 3),
-    }
+    return Leader(lease.owner, lease.epoch, round(lease.expires_at - now.timestamp(), 3))
 
 
-def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict], dict[int, Counter]]:
+def _capacity_and_free_nodes(now: datetime) -> tuple[list[Capacity], list[FreeNodes], dict[int, Counter]]:
     capacity: dict[str, Counter] = defaultdict(Counter)
     per_node: dict[int, Counter] = defaultdict(Counter)
     # (node_id, gpu_class) -> what the placer would see of it, for ready, schedulable nodes
@@ -116,12 +128,10 @@ def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict], dic
             if state == "free":
                 entry["free"].append(gpu["index"])
 
-    capacity_list = []
-    for gpu_class in sorted(capacity):
-        counts = capacity[gpu_class]
-        row = {"gpu_class": gpu_class, "total": sum(counts.values())}
-        row.update({state: counts[state] for state in GPU_STATES})
-        capacity_list.append(row)
+    capacity_list = [
+        Capacity(gpu_class, sum(counts.values()), *(counts[state] for state in GPU_STATES))
+        for gpu_class, counts in sorted(capacity.items())
+    ]
 
     # Every (fabric, class) with a ready, schedulable node is listed, even at 0,
     # so a metric series drops to zero instead of vanishing. "Whole" is the
@@ -133,26 +143,25 @@ def _capacity_and_free_nodes(now: datetime) -> tuple[list[dict], list[dict], dic
         if node.whole:
             names.append(entry["name"])
     free_nodes = [
-        {"fabric": fabric, "gpu_class": gpu_class, "whole_free_nodes": len(names), "nodes": sorted(names)}
-        for (fabric, gpu_class), names in sorted(groups.items())
+        FreeNodes(fabric, gpu_class, len(names), sorted(names)) for (fabric, gpu_class), names in sorted(groups.items())
     ]
     return capacity_list, free_nodes, per_node
 
 
-def _weights_per_node() -> dict[int, list[dict]]:
+def _weights_per_node() -> dict[int, list[NodeWeights]]:
     """The weights each node holds on disk, by source. One query."""
-    weights: dict[int, list[dict]] = defaultdict(list)
+    weights: dict[int, list[NodeWeights]] = defaultdict(list)
     for node_id, source, size in Weights.objects.order_by("node_id", "source").values_list(
         "node_id", "source", "size_bytes"
     ):
-        weights[node_id].append({"source": source, "size_bytes": size, "size": human_size(size)})
+        weights[node_id].append(NodeWeights(source, size, human_size(size)))
     return weights
 
 
-def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
+def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[NodeCounts, list[NodeStatus]]:
     """Node counts by state, and every node with its GPUs by state and its weights (no query per node)."""
     weights = _weights_per_node()
-    counts = {"total": 0, "ready": 0, "unreachable": 0, "lost": 0, "new": 0, "cordoned": 0}
+    counts: Counter = Counter()
     node_list = []
     rows = Node.objects.order_by("name").values_list(
         "id", "name", "state", "schedulable", "last_seen",
@@ -161,27 +170,30 @@ def _nodes(gpus_per_node: dict[int, Counter]) -> tuple[dict, list[dict]]:
     for node_id, name, state, schedulable, last_seen, *fields in rows:
         address, fabric, labels, reported_address, reported_fabric, reported_labels = fields
         counts["total"] += 1
-        counts[state] = counts.get(state, 0) + 1
+        counts[state] += 1
         if not schedulable:
             counts["cordoned"] += 1
         gpus = gpus_per_node.get(node_id, Counter())
         node_list.append(
-            {
-                "name": name,
-                "fabric": fabric or reported_fabric,
-                "state": state,
-                "schedulable": schedulable,
-                "last_seen": _iso(last_seen),
-                "gpus": sum(gpus.values()),
-                **{state_name: gpus[state_name] for state_name in GPU_STATES},
-                "weights": weights.get(node_id, []),
-                "warnings": report_warnings(
+            NodeStatus(
+                name=name,
+                fabric=fabric or reported_fabric,
+                state=state,
+                schedulable=schedulable,
+                last_seen=_iso(last_seen),
+                gpus=sum(gpus.values()),
+                used=gpus["used"],
+                free=gpus["free"],
+                unhealthy=gpus["unhealthy"],
+                unavailable=gpus["unavailable"],
+                weights=weights.get(node_id, []),
+                warnings=report_warnings(
                     {"address": address, "fabric": fabric, "labels": labels},
                     {"address": reported_address, "fabric": reported_fabric, "labels": reported_labels},
                 ),
-            }
+            )
         )
-    return counts, node_list
+    return NodeCounts.of(counts), node_list
 
 
 def first_line(text: str) -> str:
@@ -206,8 +218,77 @@ def _shards_by_replica() -> tuple[dict[int, list[str]], dict[int, int]]:
     return nodes, gpus
 
 
-def cluster_summary(now: datetime | None = None) -> dict:
-    """The state of the fleet, as plain JSON-ready data; see the module docstring.
+@dataclass
+class _ReplicaTally:
+    """The replica rows read once, counted every way the summary shows them."""
+
+    counts: Counter = field(default_factory=Counter)
+    wanted: Counter = field(default_factory=Counter)
+    ready: Counter = field(default_factory=Counter)
+    unplaceable: Counter = field(default_factory=Counter)  # (model, placement note) -> pending replicas
+    failed: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # reason -> model -> replicas
+    # Models that found no room; one whose requests are held (room being made, nodes reporting in)
+    # is not waiting on an operator.
+    blocked: set[str] = field(default_factory=set)
+    replicas: list[ReplicaStatus] = field(default_factory=list)
+
+    def add(self, row: dict, nodes: list[str], gpus: int, now: datetime) -> None:
+        state, model_name = row["state"], row["model__name"]
+        self.counts[state] += 1
+        if state in WANTED_STATES:
+            self.wanted[model_name] += 1
+        if state == ReplicaState.READY:
+            self.ready[model_name] += 1
+        if state == ReplicaState.FAILED:
+            self.failed[first_line(row["last_error"])][model_name] += 1
+        if state == ReplicaState.PENDING and row["placement_error"]:
+            self.unplaceable[(model_name, row["placement_error"])] += 1
+            if row["hold"] == Hold.NONE:
+                self.blocked.add(model_name)
+        idle = Idle.since(row["last_used"], now)
+        self.replicas.append(
+            ReplicaStatus(
+                row["id"],
+                model_name,
+                row["profile_id"],
+                state,
+                nodes,
+                gpus,
+                row["endpoint_url"],
+                _iso(row["ready_at"]),
+                _iso(row["last_used"]),
+                idle.json_seconds(),
+                idle.known,
+            )
+        )
+
+    def replica_counts(self) -> ReplicaCounts:
+        return ReplicaCounts.of({**self.counts, "total": len(self.replicas)})
+
+    def unplaceable_list(self) -> list[Unplaceable]:
+        return [Unplaceable(model, reason, count) for (model, reason), count in sorted(self.unplaceable.items())]
+
+    def failed_list(self) -> list[FailedReason]:
+        """Most frequent reason first, so the line an operator needs is at the top."""
+        ranked = sorted(self.failed.items(), key=lambda item: (-sum(item[1].values()), item[0]))
+        return [FailedReason(reason, sum(models.values()), sorted(models)) for reason, models in ranked]
+
+
+def _replicas(now: datetime) -> _ReplicaTally:
+    """Every replica with its shards' nodes and GPUs, tallied. Two queries."""
+    shard_nodes, shard_gpus = _shards_by_replica()
+    tally = _ReplicaTally()
+    rows = Replica.objects.order_by("id").values(
+        "id", "model__name", "profile_id", "state", "endpoint_url", "ready_at", "last_used",
+        "placement_error", "hold", "last_error",
+    )  # fmt: skip
+    for row in rows:
+        tally.add(row, shard_nodes.get(row["id"], []), shard_gpus.get(row["id"], 0), now)
+    return tally
+
+
+def cluster_summary(now: datetime | None = None) -> ClusterSummary:
+    """The state of the fleet; see the module docstring.
 
     Seven queries whatever the fleet size: lease, GPUs, nodes, weights, models,
     replicas, shards (with their GPU counts) — and nothing per row; plus
@@ -218,99 +299,42 @@ def cluster_summary(now: datetime | None = None) -> dict:
     leader = _leader(now)
     capacity, free_nodes, gpus_per_node = _capacity_and_free_nodes(now)
     nodes, node_list = _nodes(gpus_per_node)
-    shard_nodes, shard_gpus = _shards_by_replica()
-
-    replica_rows = list(
-        Replica.objects.order_by("id").values(
-            "id",
-            "model__name",
-            "profile_id",
-            "state",
-            "endpoint_url",
-            "ready_at",
-            "last_used",
-            "placement_error",
-            "last_error",
-        )
-    )
-    replica_counts = {state: 0 for state in REPLICA_STATES}
-    wanted: Counter = Counter()
-    ready: Counter = Counter()
-    unplaceable: Counter = Counter()
-    failed: dict[str, Counter] = defaultdict(Counter)  # first line of last_error -> model -> replicas
-    # Models that found no room; one whose victims are already draining is not waiting on an operator.
-    blocked: set[str] = set()
-    replica_list = []
-    for row in replica_rows:
-        state, model_name = row["state"], row["model__name"]
-        replica_counts[state] = replica_counts.get(state, 0) + 1
-        if state in WANTED_STATES:
-            wanted[model_name] += 1
-        if state == ReplicaState.READY:
-            ready[model_name] += 1
-        if state == ReplicaState.FAILED:
-            failed[first_line(row["last_error"])][model_name] += 1
-        if state == ReplicaState.PENDING and row["placement_error"]:
-            unplaceable[(model_name, row["placement_error"])] += 1
-            if not row["placement_error"].startswith(HOLDING_NOTES):
-                blocked.add(model_name)
-        idle = Idle.since(row["last_used"], now)
-        replica_list.append(
-            {
-                "id": row["id"],
-                "model": model_name,
-                "profile_id": row["profile_id"],
-                "state": state,
-                "nodes": shard_nodes.get(row["id"], []),
-                "gpus": shard_gpus.get(row["id"], 0),
-                "endpoint": row["endpoint_url"],
-                "ready_at": _iso(row["ready_at"]),
-                "last_used": _iso(row["last_used"]),
-                **idle.as_json(),
-            }
-        )
-    replica_counts["total"] = len(replica_rows)
-
+    tally = _replicas(now)
     models = [
-        {"name": name, "enabled": enabled, "wanted": wanted[name], "ready": ready[name]}
+        ModelStatus(name, enabled, tally.wanted[name], tally.ready[name])
         for name, enabled in Model.objects.order_by("name").values_list("name", "enabled")
     ]
-
-    watched = nodes["ready"] + nodes["unreachable"]
-    stop = what_can_i_stop(now, leader=leader, gpu_classes=[row["gpu_class"] for row in capacity], unplaceable=blocked)
-    return {
-        "generated_at": now.isoformat(),
-        "leader": leader,
-        "partition_brake": {
-            "engaged": partition_brake(nodes["unreachable"], watched),
-            "silent_nodes": nodes["unreachable"],
-            "watched_nodes": watched,
-            "fraction": settings.LLMGW_PARTITION_BRAKE_FRACTION,
-        },
-        "capacity": capacity,
-        "free_nodes": free_nodes,
-        "nodes": nodes,
-        "replicas": replica_counts,
-        "models": models,
-        "unplaceable": [
-            {"model": model, "reason": reason, "pending": count}
-            for (model, reason), count in sorted(unplaceable.items())
-        ],
-        "unplaceable_models": sorted(blocked),
-        # Most frequent reason first, so the line an operator needs is at the top.
-        "failed": [
-            {"reason": reason, "replicas": sum(models.values()), "models": sorted(models)}
-            for reason, models in sorted(failed.items(), key=lambda item: (-sum(item[1].values()), item[0]))
-        ],
-        "node_list": node_list,
-        "replica_list": replica_list,
-        "usage": stop["usage"],
-        "idle_held_gpus": stop["idle_held_gpus"],
-        "stoppable": stop["stoppable"],
-    }
+    watched = nodes.ready + nodes.unreachable
+    brake = PartitionBrake(
+        partition_brake(nodes.unreachable, watched),
+        nodes.unreachable,
+        watched,
+        settings.LLMGW_PARTITION_BRAKE_FRACTION,
+    )
+    stop = what_can_i_stop(
+        now, leader=leader, gpu_classes=[row.gpu_class for row in capacity], unplaceable=tally.blocked
+    )
+    return ClusterSummary(
+        generated_at=now.isoformat(),
+        leader=leader,
+        partition_brake=brake,
+        capacity=capacity,
+        free_nodes=free_nodes,
+        nodes=nodes,
+        replicas=tally.replica_counts(),
+        models=models,
+        unplaceable=tally.unplaceable_list(),
+        unplaceable_models=sorted(tally.blocked),
+        failed=tally.failed_list(),
+        node_list=node_list,
+        replica_list=tally.replicas,
+        usage=stop.usage,
+        idle_held_gpus=stop.idle_held_gpus,
+        stoppable=stop.stoppable,
+    )
 
 
-def needs_attention(s: dict) -> list[str]:
+def needs_attention(s: ClusterSummary) -> list[str]:
     """What an operator should look at, one short phrase each; empty when all is well.
 
     The `ctl_status --check` rule: no leader or an expired lease (nothing is
@@ -320,25 +344,24 @@ def needs_attention(s: dict) -> list[str]:
     nodes are not listed: an operator or the tick has already acted on them.
     """
     problems = []
-    leader = s["leader"]
+    leader = s.leader
     if leader is None:
         problems.append("no leader")
-    elif leader["expires_in_seconds"] < 0:
-        problems.append(f"leader lease expired {-leader['expires_in_seconds']:.0f}s ago")
-    if s["partition_brake"]["engaged"]:
+    elif leader.expires_in_seconds < 0:
+        problems.append(f"leader lease expired {-leader.expires_in_seconds:.0f}s ago")
+    if s.partition_brake.engaged:
         problems.append("partition brake engaged")
-    if s["nodes"]["unreachable"]:
-        problems.append(f"{s['nodes']['unreachable']} unreachable nodes")
-    unhealthy = sum(row["unhealthy"] for row in s["capacity"])
+    if s.nodes.unreachable:
+        problems.append(f"{s.nodes.unreachable} unreachable nodes")
+    unhealthy = sum(row.unhealthy for row in s.capacity)
     if unhealthy:
         problems.append(f"{unhealthy} unhealthy GPUs")
-    if s["unplaceable_models"]:
-        names = s["unplaceable_models"]
+    if s.unplaceable_models:
+        names = s.unplaceable_models
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         problems.append(f"{len(names)} unplaceable models ({shown})")
-    failed = s["replicas"].get(ReplicaState.FAILED, 0)
-    if failed:
-        problems.append(f"{failed} failed replicas")
-    if not s["usage"]["known"]:
-        problems.append(f"usage unknown ({s['usage']['reason']})")
+    if s.replicas.failed:
+        problems.append(f"{s.replicas.failed} failed replicas")
+    if not s.usage.known:
+        problems.append(f"usage unknown ({s.usage.reason})")
     return problems

@@ -7,10 +7,10 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from reconciler.choices import ReplicaState
-from reconciler.idle import Idle
 
 from .panels import humanize_ago, humanize_duration, panel_extras
 from .summary import cluster_summary
+from .summary_types import ClusterSummary
 
 REFRESH_SECONDS = 5
 """How often the page's fetch loop asks for fresh panels."""
@@ -27,34 +27,34 @@ def _percent(part: int, total: int) -> float:
     return round(100.0 * part / total, 2) if total else 0.0
 
 
-def dashboard_context(summary: dict | None = None) -> dict:
+def dashboard_context(summary: ClusterSummary | None = None) -> dict:
     """Template context for the panels: the summary plus bar widths, human times and the extra panels.
 
     Only presentation is added here and in `panels.panel_extras`; every fleet
-    figure comes from `cluster_summary()` (DESIGN invariant 6).
+    figure comes from `cluster_summary()` (DESIGN invariant 6). Rows the
+    templates show with extra text are pairs of the summary's row and that text.
     """
     now = timezone.now()
     summary = summary if summary is not None else cluster_summary(now)
     capacity = [
         {
-            **row,
-            "bar": [(state, _percent(row[state], row["total"])) for state, _ in LEGEND if row[state]],
+            "row": row,
+            "bar": [(state, _percent(getattr(row, state), row.total)) for state, _ in LEGEND if getattr(row, state)],
         }
-        for row in summary["capacity"]
-    ]
-    replicas = [
-        {
-            **r,
-            "idle": str(Idle.from_json(r["idle_seconds"], r["idle_known"])),
-            "idle_human": humanize_duration(r["idle_seconds"] if r["idle_known"] else None),
-            "ready_ago": humanize_ago(r["ready_at"], now),
-            "used_ago": humanize_ago(r["last_used"], now),
-        }
-        for r in summary["replica_list"]
+        for row in summary.capacity
     ]
     # Stable sort: what needs a look (pending, starting, failed, stopping) first, each group by id.
-    replicas.sort(key=lambda r: r["state"] == ReplicaState.READY)
-    stoppable = [{**e, "idle_human": humanize_duration(e["idle_seconds"])} for e in summary["stoppable"]]
+    ordered = sorted(summary.replica_list, key=lambda r: r.state == ReplicaState.READY)
+    replicas = [
+        {
+            "row": r,
+            "idle_human": humanize_duration(r.idle.seconds),
+            "ready_ago": humanize_ago(r.ready_at, now),
+            "used_ago": humanize_ago(r.last_used, now),
+        }
+        for r in ordered
+    ]
+    stoppable = [{"row": e, "idle_human": humanize_duration(e.idle_seconds)} for e in summary.stoppable]
     return {
         "summary": summary,
         "capacity": capacity,
@@ -63,7 +63,7 @@ def dashboard_context(summary: dict | None = None) -> dict:
         "replicas_more": max(0, len(replicas) - REPLICAS_SHOWN),
         "stoppable": stoppable[:STOPPABLE_SHOWN],
         "stoppable_more": max(0, len(stoppable) - STOPPABLE_SHOWN),
-        "idle_held_classes": [row for row in summary["idle_held_gpus"]["by_class"] if row["gpus"]],
+        "idle_held_classes": [row for row in summary.idle_held_gpus.by_class if row.gpus],
         "refresh_seconds": REFRESH_SECONDS,
         **panel_extras(summary, now),
     }

@@ -24,3 +24,14 @@ class ShardState(models.TextChoices):
 # status. FAILED ones count too: they come back as PENDING after their backoff, so
 # replacing them at once would defeat the backoff and overshoot max when they return.
 WANTED_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
+
+
+class Hold(models.TextChoices):
+    """Why a pending replica that found no room is still expected to be placed soon (routers hold its requests).
+
+    Empty: not holding — either placed, or unplaceable until an operator acts.
+    """
+
+    NONE = "", "not holding"
+    MAKING_ROOM = "making_room", "making room (victims draining)"
+    WAITING_FOR_NODES = "waiting_for_nodes", "waiting for nodes to report in"

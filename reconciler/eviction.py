@@ -29,13 +29,10 @@ from dataclasses import dataclass, field
 from .placement import NodeCapacity, Placement, Shape, place
 
 MAKING_ROOM = "making room: "
-"""Prefix of a waiting replica's placement note while its victims drain: routers keep holding its requests."""
+"""Text before a waiting replica's placement note while its victims drain (`Hold.MAKING_ROOM`)."""
 
 WAITING_FOR_NODES = "waiting for nodes to report in: "
-"""Prefix of a placement note while the fleet may not have reported in yet (a new leader): routers hold too."""
-
-HOLDING_NOTES = (MAKING_ROOM, WAITING_FOR_NODES)
-"""A pending replica whose note starts with one of these is not unplaceable: its requests are held."""
+"""Text before a placement note while a new leader's fleet may not have reported in (`Hold.WAITING_FOR_NODES`)."""
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,20 @@
 from django.db import models
 from django.utils import timezone
 
-from .choices import ReplicaState, ShardState
+from .choices import Hold, ReplicaState, ShardState
 from .idle import Idle
 
 
 class ReplicaQuerySet(models.QuerySet):
     def ready(self):
         return self.filter(state=ReplicaState.READY)
+
+    def holding(self):
+        """Replicas whose requests routers keep holding while room is made or nodes report in."""
+        return self.exclude(hold=Hold.NONE)
+
+    def not_holding(self):
+        return self.filter(hold=Hold.NONE)
 
 
 class Replica(models.Model):
@@ -23,6 +30,14 @@ class Replica(models.Model):
     state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING)
     endpoint_url = models.CharField(max_length=255, blank=True)
     placement_error = models.TextField(blank=True, help_text="Why the last placement attempt found no room.")
+    # Set with placement_error by the placer; queried by value, the text is for operators.
+    hold = models.CharField(
+        max_length=20,
+        choices=Hold.choices,
+        default=Hold.NONE,
+        blank=True,
+        help_text="Why routers keep holding its requests although it found no room (empty: not holding).",
+    )
     last_error = models.TextField(blank=True)
     failure_count = models.PositiveIntegerField(default=0)
     next_attempt_at = models.DateTimeField(null=True, blank=True)

@@ -24,13 +24,12 @@ from catalog.models import Profile
 from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
-from .choices import ReplicaState, ShardState
-from .eviction import WAITING_FOR_NODES
+from .choices import Hold, ReplicaState, ShardState
 from .lifecycle import start_fields
 from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
 from .placement import Placement, Shape, Unplaceable, pick_port, place
-from .room import make_room
+from .room import PlacementNote, make_room
 
 
 @dataclass
@@ -75,13 +74,46 @@ def place_pending(
     if not pending:
         return outcome
     profiles = _profiles_of({r.model_id for r in pending})
-    running_on = _running_per_profile(profiles)
     capacity = free_capacity(now)
-    holders = _weights_holders(profiles)
+    placed, moved, unplaceable = _choose(pending, profiles, capacity)
 
-    placed: list[tuple[Replica, list[_NewShard]]] = []
+    notes = make_room(unplaceable, capacity, now) if evict and unplaceable else {}
+    if settling:
+        for replica, _tried, reason in unplaceable:
+            notes.setdefault(replica.pk, PlacementNote.waiting_for_nodes(reason))
+    outcome.no_room = {replica.pk for replica, _, _ in unplaceable if replica.pk not in notes}
+    outcome.unplaceable = len(unplaceable)
+    _write_placed(placed, moved, now, epoch)
+    _write_notes([(replica, notes.get(replica.pk, PlacementNote(reason))) for replica, _, reason in unplaceable])
+    for replica, shards in placed:
+        for new in shards:
+            head = shards[0].address
+            # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
+            fields = start_fields(new.shard, replica, len(shards), head, new.indices, host=new.address)
+            outbox.start(new.node_name, **fields)
+            outcome.starts_sent += 1
+    outcome.placed = len(placed)
+    return outcome
+
+
+_Placed = list[tuple[Replica, list[_NewShard]]]
+_Unplaceable = list[tuple[Replica, list[Profile], str]]
+
+
+def _choose(
+    pending: list[Replica], profiles: dict[int, list[Profile]], capacity: CapacitySnapshot
+) -> tuple[_Placed, list[Replica], _Unplaceable]:
+    """Each pending replica on the first of its profiles with room, taken from `capacity` in memory.
+
+    Returns those placed (with their new shards), those of them that moved to
+    another profile, and those without room (with the profiles tried and why
+    not). One query for running counts, one for the weights on disk.
+    """
+    running_on = _running_per_profile(profiles)
+    holders = _weights_holders(profiles)
+    placed: _Placed = []
     moved: list[Replica] = []
-    unplaceable: list[tuple[Replica, list[Profile], str]] = []
+    unplaceable: _Unplaceable = []
     for replica in pending:
         tried, reasons = [], []
         for profile in profiles[replica.model_id]:
@@ -104,54 +136,46 @@ def place_pending(
             if len(profiles[replica.model_id]) == 1:
                 reasons = [reason.split(": ", 1)[1] for reason in reasons]
             unplaceable.append((replica, tried, "; ".join(reasons)))
+    return placed, moved, unplaceable
 
-    notes = make_room(unplaceable, capacity, now) if evict and unplaceable else {}
-    if settling:
-        for replica, _tried, reason in unplaceable:
-            notes.setdefault(replica.pk, WAITING_FOR_NODES + reason)
-    changed_error = []
-    for replica, _tried, reason in unplaceable:
-        outcome.unplaceable += 1
-        if replica.pk not in notes:
-            outcome.no_room.add(replica.pk)
-        reason = notes.get(replica.pk, reason)
-        if replica.placement_error != reason:
-            replica.placement_error = reason
-            changed_error.append(replica)
 
-    if placed:
-        new_shards = [new for _, shards in placed for new in shards]
-        Shard.objects.bulk_create([new.shard for new in new_shards])
-        GPUAssignment.objects.bulk_create(
-            [GPUAssignment(gpu_id=gpu_id, shard=new.shard) for new in new_shards for gpu_id in new.gpu_ids]
-        )
-        # Every placed replica changes the same way: one UPDATE, not one CASE per row. A new
-        # incarnation has not been used yet: its last use is unknown until it is ready (invariant 3).
-        # Placed, it no longer depends on anyone still waiting for it.
-        Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
-            state=ReplicaState.STARTING,
-            started_at=now,
-            epoch=epoch,
-            placement_error="",
-            endpoint_url="",
-            ready_at=None,
-            last_used=None,
-            demand_until=None,
-        )
-        # Replicas that landed on a fallback profile move to it (one UPDATE for all of them).
-        if moved:
-            Replica.objects.bulk_update(moved, ["profile"])
-    if changed_error:
-        Replica.objects.bulk_update(changed_error, ["placement_error"])
-    for replica, shards in placed:
-        for new in shards:
-            head = shards[0].address
-            # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
-            fields = start_fields(new.shard, replica, len(shards), head, new.indices, host=new.address)
-            outbox.start(new.node_name, **fields)
-            outcome.starts_sent += 1
-    outcome.placed = len(placed)
-    return outcome
+def _write_placed(placed: _Placed, moved: list[Replica], now: datetime, epoch: int) -> None:
+    """Shards, GPU assignments and the placed replicas' new state, in bulk."""
+    if not placed:
+        return
+    new_shards = [new for _, shards in placed for new in shards]
+    Shard.objects.bulk_create([new.shard for new in new_shards])
+    GPUAssignment.objects.bulk_create(
+        [GPUAssignment(gpu_id=gpu_id, shard=new.shard) for new in new_shards for gpu_id in new.gpu_ids]
+    )
+    # Every placed replica changes the same way: one UPDATE, not one CASE per row. A new
+    # incarnation has not been used yet: its last use is unknown until it is ready (invariant 3).
+    # Placed, it no longer depends on anyone still waiting for it, and no longer holds requests.
+    Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
+        state=ReplicaState.STARTING,
+        started_at=now,
+        epoch=epoch,
+        placement_error="",
+        hold=Hold.NONE,
+        endpoint_url="",
+        ready_at=None,
+        last_used=None,
+        demand_until=None,
+    )
+    # Replicas that landed on a fallback profile move to it (one UPDATE for all of them).
+    if moved:
+        Replica.objects.bulk_update(moved, ["profile"])
+
+
+def _write_notes(notes: list[tuple[Replica, PlacementNote]]) -> None:
+    """Each unplaced replica's note and hold, together; one UPDATE for those that changed."""
+    changed = []
+    for replica, note in notes:
+        if (replica.placement_error, replica.hold) != (note.text, note.hold):
+            replica.placement_error, replica.hold = note.text, note.hold
+            changed.append(replica)
+    if changed:
+        Replica.objects.bulk_update(changed, ["placement_error", "hold"])
 
 
 def shape_label(profile: Profile) -> str:

@@ -10,15 +10,17 @@ placement order. For each, on its profiles in order:
    eviction order) whose GPUs make it fit; they are stopped (a drain), and
    their GPUs are claimed for it.
 
-Either way its placement note starts with `eviction.MAKING_ROOM`, so routers
-keep holding its requests instead of answering "cannot be started"; it is
-placed by a later tick once the GPUs are free. A constant number of queries.
+Either way its hold is `Hold.MAKING_ROOM` (its note, for operators, starts
+with `eviction.MAKING_ROOM`), so routers keep holding its requests instead of
+answering "cannot be started"; it is placed by a later tick once the GPUs are
+free. A constant number of queries.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
@@ -27,8 +29,8 @@ from catalog.models import Profile
 from inventory.models import gpu_in_service
 
 from .capacity import CapacitySnapshot
-from .choices import ReplicaState
-from .eviction import MAKING_ROOM, Holding, plan_eviction, stop_candidates, with_freed
+from .choices import Hold, ReplicaState
+from .eviction import MAKING_ROOM, WAITING_FOR_NODES, Holding, plan_eviction, stop_candidates, with_freed
 from .holdings import read_holdings, spare_replicas
 from .idle import Idle
 from .lifecycle import StopRequest, stop_replicas
@@ -38,19 +40,39 @@ from .placement import NodeCapacity, Placement, Shape, place
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PlacementNote:
+    """Why a pending replica is not placed: the text operators read, and whether routers hold its requests.
+
+    Written together to `Replica.placement_error` and `Replica.hold`; rules
+    read the hold, never the text.
+    """
+
+    text: str
+    hold: str = Hold.NONE
+
+    @classmethod
+    def making_room(cls, what: str) -> PlacementNote:
+        return cls(MAKING_ROOM + what, Hold.MAKING_ROOM)
+
+    @classmethod
+    def waiting_for_nodes(cls, reason: str) -> PlacementNote:
+        return cls(WAITING_FOR_NODES + reason, Hold.WAITING_FOR_NODES)
+
+
 def make_room(
     waiting: list[tuple[Replica, list[Profile], str]], capacity: CapacitySnapshot, now: datetime
-) -> dict[int, str]:
+) -> dict[int, PlacementNote]:
     """Decide, for each waiting (replica, profiles it may use, why not), whether to wait or to stop victims.
 
-    Returns the placement note of each replica that now waits for room.
+    Returns the placement note (holding: making room) of each replica that now waits for room.
     """
     draining = _draining_gpus(now)
     # Read only when some replica needs victims: while victims drain, waiting costs one query a tick.
     holdings: list[Holding] | None = None
     spare: dict[str, int] = {}
     taken: set[int] = set()  # replicas chosen as victims this tick
-    notes: dict[int, str] = {}
+    notes: dict[int, PlacementNote] = {}
     victims_all: list[StopRequest] = []
     for replica, profiles, _reason in waiting:
         model = replica.model.name
@@ -60,7 +82,7 @@ def make_room(
             records = capacity.records(profile.gpu_class)
             soon = _fits_with(records, draining, shape)
             if soon is not None:
-                notes[replica.pk] = f"{MAKING_ROOM}waiting for GPUs being freed on {', '.join(soon)}"
+                notes[replica.pk] = PlacementNote.making_room(f"waiting for GPUs being freed on {', '.join(soon)}")
                 break
             if holdings is None:
                 holdings, spare = read_holdings(now), spare_replicas()
@@ -81,8 +103,9 @@ def make_room(
                 spare[victim.model] -= 1
                 # Its GPUs are this replica's once free: they are not in `draining`, so no one else counts them.
                 victims_all.append(StopRequest(_stub(victim), f"evicted for {model}: {_describe(victim)}"))
-            notes[replica.pk] = f"{MAKING_ROOM}stopping {', '.join(_describe(v) for v in victims)}"
-            log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, notes[replica.pk])
+            stopping = ", ".join(_describe(v) for v in victims)
+            notes[replica.pk] = PlacementNote.making_room(f"stopping {stopping}")
+            log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, stopping)
             break
     if victims_all:
         stop_replicas(victims_all, now)

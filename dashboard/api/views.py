@@ -41,7 +41,7 @@ class StatusView(APIView):
 
     @extend_schema(responses=StatusSerializer)
     def get(self, request):
-        return Response(cluster_summary())
+        return Response(cluster_summary().as_json())
 
 
 @extend_schema_view(

@@ -55,7 +55,7 @@ def api_schema(db):
     make_replica(model.profiles.get(), placement=[(make_node("fuzz-node", gpus=2), [0])])
     make_replica(model.profiles.get(), state=ReplicaState.FAILED, error="engine exited: CUDA out of memory")
     ApiKey.issue("fuzz-key", allowed_models=["fuzz-model"], rpm=60)
-    summary = cluster_summary()
+    summary = cluster_summary().as_json()
     assert summary["leader"] and summary["stoppable"] and summary["unplaceable"], "the fleet lost its variety"
     # The app runs in this thread on the test's own connection; like Django's test client, keep it open.
     request_started.disconnect(close_old_connections)

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from dashboard.management.commands.ctl_status import usage_bar
 from dashboard.summary import cluster_summary
+from dashboard.summary_types import Capacity
 from inventory.choices import NodeState
 from reconciler.choices import ReplicaState
 from tests.fleet import make_model, make_node, make_replica
@@ -40,7 +41,7 @@ def run(*args) -> str:
 
 def test_json_output_is_the_cluster_summary(fleet):
     printed = json.loads(run("--json"))
-    expected = cluster_summary()
+    expected = cluster_summary().as_json()
     for key in ("capacity", "free_nodes", "nodes", "replicas", "models", "unplaceable"):
         assert printed[key] == expected[key]
     assert [r["id"] for r in printed["replica_list"]] == [r["id"] for r in expected["replica_list"]]
@@ -80,7 +81,7 @@ def test_empty_cluster_prints_without_error():
 
 
 def test_usage_bar_marks_used_unhealthy_and_unavailable():
-    row = {"total": 16, "used": 4, "free": 8, "unhealthy": 2, "unavailable": 2}
+    row = Capacity(gpu_class="H100-80GB", total=16, used=4, free=8, unhealthy=2, unavailable=2)
     assert usage_bar(row) == "[####!!xx--------]"
 
 

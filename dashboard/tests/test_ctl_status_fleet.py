@@ -70,7 +70,7 @@ def test_failed_replicas_are_grouped_by_the_first_line_of_their_error_most_frequ
     failed(profile, "CUDA out of memory\ntraceback line")
     failed(other, "CUDA out of memory\nanother traceback")
     failed(profile, "engine exited with status 1")
-    assert cluster_summary()["failed"] == [
+    assert cluster_summary().as_json()["failed"] == [
         {"reason": "CUDA out of memory", "replicas": 2, "models": ["llama", "qwen"]},
         {"reason": "engine exited with status 1", "replicas": 1, "models": ["llama"]},
     ]
@@ -180,7 +180,7 @@ def test_summary_queries_stay_constant_with_failures_and_the_node_list(healthy, 
         make_node(f"more-{i}", gpus=2)
         failed(profile, f"error {i}")
     with django_assert_num_queries(len(small.captured_queries)):
-        summary = cluster_summary()
+        summary = cluster_summary().as_json()
     assert len(summary["node_list"]) == 11 and len(summary["failed"]) == 11
 
 

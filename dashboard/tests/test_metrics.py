@@ -31,7 +31,7 @@ def test_metrics_equal_the_cluster_summary(client):
     make_replica(profile, state=ReplicaState.PENDING, error="no room")
 
     samples = scrape(client)
-    summary = cluster_summary()
+    summary = cluster_summary().as_json()
     for row in summary["capacity"]:
         for state in ("used", "free", "unhealthy", "unavailable"):
             assert samples[("llmgw_gpus", (("gpu_class", row["gpu_class"]), ("state", state)))] == row[state]

@@ -50,7 +50,7 @@ def test_operator_address_and_fabric_survive_a_hello_that_reports_others_with_a_
     assert (capacity.address, capacity.fabric) == ("10.0.0.5", "ib-a")
 
     # Status: the summary's node entry and ctl_status carry the warnings.
-    entry = next(n for n in cluster_summary()["node_list"] if n["name"] == "gpu-a")
+    entry = next(n for n in cluster_summary().as_json()["node_list"] if n["name"] == "gpu-a")
     assert entry["warnings"] == warnings and entry["fabric"] == "ib-a"
     out = StringIO()
     call_command("ctl_status", stdout=out)
@@ -74,7 +74,7 @@ def test_empty_operator_fields_are_filled_from_the_report_and_placement_uses_the
     assert node.report_warnings() == []
     capacity = free_capacity(timezone.now()).nodes[H100]["gpu-b"]
     assert (capacity.address, capacity.fabric) == ("10.0.0.7", "ib-c")
-    entry = next(n for n in cluster_summary()["node_list"] if n["name"] == "gpu-b")
+    entry = next(n for n in cluster_summary().as_json()["node_list"] if n["name"] == "gpu-b")
     assert entry["fabric"] == "ib-c" and entry["warnings"] == []
 
     # The endpoint is published on the effective address.

@@ -25,14 +25,14 @@ def partitioned(settings):
 
 
 def test_the_summary_says_when_the_brake_holds(partitioned):
-    assert cluster_summary()["partition_brake"] == {
+    assert cluster_summary().as_json()["partition_brake"] == {
         "engaged": True,
         "silent_nodes": 2,
         "watched_nodes": 4,
         "fraction": 0.3,
     }
     Node.objects.filter(name="gpu-d").update(state=NodeState.READY)
-    assert cluster_summary()["partition_brake"]["engaged"] is False
+    assert cluster_summary().as_json()["partition_brake"]["engaged"] is False
 
 
 def test_ctl_status_and_the_dashboard_show_the_brake(partitioned, admin_client):

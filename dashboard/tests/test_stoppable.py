@@ -7,9 +7,9 @@ from django.utils import timezone
 
 from catalog.models import Profile
 from dashboard.summary import cluster_summary
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
 from reconciler.eviction import MAKING_ROOM
-from reconciler.models import Lease, Shard
+from reconciler.models import Lease, Replica, Shard
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 pytestmark = pytest.mark.django_db
@@ -31,7 +31,7 @@ def usage_known():
 
 
 def stoppable():
-    return cluster_summary(NOW)["stoppable"]
+    return cluster_summary(NOW).as_json()["stoppable"]
 
 
 def ids(entries):
@@ -135,8 +135,10 @@ def test_frees_counts_a_cordoned_node_as_not_schedulable(usage_known):
     assert stoppable()[0]["frees"] == "8 H100-80GB GPUs on gpu-a (not schedulable now)"
 
 
-def pending(model, error):
-    return make_replica(model.profiles.order_by("order").first(), state=ReplicaState.PENDING, error=error)
+def pending(model, error, hold=Hold.NONE):
+    replica = make_replica(model.profiles.order_by("order").first(), state=ReplicaState.PENDING, error=error)
+    Replica.objects.filter(pk=replica.pk).update(hold=hold)
+    return replica
 
 
 def test_stopping_the_replica_holding_the_rest_of_a_node_unblocks_an_eight_gpu_model(usage_known):
@@ -162,7 +164,7 @@ def test_a_fallback_profile_counts_and_making_room_does_not(usage_known):
     Profile.objects.create(model=flex, order=1, gpu_class=L40S, gpus_per_node=2)
     pending(flex, "H100-80GB×8×2: 1 of 2 nodes free; L40S-48GB×2: most free on one node: 0")
     waiting = make_model("waiting", gpus_per_node=2, min_replicas=0, gpu_class=L40S)
-    pending(waiting, MAKING_ROOM + "stopping replica 7")
+    pending(waiting, MAKING_ROOM + "stopping replica 7", hold=Hold.MAKING_ROOM)
     [entry] = stoppable()
     assert entry["replica"] == held.pk and entry["unblocks"] == ["flex"]
 
@@ -198,7 +200,7 @@ def test_idle_held_gpus_counts_known_idle_over_an_hour_per_class(usage_known):
     make_replica(kept, placement=[(a, range(4))], last_used=ago(7200))  # counts, though its min keeps it
     make_replica(other, placement=[(a, [4, 5])], last_used=ago(1800))  # under an hour
     make_replica(other, placement=[(a, [6, 7])], last_used=None)  # unknown is not idle
-    held = cluster_summary()["idle_held_gpus"]
+    held = cluster_summary().as_json()["idle_held_gpus"]
     assert held == {
         "total": 4,
         "by_class": [
@@ -213,7 +215,7 @@ def test_without_a_usage_watch_nothing_is_stoppable_and_the_reason_says_so():
     a = make_node("gpu-a", fabric="ib-a")
     profile = make_model("m", gpus_per_node=8, min_replicas=0).profiles.get()
     make_replica(profile, placement=[(a, range(8))], last_used=ago(9000))
-    summary = cluster_summary()
+    summary = cluster_summary().as_json()
     assert summary["usage"] == {"known": False, "since": None, "reason": "no tick has collected usage yet"}
     assert summary["stoppable"] == []
     assert summary["idle_held_gpus"] == {"total": 0, "by_class": [{"gpu_class": "H100-80GB", "gpus": 0}]}
@@ -224,7 +226,7 @@ def test_lapsed_usage_makes_old_stamps_unknown_not_idle():
     profile = make_model("m", gpus_per_node=8, min_replicas=0).profiles.get()
     make_replica(profile, placement=[(a, range(8))], last_used=ago(9000))
     watch_usage(known_since=None, reason="router r-2 has not flushed for 45s")
-    summary = cluster_summary()
+    summary = cluster_summary().as_json()
     assert summary["usage"] == {"known": False, "since": None, "reason": "router r-2 has not flushed for 45s"}
     assert summary["stoppable"] == [] and summary["idle_held_gpus"]["total"] == 0
 
@@ -232,14 +234,14 @@ def test_lapsed_usage_makes_old_stamps_unknown_not_idle():
 def test_an_expired_lease_makes_usage_unknown(settings, usage_known):
     now = timezone.now()
     Lease.objects.create(name=settings.LLMGW_LEASE_NAME, owner="cp-1", epoch=3, expires_at=now.timestamp() - 40)
-    usage = cluster_summary(now)["usage"]
+    usage = cluster_summary(now).as_json()["usage"]
     assert usage["known"] is False and usage["reason"].startswith("the leader's lease expired 40s ago")
 
 
 def test_known_usage_reports_since_when():
     since = ago(300)
     watch_usage(known_since=since)
-    assert cluster_summary()["usage"] == {"known": True, "since": since.isoformat(), "reason": ""}
+    assert cluster_summary().as_json()["usage"] == {"known": True, "since": since.isoformat(), "reason": ""}
 
 
 def _grow(nodes: int):
@@ -257,9 +259,9 @@ def test_what_can_i_stop_runs_the_same_number_of_queries_for_2_and_20_nodes(usag
     # 7 for the summary, then usage watch, holdings (3), spare replicas (2), free capacity (3), profiles (1).
     _grow(2)
     with django_assert_num_queries(17):
-        small = cluster_summary()
+        small = cluster_summary().as_json()
     _grow(20)
     with django_assert_num_queries(17):
-        large = cluster_summary()
+        large = cluster_summary().as_json()
     assert len(small["stoppable"]) == 3 and len(large["stoppable"]) == 3 + 30
     assert {e["model"]: e["unblocks"] for e in large["stoppable"]}["six-20"] == ["big-2", "big-20"]

@@ -80,7 +80,7 @@ def test_status_api_carries_stoppable_idle_held_and_usage(staff_api):
     watch_usage(known_since=ago(86400))
     [replica] = idle_fleet()
     body = staff_api.get("/api/v1/status").json()
-    expected = cluster_summary()
+    expected = cluster_summary().as_json()
     assert body["usage"] == expected["usage"] and body["usage"]["known"] is True
     assert body["idle_held_gpus"] == expected["idle_held_gpus"]
     [entry] = body["stoppable"]
@@ -122,7 +122,7 @@ def test_metrics_carry_idle_held_gpus_per_class_and_usage_known(client):
     assert samples[("llmgw_idle_held_gpus", (("gpu_class", "H100-80GB"),))] == 16
     assert samples[("llmgw_idle_held_gpus", (("gpu_class", L40S),))] == 0
     assert samples[("llmgw_usage_known", ())] == 1
-    for row in cluster_summary()["idle_held_gpus"]["by_class"]:
+    for row in cluster_summary().as_json()["idle_held_gpus"]["by_class"]:
         assert samples[("llmgw_idle_held_gpus", (("gpu_class", row["gpu_class"]),))] == row["gpus"]
 
 

@@ -8,9 +8,10 @@ from django.utils import timezone
 
 from dashboard.summary import cluster_summary
 from inventory.choices import GPUHealth, NodeState
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
+from reconciler.eviction import MAKING_ROOM
 from reconciler.idle import Idle
-from reconciler.models import Lease
+from reconciler.models import Lease, Replica
 from tests.fleet import make_model, make_node, make_replica, set_gpu
 
 pytestmark = pytest.mark.django_db
@@ -49,7 +50,7 @@ def fleet(settings):
 
 
 def test_capacity_counts_used_free_unhealthy_and_unavailable_per_class(fleet):
-    summary = cluster_summary(fleet["now"])
+    summary = cluster_summary(fleet["now"]).as_json()
     assert summary["capacity"] == [
         # node-a: 2 used, 1 unhealthy though assigned, 1 free; node-b: 4 free; node-c: 1 quarantined, 3 free;
         # node-d unreachable and node-f cordoned: 8 unavailable; node-e lost: absent.
@@ -59,18 +60,18 @@ def test_capacity_counts_used_free_unhealthy_and_unavailable_per_class(fleet):
 
 
 def test_capacity_states_add_up_to_total_for_every_class(fleet):
-    for row in cluster_summary(fleet["now"])["capacity"]:
+    for row in cluster_summary(fleet["now"]).as_json()["capacity"]:
         assert row["total"] == row["used"] + row["free"] + row["unhealthy"] + row["unavailable"]
 
 
 def test_gpu_leaves_quarantine_after_the_quarantine_period(fleet, settings):
     settings.LLMGW_GPU_QUARANTINE_SECONDS = 5
-    h100 = cluster_summary(fleet["now"])["capacity"][0]
+    h100 = cluster_summary(fleet["now"]).as_json()["capacity"][0]
     assert (h100["unhealthy"], h100["free"]) == (1, 9)
 
 
 def test_free_whole_nodes_are_ready_schedulable_nodes_with_every_gpu_of_the_class_free(fleet):
-    assert cluster_summary(fleet["now"])["free_nodes"] == [
+    assert cluster_summary(fleet["now"]).as_json()["free_nodes"] == [
         {"fabric": "", "gpu_class": "L40S", "whole_free_nodes": 1, "nodes": ["node-l"]},
         {"fabric": "ib-a", "gpu_class": "H100-80GB", "whole_free_nodes": 1, "nodes": ["node-b"]},
         {"fabric": "ib-b", "gpu_class": "H100-80GB", "whole_free_nodes": 0, "nodes": []},
@@ -78,13 +79,13 @@ def test_free_whole_nodes_are_ready_schedulable_nodes_with_every_gpu_of_the_clas
 
 
 def test_node_and_replica_counts_match_the_rows(fleet):
-    summary = cluster_summary(fleet["now"])
+    summary = cluster_summary(fleet["now"]).as_json()
     assert summary["nodes"] == {"total": 7, "ready": 5, "unreachable": 1, "lost": 1, "new": 0, "cordoned": 1}
     assert summary["replicas"] == {"pending": 3, "starting": 1, "ready": 1, "stopping": 1, "failed": 1, "total": 7}
 
 
 def test_models_count_wanted_without_stopping_and_ready_only_ready(fleet):
-    assert cluster_summary(fleet["now"])["models"] == [
+    assert cluster_summary(fleet["now"]).as_json()["models"] == [
         {"name": "big-405b", "enabled": True, "wanted": 2, "ready": 0},
         {"name": "llama-70b", "enabled": True, "wanted": 4, "ready": 1},
         {"name": "off", "enabled": False, "wanted": 0, "ready": 0},
@@ -92,13 +93,13 @@ def test_models_count_wanted_without_stopping_and_ready_only_ready(fleet):
 
 
 def test_unplaceable_groups_pending_replicas_by_model_and_reason(fleet):
-    assert cluster_summary(fleet["now"])["unplaceable"] == [
+    assert cluster_summary(fleet["now"]).as_json()["unplaceable"] == [
         {"model": "big-405b", "reason": fleet["reason"], "pending": 2}
     ]
 
 
 def test_replica_list_shows_nodes_gpus_and_known_idle_time(fleet):
-    rows = {r["id"]: r for r in cluster_summary(fleet["now"])["replica_list"]}
+    rows = {r["id"]: r for r in cluster_summary(fleet["now"]).as_json()["replica_list"]}
     busy = rows[fleet["busy"].pk]
     assert busy["model"] == "llama-70b"
     assert busy["nodes"] == ["node-a"]
@@ -110,7 +111,7 @@ def test_replica_list_shows_nodes_gpus_and_known_idle_time(fleet):
 
 
 def test_unknown_last_use_is_negative_idle_and_not_known(fleet):
-    row = next(r for r in cluster_summary(fleet["now"])["replica_list"] if r["id"] == fleet["unknown"].pk)
+    row = next(r for r in cluster_summary(fleet["now"]).as_json()["replica_list"] if r["id"] == fleet["unknown"].pk)
     assert row["last_used"] is None
     assert row["idle_seconds"] < 0
     assert row["idle_known"] is False
@@ -118,23 +119,23 @@ def test_unknown_last_use_is_negative_idle_and_not_known(fleet):
 
 
 def test_replica_list_is_sorted_by_id(fleet):
-    ids = [r["id"] for r in cluster_summary(fleet["now"])["replica_list"]]
+    ids = [r["id"] for r in cluster_summary(fleet["now"]).as_json()["replica_list"]]
     assert ids == sorted(ids) and len(ids) == 7
 
 
 def test_summary_is_json_ready(fleet):
-    summary = cluster_summary(fleet["now"])
+    summary = cluster_summary(fleet["now"]).as_json()
     assert json.loads(json.dumps(summary)) == summary
 
 
 def test_leader_is_null_without_a_lease_row():
-    assert cluster_summary()["leader"] is None
+    assert cluster_summary().as_json()["leader"] is None
 
 
 def test_leader_shows_owner_epoch_and_negative_expiry_when_expired(settings):
     now = timezone.now()
     Lease.objects.create(name=settings.LLMGW_LEASE_NAME, owner="cp-1f3a", epoch=7, expires_at=now.timestamp() - 4.5)
-    assert cluster_summary(now)["leader"] == {"owner": "cp-1f3a", "epoch": 7, "expires_in_seconds": -4.5}
+    assert cluster_summary(now).as_json()["leader"] == {"owner": "cp-1f3a", "epoch": 7, "expires_in_seconds": -4.5}
 
 
 def _grow_fleet(nodes: int):
@@ -148,8 +149,22 @@ def _grow_fleet(nodes: int):
 def test_summary_runs_the_same_number_of_queries_for_2_and_20_nodes(django_assert_num_queries):
     _grow_fleet(2)
     with django_assert_num_queries(8):  # 7 for the summary (weights included); usage unknown: only the usage watch
-        small = cluster_summary()
+        small = cluster_summary().as_json()
     _grow_fleet(20)
     with django_assert_num_queries(8):  # 7 for the summary (weights included); usage unknown: only the usage watch
-        large = cluster_summary()
+        large = cluster_summary().as_json()
     assert small["nodes"]["total"] == 2 and large["nodes"]["total"] == 22
+
+
+def test_a_pending_replica_is_unplaceable_by_its_hold_not_by_its_note():
+    def pending(name, note, hold):
+        replica = make_replica(make_model(name).profiles.get(), state=ReplicaState.PENDING, error=note)
+        Replica.objects.filter(pk=replica.pk).update(hold=hold)
+
+    pending("held", "stopping replica 7", Hold.MAKING_ROOM)
+    pending("waits", "no node has GPU class X", Hold.WAITING_FOR_NODES)
+    pending("stuck", MAKING_ROOM + "in words only", Hold.NONE)  # reads like a hold, holds nothing
+    summary = cluster_summary().as_json()
+    assert summary["unplaceable_models"] == ["stuck"]
+    # Every note is still shown to operators, holding or not.
+    assert {u["model"] for u in summary["unplaceable"]} == {"held", "waits", "stuck"}

@@ -32,7 +32,7 @@ def holding():
 
 
 def test_the_summary_lists_each_nodes_weights_with_sizes(holding):
-    nodes = {n["name"]: n for n in cluster_summary()["node_list"]}
+    nodes = {n["name"]: n for n in cluster_summary().as_json()["node_list"]}
     assert nodes["gpu-a"]["weights"] == [
         {"source": "gguf/q4.gguf", "size_bytes": 5 * 1024**3, "size": "5.0 GiB"},
         {"source": "org/small", "size_bytes": 1536, "size": "1.5 KiB"},

@@ -7,7 +7,7 @@ from asgiref.sync import async_to_sync
 from django.utils import timezone
 
 from hub import get_hub
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.eviction import MAKING_ROOM
 from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS
@@ -63,6 +63,7 @@ def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newco
     assert (state_of(stale), state_of(recent)) == (ReplicaState.STOPPING, ReplicaState.READY)
     assert Replica.objects.get(pk=stale.pk).stop_reason.startswith("evicted for newcomer")
     assert waiting.state == ReplicaState.PENDING and waiting.placement_error.startswith(MAKING_ROOM)
+    assert waiting.hold == Hold.MAKING_ROOM
     # Routers keep holding its requests: the table does not call it unplaceable.
     assert build_endpoint_table().models["newcomer"].unplaceable is None
 
@@ -76,6 +77,7 @@ def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newco
     run_tick(now=later)
     placed = Replica.objects.get(model__name="newcomer")
     assert placed.state == ReplicaState.STARTING
+    assert (placed.hold, placed.placement_error) == (Hold.NONE, "")
     assert Shard.objects.get(replica=placed).node == b
 
 

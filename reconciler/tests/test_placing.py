@@ -110,14 +110,14 @@ def test_status_counts_free_exactly_the_gpus_the_placer_will_use(run_tick, setti
     GPU.objects.filter(node=node, index=2).update(healthy_since=now - timedelta(seconds=600))  # served it
     cordoned = make_node("gpu-b", gpus=2)
     Node.objects.filter(pk=cordoned.pk).update(schedulable=False)
-    free = next(c for c in cluster_summary()["capacity"] if c["gpu_class"] == H100)["free"]
+    free = next(c for c in cluster_summary().capacity if c.gpu_class == H100).free
     assert free == 4
     make_model("llama", min_replicas=free + 2, max_replicas=free + 2)
 
     report = run_tick()
 
     assert report.replicas_placed == free and report.replicas_unplaceable == 2
-    assert next(c for c in cluster_summary()["capacity"] if c["gpu_class"] == H100)["free"] == 0
+    assert next(c for c in cluster_summary().capacity if c.gpu_class == H100).free == 0
 
 
 def test_cordoned_and_unready_nodes_get_no_shards(run_tick):

@@ -12,7 +12,7 @@ from catalog.models import Alias, Model
 from hub import get_hub
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from inventory.choices import NodeState
-from reconciler.choices import ReplicaState, ShardState
+from reconciler.choices import Hold, ReplicaState, ShardState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.eviction import WAITING_FOR_NODES
 from reconciler.models import Replica, Shard
@@ -165,11 +165,13 @@ def test_a_new_leader_holds_requests_while_enrolled_nodes_have_not_reported_in(r
 
     note = Replica.objects.get().placement_error
     assert note.startswith(WAITING_FOR_NODES)
+    assert Replica.objects.get().hold == Hold.WAITING_FOR_NODES
     assert build_endpoint_table().models["qwen"].unplaceable is None
 
     # A heartbeat window later, what still finds no room is unplaceable.
     run_tick(now=timezone.now() + timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER_SECONDS + 1))
     assert build_endpoint_table().models["qwen"].unplaceable == "no node has GPU class L40S-48GB"
+    assert Replica.objects.get().hold == Hold.NONE
 
 
 def test_once_every_enrolled_node_has_reported_in_nothing_waits(run_tick, leader):

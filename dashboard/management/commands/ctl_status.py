@@ -20,7 +20,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from dashboard.summary import cluster_summary, needs_attention
-from reconciler.idle import Idle
+from dashboard.summary_types import Capacity, ClusterSummary
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3
@@ -33,14 +33,14 @@ CHECK_FAILED = 2
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-def usage_bar(row: dict, width: int = BAR_WIDTH) -> str:
+def usage_bar(row: Capacity, width: int = BAR_WIDTH) -> str:
     """`[####!!x---------]`: used `#`, unhealthy `!`, unavailable `x`, free `-`."""
-    total = row["total"]
+    total = row.total
     if not total:
         return "[" + " " * width + "]"
     cells = []
-    for state, mark in (("used", "#"), ("unhealthy", "!"), ("unavailable", "x")):
-        cells.append(mark * round(row[state] * width / total))
+    for count, mark in ((row.used, "#"), (row.unhealthy, "!"), (row.unavailable, "x")):
+        cells.append(mark * round(count * width / total))
     bar = "".join(cells)[:width]
     return "[" + bar + "-" * (width - len(bar)) + "]"
 
@@ -117,7 +117,7 @@ class Command(BaseCommand):
             problems = needs_attention(summary)
             lines = ["attention: " + "; ".join(problems) if problems else "ok: " + self.ok_line(summary)]
         elif options["json"]:
-            lines = [json.dumps(summary, indent=2)]
+            lines = [json.dumps(summary.as_json(), indent=2)]
         elif options["nodes"] or options["replicas"]:
             lines = (self.node_list(summary) if options["nodes"] else []) + (
                 self.replica_list(summary) if options["replicas"] else []
@@ -136,13 +136,13 @@ class Command(BaseCommand):
             raise SystemExit(CHECK_FAILED)
 
     @staticmethod
-    def ok_line(s: dict) -> str:
-        gpus = sum(row["total"] for row in s["capacity"])
-        used = sum(row["used"] for row in s["capacity"])
-        leader = s["leader"] or {}
+    def ok_line(s: ClusterSummary) -> str:
+        gpus = sum(row.total for row in s.capacity)
+        used = sum(row.used for row in s.capacity)
+        owner, epoch = (s.leader.owner, s.leader.epoch) if s.leader is not None else (None, None)
         return (
-            f"{s['nodes']['ready']} nodes ready, {used}/{gpus} GPUs used, "
-            f"{s['replicas'].get('ready', 0)} replicas ready, leader {leader.get('owner')} epoch {leader.get('epoch')}"
+            f"{s.nodes.ready} nodes ready, {used}/{gpus} GPUs used, "
+            f"{s.replicas.ready} replicas ready, leader {owner} epoch {epoch}"
         )
 
     def section(self, title: str) -> str:
@@ -152,143 +152,141 @@ class Command(BaseCommand):
         lines = table(headers, rows)
         return ["  " + self.style.SQL_FIELD(lines[0])] + ["  " + row_style(line) for line in lines[1:]]
 
-    def render(self, s: dict, top: int | None = DEFAULT_TOP) -> list[str]:
+    def render(self, s: ClusterSummary, top: int | None = DEFAULT_TOP) -> list[str]:
         """The text report; `top` None is --all (every node name, replica and stop candidate)."""
-        out = [self.style.SUCCESS(f"llmgw status at {s['generated_at']}")]
-        leader = s["leader"]
-        if leader is None:
-            out.append(self.style.WARNING("leader: none (no lease taken yet)"))
-        else:
-            expires = leader["expires_in_seconds"]
-            when = f"expires in {expires:.1f}s" if expires >= 0 else f"EXPIRED {-expires:.1f}s ago"
-            line = f"leader: {leader['owner']} (epoch {leader['epoch']}, lease {when})"
-            out.append(line if expires >= 0 else self.style.WARNING(line))
-
-        brake = s["partition_brake"]
-        if brake["engaged"]:
-            out.append(
-                self.style.ERROR(
-                    f"partition brake: {brake['silent_nodes']} of {brake['watched_nodes']} nodes are silent; "
-                    "none is declared lost and nothing is replaced until they are heard from again "
-                    "or an operator declares them lost (admin: nodes)"
-                )
-            )
-
+        out = [self.style.SUCCESS(f"llmgw status at {s.generated_at}")]
+        out += self.leader_and_brake(s)
         out += self.node_warnings(s)
-
-        out.append(self.section("GPU capacity"))
-        if not s["capacity"]:
-            out.append("  no GPUs reported")
-        width = max((len(r["gpu_class"]) for r in s["capacity"]), default=0)
-        for r in s["capacity"]:
-            line = (
-                f"  {r['gpu_class'].ljust(width)}  {usage_bar(r)}  {r['used']}/{r['total']} used  {r['free']} free"
-                f"  {r['unhealthy']} unhealthy  {r['unavailable']} unavailable"
-            )
-            out.append(self.style.WARNING(line) if r["unhealthy"] or r["unavailable"] else line)
-
-        out.append(self.section("Free whole nodes"))
-        limit = None if top is None else NAMES_SHOWN
-        rows = [
-            [r["fabric"] or "-", r["gpu_class"], r["whole_free_nodes"], some_names(r["nodes"], limit)]
-            for r in s["free_nodes"]
-        ]
-        out += self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
-
+        out += self.capacity(s)
+        out += self.free_nodes(s, top)
         out.append(self.section("Nodes"))
-        out.append("  " + "  ".join(f"{k} {v}" for k, v in s["nodes"].items()))
+        out.append("  " + "  ".join(f"{k} {v}" for k, v in s.nodes.items()))
         out.append(self.section("Replicas"))
-        out.append("  " + "  ".join(f"{k} {v}" for k, v in s["replicas"].items()))
-
+        out.append("  " + "  ".join(f"{k} {v}" for k, v in s.replicas.items()))
         out += self.models(s, top)
-
-        if s["unplaceable"]:
-            out.append(self.section("Unplaceable"))
-            rows = [[u["model"], u["pending"], " ".join(u["reason"].split())] for u in s["unplaceable"]]
-            out += self.styled_table(["MODEL", "PENDING", "REASON"], rows, row_style=self.style.ERROR)
-
+        out += self.unplaceable(s)
         out += self.failed(s, top)
         out += self.what_can_i_stop(s, top)
         if top is None:
             out += self.replica_list(s)
         return out
 
-    def failed(self, s: dict, top: int | None) -> list[str]:
+    def leader_and_brake(self, s: ClusterSummary) -> list[str]:
+        """Who leads and until when; the partition brake when it is engaged."""
+        out = []
+        leader = s.leader
+        if leader is None:
+            out.append(self.style.WARNING("leader: none (no lease taken yet)"))
+        else:
+            expires = leader.expires_in_seconds
+            when = f"expires in {expires:.1f}s" if expires >= 0 else f"EXPIRED {-expires:.1f}s ago"
+            line = f"leader: {leader.owner} (epoch {leader.epoch}, lease {when})"
+            out.append(line if expires >= 0 else self.style.WARNING(line))
+        brake = s.partition_brake
+        if brake.engaged:
+            out.append(
+                self.style.ERROR(
+                    f"partition brake: {brake.silent_nodes} of {brake.watched_nodes} nodes are silent; "
+                    "none is declared lost and nothing is replaced until they are heard from again "
+                    "or an operator declares them lost (admin: nodes)"
+                )
+            )
+        return out
+
+    def capacity(self, s: ClusterSummary) -> list[str]:
+        out = [self.section("GPU capacity")]
+        if not s.capacity:
+            out.append("  no GPUs reported")
+        width = max((len(r.gpu_class) for r in s.capacity), default=0)
+        for r in s.capacity:
+            line = (
+                f"  {r.gpu_class.ljust(width)}  {usage_bar(r)}  {r.used}/{r.total} used  {r.free} free"
+                f"  {r.unhealthy} unhealthy  {r.unavailable} unavailable"
+            )
+            out.append(self.style.WARNING(line) if r.unhealthy or r.unavailable else line)
+        return out
+
+    def free_nodes(self, s: ClusterSummary, top: int | None) -> list[str]:
+        limit = None if top is None else NAMES_SHOWN
+        rows = [[r.fabric or "-", r.gpu_class, r.whole_free_nodes, some_names(r.nodes, limit)] for r in s.free_nodes]
+        table_lines = self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
+        return [self.section("Free whole nodes"), *table_lines]
+
+    def unplaceable(self, s: ClusterSummary) -> list[str]:
+        if not s.unplaceable:
+            return []
+        rows = [[u.model, u.pending, " ".join(u.reason.split())] for u in s.unplaceable]
+        return [
+            self.section("Unplaceable"),
+            *self.styled_table(["MODEL", "PENDING", "REASON"], rows, row_style=self.style.ERROR),
+        ]
+
+    def failed(self, s: ClusterSummary, top: int | None) -> list[str]:
         """Failed replicas grouped by the first line of their error, most frequent first."""
-        groups = s["failed"]
+        groups = s.failed
         if not groups:
             return []
         out = [self.section("Failed replicas")]
         shown = groups if top is None else groups[:FAILED_REASONS_SHOWN]
         limit = None if top is None else NAMES_SHOWN
-        rows = [[g["replicas"], some_names(g["models"], limit), g["reason"]] for g in shown]
+        rows = [[g.replicas, some_names(g.models, limit), g.reason] for g in shown]
         out += self.styled_table(["REPLICAS", "MODELS", "REASON"], rows, row_style=self.style.ERROR)
         if len(groups) > len(shown):
             out.append(f"  … and {len(groups) - len(shown)} more reasons (--all)")
         return out
 
-    def node_list(self, s: dict) -> list[str]:
+    def node_list(self, s: ClusterSummary) -> list[str]:
         out = [self.section("Node list")]
         rows = [
             [
-                n["name"],
-                n["fabric"] or "-",
-                n["state"] + ("" if n["schedulable"] else ",cordoned"),
-                n["gpus"],
-                n["used"],
-                n["free"],
-                n["unhealthy"],
-                n["unavailable"],
-                n["last_seen"] or "-",
+                n.name,
+                n.fabric or "-",
+                n.state + ("" if n.schedulable else ",cordoned"),
+                n.gpus,
+                n.used,
+                n.free,
+                n.unhealthy,
+                n.unavailable,
+                n.last_seen or "-",
             ]
-            for n in s["node_list"]
+            for n in s.node_list
         ]
         headers = ["NODE", "FABRIC", "STATE", "GPUS", "USED", "FREE", "UNHEALTHY", "UNAVAILABLE", "LAST SEEN"]
         out += self.styled_table(headers, rows) if rows else ["  none"]
         out.append(self.section("Weights on disk"))
-        held = [[n["name"], w["source"], w["size"]] for n in s["node_list"] for w in n["weights"]]
+        held = [[n.name, w.source, w.size] for n in s.node_list for w in n.weights]
         out += self.styled_table(["NODE", "SOURCE", "SIZE"], held) if held else ["  none reported"]
         return out + self.node_warnings(s)
 
-    def node_warnings(self, s: dict) -> list[str]:
+    def node_warnings(self, s: ClusterSummary) -> list[str]:
         """Nodes whose operator-set address, fabric or labels disagree with what their agents report."""
         return [
-            self.style.WARNING(f"node {n['name']}: {warning} (the operator's value is used)")
-            for n in s["node_list"]
-            for warning in n["warnings"]
+            self.style.WARNING(f"node {n.name}: {warning} (the operator's value is used)")
+            for n in s.node_list
+            for warning in n.warnings
         ]
 
-    def what_can_i_stop(self, s: dict, top: int | None) -> list[str]:
+    def what_can_i_stop(self, s: ClusterSummary, top: int | None) -> list[str]:
         out = [self.section("What can I stop")]
-        usage = s["usage"]
-        if not usage["known"]:
+        usage = s.usage
+        if not usage.known:
             out.append(
                 self.style.WARNING(
-                    f"  usage is unknown ({usage['reason']}): nothing counts as idle, "
+                    f"  usage is unknown ({usage.reason}): nothing counts as idle, "
                     "so idle stops and evictions wait until it is known again"
                 )
             )
             return out
-        held = s["idle_held_gpus"]
-        per_class = ", ".join(f"{r['gpu_class']} {r['gpus']}" for r in held["by_class"] if r["gpus"])
-        out.append(
-            f"  {held['total']} GPUs held by replicas idle over an hour" + (f" ({per_class})" if per_class else "")
-        )
-        entries = s["stoppable"]
+        held = s.idle_held_gpus
+        per_class = ", ".join(f"{r.gpu_class} {r.gpus}" for r in held.by_class if r.gpus)
+        out.append(f"  {held.total} GPUs held by replicas idle over an hour" + (f" ({per_class})" if per_class else ""))
+        entries = s.stoppable
         if not entries:
             out.append("  no replica is known idle and free to stop")
             return out
         shown = entries if top is None else entries[:top]
         rows = [
-            [
-                e["replica"],
-                e["model"],
-                e["gpus"],
-                ",".join(e["nodes"]) or "-",
-                e["idle"],
-                e["frees"],
-                ", ".join(e["unblocks"]) or "-",
-            ]
+            [e.replica, e.model, e.gpus, ",".join(e.nodes) or "-", e.idle, e.frees, ", ".join(e.unblocks) or "-"]
             for e in shown
         ]
         out += self.styled_table(["REPLICA", "MODEL", "GPUS", "NODES", "IDLE", "FREES", "UNBLOCKS"], rows)
@@ -296,33 +294,25 @@ class Command(BaseCommand):
             out.append(f"  … and {len(entries) - len(shown)} more (--all)")
         return out
 
-    def models(self, s: dict, top: int | None) -> list[str]:
+    def models(self, s: ClusterSummary, top: int | None) -> list[str]:
         """One row per model: enabled, wanted, and its replicas counted per state (one table, to stay a screenful)."""
         title = self.section("Models") + (" (--replicas lists every replica)" if top is not None else "")
         counts: dict[str, Counter] = defaultdict(Counter)
-        for r in s["replica_list"]:
-            counts[r["model"]][r["state"]] += 1
-        states = [state for state in s["replicas"] if state != "total"]
+        for r in s.replica_list:
+            counts[r.model][r.state] += 1
+        states = [state for state, _ in s.replicas.items() if state != "total"]
         rows = [
-            [m["name"], "yes" if m["enabled"] else "no", m["wanted"]] + [counts[m["name"]][state] for state in states]
-            for m in s["models"]
+            [m.name, "yes" if m.enabled else "no", m.wanted] + [counts[m.name][state] for state in states]
+            for m in s.models
         ]
         headers = ["MODEL", "ENABLED", "WANTED"] + [state.upper() for state in states]
         return [title] + (self.styled_table(headers, rows) if rows else ["  none"])
 
-    def replica_list(self, s: dict) -> list[str]:
+    def replica_list(self, s: ClusterSummary) -> list[str]:
         out = [self.section("Replica list")]
         rows = [
-            [
-                r["id"],
-                r["model"],
-                r["state"],
-                ",".join(r["nodes"]) or "-",
-                r["gpus"],
-                r["endpoint"] or "-",
-                str(Idle.from_json(r["idle_seconds"], r["idle_known"])),
-            ]
-            for r in s["replica_list"]
+            [r.id, r.model, r.state, ",".join(r.nodes) or "-", r.gpus, r.endpoint or "-", str(r.idle)]
+            for r in s.replica_list
         ]
         out += (
             self.styled_table(["ID", "MODEL", "STATE", "NODES", "GPUS", "ENDPOINT", "IDLE"], rows)

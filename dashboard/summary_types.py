@@ -1,0 +1,252 @@
+"""The cluster summary as a typed value, defined once (DESIGN invariant 6: one summary for every surface).
+
+`dashboard.summary.cluster_summary()` builds a `ClusterSummary`; ctl_status,
+the dashboard views and templates and the fleet metrics read it by
+attribute; `ClusterSummary.as_json()` is what `ctl_status --json` prints and
+`/api/v1/status` answers, and the OpenAPI schema of that answer is derived
+from these classes (`dashboard.api.status`), so none of them describes the
+shape a second time.
+
+Timestamps are ISO 8601 strings (the JSON form); a field's metadata gives
+its schema where the Python type alone would say less (a date-time, the
+meaning of -1). Unknown idleness stays one value type, `reconciler.idle.Idle`:
+a replica's `idle` is read back from its JSON form, never recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Self
+
+from rest_framework import serializers
+
+from reconciler.idle import Idle
+
+# Field metadata for the schema: ISO 8601 strings are date-times there (the serializer deep-copies these).
+_TIME = {"serializer_field": serializers.DateTimeField()}
+_NULLABLE_TIME = {"serializer_field": serializers.DateTimeField(allow_null=True)}
+_IDLE_SECONDS = {"serializer_kwargs": {"help_text": "-1 when unknown (see idle_known)."}}
+
+
+class _Counts:
+    """Counts a table or metric lists one column per field, in field order."""
+
+    @classmethod
+    def of(cls, counts: Mapping[str, int]) -> Self:
+        """From counts by name (a name not counted is 0)."""
+        return cls(**{f.name: counts.get(f.name, 0) for f in fields(cls)})  # type: ignore[arg-type]
+
+    def items(self) -> list[tuple[str, int]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Leader:
+    """The leader lease as status shows it; `expires_in_seconds` is negative once it has lapsed."""
+
+    owner: str
+    epoch: int
+    expires_in_seconds: float
+
+
+@dataclass(frozen=True)
+class PartitionBrake:
+    """Whether so many nodes went silent at once that none is declared lost."""
+
+    engaged: bool
+    silent_nodes: int
+    watched_nodes: int
+    fraction: float
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """GPUs of one class by state; `total = used + free + unhealthy + unavailable`."""
+
+    gpu_class: str
+    total: int
+    used: int
+    free: int
+    unhealthy: int
+    unavailable: int
+
+
+GPU_STATES = ("used", "free", "unhealthy", "unavailable")
+"""The GPU states, in the order tables and metrics list them (fields of `Capacity` and `NodeStatus`)."""
+
+
+@dataclass(frozen=True)
+class FreeNodes:
+    """Ready, schedulable nodes of one (fabric, class) whose GPUs of the class are all free."""
+
+    fabric: str
+    gpu_class: str
+    whole_free_nodes: int
+    nodes: list[str]
+
+
+@dataclass(frozen=True)
+class NodeCounts(_Counts):
+    """Nodes by state; `cordoned` overlaps the other states."""
+
+    total: int
+    ready: int
+    unreachable: int
+    lost: int
+    new: int
+    cordoned: int
+
+
+@dataclass(frozen=True)
+class ReplicaCounts(_Counts):
+    """Replicas by state (one field per `ReplicaState`, a test keeps them in step), then the total."""
+
+    pending: int
+    starting: int
+    ready: int
+    stopping: int
+    failed: int
+    total: int
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """A catalog model with its wanted and ready replicas."""
+
+    name: str
+    enabled: bool
+    wanted: int
+    ready: int
+
+
+@dataclass(frozen=True)
+class Unplaceable:
+    """Pending replicas of a model that found no room, per reason (holding or not)."""
+
+    model: str
+    reason: str
+    pending: int
+
+
+@dataclass(frozen=True)
+class FailedReason:
+    """Failed replicas grouped by the first line of their last error."""
+
+    reason: str
+    replicas: int
+    models: list[str]
+
+
+@dataclass(frozen=True)
+class NodeWeights:
+    """Weights a node's agent reports on disk."""
+
+    source: str
+    size_bytes: int
+    size: str
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node with its GPUs by state, the weights on its disk and where its report disagrees."""
+
+    name: str
+    fabric: str
+    state: str
+    schedulable: bool
+    last_seen: str | None = field(metadata=_NULLABLE_TIME)
+    gpus: int
+    used: int
+    free: int
+    unhealthy: int
+    unavailable: int
+    weights: list[NodeWeights]
+    warnings: list[str]
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica: where it runs, its endpoint and how long it has been idle (known or not)."""
+
+    id: int
+    model: str
+    profile_id: int
+    state: str
+    nodes: list[str]
+    gpus: int
+    endpoint: str
+    ready_at: str | None = field(metadata=_NULLABLE_TIME)
+    last_used: str | None = field(metadata=_NULLABLE_TIME)
+    idle_seconds: float = field(metadata=_IDLE_SECONDS)
+    idle_known: bool
+
+    @property
+    def idle(self) -> Idle:
+        return Idle.from_json(self.idle_seconds, self.idle_known)
+
+
+@dataclass(frozen=True)
+class UsageState:
+    """Whether the fleet's usage is known, since when, and if not, why (then nothing counts as idle)."""
+
+    known: bool
+    since: str | None = field(metadata=_NULLABLE_TIME)
+    reason: str
+
+
+@dataclass(frozen=True)
+class IdleHeldClass:
+    """GPUs of one class held by replicas known idle for over an hour."""
+
+    gpu_class: str
+    gpus: int
+
+
+@dataclass(frozen=True)
+class IdleHeld:
+    """GPUs held by replicas known idle for over an hour, in total and per class (every class, 0 included)."""
+
+    total: int
+    by_class: list[IdleHeldClass]
+
+
+@dataclass(frozen=True)
+class StopCandidate:
+    """A replica an operator may stop, what stopping it frees and which unplaceable models would then fit."""
+
+    replica: int
+    model: str
+    gpu_class: str
+    gpus: int
+    nodes: list[str]
+    idle_seconds: float
+    idle: str
+    frees: str
+    unblocks: list[str]
+
+
+@dataclass(frozen=True)
+class ClusterSummary:
+    """The state of the fleet: the same data as `ctl_status`, the dashboard, `/api/v1/status` and the metrics."""
+
+    generated_at: str = field(metadata=_TIME)
+    leader: Leader | None
+    partition_brake: PartitionBrake
+    capacity: list[Capacity]
+    free_nodes: list[FreeNodes]
+    nodes: NodeCounts
+    replicas: ReplicaCounts
+    models: list[ModelStatus]
+    unplaceable: list[Unplaceable]
+    unplaceable_models: list[str]
+    failed: list[FailedReason]
+    node_list: list[NodeStatus]
+    replica_list: list[ReplicaStatus]
+    usage: UsageState
+    idle_held_gpus: IdleHeld
+    stoppable: list[StopCandidate]
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON form (`ctl_status --json`, `/api/v1/status`): every field by name, in order."""
+        return asdict(self)

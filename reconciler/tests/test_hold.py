@@ -1,0 +1,61 @@
+"""A pending replica's hold is a field queried by value; its placement note is only text for operators."""
+
+import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+
+from reconciler.choices import Hold, ReplicaState
+from reconciler.eviction import MAKING_ROOM, WAITING_FOR_NODES
+from reconciler.models import Replica
+from tests.fleet import make_model, make_replica
+
+pytestmark = pytest.mark.django_db
+
+
+def pending(name, note, hold):
+    replica = make_replica(make_model(name).profiles.get(), state=ReplicaState.PENDING, error=note)
+    Replica.objects.filter(pk=replica.pk).update(hold=hold)
+    return replica
+
+
+def test_holding_and_not_holding_follow_the_field_not_the_text():
+    held = pending("held", "stopping replica 7", Hold.MAKING_ROOM)
+    waits = pending("waits", "no node has GPU class X", Hold.WAITING_FOR_NODES)
+    # A note that merely reads like a hold (say an operator's words) holds nothing.
+    stuck = pending("stuck", MAKING_ROOM + "in words only", Hold.NONE)
+    assert set(Replica.objects.holding()) == {held, waits}
+    assert list(Replica.objects.not_holding()) == [stuck]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_reads_each_pending_replicas_hold_from_its_note_once():
+    before, after = [("reconciler", "0005_pending_command")], [("reconciler", "0006_replica_hold")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    old = executor.loader.project_state(before).apps
+    model = old.get_model("catalog", "Model").objects.create(name="m")
+    profile = old.get_model("catalog", "Profile").objects.create(model=model, gpu_class="H100-80GB")
+    rows = {
+        "room": ("pending", MAKING_ROOM + "stopping replica 7"),
+        "nodes": ("pending", WAITING_FOR_NODES + "no node has GPU class X"),
+        "stuck": ("pending", "no node has GPU class X"),
+        "ready": ("ready", ""),
+    }
+    ids = {
+        name: old.get_model("reconciler", "Replica")
+        .objects.create(model=model, profile=profile, state=state, placement_error=note)
+        .pk
+        for name, (state, note) in rows.items()
+    }
+
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(after)
+    new = executor.loader.project_state(after).apps.get_model("reconciler", "Replica")
+    holds = {name: new.objects.get(pk=pk).hold for name, pk in ids.items()}
+    assert holds == {"room": "making_room", "nodes": "waiting_for_nodes", "stuck": "", "ready": ""}
+
+    # Back to the latest state for the tests that follow.
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(executor.loader.graph.leaf_nodes())
