@@ -9,7 +9,6 @@ from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from inventory.choices import NodeState
 
 from .choices import ReplicaState
-from .eviction import MAKING_ROOM, WAITING_FOR_NODES
 from .models import Replica, Shard
 
 # The most of an engine's error line a table carries: it goes to every router on every change.
@@ -82,8 +81,7 @@ def _unplaceable() -> dict[str, str]:
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
         .exclude(placement_error="")
         # Room is being made for it, or nodes may still report in: routers keep holding its requests.
-        .exclude(placement_error__startswith=MAKING_ROOM)
-        .exclude(placement_error__startswith=WAITING_FOR_NODES)
+        .not_holding()
         .order_by("model__name", "profile__order", "id")
         .values_list("model__name", "placement_error")
     ):
