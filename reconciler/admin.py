@@ -35,7 +35,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
         "failure_count",
         "why",
     ]
-    list_filter = ["state", "model"]
+    list_filter = ["state", "hold", "model"]
     search_fields = ["model__name", "endpoint_url", "shards__node__name"]
     list_select_related = ["model", "profile", "profile__model"]
     inlines = [ShardInline]

@@ -92,6 +92,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "gpus",
             "endpoint_url",
             "placement_error",
+            "hold",
             "last_error",
             "failure_count",
             "created_at",

@@ -12,7 +12,8 @@ from rest_framework.test import APIClient
 
 from catalog.models import Alias
 from dashboard.summary import cluster_summary
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
+from reconciler.models import Replica
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -113,3 +114,14 @@ def test_openapi_schema_describes_the_read_endpoints(staff_client):
     documented = " ".join(schema["paths"])
     for resource in ("status", "models", "nodes", "replicas"):
         assert f"/api/v1/{resource}" in documented
+
+
+def test_a_replica_shows_its_hold_by_value(staff_client):
+    grow(1, "a")
+    replica = Replica.objects.order_by("id").first()
+    Replica.objects.filter(pk=replica.pk).update(
+        state=ReplicaState.PENDING, hold=Hold.MAKING_ROOM, placement_error="making room: stopping replica 9"
+    )
+    rows = {r["id"]: r for r in staff_client.get("/api/v1/replicas").json()["results"]}
+    assert rows[replica.pk]["hold"] == "making_room"
+    assert {r["hold"] for pk, r in rows.items() if pk != replica.pk} == {""}
