@@ -26,8 +26,8 @@ from hub.contracts import RouterHub
 
 from .affinity import prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
-from .balancer import EjectionPolicy
 from .body import decode_object, echo, requested_model
+from .ejection import EjectionPolicy
 from .errors import RouterError, method_not_allowed, shutting_down
 from .keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL, metrics_token_ok
@@ -264,7 +264,7 @@ class RouterApp:
 
 def bearer_token(scope: Scope) -> str:
     """The API key a request carries, or a 401 RouterError when it carries none."""
-    header = None
+    header: bytes | None = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             header = value

@@ -62,7 +62,7 @@ class EjectionPolicy:
         """The cool-down of the `ejections`-th ejection in a row (1, 2, 3 …)."""
         if ejections > 32:  # past any sane cap; keeps the power finite
             return self.max_cooldown
-        return min(self.max_cooldown, self.first_cooldown * 2 ** (ejections - 1))
+        return min(self.max_cooldown, self.first_cooldown * 2.0 ** (ejections - 1))
 
 
 class ReplicaHealth:

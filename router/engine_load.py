@@ -40,7 +40,8 @@ from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from .background import raise_if_cancelling
-from .balancer import Balancer, Endpoint
+from .balancer import Balancer
+from .table import Endpoint
 
 log = logging.getLogger(__name__)
 

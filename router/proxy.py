@@ -30,11 +30,13 @@ import time
 import aiohttp
 
 from .asgi_io import Scope, Send
-from .balancer import Balancer, Endpoint, Failure
+from .balancer import Balancer
 from .coldstart import ColdStart
+from .ejection import Failure
 from .errors import RouterError
 from .inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
 from .metrics import RouterMetrics
+from .table import Endpoint
 from .tokens import ask_for_usage, usage_of_whole_answer, usage_reader
 from .wire import (
     RETRIABLE_STATUSES,

@@ -40,7 +40,7 @@ def server_config(
         lifespan="on",
         # The router reads no client address, so the proxy-headers middleware is pure cost.
         proxy_headers=False,
-        timeout_graceful_shutdown=grace,
+        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]  # a float works: uvicorn waits with it as a timeout
         **options,
     )
 

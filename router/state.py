@@ -16,13 +16,15 @@ from hub.contracts import EndpointTable, RouterHub
 from hub.gc_tuning import tune_gc
 
 from .background import BackgroundTasks, raise_if_cancelling
-from .balancer import Balancer, EjectionPolicy, TableError
+from .balancer import Balancer
 from .coldstart import ColdStart
+from .ejection import EjectionPolicy
 from .engine_load import EngineLoadPoller, balancer_options
 from .inflight import InFlight
 from .keys import ApiKeyCache
 from .metrics import RouterMetrics
 from .proxy import Proxy
+from .table import TableError
 from .usage import UsageFlusher
 
 log = logging.getLogger(__name__)

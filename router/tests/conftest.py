@@ -57,6 +57,16 @@ class Clock:
         return self.now
 
 
+def pending_stamps(balancer) -> dict[str, float]:
+    """The last-use stamps the balancer's next take would hand over, left in place."""
+    return dict(balancer._stamps)
+
+
+def in_flight_by_model(balancer) -> dict[str, int]:
+    """Public model name -> requests in flight through the balancer now (models with none left out)."""
+    return {model: count for model, count in balancer._in_flight.items() if count}
+
+
 def chat_with_key(router, key):
     """A chat completion through `router` with bearer `key`."""
     return httpx.post(
