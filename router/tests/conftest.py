@@ -28,6 +28,7 @@ from aiohttp import web
 from conftest import free_port, wait_until
 from hub import InProcessHub
 from router.app import create_app
+from router.config import RouterConfig
 from router.models import ApiKey
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -424,7 +425,10 @@ def start_router(hub):
         kwargs.setdefault("connect_timeout", 1.0)
         kwargs.setdefault("first_byte_timeout", 5.0)
         kwargs.setdefault("idle_timeout", 5.0)
-        server = RouterServer(create_app(hub if router_hub is _FIXTURE_HUB else router_hub, **kwargs)).start()
+        key_cache, clock = kwargs.pop("key_cache", None), kwargs.pop("clock", time.time)
+        config = RouterConfig.from_settings(**kwargs)
+        app = create_app(hub if router_hub is _FIXTURE_HUB else router_hub, config, key_cache=key_cache, clock=clock)
+        server = RouterServer(app).start()
         started.append(server)
         return server
 
