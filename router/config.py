@@ -3,8 +3,8 @@
 `RouterConfig.from_settings()` reads the LLMGW_* settings (already checked at
 start-up, llmgw_site.settings); tests and benches pass overrides by name. The
 router's parts (state, proxy, cold start, sweep, flusher) take it instead of a
-dozen keyword arguments each, and the server that runs it takes
-`server_config` (router.serving).
+dozen keyword arguments each. How the server runs it is
+`router.serving.server_options`.
 """
 
 from __future__ import annotations

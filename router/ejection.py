@@ -1,7 +1,7 @@
 """Outlier ejection: when a failing replica stops getting requests, for how long, and how it comes back.
 
 The rules are `EjectionPolicy`; each replica's state is a `ReplicaHealth` the
-balancer keeps on its `Endpoint` and changes under its own lock.
+balancer keeps on its `Endpoint` and changes on the router's event loop.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ReplicaHealth:
 
 
 def log_change(replica_id: str, model: str, health: ReplicaHealth, policy: EjectionPolicy, change: str) -> None:
-    """Say what `record_failure` changed, outside the lock."""
+    """Say what `record_failure` changed."""
     if change == "ejected":
         log.warning(
             "ejected replica %s of %s after %d consecutive failures, for %g s",
