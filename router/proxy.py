@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+from aiohttp import ClientResponse
 
 from .asgi_io import Scope, Send
 from .balancer import Balancer
@@ -182,15 +183,20 @@ class Proxy:
                 exchange.wait(None)  # the answer has begun; what it still owes is awaited below, each wait named
                 retry = self._retry_on_status(request, endpoint, response)
                 if retry is None:
-                    await self._answer(request, endpoint, response)
-                    return
+                    break
                 endpoint = retry
                 continue
-            # Nothing reached the client yet: count the failure (it may eject the replica) and retry once.
-            exchange.wait(None)  # a hold for a replacement below is not the engine's to answer
-            balancer.release(endpoint, failure)
-            log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, request.model, error)
-            endpoint = await self._replacement(request, failure)
+            endpoint = await self._replacement(request, endpoint, failure, error)
+        if request.headers_sent and response.status != 200:
+            await self._raise_engine_error(request, endpoint, response)
+        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
+        content_type = response.headers.get("Content-Type", "")
+        streamed = request.headers_sent or content_type.startswith("text/event-stream")
+        length = response.content_length
+        if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
+            await self._relay_whole(request, endpoint, response, content_type)
+        else:
+            await self._relay_stream(request, endpoint, response, content_type, streamed)
 
     def _first_byte_overdue(self, request: Forwarding, endpoint: Endpoint) -> RouterError:
         return RouterError(
@@ -201,9 +207,17 @@ class Proxy:
             type_="server_error",
         )
 
-    async def _replacement(self, request: Forwarding, failure: Failure) -> Endpoint:
-        """The replica to try after an attempt failed before its response (`failure`), or a RouterError."""
+    async def _replacement(
+        self, request: Forwarding, endpoint: Endpoint, failure: Failure, error: aiohttp.ClientError
+    ) -> Endpoint:
+        """The replica to try after an attempt on `endpoint` failed before its response, or a RouterError.
+
+        Nothing reached the client yet: the failure is counted (it may eject the replica) and the request
+        retried once."""
         model, affinity, pools = request.model, request.affinity, request.pools
+        request.exchange.wait(None)  # a hold for a replacement below is not the engine's to answer
+        self.balancer.release(endpoint, failure)
+        log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
         nxt = self.balancer.pick(model, request.tried, affinity, pools) if len(request.tried) == 1 else None
         if nxt is None and failure is Failure.CONNECT and not request.headers_sent and not request.held:
             # Nothing accepted the connection and no other replica is left: the model's engines
@@ -220,9 +234,7 @@ class Proxy:
         self.metrics.retries.labels(model).inc()
         return nxt
 
-    def _retry_on_status(
-        self, request: Forwarding, endpoint: Endpoint, response: aiohttp.ClientResponse
-    ) -> Endpoint | None:
+    def _retry_on_status(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> Endpoint | None:
         """Record how `endpoint` answered; the replica to retry on instead (a 502/503 on the first attempt,
         while another is left), or None to relay this answer."""
         status = response.status
@@ -239,13 +251,9 @@ class Proxy:
         self.balancer.failed(endpoint, Failure.ERROR)
         return None
 
-    async def _answer(self, request: Forwarding, endpoint: Endpoint, response: aiohttp.ClientResponse) -> None:
-        """Relay the engine's answer, or, in a stream already begun, raise its error to end the stream with."""
+    async def _raise_engine_error(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> None:
+        """The client already has a 200 and a stream: raise the engine's error, to be carried inside it."""
         status = response.status
-        if not request.headers_sent or status == 200:
-            await self._relay(request, endpoint, response)
-            return
-        # The client already has a 200 and a stream: carry the engine's error inside it.
         request.exchange.wait(NEXT_CHUNK)
         try:
             detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
@@ -276,125 +284,115 @@ class Proxy:
             f"({type(exc).__name__}); the answer is incomplete."
         )
 
-    async def _relay(self, request: Forwarding, endpoint: Endpoint, response: aiohttp.ClientResponse) -> None:
-        """Relay the engine's answer: a stream chunk by chunk, a bounded whole answer in one piece; then count
-        its tokens and give the replica back.
-
-        Never retried once started. A break mid-stream ends the stream with an error event.
-        """
-        clean = False
+    def _finish(
+        self,
+        request: Forwarding,
+        endpoint: Endpoint,
+        response: ClientResponse,
+        served: bool,
+        usage: tuple[int, int] | None,
+    ) -> None:
+        """The answer is over (in any way): give back its connection and replica, and count it against its
+        key (router.tokens): its last use, a request and tokens if `served`, its tokens against its limits."""
         exchange = request.exchange
-        reader: JsonUsage | SseUsage | None = None
-        usage = None
-        engine_headers = response.headers
-        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
-        content_type = engine_headers.get("Content-Type", "")
-        # Served: a 2xx relayed without breaking off (a client that leaves does not make it unserved).
-        served = 200 <= response.status < 300
-        counted = exchange.key is not None and served
-        try:
-            streamed = request.headers_sent or content_type.startswith("text/event-stream")
-            length = response.content_length
-            if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
-                try:
-                    usage = await self._relay_whole(request, endpoint, response, content_type if counted else None)
-                except RouterError:
-                    served = False
-                    raise
-            else:
-                if counted:
-                    encoding = engine_headers.get("Content-Encoding", "")
-                    reader = usage_reader(content_type, encoding, request.pass_usage)
-                if await self._relay_stream(request, endpoint, response, reader, streamed):
-                    served = False
-            clean = exchange.complete
-        finally:
-            if clean:
-                response.release()
-            else:
-                # Closing (not pooling) the connection is what makes the engine stop generating.
-                response.close()
-            self.balancer.release(endpoint)
-            if exchange.key is not None:
-                self._count(exchange.key, endpoint, served, reader.usage() if reader is not None else usage)
-
-    def _count(self, key: str, endpoint: Endpoint, served: bool, usage: tuple[int, int] | None) -> None:
-        """Count an answer against `key` (router.tokens): its last use, a request and tokens if `served`;
-        its tokens against its rate limits."""
-        self.balancer.tokens.count(key, endpoint.model, usage, served)
-        if usage is not None:
-            self.balancer.limits.spent_tokens(key, usage[0] + usage[1])
+        if exchange.complete:
+            response.release()
+        else:
+            # Closing (not pooling) the connection is what makes the engine stop generating.
+            response.close()
+        self.balancer.release(endpoint)
+        key = exchange.key
+        if key is not None:
+            self.balancer.tokens.count(key, endpoint.model, usage, served)
+            if usage is not None:
+                self.balancer.limits.spent_tokens(key, usage[0] + usage[1])
 
     async def _relay_whole(
-        self, request: Forwarding, endpoint: Endpoint, response: aiohttp.ClientResponse, counted_type: str | None
-    ) -> tuple[int, int] | None:
+        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str
+    ) -> None:
         """Read a whole answer of bounded length, then send it in one piece (so a break is still an error
-        status); its usage if `counted_type` (its content type) is given."""
+        status), reading its usage on the way. Never retried once started."""
         exchange = request.exchange
-        exchange.wait(NEXT_CHUNK)
-        try:
-            body = await response.read()
-        except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
-            if not exchange.engine_failed(exc):
-                raise
-            # Nothing was sent yet: the client still gets an error status.
-            status, message = self._break_message(endpoint, exc)
-            log.warning("%s (%r)", message, exc)
-            raise RouterError(status, message, "upstream_failed", type_="server_error") from None
-        exchange.wait(None)  # all read
+        # Served: a 2xx relayed without breaking off (a client that leaves does not make it unserved).
+        served = 200 <= response.status < 300
         usage = None
-        if counted_type is not None:
-            # A whole JSON answer: its usage is read here; nothing of it is dropped.
-            usage = usage_of_whole_answer(counted_type, response.headers.get("Content-Encoding", ""), body)
-        send, status = request.send, response.status
-        await send({"type": "http.response.start", "status": status, "headers": response_headers(response, endpoint)})
-        exchange.status = status
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        exchange.complete = True
-        return usage
+        try:
+            exchange.wait(NEXT_CHUNK)
+            try:
+                body = await response.read()
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                if not exchange.engine_failed(exc):
+                    raise
+                served = False
+                # Nothing was sent yet: the client still gets an error status.
+                status, message = self._break_message(endpoint, exc)
+                log.warning("%s (%r)", message, exc)
+                raise RouterError(status, message, "upstream_failed", type_="server_error") from None
+            exchange.wait(None)  # all read
+            if served and exchange.key is not None:
+                # A whole JSON answer: its usage is read here; nothing of it is dropped.
+                usage = usage_of_whole_answer(content_type, response.headers.get("Content-Encoding", ""), body)
+            send, status = request.send, response.status
+            headers = response_headers(response, endpoint)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            exchange.status = status
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            exchange.complete = True
+        finally:
+            self._finish(request, endpoint, response, served, usage)
 
     async def _relay_stream(
         self,
         request: Forwarding,
         endpoint: Endpoint,
-        response: aiohttp.ClientResponse,
-        reader: JsonUsage | SseUsage | None,
+        response: ClientResponse,
+        content_type: str,
         streamed: bool,
-    ) -> bool:
-        """Relay an answer chunk by chunk as the engine sends it, `reader` reading its usage on the way;
-        whether it broke off.
-
-        A break ends a stream (`streamed`: SSE) with an error event; any other body is cut."""
+    ) -> None:
+        """Relay an answer chunk by chunk as the engine sends it, reading its usage on the way. Never retried
+        once started; a break ends a stream (`streamed`: SSE) with an error event, and cuts any other body."""
         send, exchange = request.send, request.exchange
-        if not request.headers_sent:
-            # A body that may lose its usage event cannot keep the engine's length.
-            headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        exchange.status = response.status
-        exchange.wait(NEXT_CHUNK)
+        served = 200 <= response.status < 300
+        reader: JsonUsage | SseUsage | None = None
+        if served and exchange.key is not None:
+            encoding = response.headers.get("Content-Encoding", "")
+            reader = usage_reader(content_type, encoding, request.pass_usage)
         try:
-            async for chunk in response.content.iter_any():
-                if reader is not None:
-                    chunk = reader.feed(chunk)
-                    if not chunk:
-                        exchange.wait(NEXT_CHUNK)  # the engine sent something all the same
-                        continue
-                exchange.wait(None)  # while sending: a slow client's time is not the engine's silence
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                exchange.wait(NEXT_CHUNK)
-            exchange.wait(None)
-            if reader is not None and (rest := reader.finish()):
-                await send({"type": "http.response.body", "body": rest, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
-            if not exchange.engine_failed(exc):
-                raise
-            status, message = self._break_message(endpoint, exc)
-            log.warning("%s (%r)", message, exc)
-            if streamed:
-                exchange.status = status
-                await send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
-            # Otherwise too late for a status, and a body of known length cannot be ended early: the client sees a cut.
-            return True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        exchange.complete = True
-        return False
+            if not request.headers_sent:
+                # A body that may lose its usage event cannot keep the engine's length.
+                headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
+                await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            exchange.status = response.status
+            exchange.wait(NEXT_CHUNK)
+            try:
+                async for chunk in response.content.iter_any():
+                    if reader is not None:
+                        chunk = reader.feed(chunk)
+                        if not chunk:
+                            exchange.wait(NEXT_CHUNK)  # the engine sent something all the same
+                            continue
+                    exchange.wait(None)  # while sending: a slow client's time is not the engine's silence
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    exchange.wait(NEXT_CHUNK)
+                exchange.wait(None)
+                if reader is not None and (rest := reader.finish()):
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                if not exchange.engine_failed(exc):
+                    raise
+                served = False
+                await self._end_broken(request, endpoint, exc, streamed)
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            exchange.complete = True
+        finally:
+            self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None)
+
+    async def _end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
+        """An answer broke off after it began: a stream (`streamed`) ends with an error event; any other body
+        is left cut (too late for a status, and a body of known length cannot be ended early)."""
+        status, message = self._break_message(endpoint, exc)
+        log.warning("%s (%r)", message, exc)
+        if streamed:
+            request.exchange.status = status
+            await request.send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
