@@ -149,12 +149,10 @@ class Proxy:
         return endpoint
 
     async def _send_upstream(self, request: Forwarding, endpoint: Endpoint) -> None:
-        """Send the request to `endpoint` (retrying once on another replica before any upstream byte
-        is relayed) and relay the answer."""
+        """Send the request to `endpoint` (once more to another replica if it fails before answering); relay it."""
         session, balancer, exchange = self.session, self.balancer, request.exchange
         assert session is not None  # forward() refuses to start without one
         headers = upstream_headers(request.scope)
-        url_path, body = request.path, request.body
         failure: Failure
         error: aiohttp.ClientError
         while True:
@@ -163,7 +161,7 @@ class Proxy:
             exchange.wait(FIRST_BYTE)
             try:
                 started = time.perf_counter()
-                response = await session.post(endpoint.url + url_path, data=body, headers=headers)
+                response = await session.post(endpoint.url + request.path, data=request.body, headers=headers)
             except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
                 failure, error = Failure.CONNECT, exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -181,7 +179,10 @@ class Proxy:
             else:
                 self.metrics.traffic.upstream_latency(request.model, time.perf_counter() - started)
                 exchange.wait(None)  # the answer has begun; what it still owes is awaited below, each wait named
-                retry = self._retry_on_status(request, endpoint, response)
+                if response.status < 500:
+                    balancer.succeeded(endpoint)
+                    break
+                retry = self._retry_on_error(request, endpoint, response)
                 if retry is None:
                     break
                 endpoint = retry
@@ -234,14 +235,10 @@ class Proxy:
         self.metrics.retries.labels(model).inc()
         return nxt
 
-    def _retry_on_status(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> Endpoint | None:
-        """Record how `endpoint` answered; the replica to retry on instead (a 502/503 on the first attempt,
-        while another is left), or None to relay this answer."""
-        status = response.status
-        if status < 500:
-            self.balancer.succeeded(endpoint)
-            return None
-        if status in RETRIABLE_STATUSES and len(request.tried) == 1:
+    def _retry_on_error(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> Endpoint | None:
+        """Record that `endpoint` answered 5xx; the replica to retry on instead (a 502/503 on the first
+        attempt, while another is left), or None to relay this answer."""
+        if response.status in RETRIABLE_STATUSES and len(request.tried) == 1:
             nxt = self.balancer.pick(request.model, request.tried, request.affinity, request.pools)
             if nxt is not None:
                 response.close()
