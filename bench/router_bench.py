@@ -101,13 +101,14 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
     import django
 
     django.setup()
-    import uvicorn
+    from django.conf import settings
     from django.core.management import call_command
 
     from hub import InProcessHub
     from hub.contracts import EndpointRow, EndpointTable, ModelEntry
     from keys.models import ApiKey
     from router.app import create_app
+    from router.serving import GracefulServer, server_config
 
     call_command("migrate", "keys", verbosity=0)
     features = set(filter(None, key_features.split(",")))
@@ -122,16 +123,8 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
     )
     hub = InProcessHub()
     hub.publish_endpoints(EndpointTable(models={MODEL: ModelEntry()}, endpoints=[EndpointRow("1", MODEL, upstream)]))
-    uvicorn.run(
-        create_app(hub),
-        host="127.0.0.1",
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        log_level="warning",
-        access_log=False,
-        proxy_headers=False,
-    )
+    # Served as production serves it: the router's one server configuration.
+    GracefulServer(server_config(create_app(hub), port=port, grace=settings.LLMGW_SHUTDOWN_GRACE_SECONDS)).run()
 
 
 # -- the load generator -------------------------------------------------------------------------

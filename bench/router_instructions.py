@@ -77,8 +77,8 @@ def measure(target: str, command: list[str], url: str, args: argparse.Namespace,
     )
     figures = {}
     try:
-        # A process under callgrind takes a minute or more to start.
-        asyncio.run(wait_ready(url.rsplit("/v1/", 1)[0] + "/health", timeout=300))
+        # A process under callgrind takes a minute or more to start, several on a loaded machine.
+        asyncio.run(wait_ready(url.rsplit("/v1/", 1)[0] + "/health", timeout=900))
         for mode in args.mode.split(","):
             stream = mode == "stream"
             asyncio.run(send_requests(url, args.warmup, args.concurrency, stream))

@@ -20,18 +20,17 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from django.conf import settings
-
 from hub import get_hub
 from hub.contracts import RouterHub
 
 from .affinity import prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
-from .balancer import EjectionPolicy
 from .body import decode_object, echo, requested_model
+from .config import RouterConfig
 from .errors import RouterError, method_not_allowed, shutting_down
 from .keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL, metrics_token_ok
+from .proxy import Forwarding
 from .state import RouterState
 
 log = logging.getLogger(__name__)
@@ -68,17 +67,17 @@ CLIENT_CLOSED = 499
 class RouterApp:
     """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /v1/models/{id}, /health, /metrics."""
 
-    def __init__(self, state: RouterState, wall_clock: Callable[[], float] = time.time):
+    def __init__(self, state: RouterState):
         self.state = state
         # Keys expire at an instant of the wall clock (UTC), the same on every router.
-        self._wall_clock = wall_clock
+        self._wall_clock = state.clock
         # The parts every request touches, bound once rather than looked up through `state` per request.
         self._balancer = state.balancer
         self._keys = state.keys
         self._metrics = state.metrics
         self._proxy = state.proxy
-        self._max_body_bytes = state.max_body_bytes
-        self._metrics_token = getattr(settings, "LLMGW_METRICS_TOKEN", "")
+        self._max_body_bytes = state.config.max_body_bytes
+        self._metrics_token = state.config.metrics_token
         self._in_flight = state.in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -231,7 +230,7 @@ class RouterApp:
         traffic.in_flight += 1
         try:
             await self._proxy.forward(
-                scope, send, path, model, body, exchange, streaming, affinity=affinity, pools=key.allowed_pools or None
+                Forwarding(scope, send, path, model, body, exchange, streaming, affinity, key.allowed_pools or None)
             )
         except asyncio.CancelledError:
             if not exchange.client_gone():
@@ -267,7 +266,7 @@ class RouterApp:
 
 def bearer_token(scope: Scope) -> str:
     """The API key a request carries, or a 401 RouterError when it carries none."""
-    header = None
+    header: bytes | None = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             header = value
@@ -306,53 +305,21 @@ def model_not_allowed(key: KeyInfo, model: str) -> RouterError:
 
 def create_app(
     hub: RouterHub | None = None,
+    config: RouterConfig | None = None,
     *,
-    activation_timeout: float | None = None,
-    poll_seconds: float | None = None,
-    flush_seconds: float | None = None,
-    connect_timeout: float | None = None,
-    first_byte_timeout: float | None = None,
-    idle_timeout: float | None = None,
-    retry_after: int = 10,
-    max_body_bytes: int = 64 * 1024 * 1024,
     key_cache: ApiKeyCache | None = None,
-    keepalive_seconds: float = 10.0,
-    ejection: EjectionPolicy | None = None,
-    router_id: str | None = None,
-    max_waiters: int | None = None,
-    wall_clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.time,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
-    `hub` defaults to hub.get_hub(). Timeouts default to the
-    LLMGW_* settings: `connect_timeout` (LLMGW_UPSTREAM_CONNECT_SECONDS) bounds
-    connecting to an engine, `first_byte_timeout` (…_FIRST_BYTE_SECONDS) the wait
-    for its answer to begin, `idle_timeout` (…_IDLE_SECONDS) the silence between
-    chunks after that; nothing bounds a whole stream. `max_waiters`
-    (LLMGW_MAX_WAITERS_PER_MODEL) bounds the requests held per model while it
-    starts. `ejection` sets when failing replicas are ejected (default:
-    `EjectionPolicy()`). `router_id` names this router's usage reports and
-    watch mark (default: a new id per process, `router.usage.new_router_id`).
-    `wall_clock` tells when a key has expired.
+    `hub` defaults to hub.get_hub(), `config` to RouterConfig.from_settings();
+    `key_cache` and `clock` are for tests (RouterState).
     """
-    state = RouterState(
-        get_hub() if hub is None else hub,
-        activation_timeout=(
-            settings.LLMGW_ACTIVATION_TIMEOUT_SECONDS if activation_timeout is None else activation_timeout
-        ),
-        poll_seconds=settings.LLMGW_ROUTER_POLL_SECONDS if poll_seconds is None else poll_seconds,
-        flush_seconds=settings.LLMGW_USAGE_FLUSH_SECONDS if flush_seconds is None else flush_seconds,
-        connect_timeout=settings.LLMGW_UPSTREAM_CONNECT_SECONDS if connect_timeout is None else connect_timeout,
-        first_byte_timeout=(
-            settings.LLMGW_UPSTREAM_FIRST_BYTE_SECONDS if first_byte_timeout is None else first_byte_timeout
-        ),
-        idle_timeout=settings.LLMGW_UPSTREAM_IDLE_SECONDS if idle_timeout is None else idle_timeout,
-        retry_after=retry_after,
-        max_body_bytes=max_body_bytes,
-        key_cache=key_cache,
-        keepalive_seconds=keepalive_seconds,
-        ejection=ejection,
-        router_id=router_id,
-        max_waiters=settings.LLMGW_MAX_WAITERS_PER_MODEL if max_waiters is None else max_waiters,
+    return RouterApp(
+        RouterState(
+            get_hub() if hub is None else hub,
+            RouterConfig.from_settings() if config is None else config,
+            key_cache=key_cache,
+            clock=clock,
+        )
     )
-    return RouterApp(state, wall_clock)

@@ -1,16 +1,16 @@
 """The router's view of the endpoint table: name resolution, replica choice, outlier ejection and last-use stamps.
 
 Everything here is synchronous and cheap: it runs on the router's event loop
-for every request. Choosing a replica and stamping its last use happen under
-one lock in one short critical section (DESIGN invariant 4), so recording use
-costs a dict write per request and nothing else; counting the model's
-requests in flight and their peak (for scale-out on load) is two more dict
-updates in the same section.
+for every request, and only there, so it takes no lock: the loop runs one
+method at a time to its end. Choosing a replica and stamping its last use are
+one step of the loop (DESIGN invariant 4), so recording use costs a dict write
+per request and nothing else; counting the model's requests in flight and
+their peak (for scale-out on load) is two more dict updates in the same step.
 
 Outlier ejection (router.ejection) keeps requests away from a replica that
-keeps failing, in the balancer's own structures and under the same lock: the
-proxy reports how each attempt ended, a success on a healthy replica costs two
-attribute reads, and the clock is read only when a replica is ejected.
+keeps failing, in the balancer's own structures: the proxy reports how each
+attempt ended, a success on a healthy replica costs two attribute reads, and
+the clock is read only when a replica is ejected.
 
 The engines' own load (router.engine_load polls it off the request path) is
 cached on each endpoint: its waiting requests add to the load, and a replica
@@ -24,7 +24,6 @@ reuse the prefix's KV cache. A key's pools, when given, restrict the candidates.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -44,7 +43,9 @@ class Balancer:
     """Resolves public names and aliases, picks a replica per request, ejects failing ones, and keeps last-use stamps.
 
     `clock` (wall time) stamps last use; `ejection_clock` (monotonic) times
-    cool-downs, so a step of the wall clock cannot strand a replica.
+    cool-downs, so a step of the wall clock cannot strand a replica. Only the
+    router's event loop calls it (no method awaits, so none is interleaved
+    with another): it has no lock.
     """
 
     def __init__(
@@ -64,7 +65,6 @@ class Balancer:
         self._ejection_clock = ejection_clock
         self.ejection = ejection or EjectionPolicy()
         self._ejections: dict[str, int] = {}  # public name -> ejections so far (a counter, never reset)
-        self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
         self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
@@ -93,22 +93,21 @@ class Balancer:
 
         endpoints: dict[str, list[Endpoint]] = {}
         by_replica: dict[str, Endpoint] = {}
-        with self._lock:
-            for row in table.endpoints:
-                fresh = endpoint_of(row)
-                if fresh.model not in catalog:
-                    continue
-                current = self._by_replica.get(fresh.replica_id)
-                if current is not None and current.url == fresh.url and current.model == fresh.model:
-                    # Keep the same object so requests in flight still count against it.
-                    current.priority, current.weight, current.pool = fresh.priority, fresh.weight, fresh.pool
-                    fresh = current
-                by_replica[fresh.replica_id] = fresh
-                endpoints.setdefault(fresh.model, []).append(fresh)
-            self._names, self._catalog, self._unplaceable = names, catalog, unplaceable
-            self._start_seconds, self._start_failed = start_seconds, start_failed
-            self._endpoints, self._by_replica = endpoints, by_replica
-            self.fingerprint = fingerprint
+        for row in table.endpoints:
+            fresh = endpoint_of(row)
+            if fresh.model not in catalog:
+                continue
+            current = self._by_replica.get(fresh.replica_id)
+            if current is not None and current.url == fresh.url and current.model == fresh.model:
+                # Keep the same object so requests in flight still count against it.
+                current.priority, current.weight, current.pool = fresh.priority, fresh.weight, fresh.pool
+                fresh = current
+            by_replica[fresh.replica_id] = fresh
+            endpoints.setdefault(fresh.model, []).append(fresh)
+        self._names, self._catalog, self._unplaceable = names, catalog, unplaceable
+        self._start_seconds, self._start_failed = start_seconds, start_failed
+        self._endpoints, self._by_replica = endpoints, by_replica
+        self.fingerprint = fingerprint
         return True
 
     def resolve(self, name: str) -> str | None:
@@ -155,38 +154,33 @@ class Balancer:
         (rendezvous hashing over that same set) is taken instead while its
         load is within `affinity_slack` of the least. When every replica left
         is ejected, the one ejected longest ago. The choice and the last-use
-        stamp are one critical section, so a stamp always names the replica
+        stamp are one step of the loop, so a stamp always names the replica
         actually used.
         """
-        lock = self._lock
-        lock.acquire()  # not `with`: its __enter__/__exit__ calls cost as much again, twice per request
-        try:
-            candidates = self._endpoints.get(model)
+        candidates = self._endpoints.get(model)
+        if not candidates:
+            return None
+        if exclude or pools is not None:
+            # By identity: a replica placed again keeps its id but is a new endpoint (a new URL).
+            excluded = set(exclude)
+            candidates = [e for e in candidates if e not in excluded and (pools is None or e.pool in pools)]
             if not candidates:
                 return None
-            if exclude or pools is not None:
-                # By identity: a replica placed again keeps its id but is a new endpoint (a new URL).
-                excluded = set(exclude)
-                candidates = [e for e in candidates if e not in excluded and (pools is None or e.pool in pools)]
-                if not candidates:
-                    return None
-            if len(candidates) == 1 and not candidates[0].health.ejected_until:
-                chosen = candidates[0]  # what the rules choose when there is no choice (a model's usual case)
-            else:
-                chosen = self._choose(model, candidates, affinity)
-            chosen.outstanding += 1
-            self._stamps[chosen.replica_id] = self._clock()
-            model = chosen.model
-            in_flight = self._in_flight.get(model, 0) + 1
-            self._in_flight[model] = in_flight
-            if in_flight > self._peaks.get(model, 0):
-                self._peaks[model] = in_flight
-            return chosen
-        finally:
-            lock.release()
+        if len(candidates) == 1 and not candidates[0].health.ejected_until:
+            chosen = candidates[0]  # what the rules choose when there is no choice (a model's usual case)
+        else:
+            chosen = self._choose(model, candidates, affinity)
+        chosen.outstanding += 1
+        self._stamps[chosen.replica_id] = self._clock()
+        model = chosen.model
+        in_flight = self._in_flight.get(model, 0) + 1
+        self._in_flight[model] = in_flight
+        if in_flight > self._peaks.get(model, 0):
+            self._peaks[model] = in_flight
+        return chosen
 
     def _choose(self, model: str, candidates: list[Endpoint], affinity: int | None) -> Endpoint:
-        """The replica `pick` takes among `candidates` (see there). Under the lock."""
+        """The replica `pick` takes among `candidates` (see there)."""
         best, best_load, tier = self._least_loaded(candidates, True, affinity is not None)
         if not best:  # every replica left is KV-full (or ejected): the least loaded of them
             best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
@@ -212,7 +206,7 @@ class Balancer:
         """(least loaded at the top priority, their load, every one at the top priority if `with_tier`).
 
         Ejected replicas (but a half-open one due its probe) are left out, and
-        KV-full ones if `skip_full`. Under the lock.
+        KV-full ones if `skip_full`.
         """
         now: float | None = None  # the ejection clock, read only if some replica is ejected
         best: list[Endpoint] = []
@@ -252,28 +246,22 @@ class Balancer:
 
     def release(self, endpoint: Endpoint, failure: Failure | None = None) -> None:
         """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""
-        lock = self._lock
-        lock.acquire()  # not `with`, as in `pick`
-        try:
-            endpoint.outstanding -= 1
-            try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)
-                self._in_flight[endpoint.model] -= 1
-            except KeyError:  # a release without its pick: nothing was counted
-                pass
-            if failure is None:
-                # A probe that ended without an outcome (the client left): let another request probe.
-                endpoint.health.probing = False
-                return
-            change = self._record_failure(endpoint, failure)
-        finally:
-            lock.release()
+        endpoint.outstanding -= 1
+        try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)
+            self._in_flight[endpoint.model] -= 1
+        except KeyError:  # a release without its pick: nothing was counted
+            pass
+        if failure is None:
+            # A probe that ended without an outcome (the client left): let another request probe.
+            endpoint.health.probing = False
+            return
+        change = self._record_failure(endpoint, failure)
         if change:
             self._log_change(endpoint, change)
 
     def failed(self, endpoint: Endpoint, failure: Failure) -> None:
         """A request still counted against `endpoint` failed (a 5xx relayed to the client as it is)."""
-        with self._lock:
-            change = self._record_failure(endpoint, failure)
+        change = self._record_failure(endpoint, failure)
         if change:
             self._log_change(endpoint, change)
 
@@ -281,14 +269,13 @@ class Balancer:
         """`endpoint` answered a request (below 500): its failure streak ends; a half-open one is back."""
         health = endpoint.health
         if not (health.failures or health.ejected_until):
-            return  # the hot path: a healthy replica stays healthy without taking the lock
-        with self._lock:
-            recovered = health.record_success(self._ejection_clock())
+            return  # the hot path: a healthy replica stays healthy at the cost of two reads
+        recovered = health.record_success(self._ejection_clock())
         if recovered:
             log.info("replica %s of %s answered its probe and is back", endpoint.replica_id, endpoint.model)
 
     def _record_failure(self, endpoint: Endpoint, failure: Failure) -> str:
-        """Count a failure under the lock; what changed, for `log_change`."""
+        """Count a failure; what changed, for `log_change`."""
         others = self._endpoints.get(endpoint.model, ())
         last_standing = all(other is endpoint or other.health.ejected_until for other in others)
         change = endpoint.health.record_failure(self.ejection, failure, self._ejection_clock(), last_standing)
@@ -302,13 +289,11 @@ class Balancer:
     # -- outlier ejection, for metrics and /health --------------------------------------
     def ejected(self) -> list[Endpoint]:
         """The replicas ejected now (cooling down, or half-open awaiting their probe)."""
-        with self._lock:
-            return [e for e in self._by_replica.values() if e.health.ejected_until]
+        return [e for e in self._by_replica.values() if e.health.ejected_until]
 
     def ejection_counts(self) -> dict[str, int]:
         """Ejections so far per public model name (a counter: never reset, not even by a new table)."""
-        with self._lock:
-            return dict(self._ejections)
+        return dict(self._ejections)
 
     # -- last-use stamps ----------------------------------------------------------
     def take_usage(self) -> tuple[dict[str, float], dict[str, int]]:
@@ -320,36 +305,24 @@ class Balancer:
         long request still counts in every window it spans. The cost grows with
         replicas and models, not with traffic.
         """
-        with self._lock:
-            stamps, self._stamps = self._stamps, {}
-            peaks = self._peaks
-            self._peaks = {model: count for model, count in self._in_flight.items() if count}
-            busy = [e.replica_id for e in self._by_replica.values() if e.outstanding > 0]
-            if busy:
-                now = self._clock()
-                for replica_id in busy:
-                    stamps[replica_id] = now
+        stamps, self._stamps = self._stamps, {}
+        peaks = self._peaks
+        self._peaks = {model: count for model, count in self._in_flight.items() if count}
+        busy = [e.replica_id for e in self._by_replica.values() if e.outstanding > 0]
+        if busy:
+            now = self._clock()
+            for replica_id in busy:
+                stamps[replica_id] = now
         return stamps, peaks
 
     def restore_stamps(self, stamps: dict[str, float]) -> None:
         """Put back stamps a flush could not deliver; a newer stamp for the same replica wins."""
-        with self._lock:
-            for replica_id, ts in stamps.items():
-                if ts > self._stamps.get(replica_id, float("-inf")):
-                    self._stamps[replica_id] = ts
-
-    def pending_stamps(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._stamps)
+        for replica_id, ts in stamps.items():
+            if ts > self._stamps.get(replica_id, float("-inf")):
+                self._stamps[replica_id] = ts
 
     def in_flight(self) -> int:
-        with self._lock:
-            return sum(e.outstanding for e in self._by_replica.values())
-
-    def in_flight_by_model(self) -> dict[str, int]:
-        """Public model name -> requests in flight now (models with none left out)."""
-        with self._lock:
-            return {model: count for model, count in self._in_flight.items() if count}
+        return sum(e.outstanding for e in self._by_replica.values())
 
 
 def _ejected_at(endpoint: Endpoint) -> float:

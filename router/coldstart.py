@@ -27,9 +27,10 @@ from hub.contracts import ActivationQueue
 
 from .asgi_io import Send
 from .background import BackgroundTasks
-from .balancer import Balancer, Endpoint
+from .balancer import Balancer
 from .errors import RouterError
 from .metrics import RouterMetrics
+from .table import Endpoint
 
 log = logging.getLogger(__name__)
 

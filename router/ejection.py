@@ -1,7 +1,7 @@
 """Outlier ejection: when a failing replica stops getting requests, for how long, and how it comes back.
 
 The rules are `EjectionPolicy`; each replica's state is a `ReplicaHealth` the
-balancer keeps on its `Endpoint` and changes under its own lock.
+balancer keeps on its `Endpoint` and changes on the router's event loop.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class EjectionPolicy:
         """The cool-down of the `ejections`-th ejection in a row (1, 2, 3 …)."""
         if ejections > 32:  # past any sane cap; keeps the power finite
             return self.max_cooldown
-        return min(self.max_cooldown, self.first_cooldown * 2 ** (ejections - 1))
+        return min(self.max_cooldown, self.first_cooldown * 2.0 ** (ejections - 1))
 
 
 class ReplicaHealth:
@@ -114,7 +114,7 @@ class ReplicaHealth:
 
 
 def log_change(replica_id: str, model: str, health: ReplicaHealth, policy: EjectionPolicy, change: str) -> None:
-    """Say what `record_failure` changed, outside the lock."""
+    """Say what `record_failure` changed."""
     if change == "ejected":
         log.warning(
             "ejected replica %s of %s after %d consecutive failures, for %g s",

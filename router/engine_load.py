@@ -33,14 +33,15 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 import aiohttp
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from .background import raise_if_cancelling
-from .balancer import Balancer, Endpoint
+from .balancer import Balancer
+from .table import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +104,6 @@ def parse_engine_load(text: str) -> EngineReading:
 
 def _first_present(names: tuple[str, ...], groups: dict[str, Any], bad: set[str]) -> str | None:
     return next((name for name in names if name in groups or name in bad), None)
-
-
-class BalancerOptions(TypedDict):
-    """Balancer's keyword arguments for load-aware picks."""
-
-    kv_full_fraction: float
-    affinity_slack: float
-
-
-def balancer_options() -> BalancerOptions:
-    """The Balancer's load-aware settings: `LLMGW_KV_CACHE_FULL_FRACTION` and `LLMGW_PREFIX_AFFINITY_SLACK`."""
-    return {
-        "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
-        "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
-    }
 
 
 class EngineLoadPoller:

@@ -41,13 +41,13 @@ NEXT_CHUNK = "next chunk"
 class Exchange:
     """One proxied request: how far it has got, for the sweep, and how it ended, for metrics and accounting.
 
-    The proxy sets `phase` to FIRST_BYTE or NEXT_CHUNK while it waits on the
-    engine, and to None while it does not (sending to the client), and clears
-    `since` whenever a wait begins anew (an attempt sent, a chunk relayed).
-    `key` is the API key's digest, for token accounting; `status` and
+    The proxy says what it waits on with `wait(phase)`: FIRST_BYTE or
+    NEXT_CHUNK while it waits on the engine, each wait timed afresh (an
+    attempt sent, a chunk relayed), None while it does not (sending to the
+    client). `key` is the API key's digest, for token accounting; `status` and
     `complete` are how the request ended. The request's task tells a
-    cancellation by the sweep from any other by `deadline_passed()` and
-    `client_gone()`.
+    cancellation by the sweep from any other by `engine_failed()` (or
+    `deadline_passed()`) and `client_gone()`.
     """
 
     # Defaults on the class: a request sets only what it uses.
@@ -64,6 +64,18 @@ class Exchange:
         self.key = key
         self._receive = receive
         self._task = task
+
+    def wait(self, phase: str | None) -> None:
+        """From now the request waits on the engine for `phase` (FIRST_BYTE, NEXT_CHUNK), its deadline
+        counted from the next sweep; None: it waits on nothing the engine owes."""
+        self.phase = phase
+        self.since = None
+
+    def engine_failed(self, exc: BaseException) -> bool:
+        """Whether `exc`, raised while waiting on the engine, is the engine's failure: any error but a
+        cancellation, and the sweep's cancellation for a passed deadline (taken back). False for any other
+        cancellation, which the caller re-raises."""
+        return not isinstance(exc, asyncio.CancelledError) or self.deadline_passed() is not None
 
     def deadline_passed(self) -> str | None:
         """The deadline (FIRST_BYTE, NEXT_CHUNK) the sweep cancelled the request for, taking that

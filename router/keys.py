@@ -75,10 +75,6 @@ class KeyInfo:
     rpm: int | None = None
     tpm: int | None = None
 
-    def expired(self, now: float) -> bool:
-        expires_at = self.expires_at
-        return expires_at is not None and now >= expires_at
-
     def allows(self, public: str, resolve: Callable[[str], str | None]) -> bool:
         """Whether it may use the model whose public name is `public`; scope entries resolve through `resolve`.
 
@@ -202,10 +198,6 @@ class ApiKeyCache:
             digest = self._digests[key] = hash_secret(key)
         return await self._ask_store(digest, self._entries.get(digest))
 
-    async def is_valid(self, key: str) -> bool:
-        """Whether `key` belongs to an active ApiKey (expiry aside)."""
-        return await self.check(key) is not None
-
     async def _ask_store(self, digest: str, cached: tuple[KeyInfo | None, float] | None) -> KeyInfo | None:
         if self._clock() < self._unreachable_until:
             return _last_answer(cached)
@@ -295,11 +287,6 @@ class ApiKeyCache:
         if executor is not None:
             await asyncio.get_running_loop().run_in_executor(executor, connections.close_all)
             executor.shutdown(wait=False)
-
-    def forget(self) -> None:
-        """Drop every cached answer (e.g. after revoking keys, in tests)."""
-        self._entries.clear()
-        self._changed_during_lookup.update(self._pending)
 
 
 def _last_answer(cached: tuple[KeyInfo | None, float] | None) -> KeyInfo | None:

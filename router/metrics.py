@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -89,7 +90,7 @@ class Traffic(Collector):
         self.answers: dict[tuple[str, int], int] = {}
         self.in_flight = 0
         # model -> [count per bucket (the last one is +Inf), sum of seconds]
-        self._latency: dict[str, list] = {}
+        self._latency: dict[str, list[Any]] = {}
 
     def answered(self, model: str, status: int) -> None:
         key = (model, status)

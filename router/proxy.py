@@ -26,16 +26,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
+from aiohttp import ClientResponse
 
 from .asgi_io import Scope, Send
-from .balancer import Balancer, Endpoint, Failure
+from .balancer import Balancer
 from .coldstart import ColdStart
+from .config import RouterConfig
+from .ejection import Failure
 from .errors import RouterError
 from .inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
 from .metrics import RouterMetrics
-from .tokens import ask_for_usage, usage_of_whole_answer, usage_reader
+from .table import Endpoint
+from .tokens import JsonUsage, SseUsage, ask_for_usage, usage_of_whole_answer, usage_reader
 from .wire import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
@@ -48,29 +53,43 @@ from .wire import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, eq=False)
+class Forwarding:
+    """One request on its way to a replica: what every attempt sends, and how far the request has got.
+
+    `affinity` and `pools` go to every pick of the request (Balancer.pick).
+    `pass_usage` False: the client did not ask for a stream's usage chunk, so
+    it is read and dropped. `headers_sent`: the client already has a 200 and a
+    stream (held through a cold start), so an error can only travel inside it.
+    """
+
+    scope: Scope
+    send: Send
+    path: str
+    model: str
+    body: bytes
+    exchange: Exchange
+    streaming: bool = False
+    affinity: int | None = None
+    pools: frozenset[str] | None = None
+    pass_usage: bool = True
+    headers_sent: bool = False
+    held: bool = False  # held once already for a replacement replica (see _replacement)
+    tried: list[Endpoint] = field(default_factory=list)
+
+
 class Proxy:
     """Sends requests to a replica of their model (waiting for a cold start if need be) and relays the answer."""
 
-    def __init__(
-        self,
-        balancer: Balancer,
-        metrics: RouterMetrics,
-        cold_start: ColdStart,
-        *,
-        connect_timeout: float,
-        first_byte_timeout: float,
-        idle_timeout: float,
-    ):
-        if connect_timeout <= 0 or first_byte_timeout <= 0 or idle_timeout <= 0:
-            raise ValueError("connect_timeout, first_byte_timeout and idle_timeout must be > 0")
+    def __init__(self, balancer: Balancer, metrics: RouterMetrics, cold_start: ColdStart, config: RouterConfig):
         self.balancer = balancer
         self.metrics = metrics
         self.cold_start = cold_start
-        self.first_byte_timeout = first_byte_timeout
-        self.idle_timeout = idle_timeout
+        self.first_byte_timeout = config.first_byte_timeout
+        self.idle_timeout = config.idle_timeout
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending. aiohttp keeps
         # the connect deadline; the first byte's and the next chunk's are the sweep's (router.inflight).
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=None)
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout, sock_read=None)
         self.session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
@@ -89,184 +108,165 @@ class Proxy:
         )
 
     async def close(self) -> None:
+        """Close the upstream session."""
         if self.session is not None:
             await self.session.close()
             self.session = None
 
-    async def forward(
-        self,
-        scope: Scope,
-        send: Send,
-        path: str,
-        model: str,
-        body: bytes,
-        exchange: Exchange,
-        streaming: bool = False,
-        *,
-        affinity: int | None = None,
-        pools: frozenset[str] | None = None,
-    ) -> None:
-        """Answer the request from a replica of `model`; a RouterError if none can (before the response began).
-
-        `affinity` and `pools` go to every pick of the request (Balancer.pick)."""
+    async def forward(self, request: Forwarding) -> None:
+        """Answer `request` from a replica of its model; a RouterError if none can (before the response began)."""
         if self.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
-        cold_start = self.cold_start
-        # A stream's tokens come only in a usage chunk the engine sends when asked (router.tokens).
-        body, pass_usage = ask_for_usage(body) if streaming else (body, True)
-        endpoint = self.balancer.pick(model, (), affinity, pools)
-        if endpoint is None and streaming and cold_start.keepalive_seconds > 0:
-            # Answer at once and keep the stream alive while the model starts. From here on an
-            # error can only travel inside the stream, as an OpenAI error event.
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            exchange.status = 200
-            try:
-                endpoint = await cold_start.wait_with_keepalives(send, model, affinity, pools)
-                await self._send_upstream(
-                    scope,
-                    send,
-                    path,
-                    model,
-                    body,
-                    exchange,
-                    endpoint,
-                    headers_sent=True,
-                    affinity=affinity,
-                    pools=pools,
-                    pass_usage=pass_usage,
-                )
-            except RouterError as exc:
-                exchange.status = exc.status
-                await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n", "more_body": False})
-            return
-        if endpoint is None:
-            endpoint = await cold_start.wait_for_endpoint(model, (), affinity, pools)
+        if request.streaming:
+            # A stream's tokens come only in a usage chunk the engine sends when asked (router.tokens).
+            request.body, request.pass_usage = ask_for_usage(request.body)
+        try:
+            endpoint = self.balancer.pick(request.model, (), request.affinity, request.pools)
             if endpoint is None:
-                raise cold_start.starting_error(model)
-        await self._send_upstream(
-            scope,
-            send,
-            path,
-            model,
-            body,
-            exchange,
-            endpoint,
-            headers_sent=False,
-            affinity=affinity,
-            pools=pools,
-            pass_usage=pass_usage,
-        )
+                endpoint = await self._wait_for_replica(request)
+            await self._send_upstream(request, endpoint)
+        except RouterError as exc:
+            if not request.headers_sent:
+                raise
+            # The stream has begun: its error travels inside it, as an OpenAI error event.
+            request.exchange.status = exc.status
+            event = b"data: " + exc.body() + b"\n\n"
+            await request.send({"type": "http.response.body", "body": event, "more_body": False})
 
-    async def _send_upstream(
-        self,
-        scope: Scope,
-        send: Send,
-        path: str,
-        model: str,
-        body: bytes,
-        exchange: Exchange,
-        endpoint: Endpoint,
-        *,
-        headers_sent: bool,
-        affinity: int | None = None,
-        pools: frozenset[str] | None = None,
-        pass_usage: bool = True,
-    ) -> None:
-        """Send the request to `endpoint` (retrying once on another replica before any upstream byte
-        is relayed) and relay the answer."""
-        session, balancer, metrics = self.session, self.balancer, self.metrics
+    async def _wait_for_replica(self, request: Forwarding) -> Endpoint:
+        """A replica of the request's model once one is ready (a cold start), or a RouterError.
+
+        A stream is answered at once and kept alive while the model starts."""
+        cold_start, model = self.cold_start, request.model
+        if request.streaming and cold_start.keepalive_seconds > 0:
+            await request.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            request.exchange.status = 200
+            request.headers_sent = True
+            return await cold_start.wait_with_keepalives(request.send, model, request.affinity, request.pools)
+        endpoint = await cold_start.wait_for_endpoint(model, (), request.affinity, request.pools)
+        if endpoint is None:
+            raise cold_start.starting_error(model)
+        return endpoint
+
+    async def _send_upstream(self, request: Forwarding, endpoint: Endpoint) -> None:
+        """Send the request to `endpoint` (once more to another replica if it fails before answering); relay it."""
+        session, balancer, exchange = self.session, self.balancer, request.exchange
         assert session is not None  # forward() refuses to start without one
-        headers = upstream_headers(scope)
-        tried: list[Endpoint] = []
-        held = False
-        failure: Failure | None
+        headers = upstream_headers(request.scope)
+        failure: Failure
         error: aiohttp.ClientError
         while True:
-            tried.append(endpoint)
-            retry_possible = len(tried) == 1
+            request.tried.append(endpoint)
             # The engine owes the first byte from now (router.inflight); a retry has a deadline of its own.
-            exchange.phase, exchange.since = FIRST_BYTE, None
+            exchange.wait(FIRST_BYTE)
             try:
                 started = time.perf_counter()
-                response = await session.post(endpoint.url + path, data=body, headers=headers)
+                response = await session.post(endpoint.url + request.path, data=request.body, headers=headers)
             except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
                 failure, error = Failure.CONNECT, exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 failure, error = Failure.LOST, exc
-            except asyncio.CancelledError:
-                if exchange.deadline_passed() is None:
+            except asyncio.CancelledError as exc:
+                if not exchange.engine_failed(exc):
                     balancer.release(endpoint)
                     raise
                 # Not retried: the engine accepted the request and may be working on it.
                 balancer.release(endpoint, Failure.LOST)
-                raise RouterError(
-                    504,
-                    f"Replica {endpoint.replica_id} of `{model}` did not answer in time: no first byte within "
-                    f"{self.first_byte_timeout:g} s (LLMGW_UPSTREAM_FIRST_BYTE_SECONDS).",
-                    "upstream_timeout",
-                    type_="server_error",
-                ) from None
+                raise self._first_byte_overdue(request, endpoint) from None
             except BaseException:
                 balancer.release(endpoint)
                 raise
             else:
-                failure = None
-            if failure is not None:
-                # Nothing reached the client yet: count the failure (it may eject the replica) and retry once.
-                exchange.phase = None  # a hold for a replacement below is not the engine's to answer
-                balancer.release(endpoint, failure)
-                log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
-                nxt = balancer.pick(model, tried, affinity, pools) if retry_possible else None
-                if nxt is None and failure is Failure.CONNECT and not headers_sent and not held:
-                    # Nothing accepted the connection and no other replica is left: the model's engines
-                    # (or their node) are gone. Hold the request as for a cold start until the control
-                    # plane publishes a replacement, rather than failing it; once per request.
-                    held = True
-                    nxt = await self.cold_start.wait_for_endpoint(model, tried, affinity, pools)
-                    if nxt is None:
-                        raise self.cold_start.starting_error(model)
-                if nxt is None:
-                    raise RouterError(
-                        502, f"No replica of `{model}` could be reached.", "upstream_unavailable", type_="server_error"
-                    ) from None
-                metrics.retries.labels(model).inc()
-                endpoint = nxt
+                self.metrics.traffic.upstream_latency(request.model, time.perf_counter() - started)
+                exchange.wait(None)  # the answer has begun; what it still owes is awaited below, each wait named
+                if response.status < 500:
+                    balancer.succeeded(endpoint)
+                    break
+                retry = self._retry_on_error(request, endpoint, response)
+                if retry is None:
+                    break
+                endpoint = retry
                 continue
-            metrics.traffic.upstream_latency(model, time.perf_counter() - started)
-            exchange.phase = None  # the answer has begun; what it still owes is awaited below, each wait named
-            status = response.status
-            if status < 500:
-                balancer.succeeded(endpoint)
-            else:
-                if status in RETRIABLE_STATUSES and retry_possible:
-                    nxt = balancer.pick(model, tried, affinity, pools)
-                    if nxt is not None:
-                        response.close()
-                        balancer.release(endpoint, Failure.ERROR)
-                        metrics.retries.labels(model).inc()
-                        endpoint = nxt
-                        continue
-                balancer.failed(endpoint, Failure.ERROR)
-            if headers_sent and status != 200:
-                # The client already has a 200 and a stream: carry the engine's error inside it.
-                exchange.phase, exchange.since = NEXT_CHUNK, None
-                try:
-                    detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
-                except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
-                    if isinstance(exc, asyncio.CancelledError) and exchange.deadline_passed() is None:
-                        raise
-                    detail = f"(its body broke off: {type(exc).__name__})"
-                finally:
-                    response.close()
-                    balancer.release(endpoint)
-                raise RouterError(
-                    status,
-                    f"Replica {endpoint.replica_id} of `{model}` answered {status}: {detail}",
-                    "upstream_error",
-                    type_="server_error",
-                )
-            await self._relay(send, endpoint, response, exchange, headers_sent=headers_sent, pass_usage=pass_usage)
-            return
+            endpoint = await self._replacement(request, endpoint, failure, error)
+        if request.headers_sent and response.status != 200:
+            await self._raise_engine_error(request, endpoint, response)
+        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
+        content_type = response.headers.get("Content-Type", "")
+        streamed = request.headers_sent or content_type.startswith("text/event-stream")
+        length = response.content_length
+        if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
+            await self._relay_whole(request, endpoint, response, content_type)
+        else:
+            await self._relay_stream(request, endpoint, response, content_type, streamed)
+
+    def _first_byte_overdue(self, request: Forwarding, endpoint: Endpoint) -> RouterError:
+        return RouterError(
+            504,
+            f"Replica {endpoint.replica_id} of `{request.model}` did not answer in time: no first byte within "
+            f"{self.first_byte_timeout:g} s (LLMGW_UPSTREAM_FIRST_BYTE_SECONDS).",
+            "upstream_timeout",
+            type_="server_error",
+        )
+
+    async def _replacement(
+        self, request: Forwarding, endpoint: Endpoint, failure: Failure, error: aiohttp.ClientError
+    ) -> Endpoint:
+        """The replica to try after an attempt on `endpoint` failed before its response, or a RouterError.
+
+        Nothing reached the client yet: the failure is counted (it may eject the replica) and the request
+        retried once."""
+        model, affinity, pools = request.model, request.affinity, request.pools
+        request.exchange.wait(None)  # a hold for a replacement below is not the engine's to answer
+        self.balancer.release(endpoint, failure)
+        log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
+        nxt = self.balancer.pick(model, request.tried, affinity, pools) if len(request.tried) == 1 else None
+        if nxt is None and failure is Failure.CONNECT and not request.headers_sent and not request.held:
+            # Nothing accepted the connection and no other replica is left: the model's engines
+            # (or their node) are gone. Hold the request as for a cold start until the control
+            # plane publishes a replacement, rather than failing it; once per request.
+            request.held = True
+            nxt = await self.cold_start.wait_for_endpoint(model, request.tried, affinity, pools)
+            if nxt is None:
+                raise self.cold_start.starting_error(model)
+        if nxt is None:
+            raise RouterError(
+                502, f"No replica of `{model}` could be reached.", "upstream_unavailable", type_="server_error"
+            )
+        self.metrics.retries.labels(model).inc()
+        return nxt
+
+    def _retry_on_error(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> Endpoint | None:
+        """Record that `endpoint` answered 5xx; the replica to retry on instead (a 502/503 on the first
+        attempt, while another is left), or None to relay this answer."""
+        if response.status in RETRIABLE_STATUSES and len(request.tried) == 1:
+            nxt = self.balancer.pick(request.model, request.tried, request.affinity, request.pools)
+            if nxt is not None:
+                response.close()
+                self.balancer.release(endpoint, Failure.ERROR)
+                self.metrics.retries.labels(request.model).inc()
+                return nxt
+        self.balancer.failed(endpoint, Failure.ERROR)
+        return None
+
+    async def _raise_engine_error(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> None:
+        """The client already has a 200 and a stream: raise the engine's error, to be carried inside it."""
+        status = response.status
+        request.exchange.wait(NEXT_CHUNK)
+        try:
+            detail = (await response.content.read(64 * 1024)).decode("utf-8", "replace")
+        except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+            if not request.exchange.engine_failed(exc):
+                raise
+            detail = f"(its body broke off: {type(exc).__name__})"
+        finally:
+            response.close()
+            self.balancer.release(endpoint)
+        raise RouterError(
+            status,
+            f"Replica {endpoint.replica_id} of `{request.model}` answered {status}: {detail}",
+            "upstream_error",
+            type_="server_error",
+        )
 
     def _break_message(self, endpoint: Endpoint, exc: BaseException) -> tuple[int, str]:
         """(status, text) for an answer that broke after it began (`exc`: a cancellation by the sweep of
@@ -281,109 +281,115 @@ class Proxy:
             f"({type(exc).__name__}); the answer is incomplete."
         )
 
-    async def _relay(
+    def _finish(
         self,
-        send: Send,
+        request: Forwarding,
         endpoint: Endpoint,
-        response: aiohttp.ClientResponse,
-        exchange: Exchange,
-        *,
-        headers_sent: bool = False,
-        pass_usage: bool = True,
+        response: ClientResponse,
+        served: bool,
+        usage: tuple[int, int] | None,
     ) -> None:
-        """Relay the engine's answer: a stream chunk by chunk, a bounded whole answer in one piece.
+        """The answer is over (in any way): give back its connection and replica, and count it against its
+        key (router.tokens): its last use, a request and tokens if `served`, its tokens against its limits."""
+        exchange = request.exchange
+        if exchange.complete:
+            response.release()
+        else:
+            # Closing (not pooling) the connection is what makes the engine stop generating.
+            response.close()
+        self.balancer.release(endpoint)
+        key = exchange.key
+        if key is not None:
+            self.balancer.tokens.count(key, endpoint.model, usage, served)
+            if usage is not None:
+                self.balancer.limits.spent_tokens(key, usage[0] + usage[1])
 
-        Never retried once started. A break mid-stream ends the stream with an error event.
-        `pass_usage` False: the client did not ask for a stream's usage chunk, so it is read and dropped.
-        """
-        clean = False
-        status = response.status
-        reader = None
+    async def _relay_whole(
+        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str
+    ) -> None:
+        """Read a whole answer of bounded length, then send it in one piece (so a break is still an error
+        status), reading its usage on the way. Never retried once started."""
+        exchange = request.exchange
+        # Served: a 2xx relayed without breaking off (a client that leaves does not make it unserved).
+        served = 200 <= response.status < 300
         usage = None
-        engine_headers = response.headers
-        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
-        content_type = engine_headers.get("Content-Type", "")
-        counted = exchange.key is not None and 200 <= status < 300
         try:
-            streamed = headers_sent or content_type.startswith("text/event-stream")
-            length = response.content_length
-            if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
-                exchange.phase, exchange.since = NEXT_CHUNK, None
-                try:
-                    body = await response.read()
-                except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
-                    if isinstance(exc, asyncio.CancelledError) and exchange.deadline_passed() is None:
-                        raise
-                    # Nothing was sent yet: the client still gets an error status.
-                    status, message = self._break_message(endpoint, exc)
-                    log.warning("%s (%r)", message, exc)
-                    raise RouterError(status, message, "upstream_failed", type_="server_error") from None
-                exchange.phase = None  # all read
-                if counted:
-                    # A whole JSON answer: its usage is read here; nothing of it is dropped.
-                    usage = usage_of_whole_answer(content_type, engine_headers.get("Content-Encoding", ""), body)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": response.status,
-                        "headers": response_headers(response, endpoint),
-                    }
-                )
-                exchange.status = response.status
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                exchange.complete = clean = True
-                return
-            if counted:
-                reader = usage_reader(content_type, engine_headers.get("Content-Encoding", ""), pass_usage)
-            if not headers_sent:
+            exchange.wait(NEXT_CHUNK)
+            try:
+                body = await response.read()
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                if not exchange.engine_failed(exc):
+                    raise
+                served = False
+                # Nothing was sent yet: the client still gets an error status.
+                status, message = self._break_message(endpoint, exc)
+                log.warning("%s (%r)", message, exc)
+                raise RouterError(status, message, "upstream_failed", type_="server_error") from None
+            exchange.wait(None)  # all read
+            if served and exchange.key is not None:
+                # A whole JSON answer: its usage is read here; nothing of it is dropped.
+                usage = usage_of_whole_answer(content_type, response.headers.get("Content-Encoding", ""), body)
+            send, status = request.send, response.status
+            headers = response_headers(response, endpoint)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            exchange.status = status
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            exchange.complete = True
+        finally:
+            self._finish(request, endpoint, response, served, usage)
+
+    async def _relay_stream(
+        self,
+        request: Forwarding,
+        endpoint: Endpoint,
+        response: ClientResponse,
+        content_type: str,
+        streamed: bool,
+    ) -> None:
+        """Relay an answer chunk by chunk as the engine sends it, reading its usage on the way. Never retried
+        once started; a break ends a stream (`streamed`: SSE) with an error event, and cuts any other body."""
+        send, exchange = request.send, request.exchange
+        served = 200 <= response.status < 300
+        reader: JsonUsage | SseUsage | None = None
+        if served and exchange.key is not None:
+            encoding = response.headers.get("Content-Encoding", "")
+            reader = usage_reader(content_type, encoding, request.pass_usage)
+        try:
+            if not request.headers_sent:
                 # A body that may lose its usage event cannot keep the engine's length.
-                dropping = reader is not None and reader.drops
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": response.status,
-                        "headers": response_headers(response, endpoint, without_length=dropping),
-                    }
-                )
+                headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
+                await send({"type": "http.response.start", "status": response.status, "headers": headers})
             exchange.status = response.status
-            exchange.phase, exchange.since = NEXT_CHUNK, None
+            exchange.wait(NEXT_CHUNK)
             try:
                 async for chunk in response.content.iter_any():
                     if reader is not None:
                         chunk = reader.feed(chunk)
                         if not chunk:
-                            exchange.since = None  # the engine sent something all the same
+                            exchange.wait(NEXT_CHUNK)  # the engine sent something all the same
                             continue
-                    exchange.phase = None  # while sending: a slow client's time is not the engine's silence
+                    exchange.wait(None)  # while sending: a slow client's time is not the engine's silence
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    exchange.phase, exchange.since = NEXT_CHUNK, None
-                exchange.phase = None
+                    exchange.wait(NEXT_CHUNK)
+                exchange.wait(None)
                 if reader is not None and (rest := reader.finish()):
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and exchange.deadline_passed() is None:
+                if not exchange.engine_failed(exc):
                     raise
-                status, message = self._break_message(endpoint, exc)
-                log.warning("%s (%r)", message, exc)
-                if not streamed:
-                    # Too late for a status and a body of known length cannot be ended early: the client sees a cut.
-                    return
-                exchange.status = status
-                await send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
+                served = False
+                await self._end_broken(request, endpoint, exc, streamed)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             exchange.complete = True
-            clean = True
         finally:
-            if clean:
-                response.release()
-            else:
-                # Closing (not pooling) the connection is what makes the engine stop generating.
-                response.close()
-            self.balancer.release(endpoint)
-            if exchange.key is not None:
-                if reader is not None:
-                    usage = reader.usage()
-                self.balancer.tokens.count(exchange.key, endpoint.model, usage, 200 <= status < 300)
-                if usage is not None:
-                    self.balancer.limits.spent_tokens(exchange.key, usage[0] + usage[1])
+            self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None)
+
+    async def _end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
+        """An answer broke off after it began: a stream (`streamed`) ends with an error event; any other body
+        is left cut (too late for a status, and a body of known length cannot be ended early)."""
+        status, message = self._break_message(endpoint, exc)
+        log.warning("%s (%r)", message, exc)
+        if streamed:
+            request.exchange.status = status
+            await request.send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})

@@ -15,7 +15,8 @@ then exits:
 
 `GracefulServer` is the uvicorn.Server to run any router app with (the
 `python -m router.asgi` entry point, `manage.py router`, embedded mode);
-`server_config` is the production configuration (uvloop, httptools).
+`server_options` is the one configuration the router is served with (the
+entry point, the command with one worker or several, the benches).
 """
 
 from __future__ import annotations
@@ -26,23 +27,25 @@ from typing import Any
 import uvicorn
 
 
-def server_config(
-    app: Any, *, host: str = "127.0.0.1", port: int = 8080, grace: float, **options: Any
-) -> uvicorn.Config:
-    """uvicorn's configuration for the router: uvloop + httptools, lifespan on, `grace` seconds to drain."""
-    options.setdefault("log_level", "warning")
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        # The router reads no client address, so the proxy-headers middleware is pure cost.
-        proxy_headers=False,
-        timeout_graceful_shutdown=grace,
-        **options,
-    )
+def server_options(grace: float) -> dict[str, Any]:
+    """uvicorn's options for the router, wherever it is served: uvloop + httptools, lifespan on, `grace`
+    seconds to drain, and no per-request work the router does not need."""
+    return {
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        # The router reads no client address, so the proxy-headers middleware is pure cost; the access
+        # log costs per request too (bench/README.md), and warnings are all the router logs by default.
+        "proxy_headers": False,
+        "access_log": False,
+        "log_level": "warning",
+        "timeout_graceful_shutdown": grace,
+    }
+
+
+def server_config(app: Any, *, host: str = "127.0.0.1", port: int = 8080, grace: float) -> uvicorn.Config:
+    """uvicorn's configuration for one router process serving `app` (server_options)."""
+    return uvicorn.Config(app, host=host, port=port, **server_options(grace))
 
 
 class GracefulServer(uvicorn.Server):

@@ -3,7 +3,7 @@
 RouterState holds the router's parts (balancer, API-key cache, metrics,
 usage flusher, cold start, proxy, background tasks), starts and stops them
 with the ASGI lifespan, and keeps the endpoint table in sync with the hub:
-pushed through `watch_endpoints()`, re-read every `poll_seconds` as a
+pushed through `watch_endpoints()`, re-read every `config.poll_seconds` as a
 backstop (DESIGN invariant 7).
 """
 
@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 from hub.contracts import RouterHub
 from hub.gc_tuning import tune_gc
 
 from .background import BackgroundTasks, raise_if_cancelling
-from .balancer import Balancer, EjectionPolicy
+from .balancer import Balancer
 from .coldstart import ColdStart
-from .engine_load import EngineLoadPoller, balancer_options
+from .config import RouterConfig
+from .engine_load import EngineLoadPoller
 from .inflight import InFlight
 from .keys import ApiKeyCache
 from .metrics import RouterMetrics
@@ -35,52 +38,39 @@ class RouterState:
     def __init__(
         self,
         hub: RouterHub,
+        config: RouterConfig,
         *,
-        activation_timeout: float,
-        poll_seconds: float,
-        flush_seconds: float,
-        connect_timeout: float,
-        first_byte_timeout: float,
-        idle_timeout: float,
-        retry_after: int,
-        max_body_bytes: int,
         key_cache: ApiKeyCache | None = None,
-        keepalive_seconds: float = 10.0,
-        ejection: EjectionPolicy | None = None,
-        router_id: str | None = None,
-        max_waiters: int = 1000,
+        clock: Callable[[], float] = time.time,
     ):
-        if activation_timeout < 0 or poll_seconds <= 0 or flush_seconds <= 0:
-            raise ValueError("activation_timeout must be >= 0; poll_seconds and flush_seconds must be > 0")
+        """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand)."""
         self.hub = hub
-        self.poll_seconds = poll_seconds
-        self.max_body_bytes = max_body_bytes
-        self.balancer = Balancer(ejection=ejection, **balancer_options())
+        self.config = config
+        self.clock = clock
+        self.balancer = Balancer(
+            clock,
+            ejection=config.ejection,
+            kv_full_fraction=config.kv_full_fraction,
+            affinity_slack=config.affinity_slack,
+        )
         self.engine_load = EngineLoadPoller(self.balancer)
         self.keys = key_cache or ApiKeyCache()
         self.metrics = RouterMetrics(self.balancer)
         self.tasks = BackgroundTasks()
-        self.usage = UsageFlusher(hub, self.balancer, self.metrics, flush_seconds, router_id)
+        self.usage = UsageFlusher(hub, self.balancer, self.metrics, config.flush_seconds, config.router_id)
         self.cold_start = ColdStart(
             hub,
             self.balancer,
             self.metrics,
             self.tasks,
-            activation_timeout=activation_timeout,
-            retry_after=retry_after,
-            keepalive_seconds=keepalive_seconds,
-            max_waiters=max_waiters,
+            activation_timeout=config.activation_timeout,
+            retry_after=config.retry_after,
+            keepalive_seconds=config.keepalive_seconds,
+            max_waiters=config.max_waiters,
         )
-        self.proxy = Proxy(
-            self.balancer,
-            self.metrics,
-            self.cold_start,
-            connect_timeout=connect_timeout,
-            first_byte_timeout=first_byte_timeout,
-            idle_timeout=idle_timeout,
-        )
+        self.proxy = Proxy(self.balancer, self.metrics, self.cold_start, config)
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
-        self.in_flight = InFlight(self.tasks, first_byte_timeout, idle_timeout)
+        self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False
         # Set when the server is told to stop: new requests get 503 while in-flight ones finish.
         self.draining = False
@@ -154,11 +144,11 @@ class RouterState:
             except Exception as exc:
                 raise_if_cancelling()
                 log.warning("endpoint watch failed, the poller covers the gap: %s", exc)
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(self.config.poll_seconds)
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(self.config.poll_seconds)
             try:
                 table = await self.hub.read_endpoints()
             except asyncio.CancelledError:

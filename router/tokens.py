@@ -49,16 +49,26 @@ _DECODER = json.JSONDecoder()  # built once: constructing one costs more than de
 
 
 class _Usage(msgspec.Struct):
-    """A usage object as `read_usage` accepts it, for msgspec to decode and check in one step."""
+    """An engine's `usage` object: the one definition of a usable one, whichever way it is read.
+
+    Embeddings' usage has no completion tokens: they count as 0. Anything else
+    (a bool, a float, a negative or absurd count) makes it unusable.
+    """
 
     prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     completion_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] | None = 0
 
+    def counts(self) -> tuple[int, int]:
+        """(prompt tokens, completion tokens)."""
+        return self.prompt_tokens, self.completion_tokens or 0
+
 
 class _Answer(msgspec.Struct):
-    """A JSON answer as far as accounting reads it: its top-level `usage`, every other field skipped."""
+    """A JSON answer or an SSE event as far as accounting reads it: its top-level `usage` (and whether the
+    event has choices), every other field skipped."""
 
     usage: _Usage | None = None
+    choices: object = None
 
 
 _USAGE_DECODER = msgspec.json.Decoder(_Usage)
@@ -96,20 +106,11 @@ def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
 
 
 def read_usage(usage: object) -> tuple[int, int] | None:
-    """(prompt tokens, completion tokens) from a `usage` object, or None if it is not a usable one.
-
-    Embeddings' usage has no completion tokens: they count as 0.
-    """
-    if not isinstance(usage, dict):
+    """(prompt tokens, completion tokens) from a decoded `usage` object, or None if it is not a usable one."""
+    try:
+        return msgspec.convert(usage, _Usage).counts()
+    except msgspec.ValidationError:
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if completion is None:
-        completion = 0
-    for value in (prompt, completion):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKENS:
-            return None
-    return prompt, completion  # type: ignore[return-value]  # both checked to be ints just above
 
 
 def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
@@ -135,7 +136,7 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
         except msgspec.DecodeError:
             pass  # a brace inside a string, say: the general path below reads it
         else:
-            return usage.prompt_tokens, usage.completion_tokens or 0
+            return usage.counts()
     try:
         usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:
@@ -158,7 +159,7 @@ def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes)
         usage = _ANSWER_DECODER.decode(body).usage
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return None if usage is None else (usage.prompt_tokens, usage.completion_tokens or 0)
+    return None if usage is None else usage.counts()
 
 
 class JsonUsage:
@@ -253,16 +254,13 @@ class SseUsage:
         """Record the usage of `event`; whether it is the usage-only event (no choices) that may be dropped."""
         lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
         try:
-            payload = json.loads(b"\n".join(lines))
-        except ValueError:
+            payload = _ANSWER_DECODER.decode(b"\n".join(lines))
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return False
-        if not isinstance(payload, dict):
+        if payload.usage is None:
             return False
-        usage = read_usage(payload.get("usage"))
-        if usage is None:
-            return False
-        self._found = usage
-        return not payload.get("choices")
+        self._found = payload.usage.counts()
+        return not payload.choices
 
 
 class TokenCounter:

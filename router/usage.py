@@ -1,7 +1,7 @@
 """Usage leaves the router here: one report to the hub per interval (DESIGN invariant 4).
 
-Requests only stamp the balancer's in-memory maps (under the lock the pick
-already takes); this flusher swaps the maps out once per `flush_seconds` and
+Requests only stamp the balancer's in-memory maps (in the same step as the
+pick); this flusher swaps the maps out once per `flush_seconds` and
 hands them to the hub as one `UsageReport` — last-use stamps, per-model
 in-flight peaks, requests and tokens per API key and model with each key's
 last use (router.tokens), and this router's watch mark renewed — so the cost

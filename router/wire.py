@@ -6,8 +6,8 @@ from __future__ import annotations
 import aiohttp
 
 from .asgi_io import Scope
-from .balancer import Endpoint
 from .errors import error_body
+from .table import Endpoint
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
 PASSED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-length", b"content-encoding", b"cache-control"})

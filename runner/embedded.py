@@ -96,28 +96,7 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
             break
         await asyncio.sleep(0.05)
 
-    agents = []
-    if fleet is not None:
-        connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        scheme = "wss" if settings.LLMGW_TLS_CERT_FILE else "ws"
-        url = f"{scheme}://{connect_host}:{port}/agent/ws"
-        for node in fleet.nodes:
-            agent = Agent(
-                AgentOptions(
-                    [url],
-                    node.name,
-                    node.token,
-                    parse_fake_gpus(node.fake_gpus, node.name),
-                    address="127.0.0.1",
-                    fabric=node.fabric,
-                    heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
-                    engine_python=sys.executable,
-                    llama_server=settings.LLMGW_LLAMA_SERVER,
-                    ca_file=settings.LLMGW_AGENT_CA_FILE or None,
-                )
-            )
-            agents.append(agent)
-            tasks.append(asyncio.create_task(agent.run(), name=f"agent-{node.name}"))
+    agents = [] if fleet is None else start_agents(fleet, host, port, tasks)
     if on_ready is not None:
         on_ready()
 
@@ -127,15 +106,49 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
     if failure is not None:
         log.error("%s stopped: %s", failure.get_name(), failure.exception())
 
-    # Shut down: engines first (while the control plane can still hear their
-    # last status), then the ticker, then the servers.
     stop.set()
+    await shut_down(agents, ticker, [control, router], tasks)
+    if failure is not None:
+        raise failure.exception()
+
+
+def start_agents(fleet: DemoFleet, host: str, port: int, tasks: list[asyncio.Task]) -> list[Agent]:
+    """Start an agent for each node of the demo fleet, connected to the control plane at `host:port`; their
+    tasks join `tasks`."""
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    scheme = "wss" if settings.LLMGW_TLS_CERT_FILE else "ws"
+    url = f"{scheme}://{connect_host}:{port}/agent/ws"
+    agents = []
+    for node in fleet.nodes:
+        agent = Agent(
+            AgentOptions(
+                [url],
+                node.name,
+                node.token,
+                parse_fake_gpus(node.fake_gpus, node.name),
+                address="127.0.0.1",
+                fabric=node.fabric,
+                heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
+                engine_python=sys.executable,
+                llama_server=settings.LLMGW_LLAMA_SERVER,
+                ca_file=settings.LLMGW_AGENT_CA_FILE or None,
+            )
+        )
+        agents.append(agent)
+        tasks.append(asyncio.create_task(agent.run(), name=f"agent-{node.name}"))
+    return agents
+
+
+async def shut_down(
+    agents: list[Agent], ticker: Ticker, servers: list[uvicorn.Server], tasks: list[asyncio.Task]
+) -> None:
+    """Engines first (while the control plane can still hear their last status), then the ticker, then the
+    servers; whatever is still running after that is cancelled."""
     ticker.stop()
     await asyncio.gather(*(a.shutdown() for a in agents), return_exceptions=True)
-    control.should_exit = router.should_exit = True
+    for server in servers:
+        server.should_exit = True
     await asyncio.wait(tasks, timeout=15)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    if failure is not None:
-        raise failure.exception()

@@ -39,7 +39,7 @@ def router(start_router, hub, start_engine, wall_clock):
     engine = start_engine()
     table = make_table([engine.url, {"url": engine.url, "model": OTHER, "replica_id": "9"}], models=MODELS)
     hub.publish_endpoints(table)
-    return start_router(wall_clock=wall_clock)
+    return start_router(clock=wall_clock)
 
 
 def key(**fields) -> dict:

@@ -31,6 +31,7 @@ from hub import InProcessHub
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from keys.models import ApiKey
 from router.app import create_app
+from router.config import RouterConfig
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"
@@ -73,6 +74,16 @@ class Clock:
 
     def __call__(self):
         return self.now
+
+
+def pending_stamps(balancer) -> dict[str, float]:
+    """The last-use stamps the balancer's next take would hand over, left in place."""
+    return dict(balancer._stamps)
+
+
+def in_flight_by_model(balancer) -> dict[str, int]:
+    """Public model name -> requests in flight through the balancer now (models with none left out)."""
+    return {model: count for model, count in balancer._in_flight.items() if count}
 
 
 def chat_with_key(router, key):
@@ -432,7 +443,10 @@ def start_router(hub):
         kwargs.setdefault("connect_timeout", 1.0)
         kwargs.setdefault("first_byte_timeout", 5.0)
         kwargs.setdefault("idle_timeout", 5.0)
-        server = RouterServer(create_app(hub if router_hub is _FIXTURE_HUB else router_hub, **kwargs)).start()
+        key_cache, clock = kwargs.pop("key_cache", None), kwargs.pop("clock", time.time)
+        config = RouterConfig.from_settings(**kwargs)
+        app = create_app(hub if router_hub is _FIXTURE_HUB else router_hub, config, key_cache=key_cache, clock=clock)
+        server = RouterServer(app).start()
         started.append(server)
         return server
 

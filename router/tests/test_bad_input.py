@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from agent.mock_engine import EXTRA_ENDPOINTS
 from router.app import PROXY_PATHS, create_app
 from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
+from router.config import RouterConfig
 from router.errors import RouterError
 
 from .conftest import ALIAS, MODEL, make_table
@@ -146,7 +147,9 @@ paths = st.sampled_from(sorted(PROXY_PATHS) + ["/v1/models", "/health", "/nope",
 def in_process_router(hub, api_key, start_engine):
     """A started router app driven without a server, on an event loop of the test's own."""
     hub.publish_endpoints(make_table([start_engine().url]))
-    app = create_app(hub, activation_timeout=0, poll_seconds=30, flush_seconds=30, keepalive_seconds=0)
+    app = create_app(
+        hub, RouterConfig.from_settings(activation_timeout=0, poll_seconds=30, flush_seconds=30, keepalive_seconds=0)
+    )
     loop = asyncio.new_event_loop()
     loop.run_until_complete(app.state.start())
     yield app, loop, api_key

@@ -8,7 +8,7 @@ from router.balancer import Balancer, EjectionPolicy, Failure
 from router.metrics import RouterMetrics
 from router.table import TableError, decode_table
 
-from .conftest import ALIAS, MODEL, Clock, make_table, table_of, table_rows
+from .conftest import ALIAS, MODEL, Clock, in_flight_by_model, make_table, pending_stamps, table_of, table_rows
 
 
 def balancer_with(*endpoints, clock=None):
@@ -71,12 +71,12 @@ def test_pick_stamps_last_use_of_the_chosen_replica_only():
     now = [1000.0]
     balancer = balancer_with("http://a:1", "http://b:1", clock=lambda: now[0])
     chosen = balancer.pick(MODEL)
-    assert balancer.pending_stamps() == {chosen.replica_id: 1000.0}
+    assert pending_stamps(balancer) == {chosen.replica_id: 1000.0}
     now[0] = 1005.0
     balancer.release(chosen)
     again = balancer.pick(MODEL)
     assert balancer.take_usage()[0] == {chosen.replica_id: 1000.0, again.replica_id: 1005.0}
-    assert balancer.pending_stamps() == {}
+    assert pending_stamps(balancer) == {}
 
 
 def test_a_replica_serving_a_long_request_is_stamped_at_every_flush_until_it_ends():
@@ -107,13 +107,13 @@ def test_in_flight_peaks_are_counted_per_model_and_taken_with_the_stamps():
     first, second, third = (balancer.pick(MODEL) for _ in range(3))
     other = balancer.pick(OTHER)
     balancer.release(first)
-    assert balancer.in_flight_by_model() == {MODEL: 2, OTHER: 1}
+    assert in_flight_by_model(balancer) == {MODEL: 2, OTHER: 1}
     stamps, peaks = balancer.take_usage()
     assert peaks == {MODEL: 3, OTHER: 1}
     assert set(stamps) == {"1", "2", "3"}
     for endpoint in (second, third, other):
         balancer.release(endpoint)
-    assert balancer.in_flight_by_model() == {}
+    assert in_flight_by_model(balancer) == {}
 
 
 def test_a_peak_between_two_takes_survives_even_when_its_requests_ended_before_the_take():
@@ -146,16 +146,16 @@ def test_in_flight_follows_the_model_of_the_replica_across_table_updates():
     balancer = two_model_balancer()
     busy = balancer.pick(MODEL)
     balancer.apply_table(make_table([], models={MODEL: {"aliases": []}}, fingerprint="all gone"))
-    assert balancer.in_flight_by_model() == {MODEL: 1}
+    assert in_flight_by_model(balancer) == {MODEL: 1}
     balancer.release(busy)  # its replica left the table while the request ran
-    assert balancer.in_flight_by_model() == {}
+    assert in_flight_by_model(balancer) == {}
 
 
 def test_restored_stamps_do_not_overwrite_newer_ones():
     balancer = Balancer()
     balancer.restore_stamps({"1": 10.0, "2": 30.0})
     balancer.restore_stamps({"1": 20.0, "2": 5.0})
-    assert balancer.pending_stamps() == {"1": 20.0, "2": 30.0}
+    assert pending_stamps(balancer) == {"1": 20.0, "2": 30.0}
 
 
 def test_outstanding_requests_survive_a_table_update_for_the_same_replica():

@@ -8,7 +8,7 @@ import pytest
 
 from router.affinity import PREFIX_CHARS, prefix_affinity
 from router.balancer import Balancer
-from router.engine_load import balancer_options
+from router.config import RouterConfig
 
 from .conftest import MODEL, PROJECT, make_table
 
@@ -190,7 +190,8 @@ def test_bad_balancing_options_are_refused():
 def test_balancer_options_come_from_the_settings(settings):
     settings.LLMGW_KV_CACHE_FULL_FRACTION = 0.8
     settings.LLMGW_PREFIX_AFFINITY_SLACK = 2
-    assert balancer_options() == {"kv_full_fraction": 0.8, "affinity_slack": 2.0}
+    config = RouterConfig.from_settings()
+    assert (config.kv_full_fraction, config.affinity_slack) == (0.8, 2.0)
 
 
 # -- affinity keys ---------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import time
 import httpx
 import pytest
 
+from conftest import wait_until
+
 from .conftest import ALIAS, MODEL, make_table
 from .test_proxy import assert_openai_error, chat
 
@@ -35,7 +37,7 @@ def test_a_waiting_request_is_failed_as_soon_as_the_table_says_so(start_router, 
     waiter = threading.Thread(target=lambda: answers.append(httpx.post(url, headers=auth, json=body, timeout=20)))
     started = time.monotonic()
     waiter.start()
-    time.sleep(1.0)  # the request is waiting for a replica to start
+    wait_until(lambda: router.state.cold_start.waiting(MODEL) == 1)  # it waits for a replica to start
     assert not answers
     hub.publish_endpoints(make_table(models={MODEL: {"aliases": [ALIAS], "failed": REASON}}))
     waiter.join(10)

@@ -1,13 +1,14 @@
 """`manage.py router`: run the production router (uvicorn, uvloop, httptools), following the hub or on a fixed table."""
 
 import os
+from typing import Any
 
 import uvicorn
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from uvicorn.importer import import_from_string
 
-from router.serving import GracefulServer, server_config
+from router.serving import GracefulServer, server_config, server_options
 from router.static_table import TABLE_VARIABLE, EndpointSpecError, encode_table, parse_endpoints
 
 HUB_APP = "router.asgi:application"
@@ -20,7 +21,7 @@ class Command(BaseCommand):
         "is set); with --endpoint MODEL=URL (repeatable) it serves those engines on their own, with no control plane."
     )
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1).")
         parser.add_argument("--port", type=int, default=8080, help="Port to listen on (default 8080).")
         parser.add_argument("--workers", type=int, default=1, help="Router processes sharing the port (default 1).")
@@ -32,7 +33,7 @@ class Command(BaseCommand):
             help="Serve MODEL from the OpenAI-compatible engine at URL (repeatable; one URL per model).",
         )
 
-    def handle(self, *args, host, port, workers, endpoint, **options):
+    def handle(self, *args: Any, host: str, port: int, workers: int, endpoint: list[str], **options: Any) -> None:
         if not 0 < port < 65536:
             raise CommandError(f"--port {port}: must be between 1 and 65535")
         if workers < 1:
@@ -51,20 +52,7 @@ class Command(BaseCommand):
         grace = settings.LLMGW_SHUTDOWN_GRACE_SECONDS
         if workers == 1:
             # One process: on SIGTERM the app refuses new requests at once and streams finish within the grace.
-            config = server_config(import_from_string(app), host=host, port=port, grace=grace, access_log=False)
-            GracefulServer(config).run()
+            GracefulServer(server_config(import_from_string(app), host=host, port=port, grace=grace)).run()
             return
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            workers=workers,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            # As measured in bench/README.md: the access log and proxy-headers middleware cost per request.
-            access_log=False,
-            proxy_headers=False,
-            # Each worker closes its listener on SIGTERM and lets requests in flight finish this long.
-            timeout_graceful_shutdown=grace,
-        )
+        # Each worker closes its listener on SIGTERM and lets requests in flight finish for the grace.
+        uvicorn.run(app, host=host, port=port, workers=workers, **server_options(grace))

@@ -1,0 +1,82 @@
+"""The router's configuration: one frozen value, read from the settings once, handed to every part.
+
+`RouterConfig.from_settings()` reads the LLMGW_* settings (already checked at
+start-up, llmgw_site.settings); tests and benches pass overrides by name. The
+router's parts (state, proxy, cold start, sweep, flusher) take it instead of a
+dozen keyword arguments each. How the server runs it is
+`router.serving.server_options`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from .ejection import EjectionPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How one router app behaves; `from_settings()` builds it from the LLMGW_* settings.
+
+    `connect_timeout` bounds connecting to an engine, `first_byte_timeout` the
+    wait for its answer to begin, `idle_timeout` the silence between chunks
+    after that; nothing bounds a whole stream. `max_waiters` bounds the
+    requests held per model while it starts, `keepalive_seconds` how often a
+    stream held that way hears a keep-alive (0: it is not answered until a
+    replica is ready). `ejection` says when failing replicas are ejected.
+    `router_id` names this router's usage reports and watch mark (None: a new
+    id per process, `router.usage.new_router_id`).
+    """
+
+    activation_timeout: float
+    poll_seconds: float
+    flush_seconds: float
+    connect_timeout: float
+    first_byte_timeout: float
+    idle_timeout: float
+    max_waiters: int
+    kv_full_fraction: float
+    affinity_slack: float
+    metrics_token: str = ""
+    retry_after: int = 10
+    max_body_bytes: int = 64 * 1024 * 1024
+    keepalive_seconds: float = 10.0
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
+    router_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation_timeout < 0:
+            raise ValueError(f"activation_timeout must be >= 0, not {self.activation_timeout!r}")
+        for name in ("poll_seconds", "flush_seconds", "connect_timeout", "first_byte_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
+        if self.max_waiters < 0 or self.retry_after < 0 or self.max_body_bytes < 0 or self.keepalive_seconds < 0:
+            raise ValueError("max_waiters, retry_after, max_body_bytes and keepalive_seconds must be >= 0")
+        if self.router_id is not None and not self.router_id:
+            raise ValueError("router_id must be a non-empty string (or None for a new one per process)")
+
+    @classmethod
+    def from_settings(cls, **overrides: Any) -> RouterConfig:
+        """The configuration the settings give, with `overrides` (field names) in place of theirs."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"RouterConfig has no field {', '.join(sorted(unknown))}")
+        return cls(
+            **{
+                "activation_timeout": float(settings.LLMGW_ACTIVATION_TIMEOUT_SECONDS),
+                "poll_seconds": float(settings.LLMGW_ROUTER_POLL_SECONDS),
+                "flush_seconds": float(settings.LLMGW_USAGE_FLUSH_SECONDS),
+                "connect_timeout": float(settings.LLMGW_UPSTREAM_CONNECT_SECONDS),
+                "first_byte_timeout": float(settings.LLMGW_UPSTREAM_FIRST_BYTE_SECONDS),
+                "idle_timeout": float(settings.LLMGW_UPSTREAM_IDLE_SECONDS),
+                "max_waiters": int(settings.LLMGW_MAX_WAITERS_PER_MODEL),
+                "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
+                "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
+                "metrics_token": settings.LLMGW_METRICS_TOKEN or "",
+                **overrides,
+            }
+        )
