@@ -13,8 +13,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# package -> the most lines one of its functions may have.
-LIMITS = {"router": 50}
+# package -> the most lines one of its functions may have: the router's hot path is held tighter than the rest.
+LIMITS = {
+    "router": 50,
+    **dict.fromkeys(
+        [
+            "hub",
+            "catalog",
+            "inventory",
+            "keys",
+            "reconciler",
+            "dashboard",
+            "agentlink",
+            "runner",
+            "agent",
+            "llmgw_site",
+        ],
+        59,
+    ),
+}
 SKIPPED_FOLDERS = {"tests", "migrations"}
 
 
