@@ -24,6 +24,7 @@ from agent.runtime import Agent, AgentOptions
 from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app
+from router.serving import server_options
 
 from .demo import DemoFleet
 from .ticker import Ticker
@@ -77,8 +78,8 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
         control_sock.close()
         raise
     control = _Server(uvicorn.Config("llmgw_site.asgi:application", **control_plane_options()))
-    # The router reads no client address, so the proxy-headers middleware is pure cost.
-    router = _Server(uvicorn.Config(create_app(), lifespan="on", log_level="warning", proxy_headers=False))
+    # Served as a router process serves it (its loop is this process's, already running).
+    router = _Server(uvicorn.Config(create_app(), **server_options(settings.LLMGW_SHUTDOWN_GRACE_SECONDS)))
 
     stop = asyncio.Event()
     ticker = Ticker(get_hub())
