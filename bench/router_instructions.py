@@ -3,6 +3,7 @@ CPU time on a shared 2-core machine, comes out the same run after run.
 
     .venv/bin/python bench/router_instructions.py [--requests 2000] [--concurrency 16] [--mode json,stream]
                                                   [--targets floor,router] [--key-features scope,limits]
+                                                  [--keep DIR]
 
 The builtin engine of `router_bench.py` answers; the floor (`floor_proxy.py`)
 and the router (as `router_bench.py` serves it) each run under callgrind in
@@ -12,6 +13,8 @@ instructions the process ran in between, divided by the requests. Start-up is
 left out, and so is the load generator (another process). Under callgrind a
 process runs some 50 times slower, so what is counted is the work per request,
 not how it overlaps: compare targets with each other, not with CPU times.
+With `--keep DIR` the dumps stay in DIR, to read per function:
+`callgrind_annotate --inclusive=yes DIR/callgrind.router.<pid>.<n>`.
 Needs valgrind (`apt-get install valgrind`).
 """
 
@@ -102,6 +105,7 @@ def main() -> None:
     parser.add_argument("--mode", default="json,stream", help="json and/or stream (comma list)")
     parser.add_argument("--targets", default="floor,router", help="floor and/or router (comma list)")
     parser.add_argument("--key-features", default="scope,limits", help="the router's key (see router_bench.py)")
+    parser.add_argument("--keep", metavar="DIR", help="keep callgrind's dumps in DIR (made if missing)")
     args = parser.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
         parser.error("--requests and --concurrency must be >= 1, --warmup >= 0")
@@ -114,7 +118,10 @@ def main() -> None:
     engine_url = f"http://127.0.0.1:{engine_port}"
     engine = subprocess.Popen([sys.executable, str(BENCH), "--serve-engine", str(engine_port)], cwd=ROOT)
     results: dict[str, dict[str, int]] = {}
-    with tempfile.TemporaryDirectory(prefix="llmgw-instructions-") as workdir:
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="llmgw-instructions-") as scratch:
+        workdir = os.path.abspath(args.keep) if args.keep else scratch
         try:
             for target in args.targets.split(","):
                 port = free_port()

@@ -174,7 +174,7 @@ class RouterApp:
         """The request's key if the key cache answers for it (None: the store must be asked), or a 401
         RouterError. No coroutine: the hot path of every request."""
         info = self._keys.cached(bearer_token(scope))
-        return None if info is NOT_CACHED else usable_key(info, self._wall_clock())
+        return None if info is NOT_CACHED else usable_key(info, self._wall_clock)
 
     async def _authorize(self, scope: Scope) -> KeyInfo:
         """The request's key, or a RouterError: 401 when missing, unknown, revoked or expired."""
@@ -202,7 +202,7 @@ class RouterApp:
                 "key_check_unavailable",
                 type_="server_error",
             ) from None
-        return usable_key(info, self._wall_clock())
+        return usable_key(info, self._wall_clock)
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         traffic = self._metrics.traffic
@@ -280,13 +280,13 @@ def bearer_token(scope: Scope) -> str:
     return key
 
 
-def usable_key(info: KeyInfo | None, now: float) -> KeyInfo:
-    """`info` if it is a key that may be used at `now` (wall clock), or a 401 RouterError: unknown, revoked
-    or expired."""
+def usable_key(info: KeyInfo | None, clock: Callable[[], float]) -> KeyInfo:
+    """`info` if it is a key that may be used now (`clock`: the wall clock, read only for a key that
+    expires), or a 401 RouterError: unknown, revoked or expired."""
     if info is None:
         raise RouterError(401, "Invalid API key (unknown or revoked).", "invalid_api_key")
     expires_at = info.expires_at
-    if expires_at is not None and now >= expires_at:
+    if expires_at is not None and clock() >= expires_at:
         when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="seconds")
         raise RouterError(401, f"The API key “{info.name}” expired at {when}.", "expired_api_key")
     return info

@@ -178,7 +178,7 @@ class Proxy:
                 raise
             else:
                 self.metrics.traffic.upstream_latency(request.model, time.perf_counter() - started)
-                exchange.wait(None)  # the answer has begun; what it still owes is awaited below, each wait named
+                exchange.wait(NEXT_CHUNK)  # the answer has begun: the rest of it is owed from now
                 if response.status < 500:
                     balancer.succeeded(endpoint)
                     break
@@ -314,9 +314,8 @@ class Proxy:
         served = 200 <= response.status < 300
         usage = None
         try:
-            exchange.wait(NEXT_CHUNK)
             try:
-                body = await response.read()
+                body = await response.read()  # owed as the next chunk since the answer began (_send_upstream)
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
                 if not exchange.engine_failed(exc):
                     raise

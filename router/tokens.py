@@ -159,7 +159,8 @@ def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes)
         usage = _ANSWER_DECODER.decode(body).usage
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return None if usage is None else usage.counts()
+    # Not usage.counts(): a call less on the path of every JSON answer.
+    return None if usage is None else (usage.prompt_tokens, usage.completion_tokens or 0)
 
 
 class JsonUsage:
