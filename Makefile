@@ -27,10 +27,11 @@ lint: $(VENV)/.installed
 test-sqlite: $(VENV)/.installed
 	$(PY) -m pytest
 
-# The e2e tests run `up` on a SQLite file of their own whatever DATABASE_URL says,
-# so the PostgreSQL pass leaves them out rather than running them twice.
+# The PostgreSQL pass runs every test that reaches the database (LLMGW_TEST_DATABASE_ONLY, see conftest.py);
+# the rest ran already in the SQLite pass and would run the same. The e2e tests run `up` on a SQLite file of
+# their own whatever DATABASE_URL says, so they are left out too.
 test-postgres: $(VENV)/.installed
-	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
+	LLMGW_TEST_DATABASE_ONLY=1 DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
 
 test: lint browser llama-server test-sqlite test-postgres
 

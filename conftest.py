@@ -46,15 +46,30 @@ def migrate_to(targets=None):
     return executor.loader.project_state([target for target in targets if target[1] is not None]).apps
 
 
+# The fixtures through which a test reaches the database (pytest-django refuses it any other way).
+DATABASE_FIXTURES = frozenset({"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"})
+
+
+def uses_database(item) -> bool:
+    """Whether a collected test reaches the database: a django_db mark, or a fixture that needs one."""
+    return item.get_closest_marker("django_db") is not None or not DATABASE_FIXTURES.isdisjoint(item.fixturenames)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Leave PostgreSQL-only scenarios out when the suite runs on SQLite (they run in the PostgreSQL pass)."""
+    """Leave out what one pass of the suite does not need.
+
+    On SQLite: the PostgreSQL-only scenarios (they run in the PostgreSQL pass).
+    With LLMGW_TEST_DATABASE_ONLY=1 (the Makefile's PostgreSQL pass): every test
+    that never reaches the database, which the SQLite pass has run already.
+    """
     from django.conf import settings
 
-    if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.sqlite3":
-        return
+    sqlite = settings.DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3"
+    database_only = os.environ.get("LLMGW_TEST_DATABASE_ONLY", "") == "1"
     kept, left_out = [], []
     for item in items:
-        (left_out if item.get_closest_marker("postgres_only") else kept).append(item)
+        leave_out = (sqlite and item.get_closest_marker("postgres_only")) or (database_only and not uses_database(item))
+        (left_out if leave_out else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
