@@ -106,7 +106,7 @@ class EnvShownMasked:
 
     @admin.display(description="engine env")
     def masked_env(self, obj) -> str:
-        return shown(obj.env) or "-"
+        return shown(dict(sorted(obj.env.items()))) or "-"  # by name: jsonb keeps no insertion order
 
 
 class AliasForm(forms.ModelForm):

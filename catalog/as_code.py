@@ -96,7 +96,9 @@ def export_catalog() -> dict[str, Any]:
 
 def _exported_profile(profile: Profile) -> dict[str, Any]:
     # Secret values stay out of the file (it is meant for version control); applying the mask keeps them.
-    return {name: masked(profile.env) if name == "env" else getattr(profile, name) for name in PROFILE_FIELDS}
+    # Variables by name: PostgreSQL's jsonb keeps its own key order, and the file reads the same on any database.
+    env = dict(sorted(masked(profile.env).items()))
+    return {name: env if name == "env" else getattr(profile, name) for name in PROFILE_FIELDS}
 
 
 def dump_catalog(data: dict[str, Any]) -> str:

@@ -137,7 +137,7 @@ def test_the_model_page_inline_and_the_profile_list_mask_secrets(admin_client, p
     assert json.loads(shown_env(page, "profiles-0-env"))["HF_TOKEN"] == "***"
     listing = html.unescape(admin_client.get("/admin/catalog/profile/").content.decode())
     assert SECRET not in listing
-    assert "VLLM_CPU_KVCACHE_SPACE=1 HF_TOKEN='***'" in listing
+    assert "HF_TOKEN='***' VLLM_CPU_KVCACHE_SPACE=1" in listing
 
 
 def test_a_user_who_may_only_view_sees_the_env_masked(client, profile):
@@ -147,4 +147,4 @@ def test_a_user_who_may_only_view_sees_the_env_masked(client, profile):
         assert response.status_code == 200, url
         page = html.unescape(response.content.decode())
         assert SECRET not in page, url
-        assert "VLLM_CPU_KVCACHE_SPACE=1 HF_TOKEN='***'" in page, url
+        assert "HF_TOKEN='***' VLLM_CPU_KVCACHE_SPACE=1" in page, url

@@ -92,7 +92,7 @@ def test_yaml_env_applies_exports_masked_and_applies_back_exactly(tmp_path):
 
     exported = run("export")
     assert TOKEN not in exported
-    assert "env: {VLLM_CPU_KVCACHE_SPACE: '1', HF_TOKEN: '***'}" in exported
+    assert "env: {HF_TOKEN: '***', VLLM_CPU_KVCACHE_SPACE: '1'}" in exported
     before = list(Profile.objects.values_list())
     assert run("apply", str(_write(tmp_path / "out.yaml", exported))).splitlines()[0] == "left alone   tiny-llama"
     assert list(Profile.objects.values_list()) == before
