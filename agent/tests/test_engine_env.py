@@ -70,8 +70,19 @@ def test_a_bad_secret_value_is_named_without_showing_it():
     assert problem is not None and "HF_TOKEN" in problem and "sup3r" not in problem
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "mock"])
-def test_every_variable_the_agent_sets_for_an_engine_is_refused_on_a_profile(engine):
+@pytest.mark.parametrize(
+    ("engine", "rank", "node_count"),
+    [
+        ("vllm", 0, 1),
+        ("vllm", 0, 2),
+        ("vllm", 1, 2),
+        ("sglang", 0, 1),
+        ("sglang", 1, 2),
+        ("llamacpp", 0, 1),
+        ("mock", 0, 1),
+    ],
+)
+def test_every_variable_the_agent_sets_for_an_engine_is_refused_on_a_profile(engine, rank, node_count):
     # A profile setting one would only appear to change it: the agent's value is applied after the profile's.
     launch = build_launch(
         engine,
@@ -79,9 +90,9 @@ def test_every_variable_the_agent_sets_for_an_engine_is_refused_on_a_profile(eng
         source="org/m",
         port=8000,
         gpu_indices=[0],
-        rank=0,
-        node_count=1,
-        head_address="",
+        rank=rank,
+        node_count=node_count,
+        head_address="10.0.0.1",
         args=[],
         host="127.0.0.1",
         python="python",
