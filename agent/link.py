@@ -32,6 +32,10 @@ from .control_planes import address_problem
 from .protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
 
 log = logging.getLogger(__name__)
+# websockets logs the handshake's headers and every frame at DEBUG: the node token, and start_shard's
+# engine env with its secret values (agent/engine_env.py). Its lines for the link go here, kept at INFO.
+_wire_log = logging.getLogger(f"{__name__}.wire")
+_wire_log.setLevel(logging.INFO)
 
 BACKOFF_FIRST_SECONDS = 0.2
 BACKOFF_MAX_SECONDS = 30.0
@@ -236,6 +240,7 @@ class ControlPlaneLink:
                 compression=None,
                 # An ssl context only for wss:// (websockets refuses one for ws://).
                 ssl=self._tls if uri.startswith("wss://") else None,
+                logger=_wire_log,
             )
         )
         closing = asyncio.ensure_future(self.closing.wait())

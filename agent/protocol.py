@@ -23,6 +23,7 @@ the newest epoch it has seen (fencing, DESIGN invariant 1). A command with a
 not; the control plane re-sends it until then (reconciler/commands.py)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{},
+                (env: extra environment for the engine, checked by agent/engine_env.py)
                 host (the address the engine listens on; "" = the agent's --address)
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
@@ -37,6 +38,8 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
+
+from .engine_env import env_problem
 
 PROTOCOL_VERSION = 1
 
@@ -381,6 +384,9 @@ def _check(obj: Any, types: dict[str, type[Any]]) -> Any:
         raise ProtocolError(
             "start_shard: engine args must be a list of strings (an argv), not a shell string - at `$.args`", **found
         )
+    if kind == START_SHARD and "env" in obj and (problem := env_problem(obj["env"])) is not None:
+        # Checked before the types, so a bad value is named by its variable; the message holds no value.
+        raise ProtocolError(f"start_shard: {problem} - at `$.env`", **found)
     try:
         return msgspec.convert(obj, types[kind], strict=True)
     except msgspec.ValidationError as exc:

@@ -30,7 +30,7 @@ import logging
 import os
 import shlex
 
-from . import draining, protocol
+from . import draining, engine_env, protocol
 from .engine_load import EngineLoad
 from .engines import Launch, build_launch
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
@@ -245,10 +245,12 @@ class Agent:
                 port_busy=True,
             )
             return
-        # The assigned GPUs (in launch.env) always win over a profile's environment.
+        # The assigned GPUs (in launch.env) always win over a profile's environment (whose gate refuses
+        # the names the agent sets, agent/engine_env.py).
         # Hub downloads land in the weights root, where the weights inventory looks (agent/weights.py).
         weights_env = {"HF_HOME": self.options.weights_root} if self.options.weights_root else {}
-        env = {**os.environ, **weights_env, **cmd.env, **launch.env}
+        added = {**weights_env, **cmd.env, **launch.env}
+        env = {**os.environ, **added}
         try:
             # The name prefixes every line of the engine's output in the agent's log.
             engine = await EngineProcess.launch(
@@ -259,8 +261,10 @@ class Agent:
             return
         shard = Shard(cmd.shard_id, cmd.replica_id, cmd.port, launch, engine)
         self._shards[cmd.shard_id] = shard
-        # Shell-quoted, so the line can be pasted into a shell to run the engine by hand.
-        log.info("shard %s: started %s (pid %s)", cmd.shard_id, shlex.join(launch.argv), engine.pid)
+        # Shell-quoted, so the line can be pasted into a shell to run the engine by hand (secrets masked:
+        # the log is no place for a token, agent/engine_env.py).
+        command_line = " ".join(filter(None, [engine_env.shown(added), shlex.join(launch.argv)]))
+        log.info("shard %s: started %s (pid %s)", cmd.shard_id, command_line, engine.pid)
         await self._report(cmd.shard_id, "starting")
         shard.watch = asyncio.create_task(self._watch(shard), name=f"shard-{cmd.shard_id}-watch")
 

@@ -8,7 +8,9 @@ from django.core.exceptions import ValidationError
 from django.utils.html import escape
 from django.utils.safestring import mark_safe
 
-from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Alias, Model, Profile, name_clash
+from agent.engine_env import masked, shown
+
+from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets, name_clash
 
 # The GPU classes nodes report. The catalog sits below inventory in the stack, so inventory's admin
 # plugs its query in here (set_gpu_class_source) rather than the catalog importing it.
@@ -47,13 +49,64 @@ class GPUClassInput(forms.TextInput):
         return mark_safe(f'{html}<datalist id="{list_id}">{options}</datalist>')
 
 
+class EngineEnvField(forms.JSONField):
+    """A profile's engine env as JSON, the value of every secret name shown as the mask, never in plain text.
+
+    The stored value is the field's initial, so handing the mask back counts as no change.
+    """
+
+    def prepare_value(self, value):
+        return super().prepare_value(masked(value) if isinstance(value, dict) else value)
+
+    def has_changed(self, initial, data):
+        try:
+            value = self.to_python(data)
+        except ValidationError:
+            return True
+        if isinstance(value, dict) and isinstance(initial, dict):
+            value, _ = keep_stored_secrets(value, initial)
+        return super().has_changed(initial, value)
+
+
 class ProfileForm(forms.ModelForm):
-    """A profile, its GPU class suggested from what nodes report."""
+    """A profile, its GPU class suggested from what nodes report and its secret env values masked."""
 
     class Meta:
         model = Profile
         exclude: list[str] = []  # every editable field; the admins choose which to show
         widgets = {"gpu_class": GPUClassInput}
+        field_classes = {"env": EngineEnvField}
+
+    def clean_env(self):
+        # An emptied box means no variables; a secret left as the mask keeps the value stored.
+        env, problem = keep_stored_secrets(self.cleaned_data["env"] or {}, self.instance.env or {})
+        if problem is not None:
+            raise ValidationError(problem)
+        return env
+
+
+class EnvShownMasked:
+    """For ModelAdmins showing profiles: to a user who may view but not change them, the engine env is
+    shown masked (a read-only JSON field would print every value)."""
+
+    def _env_read_only(self, request, obj) -> bool:
+        # An add form (no obj) is editable, and its env field masks by itself.
+        return obj is not None and not self.has_change_permission(request, obj)
+
+    def get_fields(self, request, obj=None):
+        fields = super().get_fields(request, obj)
+        if not self._env_read_only(request, obj):
+            return fields
+        swap = {"env": "masked_env"}
+        return [tuple(swap.get(f, f) for f in row) if isinstance(row, tuple) else swap.get(row, row) for row in fields]
+
+    def get_readonly_fields(self, request, obj=None):
+        fields = list(super().get_readonly_fields(request, obj))
+        return [*fields, "masked_env"] if self._env_read_only(request, obj) else fields
+
+    @admin.display(description="engine env")
+    def masked_env(self, obj) -> str:
+        return shown(dict(sorted(obj.env.items()))) or "-"  # by name: jsonb keeps no insertion order
 
 
 class AliasForm(forms.ModelForm):
@@ -94,7 +147,7 @@ class AliasInline(admin.TabularInline):
     extra = 1
 
 
-class ProfileInline(admin.StackedInline):
+class ProfileInline(EnvShownMasked, admin.StackedInline):
     """A model's profiles: alternatives tried in order (lowest first); the first sets the model's demand."""
 
     model = Profile
@@ -144,9 +197,15 @@ class AliasAdmin(admin.ModelAdmin):
 
 
 @admin.register(Profile)
-class ProfileAdmin(admin.ModelAdmin):
-    # engine_args is free-form JSON, too wide for a column; the rest are short values.
-    list_display = ["model", "order", *(name for name in PROFILE_FIELDS if name != "engine_args"), "start_seconds"]
+class ProfileAdmin(EnvShownMasked, admin.ModelAdmin):
+    # engine_args is free-form JSON, too wide for a column; the env is shown masked; the rest are short values.
+    list_display = [
+        "model",
+        "order",
+        *(name for name in PROFILE_FIELDS if name not in ("engine_args", "env")),
+        "masked_env",
+        "start_seconds",
+    ]
     list_filter = ["engine", "gpu_class", "pool"]
     search_fields = ["model__name", "gpu_class"]
     list_select_related = ["model"]

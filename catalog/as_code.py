@@ -4,7 +4,9 @@ Models are matched by name, profiles by position: an existing profile row is
 updated in place, so it keeps its id, its learned start time and the replicas
 on it; rows beyond the file's list are deleted, and their replicas go with
 them by cascade (agents then stop the orphaned engines). Applying the same
-file twice changes nothing the second time.
+file twice changes nothing the second time. Secret engine env values are
+exported as the mask (agent/engine_env.py), and a mask applied keeps the
+stored value (`catalog.models.keep_stored_secrets`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import yaml
 from django.db import transaction
 from django.db.models import Count, Prefetch
 
+from agent.engine_env import masked
+
 from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
-from .models import PROFILE_FIELDS, Alias, Model, Profile
+from .models import PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 
@@ -83,11 +87,18 @@ def export_catalog() -> dict[str, Any]:
                 "source": model.source,
                 "enabled": model.enabled,
                 "aliases": [alias.name for alias in model.aliases.all()],
-                "profiles": [{name: getattr(p, name) for name in PROFILE_FIELDS} for p in model.profiles.all()],
+                "profiles": [_exported_profile(p) for p in model.profiles.all()],
             }
             for model in models
         ]
     }
+
+
+def _exported_profile(profile: Profile) -> dict[str, Any]:
+    # Secret values stay out of the file (it is meant for version control); applying the mask keeps them.
+    # Variables by name: PostgreSQL's jsonb keeps its own key order, and the file reads the same on any database.
+    env = dict(sorted(masked(profile.env).items()))
+    return {name: env if name == "env" else getattr(profile, name) for name in PROFILE_FIELDS}
 
 
 def dump_catalog(data: dict[str, Any]) -> str:
@@ -110,6 +121,7 @@ def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
     unlisted = [m for name, m in sorted(existing.items()) if name not in listed]
     kept = [] if prune else [(m.name, [a.name for a in m.aliases.all()]) for m in unlisted]
     check_names(wanted, kept, problems)
+    _keep_stored_secrets(wanted, existing, problems)
     if problems:
         raise CatalogFileError(problems)
     plans = [_plan_model(w, existing.get(w.name)) for w in wanted]
@@ -135,6 +147,26 @@ def apply_catalog(data: Any, *, prune: bool = False, dry_run: bool = False) -> P
         if not dry_run:
             _carry_out(plan)
     return plan
+
+
+def _keep_stored_secrets(wanted: list[WantedModel], existing: dict[str, Model], problems: list[str]) -> None:
+    """Put back the stored value of each secret the file shows as the mask (as `export` writes it).
+
+    The model's profiles are looked up as `keep_stored_secrets` says (the value
+    they agree on, else the profile at the same position); a mask with nothing
+    stored behind it is a problem naming the variable.
+    """
+    for model in wanted:
+        current = existing.get(model.name)
+        rows = list(current.profiles.all()) if current is not None else []
+        for i, fields in enumerate(model.profiles):
+            if "env" not in fields:
+                continue  # an entry that was not a mapping, already named
+            stored = rows[i].env if i < len(rows) else {}
+            siblings = [row.env for j, row in enumerate(rows) if j != i]
+            fields["env"], problem = keep_stored_secrets(fields["env"], stored, siblings)
+            if problem is not None:
+                problems.append(f"{model.label}: profiles[{i}].env: {problem}")
 
 
 def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:

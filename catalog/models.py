@@ -1,8 +1,13 @@
 """Catalog models: a served Model, its Aliases and its ordered Profiles."""
 
+from collections.abc import Iterable
+from typing import Any
+
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
+
+from agent.engine_env import MASK, env_problem, is_secret
 
 from .choices import Engine
 
@@ -73,6 +78,45 @@ def engine_args_problem(value) -> str | None:
     return f"{expected}, not {what}."
 
 
+def engine_env_problem(value) -> str | None:
+    """Why `value` is not an engine environment (names to string values), naming the variable; None if it is one.
+
+    The rule is the agent's (agent/engine_env.py), so a profile the catalog takes is one its agents start.
+    """
+    return env_problem(value)
+
+
+def keep_stored_secrets(submitted, stored: dict, siblings: Iterable[dict] = ()) -> tuple[Any, str | None]:
+    """`submitted` with every secret shown as the mask given its stored value back, and a problem or None.
+
+    Export, REST reads and admin show secret values as the mask; handing the
+    mask back means "keep the value". `stored` is the env of the profile being
+    written ({} for a new one), `siblings` those of its model's other profiles:
+    the mask takes the one value they all hold for the name (so reordering
+    profiles keeps each secret), else this profile's own. A mask with no
+    stored value behind it is refused, naming the variable.
+    """
+    if not isinstance(submitted, dict):
+        return submitted, None  # engine_env_problem names what is wrong
+    envs = [stored, *siblings]
+    kept = dict(submitted)
+    for name, value in submitted.items():
+        if not (isinstance(name, str) and is_secret(name) and value == MASK):
+            continue
+        values = {env[name] for env in envs if isinstance(env, dict) and name in env}
+        if len(values) == 1:
+            kept[name] = values.pop()
+        elif name in stored:
+            kept[name] = stored[name]
+        else:
+            held = "no profile of this model has one" if not values else "this model's profiles hold different ones"
+            return (
+                submitted,
+                f"Variable {name}: “{MASK}” stands for a value already stored, and {held}; give the value.",
+            )
+    return kept, None
+
+
 class Model(models.Model):
     """A model served under a public name, with the source its weights come from."""
 
@@ -126,6 +170,7 @@ PROFILE_FIELD_ROWS = (
     ("min_replicas", "max_replicas", "target_concurrency"),
     ("priority", "pool", "weight", "idle_timeout_seconds"),
     ("engine_args",),
+    ("env",),
 )
 PROFILE_FIELDS = tuple(name for row in PROFILE_FIELD_ROWS for name in row)
 
@@ -182,6 +227,14 @@ class Profile(models.Model):
     engine_args = models.JSONField(
         "engine args", default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
     )
+    env = models.JSONField(
+        "engine env",
+        default=dict,
+        blank=True,
+        help_text='Extra environment for the engine process, e.g. {"OMP_NUM_THREADS": "8"}; values are strings. '
+        f"Values of names ending in KEY, TOKEN, SECRET or PASSWORD are shown as {MASK}; "
+        f"leave {MASK} to keep the stored value.",
+    )
     start_seconds = models.FloatField(
         "start time (seconds)",
         null=True,
@@ -215,6 +268,9 @@ class Profile(models.Model):
         problem = engine_args_problem(self.engine_args)
         if problem is not None:
             errors["engine_args"] = problem
+        problem = engine_env_problem(self.env)
+        if problem is not None:
+            errors["env"] = problem
         if self.min_replicas is not None and self.max_replicas is not None and self.max_replicas < self.min_replicas:
             errors["max_replicas"] = f"Max replicas ({self.max_replicas}) is below min replicas ({self.min_replicas})."
         if self.engine == Engine.LLAMACPP and (self.nodes_per_replica or 1) > 1:

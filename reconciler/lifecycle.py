@@ -212,7 +212,7 @@ def start_fields(
         "gpu_indices": sorted(gpu_indices),
         "port": shard.port,
         "args": list(replica.profile.engine_args or []),
-        "env": {},
+        "env": dict(replica.profile.env or {}),
         "host": host,
     }
 

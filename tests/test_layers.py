@@ -27,8 +27,8 @@ ALONE = {
 # Who may import a package that stands alone outside the layers: the embedded runner runs a router in its process.
 ALONE_USERS = {"router": {"runner"}}
 # What the control plane may use of the agent package: the protocol both ends speak, where weights live,
-# and the rule for the control-plane addresses an agent is given.
-AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.control_planes"}
+# the rule for the control-plane addresses an agent is given, and the rule for a profile's engine env.
+AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.control_planes", "agent.engine_env"}
 # The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
 AGENT_USERS = {
     "runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.options", "agent.cli"},

@@ -51,7 +51,12 @@ def fleet_catalog():
                 "llama-70b",
                 aliases=["llama", "l70"],
                 profiles=[
-                    profile(gpus_per_node=8, priority=10, engine_args=["--max-model-len", "8192"]),
+                    profile(
+                        gpus_per_node=8,
+                        priority=10,
+                        engine_args=["--max-model-len", "8192"],
+                        env={"OMP_NUM_THREADS": "8", "HF_TOKEN": "hf_fleet_secret"},
+                    ),
                     profile(gpu_class="L40S-48GB", gpus_per_node=4, idle_timeout_seconds=0),
                 ],
             ),
@@ -91,6 +96,7 @@ def test_export_writes_the_profile_fields_in_list_order_and_nothing_learned(flee
         "weight": 1,
         "idle_timeout_seconds": None,
         "engine_args": ["--max-model-len", "8192"],
+        "env": {"OMP_NUM_THREADS": "8", "HF_TOKEN": "***"},
     }
     assert "start_seconds" not in exported[1]["profiles"][0] and "order" not in exported[1]["profiles"][0]
 

@@ -3,6 +3,7 @@
 from django.utils import timezone
 from rest_framework import serializers
 
+from agent.engine_env import MASK, masked
 from catalog.catalog_file import PROFILE_FIELDS
 from catalog.models import Model, Profile
 from inventory.models import GPU, Node
@@ -10,11 +11,28 @@ from keys.models import ApiKey, TokenUsage
 from reconciler.idle import Idle
 from reconciler.models import Replica
 
+ENV_HELP = (
+    'Extra environment for the engine process, names to string values, e.g. {"OMP_NUM_THREADS": "8"}. '
+    f"Values of names ending in KEY, TOKEN, SECRET or PASSWORD read as {MASK}; "
+    f"writing {MASK} back keeps the stored value."
+)
+
+
+class MaskedEnvField(serializers.DictField):
+    """A profile's engine env as read: secret values masked (agent/engine_env.py)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(child=serializers.CharField(), read_only=True, help_text=ENV_HELP, **kwargs)
+
+    def to_representation(self, value):
+        return super().to_representation(masked(value or {}))
+
 
 class ProfileSerializer(serializers.ModelSerializer):
-    """A profile as read (with its id, order and learned start time)."""
+    """A profile as read (with its id, order and learned start time); secret env values masked."""
 
     engine_args = serializers.ListField(child=serializers.CharField(), read_only=True)
+    env = MaskedEnvField()
 
     class Meta:
         model = Profile
@@ -150,6 +168,9 @@ class ProfileWriteSerializer(serializers.ModelSerializer):
     def get_fields(self):
         fields = super().get_fields()
         fields["engine_args"] = serializers.ListField(child=serializers.CharField(), required=False)
+        fields["env"] = serializers.DictField(
+            child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False, help_text=ENV_HELP
+        )
         return fields
 
 
