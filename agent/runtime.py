@@ -259,6 +259,12 @@ class Agent:
             return
         shard = Shard(cmd.shard_id, cmd.replica_id, cmd.port, launch, engine)
         self._shards[cmd.shard_id] = shard
+        if cmd.node_count > 1:
+            # The engine's argv may not say it (the mock's does not): where this rank meets the others.
+            log.info(
+                "shard %s: rank %s of %s, head %s, rendezvous port %s, port %s",
+                cmd.shard_id, cmd.rank, cmd.node_count, cmd.head_address, cmd.rendezvous_port, cmd.port,
+            )  # fmt: skip
         # Shell-quoted, so the line can be pasted into a shell to run the engine by hand.
         log.info("shard %s: started %s (pid %s)", cmd.shard_id, shlex.join(launch.argv), engine.pid)
         await self._report(cmd.shard_id, "starting")
@@ -280,6 +286,7 @@ class Agent:
             head_address=cmd.head_address,
             args=list(cmd.args),
             host=cmd.host or self.options.address,
+            rendezvous_port=cmd.rendezvous_port,
             python=self.options.engine_python,
             llama_server=self.options.llama_server,
         )

@@ -24,7 +24,7 @@ from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, Sh
 from inventory.models import Node
 
 from .choices import ReplicaState, ShardState
-from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending
+from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
 from .models import BusyPort, Replica, Shard
 from .outbox import Outbox
 
@@ -61,8 +61,12 @@ def _apply_shard_status(
         message = message or f"shard {shard.pk} failed on {node_name}"
         fail_replicas([replica.pk], message, now, outbox, node_fault=port_busy, silent_shard_ids={shard.pk})
         return True
+    first_word = shard.state == ShardState.ASSIGNED
+    if first_word and shard.rank == 0:
+        # Its engine runs now: the other ranks can join it (lifecycle.start_followers).
+        start_followers(replica.pk, outbox)
     if state == "starting":
-        if shard.state == ShardState.ASSIGNED:
+        if first_word:
             shard.state = ShardState.STARTING
             shard.save(update_fields=["state", "updated_at"])
         return False
