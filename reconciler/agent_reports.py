@@ -62,8 +62,9 @@ def _apply_shard_status(
         fail_replicas([replica.pk], message, now, outbox, node_fault=port_busy, silent_shard_ids={shard.pk})
         return True
     first_word = shard.state == ShardState.ASSIGNED
-    if first_word and shard.rank == 0:
-        # Its engine runs now: the other ranks can join it (lifecycle.start_followers).
+    if first_word and shard.rank == 0 and replica.profile.nodes_per_replica > 1:
+        # Its engine runs now: the other ranks can join it (lifecycle.start_followers). The profile's
+        # shape only saves single-node replicas a query; resend_starts starts followers whatever it says.
         start_followers(replica.pk, outbox)
     if state == "starting":
         if first_word:
@@ -108,7 +109,7 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
         shards = {
             shard.pk: shard
             for shard in Shard.objects.select_for_update()
-            .select_related("replica", "node")
+            .select_related("replica__profile", "node")
             .filter(pk__in={status.shard_id for _, _, status in reports})
             .order_by("pk")
         }
@@ -119,7 +120,7 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
             if shard is not None and shard.replica_id in touched_replicas:
                 # An earlier report of this batch may have changed the replica (failed it, published it):
                 # read it again, as a report of its own would.
-                shard = Shard.objects.select_related("replica", "node").filter(pk=status.shard_id).first()
+                shard = Shard.objects.select_related("replica__profile", "node").filter(pk=status.shard_id).first()
             if shard is None or shard.node_id != node_id:
                 log.info(
                     "node %s reported shard %s as %s, but no such shard is on it; ignored",
@@ -156,7 +157,7 @@ def reconcile_reported_shards_of_nodes(reports: Sequence[tuple[Node, list[Runnin
     wake = False
     with transaction.atomic(savepoint=False):
         expected: dict[int, dict[int, Shard]] = {node.pk: {} for node, _ in reports}
-        shards = Shard.objects.select_for_update().select_related("replica", "node")
+        shards = Shard.objects.select_for_update().select_related("replica__profile", "node")
         for shard in shards.filter(node_id__in=list(expected)).order_by("pk"):
             expected[shard.node_id][shard.pk] = shard
         touched_replicas: set[int] = set()
