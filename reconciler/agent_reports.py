@@ -43,7 +43,9 @@ def _apply_shard_status(
         if replica.state == ReplicaState.STOPPING:
             if not Shard.objects.filter(replica_id=replica.pk).exists():
                 replica.delete()
-            return False
+                return False
+            # A head gone: its other ranks are due for their drain (lifecycle.stop_shards).
+            return shard.rank == 0
         if replica.state in (ReplicaState.STARTING, ReplicaState.READY):
             # The agent stopped an engine nobody asked it to stop (it is shutting down):
             # the replica cannot serve whole, through no fault of its own.

@@ -169,6 +169,10 @@ def stop_replica(replica: Replica, reason: str = "stopped by an operator") -> No
 def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     """Send drain_shard to STOPPING replicas' shards, once; delete replicas with none left.
 
+    A replica spanning nodes drains its head first and the other ranks once
+    the head has stopped (`head_gone`): they serve no requests of their own,
+    but every request in flight on the head runs through them.
+
     Once: a drain not acknowledged is sent again by reconciler.commands, and
     one acknowledged is under way on the agent until the engine stops (its
     report deletes the shard) or the agent restarts (its hello does).
@@ -182,6 +186,7 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     due = list(
         Shard.objects.filter(replica__state=ReplicaState.STOPPING)
         .filter(Q(replica__stopping_since__isnull=True) | Q(replica__stopping_since__lte=unpublished_before))
+        .filter(head_gone())
         .exclude(state__in=[ShardState.STOPPED, ShardState.STOPPING])
         .values_list("id", "node__name")
     )
@@ -255,6 +260,11 @@ def start_followers(replica_id: int, outbox: Outbox) -> int:
     """
     followers = Shard.objects.filter(replica_id=replica_id, rank__gt=0, state=ShardState.ASSIGNED)
     return send_starts(list(followers.select_related("replica__model", "replica__profile", "node")), outbox)
+
+
+def head_gone() -> Q:
+    """Shards whose drain is due by the rank order: heads, and ranks whose head has stopped (its row is gone)."""
+    return Q(rank=0) | ~Q(Exists(Shard.objects.filter(replica=OuterRef("replica"), rank=0)))
 
 
 def head_started() -> Q:

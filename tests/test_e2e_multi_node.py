@@ -8,7 +8,7 @@ start_shard commands the agents carried out; the replica ready only once
 every shard is (each node's engines are held back by a file until the test
 lets them go); a request served through the router by the head; when one
 node's agent is killed, the replica placed again as one, both shards on a
-new pair; and a drain that stops both shards together.
+new pair; and a drain that stops the replica as one, its head first.
 """
 
 import json
@@ -177,14 +177,19 @@ def test_a_two_node_replica_starts_serves_moves_and_drains_as_one(tmp_path):
         new_head, new_other, new_port = check_starts(stack, moved, {head_shard, other_shard})
         assert reply_from(client) and moved["endpoint_url"] == f"http://127.0.0.1:{new_port}"
 
-        # Drained as one: both shards stop, having no requests in flight, and the replica goes away.
+        # Drained as one, head first: both shards stop, having no requests in flight, and the replica goes away.
         response = httpx.post(
             f"http://127.0.0.1:{stack.port}/api/v1/replicas/{moved['id']}/drain/", headers=stack.auth, timeout=10
         )
         assert response.status_code == 200, response.text
+        stopped_at = {}
         for shard, node in ((new_head, moved["nodes"][0]), (new_other, moved["nodes"][1])):
-            stopped = re.compile(rf"shard {shard} on {node}: stopped \(drained: no running requests")
+            stopped = re.compile(rf"^(\S+ \S+) .*shard {shard} on {node}: stopped \(drained: no running requests", re.M)
             wait_until(lambda s=stopped, n=node: s.search(stack.log(n)), 10, 0.1, describe=lambda n=node: stack.log(n))
+            stopped_at[shard] = stopped.search(stack.log(node)).group(1)
+        draining = re.search(rf"^(\S+ \S+) .*shard {new_other}: draining", stack.log(moved["nodes"][1]), re.M)
+        # The other rank is asked to drain only once the head has stopped (same clock: one machine).
+        assert stopped_at[new_head] <= draining.group(1) <= stopped_at[new_other]
         wait_until(lambda: moved["id"] not in [r["id"] for r in stack.replicas()], 10, 0.1)
 
 

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.commands import acknowledge
+from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
 from reconciler.models import PendingCommand, Replica, Shard
 from tests.fleet import make_model, make_node
 
@@ -106,3 +107,33 @@ def test_the_heads_rendezvous_port_is_given_to_no_other_engine(run_tick, agent_i
     run_tick()
     assert Shard.objects.get(replica__model__name="third").port == 20003
     assert Shard.objects.filter(state=ShardState.ASSIGNED).count() == 4
+
+
+def test_a_replica_spanning_nodes_drains_its_head_first_and_the_others_once_it_has_stopped(
+    run_tick, shard_report, two_nodes, django_capture_on_commit_callbacks
+):
+    (head_node, other_node), (head_inbox, other_inbox) = two_nodes
+    run_tick()
+    head, other = Shard.objects.order_by("rank")
+    for node, shard in ((head_node, head), (other_node, other)):
+        shard_report(node, shard, "ready", port=shard.port)
+    head_inbox(), other_inbox()
+    for command in PendingCommand.objects.all():  # the agents have them
+        acknowledge(command.node_name, command.cid)
+    replica = Replica.objects.get(model__name="big")
+    assert replica.state == ReplicaState.READY
+
+    with django_capture_on_commit_callbacks(execute=True):
+        stop_replica(replica)
+    later = Replica.objects.get(pk=replica.pk).stopping_since + timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
+    assert run_tick(now=later).stops_sent == 1
+    assert [(c["type"], c["shard_id"]) for c in head_inbox()] == [("drain_shard", head.pk)]
+    # Requests still in flight on the head run through rank 1: it is left alone until the head has stopped.
+    assert run_tick(now=later).stops_sent == 0
+    assert other_inbox() == []
+
+    shard_report(head_node, head, "stopped")
+    assert run_tick(now=later).stops_sent == 1
+    assert [(c["type"], c["shard_id"]) for c in other_inbox()] == [("drain_shard", other.pk)]
+    shard_report(other_node, other, "stopped")
+    assert not Replica.objects.filter(pk=replica.pk).exists()
