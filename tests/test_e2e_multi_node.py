@@ -119,8 +119,10 @@ def check_starts(stack: Stack, replica: dict, known: set[int]) -> tuple[int, int
     """The new shards' start commands agree on the world; returns (head shard, other shard, head port)."""
     head_node, other_node = replica["nodes"]
     wait_until(lambda: set(stack.starts(other_node)) - known, 10, 0.1, describe=lambda: stack.log(other_node))
-    ((head_shard, head_start),) = [(s, v) for s, v in stack.starts(head_node).items() if s not in known]
-    ((other_shard, other_start),) = [(s, v) for s, v in stack.starts(other_node).items() if s not in known]
+    # The newest on each node: a placement that failed on the way (a port still held) may have started others.
+    head_shard = max(s for s in stack.starts(head_node) if s not in known)
+    other_shard = max(s for s in stack.starts(other_node) if s not in known)
+    head_start, other_start = stack.starts(head_node)[head_shard], stack.starts(other_node)[other_shard]
     head_port = head_start[3]
     assert head_start == (0, "127.0.0.1", head_port + 1, head_port)
     # The other rank meets the head at the head's rendezvous port; its own port is another (one host, here).
