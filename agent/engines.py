@@ -3,17 +3,32 @@
 Engines are always started from an argv list, never through a shell, so a
 model source or a profile's engine argument cannot inject a command.
 
-Multi-node rules (node_count > 1, rank 0 is the head):
+Multi-node rules (node_count > 1, rank 0 is the head). Every rank of a
+replica gets the same engine arguments (the profile's included) plus its own
+rank, the head's address and the rendezvous port: a port on the head node the
+control plane reserves beside the head's engine port (start_shard's
+`rendezvous_port`). The control plane starts rank 0 first and the other ranks
+once rank 0's engine runs, because rank 0 hosts the rendezvous (a torch TCP
+store) that the others join; they keep retrying to join for the engine's
+distributed timeout, so a head that is merely slower is no failure.
 
-* vLLM spreads a replica over nodes with Ray: tensor parallel inside a node,
-  pipeline parallel across nodes. Rank 0 runs `vllm serve … --pipeline-parallel-size N
-  --distributed-executor-backend ray`; it expects a Ray head on the head node
-  at port 6379 (VLLM_RAY_PORT), which the node image provides. Every other rank
-  joins that cluster with `ray start --address=<head>:6379 --block` and serves
-  no HTTP, so it has no health path: the agent reports it ready once the join
-  process stays up. The profile's extra args are vLLM arguments and go to rank 0 only.
+* vLLM spans nodes with its own multiprocessing launch (vLLM 0.32's `vllm serve`
+  `--nnodes/--node-rank/--master-addr/--master-port`, executor backend `mp`):
+  no Ray cluster to run beside the agent. Tensor parallel inside a node,
+  pipeline parallel across nodes (`--tensor-parallel-size` GPUs of the shard,
+  `--pipeline-parallel-size` nodes). Rank 0 serves the API; the other ranks run
+  `--headless` (a mode only `vllm serve` has, not `python -m
+  vllm.entrypoints.openai.api_server`) and serve no HTTP: the agent reports
+  them ready once their process has stayed up. The replica is ready only when
+  rank 0 answers /health, which vLLM does only after every rank has joined.
+  vLLM's head picks its own address for the message queue the other nodes
+  connect to (`VLLM_HOST_IP`, else a guess from the default route): when the
+  node's management address is an IP, every rank gets it as VLLM_HOST_IP.
 * SGLang runs one `launch_server` per node with `--nnodes/--node-rank` and
-  rendezvous at `<head>:<port + 1>`; ranks above 0 serve no API.
+  `--dist-init-addr <head>:<rendezvous port>`, `--tp-size` over all the
+  replica's GPUs. Ranks above 0 answer /health (SGLang 0.5's stand-in health
+  server, up once their schedulers are) but serve no API, so they have no
+  metrics path.
 * llama.cpp runs on one node only. Its server is the `llama-server` binary,
   found on PATH unless the agent is given another (`LLMGW_LLAMA_SERVER`, a name
   or a path; `manage.py build_llama_server` builds one). The flags are those of
@@ -34,13 +49,13 @@ HTTP have no metrics path.
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 DEFAULT_LLAMA_SERVER = "llama-server"
-VLLM_RAY_PORT = 6379
 # The mock engine is imported from this checkout, whatever directory the agent was started from.
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -79,9 +94,8 @@ def _check(engine, model, source, port, gpu_indices, rank, node_count, head_addr
         raise ValueError("model name must be a non-empty string")
     if not isinstance(source, str) or not source:
         raise ValueError("model source must be a non-empty string")
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65534:
-        # 65535 is excluded because SGLang's rendezvous uses port + 1.
-        raise ValueError(f"port must be an integer from 1 to 65534, got {port!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port must be an integer from 1 to 65535, got {port!r}")
     if not isinstance(gpu_indices, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in gpu_indices
     ):
@@ -102,6 +116,15 @@ def _check(engine, model, source, port, gpu_indices, rank, node_count, head_addr
         raise ValueError("engine args must be a list of strings (an argv), not a shell string")
 
 
+def _check_rendezvous(node_count, rendezvous_port) -> None:
+    if node_count > 1 and (
+        isinstance(rendezvous_port, bool) or not isinstance(rendezvous_port, int) or not 1 <= rendezvous_port <= 65535
+    ):
+        raise ValueError(
+            f"a replica spanning several nodes needs a rendezvous port from 1 to 65535, got {rendezvous_port!r}"
+        )
+
+
 def build_launch(
     engine: str,
     *,
@@ -114,12 +137,14 @@ def build_launch(
     head_address: str,
     args: list[str],
     host: str,
+    rendezvous_port: int = 0,
     python: str = sys.executable,
     llama_server: str = DEFAULT_LLAMA_SERVER,
 ) -> Launch:
     """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input."""
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
-    shard = _Shard(model, source, port, gpu_indices, rank, node_count, head_address, args, host)
+    _check_rendezvous(node_count, rendezvous_port)
+    shard = _Shard(model, source, port, gpu_indices, rank, node_count, head_address, args, host, rendezvous_port)
     if engine == "vllm":
         return _vllm(shard)
     if engine == "sglang":
@@ -142,6 +167,7 @@ class _Shard:
     head_address: str
     args: list[str]
     host: str
+    rendezvous_port: int = 0
 
     @property
     def env(self) -> dict[str, str]:
@@ -149,14 +175,26 @@ class _Shard:
 
 
 def _vllm(shard: _Shard) -> Launch:
-    if shard.rank > 0:
-        argv = ["ray", "start", f"--address={shard.head_address}:{VLLM_RAY_PORT}", "--block"]
-        return Launch(argv, shard.env, None, metrics_path=None, host=shard.host)
     argv = ["vllm", "serve", shard.source, "--host", shard.host, "--port", str(shard.port)]
     argv += ["--served-model-name", shard.model, "--tensor-parallel-size", str(len(shard.gpu_indices))]
-    if shard.node_count > 1:
-        argv += ["--pipeline-parallel-size", str(shard.node_count), "--distributed-executor-backend", "ray"]
-    return Launch(argv + shard.args, shard.env, host=shard.host)
+    if shard.node_count == 1:
+        return Launch(argv + shard.args, shard.env, host=shard.host)
+    argv += ["--pipeline-parallel-size", str(shard.node_count), "--distributed-executor-backend", "mp"]
+    argv += ["--nnodes", str(shard.node_count), "--node-rank", str(shard.rank)]
+    argv += ["--master-addr", shard.head_address, "--master-port", str(shard.rendezvous_port)]
+    env = shard.env | ({"VLLM_HOST_IP": shard.host} if _is_ip(shard.host) else {})
+    if shard.rank > 0:
+        # Headless: this node's workers join rank 0's; it serves no API and no metrics.
+        return Launch(argv + ["--headless"] + shard.args, env, None, metrics_path=None, host=shard.host)
+    return Launch(argv + shard.args, env, host=shard.host)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _sglang(shard: _Shard) -> Launch:
@@ -167,15 +205,10 @@ def _sglang(shard: _Shard) -> Launch:
     argv += ["--enable-metrics"]
     if shard.node_count > 1:
         argv += ["--nnodes", str(shard.node_count), "--node-rank", str(shard.rank)]
-        argv += ["--dist-init-addr", f"{shard.head_address}:{shard.port + 1}"]
-    head = shard.rank == 0
-    return Launch(
-        argv + shard.args,
-        shard.env,
-        "/health" if head else None,
-        metrics_path="/metrics" if head else None,
-        host=shard.host,
-    )
+        argv += ["--dist-init-addr", f"{shard.head_address}:{shard.rendezvous_port}"]
+    # Ranks above 0 answer /health on their own port, but their load is rank 0's to report.
+    metrics_path = "/metrics" if shard.rank == 0 else None
+    return Launch(argv + shard.args, shard.env, "/health", metrics_path=metrics_path, host=shard.host)
 
 
 def _llamacpp(shard: _Shard, llama_server: str) -> Launch:

@@ -9,6 +9,11 @@ EXTRA_ENDPOINTS, so a router's proxying of them can be tested), and exposes `/he
 they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
 
+A node's engines can be held back, as a slow engine start would be: while the
+file named by LLMGW_MOCK_HOLD_FILE (in the environment the agent passes on)
+exists, `/health` answers 503, so drills and tests can keep one shard of a
+multi-node replica starting.
+
 This module imports nothing from Django (only the agent's protocol, for the
 port rule): the agent starts one per simulated shard and the demo must be
 ready within a second.
@@ -20,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 import uuid
@@ -29,6 +35,7 @@ from aiohttp import web
 from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 from .protocol import parse_port
 
+HOLD_FILE_ENV = "LLMGW_MOCK_HOLD_FILE"
 EMBEDDING_DIMENSIONS = 16
 # Simulated KV-cache slots, so gpu_cache_usage_perc moves with the running requests.
 CACHE_SLOTS = 32
@@ -253,6 +260,9 @@ class MockEngine:
         )
 
     async def health(self, request: web.Request):
+        hold = os.environ.get(HOLD_FILE_ENV)
+        if hold and os.path.exists(hold):
+            return web.Response(status=503, text=f"held back while {hold} exists\n")
         return web.Response(text="ok\n")
 
     async def metrics(self, request: web.Request):

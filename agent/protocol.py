@@ -24,7 +24,9 @@ not; the control plane re-sends it until then (reconciler/commands.py)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{},
                 (env: extra environment for the engine, checked by agent/engine_env.py)
-                host (the address the engine listens on; "" = the agent's --address)
+                host (the address the engine listens on; "" = the agent's --address),
+                rendezvous_port (where the ranks of a replica spanning nodes meet,
+                on the head node; 0 for one node)
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
                 reports no requests in flight, or when the timeout passes
@@ -258,6 +260,8 @@ class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     env: dict[str, str] = {}
     # The node's management address, where its endpoint is published; "" = the agent's own --address.
     host: str = ""
+    # A port on the head node, reserved beside the head's engine port, where a multi-node replica's ranks meet.
+    rendezvous_port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
     def __post_init__(self) -> None:
         _no_repeated_gpus(self.gpu_indices, "gpu_indices")

@@ -261,6 +261,12 @@ class Agent:
             return
         shard = Shard(cmd.shard_id, cmd.replica_id, cmd.port, launch, engine)
         self._shards[cmd.shard_id] = shard
+        if cmd.node_count > 1:
+            # The engine's argv may not say it (the mock's does not): where this rank meets the others.
+            log.info(
+                "shard %s: rank %s of %s, head %s, rendezvous port %s, port %s",
+                cmd.shard_id, cmd.rank, cmd.node_count, cmd.head_address, cmd.rendezvous_port, cmd.port,
+            )  # fmt: skip
         # Shell-quoted, so the line can be pasted into a shell to run the engine by hand (secrets masked:
         # the log is no place for a token, agent/engine_env.py).
         command_line = " ".join(filter(None, [engine_env.shown(added), shlex.join(launch.argv)]))
@@ -284,6 +290,7 @@ class Agent:
             head_address=cmd.head_address,
             args=list(cmd.args),
             host=cmd.host or self.options.address,
+            rendezvous_port=cmd.rendezvous_port,
             python=self.options.engine_python,
             llama_server=self.options.llama_server,
         )

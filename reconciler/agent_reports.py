@@ -24,7 +24,7 @@ from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, Sh
 from inventory.models import Node
 
 from .choices import ReplicaState, ShardState
-from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending
+from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
 from .models import BusyPort, Replica, Shard
 from .outbox import Outbox
 
@@ -43,7 +43,9 @@ def _apply_shard_status(
         if replica.state == ReplicaState.STOPPING:
             if not Shard.objects.filter(replica_id=replica.pk).exists():
                 replica.delete()
-            return False
+                return False
+            # A head gone: its other ranks are due for their drain (lifecycle.stop_shards).
+            return shard.rank == 0
         if replica.state in (ReplicaState.STARTING, ReplicaState.READY):
             # The agent stopped an engine nobody asked it to stop (it is shutting down):
             # the replica cannot serve whole, through no fault of its own.
@@ -61,8 +63,13 @@ def _apply_shard_status(
         message = message or f"shard {shard.pk} failed on {node_name}"
         fail_replicas([replica.pk], message, now, outbox, node_fault=port_busy, silent_shard_ids={shard.pk})
         return True
+    first_word = shard.state == ShardState.ASSIGNED
+    if first_word and shard.rank == 0 and replica.profile.nodes_per_replica > 1:
+        # Its engine runs now: the other ranks can join it (lifecycle.start_followers). The profile's
+        # shape only saves single-node replicas a query; resend_starts starts followers whatever it says.
+        start_followers(replica.pk, outbox)
     if state == "starting":
-        if shard.state == ShardState.ASSIGNED:
+        if first_word:
             shard.state = ShardState.STARTING
             shard.save(update_fields=["state", "updated_at"])
         return False
@@ -104,7 +111,7 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
         shards = {
             shard.pk: shard
             for shard in Shard.objects.select_for_update()
-            .select_related("replica", "node")
+            .select_related("replica__profile", "node")
             .filter(pk__in={status.shard_id for _, _, status in reports})
             .order_by("pk")
         }
@@ -115,7 +122,7 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
             if shard is not None and shard.replica_id in touched_replicas:
                 # An earlier report of this batch may have changed the replica (failed it, published it):
                 # read it again, as a report of its own would.
-                shard = Shard.objects.select_related("replica", "node").filter(pk=status.shard_id).first()
+                shard = Shard.objects.select_related("replica__profile", "node").filter(pk=status.shard_id).first()
             if shard is None or shard.node_id != node_id:
                 log.info(
                     "node %s reported shard %s as %s, but no such shard is on it; ignored",
@@ -152,7 +159,7 @@ def reconcile_reported_shards_of_nodes(reports: Sequence[tuple[Node, list[Runnin
     wake = False
     with transaction.atomic(savepoint=False):
         expected: dict[int, dict[int, Shard]] = {node.pk: {} for node, _ in reports}
-        shards = Shard.objects.select_for_update().select_related("replica", "node")
+        shards = Shard.objects.select_for_update().select_related("replica__profile", "node")
         for shard in shards.filter(node_id__in=list(expected)).order_by("pk"):
             expected[shard.node_id][shard.pk] = shard
         touched_replicas: set[int] = set()

@@ -17,7 +17,7 @@ from django.db.models import Exists, OuterRef
 from inventory.models import GPU, Node, effective, gpu_in_service
 
 from .models import BusyPort, GPUAssignment, Shard
-from .placement import NodeCapacity
+from .placement import NodeCapacity, rendezvous_port
 
 
 @dataclass
@@ -52,13 +52,13 @@ class CapacitySnapshot:
     def node(self, gpu_class: str, name: str) -> NodeGPUs:
         return self.nodes[gpu_class][name]
 
-    def take(self, gpu_class: str, name: str, indices, port: int) -> list[int]:
-        """Hand GPUs `indices` and `port` of a node to a new shard; return the GPU row ids."""
+    def take(self, gpu_class: str, name: str, indices, port: int, span: int = 1) -> list[int]:
+        """Hand GPUs `indices` and `span` ports from `port` of a node to a new shard; return the GPU row ids."""
         node = self.nodes[gpu_class][name]
         gpu_ids = [node.free.pop(index) for index in indices]
         # Only the touched node's record changes, so placing stays linear in replicas.
         self._records[gpu_class][name] = node.record()
-        self.ports[node.address].add(port)
+        self.ports[node.address].update(range(port, port + span))
         return gpu_ids
 
 
@@ -97,9 +97,17 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
             node.free[index] = gpu_id
     for gpu_class, nodes in snapshot.nodes.items():
         snapshot._records[gpu_class] = {name: node.record() for name, node in nodes.items()}
-    shard_ports = Shard.objects.annotate(node_address=effective("address", "node__"))
-    for address, name, port in shard_ports.values_list("node_address", "node__name", "port"):
+    shard_ports = Shard.objects.annotate(
+        node_address=effective("address", "node__"),
+        # The head of a replica spanning nodes holds its rendezvous port too (placement.rendezvous_port).
+        spans=Exists(Shard.objects.filter(replica=OuterRef("replica"), rank=1)),
+    )
+    for address, name, port, rank, spans in shard_ports.values_list(
+        "node_address", "node__name", "port", "rank", "spans"
+    ):
         snapshot.ports[address or name].add(port)
+        if rank == 0 and spans:
+            snapshot.ports[address or name].add(rendezvous_port(port))
     busy_ports = BusyPort.objects.filter(until__gt=now).annotate(node_address=effective("address", "node__"))
     for address, name, port in busy_ports.values_list("node_address", "node__name", "port"):
         snapshot.ports[address or name].add(port)

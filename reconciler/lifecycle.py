@@ -10,6 +10,7 @@ the caller's Outbox.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -22,8 +23,9 @@ from django.utils import timezone
 from catalog.models import Profile
 
 from .choices import ReplicaState, ShardState
-from .models import Replica, Shard
+from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
+from .placement import rendezvous_port
 from .signals import work_pending
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,10 @@ def stop_replica(replica: Replica, reason: str = "stopped by an operator") -> No
 def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     """Send drain_shard to STOPPING replicas' shards, once; delete replicas with none left.
 
+    A replica spanning nodes drains its head first and the other ranks once
+    the head has stopped (`head_gone`): they serve no requests of their own,
+    but every request in flight on the head runs through them.
+
     Once: a drain not acknowledged is sent again by reconciler.commands, and
     one acknowledged is under way on the agent until the engine stops (its
     report deletes the shard) or the agent restarts (its hello does).
@@ -180,6 +186,7 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     due = list(
         Shard.objects.filter(replica__state=ReplicaState.STOPPING)
         .filter(Q(replica__stopping_since__isnull=True) | Q(replica__stopping_since__lte=unpublished_before))
+        .filter(head_gone())
         .exclude(state__in=[ShardState.STOPPED, ShardState.STOPPING])
         .values_list("id", "node__name")
     )
@@ -193,12 +200,14 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
 
 
 def start_fields(
-    shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices, host: str = ""
+    shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices, host: str = "", head_port: int = 0
 ) -> dict:
     """The start_shard fields of agent.protocol for one shard.
 
     `host` is the address of the shard's node that its endpoint is published on;
     the engine listens there only ("" lets the agent use its own --address).
+    `head_port` is the engine port of rank 0, beside which a replica spanning
+    nodes has its rendezvous port.
     """
     return {
         "shard_id": shard.pk,
@@ -214,7 +223,54 @@ def start_fields(
         "args": list(replica.profile.engine_args or []),
         "env": dict(replica.profile.env or {}),
         "host": host,
+        "rendezvous_port": rendezvous_port(head_port) if node_count > 1 else 0,
     }
+
+
+def send_starts(shards: list[Shard], outbox: Outbox) -> int:
+    """Queue start_shard for each of `shards` (with replica__model, replica__profile and node selected).
+
+    Two queries whatever their number: the shards' replicas' peers (for the
+    head's address and port) and their GPUs. Returns how many were queued.
+    """
+    if not shards:
+        return 0
+    peers: dict[int, list[Shard]] = defaultdict(list)
+    for peer in Shard.objects.filter(replica_id__in={s.replica_id for s in shards}).select_related("node"):
+        peers[peer.replica_id].append(peer)
+    gpus: dict[int, list[int]] = defaultdict(list)
+    for shard_id, index in GPUAssignment.objects.filter(shard__in=shards).values_list("shard_id", "gpu__index"):
+        gpus[shard_id].append(index)
+    for shard in shards:
+        mates = peers[shard.replica_id]
+        head = min(mates, key=lambda s: s.rank)
+        head_address = head.node.effective_address or head.node.name
+        own = shard.node.effective_address or shard.node.name
+        fields = start_fields(shard, shard.replica, len(mates), head_address, gpus[shard.pk], own, head.port)
+        outbox.start(shard.node.name, **fields)
+    return len(shards)
+
+
+def start_followers(replica_id: int, outbox: Outbox) -> int:
+    """Start the ranks above 0 of a replica whose head has just started; returns how many.
+
+    A replica spanning nodes starts its head first: rank 0 hosts the
+    rendezvous the other ranks join (agent/engines.py), so they are started
+    once its engine runs, never before (DESIGN "Agent protocol").
+    """
+    followers = Shard.objects.filter(replica_id=replica_id, rank__gt=0, state=ShardState.ASSIGNED)
+    return send_starts(list(followers.select_related("replica__model", "replica__profile", "node")), outbox)
+
+
+def head_gone() -> Q:
+    """Shards whose drain is due by the rank order: heads, and ranks whose head has stopped (its row is gone)."""
+    return Q(rank=0) | ~Q(Exists(Shard.objects.filter(replica=OuterRef("replica"), rank=0)))
+
+
+def head_started() -> Q:
+    """Shards whose start is due by the rank order: heads, and ranks whose head's engine has started."""
+    head_running = Shard.objects.filter(replica=OuterRef("replica"), rank=0).exclude(state=ShardState.ASSIGNED)
+    return Q(rank=0) | Q(Exists(head_running))
 
 
 def mark_ready_if_whole(replica: Replica, now: datetime) -> bool:

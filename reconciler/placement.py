@@ -142,12 +142,22 @@ def _place_multi(candidates: list[NodeCapacity], shape: Shape, holders: frozense
     return Placement(tuple(ShardPlacement(c.name, c.address, tuple(sorted(c.free)[:need])) for c in nodes))
 
 
-def pick_port(used_ports: set[int], port_range: tuple[int, int]) -> int | None:
-    """The lowest port of the inclusive `port_range` not in `used_ports`, or None when all are taken."""
+def pick_port(used_ports: set[int], port_range: tuple[int, int], span: int = 1) -> int | None:
+    """The lowest port of the inclusive `port_range` that begins `span` consecutive ports none of which is in
+    `used_ports`, or None when there is none."""
     low, high = port_range
     if not (0 < low <= high < 65536):
         raise ValueError(f"port range {low}-{high} is not a valid range of TCP ports")
-    for port in range(low, high + 1):
-        if port not in used_ports:
+    for port in range(low, high - span + 2):
+        if not any(p in used_ports for p in range(port, port + span)):
             return port
     return None
+
+
+def rendezvous_port(head_port: int) -> int:
+    """Where the ranks of a replica spanning nodes meet on its head node: the port after the head's engine port.
+
+    The placer gives a multi-node replica's head two consecutive ports (`pick_port(..., span=2)`) and
+    counts both as used, so no other engine is given the second one.
+    """
+    return head_port + 1

@@ -25,7 +25,7 @@ from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import Hold, ReplicaState, ShardState
-from .lifecycle import start_fields
+from .lifecycle import head_started, send_starts, start_fields
 from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
 from .placement import Placement, Shape, Unplaceable, pick_port, place
@@ -86,12 +86,14 @@ def place_pending(
     _write_placed(placed, moved, now, epoch)
     _write_notes([(replica, notes.get(replica.pk, PlacementNote(reason))) for replica, _, reason in unplaceable])
     for replica, shards in placed:
-        for new in shards:
-            head = shards[0].address
-            # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
-            fields = start_fields(new.shard, replica, len(shards), head, new.indices, host=new.address)
-            outbox.start(new.node_name, **fields)
-            outcome.starts_sent += 1
+        head = shards[0]
+        # Rank 0 only: the others start once its engine runs (lifecycle.start_followers).
+        # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
+        fields = start_fields(
+            head.shard, replica, len(shards), head.address, head.indices, head.address, head.shard.port
+        )
+        outbox.start(head.node_name, **fields)
+        outcome.starts_sent += 1
     outcome.placed = len(placed)
     return outcome
 
@@ -237,17 +239,22 @@ def _place_one(
         return result
     assert isinstance(result, Placement)
     port_range = settings.LLMGW_ENGINE_PORT_RANGE
+    # The head of a replica spanning nodes takes its rendezvous port too, the one after its own.
+    spans = [2 if rank == 0 and len(result.shards) > 1 else 1 for rank in range(len(result.shards))]
     ports = []
-    for shard in result.shards:
-        # A replica has at most one shard per node, so only that host's ports matter.
-        port = pick_port(capacity.ports[capacity.node(gpu_class, shard.node).address], port_range)
+    # Ports chosen for this replica's earlier shards: nodes sharing an address share one port space.
+    chosen: dict[str, set[int]] = defaultdict(set)
+    for shard, span in zip(result.shards, spans, strict=True):
+        address = capacity.node(gpu_class, shard.node).address
+        port = pick_port(capacity.ports[address] | chosen[address], port_range, span)
         if port is None:
             return Unplaceable(f"no free engine port on {shard.node} in {port_range[0]}-{port_range[1]}")
+        chosen[address].update(range(port, port + span))
         ports.append(port)
     shards = []
     for rank, (shard_place, port) in enumerate(zip(result.shards, ports, strict=True)):
         node = capacity.node(gpu_class, shard_place.node)
-        gpu_ids = capacity.take(gpu_class, shard_place.node, shard_place.gpu_indices, port)
+        gpu_ids = capacity.take(gpu_class, shard_place.node, shard_place.gpu_indices, port, spans[rank])
         shard = Shard(replica=replica, node_id=node.node_id, rank=rank, port=port, state=ShardState.ASSIGNED)
         shards.append(_NewShard(shard, node.name, node.address, gpu_ids, shard_place.gpu_indices))
     return shards
@@ -260,11 +267,13 @@ def resend_starts(now: datetime, outbox: Outbox) -> int:
     reconciler.commands within about a second; this covers a start the agent
     acknowledged and then lost (it restarted before the engine began), after
     LLMGW_START_RESEND_SECONDS or at once when its `hello` shows it missing.
+    A rank above 0 is due only once its head's engine has started (`lifecycle.head_started`).
     """
     pending = PendingCommand.objects.filter(node_name=OuterRef("node__name"), shard_id=OuterRef("pk"))
     due = list(
         Shard.objects.filter(
             ~Exists(pending),
+            head_started(),
             state=ShardState.ASSIGNED,
             replica__state=ReplicaState.STARTING,
             updated_at__lt=now - timedelta(seconds=settings.LLMGW_START_RESEND_SECONDS),
@@ -272,20 +281,6 @@ def resend_starts(now: datetime, outbox: Outbox) -> int:
     )
     if not due:
         return 0
-    replica_ids = {s.replica_id for s in due}
-    peers: dict[int, list[Shard]] = defaultdict(list)
-    for peer in Shard.objects.filter(replica_id__in=replica_ids).select_related("node"):
-        peers[peer.replica_id].append(peer)
-    gpus: dict[int, list[int]] = defaultdict(list)
-    for shard_id, index in GPUAssignment.objects.filter(shard__in=due).values_list("shard_id", "gpu__index"):
-        gpus[shard_id].append(index)
-    for shard in due:
-        mates = peers[shard.replica_id]
-        head = min(mates, key=lambda s: s.rank).node
-        own = shard.node.effective_address or shard.node.name
-        fields = start_fields(
-            shard, shard.replica, len(mates), head.effective_address or head.name, gpus[shard.pk], host=own
-        )
-        outbox.start(shard.node.name, **fields)
+    send_starts(due, outbox)
     Shard.objects.filter(pk__in=[s.pk for s in due]).update(updated_at=now)
     return len(due)

@@ -31,22 +31,61 @@ def test_vllm_single_node():
     assert result.metrics_path == "/metrics"
 
 
-def test_vllm_head_of_two_nodes_adds_pipeline_parallelism_over_ray():
-    result = launch("vllm", gpu_indices=list(range(8)), node_count=2, head_address="10.0.0.1")
+# The flags every rank of a two-node vLLM replica shares (vLLM 0.32 `vllm serve`, multiprocessing backend).
+VLLM_TWO_NODES = [
+    "--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp", "--nnodes", "2",
+]  # fmt: skip
+
+
+def test_vllm_head_of_two_nodes_serves_and_hosts_the_rendezvous():
+    result = launch(
+        "vllm", gpu_indices=list(range(8)), node_count=2, head_address="10.0.0.7", rendezvous_port=20001,
+        args=["--max-model-len", "8192"],
+    )  # fmt: skip
     assert result.argv == [
         "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "10.0.0.7", "--port", "20000",
-        "--served-model-name", "llama-70b", "--tensor-parallel-size", "8",
-        "--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray",
+        "--served-model-name", "llama-70b", "--tensor-parallel-size", "8", *VLLM_TWO_NODES,
+        "--node-rank", "0", "--master-addr", "10.0.0.7", "--master-port", "20001", "--max-model-len", "8192",
     ]  # fmt: skip
-    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    # The head's message queue advertises the node's management address, not a guess from the default route.
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "VLLM_HOST_IP": "10.0.0.7"}
+    assert (result.health_path, result.metrics_path) == ("/health", "/metrics")
 
 
-def test_vllm_other_ranks_join_the_heads_ray_cluster_and_serve_no_http():
-    result = launch("vllm", rank=1, node_count=2, head_address="10.0.0.1", args=["--max-model-len", "8192"])
-    assert result.argv == ["ray", "start", "--address=10.0.0.1:6379", "--block"]
-    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+def test_vllm_other_ranks_run_headless_with_the_same_arguments_and_serve_no_http():
+    result = launch(
+        "vllm", gpu_indices=list(range(8)), rank=1, node_count=2, head_address="10.0.0.1", rendezvous_port=20001,
+        args=["--max-model-len", "8192"],
+    )  # fmt: skip
+    assert result.argv == [
+        "vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "10.0.0.7", "--port", "20000",
+        "--served-model-name", "llama-70b", "--tensor-parallel-size", "8", *VLLM_TWO_NODES,
+        "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "20001", "--headless",
+        "--max-model-len", "8192",
+    ]  # fmt: skip
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "VLLM_HOST_IP": "10.0.0.7"}
     assert result.health_path is None
     assert result.metrics_path is None
+
+
+def test_vllm_on_a_node_named_by_host_name_leaves_its_address_to_vllm():
+    # VLLM_HOST_IP is bound to: a name would not bind, so vLLM keeps its own choice.
+    result = launch("vllm", node_count=2, rank=1, head_address="gpu-a", rendezvous_port=20001, host="gpu-b.lan")
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert result.argv[result.argv.index("--master-addr") + 1] == "gpu-a"
+
+
+def test_every_rank_of_a_two_node_vllm_replica_agrees_on_the_world():
+    ranks = [
+        launch("vllm", rank=r, node_count=2, head_address="10.0.0.1", rendezvous_port=20101, host=f"10.0.0.{r + 1}")
+        for r in (0, 1)
+    ]
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--nnodes", "--master-addr", "--master-port"):
+        assert {tuple(r.argv[r.argv.index(flag) : r.argv.index(flag) + 2]) for r in ranks} == {
+            (flag, ranks[0].argv[ranks[0].argv.index(flag) + 1])
+        }
+    assert [r.argv[r.argv.index("--node-rank") + 1] for r in ranks] == ["0", "1"]
+    assert ["--headless" in r.argv for r in ranks] == [False, True]
 
 
 def test_sglang_single_node():
@@ -60,16 +99,29 @@ def test_sglang_single_node():
     assert result.metrics_path == "/metrics"
 
 
-def test_sglang_second_rank_of_two_nodes_rendezvous_at_head_port_plus_one():
-    result = launch("sglang", gpu_indices=[0, 1, 2, 3], rank=1, node_count=2, head_address="10.0.0.1")
-    assert result.argv == [
+def test_sglang_ranks_of_two_nodes_meet_at_the_heads_rendezvous_port():
+    head, second = (
+        launch(
+            "sglang", gpu_indices=[0, 1, 2, 3], rank=rank, node_count=2, head_address="10.0.0.1",
+            rendezvous_port=20101, port=port,
+        )
+        for rank, port in ((0, 20100), (1, 20000))
+    )  # fmt: skip
+    assert head.argv == [
+        "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
+        "--host", "10.0.0.7", "--port", "20100", "--served-model-name", "llama-70b", "--tp-size", "8",
+        "--enable-metrics", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "10.0.0.1:20101",
+    ]  # fmt: skip
+    # The second rank's own port is its node's; the rendezvous is the head's, whatever its own port.
+    assert second.argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.1-70B-Instruct",
         "--host", "10.0.0.7", "--port", "20000", "--served-model-name", "llama-70b", "--tp-size", "8",
-        "--enable-metrics", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20001",
+        "--enable-metrics", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:20101",
     ]  # fmt: skip
-    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    assert result.health_path is None
-    assert result.metrics_path is None
+    assert second.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    # SGLang's ranks above 0 answer /health on their own port once their schedulers run; the load is rank 0's.
+    assert (head.health_path, head.metrics_path) == ("/health", "/metrics")
+    assert (second.health_path, second.metrics_path) == ("/health", None)
 
 
 def test_llamacpp():
@@ -110,6 +162,8 @@ def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
         ("vllm", {"gpu_indices": [-1]}, "non-negative integers"),
         ("vllm", {"rank": 2, "node_count": 2, "head_address": "h"}, "rank must be from 0 to 1"),
         ("vllm", {"node_count": 2}, "head node's address"),
+        ("vllm", {"node_count": 2, "head_address": "h"}, "rendezvous port from 1 to 65535, got 0"),
+        ("sglang", {"node_count": 2, "head_address": "h", "rendezvous_port": 65536}, "rendezvous port"),
         ("llamacpp", {"node_count": 2, "head_address": "h"}, "llama.cpp runs on one node"),
         ("mock", {"args": "--max-model-len 8192"}, "not a shell string"),
         ("mock", {"model": ""}, "model name"),

@@ -1,6 +1,7 @@
 """The bundled mock engine, run as a real subprocess and spoken to over HTTP on 127.0.0.1."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_until
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "mock-small"
@@ -234,6 +235,34 @@ def test_port_already_taken_exits_non_zero_saying_so():
             cwd=PROJECT, capture_output=True, text=True, timeout=10,
         )  # fmt: skip
         assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def test_health_is_held_back_while_the_hold_file_exists(tmp_path):
+    hold = tmp_path / "hold"
+    hold.touch()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL],
+        cwd=PROJECT,
+        env={**os.environ, "LLMGW_MOCK_HOLD_FILE": str(hold)},
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/health"
+
+        def status():
+            try:
+                return httpx.get(url, timeout=0.5).status_code
+            except httpx.HTTPError:
+                return None
+
+        wait_until(lambda: status() is not None, 5, 0.05)
+        assert status() == 503
+        hold.unlink()
+        assert status() == 200
     finally:
         proc.terminate()
         proc.wait(5)

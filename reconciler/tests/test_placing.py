@@ -51,24 +51,28 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
             "args": ["--max-model-len", "8192"],
             "env": env,  # the profile's, secrets as they are: the engine needs them (agent/engine_env.py)
             "host": "127.0.0.1",
+            "rendezvous_port": 0,
         }
     ]
     assert roomy.shards.count() == 0
 
 
-def test_multi_node_replica_gets_whole_nodes_on_one_fabric_and_the_head_address(run_tick, agent_inbox):
+def test_multi_node_replica_gets_whole_nodes_on_one_fabric_and_starts_its_head_first(run_tick, agent_inbox):
     make_node("gpu-a", gpus=4, fabric="ib-a", address="10.0.0.1")
     make_node("gpu-b", gpus=4, fabric="ib-a", address="10.0.0.2")
     make_node("gpu-c", gpus=4, fabric="ib-b", address="10.0.0.3")
-    inbox = agent_inbox("gpu-b")
+    head_inbox, inbox = agent_inbox("gpu-a"), agent_inbox("gpu-b")
     make_model("big", gpus_per_node=4, nodes_per_replica=2)
 
     run_tick()
 
-    shards = list(Shard.objects.order_by("rank").values_list("node__name", "rank"))
-    assert shards == [("gpu-a", 0), ("gpu-b", 1)]
-    (start,) = inbox()
-    assert (start["rank"], start["node_count"], start["head_address"]) == (1, 2, "10.0.0.1")
+    shards = list(Shard.objects.order_by("rank").values_list("node__name", "rank", "port"))
+    assert shards == [("gpu-a", 0, 20000), ("gpu-b", 1, 20000)]
+    (start,) = head_inbox()
+    assert (start["rank"], start["node_count"], start["head_address"]) == (0, 2, "10.0.0.1")
+    # The head's rendezvous port is the one after its engine port (reconciler.placement.rendezvous_port).
+    assert (start["port"], start["rendezvous_port"]) == (20000, 20001)
+    assert inbox() == []  # rank 1 waits for its head's engine (reconciler/tests/test_multi_node_order.py)
 
 
 def test_unplaceable_replica_keeps_an_aggregate_explanation(run_tick):
