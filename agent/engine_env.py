@@ -28,6 +28,8 @@ RESERVED = {
     "CUDA_VISIBLE_DEVICES": "the agent sets it to the GPUs placed for each shard",
     "HF_HOME": "the agent sets it to the node's weights root (--weights-root), where it finds the weights it "
     "reports; without one, engines inherit the agent's own HF_HOME",
+    "VLLM_HOST_IP": "the agent sets it on every vLLM rank to that rank's own node address; one value for every "
+    "node of a profile would be wrong on all but one",
 }
 
 _KINDS = ((bool, "true or false"), (int | float, "a number"), (list, "a list"), (dict, "a mapping"))

@@ -93,6 +93,7 @@ def test_every_variable_the_agent_sets_for_an_engine_is_refused_on_a_profile(eng
         rank=rank,
         node_count=node_count,
         head_address="10.0.0.1",
+        rendezvous_port=8001 if node_count > 1 else 0,
         args=[],
         host="127.0.0.1",
         python="python",
