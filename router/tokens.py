@@ -64,15 +64,22 @@ class _Usage(msgspec.Struct):
 
 
 class _Answer(msgspec.Struct):
-    """A JSON answer or an SSE event as far as accounting reads it: its top-level `usage` (and whether the
-    event has choices), every other field skipped."""
+    """A whole JSON answer as far as accounting reads it: its top-level `usage`, every other field skipped
+    (skipped, not decoded: an answer's choices are most of its bytes)."""
 
     usage: _Usage | None = None
+
+
+class _Event(_Answer):
+    """An SSE event as far as accounting reads it: its `usage`, and whether it has choices (a usage-only
+    event is the one a client that did not ask for usage must not get)."""
+
     choices: object = None
 
 
 _USAGE_DECODER = msgspec.json.Decoder(_Usage)
 _ANSWER_DECODER = msgspec.json.Decoder(_Answer)
+_EVENT_DECODER = msgspec.json.Decoder(_Event)
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -255,7 +262,7 @@ class SseUsage:
         """Record the usage of `event`; whether it is the usage-only event (no choices) that may be dropped."""
         lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
         try:
-            payload = _ANSWER_DECODER.decode(b"\n".join(lines))
+            payload = _EVENT_DECODER.decode(b"\n".join(lines))
         except (msgspec.DecodeError, msgspec.ValidationError):
             return False
         if payload.usage is None:
