@@ -1,0 +1,652 @@
+"""Will a profile fit its GPUs? The memory model: weights, KV cache and engine overheads per GPU.
+
+The rule is the one vLLM applies at start-up (vllm/v1/worker/gpu_worker.py
+`determine_available_memory`, vllm/v1/core/kv_cache_utils.py
+`check_enough_kv_cache_memory`): the engine may use `total × gpu_memory_utilization`
+of each GPU; from that it takes the weights, the peak activations of a profiling
+forward pass, the memory outside torch (CUDA context, NCCL) and its CUDA graphs;
+what is left is KV cache, and if that cannot hold one sequence of
+`max_model_len` tokens the engine refuses to start. So, per GPU:
+
+    needs  = weights ÷ (tensor-parallel size × pipeline stages)
+           + the engine's fixed overheads (constants below, each with its source)
+           + KV cache of one full-length sequence on that GPU
+    usable = GPU memory × the engine's memory fraction
+    fits   = needs ≤ usable; full-length sequences that fit beside the
+             weights = (usable − weights − overheads) ÷ KV of one sequence
+
+Weights bytes, best source first (`estimate_weights`):
+
+1. the weights' own headers (agent/weights_headers.py): exact file bytes;
+2. a model folder's `config.json`: parameters counted from the architecture
+   (`parameter_count`) × the dtype (`torch_dtype`, or `quantization_config`:
+   AWQ/GPTQ pack linear weights at `bits` plus a 16-bit scale and a `bits`
+   zero point per group; FP8 at one byte; bitsandbytes 4/8-bit);
+3. the operator's catalog fields `parameters_billions` and `dtype`.
+Nothing known, or a quantization the model does not know, is "unknown": no
+verdict, never a guess presented as a fact.
+
+Parameter counts are what the checkpoint holds: embeddings (once when tied to
+the output head), attention projections with the family's biases, the gated
+MLP (gate, up, down), routed and shared experts with their routers, and every
+RMSNorm (two per layer; Gemma 2 four; DeepSeek's MLA adds its latent norms).
+The families and their config keys follow Hugging Face `transformers`
+(`modeling_llama`, `modeling_qwen2`, `modeling_mixtral`, `modeling_qwen2_moe`,
+`modeling_gemma2`, `modeling_phi3`, `modeling_deepseek_v2`); DeepSeek-V3's
+multi-token-prediction layers are not counted (engines do not load them unless
+asked to speculate).
+
+KV cache per token and layer: 2 × KV heads × head dim × KV dtype bytes (K and
+V); multi-head latent attention (DeepSeek-V2/V3) keeps one latent of
+`kv_lora_rank + qk_rope_head_dim` per layer instead. A sliding-window layer
+holds at most its window: for a full-length sequence of L tokens it counts
+min(L, window) tokens, as vLLM's sliding-window KV spec and llama.cpp's SWA
+cache allocate. Gemma 2 alternates (even layers slide, window 4096), so a
+131072-token sequence costs 21 layers × 4096 + 21 layers × 131072 tokens.
+Under tensor parallelism each GPU holds ceil(KV heads ÷ TP) heads (heads are
+replicated when TP exceeds them) but the whole MLA latent; pipeline stages
+split the layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+from typing import Any, Literal
+
+from agent.weights_headers import HeaderShape, WeightsHeader, ggml_bits_per_weight
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Bits per element of the dtype names configs and operators use (torch_dtype, vLLM --dtype/--kv-cache-dtype).
+DTYPE_BITS: dict[str, int] = {
+    "float32": 32,
+    "fp32": 32,
+    "float": 32,
+    "float16": 16,
+    "fp16": 16,
+    "half": 16,
+    "bfloat16": 16,
+    "bf16": 16,
+    "fp8": 8,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "float8": 8,
+    "int8": 8,
+    "int4": 4,
+}
+
+
+class ConfigError(ValueError):
+    """A config.json the memory model cannot count: an unknown family or a missing or malformed key."""
+
+
+def dtype_bits(name: str) -> Fraction:
+    """Bits per weight of a dtype name: torch/vLLM names, or a ggml type (Q4_K: 144 bytes per 256 = 4.5)."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key in DTYPE_BITS:
+        return Fraction(DTYPE_BITS[key])
+    bits = ggml_bits_per_weight(name.strip())
+    if bits is None:
+        raise ValueError(
+            f"unknown dtype {name!r}: use one of {', '.join(sorted(DTYPE_BITS))} or a ggml type (Q4_K, Q8_0, …)"
+        )
+    return bits
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture family lays out its weights (Hugging Face `transformers` modeling code)."""
+
+    tied_default: bool = False  # tie_word_embeddings when the config omits it
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v (not o)
+    norms_per_layer: int = 2  # RMSNorms of `hidden` per layer (Gemma 2: four)
+    qk_norm: bool = False  # Qwen3: RMSNorm of `head_dim` on q and on k
+    experts: Literal["", "mixtral", "qwen_moe", "deepseek"] = ""
+    mla: bool = False  # multi-head latent attention (DeepSeek-V2/V3)
+    router_bias: bool = False  # DeepSeek-V3: e_score_correction_bias per routed expert
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "phi3": Family(),  # fused qkv_proj / gate_up_proj: the same counts as separate ones
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
+    "gemma": Family(tied_default=True),
+    "gemma2": Family(tied_default=True, norms_per_layer=4),
+    "mixtral": Family(experts="mixtral"),
+    "qwen2_moe": Family(qkv_bias=True, experts="qwen_moe"),
+    "qwen3_moe": Family(qk_norm=True, experts="qwen_moe"),
+    "deepseek_v2": Family(experts="deepseek", mla=True),
+    "deepseek_v3": Family(experts="deepseek", mla=True, router_bias=True),
+}
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """A model's parameters: `linear` is the projection matrices (what weight quantization packs),
+    `embedding` the token embeddings and output head, the rest norms, biases and routers."""
+
+    total: int
+    embedding: int
+    linear: int
+
+    @property
+    def other(self) -> int:
+        return self.total - self.embedding - self.linear
+
+
+class _Config:
+    """Typed reads of a config.json dict, each failure a ConfigError naming the key."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.raw = config
+
+    def whole(self, key: str, default: int | None = None) -> int:
+        value = self.raw.get(key, default)
+        if value is None and default is not None:
+            value = default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"config.json {key} must be a whole number, got {value!r}")
+        return value
+
+    def optional_int(self, key: str) -> int | None:
+        return None if self.raw.get(key) is None else self.whole(key)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key, default)
+        return default if value is None else bool(value)
+
+
+def family_of(config: Mapping[str, Any]) -> Family:
+    """The family of a config.json (its `model_type`), or ConfigError if the memory model does not count it."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"config.json model_type {model_type!r} is not one the memory model counts ({', '.join(sorted(FAMILIES))})"
+        )
+    return FAMILIES[model_type]
+
+
+def parameter_count(config: Mapping[str, Any]) -> ParameterCount:
+    """The parameters a checkpoint with this config.json holds (ConfigError if it cannot say)."""
+    family = family_of(config)
+    c = _Config(config)
+    hidden, vocab, layers = c.whole("hidden_size"), c.whole("vocab_size"), c.whole("num_hidden_layers")
+    tied = c.flag("tie_word_embeddings", family.tied_default)
+    embedding = vocab * hidden * (1 if tied else 2)
+    linear = other = 0
+    attention_linear, attention_other = _mla_attention(c, hidden) if family.mla else _attention(c, family, hidden)
+    for layer in range(layers):
+        mlp_linear, mlp_other = _mlp(c, family, hidden, layer)
+        linear += attention_linear + mlp_linear
+        other += attention_other + mlp_other + family.norms_per_layer * hidden
+    other += hidden  # the final norm
+    return ParameterCount(total=embedding + linear + other, embedding=embedding, linear=linear)
+
+
+def _attention(c: _Config, family: Family, hidden: int) -> tuple[int, int]:
+    """(linear, other) parameters of one grouped-query attention block."""
+    heads = c.whole("num_attention_heads")
+    if heads == 0:
+        raise ConfigError("config.json num_attention_heads must be at least 1")
+    kv_heads = c.whole("num_key_value_heads", heads)
+    head_dim = c.whole("head_dim", hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linear = hidden * q + 2 * hidden * kv + q * hidden
+    other = 0
+    if family.qkv_bias:
+        other += q + 2 * kv
+    elif c.flag("attention_bias", False):
+        other += q + 2 * kv + hidden
+    if family.qk_norm:
+        other += 2 * head_dim
+    return linear, other
+
+
+def _mla_attention(c: _Config, hidden: int) -> tuple[int, int]:
+    """(linear, other) parameters of DeepSeek's multi-head latent attention block."""
+    heads = c.whole("num_attention_heads")
+    q_lora, kv_lora = c.optional_int("q_lora_rank"), c.whole("kv_lora_rank")
+    nope, rope, v_dim = c.whole("qk_nope_head_dim"), c.whole("qk_rope_head_dim"), c.whole("v_head_dim")
+    q_out = heads * (nope + rope)
+    if q_lora:  # q_a_proj, its norm, q_b_proj
+        linear, other = hidden * q_lora + q_lora * q_out, q_lora
+    else:
+        linear, other = hidden * q_out, 0
+    linear += hidden * (kv_lora + rope)  # kv_a_proj_with_mqa: the latent and the shared rope key
+    other += kv_lora  # kv_a_layernorm
+    linear += kv_lora * heads * (nope + v_dim)  # kv_b_proj
+    linear += heads * v_dim * hidden  # o_proj
+    return linear, other
+
+
+def _mlp(c: _Config, family: Family, hidden: int, layer: int) -> tuple[int, int]:
+    """(linear, other) parameters of layer `layer`'s MLP: dense, or experts with their router."""
+    if family.experts == "mixtral":
+        experts = c.whole("num_local_experts")
+        return experts * 3 * hidden * c.whole("intermediate_size"), hidden * experts
+    if family.experts == "qwen_moe":
+        step = c.whole("decoder_sparse_step", 1)
+        if layer in (c.raw.get("mlp_only_layers") or []) or step == 0 or (layer + 1) % step:
+            return 3 * hidden * c.whole("intermediate_size"), 0
+        experts, expert = c.whole("num_experts"), 3 * hidden * c.whole("moe_intermediate_size")
+        shared = c.whole("shared_expert_intermediate_size", 0)
+        # Qwen2-MoE's shared expert has a one-output gate; Qwen3-MoE has no shared expert.
+        return experts * expert + 3 * hidden * shared, hidden * experts + (hidden if shared else 0)
+    if family.experts == "deepseek":
+        frequency = c.whole("moe_layer_freq", 1)
+        if layer < c.whole("first_k_dense_replace", 0) or frequency == 0 or layer % frequency:
+            return 3 * hidden * c.whole("intermediate_size"), 0
+        experts, expert_width = c.whole("n_routed_experts"), c.whole("moe_intermediate_size")
+        shared = 3 * hidden * expert_width * c.whole("n_shared_experts", 0)
+        router = hidden * experts + (experts if family.router_bias else 0)
+        return experts * 3 * hidden * expert_width + shared, router
+    return 3 * hidden * c.whole("intermediate_size"), 0
+
+
+@dataclass(frozen=True)
+class WeightsEstimate:
+    """The weights' bytes and where the figure comes from; `bytes` None = unknown, `detail` says why."""
+
+    bytes: int | None
+    source: Literal["headers", "config", "catalog", "unknown"]
+    detail: str
+    parameters: int | None = None
+
+
+def config_dtype(config: Mapping[str, Any]) -> str:
+    """The dtype a config.json's weights are stored in (`torch_dtype`, or `dtype` in newer files)."""
+    value = config.get("torch_dtype") or config.get("dtype") or "float32"  # transformers' own default
+    if not isinstance(value, str):
+        raise ConfigError(f"config.json torch_dtype must be a string, got {value!r}")
+    return value
+
+
+def config_weights_bytes(config: Mapping[str, Any]) -> int:
+    """Bytes of a checkpoint's weights from its config.json: parameters × dtype, quantized linears packed."""
+    count = parameter_count(config)
+    base = _known_dtype_bits(config_dtype(config))
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return _bytes(count.total * base)
+    linear_bits = _quantized_linear_bits(quantization)
+    return _bytes(count.linear * linear_bits + (count.total - count.linear) * base)
+
+
+def _known_dtype_bits(name: str) -> Fraction:
+    try:
+        return dtype_bits(name)
+    except ValueError as exc:
+        raise ConfigError(f"config.json: {exc}") from None
+
+
+def _quantized_linear_bits(quantization: Any) -> Fraction:
+    """Bits per linear weight under a config's quantization_config (ConfigError for a method not known here)."""
+    if not isinstance(quantization, Mapping):
+        raise ConfigError("config.json quantization_config must be an object")
+    method = str(quantization.get("quant_method", "")).lower()
+    if method in ("awq", "gptq"):
+        bits = quantization.get("bits", quantization.get("w_bit"))
+        group = quantization.get("group_size", quantization.get("q_group_size", 128))
+        if not isinstance(bits, int) or not isinstance(group, int) or bits <= 0:
+            raise ConfigError(f"config.json quantization_config ({method}) needs whole `bits` and `group_size`")
+        # Per group of input features: one 16-bit scale and one `bits` zero point per output (-1 = one group).
+        return Fraction(bits) + (Fraction(16 + bits, group) if group > 0 else 0)
+    if method == "fp8":
+        return Fraction(8)
+    if method == "bitsandbytes":
+        if quantization.get("load_in_4bit"):
+            return Fraction(4) + Fraction(32, 64)  # one fp32 absmax per block of 64
+        if quantization.get("load_in_8bit"):
+            return Fraction(8)
+    raise ConfigError(f"config.json quantization method {method or '(none)'!r} is not one the memory model sizes")
+
+
+def _bytes(bits: Fraction | int) -> int:
+    return math.ceil(Fraction(bits) / 8)
+
+
+def estimate_weights(
+    *,
+    header: WeightsHeader | None = None,
+    config: Mapping[str, Any] | None = None,
+    parameters_billions: float | None = None,
+    dtype: str | None = None,
+) -> WeightsEstimate:
+    """The weights' bytes from the best source given: headers, then config.json, then catalog fields."""
+    if header is not None:
+        return WeightsEstimate(
+            header.total_bytes, "headers", f"{header.format} headers of {len(header.files)} file(s)", header.elements
+        )
+    problems = []
+    if config is not None:
+        try:
+            count = parameter_count(config)
+            return WeightsEstimate(
+                config_weights_bytes(config), "config", f"config.json ({config_dtype(config)})", count.total
+            )
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if parameters_billions is not None and dtype:
+        try:
+            bits = dtype_bits(dtype)
+        except ValueError as exc:
+            problems.append(str(exc))
+        else:
+            parameters = round(parameters_billions * 1e9)
+            return WeightsEstimate(
+                _bytes(parameters * bits),
+                "catalog",
+                f"catalog: {parameters_billions} B parameters in {dtype}",
+                parameters,
+            )
+    elif parameters_billions is not None or dtype:
+        problems.append(
+            "the catalog gives "
+            + ("parameters_billions but no dtype" if dtype is None else "a dtype but no parameters_billions")
+        )
+    return WeightsEstimate(None, "unknown", "; ".join(problems) or "no weights headers, config.json or catalog size")
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What each layer keeps per token: `kv_heads[i]` heads of `key_dim` + `value_dim`, or (MLA) one latent
+    of `latent_dim`; `windows[i]` is layer i's sliding window (None: it attends to the whole sequence)."""
+
+    kv_heads: tuple[int, ...]
+    key_dim: int
+    value_dim: int
+    windows: tuple[int | None, ...]
+    latent_dim: int = 0
+
+    @classmethod
+    def uniform(
+        cls,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        windows: tuple[int | None, ...] | None = None,
+    ) -> KVShape:
+        return cls(
+            (kv_heads,) * layers, head_dim, head_dim if value_dim is None else value_dim, windows or (None,) * layers
+        )
+
+    @classmethod
+    def latent(cls, layers: int, latent_dim: int) -> KVShape:
+        return cls((0,) * layers, 0, 0, (None,) * layers, latent_dim)
+
+    @property
+    def layers(self) -> int:
+        return len(self.kv_heads)
+
+    def layer_bytes_per_token(self, layer: int, kv_bits: Fraction | int, tensor_parallel: int = 1) -> Fraction:
+        """Bytes one token takes in one layer's cache on one GPU of a tensor-parallel group."""
+        if self.latent_dim:
+            return Fraction(self.latent_dim * kv_bits, 8)  # one latent, whole on every rank
+        heads = math.ceil(self.kv_heads[layer] / tensor_parallel)
+        return Fraction(heads * (self.key_dim + self.value_dim) * kv_bits, 8)
+
+    def bytes_per_token(self, kv_bits: Fraction | int) -> int:
+        """KV bytes per token over all layers, windows aside (the figure engines log per token)."""
+        return _bytes(sum(self.layer_bytes_per_token(i, kv_bits) * 8 for i in range(self.layers)))
+
+    def sequence_bytes_per_gpu(
+        self, tokens: int, kv_bits: Fraction | int, tensor_parallel: int = 1, pipeline_stages: int = 1
+    ) -> int:
+        """KV bytes of one `tokens`-long sequence on the most loaded GPU (windowed layers hold their window)."""
+        per_stage = math.ceil(self.layers / pipeline_stages)
+        stages = [range(s, min(s + per_stage, self.layers)) for s in range(0, self.layers, per_stage)]
+        return max(
+            (
+                _bytes(
+                    8
+                    * sum(
+                        self.layer_bytes_per_token(i, kv_bits, tensor_parallel) * min(tokens, self.windows[i] or tokens)
+                        for i in stage
+                    )
+                )
+                for stage in stages
+            ),
+            default=0,
+        )
+
+
+def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
+    """The KV cache shape a config.json describes (ConfigError if the family or a key is unknown)."""
+    family = family_of(config)
+    c = _Config(config)
+    layers = c.whole("num_hidden_layers")
+    if family.mla:
+        return KVShape.latent(layers, c.whole("kv_lora_rank") + c.whole("qk_rope_head_dim"))
+    heads = c.whole("num_attention_heads")
+    if heads == 0:
+        raise ConfigError("config.json num_attention_heads must be at least 1")
+    head_dim = c.whole("head_dim", c.whole("hidden_size") // heads)
+    return KVShape.uniform(layers, c.whole("num_key_value_heads", heads), head_dim, windows=_config_windows(c, layers))
+
+
+def _config_windows(c: _Config, layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the config says: `layer_types`, Gemma 2's alternation, Qwen2's
+    `use_sliding_window` above `max_window_layers`, or one window for every layer (Mistral v0.1, Phi-3)."""
+    window = c.optional_int("sliding_window")
+    model_type = c.raw.get("model_type")
+    types = c.raw.get("layer_types")
+    if window and isinstance(types, list) and len(types) == layers:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if not window:
+        return (None,) * layers
+    if model_type == "gemma2":
+        return tuple(window if i % 2 == 0 else None for i in range(layers))
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        if not c.flag("use_sliding_window", False):
+            return (None,) * layers
+        first = c.whole("max_window_layers", layers)
+        return tuple(window if i >= first else None for i in range(layers))
+    if model_type == "gemma":
+        return (None,) * layers
+    return (window,) * layers
+
+
+# GGUF architectures whose sliding window applies to alternate layers (llama.cpp's llama-model.cpp).
+_GGUF_SWA_EVERY = {"gemma2": 2, "gemma3": 6}
+
+
+def kv_shape_from_header(shape: HeaderShape) -> KVShape | None:
+    """The KV cache shape a GGUF header gives, or None when it lacks layers or heads."""
+    if not shape.layers:
+        return None
+    if shape.kv_lora_rank and shape.rope_dimensions:
+        return KVShape.latent(shape.layers, shape.kv_lora_rank + shape.rope_dimensions)
+    if not shape.heads or not (shape.key_length or shape.embedding):
+        return None
+    head_dim = shape.key_length or (shape.embedding or 0) // shape.heads
+    per_layer = shape.kv_heads_per_layer or (shape.kv_heads or shape.heads,) * shape.layers
+    if len(per_layer) != shape.layers:
+        return None
+    every = _GGUF_SWA_EVERY.get(shape.architecture or "")
+    windows = tuple(
+        shape.sliding_window if shape.sliding_window and (every is None or (i + 1) % every) else None
+        for i in range(shape.layers)
+    )
+    return KVShape(tuple(per_layer), head_dim, shape.value_length or head_dim, windows)
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What an engine takes of a GPU besides weights and KV cache, and how much of the GPU it may use.
+
+    `memory_fraction` is the engine's default share of each GPU; the
+    overheads are the parts it counts inside that share.
+    """
+
+    engine: str
+    memory_fraction: float
+    cuda_context_bytes: int
+    activation_bytes: int
+    graph_bytes: int
+    source: str
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.cuda_context_bytes + self.activation_bytes + self.graph_bytes
+
+
+# vLLM 0.32: CacheConfig.gpu_memory_utilization defaults to 0.92 (0.9 before). Inside it: memory outside torch
+# (CUDA context, cuBLAS and NCCL workspaces; vLLM logs it as "non-torch memory", about 0.5 GiB on one GPU), the
+# profiling pass's activation peak ("torch peak memory increase"; 2048-8192 batched tokens of a 7-70B model,
+# about 1.5 GiB), and since VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1 the CUDA graph estimate (about 0.5 GiB).
+VLLM_MEMORY_FRACTION = 0.92
+VLLM_CUDA_CONTEXT = 512 * MIB
+VLLM_ACTIVATION_PEAK = 1536 * MIB
+VLLM_CUDA_GRAPHS = 512 * MIB
+# SGLang: mem_fraction_static covers weights and the KV pool only; ServerArgs picks it from GPU memory and TP
+# (about 0.8-0.88) and leaves the rest for activations and CUDA graphs, so no overhead is counted inside it.
+SGLANG_MEMORY_FRACTION = 0.85
+# llama.cpp takes no share: it allocates weights, KV cache and compute buffers until the GPU is full. Its
+# log's "CUDA0 compute buffer size" is a few hundred MiB at the default batch sizes; the CUDA context ~0.3 GiB.
+LLAMACPP_CUDA_CONTEXT = 320 * MIB
+LLAMACPP_COMPUTE_BUFFER = 512 * MIB
+
+ENGINE_MEMORY: dict[str, EngineMemory] = {
+    "vllm": EngineMemory(
+        "vllm",
+        VLLM_MEMORY_FRACTION,
+        VLLM_CUDA_CONTEXT,
+        VLLM_ACTIVATION_PEAK,
+        VLLM_CUDA_GRAPHS,
+        "vLLM gpu_worker.determine_available_memory",
+    ),
+    "sglang": EngineMemory("sglang", SGLANG_MEMORY_FRACTION, 0, 0, 0, "SGLang ServerArgs.mem_fraction_static"),
+    "llamacpp": EngineMemory(
+        "llamacpp", 1.0, LLAMACPP_CUDA_CONTEXT, LLAMACPP_COMPUTE_BUFFER, 0, "llama.cpp compute buffers"
+    ),
+    # The bundled mock engine stands in for vLLM, and is judged like it.
+    "mock": EngineMemory(
+        "mock", VLLM_MEMORY_FRACTION, VLLM_CUDA_CONTEXT, VLLM_ACTIVATION_PEAK, VLLM_CUDA_GRAPHS, "as vLLM"
+    ),
+}
+
+
+class Fit(StrEnum):
+    """Whether a profile's estimate fits its GPUs; `unknown` when the weights' size is not known."""
+
+    FITS = "fits"
+    DOES_NOT_FIT = "does_not_fit"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class ProfileMemory:
+    """What is known of one profile's memory: its weights, KV shape, served context and parallelism."""
+
+    engine: str
+    weights: WeightsEstimate
+    kv: KVShape | None = None
+    kv_dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    tensor_parallel: int = 1
+    pipeline_stages: int = 1
+    memory_fraction: float | None = None  # the profile's own (e.g. --gpu-memory-utilization), else the engine's
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """One GPU class and its memory (as agents report it)."""
+
+    gpu_class: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """The answer for one profile on one GPU class, with the numbers behind it (bytes per GPU)."""
+
+    fit: Fit
+    sentence: str
+    usable_bytes: int
+    needs_bytes: int | None = None
+    weights_bytes: int | None = None
+    overhead_bytes: int | None = None
+    kv_bytes: int | None = None  # one full-length sequence on one GPU; None = not counted
+    sequences: int | None = None  # full-length sequences that fit beside the weights
+
+    @property
+    def needs_gib(self) -> float | None:
+        return None if self.needs_bytes is None else round(self.needs_bytes / GIB, 1)
+
+    @property
+    def usable_gib(self) -> float:
+        return round(self.usable_bytes / GIB, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fit": str(self.fit),
+            "sentence": self.sentence,
+            "needs_gib_per_gpu": self.needs_gib,
+            "usable_gib_per_gpu": self.usable_gib,
+            "weights_bytes_per_gpu": self.weights_bytes,
+            "overhead_bytes_per_gpu": self.overhead_bytes,
+            "kv_bytes_per_gpu": self.kv_bytes,
+            "kv_counted": self.kv_bytes is not None,
+            "full_length_sequences": self.sequences,
+        }
+
+
+def judge(profile: ProfileMemory, gpu: GPUMemory) -> MemoryVerdict:
+    """Does `profile` fit on GPUs of class `gpu`? The rule of the module docstring, with its numbers."""
+    if profile.engine not in ENGINE_MEMORY:
+        raise ValueError(f"unknown engine {profile.engine!r}: one of {', '.join(sorted(ENGINE_MEMORY))}")
+    if profile.tensor_parallel < 1 or profile.pipeline_stages < 1:
+        raise ValueError("tensor-parallel size and pipeline stages must be at least 1")
+    engine = ENGINE_MEMORY[profile.engine]
+    fraction = profile.memory_fraction if profile.memory_fraction is not None else engine.memory_fraction
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
+    usable = int(gpu.memory_bytes * fraction)
+    has = f"{gpu.gpu_class} has {usable / GIB:.1f} GiB usable"
+    if profile.weights.bytes is None:
+        return MemoryVerdict(Fit.UNKNOWN, f"size unknown ({profile.weights.detail}); {has}", usable)
+    weights = math.ceil(profile.weights.bytes / (profile.tensor_parallel * profile.pipeline_stages))
+    kv, kv_note = _sequence_kv(profile)
+    needs = weights + engine.overhead_bytes + (kv or 0)
+    free_for_kv = usable - weights - engine.overhead_bytes
+    sequences = None if not kv else max(0, free_for_kv // kv)
+    fit = Fit.FITS if needs <= usable else Fit.DOES_NOT_FIT
+    sentence = f"needs {needs / GIB:.1f} GiB per GPU; {has}"
+    parts = f"weights {weights / GIB:.1f} + engine {engine.overhead_bytes / GIB:.1f}"
+    sentence += f" ({parts} + {kv_note})" if kv is not None else f" ({parts}; {kv_note})"
+    if sequences is not None and fit is Fit.FITS:
+        sentence += f"; room for {sequences} full-length sequence{'' if sequences == 1 else 's'}"
+    return MemoryVerdict(fit, sentence, usable, needs, weights, engine.overhead_bytes, kv, sequences)
+
+
+def _sequence_kv(profile: ProfileMemory) -> tuple[int | None, str]:
+    """KV bytes of one full-length sequence per GPU and how it reads, or None and why it is not counted."""
+    if profile.kv is None:
+        return None, "KV cache not counted: its shape is unknown"
+    if not profile.max_model_len:
+        return None, "KV cache not counted: the served context is unknown"
+    try:
+        bits = dtype_bits(profile.kv_dtype)
+    except ValueError as exc:
+        return None, f"KV cache not counted: {exc}"
+    kv = profile.kv.sequence_bytes_per_gpu(
+        profile.max_model_len, bits, profile.tensor_parallel, profile.pipeline_stages
+    )
+    return kv, f"KV {kv / GIB:.1f} for one {profile.max_model_len}-token sequence"
+
+
+def served_context(config: Mapping[str, Any] | None, max_model_len: int | None) -> int | None:
+    """The context a profile serves: its own max_model_len, else the model's (engines default to it)."""
+    if max_model_len:
+        return max_model_len
+    value = (config or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
