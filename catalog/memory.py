@@ -23,6 +23,9 @@ Weights bytes, best source first (`estimate_weights`):
    AWQ/GPTQ pack linear weights at `bits` plus a 16-bit scale and a `bits`
    zero point per group; FP8 at one byte; bitsandbytes 4/8-bit);
 3. the operator's catalog fields `parameters_billions` and `dtype`.
+vLLM and SGLang serve a float32 checkpoint in bfloat16 (their `--dtype auto`),
+so its float32 tensors count half their file bytes there; the KV cache takes
+the dtype the engine computes in unless the profile names one (`--kv-cache-dtype`).
 Nothing known, or a quantization the model does not know, is "unknown": no
 verdict, never a guess presented as a fact.
 
@@ -39,11 +42,13 @@ asked to speculate).
 KV cache per token and layer: 2 × KV heads × head dim × KV dtype bytes (K and
 V); multi-head latent attention (DeepSeek-V2/V3) keeps one latent of
 `kv_lora_rank + qk_rope_head_dim` per layer instead. A sliding-window layer
-holds at most its window: for a full-length sequence of L tokens it counts
-min(L, window) tokens, as vLLM's sliding-window KV spec and llama.cpp's SWA
-cache allocate. Gemma 2 alternates (even layers slide, window 4096), so a
-131072-token sequence costs 21 layers × 4096 + 21 layers × 131072 tokens.
-Under tensor parallelism each GPU holds ceil(KV heads ÷ TP) heads (heads are
+holds its window and what the engine keeps for batches in flight: for a
+full-length sequence of L tokens it counts min(L, window + slack) tokens
+(`window_slack_tokens`: vLLM's sliding-window KV spec reserves the window plus
+two batches of `max_num_batched_tokens`; llama.cpp's SWA cache one
+micro-batch). Gemma 2 alternates (even layers slide, window 4096), so under
+vLLM on an H100 a 131072-token sequence costs 21 layers × (4096 + 16384) + 21
+layers × 131072 tokens. Under tensor parallelism each GPU holds ceil(KV heads ÷ TP) heads (heads are
 replicated when TP exceeds them) but the whole MLA latent; pipeline stages
 split the layers.
 """
@@ -79,6 +84,13 @@ DTYPE_BITS: dict[str, int] = {
     "int8": 8,
     "int4": 4,
 }
+
+
+# vLLM and SGLang serve a float32 checkpoint in 16 bits (`--dtype auto`: vLLM's model config picks bfloat16,
+# float16 where the device lacks it; vLLM 0.32 logs dtype=torch.bfloat16 for a float32 model and casts each
+# tensor as it loads). llama.cpp holds GGUF tensors as stored.
+HALVES_FLOAT32 = frozenset({"vllm", "sglang", "mock"})
+SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 class ConfigError(ValueError):
@@ -258,6 +270,7 @@ class WeightsEstimate:
     source: Literal["headers", "config", "catalog", "unknown"]
     detail: str
     parameters: int | None = None
+    compute_dtype: str | None = None  # what the engine computes in, so the KV cache's default dtype
 
 
 def config_dtype(config: Mapping[str, Any]) -> str:
@@ -268,10 +281,11 @@ def config_dtype(config: Mapping[str, Any]) -> str:
     return value
 
 
-def config_weights_bytes(config: Mapping[str, Any]) -> int:
-    """Bytes of a checkpoint's weights from its config.json: parameters × dtype, quantized linears packed."""
+def config_weights_bytes(config: Mapping[str, Any], dtype: str | None = None) -> int:
+    """Bytes of a checkpoint's weights from its config.json: parameters × dtype (the config's own unless
+    given), quantized linears packed."""
     count = parameter_count(config)
-    base = _known_dtype_bits(config_dtype(config))
+    base = _known_dtype_bits(dtype or config_dtype(config))
     quantization = config.get("quantization_config")
     if not quantization:
         return _bytes(count.total * base)
@@ -318,19 +332,15 @@ def estimate_weights(
     config: Mapping[str, Any] | None = None,
     parameters_billions: float | None = None,
     dtype: str | None = None,
+    engine: str | None = None,
 ) -> WeightsEstimate:
-    """The weights' bytes from the best source given: headers, then config.json, then catalog fields."""
+    """The weights' bytes as `engine` holds them, from the best source given: headers, config.json, catalog."""
     if header is not None:
-        return WeightsEstimate(
-            header.total_bytes, "headers", f"{header.format} headers of {len(header.files)} file(s)", header.elements
-        )
+        return _from_header(header, engine)
     problems = []
     if config is not None:
         try:
-            count = parameter_count(config)
-            return WeightsEstimate(
-                config_weights_bytes(config), "config", f"config.json ({config_dtype(config)})", count.total
-            )
+            return _from_config(config, engine)
         except ConfigError as exc:
             problems.append(str(exc))
     if parameters_billions is not None and dtype:
@@ -340,18 +350,41 @@ def estimate_weights(
             problems.append(str(exc))
         else:
             parameters = round(parameters_billions * 1e9)
-            return WeightsEstimate(
-                _bytes(parameters * bits),
-                "catalog",
-                f"catalog: {parameters_billions} B parameters in {dtype}",
-                parameters,
-            )
+            detail = f"catalog: {parameters_billions} B parameters in {dtype}"
+            compute = dtype if dtype.lower() in DTYPE_BITS and bits >= 16 else None
+            return WeightsEstimate(_bytes(parameters * bits), "catalog", detail, parameters, compute)
     elif parameters_billions is not None or dtype:
-        problems.append(
-            "the catalog gives "
-            + ("parameters_billions but no dtype" if dtype is None else "a dtype but no parameters_billions")
-        )
+        given = "parameters_billions but no dtype" if dtype is None else "a dtype but no parameters_billions"
+        problems.append(f"the catalog gives {given}")
     return WeightsEstimate(None, "unknown", "; ".join(problems) or "no weights headers, config.json or catalog size")
+
+
+def served_dtype(engine: str | None, stored: str) -> str:
+    """The dtype `engine` computes in for weights stored in `stored` (float32 served in 16 bits by vLLM/SGLang)."""
+    if engine in HALVES_FLOAT32 and DTYPE_BITS.get(stored.lower().removeprefix("torch.")) == 32:
+        return "bfloat16"
+    return stored
+
+
+def _from_config(config: Mapping[str, Any], engine: str | None) -> WeightsEstimate:
+    count = parameter_count(config)
+    stored = config_dtype(config)
+    served = served_dtype(engine, stored)
+    detail = f"config.json ({stored}" + (f", served as {served})" if served != stored else ")")
+    return WeightsEstimate(config_weights_bytes(config, served), "config", detail, count.total, served)
+
+
+def _from_header(header: WeightsHeader, engine: str | None) -> WeightsEstimate:
+    detail = f"{header.format} headers of {len(header.files)} file(s)"
+    if header.format == "gguf":  # llama.cpp holds GGUF tensors as stored and computes the KV cache in f16
+        return WeightsEstimate(header.total_bytes, "headers", detail, header.elements, "float16")
+    floats = {name: header.bytes_by_dtype.get(tag, 0) for tag, name in SAFETENSORS_FLOATS.items()}
+    stored = max(floats, key=lambda name: floats[name]) if any(floats.values()) else None
+    total = header.total_bytes
+    if engine in HALVES_FLOAT32 and floats["float32"]:
+        total -= floats["float32"] // 2
+        detail += ", float32 served as bfloat16"
+    return WeightsEstimate(total, "headers", detail, header.elements, stored and served_dtype(engine, stored))
 
 
 @dataclass(frozen=True)
@@ -399,24 +432,30 @@ class KVShape:
         return _bytes(sum(self.layer_bytes_per_token(i, kv_bits) * 8 for i in range(self.layers)))
 
     def sequence_bytes_per_gpu(
-        self, tokens: int, kv_bits: Fraction | int, tensor_parallel: int = 1, pipeline_stages: int = 1
+        self,
+        tokens: int,
+        kv_bits: Fraction | int,
+        tensor_parallel: int = 1,
+        pipeline_stages: int = 1,
+        window_slack: int = 0,
     ) -> int:
-        """KV bytes of one `tokens`-long sequence on the most loaded GPU (windowed layers hold their window)."""
+        """KV bytes of one `tokens`-long sequence on the most loaded GPU of the group.
+
+        A windowed layer holds its window plus `window_slack` tokens (what the
+        engine keeps for batches in flight), never more than the sequence.
+        """
         per_stage = math.ceil(self.layers / pipeline_stages)
         stages = [range(s, min(s + per_stage, self.layers)) for s in range(0, self.layers, per_stage)]
-        return max(
-            (
-                _bytes(
-                    8
-                    * sum(
-                        self.layer_bytes_per_token(i, kv_bits, tensor_parallel) * min(tokens, self.windows[i] or tokens)
-                        for i in stage
-                    )
-                )
-                for stage in stages
-            ),
-            default=0,
+
+        def held(layer: int) -> int:
+            window = self.windows[layer]
+            return tokens if window is None else min(tokens, window + window_slack)
+
+        stage_bits = (
+            sum(self.layer_bytes_per_token(i, kv_bits, tensor_parallel) * 8 * held(i) for i in stage)
+            for stage in stages
         )
+        return max((_bytes(bits) for bits in stage_bits), default=0)
 
 
 def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
@@ -550,7 +589,7 @@ class ProfileMemory:
     engine: str
     weights: WeightsEstimate
     kv: KVShape | None = None
-    kv_dtype: str = "bfloat16"
+    kv_dtype: str | None = None  # None: the weights' compute dtype (the engines' `auto`), else 16-bit
     max_model_len: int | None = None
     tensor_parallel: int = 1
     pipeline_stages: int = 1
@@ -615,7 +654,7 @@ def judge(profile: ProfileMemory, gpu: GPUMemory) -> MemoryVerdict:
     if profile.weights.bytes is None:
         return MemoryVerdict(Fit.UNKNOWN, f"size unknown ({profile.weights.detail}); {has}", usable)
     weights = math.ceil(profile.weights.bytes / (profile.tensor_parallel * profile.pipeline_stages))
-    kv, kv_note = _sequence_kv(profile)
+    kv, kv_note = _sequence_kv(profile, gpu)
     needs = weights + engine.overhead_bytes + (kv or 0)
     free_for_kv = usable - weights - engine.overhead_bytes
     sequences = None if not kv else max(0, free_for_kv // kv)
@@ -628,18 +667,40 @@ def judge(profile: ProfileMemory, gpu: GPUMemory) -> MemoryVerdict:
     return MemoryVerdict(fit, sentence, usable, needs, weights, engine.overhead_bytes, kv, sequences)
 
 
-def _sequence_kv(profile: ProfileMemory) -> tuple[int | None, str]:
+def window_slack_tokens(engine: str, gpu: GPUMemory) -> int:
+    """Tokens a sliding-window layer holds beyond its window for one sequence, as the engine reserves them.
+
+    vLLM (SlidingWindowSpec.max_admission_blocks_per_request) keeps window − 1 +
+    `max_in_flight_tokens`: two batches in flight under async scheduling, each of
+    `max_num_batched_tokens`, whose API-server default follows the GPU (EngineArgs:
+    16384 from 160 GiB, 8192 from 70 GiB except A100s, else 2048). llama.cpp's SWA
+    cache keeps one micro-batch (512 tokens) beyond the window; SGLang's SWA pool
+    is counted at the window.
+    """
+    if engine in ("vllm", "mock"):
+        if gpu.memory_bytes >= 160 * GIB:
+            batched = 16384
+        elif gpu.memory_bytes >= 70 * GIB and "a100" not in gpu.gpu_class.lower():
+            batched = 8192
+        else:
+            batched = 2048
+        return 2 * batched
+    return 512 if engine == "llamacpp" else 0
+
+
+def _sequence_kv(profile: ProfileMemory, gpu: GPUMemory) -> tuple[int | None, str]:
     """KV bytes of one full-length sequence per GPU and how it reads, or None and why it is not counted."""
     if profile.kv is None:
         return None, "KV cache not counted: its shape is unknown"
     if not profile.max_model_len:
         return None, "KV cache not counted: the served context is unknown"
     try:
-        bits = dtype_bits(profile.kv_dtype)
+        bits = dtype_bits(profile.kv_dtype or profile.weights.compute_dtype or "bfloat16")
     except ValueError as exc:
         return None, f"KV cache not counted: {exc}"
+    slack = window_slack_tokens(profile.engine, gpu)
     kv = profile.kv.sequence_bytes_per_gpu(
-        profile.max_model_len, bits, profile.tensor_parallel, profile.pipeline_stages
+        profile.max_model_len, bits, profile.tensor_parallel, profile.pipeline_stages, slack
     )
     return kv, f"KV {kv / GIB:.1f} for one {profile.max_model_len}-token sequence"
 

