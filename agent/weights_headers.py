@@ -1,6 +1,6 @@
 """What a model's weight files say about themselves, read from their headers without reading a tensor.
 
-Agents read it for the weights they hold and the control plane for a local
+For agents, of the weights they hold, and for the control plane, of a local
 model folder; catalog/memory.py turns it into bytes per GPU.
 
 * safetensors: an 8-byte little-endian header length, then that many bytes of

@@ -13,6 +13,7 @@ from catalog.memory import (
     Fit,
     GPUMemory,
     KVShape,
+    MemoryArgs,
     ProfileMemory,
     WeightsEstimate,
     dtype_bits,
@@ -20,6 +21,8 @@ from catalog.memory import (
     judge,
     kv_shape_from_config,
     kv_shape_from_header,
+    memory_args,
+    parallel_shape,
     served_context,
     window_slack_tokens,
 )
@@ -242,3 +245,29 @@ def test_sliding_layers_keep_the_batches_vllm_holds_in_flight():
     verdict = judge(ProfileMemory(**{**vars(profile), "max_model_len": 131072}), H100)
     per_layer_token = 2 * 8 * 256 * 2  # bfloat16: the compute dtype vLLM serves Gemma 2 in
     assert verdict.kv_bytes == 21 * per_layer_token * (4096 + 16384) + 21 * per_layer_token * 131072
+
+
+def test_engine_args_give_the_share_the_context_and_the_kv_dtype():
+    args = ["--gpu-memory-utilization", "0.8", "--max-model-len=32k", "--kv-cache-dtype", "fp8", "--enforce-eager"]
+    assert memory_args("vllm", args) == MemoryArgs(0.8, 32000, "fp8")
+    assert memory_args("vllm", ["--max-model-len", "128K", "--kv-cache-dtype", "auto"]) == MemoryArgs(
+        None, 131072, None
+    )
+    assert memory_args("sglang", ["--mem-fraction-static", "0.7", "--context-length", "8192"]) == MemoryArgs(0.7, 8192)
+    assert memory_args("llamacpp", ["-c", "0", "--n-gpu-layers", "99"]) == MemoryArgs()
+    assert memory_args("llamacpp", ["--ctx-size", "4096"]).max_model_len == 4096
+    assert memory_args("vllm", ["--context-length", "4096"]) == MemoryArgs()  # SGLang's flag, not vLLM's
+    for bad in (
+        ["--gpu-memory-utilization", "1.5"],
+        ["--max-model-len", "lots"],
+        ["--kv-cache-dtype", "fp5"],
+        ["--max-model-len"],
+    ):
+        with pytest.raises(ValueError, match=f"engine arg {bad[0]}"):
+            memory_args("vllm", bad)
+
+
+def test_each_engine_spreads_a_replica_as_it_is_started():
+    assert parallel_shape("vllm", 8, 2) == (8, 2)
+    assert parallel_shape("sglang", 8, 2) == (16, 1)
+    assert parallel_shape("llamacpp", 2, 1) == (1, 2)
