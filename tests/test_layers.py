@@ -27,8 +27,9 @@ ALONE = {
 # Who may import a package that stands alone outside the layers: the embedded runner runs a router in its process.
 ALONE_USERS = {"router": {"runner"}}
 # What the control plane may use of the agent package: the protocol both ends speak, where weights live,
-# the rule for the control-plane addresses an agent is given, and the rule for a profile's engine env.
-AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.control_planes", "agent.engine_env"}
+# what the weights' headers say of their size, the rule for the control-plane addresses an agent is given,
+# and the rule for a profile's engine env.
+AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.weights_headers", "agent.control_planes", "agent.engine_env"}
 # The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
 AGENT_USERS = {
     "runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.options", "agent.cli"},
@@ -122,6 +123,8 @@ def test_the_layer_check_catches_a_violation():
     assert allowed("reconciler.tick", "hub")
     assert allowed("agentlink.services", "reconciler.agent_reports")
     assert allowed("inventory.models", "agent.protocol")
+    assert allowed("catalog.memory", "agent.weights_headers")
+    assert not allowed("catalog.memory", "agent.runtime")
     assert not allowed("dashboard.summary", "router.app")
     assert not allowed("reconciler.tokens", "router.keys")
     assert allowed("reconciler.tokens", "keys.models")
