@@ -12,6 +12,8 @@ Multi-node rules (node_count > 1, rank 0 is the head):
   joins that cluster with `ray start --address=<head>:6379 --block` and serves
   no HTTP, so it has no health path: the agent reports it ready once the join
   process stays up. The profile's extra args are vLLM arguments and go to rank 0 only.
+  The command that starts vLLM's server is the agent's (`LLMGW_VLLM_COMMAND`, agent/vllm_command.py):
+  `vllm serve MODEL` from PATH, or the CPU build `make vllm` caches, run as a module with `--model MODEL`.
 * SGLang runs one `launch_server` per node with `--nnodes/--node-rank` and
   rendezvous at `<head>:<port + 1>`; ranks above 0 serve no API.
 * llama.cpp runs on one node only. Its server is the `llama-server` binary,
@@ -35,8 +37,11 @@ HTTP have no metrics path.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .vllm_command import DEFAULT_VLLM_COMMAND, model_arguments
 
 ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 DEFAULT_LLAMA_SERVER = "llama-server"
@@ -116,12 +121,13 @@ def build_launch(
     host: str,
     python: str = sys.executable,
     llama_server: str = DEFAULT_LLAMA_SERVER,
+    vllm_command: Sequence[str] = DEFAULT_VLLM_COMMAND,
 ) -> Launch:
     """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input."""
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     shard = _Shard(model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     if engine == "vllm":
-        return _vllm(shard)
+        return _vllm(shard, vllm_command)
     if engine == "sglang":
         return _sglang(shard)
     if engine == "llamacpp":
@@ -148,11 +154,13 @@ class _Shard:
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_indices)}
 
 
-def _vllm(shard: _Shard) -> Launch:
+def _vllm(shard: _Shard, command: Sequence[str]) -> Launch:
+    if not command:
+        raise ValueError("the vLLM command is empty; name one with LLMGW_VLLM_COMMAND")
     if shard.rank > 0:
         argv = ["ray", "start", f"--address={shard.head_address}:{VLLM_RAY_PORT}", "--block"]
         return Launch(argv, shard.env, None, metrics_path=None, host=shard.host)
-    argv = ["vllm", "serve", shard.source, "--host", shard.host, "--port", str(shard.port)]
+    argv = [*command, *model_arguments(command, shard.source), "--host", shard.host, "--port", str(shard.port)]
     argv += ["--served-model-name", shard.model, "--tensor-parallel-size", str(len(shard.gpu_indices))]
     if shard.node_count > 1:
         argv += ["--pipeline-parallel-size", str(shard.node_count), "--distributed-executor-backend", "ray"]

@@ -282,6 +282,7 @@ class Agent:
             host=cmd.host or self.options.address,
             python=self.options.engine_python,
             llama_server=self.options.llama_server,
+            vllm_command=self.options.vllm_command,
         )
 
     async def _watch(self, shard: Shard) -> None:
