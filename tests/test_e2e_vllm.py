@@ -48,7 +48,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
 ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
-LONG = 3000  # tokens of the stream a drain waits for
+LONG = 2400  # tokens of the stream a drain waits for
 
 
 def catalog_for(model_dir: Path) -> str:

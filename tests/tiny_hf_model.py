@@ -67,7 +67,7 @@ def write_model(out: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
