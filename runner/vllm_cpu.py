@@ -162,13 +162,16 @@ def _run(argv: list[str], install: VllmCpuInstall, what: str, capture: bool = Fa
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
-        done = subprocess.run(
-            argv,
-            stdout=subprocess.PIPE if capture else log,
-            stderr=log if capture else subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
+        try:
+            done = subprocess.run(
+                argv,
+                stdout=subprocess.PIPE if capture else log,
+                stderr=log if capture else subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
+        except OSError as exc:
+            raise InstallError(f"{what}: cannot run {argv[0]}: {exc.strerror or exc}") from None
         if capture:
             log.write(done.stdout)
     if done.returncode != 0:
