@@ -48,7 +48,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
 ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
-LONG = 2400  # tokens of the stream a drain waits for
+LONG = 4000  # tokens of the stream a drain waits for: as many as the context allows (--max-model-len 4096)
 
 
 def catalog_for(model_dir: Path) -> str:
@@ -294,8 +294,9 @@ def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
 
 
 def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
-    """Last: it stops the module's engine. The stream is long (~12 s here) so that it is still running when the
-    drain reaches the agent, a few seconds after the operator's call (unpublish, a tick, then `drain_shard`)."""
+    """Last: it stops the module's engine. The stream is long (15 to 40 s on 2 cores, depending on what else runs)
+    so that it is still running when the drain reaches the agent, a few seconds after the operator's call
+    (unpublish, a tick, then `drain_shard`)."""
     replica = stack.replica()["id"]
     engines = engine_pids(stack.info["var"], SERVER_MODULE.encode())
     assert engines
@@ -309,8 +310,7 @@ def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
 
     streaming = threading.Thread(target=stream)
     streaming.start()
-    url = engine_url(stack)
-    wait_until(lambda: engine_gauge(url, "vllm:num_requests_running") == 1.0, 30, 0.05)
+    wait_until(lambda: chunks, 60, 0.05)  # under way on the engine
     assert stack.api("POST", f"replicas/{replica}/drain").status_code == 200
     wait_until(lambda: re.search(r"shard \d+: draining", stack.log.read_text()), 15, 0.1)
     assert streaming.is_alive(), "the stream should still be in flight when the drain begins"
