@@ -28,9 +28,10 @@ test-sqlite: $(VENV)/.installed
 	$(PY) -m pytest
 
 # The e2e tests run `up` on a SQLite file of their own whatever DATABASE_URL says,
-# so the PostgreSQL pass leaves them out rather than running them twice.
+# so the PostgreSQL pass leaves them out rather than running them twice; so too the agent's
+# tests, since the agent uses no database (it imports nothing of the control plane: tests/test_layers.py).
 test-postgres: $(VENV)/.installed
-	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
+	DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e" --ignore=agent
 
 test: lint browser llama-server vllm-or-skip test-sqlite test-postgres
 
