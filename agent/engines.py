@@ -24,6 +24,9 @@ distributed timeout, so a head that is merely slower is no failure.
   vLLM's head picks its own address for the message queue the other nodes
   connect to (`VLLM_HOST_IP`, else a guess from the default route): when the
   node's management address is an IP, every rank gets it as VLLM_HOST_IP.
+  The command that starts vLLM is the agent's (`LLMGW_VLLM_COMMAND`, agent/vllm_command.py):
+  `vllm serve MODEL` from PATH, or the CPU build `make vllm` caches, run as a module with `--model MODEL`;
+  a replica across nodes needs a `vllm serve` command.
 * SGLang runs one `launch_server` per node with `--nnodes/--node-rank` and
   `--dist-init-addr <head>:<rendezvous port>`, `--tp-size` over all the
   replica's GPUs. Ranks above 0 answer /health (SGLang 0.5's stand-in health
@@ -50,9 +53,13 @@ HTTP have no metrics path.
 from __future__ import annotations
 
 import ipaddress
+import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .vllm_command import DEFAULT_VLLM_COMMAND, model_arguments
 
 ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 DEFAULT_LLAMA_SERVER = "llama-server"
@@ -140,13 +147,14 @@ def build_launch(
     rendezvous_port: int = 0,
     python: str = sys.executable,
     llama_server: str = DEFAULT_LLAMA_SERVER,
+    vllm_command: Sequence[str] = DEFAULT_VLLM_COMMAND,
 ) -> Launch:
     """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input."""
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     _check_rendezvous(node_count, rendezvous_port)
     shard = _Shard(model, source, port, gpu_indices, rank, node_count, head_address, args, host, rendezvous_port)
     if engine == "vllm":
-        return _vllm(shard)
+        return _vllm(shard, vllm_command)
     if engine == "sglang":
         return _sglang(shard)
     if engine == "llamacpp":
@@ -174,8 +182,15 @@ class _Shard:
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_indices)}
 
 
-def _vllm(shard: _Shard) -> Launch:
-    argv = ["vllm", "serve", shard.source, "--host", shard.host, "--port", str(shard.port)]
+def _vllm(shard: _Shard, command: Sequence[str]) -> Launch:
+    if not command:
+        raise ValueError("the vLLM command is empty; name one with LLMGW_VLLM_COMMAND")
+    if shard.node_count > 1 and command[-1] != "serve":
+        # --headless, which the ranks above 0 need, is a mode of `vllm serve` only.
+        raise ValueError(
+            f"a vLLM replica across nodes needs a `vllm serve` command (LLMGW_VLLM_COMMAND), not {shlex.join(command)!r}"
+        )
+    argv = [*command, *model_arguments(command, shard.source), "--host", shard.host, "--port", str(shard.port)]
     argv += ["--served-model-name", shard.model, "--tensor-parallel-size", str(len(shard.gpu_indices))]
     if shard.node_count == 1:
         return Launch(argv + shard.args, shard.env, host=shard.host)

@@ -5,7 +5,8 @@
 It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
 EXTRA_ENDPOINTS, so a router's proxying of them can be tested), and exposes `/health` and a vLLM-style
-`/metrics`, so the router's balancing and usage accounting work against it as
+`/metrics` (the gauge names and labels of vLLM 0.32.0, checked against the real server in
+tests/test_e2e_vllm.py), so the router's balancing and usage accounting work against it as
 they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
 
@@ -37,7 +38,7 @@ from .protocol import parse_port
 
 HOLD_FILE_ENV = "LLMGW_MOCK_HOLD_FILE"
 EMBEDDING_DIMENSIONS = 16
-# Simulated KV-cache slots, so gpu_cache_usage_perc moves with the running requests.
+# Simulated KV-cache slots, so kv_cache_usage_perc moves with the running requests.
 CACHE_SLOTS = 32
 ECHO_WORDS = 12
 # Other JSON endpoints of vLLM and OpenAI that name a model: answered with a receipt naming the path.
@@ -271,12 +272,12 @@ class MockEngine:
     def render_metrics(self) -> str:
         """Prometheus text exposition with vLLM's metric names."""
         escaped = self.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        label = f'{{model_name="{escaped}"}}'
+        label = f'{{engine="0",model_name="{escaped}"}}'
         cache = min(1.0, self.running / CACHE_SLOTS)
         rows = [
             ("vllm:num_requests_running", "gauge", "Number of requests currently running.", self.running),
             ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
-            ("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage (1 means 100 percent).", cache),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", cache),
             ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total),
             ("vllm:generation_tokens_total", "counter", "Number of generation tokens.", self.generation_tokens_total),
             ("vllm:request_success_total", "counter", "Number of finished requests.", self.requests_total),

@@ -15,6 +15,7 @@ from . import draining
 from .engine_load import POLL_TIMEOUT_SECONDS
 from .engines import DEFAULT_LLAMA_SERVER
 from .gpus import GPUInfo
+from .vllm_command import default_vllm_command
 from .weights_inventory import DEFAULT_SCAN_EVERY
 
 STOP_GRACE_SECONDS = 10.0
@@ -38,6 +39,8 @@ class AgentOptions:
     heartbeat_seconds: float = 5.0
     engine_python: str = sys.executable
     llama_server: str = DEFAULT_LLAMA_SERVER
+    # The argv that starts vLLM's OpenAI server, before its model (agent/vllm_command.py).
+    vllm_command: Sequence[str] = field(default_factory=default_vllm_command)
     health_timeout: float = 600.0
     stop_grace_seconds: float = STOP_GRACE_SECONDS
     load_timeout: float = POLL_TIMEOUT_SECONDS
@@ -53,4 +56,5 @@ class AgentOptions:
         # Copies, so a caller's later change to its list or dict cannot reach a running agent.
         object.__setattr__(self, "control_planes", tuple(self.control_planes))
         object.__setattr__(self, "gpus", tuple(self.gpus))
+        object.__setattr__(self, "vllm_command", tuple(self.vllm_command))
         object.__setattr__(self, "labels", dict(self.labels))

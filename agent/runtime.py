@@ -293,6 +293,7 @@ class Agent:
             rendezvous_port=cmd.rendezvous_port,
             python=self.options.engine_python,
             llama_server=self.options.llama_server,
+            vllm_command=self.options.vllm_command,
         )
 
     async def _watch(self, shard: Shard) -> None:

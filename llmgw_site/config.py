@@ -80,6 +80,14 @@ SETTINGS: tuple[Setting, ...] = (
         "llama-server",
         "llama.cpp server binary agents start, a name on PATH or a path (`manage.py build_llama_server` prints one)",
     ),
+    _s(
+        "LLMGW_VLLM_COMMAND",
+        "str",
+        "",
+        "what agents run to start vLLM's OpenAI server, split as a shell would: `vllm serve`, or "
+        "`/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server` (see [A real vLLM](#a-real-vllm-on-a-laptop))",
+        shown="the CPU build `make vllm` cached, else `vllm serve`",
+    ),
     _s("LLMGW_UNREACHABLE_AFTER_SECONDS", "float", 20.0, "a node silent this long is unreachable", 1.0),
     _s("LLMGW_LOST_AFTER_SECONDS", "float", 120.0, "a node silent this long is lost (not below the above)", 1.0),
     _s("LLMGW_GPU_QUARANTINE_SECONDS", "float", 300.0, "a recovered GPU waits this long before reuse", 0.0),

@@ -8,6 +8,7 @@ with in-process channel layer, endpoint list, usage store and activation queue.
 import math
 import os
 import secrets
+import shlex
 from pathlib import Path
 
 import dj_database_url
@@ -221,6 +222,8 @@ LLMGW_LEASE_NAME = "reconciler"
 LLMGW_LEASE_TTL_SECONDS = setting("LLMGW_LEASE_TTL_SECONDS")
 LLMGW_HEARTBEAT_SECONDS = setting("LLMGW_HEARTBEAT_SECONDS")
 LLMGW_LLAMA_SERVER = setting("LLMGW_LLAMA_SERVER")
+# Blank: the agents' own default (agent/vllm_command.py), the cached CPU build or `vllm serve`.
+LLMGW_VLLM_COMMAND = setting("LLMGW_VLLM_COMMAND")
 # A node drain starts a replacement first; the old replica is drained once it is ready, or after this long.
 LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS = setting("LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS")
 LLMGW_UNREACHABLE_AFTER_SECONDS = setting("LLMGW_UNREACHABLE_AFTER_SECONDS")
@@ -281,6 +284,12 @@ LLMGW_PREFIX_AFFINITY_SLACK = setting("LLMGW_PREFIX_AFFINITY_SLACK")
 
 if not LLMGW_LLAMA_SERVER.strip():
     raise ImproperlyConfigured("LLMGW_LLAMA_SERVER must name the llama.cpp server binary, not be empty")
+try:
+    shlex.split(LLMGW_VLLM_COMMAND)
+except ValueError as exc:
+    raise ImproperlyConfigured(
+        f"LLMGW_VLLM_COMMAND={LLMGW_VLLM_COMMAND!r} cannot be split into arguments: {exc}"
+    ) from None
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
 

@@ -13,12 +13,17 @@ from .models import Replica, Shard
 
 # The most of an engine's error line a table carries: it goes to every router on every change.
 FAILURE_LINE_CHARS = 300
+# A trailing line that says nothing of the failure: pydantic's pointer under each validation error, which is
+# how vLLM's configuration checks end (e.g. a --max-model-len above what the model allows).
+_POINTER_PREFIX = "For further information visit https://errors.pydantic.dev/"
 
 
 def failure_reason(last_error: str) -> str:
     """One line for clients from a replica's last error: what happened (the first line, e.g. "engine exited
     with code 1") and the engine's own last line of output, when the agent sent its output along."""
     lines = [line.strip() for line in last_error.strip().splitlines() if line.strip()]
+    while len(lines) > 2 and lines[-1].startswith(_POINTER_PREFIX):
+        lines.pop()
     if not lines:
         return "its replica failed"
     what, said = lines[0].rstrip(":"), lines[-1][:FAILURE_LINE_CHARS]

@@ -11,7 +11,7 @@ endpoints; the pick only reads those cached numbers (DESIGN invariant 4).
 | SGLang    | `sglang:num_queue_reqs`      | `sglang:token_usage`                                         |
 | llama.cpp | `llamacpp:requests_deferred` | `llamacpp:kv_cache_usage_ratio` (older builds only)           |
 
-The bundled mock engine exposes vLLM's older names. llama.cpp's current server
+The bundled mock engine exposes vLLM 0.32's names. llama.cpp's current server
 publishes no KV cache gauge at all, so its replicas' KV usage is unknown
 (tests/test_e2e_llamacpp.py runs one). Several label sets add up
 for the waiting count (vLLM's data-parallel engine cores, SGLang's data-parallel

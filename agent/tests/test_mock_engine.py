@@ -55,7 +55,7 @@ def metrics(client) -> dict[str, float]:
         if line and not line.startswith("#"):
             name_labels, value = line.rsplit(" ", 1)
             name, labels = name_labels.split("{", 1)
-            assert labels == f'model_name="{MODEL}"}}'
+            assert labels == f'engine="0",model_name="{MODEL}"}}'
             values[name] = float(value)
     return values
 
@@ -152,7 +152,7 @@ def test_metrics_count_prompt_and_generation_tokens(engine):
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 3
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 7
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
-    assert 0 <= after["vllm:gpu_cache_usage_perc"] <= 1
+    assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
 
 
 def test_another_model_is_404_in_openai_error_shape(engine):

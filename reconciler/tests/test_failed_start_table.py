@@ -62,6 +62,13 @@ def test_the_table_is_built_in_six_queries(django_assert_num_queries):
         ("cannot run vllm: No such file or directory", "cannot run vllm: No such file or directory"),
         ("engine exited with code 1:\n\nTraceback\nValueError: bad   \n", "engine exited with code 1: ValueError: bad"),
         ("engine exited with code 1:\n" + "x" * 1000, "engine exited with code 1: " + "x" * 300),
+        (
+            "engine exited with code 1:\npydantic_core._pydantic_core.ValidationError: 1 validation error for "
+            "ModelConfig\n  Value error, User-specified max_model_len (4096) is greater than the derived "
+            "max_model_len\n    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n",
+            "engine exited with code 1: Value error, User-specified max_model_len (4096) is greater than the derived "
+            "max_model_len",
+        ),
     ],
 )
 def test_failure_reason_is_one_bounded_line(error, reason):

@@ -1,0 +1,334 @@
+"""End to end with a real vLLM: the CPU build `make vllm` installs, behind the agent, the router and the OpenAI SDK.
+
+One `up --demo --catalog FILE` runs for the whole module with two models on vLLM: `tiny-vllm` (a tiny
+random-weight Llama made here, tests/tiny_hf_model.py) and `broken-vllm` (the same weights with a bad engine
+argument). The agent finds the cached vLLM with no setting and starts it from agent/engines.py's argv; the
+first request activates `tiny-vllm` and waits the ~50 s vLLM takes to start on 2 cores, while the broken one
+fails. One vLLM start serves every test, in this order: the failed start, the OpenAI API through the router
+with token usage stored, the engine load the router reads from vLLM's /metrics, the sleep/wake and LoRA
+routes on the engine itself, and last a drain that waits for a stream in flight and stops the engine.
+
+Every vLLM fact the project relies on is asserted here against vLLM 0.32.0: the server module and its
+`--model`, `--host`/`--port`/`--served-model-name`, `/health`, the metric names (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state`, `vllm:lora_requests_info`),
+the usage chunk of a stream, and the sleep and LoRA routes with their answers.
+
+The engine gets the environment vLLM's CPU build needs from the agent's own environment (the `up` process):
+`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache), `VLLM_SERVER_DEV_MODE` (the sleep routes),
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING` (the LoRA routes), `HF_HUB_OFFLINE` (no hub lookups) and
+`VLLM_CPU_OMP_THREADS_BIND=nobind` (on 2 cores, a worker pinned to one starves the API server: /metrics goes
+unanswered for seconds while it generates).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import wait_until
+from tests.demo_stack import API_KEY, ROOT, demo_stack, engine_pids
+from tests.vllm_stack import tiny_model, vllm_install
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_engine, pytest.mark.timeout(600)]
+
+MODEL = "tiny-vllm"
+BROKEN = "broken-vllm"
+BAD_ARGUMENT = ["--max-num-seqs", "not-a-number"]
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
+ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
+LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+LONG = 1500  # tokens of the stream a drain waits for: 10 to 20 s with an unpinned worker on 2 cores
+
+
+def catalog_for(model_dir: Path) -> str:
+    args = ", ".join(f'"{a}"' for a in ENGINE_ARGS + LORA_ARGS)
+    bad = ", ".join(f'"{a}"' for a in BAD_ARGUMENT)
+    return f"""
+models:
+  - name: {MODEL}
+    source: {model_dir}
+    profiles:
+      - {{engine: vllm, gpu_class: L40S-48GB, gpus_per_node: 1, idle_timeout_seconds: 0, engine_args: [{args}]}}
+  - name: {BROKEN}
+    source: {model_dir}
+    profiles:
+      - {{engine: vllm, gpu_class: H100-80GB, gpus_per_node: 1, max_replicas: 1, engine_args: [{bad}]}}
+"""
+
+
+class Stack:
+    """The running `up`, an operator's REST token, and the first request that activated the tiny model."""
+
+    def __init__(self, info: dict, models: Path):
+        self.info = info
+        self.models = models
+        self.log: Path = info["log"]
+        self.router = info["router"]
+        self.control = f"http://127.0.0.1:{info['port']}"
+        self.client = OpenAI(base_url=self.router + "/v1", api_key=API_KEY, timeout=300, max_retries=0)
+        self.token = subprocess.run(
+            [sys.executable, "manage.py", "create_api_token", "admin"], cwd=ROOT, env=info["env"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout.strip()  # fmt: skip
+        self._pool = ThreadPoolExecutor(4)
+        self.activation = self.submit(self.chat, "hello there", 8)
+
+    def submit(self, fn, *args, **kwargs):
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def chat(self, content: str, max_tokens: int, client: OpenAI | None = None, **options):
+        return (client or self.client).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
+            **options,
+        )  # fmt: skip
+
+    def api(self, method: str, path: str, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.request(method, f"{self.control}/api/v1/{path}", headers=headers, timeout=30, **kwargs)
+
+    def replica(self) -> dict:
+        """The tiny model's replica, ready (the activation has been answered)."""
+        self.activation.result(timeout=300)
+        rows = self.api("GET", "replicas/", params={"state": "ready"}).json()["results"]
+        (replica,) = [r for r in rows if r["model"] == MODEL]
+        return replica
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    install = vllm_install()
+    models = tiny_model(install)
+    var = tmp_path_factory.mktemp("vllm-up")
+    catalog = var / "catalog.yaml"
+    catalog.write_text(catalog_for(models / "model"))
+    base = random.randrange(21000, 29000, 100)  # engine ports of its own: other stacks may run beside
+    env = {
+        # env: profile — until profiles carry an engine environment, vLLM's CPU needs come from the agent's.
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
+        "HF_HUB_OFFLINE": "1",
+        # Pinned to one of 2 cores, vLLM's worker leaves its API server too little CPU to answer /metrics while
+        # it generates; unpinned it generates slower and answers.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # Blank: agents find the cached install themselves.
+        "LLMGW_VLLM_COMMAND": "",
+        "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}",
+        "LLMGW_ENGINE_POLL_SECONDS": "0.5",  # each read may take 0.5 s: a busy vLLM answers late
+        "LLMGW_HEARTBEAT_SECONDS": "0.5",
+        "LLMGW_ACTIVATION_TIMEOUT_SECONDS": "300",
+    }
+    with demo_stack(var, "--catalog", str(catalog), env=env) as info:
+        running = Stack(info | {"install": install}, models)
+        try:
+            yield running
+        finally:
+            running.close()
+
+
+def metric_samples(text: str, family: str) -> list:
+    return [s for f in text_string_to_metric_families(text) if f.name == family for s in f.samples if s.name == family]
+
+
+def test_a_bad_engine_argument_answers_model_failed_with_vllms_own_last_line(stack):
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as failure:
+        stack.client.chat.completions.create(model=BROKEN, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert failure.value.status_code == 503
+    error = failure.value.body
+    assert error["code"] == "model_failed", error
+    # The agent's first line, then vLLM's own last line of output: its argument parser's complaint.
+    assert (
+        "engine exited with code 2: api_server.py: error: argument --max-num-seqs: invalid int value: "
+        in (error["message"])
+    ), error
+    assert time.monotonic() - started < 120
+    # No more restarts of a model that cannot start: they would take the machine from the other tests.
+    assert stack.api("PATCH", f"models/{BROKEN}", json={"enabled": False}).status_code == 200
+
+
+def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
+    replica = stack.replica()
+    port = int(replica["endpoint_url"].rsplit(":", 1)[1])
+    assert replica["endpoint_url"] == f"http://127.0.0.1:{port}"
+    started = re.search(rf"shard \d+: started (.* --served-model-name {MODEL} .*) \(pid (\d+)\)", stack.log.read_text())
+    assert started, "the agent logs the argv it ran"
+    install = stack.info["install"]
+    model_dir = stack.models / "model"
+    expected = (
+        f"{install.python} -m {SERVER_MODULE} --model {model_dir} --host 127.0.0.1 --port {port} "
+        f"--served-model-name {MODEL} --tensor-parallel-size 1 {' '.join(ENGINE_ARGS + LORA_ARGS)}"
+    )
+    assert started.group(1) == expected
+    assert int(started.group(2)) in engine_pids(stack.info["var"], SERVER_MODULE.encode())
+    # It listens on the node's management address only, not on every interface.
+    listening = Path("/proc/net/tcp").read_text()
+    assert f"0100007F:{port:04X} 00000000:0000 0A" in listening
+    assert f"00000000:{port:04X} 00000000:0000 0A" not in listening
+
+
+def test_chat_completions_and_streams_through_the_router_with_usage_stored_per_key(stack):
+    first = stack.activation.result(timeout=300)
+    assert first.model == MODEL and first.system_fingerprint.startswith("vllm-0.32.0")
+    assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 8
+    # A key of its own, so what is stored is exactly what this test asked for.
+    created = stack.api("POST", "keys/", json={"name": "vllm-usage"})
+    assert created.status_code == 201, created.text
+    client = OpenAI(base_url=stack.router + "/v1", api_key=created.json()["key"], timeout=60, max_retries=0)
+
+    chat = stack.chat("hello there", 6, client)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 6 and chat.usage.total_tokens == chat.usage.prompt_tokens + 6
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens == 5
+
+    chunks = list(stack.chat("stream please", 7, client, stream=True, stream_options={"include_usage": True}))
+    assert len([c for c in chunks if c.choices]) >= 2 and chunks[-1].choices == []
+    streamed = chunks[-1].usage
+    assert streamed is not None and streamed.completion_tokens == 7
+    # Not asked for: the router still asks vLLM for the usage chunk, counts it and drops it.
+    quiet = list(stack.chat("stream please", 7, client, stream=True))
+    assert quiet and all(c.usage is None for c in quiet)
+    assert quiet[-1].choices[0].finish_reason == "length"
+
+    prompt = chat.usage.prompt_tokens + completion.usage.prompt_tokens + 2 * streamed.prompt_tokens
+    expected = {"requests": 4, "prompt_tokens": prompt, "completion_tokens": 6 + 5 + 7 + 7}
+
+    def stored():
+        rows = stack.api("GET", "usage/", params={"key": "vllm-usage", "model": MODEL}).json()["results"]
+        totals = {name: sum(r[name] for r in rows) for name in expected}
+        return totals if totals == expected else None
+
+    wait_until(stored, 20, 0.3, describe=lambda: stack.api("GET", "usage/").text)
+
+
+def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack):
+    replica = str(stack.replica()["id"])
+    # Not streamed: a fast stream keeps vLLM's API server so busy on 2 cores that /metrics answers late.
+    long = stack.submit(stack.chat, "count to many", 1500)
+    wait_until(lambda: router_gauge(stack, "llmgw_router_in_flight_requests") == 1.0, 30, 0.02)
+    # The engine runs one request at a time (--max-num-seqs 1): a second one waits in vLLM's own queue.
+    waiting = stack.submit(stack.chat, "and me", 3)
+    seen: dict[str, list[float]] = {"waiting": [], "kv": []}
+
+    def router_saw_the_queue_and_the_cache_in_use():
+        text = httpx.get(stack.router + "/metrics", timeout=5).text
+        for key, family in (("waiting", "waiting_requests"), ("kv", "kv_cache_usage_ratio")):
+            samples = metric_samples(text, f"llmgw_router_engine_{family}")
+            seen[key] += [s.value for s in samples if s.labels.get("replica") == replica]
+        return 1.0 in seen["waiting"] and any(0 < v < 1 for v in seen["kv"])
+
+    # The router polls every 0.5 s here; on a busy machine vLLM's API server answers in bursts.
+    wait_until(router_saw_the_queue_and_the_cache_in_use, 30, 0.1, describe=lambda: f"router read {seen}")
+    assert waiting.result(120).choices[0].finish_reason == "length"
+    assert long.result(120).usage.completion_tokens == 1500
+
+
+def engine_url(stack) -> str:
+    return stack.replica()["endpoint_url"]
+
+
+def engine_metrics(stack) -> str:
+    return httpx.get(engine_url(stack) + "/metrics", timeout=5).text
+
+
+def router_gauge(stack, family: str) -> float:
+    return sum(s.value for s in metric_samples(httpx.get(stack.router + "/metrics", timeout=5).text, family))
+
+
+def engine_gauge(url: str, family: str) -> float:
+    """A gauge of the engine's own /metrics, summed over its label sets."""
+    return sum(s.value for s in metric_samples(httpx.get(url + "/metrics", timeout=5).text, family))
+
+
+def sleep_state(stack) -> dict[str, float]:
+    samples = metric_samples(engine_metrics(stack), "vllm:engine_sleep_state")
+    return {s.labels["sleep_state"]: s.value for s in samples}
+
+
+def test_sleep_and_wake_routes_answer_and_the_sleep_state_gauge_follows(stack):
+    url = engine_url(stack)
+    assert sleep_state(stack) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    slept = httpx.post(f"{url}/sleep", params={"level": 1}, timeout=30)
+    assert (slept.status_code, slept.json()) == (200, {"status": "sleeping", "level": 1})
+    assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": True}
+    assert sleep_state(stack) == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
+    # A request to a sleeping engine is held, not refused; waking it up answers it. While held it is neither
+    # running nor waiting in vLLM's own gauges: a drain reading them would not wait for it.
+    held = stack.submit(stack.chat, "are you awake", 3)
+    time.sleep(1.0)
+    assert not held.done()
+    assert engine_gauge(url, "vllm:num_requests_running") == engine_gauge(url, "vllm:num_requests_waiting") == 0
+    woke = httpx.post(f"{url}/wake_up", timeout=30)
+    assert woke.status_code == 200 and woke.json()["status"] == "awake"
+    assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": False}
+    assert sleep_state(stack) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert held.result(30).choices[0].finish_reason == "length"
+
+
+def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
+    url = engine_url(stack)
+    lora = str(stack.models / "lora")
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "ad1", "lora_path": lora}, timeout=30)
+    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'ad1' added successfully.")
+    listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+    assert listed["ad1"]["parent"] == MODEL and listed["ad1"]["root"] == lora
+    engine = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30, max_retries=0)
+    reply = engine.chat.completions.create(model="ad1", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert reply.model == "ad1" and reply.usage.completion_tokens == 3
+    info = metric_samples(engine_metrics(stack), "vllm:lora_requests_info")
+    assert {s.labels["max_lora"] for s in info} == {"2"}
+    assert any(s.labels["running_lora_adapters"] == "ad1" for s in info), info
+    unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad1"}, timeout=30)
+    assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'ad1' removed successfully.")
+    assert "ad1" not in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+    again = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad1"}, timeout=30)
+    assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"
+
+
+def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
+    """Last: it stops the module's engine. The stream is long (10 to 20 s on 2 cores, depending on what else runs)
+    so that it is still running when the drain reaches the agent, a few seconds after the operator's call
+    (unpublish, a tick, then `drain_shard`)."""
+    replica = stack.replica()["id"]
+    engines = engine_pids(stack.info["var"], SERVER_MODULE.encode())
+    assert engines
+    finished: list[float] = []
+    chunks: list = []
+
+    def stream():
+        for chunk in stack.chat("a long answer", LONG, stream=True, stream_options={"include_usage": True}):
+            chunks.append(chunk)
+        finished.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    # Drained as soon as the router has sent it to the engine, not once chunks come back: on a busy machine
+    # vLLM's API server sends a fast stream in bursts, seconds late.
+    wait_until(lambda: router_gauge(stack, "llmgw_router_in_flight_requests") == 1.0, 30, 0.02)
+    assert stack.api("POST", f"replicas/{replica}/drain").status_code == 200
+    wait_until(lambda: re.search(r"shard \d+: draining", stack.log.read_text()), 15, 0.1)
+    assert streaming.is_alive(), "the stream should still be in flight when the drain begins"
+    streaming.join(120)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == LONG, "the stream finished whole"
+    stopped = re.compile(r"shard \d+ on gpu-c: stopped \(drained: no running requests")
+    wait_until(lambda: stopped.search(stack.log.read_text()), 15, 0.1, describe=lambda: stack.log.read_text()[-3000:])
+    wait_until(lambda: not engine_pids(stack.info["var"], SERVER_MODULE.encode()), 15, 0.2)
+    # Right after: the agent reads vLLM's running count every half second, and vLLM stops in a few seconds.
+    assert time.monotonic() - finished[0] < 10
