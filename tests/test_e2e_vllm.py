@@ -22,6 +22,7 @@ unanswered for seconds while it generates).
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import subprocess
@@ -50,22 +51,35 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
 ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+# The profile's engine environment: what vLLM's CPU build needs here, and its sleep and LoRA routes switched on.
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
+    "HF_HUB_OFFLINE": "1",
+    # Pinned to one of 2 cores, vLLM's worker leaves its API server too little CPU to answer /metrics while
+    # it generates; unpinned it generates slower and answers.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
 LONG = 1500  # tokens of the stream a drain waits for: 10 to 20 s with an unpinned worker on 2 cores
 
 
 def catalog_for(model_dir: Path) -> str:
     args = ", ".join(f'"{a}"' for a in ENGINE_ARGS + LORA_ARGS)
+    env = json.dumps(ENGINE_ENV)  # JSON is YAML: a flow mapping of quoted strings
     bad = ", ".join(f'"{a}"' for a in BAD_ARGUMENT)
     return f"""
 models:
   - name: {MODEL}
     source: {model_dir}
     profiles:
-      - {{engine: vllm, gpu_class: L40S-48GB, gpus_per_node: 1, idle_timeout_seconds: 0, engine_args: [{args}]}}
+      - {{engine: vllm, gpu_class: L40S-48GB, gpus_per_node: 1, idle_timeout_seconds: 0, engine_args: [{args}],
+         env: {env}}}
   - name: {BROKEN}
     source: {model_dir}
     profiles:
-      - {{engine: vllm, gpu_class: H100-80GB, gpus_per_node: 1, max_replicas: 1, engine_args: [{bad}]}}
+      - {{engine: vllm, gpu_class: H100-80GB, gpus_per_node: 1, max_replicas: 1, engine_args: [{bad}],
+         env: {env}}}
 """
 
 
@@ -119,14 +133,6 @@ def stack(tmp_path_factory):
     catalog.write_text(catalog_for(models / "model"))
     base = random.randrange(21000, 29000, 100)  # engine ports of its own: other stacks may run beside
     env = {
-        # env: profile — until profiles carry an engine environment, vLLM's CPU needs come from the agent's.
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
-        "HF_HUB_OFFLINE": "1",
-        # Pinned to one of 2 cores, vLLM's worker leaves its API server too little CPU to answer /metrics while
-        # it generates; unpinned it generates slower and answers.
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         # Blank: agents find the cached install themselves.
         "LLMGW_VLLM_COMMAND": "",
         "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}",
@@ -175,7 +181,10 @@ def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
         f"{install.python} -m {SERVER_MODULE} --model {model_dir} --host 127.0.0.1 --port {port} "
         f"--served-model-name {MODEL} --tensor-parallel-size 1 {' '.join(ENGINE_ARGS + LORA_ARGS)}"
     )
-    assert started.group(1) == expected
+    # The line is the environment the agent added (the profile's, then the GPUs placed), then the argv.
+    added, argv = started.group(1).split(f" {install.python} ", 1)
+    assert f"{install.python} {argv}" == expected
+    assert set(added.split()) == {f"{name}={value}" for name, value in ENGINE_ENV.items()} | {"CUDA_VISIBLE_DEVICES=0"}
     assert int(started.group(2)) in engine_pids(stack.info["var"], SERVER_MODULE.encode())
     # It listens on the node's management address only, not on every interface.
     listening = Path("/proc/net/tcp").read_text()
