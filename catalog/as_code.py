@@ -22,7 +22,7 @@ from django.db.models import Count, Prefetch
 from agent.engine_env import masked
 
 from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
-from .models import PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
+from .models import MODEL_SIZE_FIELDS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 
@@ -86,6 +86,8 @@ def export_catalog() -> dict[str, Any]:
                 "name": model.name,
                 "source": model.source,
                 "enabled": model.enabled,
+                # Size fields only when given, so a file without them reads as before.
+                **{name: getattr(model, name) for name in MODEL_SIZE_FIELDS if getattr(model, name) not in (None, "")},
                 "aliases": [alias.name for alias in model.aliases.all()],
                 "profiles": [_exported_profile(p) for p in model.profiles.all()],
             }
@@ -180,6 +182,7 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
         return plan
     plan = ModelPlan(wanted.name, Verdict.LEFT_ALONE, wanted=wanted, existing=model)
     plan.model_fields = [f for f in ("source", "enabled") if getattr(model, f) != getattr(wanted, f)]
+    plan.model_fields += [f for f in MODEL_SIZE_FIELDS if getattr(model, f) != wanted.size[f]]
     if plan.model_fields:
         plan.details.append(", ".join(plan.model_fields))
 
@@ -234,11 +237,11 @@ def _carry_out(plan: Plan) -> None:
             continue
         model = part.existing
         if model is None:
-            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled)
+            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.size)
             model.save()
         elif part.model_fields:
             for name in part.model_fields:
-                setattr(model, name, getattr(wanted, name))
+                setattr(model, name, wanted.size[name] if name in wanted.size else getattr(wanted, name))
             model.save(update_fields=[*part.model_fields, "updated_at"])
         for name in part.aliases_added:
             Alias(model=model, name=name).save()
