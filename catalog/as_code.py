@@ -23,6 +23,7 @@ from agent.engine_env import masked
 
 from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
 from .models import MODEL_SIZE_FIELDS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
+from .sizing import fit_warnings, fleet_memory, verdict_lines
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 
@@ -75,6 +76,27 @@ class Plan:
             summary += f", {self.count(Verdict.NOT_IN_FILE)} not in file (kept; --prune deletes)"
         last = f"dry run, nothing changed: {summary}" if self.dry_run else summary
         return [m.line() for m in self.models] + [last]
+
+
+def wanted_profiles(part: ModelPlan) -> list[Profile]:
+    """The profiles the file gives a model, as unsaved rows (for the memory verdicts of catalog.sizing)."""
+    wanted = part.wanted
+    if wanted is None:
+        return []
+    model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.size)
+    return [Profile(model=model, order=i, **fields) for i, fields in enumerate(wanted.profiles) if fields]
+
+
+def fit_report(plan: Plan) -> tuple[list[str], list[str]]:
+    """(warnings, verdicts) for the models a plan writes: a warning per profile placement will refuse for its
+    memory, and every profile's verdict (fits, does not fit, size unknown) for a dry run. One query."""
+    fleet = fleet_memory()
+    warnings, verdicts = [], []
+    for part in plan.models:
+        profiles = wanted_profiles(part)
+        warnings += [f"{part.name}: {w}" for w in fit_warnings(profiles, fleet)]
+        verdicts += [f"{part.name}: {line}" for _, line in verdict_lines(profiles, fleet)]
+    return warnings, verdicts
 
 
 def export_catalog() -> dict[str, Any]:

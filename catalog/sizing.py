@@ -16,7 +16,9 @@ anything changed).
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ from agent.weights_headers import WeightsHeader, WeightsHeaderError, read_weight
 from .memory import (
     MIB,
     ConfigError,
+    Fit,
     GPUMemory,
     KVShape,
     MemoryArgs,
@@ -162,4 +165,68 @@ def forget_sources() -> None:
         _cache.clear()
 
 
-__all__ = ["SourceFacts", "forget_sources", "profile_memory", "source_facts", "verdict"]
+# GPU memory per class (MiB per GPU) as the fleet reports it. The catalog sits below the inventory, so the
+# inventory app registers its reader of the agents' GPU rows at start-up (inventory.apps); until then, and for a
+# class no agent reports, a class named with its size ("L40S-48GB") is taken at that size.
+FleetMemory = Callable[[], dict[str, int]]
+_fleet_memory: list[FleetMemory] = [dict]
+_NAMED_SIZE = re.compile(r"-(\d+)GB$", re.IGNORECASE)
+
+
+def set_fleet_memory(reader: FleetMemory) -> None:
+    """Register where GPU memory per class comes from (the inventory app's reader of agents' GPU rows)."""
+    _fleet_memory[0] = reader
+
+
+def fleet_memory() -> dict[str, int]:
+    """MiB per GPU of each reported GPU class (the largest reported for the class). One query."""
+    return _fleet_memory[0]()
+
+
+def class_memory_mib(gpu_class: str, fleet: dict[str, int]) -> int | None:
+    """MiB per GPU of `gpu_class`: as reported, else the size in its name, else None (unknown)."""
+    if fleet.get(gpu_class):
+        return fleet[gpu_class]
+    named = _NAMED_SIZE.search(gpu_class)
+    return int(named[1]) * 1024 if named else None
+
+
+def profile_verdict(profile: Profile, fleet: dict[str, int]) -> MemoryVerdict | None:
+    """`profile` judged on its GPU class's memory; None when that memory is not known or the engine not sized."""
+    memory = class_memory_mib(profile.gpu_class, fleet)
+    if memory is None:
+        return None
+    try:
+        return verdict(profile, profile.gpu_class, memory)
+    except ValueError:
+        return None
+
+
+def shape_words(profile: Profile) -> str:
+    """A profile's GPUs in an operator's words: `H100-80GB×2`, or `2 nodes of H100-80GB×8`."""
+    label = f"{profile.gpu_class}×{profile.gpus_per_node}"
+    return f"{profile.nodes_per_replica} nodes of {label}" if profile.nodes_per_replica > 1 else label
+
+
+def verdict_lines(profiles: Iterable[Profile], fleet: dict[str, int]) -> list[tuple[MemoryVerdict | None, str]]:
+    """Each profile's verdict and a line for it: `profiles[0] H100-80GB×2: fits: needs ...`."""
+    lines = []
+    for i, profile in enumerate(profiles):
+        judged = profile_verdict(profile, fleet)
+        words = (
+            f"{judged.fit}: {judged.sentence}"
+            if judged is not None
+            else f"no verdict: the memory of GPU class {profile.gpu_class} is not known (no agent reports it)"
+        )
+        lines.append((judged, f"profiles[{i}] {shape_words(profile)}: {words}"))
+    return lines
+
+
+def fit_warnings(profiles: Iterable[Profile], fleet: dict[str, int]) -> list[str]:
+    """A warning per profile whose estimate does not fit its GPU class: placement will refuse it (the numbers
+    say why). Warnings, not refusals: the estimate may be off, the fleet may change."""
+    return [
+        f"{line} (placement will not put it there)"
+        for judged, line in verdict_lines(profiles, fleet)
+        if judged is not None and judged.fit is Fit.DOES_NOT_FIT
+    ]

@@ -122,7 +122,7 @@ def bulk_fleet(nodes, *, gpus=8, gpu_class=H100, fabrics=4, models=10, replicas=
     )
     made = list(Node.objects.filter(name__in=[n.name for n in made]).order_by("name"))
     GPU.objects.bulk_create(
-        GPU(node=node, index=i, uuid=f"GPU-{node.name}-{i}", gpu_class=gpu_class, memory_mb=memory_mb)
+        GPU(node=node, index=i, uuid=f"GPU-{node.name}-{i}", gpu_class=gpu_class, memory_mb=class_memory_mb(gpu_class))
         for node in made
         for i in range(gpus)
     )
