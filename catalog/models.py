@@ -289,6 +289,8 @@ class Profile(models.Model):
     env = models.JSONField(
         "engine env",
         default=dict,
+        # Rows inserted by code that predates the column (older migrations' states, a rolling upgrade) get {}.
+        db_default=models.Value({}, output_field=models.JSONField()),
         blank=True,
         help_text='Extra environment for the engine process, e.g. {"OMP_NUM_THREADS": "8"}; values are strings. '
         f"Values of names ending in KEY, TOKEN, SECRET or PASSWORD are shown as {MASK}; "
