@@ -113,3 +113,14 @@ def test_the_memory_check_adds_no_query_whatever_the_fleet_size(run_tick):
         assert Replica.objects.filter(state=ReplicaState.STARTING).count() == size
         assert Replica.objects.filter(placement_error__startswith="needs 68.9 GiB").count() == size
     assert counts[2] == counts[12]
+
+
+def test_the_start_command_carries_the_profiles_max_model_len_as_the_engines_flag(run_tick, agent_inbox):
+    make_node("h100-a", gpus=2, gpu_class=H100)
+    inbox = agent_inbox("h100-a")
+    sized(make_model("llama-70b", gpu_class=H100, gpus_per_node=2, max_model_len=8192, engine_args=["--x", "1"]))
+
+    run_tick()
+
+    (start,) = [c for c in inbox() if c["type"] == "start_shard"]
+    assert start["args"] == ["--x", "1", "--max-model-len", "8192"]
