@@ -40,11 +40,11 @@ def warn_unknown_gpu_classes(request, profiles: Iterable[Profile]) -> None:
         )
 
 
-def warn_does_not_fit(request, profiles: Iterable[Profile]) -> None:
+def warn_does_not_fit(request, profiles: Iterable[Profile], *, numbered: bool = True) -> None:
     """Saved anyway (the estimate may be off, the fleet may change), but said with the numbers: placement will
     not put a profile on GPUs its memory estimate exceeds."""
     rows = sorted(profiles, key=lambda p: (p.order, p.pk or 0))
-    for warning in fit_warnings(rows, fleet_memory()):
+    for warning in fit_warnings(rows, fleet_memory(), numbered=numbered):
         messages.warning(request, f"Memory: {warning}")
 
 
@@ -235,4 +235,4 @@ class ProfileAdmin(EnvShownMasked, admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         warn_unknown_gpu_classes(request, [obj])
-        warn_does_not_fit(request, [obj])
+        warn_does_not_fit(request, [obj], numbered=False)

@@ -208,8 +208,11 @@ def shape_words(profile: Profile) -> str:
     return f"{profile.nodes_per_replica} nodes of {label}" if profile.nodes_per_replica > 1 else label
 
 
-def verdict_lines(profiles: Iterable[Profile], fleet: dict[str, int]) -> list[tuple[MemoryVerdict | None, str]]:
-    """Each profile's verdict and a line for it: `profiles[0] H100-80GB×2: fits: needs ...`."""
+def verdict_lines(
+    profiles: Iterable[Profile], fleet: dict[str, int], *, numbered: bool = True
+) -> list[tuple[MemoryVerdict | None, str]]:
+    """Each profile's verdict and a line for it: `profiles[0] H100-80GB×2: fits: needs ...` (a model's profiles
+    in order), or without `numbered` its model's name in place of the position (one profile on its own)."""
     lines = []
     for i, profile in enumerate(profiles):
         judged = profile_verdict(profile, fleet)
@@ -218,15 +221,16 @@ def verdict_lines(profiles: Iterable[Profile], fleet: dict[str, int]) -> list[tu
             if judged is not None
             else f"no verdict: the memory of GPU class {profile.gpu_class} is not known (no agent reports it)"
         )
-        lines.append((judged, f"profiles[{i}] {shape_words(profile)}: {words}"))
+        where = f"profiles[{i}]" if numbered else profile.model.name
+        lines.append((judged, f"{where} {shape_words(profile)}: {words}"))
     return lines
 
 
-def fit_warnings(profiles: Iterable[Profile], fleet: dict[str, int]) -> list[str]:
+def fit_warnings(profiles: Iterable[Profile], fleet: dict[str, int], *, numbered: bool = True) -> list[str]:
     """A warning per profile whose estimate does not fit its GPU class: placement will refuse it (the numbers
     say why). Warnings, not refusals: the estimate may be off, the fleet may change."""
     return [
         f"{line} (placement will not put it there)"
-        for judged, line in verdict_lines(profiles, fleet)
+        for judged, line in verdict_lines(profiles, fleet, numbered=numbered)
         if judged is not None and judged.fit is Fit.DOES_NOT_FIT
     ]

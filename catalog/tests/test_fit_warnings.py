@@ -176,3 +176,32 @@ def test_the_rest_answer_carries_warnings_and_the_admin_says_them(client):
 
     page = client.get(f"/admin/catalog/model/{Model.objects.get().pk}/change/")
     assert "does_not_fit: needs 69.5 GiB per GPU; L40S-48GB has 44.2 GiB usable" in page.content.decode()
+
+
+def test_saving_one_profile_in_admin_warns_with_its_models_name(client):
+    make_node("a10", gpus=1, gpu_class="A10-24GB")
+    User.objects.create_superuser("admin", "a@example.com", "pw")
+    client.login(username="admin", password="pw")
+    apply_catalog(load_catalog_text(HUGE))
+    profile = Profile.objects.get(model__name="llama-70b", order=1)
+    form = {
+        "model": profile.model_id,
+        "order": 1,
+        "engine": "vllm",
+        "gpu_class": "A10-24GB",
+        "gpus_per_node": 1,
+        "nodes_per_replica": 1,
+        "min_replicas": 0,
+        "max_replicas": 1,
+        "target_concurrency": 8,
+        "priority": 0,
+        "pool": "default",
+        "weight": 1,
+        "max_model_len": 8192,
+        "engine_args": "[]",
+        "env": "{}",
+    }
+    answer = client.post(f"/admin/catalog/profile/{profile.pk}/change/", form, follow=True)
+    said = [str(m) for m in answer.context["messages"]]
+    assert any(m.startswith("Memory: llama-70b A10-24GB×1: does_not_fit: needs ") for m in said), said
+    assert Profile.objects.get(pk=profile.pk).gpu_class == "A10-24GB"  # a warning, not a refusal
