@@ -22,12 +22,17 @@ MAX_VALUE_LENGTH = 8192
 MASK = "***"
 SECRET_SUFFIXES = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 
+# The memory (MiB) of each GPU placed for a shard, comma-separated in CUDA_VISIBLE_DEVICES order: set by the agent.
+GPU_MEMORY_ENV = "LLMGW_GPU_MEMORY_MIB"
+
 # What the agent sets for every engine itself, after the profile's env: a profile setting one would
 # only appear to change it, so it is refused with the reason.
 RESERVED = {
     "CUDA_VISIBLE_DEVICES": "the agent sets it to the GPUs placed for each shard",
     "HF_HOME": "the agent sets it to the node's weights root (--weights-root), where it finds the weights it "
     "reports; without one, engines inherit the agent's own HF_HOME",
+    GPU_MEMORY_ENV: "the agent sets it to the memory (MiB) of each GPU placed for the shard, so an engine "
+    "(the mock's --memory-gib-per-gpu) can tell whether it fits",
     "VLLM_HOST_IP": "the agent sets it on every vLLM rank to that rank's own node address; one value for every "
     "node of a profile would be wrong on all but one",
 }

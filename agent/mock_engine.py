@@ -1,6 +1,7 @@
 """The bundled mock engine: a tiny OpenAI-compatible server for demos and tests.
 
     python -m agent.mock_engine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
+        [--memory-gib-per-gpu 30]
 
 It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
@@ -15,9 +16,15 @@ file named by LLMGW_MOCK_HOLD_FILE (in the environment the agent passes on)
 exists, `/health` answers 503, so drills and tests can keep one shard of a
 multi-node replica starting.
 
+Told its true need (`--memory-gib-per-gpu X`), it checks it against the memory
+of the GPUs the agent placed it on (GPU_MEMORY_ENV, MiB per GPU, set by the
+agent like CUDA_VISIBLE_DEVICES) with vLLM's default share of each GPU, and
+fails its start as an engine out of memory would: exit 1 with a CUDA
+out-of-memory last line (`out_of_memory`, the rule the placement drill checks).
+
 This module imports nothing from Django (only the agent's protocol, for the
-port rule): the agent starts one per simulated shard and the demo must be
-ready within a second.
+port rule, and the name of the agent's GPU memory variable): the agent starts
+one per simulated shard and the demo must be ready within a second.
 """
 
 from __future__ import annotations
@@ -33,10 +40,41 @@ import uuid
 
 from aiohttp import web
 
+from .engine_env import GPU_MEMORY_ENV
 from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 from .protocol import parse_port
 
 HOLD_FILE_ENV = "LLMGW_MOCK_HOLD_FILE"
+# The share of each GPU the mock may use, vLLM's default gpu_memory_utilization (catalog/memory.py judges
+# the mock as vLLM).
+MOCK_MEMORY_FRACTION = 0.92
+
+
+def out_of_memory(need_gib: float, gpu_memory_mib: list[int], fraction: float = MOCK_MEMORY_FRACTION) -> str | None:
+    """The CUDA out-of-memory line an engine needing `need_gib` GiB per GPU prints on these GPUs, or None if it
+    fits on every one (usable = total × `fraction`)."""
+    for index, mib in enumerate(gpu_memory_mib):
+        total = mib / 1024
+        usable = total * fraction
+        if need_gib > usable:
+            return (
+                f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {need_gib - usable:.2f} GiB. "
+                f"GPU {index} has a total capacity of {total:.2f} GiB, of which {usable:.2f} GiB may be used "
+                f"(gpu_memory_utilization {fraction}); this engine needs {need_gib:.2f} GiB per GPU"
+            )
+    return None
+
+
+def gpu_memory_from_env(value: str | None) -> list[int] | None:
+    """The agent's GPU_MEMORY_ENV value as MiB per GPU; None when absent (memory unknown: no check)."""
+    if not value:
+        return None
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{GPU_MEMORY_ENV} must be MiB per GPU separated by commas, got {value!r}") from None
+
+
 EMBEDDING_DIMENSIONS = 16
 # Simulated KV-cache slots, so kv_cache_usage_perc moves with the running requests.
 CACHE_SLOTS = 32
@@ -347,11 +385,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=_model, required=True, help="the model name this engine serves")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--token-delay-ms", type=_delay, default=0.0, help="wait this long per token (default 0)")
+    parser.add_argument(
+        "--memory-gib-per-gpu",
+        type=_memory,
+        default=None,
+        help=f"the engine's true need per GPU: fail the start like CUDA out of memory when its GPUs ({GPU_MEMORY_ENV}) "
+        "have less usable",
+    )
     return parser.parse_args(argv)
+
+
+def _memory(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"memory per GPU must be a number of GiB, got {text!r}") from None
+    if not 0 < value <= 4096 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"memory per GPU must be from 0 to 4096 GiB, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.memory_gib_per_gpu is not None:
+        try:
+            gpus = gpu_memory_from_env(os.environ.get(GPU_MEMORY_ENV))
+        except ValueError as exc:
+            print(f"mock engine: {exc}", file=sys.stderr)
+            return 2
+        oom = None if gpus is None else out_of_memory(args.memory_gib_per_gpu, gpus)
+        if oom is not None:
+            print(f"mock engine loading {args.model}: {args.memory_gib_per_gpu:g} GiB per GPU", flush=True)
+            print(oom, file=sys.stderr, flush=True)
+            return 1
     app = create_app(args.model, args.token_delay_ms)
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

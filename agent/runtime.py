@@ -249,7 +249,7 @@ class Agent:
         # the names the agent sets, agent/engine_env.py).
         # Hub downloads land in the weights root, where the weights inventory looks (agent/weights.py).
         weights_env = {"HF_HOME": self.options.weights_root} if self.options.weights_root else {}
-        added = {**weights_env, **cmd.env, **launch.env}
+        added = {**weights_env, **cmd.env, **launch.env, **self._gpu_memory_env(cmd.gpu_indices)}
         env = {**os.environ, **added}
         try:
             # The name prefixes every line of the engine's output in the agent's log.
@@ -273,6 +273,11 @@ class Agent:
         log.info("shard %s: started %s (pid %s)", cmd.shard_id, command_line, engine.pid)
         await self._report(cmd.shard_id, "starting")
         shard.watch = asyncio.create_task(self._watch(shard), name=f"shard-{cmd.shard_id}-watch")
+
+    def _gpu_memory_env(self, indices) -> dict[str, str]:
+        """The placed GPUs' memory (MiB each, in CUDA_VISIBLE_DEVICES order), so an engine can tell whether it fits."""
+        memory = {g.index: g.memory_mb for g in self.gpus}
+        return {engine_env.GPU_MEMORY_ENV: ",".join(str(memory[i]) for i in indices if i in memory)}
 
     def _launch_for(self, cmd: protocol.StartShard) -> Launch:
         known = {g.index for g in self.gpus}

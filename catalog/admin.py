@@ -11,6 +11,7 @@ from django.utils.safestring import mark_safe
 from agent.engine_env import masked, shown
 
 from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets, name_clash
+from .sizing import fit_warnings, fleet_memory, profile_verdict
 
 # The GPU classes nodes report. The catalog sits below inventory in the stack, so inventory's admin
 # plugs its query in here (set_gpu_class_source) rather than the catalog importing it.
@@ -37,6 +38,14 @@ def warn_unknown_gpu_classes(request, profiles: Iterable[Profile]) -> None:
             f"No node reports GPU class “{gpu_class}” (known: {', '.join(_gpu_classes()) or 'none yet'}); "
             "replicas on it cannot be placed until such a node joins. Check the spelling.",
         )
+
+
+def warn_does_not_fit(request, profiles: Iterable[Profile], *, numbered: bool = True) -> None:
+    """Saved anyway (the estimate may be off, the fleet may change), but said with the numbers: placement will
+    not put a profile on GPUs its memory estimate exceeds."""
+    rows = sorted(profiles, key=lambda p: (p.order, p.pk or 0))
+    for warning in fit_warnings(rows, fleet_memory(), numbered=numbered):
+        messages.warning(request, f"Memory: {warning}")
 
 
 class GPUClassInput(forms.TextInput):
@@ -153,7 +162,18 @@ class ProfileInline(EnvShownMasked, admin.StackedInline):
     model = Profile
     form = ProfileForm
     # The position leads the first row; then the profile's own fields as the catalog lists them.
-    fields = [("order", *PROFILE_FIELD_ROWS[0]), *PROFILE_FIELD_ROWS[1:]]
+    fields = [("order", *PROFILE_FIELD_ROWS[0]), *PROFILE_FIELD_ROWS[1:], "memory"]
+    readonly_fields = ["memory"]
+
+    @admin.display(description="memory per GPU")
+    def memory(self, obj) -> str:
+        """The saved profile's verdict on its GPU class ("size unknown (…)" when the weights' size is not known)."""
+        if obj is None or obj.pk is None:
+            return "-"
+        judged = profile_verdict(obj, fleet_memory())
+        if judged is None:
+            return f"no verdict: the memory of GPU class {obj.gpu_class} is not known (no agent reports it)"
+        return f"{judged.fit}: {judged.sentence}"
 
     def get_extra(self, request, obj=None, **kwargs):
         # One empty profile to fill in on the add page: a model without one cannot be served.
@@ -173,6 +193,7 @@ class ModelAdmin(admin.ModelAdmin):
     def save_related(self, request, form, formsets, change):
         super().save_related(request, form, formsets, change)
         warn_unknown_gpu_classes(request, form.instance.profiles.all())
+        warn_does_not_fit(request, form.instance.profiles.all())
 
     @admin.display(description="aliases")
     def alias_names(self, obj):
@@ -214,3 +235,4 @@ class ProfileAdmin(EnvShownMasked, admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         warn_unknown_gpu_classes(request, [obj])
+        warn_does_not_fit(request, [obj], numbered=False)

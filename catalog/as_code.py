@@ -22,7 +22,8 @@ from django.db.models import Count, Prefetch
 from agent.engine_env import masked
 
 from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
-from .models import PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
+from .models import MODEL_SIZE_FIELDS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
+from .sizing import fit_warnings, fleet_memory, verdict_lines
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 
@@ -77,6 +78,27 @@ class Plan:
         return [m.line() for m in self.models] + [last]
 
 
+def wanted_profiles(part: ModelPlan) -> list[Profile]:
+    """The profiles the file gives a model, as unsaved rows (for the memory verdicts of catalog.sizing)."""
+    wanted = part.wanted
+    if wanted is None:
+        return []
+    model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.size)
+    return [Profile(model=model, order=i, **fields) for i, fields in enumerate(wanted.profiles) if fields]
+
+
+def fit_report(plan: Plan) -> tuple[list[str], list[str]]:
+    """(warnings, verdicts) for the models a plan writes: a warning per profile placement will refuse for its
+    memory, and every profile's verdict (fits, does not fit, size unknown) for a dry run. One query."""
+    fleet = fleet_memory()
+    warnings, verdicts = [], []
+    for part in plan.models:
+        profiles = wanted_profiles(part)
+        warnings += [f"{part.name}: {w}" for w in fit_warnings(profiles, fleet)]
+        verdicts += [f"{part.name}: {line}" for _, line in verdict_lines(profiles, fleet)]
+    return warnings, verdicts
+
+
 def export_catalog() -> dict[str, Any]:
     """The whole catalog as a file's data: `models:`, each with its aliases and profiles in order."""
     models = Model.objects.prefetch_related("aliases", "profiles")
@@ -86,6 +108,8 @@ def export_catalog() -> dict[str, Any]:
                 "name": model.name,
                 "source": model.source,
                 "enabled": model.enabled,
+                # Size fields only when given, so a file without them reads as before.
+                **{name: getattr(model, name) for name in MODEL_SIZE_FIELDS if getattr(model, name) not in (None, "")},
                 "aliases": [alias.name for alias in model.aliases.all()],
                 "profiles": [_exported_profile(p) for p in model.profiles.all()],
             }
@@ -180,6 +204,7 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
         return plan
     plan = ModelPlan(wanted.name, Verdict.LEFT_ALONE, wanted=wanted, existing=model)
     plan.model_fields = [f for f in ("source", "enabled") if getattr(model, f) != getattr(wanted, f)]
+    plan.model_fields += [f for f in MODEL_SIZE_FIELDS if getattr(model, f) != wanted.size[f]]
     if plan.model_fields:
         plan.details.append(", ".join(plan.model_fields))
 
@@ -234,11 +259,11 @@ def _carry_out(plan: Plan) -> None:
             continue
         model = part.existing
         if model is None:
-            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled)
+            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.size)
             model.save()
         elif part.model_fields:
             for name in part.model_fields:
-                setattr(model, name, getattr(wanted, name))
+                setattr(model, name, wanted.size[name] if name in wanted.size else getattr(wanted, name))
             model.save(update_fields=[*part.model_fields, "updated_at"])
         for name in part.aliases_added:
             Alias(model=model, name=name).save()

@@ -1,7 +1,8 @@
 """The catalog file: YAML text in, the models it asks for out, every problem named at once.
 
 Shape: a mapping with one key, `models:`, a list; each model has `name`,
-`source`, `enabled`, `aliases` (a list of names) and `profiles` (a list whose
+`source`, `enabled`, optionally its size (`parameters_billions`, `dtype`,
+`layers`, `kv_heads`, `head_dim`), `aliases` (a list of names) and `profiles` (a list whose
 order is the profile order), and each profile uses the Profile model's field
 names. Values are checked with the models' own validation (`clean_fields()`
 and `clean()`, the same as the admin) and names with the one namespace rule of
@@ -20,9 +21,18 @@ import yaml
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models as db
 
-from .models import PROFILE_FIELDS, Alias, Model, Profile, alias_is_own_name, name_taken
+from .models import (
+    MODEL_SIZE_FIELDS,
+    PROFILE_FIELDS,
+    Alias,
+    Model,
+    Profile,
+    alias_is_own_name,
+    name_taken,
+    size_problems,
+)
 
-MODEL_KEYS = ("name", "source", "enabled", "aliases", "profiles")
+MODEL_KEYS = ("name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles")
 REQUIRED_MODEL_KEYS = ("name", "source", "profiles")
 NOT_IN_FILE = {
     "id": "ids are not part of the file; models are matched by name, profiles by position",
@@ -51,6 +61,7 @@ class WantedModel:
     enabled: bool
     aliases: list[str] = field(default_factory=list)
     profiles: list[dict[str, Any]] = field(default_factory=list)
+    size: dict[str, Any] = field(default_factory=dict)  # MODEL_SIZE_FIELDS, each None/"" when not given
 
     @property
     def label(self) -> str:
@@ -138,13 +149,15 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     for key in REQUIRED_MODEL_KEYS:
         if key not in entry:
             problems.append(f"{label}: {key}: missing (required)")
-    values = {key: entry[key] for key in ("name", "source", "enabled") if key in entry}
+    values = {key: entry[key] for key in ("name", "source", "enabled", *MODEL_SIZE_FIELDS) if key in entry}
     at = _located(label, ": ")
     bad = _type_problems(Model, values, at, problems) | {key for key in REQUIRED_MODEL_KEYS if key not in entry}
     instance = Model(**{k: v for k, v in values.items() if k not in bad})
     # Name clashes are judged for the whole file (check_names), not row by row
     # against the database as Model.clean() does; the rest is the fields' own validation.
     _collect(lambda: instance.clean_fields(exclude=[*bad, "created_at", "updated_at"]), at, problems)
+    if not bad:
+        problems.extend(f"{label}: {name}: {problem}" for name, problem in size_problems(instance).items())
 
     aliases = _read_aliases(entry.get("aliases", []), label, problems)
     profiles_data = entry.get("profiles", [])
@@ -157,7 +170,8 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     if not isinstance(name, str):
         return None
     # Returned even with problems (the caller raises), so its names are checked against the rest.
-    return WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles)
+    size = {name: getattr(instance, name) for name in MODEL_SIZE_FIELDS}
+    return WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles, size)
 
 
 def _read_aliases(aliases: Any, label: str, problems: list[str]) -> list[str]:

@@ -732,6 +732,22 @@ _MEMORY_FLAGS: dict[str, dict[str, str]] = {
 _MEMORY_FLAGS["mock"] = _MEMORY_FLAGS["vllm"]
 
 
+# The flag each engine takes for the context it serves, as a profile's max_model_len is passed (the mock has none).
+CONTEXT_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length", "llamacpp": "--ctx-size"}
+
+
+def with_context(engine: str, args: list[str], max_model_len: int | None) -> list[str]:
+    """`args` with the engine's context flag for `max_model_len` appended, unless the args already set the
+    context (theirs wins) or the engine takes no such flag."""
+    flag = CONTEXT_FLAG.get(engine)
+    if not max_model_len or flag is None:
+        return list(args)
+    context_flags = [name for name, kind in _MEMORY_FLAGS.get(engine, {}).items() if kind == "context"]
+    if any(arg.partition("=")[0] in context_flags for arg in args):
+        return list(args)
+    return [*args, flag, str(max_model_len)]
+
+
 def memory_args(engine: str, args: list[str]) -> MemoryArgs:
     """Read a profile's engine args (`--flag value` or `--flag=value`); ValueError names a bad value."""
     flags = _MEMORY_FLAGS.get(engine, {})

@@ -9,7 +9,7 @@ from django.db import models
 
 from agent.engine_env import MASK, env_problem, is_secret
 
-from .choices import Engine
+from .choices import Engine, WeightsDtype
 
 public_name_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
@@ -117,14 +117,61 @@ def keep_stored_secrets(submitted, stored: dict, siblings: Iterable[dict] = ()) 
     return kept, None
 
 
+# The model's size as the operator gives it, for the memory model (catalog/memory.py) when neither the
+# weights' headers nor a config.json can be read; all optional. The catalog file, its export, the admin and
+# the REST API read this one list.
+MODEL_SIZE_FIELDS = ("parameters_billions", "dtype", "layers", "kv_heads", "head_dim")
+
+
+def size_problems(model: "Model") -> dict[str, str]:
+    """What is half-given in a model's size fields: the weights need parameters and dtype together, the KV
+    cache layers, KV heads and head dim together (a part alone would be silently ignored)."""
+    errors = {}
+    if (model.parameters_billions is None) != (not model.dtype):
+        missing = "dtype" if model.parameters_billions is not None else "parameters_billions"
+        errors[missing] = "Give parameters (billions) and the weights dtype together, or neither."
+    kv = {"layers": model.layers, "kv_heads": model.kv_heads, "head_dim": model.head_dim}
+    if any(v is not None for v in kv.values()) and any(v is None for v in kv.values()):
+        missing = next(name for name, v in kv.items() if v is None)
+        errors[missing] = "Give layers, KV heads and head dim together (the KV cache's shape), or none of them."
+    return errors
+
+
 class Model(models.Model):
-    """A model served under a public name, with the source its weights come from."""
+    """A model served under a public name, with the source its weights come from, and optionally its size."""
 
     name = models.CharField(max_length=200, unique=True, validators=[public_name_validator])
     source = models.CharField(
         max_length=500, help_text="Where the engine loads weights from: a hub repository id or a local path."
     )
     enabled = models.BooleanField(default=True)
+    parameters_billions = models.FloatField(
+        "parameters (billions)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001), MaxValueValidator(100000)],
+        help_text="e.g. 70.6; with the dtype, sizes the weights when neither their headers nor a config.json "
+        "can be read.",
+    )
+    dtype = models.CharField(
+        "weights dtype",
+        max_length=16,
+        blank=True,
+        default="",
+        # Rows inserted by code that predates the column (older migrations' states, a rolling upgrade) get "".
+        db_default="",
+        choices=WeightsDtype.choices,
+        help_text="How the weights are stored.",
+    )
+    layers = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=in_range(1, SMALLINT_MAX), help_text="Transformer layers (KV cache size)."
+    )
+    kv_heads = models.PositiveSmallIntegerField(
+        "KV heads", null=True, blank=True, validators=in_range(1, SMALLINT_MAX), help_text="Key/value heads per layer."
+    )
+    head_dim = models.PositiveSmallIntegerField(
+        "head dim", null=True, blank=True, validators=in_range(1, SMALLINT_MAX), help_text="Dimension of one head."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -137,8 +184,11 @@ class Model(models.Model):
     def clean(self):
         # Another model's name is caught by the unique constraint; an alias is not.
         clash = name_clash(self.name, models=False) if self.name else None
+        errors = size_problems(self)
         if clash is not None:
-            raise ValidationError({"name": clash})
+            errors["name"] = clash
+        if errors:
+            raise ValidationError(errors)
 
 
 class Alias(models.Model):
@@ -169,6 +219,7 @@ PROFILE_FIELD_ROWS = (
     ("gpu_class", "gpus_per_node", "nodes_per_replica"),
     ("min_replicas", "max_replicas", "target_concurrency"),
     ("priority", "pool", "weight", "idle_timeout_seconds"),
+    ("max_model_len",),
     ("engine_args",),
     ("env",),
 )
@@ -224,12 +275,22 @@ class Profile(models.Model):
         validators=in_range(1, SMALLINT_MAX),
         help_text="Requests in flight per ready replica above which the model scales out (up to max replicas).",
     )
+    max_model_len = models.PositiveIntegerField(
+        "max model length",
+        null=True,
+        blank=True,
+        validators=in_range(1, INTEGER_MAX),
+        help_text="Tokens one sequence may hold (prompt and answer); passed to the engine (vLLM --max-model-len, "
+        "SGLang --context-length, llama.cpp --ctx-size) unless its engine args set it; empty = the model's own.",
+    )
     engine_args = models.JSONField(
         "engine args", default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
     )
     env = models.JSONField(
         "engine env",
         default=dict,
+        # Rows inserted by code that predates the column (older migrations' states, a rolling upgrade) get {}.
+        db_default=models.Value({}, output_field=models.JSONField()),
         blank=True,
         help_text='Extra environment for the engine process, e.g. {"OMP_NUM_THREADS": "8"}; values are strings. '
         f"Values of names ending in KEY, TOKEN, SECRET or PASSWORD are shown as {MASK}; "

@@ -8,3 +8,18 @@ class InventoryConfig(AppConfig):
 
     default_auto_field = "django.db.models.BigAutoField"
     name = "inventory"
+
+    def ready(self) -> None:
+        # The catalog judges profiles on the GPU memory agents report (catalog.sizing); it sits below the
+        # inventory, so the inventory hands it the reader.
+        from django.db.models import Max
+
+        from catalog.sizing import set_fleet_memory
+
+        from .models import GPU
+
+        def reported() -> dict[str, int]:
+            rows = GPU.objects.filter(memory_mb__gt=0).values("gpu_class").annotate(mib=Max("memory_mb"))
+            return {row["gpu_class"]: row["mib"] for row in rows}
+
+        set_fleet_memory(reported)

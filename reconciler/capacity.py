@@ -31,10 +31,13 @@ class NodeGPUs:
     gpu_class: str
     total: int = 0
     free: dict[int, int] = field(default_factory=dict)
+    memory_mib: int = 0  # its smallest GPU of the class (a replica's shard may get any of them)
 
     def record(self) -> NodeCapacity:
         """The placer's view of this node."""
-        return NodeCapacity(self.name, self.fabric, self.address, self.gpu_class, tuple(sorted(self.free)), self.total)
+        return NodeCapacity(
+            self.name, self.fabric, self.address, self.gpu_class, tuple(sorted(self.free)), self.total, self.memory_mib
+        )
 
 
 @dataclass
@@ -78,6 +81,7 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
             "id",
             "index",
             "gpu_class",
+            "memory_mb",
             "health",
             "healthy_since",
             "held",
@@ -88,10 +92,14 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
         )
         .order_by("node_id", "index")
     )
-    for gpu_id, index, gpu_class, health, healthy_since, held, node_id, name, fabric, address in rows:
+    for gpu_id, index, gpu_class, memory, health, healthy_since, held, node_id, name, fabric, address in rows:
         node = snapshot.nodes[gpu_class].get(name)
         if node is None:
-            node = snapshot.nodes[gpu_class][name] = NodeGPUs(node_id, name, fabric, address or name, gpu_class)
+            node = snapshot.nodes[gpu_class][name] = NodeGPUs(
+                node_id, name, fabric, address or name, gpu_class, memory_mib=memory
+            )
+        # memory_mb is MiB as nvidia-smi reports memory.total (agent/gpus.py); 0 = not reported.
+        node.memory_mib = min(node.memory_mib, memory) if node.memory_mib and memory else node.memory_mib or memory
         node.total += 1
         if gpu_in_service(health, healthy_since, now) and not held:
             node.free[index] = gpu_id

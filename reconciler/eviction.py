@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .placement import NodeCapacity, Placement, Shape, place
 
@@ -107,7 +107,7 @@ def with_freed(capacity: Iterable[NodeCapacity], victims: Iterable[Holding]) -> 
         extra = freed.get((node.name, node.gpu_class))
         if extra:
             free = tuple(sorted(set(node.free) | extra))
-            node = NodeCapacity(node.name, node.fabric, node.address, node.gpu_class, free, node.total)
+            node = replace(node, free=free)  # the rest (its GPUs' memory too) as it was
         result.append(node)
     return result
 

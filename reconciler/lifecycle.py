@@ -20,6 +20,7 @@ from django.db import transaction
 from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, When
 from django.utils import timezone
 
+from catalog.memory import with_context
 from catalog.models import Profile
 
 from .choices import ReplicaState, ShardState
@@ -220,7 +221,10 @@ def start_fields(
         "source": replica.model.source,
         "gpu_indices": sorted(gpu_indices),
         "port": shard.port,
-        "args": list(replica.profile.engine_args or []),
+        # The profile's max_model_len as the engine's own flag, unless its engine args set the context.
+        "args": with_context(
+            replica.profile.engine, list(replica.profile.engine_args or []), replica.profile.max_model_len
+        ),
         "env": dict(replica.profile.env or {}),
         "host": host,
         "rendezvous_port": rendezvous_port(head_port) if node_count > 1 else 0,

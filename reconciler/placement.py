@@ -24,6 +24,7 @@ class NodeCapacity:
     gpu_class: str
     free: tuple[int, ...]
     total: int
+    memory_mib: int = 0  # the smallest GPU of the class on the node, as its agent reports it; 0 = unknown
 
     def __post_init__(self) -> None:
         if len(set(self.free)) != len(self.free):

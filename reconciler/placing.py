@@ -25,6 +25,7 @@ from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import Hold, ReplicaState, ShardState
+from .fit import MemoryCheck
 from .lifecycle import head_started, send_starts, start_fields
 from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
@@ -75,9 +76,10 @@ def place_pending(
         return outcome
     profiles = _profiles_of({r.model_id for r in pending})
     capacity = free_capacity(now)
-    placed, moved, unplaceable = _choose(pending, profiles, capacity)
+    memory = MemoryCheck()
+    placed, moved, unplaceable = _choose(pending, profiles, capacity, memory)
 
-    notes = make_room(unplaceable, capacity, now) if evict and unplaceable else {}
+    notes = make_room(unplaceable, capacity, now, memory) if evict and unplaceable else {}
     if settling:
         for replica, _tried, reason in unplaceable:
             notes.setdefault(replica.pk, PlacementNote.waiting_for_nodes(reason))
@@ -103,13 +105,14 @@ _Unplaceable = list[tuple[Replica, list[Profile], str]]
 
 
 def _choose(
-    pending: list[Replica], profiles: dict[int, list[Profile]], capacity: CapacitySnapshot
+    pending: list[Replica], profiles: dict[int, list[Profile]], capacity: CapacitySnapshot, memory: MemoryCheck
 ) -> tuple[_Placed, list[Replica], _Unplaceable]:
     """Each pending replica on the first of its profiles with room, taken from `capacity` in memory.
 
     Returns those placed (with their new shards), those of them that moved to
     another profile, and those without room (with the profiles tried and why
-    not). One query for running counts, one for the weights on disk.
+    not). A profile no node's GPUs can hold (`memory`) is not tried, so no room
+    is made for it either. One query for running counts, one for the weights on disk.
     """
     running_on = _running_per_profile(profiles)
     holders = _weights_holders(profiles)
@@ -122,8 +125,12 @@ def _choose(
             if running_on[profile.pk] >= profile.max_replicas:
                 reasons.append(f"{shape_label(profile)}: at its max of {profile.max_replicas}")
                 continue
+            refusal = memory.refusal(capacity, profile)
+            if refusal is not None:
+                reasons.append(f"{shape_label(profile)}: {refusal}")
+                continue
             tried.append(profile)
-            result = _place_one(replica, profile, capacity, holders.get(profile.pk, frozenset()))
+            result = _place_one(replica, profile, capacity, holders.get(profile.pk, frozenset()), memory)
             if isinstance(result, Unplaceable):
                 reasons.append(f"{shape_label(profile)}: {result.reason}")
                 continue
@@ -229,12 +236,13 @@ def _weights_holders(profiles: dict[int, list[Profile]]) -> dict[int, frozenset[
 
 
 def _place_one(
-    replica: Replica, profile: Profile, capacity: CapacitySnapshot, holders: frozenset[str]
+    replica: Replica, profile: Profile, capacity: CapacitySnapshot, holders: frozenset[str], memory: MemoryCheck
 ) -> list[_NewShard] | Unplaceable:
-    """Choose GPUs and ports for one replica on `profile` and take them from the snapshot, or say why not."""
+    """Choose GPUs and ports for one replica on `profile` and take them from the snapshot, or say why not.
+    Only nodes whose GPUs can hold the profile are candidates (DESIGN "Placement's memory check")."""
     gpu_class = profile.gpu_class
     shape = Shape(gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
-    result = place(capacity.records(gpu_class), shape, holders)
+    result = place(memory.records(capacity, profile), shape, holders)
     if isinstance(result, Unplaceable):
         return result
     assert isinstance(result, Placement)

@@ -31,6 +31,7 @@ from inventory.models import gpu_in_service
 from .capacity import CapacitySnapshot
 from .choices import Hold, ReplicaState
 from .eviction import MAKING_ROOM, WAITING_FOR_NODES, Holding, plan_eviction, stop_candidates, with_freed
+from .fit import MemoryCheck
 from .holdings import read_holdings, spare_replicas
 from .idle import Idle
 from .lifecycle import StopRequest, stop_replicas
@@ -61,7 +62,10 @@ class PlacementNote:
 
 
 def make_room(
-    waiting: list[tuple[Replica, list[Profile], str]], capacity: CapacitySnapshot, now: datetime
+    waiting: list[tuple[Replica, list[Profile], str]],
+    capacity: CapacitySnapshot,
+    now: datetime,
+    memory: MemoryCheck,
 ) -> dict[int, PlacementNote]:
     """Decide, for each waiting (replica, profiles it may use, why not), whether to wait or to stop victims.
 
@@ -79,7 +83,8 @@ def make_room(
         priority = replica.profile.priority
         for profile in profiles:
             shape = Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
-            records = capacity.records(profile.gpu_class)
+            # Nodes whose GPUs are too small for the profile are no use, however much is stopped on them.
+            records = memory.records(capacity, profile)
             soon = _fits_with(records, draining, shape)
             if soon is not None:
                 notes[replica.pk] = PlacementNote.making_room(f"waiting for GPUs being freed on {', '.join(soon)}")

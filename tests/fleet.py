@@ -1,5 +1,6 @@
 """The one set of fleet builders every app's tests use: nodes with GPUs, models with a profile, placed replicas."""
 
+import re
 from datetime import timedelta
 
 from django.utils import timezone
@@ -14,13 +15,30 @@ H100 = "H100-80GB"
 _ports = iter(range(21000, 29999))
 
 
-def make_node(name, *, gpus=8, gpu_class=H100, fabric="", address="127.0.0.1", state=NodeState.READY, schedulable=True):
-    """A node that has just sent a heartbeat, with `gpus` healthy GPUs of one class."""
+def class_memory_mb(gpu_class: str) -> int:
+    """The memory (MiB) a GPU of `gpu_class` reports in tests: the size its name ends in ("L40S-48GB"), else 80 GiB."""
+    match = re.search(r"-(\d+)GB$", gpu_class)
+    return int(match[1]) * 1024 if match else 81920
+
+
+def make_node(
+    name,
+    *,
+    gpus=8,
+    gpu_class=H100,
+    fabric="",
+    address="127.0.0.1",
+    state=NodeState.READY,
+    schedulable=True,
+    memory_mb=None,
+):
+    """A node that has just sent a heartbeat, with `gpus` healthy GPUs of one class (memory: the class's own)."""
+    memory_mb = class_memory_mb(gpu_class) if memory_mb is None else memory_mb
     node = Node.objects.create(
         name=name, address=address, fabric=fabric, state=state, schedulable=schedulable, last_seen=timezone.now()
     )
     GPU.objects.bulk_create(
-        GPU(node=node, index=i, uuid=f"GPU-{name}-{i}", gpu_class=gpu_class, memory_mb=81920) for i in range(gpus)
+        GPU(node=node, index=i, uuid=f"GPU-{name}-{i}", gpu_class=gpu_class, memory_mb=memory_mb) for i in range(gpus)
     )
     return node
 
@@ -104,7 +122,7 @@ def bulk_fleet(nodes, *, gpus=8, gpu_class=H100, fabrics=4, models=10, replicas=
     )
     made = list(Node.objects.filter(name__in=[n.name for n in made]).order_by("name"))
     GPU.objects.bulk_create(
-        GPU(node=node, index=i, uuid=f"GPU-{node.name}-{i}", gpu_class=gpu_class, memory_mb=81920)
+        GPU(node=node, index=i, uuid=f"GPU-{node.name}-{i}", gpu_class=gpu_class, memory_mb=class_memory_mb(gpu_class))
         for node in made
         for i in range(gpus)
     )

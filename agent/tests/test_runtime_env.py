@@ -76,3 +76,37 @@ def test_a_start_with_a_bad_env_fails_naming_the_variable_and_starts_nothing(cap
     assert "Variable CUDA_VISIBLE_DEVICES cannot be set on a profile" in failed["message"]
     assert running == []
     assert SECRET[-8:] not in agent_log(caplog) and SECRET not in failed["message"]
+
+
+def run_mock_needing(gib: str, shard_id: int):
+    """Start a mock told its true need on the stand-in agent's two 80 GB GPUs; (first, last) shard status."""
+
+    async def scenario():
+        async with ControlPlane() as cp:
+            agent = make_agent([cp.url])
+            task = asyncio.create_task(agent.run())
+            await cp.next(protocol.HELLO)
+            await cp.send(start_command(shard_id, free_port(), args=["--memory-gib-per-gpu", gib]))
+            first = await cp.next(protocol.SHARD_STATUS)
+            last = await cp.next(protocol.SHARD_STATUS)
+            seen = process_environment(agent.engine_pid(shard_id)) if last["state"] != "failed" else {}
+            await agent.shutdown()
+            await task
+            return first, last, seen
+
+    return run(scenario())
+
+
+def test_a_mock_needing_more_than_its_gpus_fails_its_start_like_cuda_out_of_memory():
+    first, failed, _ = run_mock_needing("75", 8)  # 80 GiB × 0.92 = 73.6 GiB usable
+    assert (first["state"], failed["state"]) == ("starting", "failed")
+    assert "engine exited with code 1" in failed["message"]
+    last_line = failed["message"].splitlines()[-1]
+    assert last_line.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.40 GiB.")
+    assert "GPU 0 has a total capacity of 80.00 GiB, of which 73.60 GiB may be used" in last_line
+
+
+def test_a_mock_whose_need_fits_starts_and_is_told_its_gpus_memory():
+    first, ready, seen = run_mock_needing("73", 9)
+    assert (first["state"], ready["state"]) == ("starting", "ready")
+    assert seen["LLMGW_GPU_MEMORY_MIB"] == "81920,81920"

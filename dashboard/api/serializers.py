@@ -5,7 +5,7 @@ from rest_framework import serializers
 
 from agent.engine_env import MASK, masked
 from catalog.catalog_file import PROFILE_FIELDS
-from catalog.models import Model, Profile
+from catalog.models import MODEL_SIZE_FIELDS, Model, Profile
 from inventory.models import GPU, Node
 from keys.models import ApiKey, TokenUsage
 from reconciler.idle import Idle
@@ -48,7 +48,32 @@ class ModelSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Model
-        fields = ["id", "name", "source", "enabled", "aliases", "profiles", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "name",
+            "source",
+            "enabled",
+            *MODEL_SIZE_FIELDS,
+            "aliases",
+            "profiles",
+            "created_at",
+            "updated_at",
+        ]
+
+
+class ModelWrittenSerializer(ModelSerializer):
+    """A model as a write answers it: the model, and warnings that do not stop the write."""
+
+    warnings = serializers.ListField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="Profiles whose memory estimate does not fit their GPU class, with the numbers, e.g. "
+        '"profiles[0] L40S-48GB×2: does_not_fit: needs 68.9 GiB per GPU; L40S-48GB has 44.2 GiB usable (…)". '
+        "The write is done; placement will not put those profiles on GPUs too small for them.",
+    )
+
+    class Meta(ModelSerializer.Meta):
+        fields = [*ModelSerializer.Meta.fields, "warnings"]
 
 
 class GPUSerializer(serializers.ModelSerializer):
@@ -183,6 +208,15 @@ class ModelWriteSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, help_text="Public name; cannot change after creation.")
     source = serializers.CharField(max_length=500)
     enabled = serializers.BooleanField(required=False, default=True)
+    parameters_billions = serializers.FloatField(
+        required=False, allow_null=True, help_text="Parameters in billions; with dtype, sizes the weights."
+    )
+    dtype = serializers.ChoiceField(
+        choices=Model._meta.get_field("dtype").choices, required=False, allow_blank=True, help_text="Weights dtype."
+    )
+    layers = serializers.IntegerField(required=False, allow_null=True, help_text="Layers (KV cache shape).")
+    kv_heads = serializers.IntegerField(required=False, allow_null=True, help_text="KV heads per layer.")
+    head_dim = serializers.IntegerField(required=False, allow_null=True, help_text="Dimension of one head.")
     aliases = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
     profiles = ProfileWriteSerializer(many=True)
 

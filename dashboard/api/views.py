@@ -28,6 +28,7 @@ from .serializers import (
     DrainedSerializer,
     ModelSerializer,
     ModelWriteSerializer,
+    ModelWrittenSerializer,
     NewApiKeySerializer,
     NodeSerializer,
     ReplicaSerializer,
@@ -45,9 +46,9 @@ class StatusView(APIView):
 
 
 @extend_schema_view(
-    create=extend_schema(request=ModelWriteSerializer, responses={201: ModelSerializer}),
-    update=extend_schema(request=ModelWriteSerializer, responses=ModelSerializer),
-    partial_update=extend_schema(request=ModelWriteSerializer(partial=True), responses=ModelSerializer),
+    create=extend_schema(request=ModelWriteSerializer, responses={201: ModelWrittenSerializer}),
+    update=extend_schema(request=ModelWriteSerializer, responses=ModelWrittenSerializer),
+    partial_update=extend_schema(request=ModelWriteSerializer(partial=True), responses=ModelWrittenSerializer),
 )
 class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
     """Catalog models with their aliases and profiles; `{name}` is a model's name or one of its aliases.
@@ -79,11 +80,11 @@ class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
 
     def create(self, request, *args, **kwargs):
         model = writes.create_model(request.data)
-        return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
+        return Response(ModelWrittenSerializer(model).data, status=status.HTTP_201_CREATED)
 
     def update(self, request, *args, **kwargs):
         model = writes.update_model(self.get_object(), request.data, partial=kwargs.get("partial", False))
-        return Response(ModelSerializer(model).data)
+        return Response(ModelWrittenSerializer(model).data)
 
 
 @extend_schema_view(

@@ -17,6 +17,7 @@ from rest_framework.exceptions import ValidationError
 
 from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
 from catalog.models import Model, name_clash
+from catalog.sizing import fit_warnings, fleet_memory
 from inventory.models import Node
 from keys.models import ApiKey
 from reconciler.drain import drain_nodes
@@ -37,7 +38,10 @@ def _apply_one(entry: Any) -> Model:
         apply_catalog({"models": [entry]})
     except CatalogFileError as exc:
         raise bad_request([_FILE_LABEL.sub("", message) or message for message in exc.messages]) from None
-    return Model.objects.prefetch_related("aliases", "profiles").get(name=entry["name"])
+    model = Model.objects.prefetch_related("aliases", "profiles").get(name=entry["name"])
+    # Warnings, not refusals (the estimate may be off): the answer carries them beside the model.
+    model.warnings = fit_warnings(list(model.profiles.all()), fleet_memory())
+    return model
 
 
 def create_model(entry: Any) -> Model:

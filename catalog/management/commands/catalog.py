@@ -1,11 +1,14 @@
-"""`manage.py catalog export [FILE]` and `manage.py catalog apply FILE [--dry-run] [--prune]`: the catalog as YAML."""
+"""`manage.py catalog export [FILE]` and `manage.py catalog apply FILE [--dry-run] [--prune]`: the catalog as YAML.
+
+Applying warns of each profile whose memory estimate does not fit its GPUs; a dry run shows every profile's verdict.
+"""
 
 import sys
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from catalog.as_code import Verdict, apply_catalog, dump_catalog, export_catalog
+from catalog.as_code import Verdict, apply_catalog, dump_catalog, export_catalog, fit_report
 from catalog.catalog_file import CatalogFileError, load_catalog_text
 
 
@@ -22,7 +25,11 @@ class Command(BaseCommand):
             "apply", help="Make the catalog what FILE says: create, change, leave alone; one line per model."
         )
         apply.add_argument("file", help="The YAML catalog file (- for stdin).")
-        apply.add_argument("--dry-run", action="store_true", help="Validate and print the plan; change nothing.")
+        apply.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="Validate and print the plan and each profile's memory verdict; change nothing.",
+        )
         apply.add_argument("--prune", action="store_true", help="Delete the models the file does not list.")
 
     def handle(self, *args, action, file, **options):
@@ -62,4 +69,11 @@ class Command(BaseCommand):
         }
         for part, line in zip(plan.models, plan.lines(), strict=False):
             self.stdout.write(styles.get(part.verdict, str)(line))
+        warnings, verdicts = fit_report(plan)
+        if dry_run:
+            for line in verdicts:
+                self.stdout.write(f"memory       {line}")
         self.stdout.write(plan.lines()[-1])
+        for warning in warnings:
+            # A warning, not a refusal: the estimate may be off; placement refuses where it does not fit.
+            self.stderr.write(self.style.WARNING(f"warning: {warning}"))

@@ -1,0 +1,207 @@
+"""Edit time: the estimate per profile from the best source, warnings (not refusals) in `catalog apply`,
+its dry run's verdicts, the REST answer and the admin; size fields validated and round-tripped."""
+
+import json
+import os
+from io import StringIO
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+
+from catalog.as_code import apply_catalog, dump_catalog, export_catalog
+from catalog.catalog_file import CatalogFileError, load_catalog_text
+from catalog.memory import Fit
+from catalog.models import Model, Profile
+from catalog.sizing import forget_sources, profile_memory, profile_verdict
+from tests.fleet import make_node
+
+pytestmark = pytest.mark.django_db
+
+HUGE = """\
+models:
+- name: llama-70b
+  source: meta-llama/Llama-3.1-70B-Instruct
+  parameters_billions: 70.6
+  dtype: bfloat16
+  layers: 80
+  kv_heads: 8
+  head_dim: 128
+  profiles:
+  - {engine: vllm, gpu_class: L40S-48GB, gpus_per_node: 2, max_model_len: 8192}
+  - {engine: vllm, gpu_class: H100-80GB, gpus_per_node: 2, max_model_len: 8192}
+- name: unsized
+  source: org/unsized
+  profiles:
+  - {engine: mock, gpu_class: A10-24GB}
+"""
+
+
+def run(*args) -> tuple[str, str]:
+    out, err = StringIO(), StringIO()
+    call_command("catalog", *args, stdout=out, stderr=err, no_color=True)
+    return out.getvalue(), err.getvalue()
+
+
+def test_apply_warns_of_a_profile_that_does_not_fit_and_applies_it_anyway(tmp_path):
+    make_node("l40s", gpus=2, gpu_class="L40S-48GB")
+    path = tmp_path / "catalog.yaml"
+    path.write_text(HUGE)
+    out, err = run("apply", str(path))
+    assert Profile.objects.filter(model__name="llama-70b").count() == 2
+    assert err.splitlines() == [
+        "warning: llama-70b: profiles[0] L40S-48GB×2: does_not_fit: needs 69.5 GiB per GPU; L40S-48GB has 44.2 GiB "
+        "usable (weights 65.8 + engine 2.5 + KV 1.2 for one 8192-token sequence) (placement will not put it there)"
+    ]
+    assert "memory" not in out
+
+
+def test_dry_run_shows_each_profiles_verdict_including_unknown(tmp_path):
+    path = tmp_path / "catalog.yaml"
+    path.write_text(HUGE)
+    out, _ = run("apply", str(path), "--dry-run")
+    lines = [line for line in out.splitlines() if line.startswith("memory")]
+    assert lines[0].startswith("memory       llama-70b: profiles[0] L40S-48GB×2: does_not_fit: needs 69.5 GiB")
+    assert lines[1].startswith("memory       llama-70b: profiles[1] H100-80GB×2: fits: needs 69.5 GiB per GPU; ")
+    assert lines[1].endswith("room for 4 full-length sequences")
+    assert lines[2].startswith("memory       unsized: profiles[0] A10-24GB×1: unknown: size unknown (")
+    assert out.splitlines()[-1].startswith("dry run, nothing changed")
+    assert not Model.objects.exists()
+
+
+def test_size_fields_round_trip_through_export_and_apply():
+    apply_catalog(load_catalog_text(HUGE))
+    exported = export_catalog()["models"]
+    assert {k: exported[0][k] for k in ("parameters_billions", "dtype", "layers", "kv_heads", "head_dim")} == {
+        "parameters_billions": 70.6,
+        "dtype": "bfloat16",
+        "layers": 80,
+        "kv_heads": 8,
+        "head_dim": 128,
+    }
+    assert exported[0]["profiles"][0]["max_model_len"] == 8192
+    assert "dtype" not in exported[1]  # not given: not written
+    plan = apply_catalog(load_catalog_text(dump_catalog(export_catalog())))
+    assert plan.lines()[-1] == "0 created, 0 changed, 2 left alone, 0 deleted"
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"parameters_billions": 7}, 'models[0] "m": dtype: Give parameters (billions) and the weights dtype together'),
+        ({"dtype": "fp16"}, 'models[0] "m": parameters_billions: Give parameters (billions) and the weights dtype'),
+        ({"layers": 32, "kv_heads": 8}, 'models[0] "m": head_dim: Give layers, KV heads and head dim together'),
+        ({"dtype": "fp4", "parameters_billions": 7}, "models[0] \"m\": dtype: Value 'fp4' is not a valid choice."),
+        ({"parameters_billions": -1, "dtype": "fp8"}, 'models[0] "m": parameters_billions: Ensure this value is'),
+    ],
+)
+def test_half_given_or_bad_size_fields_are_named(entry, problem):
+    data = {"models": [{"name": "m", "source": "org/m", "profiles": [{"gpu_class": "A10-24GB"}], **entry}]}
+    with pytest.raises(CatalogFileError) as caught:
+        apply_catalog(data)
+    assert any(message.startswith(problem) for message in caught.value.messages), caught.value.messages
+    assert not Model.objects.exists()
+
+
+def tiny_llama(folder, *, layers=2, hidden=64):
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "torch_dtype": "bfloat16",
+        "max_position_embeddings": 2048,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def test_a_local_folder_is_read_once_per_modification_time(tmp_path):
+    forget_sources()
+    tiny_llama(tmp_path)
+    model = Model.objects.create(name="tiny", source=str(tmp_path), parameters_billions=70, dtype="bfloat16")
+    profile = Profile.objects.create(model=model, gpu_class="A10-24GB")
+    first = profile_memory(profile)
+    assert first.weights.source == "config"  # the folder's config.json beats the catalog's fields
+    assert first.max_model_len == 2048 and first.kv is not None and first.kv.layers == 2
+
+    stamp = os.stat(tmp_path / "config.json")
+    tiny_llama(tmp_path, layers=4)
+    os.utime(tmp_path / "config.json", ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    os.utime(tmp_path, ns=(os.stat(tmp_path).st_atime_ns, os.stat(tmp_path).st_mtime_ns))
+    assert profile_memory(profile).kv.layers == 2  # same modification times: not read again
+
+    os.utime(tmp_path / "config.json", ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
+    assert profile_memory(profile).kv.layers == 4
+    assert profile_memory(profile).weights.bytes > first.weights.bytes
+
+
+def test_a_hub_source_uses_the_catalog_fields_and_unknown_says_so():
+    model = Model.objects.create(name="m", source="org/m")
+    profile = Profile.objects.create(model=model, gpu_class="A10-24GB")
+    assert profile_verdict(profile, {}).fit is Fit.UNKNOWN
+    assert profile_verdict(profile, {}).sentence.startswith("size unknown (")
+    Model.objects.filter(pk=model.pk).update(parameters_billions=7.6, dtype="bfloat16")
+    profile = Profile.objects.select_related("model").get(pk=profile.pk)
+    judged = profile_verdict(profile, {"A10-24GB": 23028})
+    assert judged.fit is Fit.FITS
+    assert "KV cache not counted: its shape is unknown" in judged.sentence
+
+
+def test_max_model_len_is_passed_to_the_engine_unless_its_args_set_the_context():
+    from catalog.memory import with_context
+
+    assert with_context("vllm", [], 8192) == ["--max-model-len", "8192"]
+    assert with_context("sglang", ["--x"], 4096) == ["--x", "--context-length", "4096"]
+    assert with_context("llamacpp", [], 4096) == ["--ctx-size", "4096"]
+    assert with_context("llamacpp", ["-c", "2048"], 4096) == ["-c", "2048"]
+    assert with_context("vllm", ["--max-model-len=1024"], 8192) == ["--max-model-len=1024"]
+    assert with_context("mock", [], 8192) == []
+    assert with_context("vllm", [], None) == []
+
+
+def test_the_rest_answer_carries_warnings_and_the_admin_says_them(client):
+    make_node("l40s", gpus=2, gpu_class="L40S-48GB")
+    User.objects.create_superuser("admin", "a@example.com", "pw")
+    client.login(username="admin", password="pw")
+    entry = load_catalog_text(HUGE)["models"][0]
+    answer = client.post("/api/v1/models/", entry, content_type="application/json")
+    assert answer.status_code == 201, answer.content
+    assert len(answer.json()["warnings"]) == 1
+    assert answer.json()["warnings"][0].startswith("profiles[0] L40S-48GB×2: does_not_fit: needs 69.5 GiB per GPU")
+    assert answer.json()["parameters_billions"] == 70.6
+
+    page = client.get(f"/admin/catalog/model/{Model.objects.get().pk}/change/")
+    assert "does_not_fit: needs 69.5 GiB per GPU; L40S-48GB has 44.2 GiB usable" in page.content.decode()
+
+
+def test_saving_one_profile_in_admin_warns_with_its_models_name(client):
+    make_node("a10", gpus=1, gpu_class="A10-24GB")
+    User.objects.create_superuser("admin", "a@example.com", "pw")
+    client.login(username="admin", password="pw")
+    apply_catalog(load_catalog_text(HUGE))
+    profile = Profile.objects.get(model__name="llama-70b", order=1)
+    form = {
+        "model": profile.model_id,
+        "order": 1,
+        "engine": "vllm",
+        "gpu_class": "A10-24GB",
+        "gpus_per_node": 1,
+        "nodes_per_replica": 1,
+        "min_replicas": 0,
+        "max_replicas": 1,
+        "target_concurrency": 8,
+        "priority": 0,
+        "pool": "default",
+        "weight": 1,
+        "max_model_len": 8192,
+        "engine_args": "[]",
+        "env": "{}",
+    }
+    answer = client.post(f"/admin/catalog/profile/{profile.pk}/change/", form, follow=True)
+    said = [str(m) for m in answer.context["messages"]]
+    assert any(m.startswith("Memory: llama-70b A10-24GB×1: does_not_fit: needs ") for m in said), said
+    assert Profile.objects.get(pk=profile.pk).gpu_class == "A10-24GB"  # a warning, not a refusal

@@ -1,0 +1,65 @@
+"""Placement's memory check (DESIGN "Placement's memory check"): which nodes' GPUs can hold a profile.
+
+A profile whose estimated need per GPU (catalog/memory.py, from the best
+source catalog/sizing.py finds) exceeds the usable memory of a node's GPUs is
+not placed on that node; when no node of its GPU class can hold it, the
+profile is refused with the verdict's sentence, numbers included, and the
+next profile is tried. A size that is not known, or a node whose GPU memory
+is not reported, leaves placement as it was: counting GPUs only.
+"""
+
+from __future__ import annotations
+
+from catalog.memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, judge
+from catalog.models import Profile
+from catalog.sizing import profile_memory
+
+from .capacity import CapacitySnapshot
+from .placement import NodeCapacity
+
+
+class MemoryCheck:
+    """One tick's memory verdicts: each profile's estimate made once, judged once per GPU memory size."""
+
+    def __init__(self) -> None:
+        self._estimates: dict[int, ProfileMemory | None] = {}
+        self._verdicts: dict[tuple[int, int], MemoryVerdict | None] = {}
+
+    def verdict(self, profile: Profile, memory_mib: int) -> MemoryVerdict | None:
+        """`profile` on GPUs of its class with `memory_mib` MiB each; None when the memory is not reported."""
+        if memory_mib <= 0:
+            return None
+        key = (profile.pk, memory_mib)
+        if key not in self._verdicts:
+            estimate = self._estimate(profile)
+            self._verdicts[key] = (
+                None if estimate is None else judge(estimate, GPUMemory(profile.gpu_class, memory_mib * MIB))
+            )
+        return self._verdicts[key]
+
+    def _estimate(self, profile: Profile) -> ProfileMemory | None:
+        if profile.pk not in self._estimates:
+            try:
+                self._estimates[profile.pk] = profile_memory(profile)
+            except ValueError:
+                self._estimates[profile.pk] = None  # an engine the memory model does not know: count GPUs only
+        return self._estimates[profile.pk]
+
+    def holds(self, profile: Profile, node: NodeCapacity) -> bool:
+        """Whether `node`'s GPUs may hold `profile` (yes when either the size or the memory is unknown)."""
+        verdict = self.verdict(profile, node.memory_mib)
+        return verdict is None or verdict.fit is not Fit.DOES_NOT_FIT
+
+    def records(self, capacity: CapacitySnapshot, profile: Profile) -> list[NodeCapacity]:
+        """The nodes of `profile`'s GPU class whose GPUs can hold it, as the placer sees them now."""
+        return [node for node in capacity.records(profile.gpu_class) if self.holds(profile, node)]
+
+    def refusal(self, capacity: CapacitySnapshot, profile: Profile) -> str | None:
+        """The verdict's sentence when no node of `profile`'s class can hold it, judged on the largest
+        GPUs of the class (e.g. "needs 74.2 GiB per GPU; L40S-48GB has 44.7 GiB usable ..."); else None."""
+        nodes = capacity.records(profile.gpu_class)
+        if not nodes or any(self.holds(profile, node) for node in nodes):
+            return None
+        largest = max(node.memory_mib for node in nodes)
+        verdict = self.verdict(profile, largest)
+        return None if verdict is None else verdict.sentence
