@@ -184,7 +184,8 @@ def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
     # The line is the environment the agent added (the profile's, then the GPUs placed), then the argv.
     added, argv = started.group(1).split(f" {install.python} ", 1)
     assert f"{install.python} {argv}" == expected
-    assert set(added.split()) == {f"{name}={value}" for name, value in ENGINE_ENV.items()} | {"CUDA_VISIBLE_DEVICES=0"}
+    placed = {"CUDA_VISIBLE_DEVICES=0", "LLMGW_GPU_MEMORY_MIB=49152"}  # the simulated L40S-48GB it was given
+    assert set(added.split()) == {f"{name}={value}" for name, value in ENGINE_ENV.items()} | placed
     assert int(started.group(2)) in engine_pids(stack.info["var"], SERVER_MODULE.encode())
     # It listens on the node's management address only, not on every interface.
     listening = Path("/proc/net/tcp").read_text()

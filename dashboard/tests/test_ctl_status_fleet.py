@@ -203,7 +203,14 @@ def test_watch_in_a_real_process_ends_quietly_on_ctrl_c(tmp_path):
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=120)
     process = subprocess.Popen(
-        [*manage, "ctl_status", "--watch", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*manage, "ctl_status", "--watch", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # As from a terminal: a suite started in the background by a shell without job control inherits
+        # SIGINT ignored, and an ignored SIGINT stays ignored in Python (no KeyboardInterrupt).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert process.stdout is not None
