@@ -11,7 +11,7 @@ class Engine(models.TextChoices):
 
 
 class WeightsDtype(models.TextChoices):
-    """How a model's weights are stored, in the names catalog/memory.py sizes (torch dtypes, ggml types)."""
+    """How a model's weights are stored, in the names catalog/parameters.py sizes (torch dtypes, ggml types)."""
 
     FLOAT32 = "float32", "float32"
     BFLOAT16 = "bfloat16", "bfloat16"

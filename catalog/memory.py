@@ -29,28 +29,7 @@ the dtype the engine computes in unless the profile names one (`--kv-cache-dtype
 Nothing known, or a quantization the model does not know, is "unknown": no
 verdict, never a guess presented as a fact.
 
-Parameter counts are what the checkpoint holds: embeddings (once when tied to
-the output head), attention projections with the family's biases, the gated
-MLP (gate, up, down), routed and shared experts with their routers, and every
-RMSNorm (two per layer; Gemma 2 four; DeepSeek's MLA adds its latent norms).
-The families and their config keys follow Hugging Face `transformers`
-(`modeling_llama`, `modeling_qwen2`, `modeling_mixtral`, `modeling_qwen2_moe`,
-`modeling_gemma2`, `modeling_phi3`, `modeling_deepseek_v2`); DeepSeek-V3's
-multi-token-prediction layers are not counted (engines do not load them unless
-asked to speculate).
-
-KV cache per token and layer: 2 × KV heads × head dim × KV dtype bytes (K and
-V); multi-head latent attention (DeepSeek-V2/V3) keeps one latent of
-`kv_lora_rank + qk_rope_head_dim` per layer instead. A sliding-window layer
-holds its window and what the engine keeps for batches in flight: for a
-full-length sequence of L tokens it counts min(L, window + slack) tokens
-(`window_slack_tokens`: vLLM's sliding-window KV spec reserves the window plus
-two batches of `max_num_batched_tokens`; llama.cpp's SWA cache one
-micro-batch). Gemma 2 alternates (even layers slide, window 4096), so under
-vLLM on an H100 a 131072-token sequence costs 21 layers × (4096 + 16384) + 21
-layers × 131072 tokens. Under tensor parallelism each GPU holds ceil(KV heads ÷ TP) heads (heads are
-replicated when TP exceeds them) but the whole MLA latent; pipeline stages
-split the layers.
+Parameter counts: catalog/parameters.py. KV cache per token: catalog/kv_cache.py.
 """
 
 from __future__ import annotations
@@ -62,204 +41,19 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Literal
 
-from agent.weights_headers import HeaderShape, WeightsHeader, ggml_bits_per_weight
+from agent.weights_headers import WeightsHeader
+
+from .kv_cache import KVShape
+from .parameters import DTYPE_BITS, ConfigError, bytes_of, dtype_bits, parameter_count
 
 GIB = 1 << 30
 MIB = 1 << 20
-
-# Bits per element of the dtype names configs and operators use (torch_dtype, vLLM --dtype/--kv-cache-dtype).
-DTYPE_BITS: dict[str, int] = {
-    "float32": 32,
-    "fp32": 32,
-    "float": 32,
-    "float16": 16,
-    "fp16": 16,
-    "half": 16,
-    "bfloat16": 16,
-    "bf16": 16,
-    "fp8": 8,
-    "fp8_e4m3": 8,
-    "fp8_e5m2": 8,
-    "float8": 8,
-    "int8": 8,
-    "int4": 4,
-}
-
 
 # vLLM and SGLang serve a float32 checkpoint in 16 bits (`--dtype auto`: vLLM's model config picks bfloat16,
 # float16 where the device lacks it; vLLM 0.32 logs dtype=torch.bfloat16 for a float32 model and casts each
 # tensor as it loads). llama.cpp holds GGUF tensors as stored.
 HALVES_FLOAT32 = frozenset({"vllm", "sglang", "mock"})
 SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-class ConfigError(ValueError):
-    """A config.json the memory model cannot count: an unknown family or a missing or malformed key."""
-
-
-def dtype_bits(name: str) -> Fraction:
-    """Bits per weight of a dtype name: torch/vLLM names, or a ggml type (Q4_K: 144 bytes per 256 = 4.5)."""
-    key = name.strip().lower().removeprefix("torch.")
-    if key in DTYPE_BITS:
-        return Fraction(DTYPE_BITS[key])
-    bits = ggml_bits_per_weight(name.strip())
-    if bits is None:
-        raise ValueError(
-            f"unknown dtype {name!r}: use one of {', '.join(sorted(DTYPE_BITS))} or a ggml type (Q4_K, Q8_0, …)"
-        )
-    return bits
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one architecture family lays out its weights (Hugging Face `transformers` modeling code)."""
-
-    tied_default: bool = False  # tie_word_embeddings when the config omits it
-    qkv_bias: bool = False  # Qwen2: biases on q, k and v (not o)
-    norms_per_layer: int = 2  # RMSNorms of `hidden` per layer (Gemma 2: four)
-    qk_norm: bool = False  # Qwen3: RMSNorm of `head_dim` on q and on k
-    experts: Literal["", "mixtral", "qwen_moe", "deepseek"] = ""
-    mla: bool = False  # multi-head latent attention (DeepSeek-V2/V3)
-    router_bias: bool = False  # DeepSeek-V3: e_score_correction_bias per routed expert
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "phi3": Family(),  # fused qkv_proj / gate_up_proj: the same counts as separate ones
-    "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(qk_norm=True),
-    "gemma": Family(tied_default=True),
-    "gemma2": Family(tied_default=True, norms_per_layer=4),
-    "mixtral": Family(experts="mixtral"),
-    "qwen2_moe": Family(qkv_bias=True, experts="qwen_moe"),
-    "qwen3_moe": Family(qk_norm=True, experts="qwen_moe"),
-    "deepseek_v2": Family(experts="deepseek", mla=True),
-    "deepseek_v3": Family(experts="deepseek", mla=True, router_bias=True),
-}
-
-
-@dataclass(frozen=True)
-class ParameterCount:
-    """A model's parameters: `linear` is the projection matrices (what weight quantization packs),
-    `embedding` the token embeddings and output head, the rest norms, biases and routers."""
-
-    total: int
-    embedding: int
-    linear: int
-
-    @property
-    def other(self) -> int:
-        return self.total - self.embedding - self.linear
-
-
-class _Config:
-    """Typed reads of a config.json dict, each failure a ConfigError naming the key."""
-
-    def __init__(self, config: Mapping[str, Any]):
-        self.raw = config
-
-    def whole(self, key: str, default: int | None = None) -> int:
-        value = self.raw.get(key, default)
-        if value is None and default is not None:
-            value = default
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"config.json {key} must be a whole number, got {value!r}")
-        return value
-
-    def optional_int(self, key: str) -> int | None:
-        return None if self.raw.get(key) is None else self.whole(key)
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.raw.get(key, default)
-        return default if value is None else bool(value)
-
-
-def family_of(config: Mapping[str, Any]) -> Family:
-    """The family of a config.json (its `model_type`), or ConfigError if the memory model does not count it."""
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(
-            f"config.json model_type {model_type!r} is not one the memory model counts ({', '.join(sorted(FAMILIES))})"
-        )
-    return FAMILIES[model_type]
-
-
-def parameter_count(config: Mapping[str, Any]) -> ParameterCount:
-    """The parameters a checkpoint with this config.json holds (ConfigError if it cannot say)."""
-    family = family_of(config)
-    c = _Config(config)
-    hidden, vocab, layers = c.whole("hidden_size"), c.whole("vocab_size"), c.whole("num_hidden_layers")
-    tied = c.flag("tie_word_embeddings", family.tied_default)
-    embedding = vocab * hidden * (1 if tied else 2)
-    linear = other = 0
-    attention_linear, attention_other = _mla_attention(c, hidden) if family.mla else _attention(c, family, hidden)
-    for layer in range(layers):
-        mlp_linear, mlp_other = _mlp(c, family, hidden, layer)
-        linear += attention_linear + mlp_linear
-        other += attention_other + mlp_other + family.norms_per_layer * hidden
-    other += hidden  # the final norm
-    return ParameterCount(total=embedding + linear + other, embedding=embedding, linear=linear)
-
-
-def _attention(c: _Config, family: Family, hidden: int) -> tuple[int, int]:
-    """(linear, other) parameters of one grouped-query attention block."""
-    heads = c.whole("num_attention_heads")
-    if heads == 0:
-        raise ConfigError("config.json num_attention_heads must be at least 1")
-    kv_heads = c.whole("num_key_value_heads", heads)
-    head_dim = c.whole("head_dim", hidden // heads)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    linear = hidden * q + 2 * hidden * kv + q * hidden
-    other = 0
-    if family.qkv_bias:
-        other += q + 2 * kv
-    elif c.flag("attention_bias", False):
-        other += q + 2 * kv + hidden
-    if family.qk_norm:
-        other += 2 * head_dim
-    return linear, other
-
-
-def _mla_attention(c: _Config, hidden: int) -> tuple[int, int]:
-    """(linear, other) parameters of DeepSeek's multi-head latent attention block."""
-    heads = c.whole("num_attention_heads")
-    q_lora, kv_lora = c.optional_int("q_lora_rank"), c.whole("kv_lora_rank")
-    nope, rope, v_dim = c.whole("qk_nope_head_dim"), c.whole("qk_rope_head_dim"), c.whole("v_head_dim")
-    q_out = heads * (nope + rope)
-    if q_lora:  # q_a_proj, its norm, q_b_proj
-        linear, other = hidden * q_lora + q_lora * q_out, q_lora
-    else:
-        linear, other = hidden * q_out, 0
-    linear += hidden * (kv_lora + rope)  # kv_a_proj_with_mqa: the latent and the shared rope key
-    other += kv_lora  # kv_a_layernorm
-    linear += kv_lora * heads * (nope + v_dim)  # kv_b_proj
-    linear += heads * v_dim * hidden  # o_proj
-    return linear, other
-
-
-def _mlp(c: _Config, family: Family, hidden: int, layer: int) -> tuple[int, int]:
-    """(linear, other) parameters of layer `layer`'s MLP: dense, or experts with their router."""
-    if family.experts == "mixtral":
-        experts = c.whole("num_local_experts")
-        return experts * 3 * hidden * c.whole("intermediate_size"), hidden * experts
-    if family.experts == "qwen_moe":
-        step = c.whole("decoder_sparse_step", 1)
-        if layer in (c.raw.get("mlp_only_layers") or []) or step == 0 or (layer + 1) % step:
-            return 3 * hidden * c.whole("intermediate_size"), 0
-        experts, expert = c.whole("num_experts"), 3 * hidden * c.whole("moe_intermediate_size")
-        shared = c.whole("shared_expert_intermediate_size", 0)
-        # Qwen2-MoE's shared expert has a one-output gate; Qwen3-MoE has no shared expert.
-        return experts * expert + 3 * hidden * shared, hidden * experts + (hidden if shared else 0)
-    if family.experts == "deepseek":
-        frequency = c.whole("moe_layer_freq", 1)
-        if layer < c.whole("first_k_dense_replace", 0) or frequency == 0 or layer % frequency:
-            return 3 * hidden * c.whole("intermediate_size"), 0
-        experts, expert_width = c.whole("n_routed_experts"), c.whole("moe_intermediate_size")
-        shared = 3 * hidden * expert_width * c.whole("n_shared_experts", 0)
-        router = hidden * experts + (experts if family.router_bias else 0)
-        return experts * 3 * hidden * expert_width + shared, router
-    return 3 * hidden * c.whole("intermediate_size"), 0
 
 
 @dataclass(frozen=True)
@@ -288,9 +82,9 @@ def config_weights_bytes(config: Mapping[str, Any], dtype: str | None = None) ->
     base = _known_dtype_bits(dtype or config_dtype(config))
     quantization = config.get("quantization_config")
     if not quantization:
-        return _bytes(count.total * base)
+        return bytes_of(count.total * base)
     linear_bits = _quantized_linear_bits(quantization)
-    return _bytes(count.linear * linear_bits + (count.total - count.linear) * base)
+    return bytes_of(count.linear * linear_bits + (count.total - count.linear) * base)
 
 
 def _known_dtype_bits(name: str) -> Fraction:
@@ -322,10 +116,6 @@ def _quantized_linear_bits(quantization: Any) -> Fraction:
     raise ConfigError(f"config.json quantization method {method or '(none)'!r} is not one the memory model sizes")
 
 
-def _bytes(bits: Fraction | int) -> int:
-    return math.ceil(Fraction(bits) / 8)
-
-
 def estimate_weights(
     *,
     header: WeightsHeader | None = None,
@@ -352,7 +142,7 @@ def estimate_weights(
             parameters = round(parameters_billions * 1e9)
             detail = f"catalog: {parameters_billions} B parameters in {dtype}"
             compute = dtype if dtype.lower() in DTYPE_BITS and bits >= 16 else None
-            return WeightsEstimate(_bytes(parameters * bits), "catalog", detail, parameters, compute)
+            return WeightsEstimate(bytes_of(parameters * bits), "catalog", detail, parameters, compute)
     elif parameters_billions is not None or dtype:
         given = "parameters_billions but no dtype" if dtype is None else "a dtype but no parameters_billions"
         problems.append(f"the catalog gives {given}")
@@ -385,137 +175,6 @@ def _from_header(header: WeightsHeader, engine: str | None) -> WeightsEstimate:
         total -= floats["float32"] // 2
         detail += ", float32 served as bfloat16"
     return WeightsEstimate(total, "headers", detail, header.elements, stored and served_dtype(engine, stored))
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What each layer keeps per token: `kv_heads[i]` heads of `key_dim` + `value_dim`, or (MLA) one latent
-    of `latent_dim`; `windows[i]` is layer i's sliding window (None: it attends to the whole sequence)."""
-
-    kv_heads: tuple[int, ...]
-    key_dim: int
-    value_dim: int
-    windows: tuple[int | None, ...]
-    latent_dim: int = 0
-
-    @classmethod
-    def uniform(
-        cls,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        value_dim: int | None = None,
-        windows: tuple[int | None, ...] | None = None,
-    ) -> KVShape:
-        return cls(
-            (kv_heads,) * layers, head_dim, head_dim if value_dim is None else value_dim, windows or (None,) * layers
-        )
-
-    @classmethod
-    def latent(cls, layers: int, latent_dim: int) -> KVShape:
-        return cls((0,) * layers, 0, 0, (None,) * layers, latent_dim)
-
-    @property
-    def layers(self) -> int:
-        return len(self.kv_heads)
-
-    def layer_bytes_per_token(self, layer: int, kv_bits: Fraction | int, tensor_parallel: int = 1) -> Fraction:
-        """Bytes one token takes in one layer's cache on one GPU of a tensor-parallel group."""
-        if self.latent_dim:
-            return Fraction(self.latent_dim * kv_bits, 8)  # one latent, whole on every rank
-        heads = math.ceil(self.kv_heads[layer] / tensor_parallel)
-        return Fraction(heads * (self.key_dim + self.value_dim) * kv_bits, 8)
-
-    def bytes_per_token(self, kv_bits: Fraction | int) -> int:
-        """KV bytes per token over all layers, windows aside (the figure engines log per token)."""
-        return _bytes(sum(self.layer_bytes_per_token(i, kv_bits) * 8 for i in range(self.layers)))
-
-    def sequence_bytes_per_gpu(
-        self,
-        tokens: int,
-        kv_bits: Fraction | int,
-        tensor_parallel: int = 1,
-        pipeline_stages: int = 1,
-        window_slack: int = 0,
-    ) -> int:
-        """KV bytes of one `tokens`-long sequence on the most loaded GPU of the group.
-
-        A windowed layer holds its window plus `window_slack` tokens (what the
-        engine keeps for batches in flight), never more than the sequence.
-        """
-        per_stage = math.ceil(self.layers / pipeline_stages)
-        stages = [range(s, min(s + per_stage, self.layers)) for s in range(0, self.layers, per_stage)]
-
-        def held(layer: int) -> int:
-            window = self.windows[layer]
-            return tokens if window is None else min(tokens, window + window_slack)
-
-        stage_bits = (
-            sum(self.layer_bytes_per_token(i, kv_bits, tensor_parallel) * 8 * held(i) for i in stage)
-            for stage in stages
-        )
-        return max((_bytes(bits) for bits in stage_bits), default=0)
-
-
-def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
-    """The KV cache shape a config.json describes (ConfigError if the family or a key is unknown)."""
-    family = family_of(config)
-    c = _Config(config)
-    layers = c.whole("num_hidden_layers")
-    if family.mla:
-        return KVShape.latent(layers, c.whole("kv_lora_rank") + c.whole("qk_rope_head_dim"))
-    heads = c.whole("num_attention_heads")
-    if heads == 0:
-        raise ConfigError("config.json num_attention_heads must be at least 1")
-    head_dim = c.whole("head_dim", c.whole("hidden_size") // heads)
-    return KVShape.uniform(layers, c.whole("num_key_value_heads", heads), head_dim, windows=_config_windows(c, layers))
-
-
-def _config_windows(c: _Config, layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window as the config says: `layer_types`, Gemma 2's alternation, Qwen2's
-    `use_sliding_window` above `max_window_layers`, or one window for every layer (Mistral v0.1, Phi-3)."""
-    window = c.optional_int("sliding_window")
-    model_type = c.raw.get("model_type")
-    types = c.raw.get("layer_types")
-    if window and isinstance(types, list) and len(types) == layers:
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if not window:
-        return (None,) * layers
-    if model_type == "gemma2":
-        return tuple(window if i % 2 == 0 else None for i in range(layers))
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-        if not c.flag("use_sliding_window", False):
-            return (None,) * layers
-        first = c.whole("max_window_layers", layers)
-        return tuple(window if i >= first else None for i in range(layers))
-    if model_type == "gemma":
-        return (None,) * layers
-    return (window,) * layers
-
-
-# GGUF architectures whose sliding window applies to alternate layers (llama.cpp's llama-model.cpp).
-_GGUF_SWA_EVERY = {"gemma2": 2, "gemma3": 6}
-
-
-def kv_shape_from_header(shape: HeaderShape) -> KVShape | None:
-    """The KV cache shape a GGUF header gives, or None when it lacks layers or heads."""
-    if not shape.layers:
-        return None
-    if shape.kv_lora_rank and shape.rope_dimensions:
-        return KVShape.latent(shape.layers, shape.kv_lora_rank + shape.rope_dimensions)
-    if not shape.heads or not (shape.key_length or shape.embedding):
-        return None
-    head_dim = shape.key_length or (shape.embedding or 0) // shape.heads
-    per_layer = shape.kv_heads_per_layer or (shape.kv_heads or shape.heads,) * shape.layers
-    if len(per_layer) != shape.layers:
-        return None
-    every = _GGUF_SWA_EVERY.get(shape.architecture or "")
-    windows = tuple(
-        shape.sliding_window if shape.sliding_window and (every is None or (i + 1) % every) else None
-        for i in range(shape.layers)
-    )
-    return KVShape(tuple(per_layer), head_dim, shape.value_length or head_dim, windows)
 
 
 @dataclass(frozen=True)
@@ -711,84 +370,3 @@ def served_context(config: Mapping[str, Any] | None, max_model_len: int | None) 
         return max_model_len
     value = (config or {}).get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
-
-
-@dataclass(frozen=True)
-class MemoryArgs:
-    """What a profile's engine args say that the memory model needs (None: the engine's default)."""
-
-    memory_fraction: float | None = None
-    max_model_len: int | None = None
-    kv_dtype: str | None = None
-
-
-# The flags each engine reads for its memory share, its context and its KV cache dtype. llama.cpp's
-# --cache-type-k/-v may differ from each other and are not read: its KV cache is counted in f16.
-_MEMORY_FLAGS: dict[str, dict[str, str]] = {
-    "vllm": {"--gpu-memory-utilization": "fraction", "--max-model-len": "context", "--kv-cache-dtype": "kv"},
-    "sglang": {"--mem-fraction-static": "fraction", "--context-length": "context", "--kv-cache-dtype": "kv"},
-    "llamacpp": {"-c": "context", "--ctx-size": "context"},
-}
-_MEMORY_FLAGS["mock"] = _MEMORY_FLAGS["vllm"]
-
-
-# The flag each engine takes for the context it serves, as a profile's max_model_len is passed (the mock has none).
-CONTEXT_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length", "llamacpp": "--ctx-size"}
-
-
-def with_context(engine: str, args: list[str], max_model_len: int | None) -> list[str]:
-    """`args` with the engine's context flag for `max_model_len` appended, unless the args already set the
-    context (theirs wins) or the engine takes no such flag."""
-    flag = CONTEXT_FLAG.get(engine)
-    if not max_model_len or flag is None:
-        return list(args)
-    context_flags = [name for name, kind in _MEMORY_FLAGS.get(engine, {}).items() if kind == "context"]
-    if any(arg.partition("=")[0] in context_flags for arg in args):
-        return list(args)
-    return [*args, flag, str(max_model_len)]
-
-
-def memory_args(engine: str, args: list[str]) -> MemoryArgs:
-    """Read a profile's engine args (`--flag value` or `--flag=value`); ValueError names a bad value."""
-    flags = _MEMORY_FLAGS.get(engine, {})
-    found: dict[str, Any] = {}
-    for position, arg in enumerate(args):
-        name, _, inline = arg.partition("=")
-        if name not in flags:
-            continue
-        value = inline if inline else (args[position + 1] if position + 1 < len(args) else "")
-        kind = flags[name]
-        try:
-            if kind == "fraction":
-                found["memory_fraction"] = float(value)
-                if not 0 < found["memory_fraction"] <= 1:
-                    raise ValueError
-            elif kind == "context":
-                found["max_model_len"] = _context_tokens(value)
-            elif value != "auto":
-                dtype_bits(value)
-                found["kv_dtype"] = value
-        except ValueError:
-            raise ValueError(f"engine arg {name}: {value!r} is not a valid value") from None
-    return MemoryArgs(**found)
-
-
-def _context_tokens(value: str) -> int | None:
-    """vLLM's readable token counts: 8192, 32k (×1000), 32K (×1024), 1m, 1M; 0 = the model's own (llama.cpp)."""
-    scale = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}.get(value[-1:], 1)
-    number = value[:-1] if scale != 1 else value
-    tokens = int(float(number) * scale) if scale != 1 else int(number)
-    if tokens < 0:
-        raise ValueError(value)
-    return tokens or None
-
-
-def parallel_shape(engine: str, gpus_per_node: int, nodes_per_replica: int) -> tuple[int, int]:
-    """(tensor-parallel size, pipeline stages) of a profile as agent/engines.py starts it: vLLM runs tensor
-    parallel within a node and one pipeline stage per node; SGLang tensor parallel over every GPU; llama.cpp
-    splits layers over its GPUs (like stages)."""
-    if engine == "sglang":
-        return gpus_per_node * nodes_per_replica, 1
-    if engine == "llamacpp":
-        return 1, gpus_per_node * nodes_per_replica
-    return gpus_per_node, nodes_per_replica

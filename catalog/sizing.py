@@ -25,23 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from agent.weights_headers import WeightsHeader, WeightsHeaderError, read_weights_headers
 
-from .memory import (
-    MIB,
-    ConfigError,
-    Fit,
-    GPUMemory,
-    KVShape,
-    MemoryArgs,
-    MemoryVerdict,
-    ProfileMemory,
-    estimate_weights,
-    judge,
-    kv_shape_from_config,
-    kv_shape_from_header,
-    memory_args,
-    parallel_shape,
-    served_context,
-)
+from .engine_flags import MemoryArgs, memory_args, parallel_shape
+from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
+from .memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, estimate_weights, judge, served_context
+from .parameters import ConfigError
 
 if TYPE_CHECKING:
     from .models import Model, Profile

@@ -1,6 +1,9 @@
 """App configuration for inventory."""
 
 from django.apps import AppConfig
+from django.db.models import Max
+
+from catalog.sizing import set_fleet_memory
 
 
 class InventoryConfig(AppConfig):
@@ -11,11 +14,8 @@ class InventoryConfig(AppConfig):
 
     def ready(self) -> None:
         # The catalog judges profiles on the GPU memory agents report (catalog.sizing); it sits below the
-        # inventory, so the inventory hands it the reader.
-        from django.db.models import Max
-
-        from catalog.sizing import set_fleet_memory
-
+        # inventory, so the inventory hands it the reader. The model is imported here, as Django asks:
+        # models are ready only now.
         from .models import GPU
 
         def reported() -> dict[str, int]:

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, When
 from django.utils import timezone
 
-from catalog.memory import with_context
+from catalog.engine_flags import with_context
 from catalog.models import Profile
 
 from .choices import ReplicaState, ShardState

@@ -152,7 +152,7 @@ def test_a_hub_source_uses_the_catalog_fields_and_unknown_says_so():
 
 
 def test_max_model_len_is_passed_to_the_engine_unless_its_args_set_the_context():
-    from catalog.memory import with_context
+    from catalog.engine_flags import with_context
 
     assert with_context("vllm", [], 8192) == ["--max-model-len", "8192"]
     assert with_context("sglang", ["--x"], 4096) == ["--x", "--context-length", "4096"]

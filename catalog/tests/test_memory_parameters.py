@@ -11,7 +11,8 @@ head dimension) misses by far more than 1% and fails.
 
 import pytest
 
-from catalog.memory import ConfigError, ParameterCount, config_weights_bytes, parameter_count
+from catalog.memory import config_weights_bytes
+from catalog.parameters import ConfigError, ParameterCount, parameter_count
 
 
 def dense(model_type, hidden, intermediate, layers, heads, kv_heads, vocab, **extra):

@@ -5,6 +5,8 @@ import pytest
 
 from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from agent.weights_headers import HeaderShape, read_weights_headers
+from catalog.engine_flags import MemoryArgs, memory_args, parallel_shape
+from catalog.kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from catalog.memory import (
     ENGINE_MEMORY,
     GIB,
@@ -12,20 +14,14 @@ from catalog.memory import (
     VLLM_MEMORY_FRACTION,
     Fit,
     GPUMemory,
-    KVShape,
-    MemoryArgs,
     ProfileMemory,
     WeightsEstimate,
-    dtype_bits,
     estimate_weights,
     judge,
-    kv_shape_from_config,
-    kv_shape_from_header,
-    memory_args,
-    parallel_shape,
     served_context,
     window_slack_tokens,
 )
+from catalog.parameters import dtype_bits
 from catalog.tests.test_memory_parameters import (
     DEEPSEEK_V2_LITE,
     GEMMA_2_9B,
