@@ -53,10 +53,12 @@ START_SHARD = "start_shard"
 STOP_SHARD = "stop_shard"
 DRAIN_SHARD = "drain_shard"
 REMOVE_WEIGHTS = "remove_weights"
+SLEEP_SHARD = "sleep_shard"
+WAKE_SHARD = "wake_shard"
 WEIGHTS_STATUS = "weights_status"
 ERROR = "error"
 
-ShardState = Literal["starting", "ready", "failed", "stopped"]
+ShardState = Literal["starting", "ready", "sleeping", "failed", "stopped"]
 SHARD_REPORT_STATES: tuple[str, ...] = get_args(ShardState)
 
 # Close codes the control plane uses (4000-4999 are application codes).
@@ -262,6 +264,8 @@ class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     host: str = ""
     # A port on the head node, reserved beside the head's engine port, where a multi-node replica's ranks meet.
     rendezvous_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    # Start the engine able to sleep and wake (sleep_shard, wake_shard).
+    sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         _no_repeated_gpus(self.gpu_indices, "gpu_indices")
@@ -285,6 +289,24 @@ class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
     cid: CommandId = ""
     shard_id: int
     timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
+
+
+class SleepShard(_Message, frozen=True, kw_only=True, tag=SLEEP_SHARD):
+    """Put a shard's engine to sleep at `level` once it holds no requests (or after `timeout_seconds`)."""
+
+    epoch: int
+    cid: CommandId = ""
+    shard_id: int
+    level: Annotated[int, Meta(ge=1, le=2)] = 1
+    timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
+
+
+class WakeShard(_Message, frozen=True, kw_only=True, tag=WAKE_SHARD):
+    """Wake a sleeping shard's engine; the agent reports it ready when it serves again."""
+
+    epoch: int
+    cid: CommandId = ""
+    shard_id: int
 
 
 class RemoveWeights(_Message, frozen=True, kw_only=True, tag=REMOVE_WEIGHTS):
@@ -312,7 +334,7 @@ class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
 
 
 AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus | Ack
-Command = StartShard | StopShard | DrainShard | RemoveWeights
+Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights
 
 _AGENT_MESSAGES: dict[str, type[Any]] = {
     HELLO: Hello,

@@ -24,3 +24,20 @@ class WeightsDtype(models.TextChoices):
     Q5_K = "Q5_K", "GGUF Q5_K"
     Q4_K = "Q4_K", "GGUF Q4_K"
     Q4_0 = "Q4_0", "GGUF Q4_0"
+
+
+class SleepLevel(models.IntegerChoices):
+    """How a profile's idle replicas give their GPUs up (the hibernate tier) instead of stopping."""
+
+    NEVER = 0, "0: never sleep, stop instead"
+    OFFLOAD = 1, "1: weights to host memory (fastest wake)"
+    DISCARD = 2, "2: weights discarded, reloaded from disk on wake"
+
+
+# The sleep levels each engine serves (vLLM's sleep mode, SGLang's memory release, the mock's model of
+# vLLM's); an engine not listed cannot sleep and is stopped instead, as before the hibernate tier.
+ENGINE_SLEEP_LEVELS: dict[str, tuple[int, ...]] = {
+    Engine.VLLM: (SleepLevel.OFFLOAD, SleepLevel.DISCARD),
+    Engine.SGLANG: (SleepLevel.OFFLOAD,),
+    Engine.MOCK: (SleepLevel.OFFLOAD, SleepLevel.DISCARD),
+}

@@ -9,7 +9,7 @@ from django.db import models
 
 from agent.engine_env import MASK, env_problem, is_secret
 
-from .choices import Engine, WeightsDtype
+from .choices import ENGINE_SLEEP_LEVELS, Engine, SleepLevel, WeightsDtype
 
 public_name_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
@@ -211,6 +211,18 @@ class Alias(models.Model):
             raise ValidationError({"name": clash})
 
 
+def sleep_problem(engine: str, level: int | None, after: int | None) -> tuple[str, str] | None:
+    """(field, message) when a profile's sleep settings cannot be honoured by its engine; else None."""
+    levels = ENGINE_SLEEP_LEVELS.get(engine, ())
+    if level not in (None, SleepLevel.NEVER) and level not in levels:
+        name = Engine(engine).label if engine in Engine.values else engine
+        can = f"only sleep level {', '.join(map(str, levels))}" if levels else "not sleep"
+        return "sleep_level", f"{name} can {can}; leave sleep level empty to take the best it allows, or 0."
+    if after is not None and (level == SleepLevel.NEVER or not levels):
+        return "sleep_after_seconds", "Replicas of this profile never sleep; leave sleep after empty."
+    return None
+
+
 # What an operator sets on a profile, in the order a catalog export writes them, grouped in the rows
 # the admin shows. Left out: the id, `order` (a position in the model's list) and `start_seconds`
 # (learned). The catalog file, its export, the admin and the REST API all read this one list.
@@ -220,6 +232,7 @@ PROFILE_FIELD_ROWS = (
     ("min_replicas", "max_replicas", "target_concurrency"),
     ("priority", "pool", "weight", "idle_timeout_seconds"),
     ("max_model_len",),
+    ("sleep_level", "sleep_after_seconds"),
     ("engine_args",),
     ("env",),
 )
@@ -283,6 +296,22 @@ class Profile(models.Model):
         help_text="Tokens one sequence may hold (prompt and answer); passed to the engine (vLLM --max-model-len, "
         "SGLang --context-length, llama.cpp --ctx-size) unless its engine args set it; empty = the model's own.",
     )
+    sleep_level = models.PositiveSmallIntegerField(
+        "sleep level",
+        null=True,
+        blank=True,
+        choices=SleepLevel.choices,
+        help_text="How idle replicas give up their GPUs instead of stopping (vLLM, SGLang, mock); "
+        "empty = the best the engine and the node's host memory allow.",
+    )
+    sleep_after_seconds = models.PositiveIntegerField(
+        "sleep after (seconds)",
+        null=True,
+        blank=True,
+        validators=in_range(0, INTEGER_MAX),
+        help_text="Put replicas above min to sleep after this long unused (known idle only); "
+        "empty = only when their GPUs are wanted by another model. The idle timeout still stops them.",
+    )
     engine_args = models.JSONField(
         "engine args", default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
     )
@@ -302,6 +331,13 @@ class Profile(models.Model):
         blank=True,
         editable=False,
         help_text="Learned: how long a replica takes from placement to ready (a moving average).",
+    )
+    wake_seconds = models.FloatField(
+        "wake time (seconds)",
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="Learned: how long a sleeping replica takes from its wake to ready (a moving average).",
     )
 
     class Meta:
@@ -336,6 +372,9 @@ class Profile(models.Model):
             errors["max_replicas"] = f"Max replicas ({self.max_replicas}) is below min replicas ({self.min_replicas})."
         if self.engine == Engine.LLAMACPP and (self.nodes_per_replica or 1) > 1:
             errors["nodes_per_replica"] = "llama.cpp replicas run on one node; set nodes per replica to 1."
+        problem = sleep_problem(self.engine, self.sleep_level, self.sleep_after_seconds)
+        if problem is not None:
+            errors[problem[0]] = problem[1]
         if self.gpus_per_node and self.gpus_per_node > 16:
             errors["gpus_per_node"] = "No node carries more than 16 GPUs; check GPUs per node."
         if errors:

@@ -83,7 +83,8 @@ def gpu_state(gpu: dict, now: datetime) -> str:
 
 
 def _gpu_rows():
-    held = GPUAssignment.objects.filter(gpu=OuterRef("pk"))
+    # Used means an awake shard holds it; sleepers stacked on a GPU leave it free (DESIGN invariant 2).
+    held = GPUAssignment.objects.filter(gpu=OuterRef("pk"), awake=True)
     return (
         GPU.objects.exclude(node__state=NodeState.LOST)
         .annotate(assigned=Exists(held), node_fabric=effective("fabric", "node__"))

@@ -105,6 +105,8 @@ class ReplicaCounts(_Counts):
     pending: int
     starting: int
     ready: int
+    sleeping: int
+    waking: int
     stopping: int
     failed: int
     total: int

@@ -24,6 +24,7 @@ from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, Sh
 from inventory.models import Node
 
 from .choices import ReplicaState, ShardState
+from .hibernate import record_asleep, record_awake
 from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
 from .models import BusyPort, Replica, Shard
 from .outbox import Outbox
@@ -46,7 +47,7 @@ def _apply_shard_status(
                 return False
             # A head gone: its other ranks are due for their drain (lifecycle.stop_shards).
             return shard.rank == 0
-        if replica.state in (ReplicaState.STARTING, ReplicaState.READY):
+        if replica.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.SLEEPING, ReplicaState.WAKING):
             # The agent stopped an engine nobody asked it to stop (it is shutting down):
             # the replica cannot serve whole, through no fault of its own.
             message = message or f"shard {shard_id} stopped on {node_name}"
@@ -63,6 +64,13 @@ def _apply_shard_status(
         message = message or f"shard {shard.pk} failed on {node_name}"
         fail_replicas([replica.pk], message, now, outbox, node_fault=port_busy, silent_shard_ids={shard.pk})
         return True
+    if state == "sleeping":
+        # Only the head's report counts: its engine sleeps for every rank (reconciler.hibernate).
+        return shard.rank == 0 and record_asleep(replica)
+    if replica.state == ReplicaState.SLEEPING:
+        return False  # "ready" from an engine not yet asleep (a hello before the sleep ran): still going to sleep
+    if replica.state == ReplicaState.WAKING:
+        return state == "ready" and shard.rank == 0 and record_awake(replica, now)
     first_word = shard.state == ShardState.ASSIGNED
     if first_word and shard.rank == 0 and replica.profile.nodes_per_replica > 1:
         # Its engine runs now: the other ranks can join it (lifecycle.start_followers). The profile's

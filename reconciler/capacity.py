@@ -1,7 +1,8 @@
 """The free-capacity snapshot the placer works on: free GPUs per node and class, ports in use per host.
 
 A GPU is free when its node is ready and schedulable, and the GPU is healthy,
-out of quarantine and unassigned (DESIGN invariant 5). Two queries whatever
+out of quarantine and held by no awake shard (DESIGN invariants 2 and 5):
+sleepers stacked on it do not keep it from a new replica. Two queries whatever
 the fleet size (three with ports found busy); placing a replica updates the snapshot in memory, so one tick
 can place many replicas without reading again.
 """
@@ -72,7 +73,8 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
     rows = (
         GPU.objects.filter(node__in=Node.objects.schedulable())
         .annotate(
-            held=Exists(GPUAssignment.objects.filter(gpu=OuterRef("pk"))),
+            # Sleepers' assignments do not hold a GPU: only an awake shard does (DESIGN invariant 2).
+            held=Exists(GPUAssignment.objects.filter(gpu=OuterRef("pk"), awake=True)),
             # The operator's fabric and address, else the agent's report (inventory.models.effective).
             node_fabric=effective("fabric", "node__"),
             node_address=effective("address", "node__"),

@@ -7,6 +7,8 @@ class ReplicaState(models.TextChoices):
     PENDING = "pending", "pending (waiting for placement)"
     STARTING = "starting", "starting"
     READY = "ready", "ready"
+    SLEEPING = "sleeping", "sleeping (GPUs given up, engine kept)"
+    WAKING = "waking", "waking"
     STOPPING = "stopping", "stopping"
     FAILED = "failed", "failed (backing off)"
 
@@ -15,6 +17,9 @@ class ShardState(models.TextChoices):
     ASSIGNED = "assigned", "assigned (start sent)"
     STARTING = "starting", "starting"
     READY = "ready", "ready"
+    FALLING_ASLEEP = "falling_asleep", "falling asleep (sleep sent)"
+    SLEEPING = "sleeping", "sleeping"
+    WAKING = "waking", "waking (wake sent)"
     STOPPING = "stopping", "stopping"
     STOPPED = "stopped", "stopped"
     FAILED = "failed", "failed"
@@ -23,7 +28,23 @@ class ShardState(models.TextChoices):
 # A profile's replicas that count towards its min and max, and a model's "wanted" in
 # status. FAILED ones count too: they come back as PENDING after their backoff, so
 # replacing them at once would defeat the backoff and overshoot max when they return.
-WANTED_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
+# Sleepers count towards max (they keep their engines), not towards min (they serve nothing).
+WANTED_STATES = (
+    ReplicaState.PENDING,
+    ReplicaState.STARTING,
+    ReplicaState.READY,
+    ReplicaState.SLEEPING,
+    ReplicaState.WAKING,
+    ReplicaState.FAILED,
+)
+AWAKE_STATES = (
+    ReplicaState.PENDING,
+    ReplicaState.STARTING,
+    ReplicaState.READY,
+    ReplicaState.WAKING,
+    ReplicaState.FAILED,
+)
+"""The wanted replicas that count towards a model's min: every wanted one but a sleeper."""
 
 
 class Hold(models.TextChoices):

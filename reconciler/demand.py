@@ -31,7 +31,8 @@ from django.conf import settings
 
 from catalog.models import Alias, Profile
 
-from .choices import WANTED_STATES, ReplicaState
+from .choices import AWAKE_STATES, WANTED_STATES, ReplicaState
+from .hibernate import SleepRequest, idle_sleepers, put_to_sleep
 from .idle import Idle
 from .lifecycle import StopRequest, stop_replicas
 from .models import ModelLoad, Replica, Shard
@@ -39,7 +40,14 @@ from .models import ModelLoad, Replica, Shard
 log = logging.getLogger(__name__)
 
 # When a model has too many replicas, stop the ones holding least first.
-_STOP_ORDER = {ReplicaState.FAILED: 0, ReplicaState.PENDING: 1, ReplicaState.STARTING: 2, ReplicaState.READY: 3}
+_STOP_ORDER = {
+    ReplicaState.FAILED: 0,
+    ReplicaState.SLEEPING: 1,
+    ReplicaState.PENDING: 2,
+    ReplicaState.STARTING: 3,
+    ReplicaState.WAKING: 4,
+    ReplicaState.READY: 5,
+}
 
 
 @dataclass
@@ -52,7 +60,10 @@ class DemandOutcome:
     idle_stopped: int = 0
     scaled_out: int = 0
     withdrawn: int = 0
+    slept: int = 0
     unknown_activations: list[str] = field(default_factory=list)
+    wake: set[int] = field(default_factory=set)
+    """Models whose requests (or min replicas) want a sleeper woken (reconciler.hibernate)."""
 
 
 def idle_timeout(profile: Profile) -> float | None:
@@ -77,6 +88,13 @@ class _ModelDemand:
         # A replica a node drain is replacing is on its way out: its replacement counts instead.
         return [r for r in self.replicas if r.state in WANTED_STATES and r.drain_deadline is None]
 
+    def awake(self) -> list[Replica]:
+        """The wanted replicas that serve or will without a wake: every one but the sleepers."""
+        return [r for r in self.wanted() if r.state in AWAKE_STATES]
+
+    def sleepers(self) -> list[Replica]:
+        return [r for r in self.wanted() if r.state == ReplicaState.SLEEPING]
+
 
 def apply_demand(
     activations: set[str], now: datetime, *, usage_known: bool = True, in_flight: dict[str, int] | None = None
@@ -92,6 +110,7 @@ def apply_demand(
     busy = set(Shard.objects.filter(running__gt=0).values_list("replica_id", flat=True))
     to_create: list[Replica] = []
     to_stop: list[StopRequest] = []
+    to_sleep: list[SleepRequest] = []
     renew: list[int] = []  # pending replicas whose demand is renewed this tick
     linger = now + timedelta(seconds=settings.LLMGW_ACTIVATION_LINGER_SECONDS)
 
@@ -100,11 +119,13 @@ def apply_demand(
         if not model.enabled:
             to_stop.extend(StopRequest(r, "model disabled") for r in demand.replicas)
             continue
-        wanted = _bound(demand, to_create, to_stop)
+        wanted = _bound(demand, to_create, to_stop, outcome.wake)
         if usage_known:
             idle = _idle_beyond_timeout(demand, wanted, busy, now)
             to_stop.extend(idle)
             outcome.idle_stopped += len(idle)
+            stopped = {request.replica.pk for request in idle}
+            to_sleep.extend(idle_sleepers(demand.profiles, [r for r in wanted if r.pk not in stopped], busy, now))
 
     if in_flight is not None:
         outcome.scaled_out = _scale_out(models, in_flight, now, to_create, renew, linger)
@@ -122,6 +143,7 @@ def apply_demand(
     if withdrawn:
         log.info("withdrew %d unplaced replicas nobody waits for any more", withdrawn)
     outcome.deleted, outcome.stopping = stop_replicas(to_stop, now)
+    outcome.slept = put_to_sleep(to_sleep, now)
     return outcome
 
 
@@ -131,7 +153,7 @@ def _read_models() -> dict[int, _ModelDemand]:
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
     replicas = Replica.objects.exclude(state=ReplicaState.STOPPING).only(
-        "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline"
+        "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline", "sleep_level"
     )
     for replica in replicas:
         if replica.model_id in models:
@@ -139,7 +161,7 @@ def _read_models() -> dict[int, _ModelDemand]:
     return models
 
 
-def _bound(demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopRequest]) -> list[Replica]:
+def _bound(demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopRequest], wake: set[int]) -> list[Replica]:
     """Keep the model between its min and max, and each profile at most at its own max; the replicas kept."""
     primary = demand.primary
     wanted = demand.wanted()
@@ -149,10 +171,14 @@ def _bound(demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopReq
         kept = _trim(on_profile, profile.max_replicas, f"above the max of {profile} ", to_stop)
         keep.extend(kept)
     keep = _trim(keep, primary.max_replicas, "above the model's max replicas", to_stop)
-    if len(keep) < primary.min_replicas:
-        to_create.extend(
-            Replica(model_id=primary.model_id, profile=primary) for _ in range(primary.min_replicas - len(keep))
-        )
+    awake = [r for r in keep if r.state in AWAKE_STATES]
+    missing = primary.min_replicas - len(awake)
+    if missing > 0:
+        # Below min with sleepers: they are woken (reconciler.hibernate), new ones only for the rest.
+        sleepers = len(keep) - len(awake)
+        if sleepers:
+            wake.add(primary.model_id)
+        to_create.extend(Replica(model_id=primary.model_id, profile=primary) for _ in range(max(0, missing - sleepers)))
     return keep
 
 
@@ -169,23 +195,22 @@ def _trim(replicas: list[Replica], limit: int, why: str, to_stop: list[StopReque
 def _idle_beyond_timeout(
     demand: _ModelDemand, wanted: list[Replica], busy: set[int], now: datetime
 ) -> list[StopRequest]:
-    """READY replicas above min whose known last use is older than their profile's idle timeout, longest idle first."""
-    spare = len(wanted) - demand.primary.min_replicas
-    if spare <= 0:
-        return []
+    """Replicas whose known last use is older than their profile's idle timeout, longest idle first: READY ones
+    above min, and SLEEPING ones whatever min (a sleeper serves nothing; its sleeping time counts as idle)."""
+    spare = len([r for r in wanted if r.state in AWAKE_STATES]) - demand.primary.min_replicas
     profiles = {p.pk: p for p in demand.profiles}
-    idle = []
+    idle, sleeping = [], []
     for replica in wanted:
         timeout = idle_timeout(profiles[replica.profile_id])
-        if replica.state != ReplicaState.READY or timeout is None or replica.pk in busy:
+        if replica.state not in (ReplicaState.READY, ReplicaState.SLEEPING) or timeout is None or replica.pk in busy:
             continue
         since = Idle.since(replica.last_used, now)
         if since.seconds is not None and since.seconds > timeout:
-            idle.append((since.seconds, replica, timeout))
+            (sleeping if replica.state == ReplicaState.SLEEPING else idle).append((since.seconds, replica, timeout))
     idle.sort(key=lambda item: -item[0])
     return [
         StopRequest(replica, f"idle for {Idle(seconds)} (timeout {Idle(timeout)})")
-        for seconds, replica, timeout in idle[:spare]
+        for seconds, replica, timeout in sleeping + idle[: max(0, spare)]
     ]
 
 
@@ -267,7 +292,9 @@ def _activate(
             outcome.unknown_activations.append(requested)
             continue
         wanted = demand.wanted()
-        if not wanted and not any(r.model_id == demand.primary.model_id for r in created):
+        if not demand.awake() and demand.sleepers():
+            outcome.wake.add(demand.primary.model_id)  # a swap, not a cold start (reconciler.hibernate)
+        elif not wanted and not any(r.model_id == demand.primary.model_id for r in created):
             created.append(Replica(model_id=demand.primary.model_id, profile=demand.primary, demand_until=linger))
         renew.extend(r.pk for r in wanted if r.state == ReplicaState.PENDING and r.demand_until is not None)
     if outcome.unknown_activations:

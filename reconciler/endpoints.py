@@ -33,7 +33,7 @@ def failure_reason(last_error: str) -> str:
 def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, and how long
     it takes to start, or why its last replica failed), and READY replicas whose nodes are all heard from.
-    Six queries, plain rows: it runs every tick, over every ready replica of the fleet."""
+    Seven queries, plain rows: it runs every tick, over every ready replica of the fleet."""
     return EndpointTable(models=_models(), endpoints=_endpoints())
 
 
@@ -52,6 +52,11 @@ def _models() -> dict[str, ModelEntry]:
     for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
         aliases[model_id].append(alias)
     unplaceable, failed = _unplaceable(), _failed()
+    # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate),
+    # unknown until one wake has been timed (a start time would overstate it many times over).
+    for model_id, wake in _sleeping_only():
+        if model_id in first_start:
+            first_start[model_id] = wake
     models: dict[str, ModelEntry] = {}
     for model_id, name in sorted(names.items(), key=lambda item: item[1]):
         start = first_start[model_id]
@@ -94,6 +99,23 @@ def _unplaceable() -> dict[str, str]:
     return unplaceable
 
 
+def _sleeping_only() -> list[tuple[int, float | None]]:
+    """(model id, learned wake time) of each model whose wanted replicas are sleepers (asleep or waking)."""
+    serving = Replica.objects.filter(
+        model=OuterRef("model"), state__in=(ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
+    )
+    rows = (
+        Replica.objects.filter(state__in=(ReplicaState.SLEEPING, ReplicaState.WAKING))
+        .exclude(Exists(serving))
+        .order_by("model_id", "id")
+        .values_list("model_id", "profile__wake_seconds")
+    )
+    first: dict[int, float | None] = {}
+    for model_id, wake_seconds in rows:
+        first.setdefault(model_id, wake_seconds)
+    return list(first.items())
+
+
 def _failed() -> dict[str, str]:
     """A model whose only wanted replica failed (its engine exited, in its start or later) -> the engine's words.
 
@@ -101,7 +123,14 @@ def _failed() -> dict[str, str]:
     pending or starting again (after the backoff) withdraws the reason: then requests wait for it.
     """
     another_wanted = Replica.objects.filter(
-        model=OuterRef("model"), state__in=(ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
+        model=OuterRef("model"),
+        state__in=(
+            ReplicaState.PENDING,
+            ReplicaState.STARTING,
+            ReplicaState.READY,
+            ReplicaState.SLEEPING,
+            ReplicaState.WAKING,
+        ),
     )
     failed: dict[str, str] = {}
     for name, error in (

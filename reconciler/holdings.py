@@ -76,3 +76,9 @@ def spare_replicas() -> dict[str, int]:
     ):
         wanted[name] += 1
     return {name: max(0, count - minimum.get(name, 0)) for name, count in wanted.items()}
+
+
+def sleep_levels(replica_ids: list[int]) -> dict[int, int]:
+    """The level each replica's engine was started able to sleep at (0: it cannot; it is stopped). One query."""
+    rows = Replica.objects.filter(pk__in=replica_ids).values_list("pk", "sleep_level")
+    return {pk: level or 0 for pk, level in rows}

@@ -228,6 +228,8 @@ def start_fields(
         "env": dict(replica.profile.env or {}),
         "host": host,
         "rendezvous_port": rendezvous_port(head_port) if node_count > 1 else 0,
+        # Started able to sleep when the placer gave it a sleep level (reconciler.hibernate).
+        "sleep_mode": bool(replica.sleep_level),
     }
 
 
@@ -299,11 +301,18 @@ def _learn_start_time(profile_id: int, seconds: float) -> None:
 
     Routers turn the estimate into Retry-After for clients a cold start turned away.
     """
+    learn_time(profile_id, "start_seconds", seconds)
+
+
+def learn_time(profile_id: int, field: str, seconds: float) -> None:
+    """Fold one duration into a profile's learned `field` (start_seconds, wake_seconds): half old, half new."""
     seconds = max(0.0, seconds)
     Profile.objects.filter(pk=profile_id).update(
-        start_seconds=Case(
-            When(start_seconds__isnull=True, then=Value(seconds)),
-            default=(F("start_seconds") + Value(seconds)) / Value(2.0),
-            output_field=FloatField(),
-        )
+        **{
+            field: Case(
+                When(**{f"{field}__isnull": True}, then=Value(seconds)),
+                default=(F(field) + Value(seconds)) / Value(2.0),
+                output_field=FloatField(),
+            )
+        }
     )

@@ -52,6 +52,13 @@ class Replica(models.Model):
         help_text="Created for waiting requests: withdrawn if still unplaced after this (renewed while they wait).",
     )
     stopping_since = models.DateTimeField(null=True, blank=True)
+    # The hibernate tier (reconciler.hibernate): when it was asked to sleep, at which level, and why.
+    sleeping_since = models.DateTimeField(null=True, blank=True)
+    sleep_level = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        help_text="The level its engine was started able to sleep at (empty: it cannot; it is stopped instead).",
+    )
     stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
     # Make-before-break node drain (reconciler.drain): this replica keeps serving until `replaced_by`
     # is ready, then is drained; at `drain_deadline` at the latest.
@@ -103,14 +110,27 @@ class Shard(models.Model):
 
 
 class GPUAssignment(models.Model):
-    """A GPU held by a shard. The unique constraint is DESIGN invariant 2."""
+    """A GPU held by a shard: awake (the GPU's memory is its engine's), or asleep (only its engine's context).
+
+    The partial unique constraint is DESIGN invariant 2: at most one awake
+    shard per GPU, whoever writes, so not even two leaders can double-book a
+    GPU; sleepers may stack on it. A shard is awake from placement until its
+    engine reports it has gone to sleep, and again from the moment a wake is
+    decided (before the command is sent), so a wake can never race a placement.
+    """
 
     gpu = models.ForeignKey("inventory.GPU", related_name="assignments", on_delete=models.CASCADE)
     shard = models.ForeignKey(Shard, related_name="gpu_assignments", on_delete=models.CASCADE)
+    awake = models.BooleanField(default=True)
 
     class Meta:
         verbose_name = "GPU assignment"
-        constraints = [models.UniqueConstraint(fields=["gpu"], name="gpu_held_by_at_most_one_shard")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gpu"], condition=models.Q(awake=True), name="gpu_has_at_most_one_awake_shard"
+            ),
+            models.UniqueConstraint(fields=["gpu", "shard"], name="gpu_held_once_per_shard"),
+        ]
 
     def __str__(self) -> str:
         return f"GPU {self.gpu_id} → shard {self.shard_id}"

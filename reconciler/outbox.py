@@ -27,7 +27,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import DrainShard, RemoveWeights, StartShard, StopShard, to_builtins
+from agent.protocol import DrainShard, RemoveWeights, SleepShard, StartShard, StopShard, WakeShard, to_builtins
 from hub.channel_layer import deliver_to_groups
 
 from .models import Lease, PendingCommand
@@ -111,7 +111,9 @@ class Outbox:
     def __init__(self, epoch: int | None = None, now: datetime | None = None):
         self.epoch = epoch
         self.now = now  # when the commands are decided (the tick's clock); None: the wall clock
-        self.commands: list[tuple[str, type[StartShard | StopShard | DrainShard | RemoveWeights], dict]] = []
+        self.commands: list[
+            tuple[str, type[StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights], dict]
+        ] = []
 
     def start(self, node_name: str, **fields) -> None:
         """Queue a start_shard; `fields` are StartShard's fields but the epoch."""
@@ -134,6 +136,20 @@ class Outbox:
         ):
             raise ValueError(f"drain timeout must be a number of seconds >= 0, got {timeout_seconds!r}")
         self.commands.append((node_name, DrainShard, {"shard_id": shard_id, "timeout_seconds": float(timeout_seconds)}))
+
+    def sleep(self, node_name: str, shard_id: int, level: int, timeout_seconds: float) -> None:
+        """Queue a sleep_shard: once the engine holds no requests (or after the timeout), it sleeps at `level`.
+
+        Like a drain, send it only once the replica is out of the endpoint table.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        fields = {"shard_id": shard_id, "level": level, "timeout_seconds": float(timeout_seconds)}
+        self.commands.append((node_name, SleepShard, fields))
+
+    def wake(self, node_name: str, shard_id: int) -> None:
+        """Queue a wake_shard: the agent wakes the engine and reports the shard ready when it serves again."""
+        self.commands.append((node_name, WakeShard, {"shard_id": shard_id}))
 
     def remove_weights(self, node_name: str, source: str, path: str) -> None:
         """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Count, Exists, OuterRef, Q
+from django.db.models import Case, Count, Exists, OuterRef, Q, Value, When
 
 from agent.weights import weights_key
 from catalog.models import Profile
@@ -26,6 +26,7 @@ from inventory.models import Weights
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import Hold, ReplicaState, ShardState
 from .fit import MemoryCheck
+from .hibernate import profile_sleep_level
 from .lifecycle import head_started, send_starts, start_fields
 from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
@@ -138,6 +139,8 @@ def _choose(
                 replica.profile = profile
                 moved.append(replica)
             running_on[profile.pk] += 1
+            # Decided here, where the profile row (with its model) is at hand: see _write_placed.
+            replica.sleep_level = profile_sleep_level(profile) or None
             placed.append((replica, result))
             break
         else:
@@ -160,7 +163,14 @@ def _write_placed(placed: _Placed, moved: list[Replica], now: datetime, epoch: i
     # Every placed replica changes the same way: one UPDATE, not one CASE per row. A new
     # incarnation has not been used yet: its last use is unknown until it is ready (invariant 3).
     # Placed, it no longer depends on anyone still waiting for it, and no longer holds requests.
+    # Its engine is started able to sleep at the level its profile allows now (reconciler.hibernate); the
+    # replica keeps that level, whatever the profile says later, because the engine's flags are fixed at start.
+    levels: dict[int, list[int]] = defaultdict(list)
+    for replica, _ in placed:
+        if replica.sleep_level:
+            levels[replica.sleep_level].append(replica.pk)
     Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
+        sleep_level=Case(*(When(pk__in=ids, then=Value(level)) for level, ids in levels.items()), default=None),
         state=ReplicaState.STARTING,
         started_at=now,
         epoch=epoch,

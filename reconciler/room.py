@@ -32,7 +32,8 @@ from .capacity import CapacitySnapshot
 from .choices import Hold, ReplicaState
 from .eviction import MAKING_ROOM, WAITING_FOR_NODES, Holding, plan_eviction, stop_candidates, with_freed
 from .fit import MemoryCheck
-from .holdings import read_holdings, spare_replicas
+from .hibernate import SleepRequest, put_to_sleep
+from .holdings import read_holdings, sleep_levels, spare_replicas
 from .idle import Idle
 from .lifecycle import StopRequest, stop_replicas
 from .models import GPUAssignment, Replica
@@ -113,7 +114,18 @@ def make_room(
             log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, stopping)
             break
     if victims_all:
-        stop_replicas(victims_all, now)
+        # The one eviction order, extended: a victim whose engine can sleep sleeps (a swap back is seconds),
+        # the rest are stopped. Either way its GPUs are free once its engine has drained.
+        levels = sleep_levels([request.replica.pk for request in victims_all])
+        put_to_sleep(
+            (
+                SleepRequest(r.replica.pk, levels[r.replica.pk], r.reason)
+                for r in victims_all
+                if levels.get(r.replica.pk)
+            ),
+            now,
+        )
+        stop_replicas([r for r in victims_all if not levels.get(r.replica.pk)], now)
     return notes
 
 
@@ -128,11 +140,12 @@ def _describe(holding: Holding) -> str:
 
 
 def _draining_gpus(now: datetime) -> dict[tuple[str, str], set[int]]:
-    """In-service GPUs held by STOPPING replicas, per (node, class): free once their engines have drained. One query."""
+    """In-service GPUs held by STOPPING replicas and by sleepers not yet asleep, per (node, class): free once their
+    engines have drained or gone to sleep. One query."""
     draining: dict[tuple[str, str], set[int]] = defaultdict(set)
-    rows = GPUAssignment.objects.filter(shard__replica__state=ReplicaState.STOPPING).values_list(
-        "shard__node__name", "gpu__gpu_class", "gpu__index", "gpu__health", "gpu__healthy_since"
-    )
+    rows = GPUAssignment.objects.filter(
+        shard__replica__state__in=(ReplicaState.STOPPING, ReplicaState.SLEEPING), awake=True
+    ).values_list("shard__node__name", "gpu__gpu_class", "gpu__index", "gpu__health", "gpu__healthy_since")
     for node, gpu_class, index, health, healthy_since in rows:
         if gpu_in_service(health, healthy_since, now):
             draining[(node, gpu_class)].add(index)

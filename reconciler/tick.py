@@ -1,8 +1,8 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
 Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
-liveness → slow starts → demand → retries → resends of starts never answered → placement →
-replaced replicas drained → stops → commands recorded as pending → unacknowledged ones sent again →
+liveness → slow starts → demand → swaps (sleepers woken) → retries → resends of starts never answered →
+placement → replaced replicas drained → stops → sleeps → commands recorded as pending → unacknowledged ones sent again →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
 its tables once, decides in memory and writes in bulk.
@@ -23,11 +23,13 @@ from .commands import resend_unacknowledged
 from .demand import DemandOutcome, apply_demand
 from .drain import drain_replaced
 from .endpoints import build_endpoint_table
+from .hibernate import send_sleeps
 from .lease import Leadership, LeaseLost, get_leadership
 from .lifecycle import forgive_stable, retry_failed, stop_shards
 from .liveness import check_liveness, fail_slow_starts, fleet_settling
 from .outbox import Outbox
 from .placing import place_pending, resend_starts
+from .swap import wake_for_demand
 from .tokens import record_token_usage
 from .usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
 
@@ -59,6 +61,10 @@ class TickReport:
     replicas_unplaceable: int = 0
     replicas_deleted: int = 0
     replicas_replaced: int = 0
+    replicas_slept: int = 0
+    replicas_woken: int = 0
+    replicas_swapped_out: int = 0
+    sleeps_sent: int = 0
     starts_sent: int = 0
     starts_resent: int = 0
     commands_resent: int = 0
@@ -118,6 +124,8 @@ def _reconcile(
     report.partition_brake = liveness.brake
     report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
     demand = _apply_demand(readings, usage, now, report)
+    # Swaps before placement: a woken sleeper's GPUs are no longer free for a new replica this tick.
+    report.replicas_woken, report.replicas_swapped_out = wake_for_demand(demand.wake, now, outbox)
     report.replicas_retried = retry_failed(now)
     forgive_stable(now)
     report.starts_resent = resend_starts(now, outbox)
@@ -132,6 +140,7 @@ def _reconcile(
     # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
     report.replicas_replaced = drain_replaced(now, placing.no_room)
     report.stops_sent, deleted = stop_shards(now, outbox)
+    report.sleeps_sent = send_sleeps(now, outbox)
     report.starts_sent = placing.starts_sent
     report.replicas_deleted = demand.deleted + deleted
     outbox.send_on_commit()
@@ -161,6 +170,7 @@ def _apply_demand(readings: _HubReadings, usage: UsageVerdict, now: datetime, re
     report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
     report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
     report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn
+    report.replicas_slept = demand.slept
     return demand
 
 

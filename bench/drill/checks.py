@@ -21,7 +21,8 @@ from reconciler.models import GPUAssignment, Shard
 
 
 def double_placements() -> int:
-    return GPUAssignment.objects.values("gpu_id").annotate(n=Count("id")).filter(n__gt=1).count()
+    """GPUs with more than one awake shard (sleepers may stack: DESIGN invariant 2)."""
+    return GPUAssignment.objects.filter(awake=True).values("gpu_id").annotate(n=Count("id")).filter(n__gt=1).count()
 
 
 def replicas_above_max() -> int:

@@ -96,6 +96,8 @@ def test_export_writes_the_profile_fields_in_list_order_and_nothing_learned(flee
         "weight": 1,
         "idle_timeout_seconds": None,
         "max_model_len": None,
+        "sleep_level": None,
+        "sleep_after_seconds": None,
         "engine_args": ["--max-model-len", "8192"],
         "env": {"OMP_NUM_THREADS": "8", "HF_TOKEN": "***"},
     }

@@ -52,8 +52,11 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
             "env": env,  # the profile's, secrets as they are: the engine needs them (agent/engine_env.py)
             "host": "127.0.0.1",
             "rendezvous_port": 0,
+            # A vLLM profile with no sleep level of its own sleeps at the best level (2: its size is unknown).
+            "sleep_mode": True,
         }
     ]
+    assert replica.sleep_level == 2
     assert roomy.shards.count() == 0
 
 

@@ -75,7 +75,7 @@ def test_endpoint_table_lists_enabled_models_with_profiles_in_six_queries(django
     make_model("llama", min_replicas=0)
     make_model("off", min_replicas=0, enabled=False)
     Model.objects.create(name="bare", source="org/bare")
-    with django_assert_max_num_queries(6):
+    with django_assert_max_num_queries(7):
         table = build_endpoint_table()
     assert table == EndpointTable(models={"llama": ModelEntry(aliases=[])}, endpoints=[])
 
