@@ -3,7 +3,8 @@
 Two 8-GPU models fill the demo's two H100 nodes. A model whose first profile
 wants a whole H100 node falls back to its L40S profile on gpu-c. Then a third
 8-GPU model is asked for while a stream is in flight on one of the two: the
-other one, idle, is evicted (drained, stopped), the newcomer is placed on its
+other one, idle and not allowed to sleep (sleep_level 0; tests/test_e2e_hibernate.py has the
+sleeping kind), is evicted (drained, stopped), the newcomer is placed on its
 node and answers, and the stream finishes whole.
 """
 
@@ -28,7 +29,7 @@ models:
   - name: beta
     source: org/beta
     profiles:
-      - {engine: mock, gpu_class: H100-80GB, gpus_per_node: 8, idle_timeout_seconds: 0}
+      - {engine: mock, gpu_class: H100-80GB, gpus_per_node: 8, idle_timeout_seconds: 0, sleep_level: 0}
   - name: gamma
     source: org/gamma
     profiles:
