@@ -186,3 +186,19 @@ def discover_gpus(fake: str | None, node_name: str) -> list[GPUInfo]:
         return parse_nvidia_smi(result.stdout)
     except ValueError as exc:
         raise GPUDiscoveryError(f"nvidia-smi output could not be read: {exc}") from None
+
+
+def host_memory_mib(meminfo: str = "/proc/meminfo") -> int | None:
+    """The node's host memory in MiB (`MemTotal`), where level-1 sleepers keep their weights; None if unreadable."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name == "MemTotal":
+                    amount, _, unit = value.strip().partition(" ")
+                    if unit.strip().lower() == "kb" and amount.isdigit():
+                        return int(amount) // 1024
+                    return None
+    except OSError:
+        return None
+    return None

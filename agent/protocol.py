@@ -6,7 +6,8 @@ receiving side trusts what the gate let through (CONVENTIONS, "typed
 structures defined once"). Every message carries `type` (its tag) and `v`.
 
 agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
-  hello         node, version, address, fabric, labels{}, gpus[], shards[], weights[]
+  hello         node, version, address, fabric, labels{}, gpus[], shards[], weights[],
+                host_memory_mib (null = unknown)
   heartbeat     gpus[{index, healthy, reason}], shards[{shard_id, state, running}], weights[]
                 (running: requests the engine holds, running or queued; null = unknown)
                 (weights: every source on disk, {source, path, size_bytes}; null = unchanged
@@ -194,6 +195,8 @@ class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
     shards: list[RunningShard] = []
     # None: the agent has no weights root (or predates weights), so nothing is known.
     weights: list[WeightsReport] | None = None
+    # The node's host memory in MiB (level-1 sleepers keep their weights there); None: not known.
+    host_memory_mib: Annotated[int, Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")

@@ -34,6 +34,7 @@ from . import draining, engine_env, protocol
 from .engine_load import EngineLoad
 from .engines import Launch, build_launch
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
+from .gpus import host_memory_mib
 from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
 from .options import AgentOptions
 from .state import AgentState, Fence, StateError
@@ -130,6 +131,7 @@ class Agent:
                 gpus=gpu_reports(self.gpus, self._health.last),
                 shards=[shard.report() for shard in self._shards.values()],
                 weights=self._weights.for_hello(),
+                host_memory_mib=host_memory_mib(),
             )
         )
 

@@ -75,6 +75,9 @@ class Node(models.Model):
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.NEW)
     last_seen = models.DateTimeField(null=True, blank=True)
     agent_version = models.CharField(max_length=64, blank=True)
+    reported_host_memory_mib = models.PositiveIntegerField(
+        "host memory (MiB)", null=True, blank=True, editable=False, help_text="As its agent reports it."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = NodeQuerySet.as_manager()

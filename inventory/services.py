@@ -61,14 +61,20 @@ def _apply_gpu_health(gpu, healthy: bool, now, reason: str = "") -> bool:
     return True
 
 
-REPORTED_NODE_FIELDS = ["reported_address", "reported_fabric", "reported_labels", "agent_version"]
+REPORTED_NODE_FIELDS = [
+    "reported_address",
+    "reported_fabric",
+    "reported_labels",
+    "agent_version",
+    "reported_host_memory_mib",
+]
 # A field with more distinct new values than this in one batch is written with one CASE, not an UPDATE per value.
 _UPDATES_PER_FIELD = 4
 
 
 def _reported(hello: Hello) -> tuple:
     """What a hello says of the node, in REPORTED_NODE_FIELDS' order."""
-    return hello.address, hello.fabric, hello.labels, hello.version
+    return hello.address, hello.fabric, hello.labels, hello.version, hello.host_memory_mib
 
 
 def _write_reported(nodes: list[Node], changed: dict[str, dict[str, list[int]]]) -> None:

@@ -212,6 +212,13 @@ SETTINGS: tuple[Setting, ...] = (
     _s("LLMGW_EVICT_MIN_IDLE_SECONDS", "float", 60.0, "eviction takes only replicas idle at least this long", 0.0),
     _s("LLMGW_MIN_RESIDENCY_SECONDS", "float", 300.0, "eviction takes only replicas ready at least this long", 0.0),
     _s(
+        "LLMGW_HOST_MEMORY_SLEEP_FRACTION",
+        "float",
+        0.5,
+        "share of a node's host memory level-1 sleepers may hold (their weights); beyond, they sleep at level 2",
+        0.0,
+    ),
+    _s(
         "LLMGW_SCALE_OUT_AFTER_SECONDS",
         "float",
         30.0,

@@ -63,3 +63,8 @@ class MemoryCheck:
         largest = max(node.memory_mib for node in nodes)
         verdict = self.verdict(profile, largest)
         return None if verdict is None else verdict.sentence
+
+    def weights_bytes(self, profile: Profile) -> int | None:
+        """The profile's weights in bytes as this tick's estimate has them; None when not known."""
+        estimate = self._estimate(profile)
+        return None if estimate is None else estimate.weights.bytes

@@ -33,6 +33,7 @@ An engine that cannot sleep (llama.cpp) is stopped instead, as before.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -41,29 +42,32 @@ from django.conf import settings
 from django.db.models import Exists, OuterRef, Q
 
 from catalog.choices import ENGINE_SLEEP_LEVELS, SleepLevel
-from catalog.memory import WeightsEstimate
 from catalog.models import Profile
 from catalog.sizing import profile_memory
 
 from .choices import AWAKE_STATES, ReplicaState, ShardState
+from .host_memory import choose_levels
 from .idle import Idle
-from .lifecycle import UNPUBLISH_GRACE_SECONDS, learn_time
+from .lifecycle import UNPUBLISH_GRACE_SECONDS, StopRequest, learn_time, stop_replicas
 from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 
-def sleep_level(engine: str, configured: int | None, weights: WeightsEstimate | None) -> int:
-    """The level a replica of this profile sleeps at; 0 when it cannot sleep (it is stopped instead).
+def sleep_level(engine: str, configured: int | None, weights_bytes: int | None) -> int:
+    """The best level a replica of this profile may sleep at; 0 when it cannot sleep (it is stopped instead).
 
     `configured` is the profile's `sleep_level` (None: the best allowed);
-    `weights` its memory estimate's weights (None: not sized).
+    `weights_bytes` its estimated weights (None: not known, so never level 1,
+    whose host memory could not be accounted).
     """
     levels = ENGINE_SLEEP_LEVELS.get(engine, ())
     if configured is not None:
+        if configured == SleepLevel.OFFLOAD and weights_bytes is None:
+            return SleepLevel.DISCARD if SleepLevel.DISCARD in levels else SleepLevel.NEVER
         return configured if configured in levels else SleepLevel.NEVER
-    if SleepLevel.OFFLOAD in levels and weights is not None and weights.bytes is not None:
+    if SleepLevel.OFFLOAD in levels and weights_bytes is not None:
         return SleepLevel.OFFLOAD
     if SleepLevel.DISCARD in levels:
         return SleepLevel.DISCARD
@@ -80,19 +84,38 @@ class SleepRequest:
 
 
 def put_to_sleep(requests: Iterable[SleepRequest], now: datetime) -> int:
-    """READY replicas become SLEEPING: unpublished now, their heads asked to sleep by a later tick. One query per
-    level (at most two). Returns how many."""
-    by_level: dict[int, list[int]] = {}
-    for request in requests:
-        if request.level not in (SleepLevel.OFFLOAD, SleepLevel.DISCARD):
-            raise ValueError(f"replica {request.replica_id}: sleep level must be 1 or 2, got {request.level!r}")
-        by_level.setdefault(request.level, []).append(request.replica_id)
-        log.info("putting replica %s to sleep (level %s): %s", request.replica_id, request.level, request.reason)
+    """READY replicas become SLEEPING: unpublished now, their heads asked to sleep by a later tick.
+
+    Each sleeps at the best level it was started for that its nodes' host memory
+    allows (`host_memory.choose_levels`); one that cannot sleep at all is
+    stopped instead, as are level-1 sleepers stopped to make host memory room.
+    A constant number of queries. Returns how many were put to sleep.
+    """
+    wanted = {request.replica_id: request for request in requests}
+    if not wanted:
+        return 0
+    levels, make_room = choose_levels({pk: request.level for pk, request in wanted.items()})
+    by_level: dict[int, list[int]] = defaultdict(list)
+    stop: list[StopRequest] = []
+    for pk, request in wanted.items():
+        if levels[pk]:
+            by_level[levels[pk]].append(pk)
+            log.info("putting replica %s to sleep (level %s): %s", pk, levels[pk], request.reason)
+        else:
+            stop.append(
+                StopRequest(Replica(pk=pk, state=ReplicaState.READY), f"{request.reason}; no host memory to sleep in")
+            )
+    stop += [
+        StopRequest(Replica(pk=pk, state=ReplicaState.SLEEPING), "stopped to free host memory for a newer sleeper")
+        for pk in make_room
+    ]
     count = 0
     for level, ids in by_level.items():
         count += Replica.objects.filter(pk__in=ids, state=ReplicaState.READY).update(
-            state=ReplicaState.SLEEPING, endpoint_url="", sleeping_since=now, sleep_level=level
+            state=ReplicaState.SLEEPING, endpoint_url="", sleeping_since=now, sleeping_level=level
         )
+    if stop:
+        stop_replicas(stop, now)
     return count
 
 
@@ -110,7 +133,7 @@ def send_sleeps(now: datetime, outbox: Outbox) -> int:
             replica__sleeping_since__lte=unpublished_before,
             rank=0,
             state=ShardState.READY,
-        ).values_list("id", "node__name", "replica__sleep_level")
+        ).values_list("id", "node__name", "replica__sleeping_level")
     )
     for shard_id, node_name, level in due:
         outbox.sleep(node_name, shard_id, level or SleepLevel.DISCARD, settings.LLMGW_DRAIN_TIMEOUT_SECONDS)
@@ -150,9 +173,9 @@ def record_awake(replica: Replica, now: datetime) -> bool:
     learn_time(replica.profile_id, "wake_seconds", (now - head.updated_at).total_seconds())
     replica.state = ReplicaState.READY
     replica.ready_at = now
-    replica.sleeping_since = None
+    replica.sleeping_since = replica.sleeping_level = None  # its host memory is free again
     replica.endpoint_url = f"http://{head.node.effective_address or head.node.name}:{head.port}"
-    replica.save(update_fields=["state", "ready_at", "sleeping_since", "endpoint_url"])
+    replica.save(update_fields=["state", "ready_at", "sleeping_since", "sleeping_level", "endpoint_url"])
     log.info("replica %s is awake", replica.pk)
     return True
 
@@ -185,13 +208,11 @@ def wake_replicas(replica_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
 
 def profile_sleep_level(profile: Profile) -> int:
     """`sleep_level` for a profile row, its weights judged by the memory model (catalog.sizing, cached per source)."""
-    if profile.sleep_level is not None or not ENGINE_SLEEP_LEVELS.get(profile.engine):
-        return sleep_level(profile.engine, profile.sleep_level, None)
     try:
-        weights = profile_memory(profile).weights
+        weights = profile_memory(profile).weights.bytes
     except ValueError:
         weights = None
-    return sleep_level(profile.engine, None, weights)
+    return sleep_level(profile.engine, profile.sleep_level, weights)
 
 
 def idle_sleepers(profiles: list[Profile], wanted: list[Replica], busy: set[int], now: datetime) -> list[SleepRequest]:

@@ -57,7 +57,13 @@ class Replica(models.Model):
     sleep_level = models.PositiveSmallIntegerField(
         null=True,
         blank=True,
-        help_text="The level its engine was started able to sleep at (empty: it cannot; it is stopped instead).",
+        help_text="The best level its engine was started able to sleep at (empty: it cannot; it is stopped instead).",
+    )
+    sleeping_level = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="The level of its current sleep (level 1 holds its weights in host memory)."
+    )
+    weights_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="Its weights' estimated size when placed: host memory a level-1 sleep holds."
     )
     stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
     # Make-before-break node drain (reconciler.drain): this replica keeps serving until `replaced_by`

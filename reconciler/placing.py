@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Case, Count, Exists, OuterRef, Q, Value, When
+from django.db.models import BigIntegerField, Case, Count, Exists, OuterRef, Q, Value, When
 
 from agent.weights import weights_key
 from catalog.models import Profile
@@ -26,7 +26,7 @@ from inventory.models import Weights
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import Hold, ReplicaState, ShardState
 from .fit import MemoryCheck
-from .hibernate import profile_sleep_level
+from .hibernate import sleep_level
 from .lifecycle import head_started, send_starts, start_fields
 from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
@@ -139,8 +139,9 @@ def _choose(
                 replica.profile = profile
                 moved.append(replica)
             running_on[profile.pk] += 1
-            # Decided here, where the profile row (with its model) is at hand: see _write_placed.
-            replica.sleep_level = profile_sleep_level(profile) or None
+            # Decided here, where the profile row (with its model) and this tick's estimate are at hand.
+            replica.weights_bytes = memory.weights_bytes(profile)
+            replica.sleep_level = sleep_level(profile.engine, profile.sleep_level, replica.weights_bytes) or None
             placed.append((replica, result))
             break
         else:
@@ -171,6 +172,11 @@ def _write_placed(placed: _Placed, moved: list[Replica], now: datetime, epoch: i
             levels[replica.sleep_level].append(replica.pk)
     Replica.objects.filter(pk__in=[replica.pk for replica, _ in placed]).update(
         sleep_level=Case(*(When(pk__in=ids, then=Value(level)) for level, ids in levels.items()), default=None),
+        weights_bytes=Case(
+            *(When(pk=replica.pk, then=Value(replica.weights_bytes)) for replica, _ in placed if replica.weights_bytes),
+            default=None,
+            output_field=BigIntegerField(),
+        ),
         state=ReplicaState.STARTING,
         started_at=now,
         epoch=epoch,
