@@ -68,21 +68,23 @@ def stop_candidates(
     min_idle: float,
     min_residency: float,
     max_priority: int | None = None,
+    soon: bool = False,
 ) -> list[Holding]:
     """The holdings that may be stopped, in eviction order.
 
     `spare` is, per model, how many replicas it has above its min replicas;
     at most that many of a model's replicas are returned. `max_priority` is the
     waiting model's priority (None: any priority, for "what can I stop").
+    `soon`: the holdings that will be stoppable once time has passed — not yet
+    idle or resident long enough, or still running requests — but never one
+    whose idleness is unknown, of a higher priority, or needed for its min.
     """
     eligible = sorted(
         (
             h
             for h in holdings
             if h.idle_seconds is not None
-            and h.idle_seconds >= min_idle
-            and h.ready_seconds >= min_residency
-            and not h.running
+            and (soon or (h.idle_seconds >= min_idle and h.ready_seconds >= min_residency and not h.running))
             and (max_priority is None or h.priority <= max_priority)
         ),
         key=Holding.order_key,
@@ -94,6 +96,16 @@ def stop_candidates(
             left[holding.model] -= 1
             chosen.append(holding)
     return chosen
+
+
+def seconds_until_stoppable(victims: Iterable[Holding], *, min_idle: float, min_residency: float) -> float | None:
+    """How long until every one of `victims` is stoppable, if nothing uses them meanwhile; None when one is
+    running requests (it is stoppable only once they are done, which no clock says)."""
+    if any(v.running for v in victims):
+        return None
+    return max(
+        (max(min_idle - (v.idle_seconds or 0.0), min_residency - v.ready_seconds, 0.0) for v in victims), default=0.0
+    )
 
 
 def with_freed(capacity: Iterable[NodeCapacity], victims: Iterable[Holding]) -> list[NodeCapacity]:

@@ -30,7 +30,15 @@ from inventory.models import gpu_in_service
 
 from .capacity import CapacitySnapshot
 from .choices import Hold, ReplicaState
-from .eviction import MAKING_ROOM, WAITING_FOR_NODES, Holding, plan_eviction, stop_candidates, with_freed
+from .eviction import (
+    MAKING_ROOM,
+    WAITING_FOR_NODES,
+    Holding,
+    plan_eviction,
+    seconds_until_stoppable,
+    stop_candidates,
+    with_freed,
+)
 from .fit import MemoryCheck
 from .hibernate import SleepRequest, put_to_sleep
 from .holdings import read_holdings, sleep_levels, spare_replicas
@@ -102,6 +110,10 @@ def make_room(
             )
             plan = plan_eviction(records, shape, candidates)
             if plan is None:
+                note = _room_soon(holdings, spare, taken, model, priority, records, shape)
+                if note is not None:
+                    notes[replica.pk] = note
+                    break
                 continue
             victims, _placement = plan
             for victim in victims:
@@ -127,6 +139,37 @@ def make_room(
         )
         stop_replicas([r for r in victims_all if not levels.get(r.replica.pk)], now)
     return notes
+
+
+def _room_soon(
+    holdings: list[Holding],
+    spare: dict[str, int],
+    taken: set[int],
+    model: str,
+    priority: int,
+    records: list[NodeCapacity],
+    shape: Shape,
+) -> PlacementNote | None:
+    """Hold, don't refuse: when replicas that will be evictable once time passes (not idle or resident long
+    enough yet, or finishing requests) would make room, the waiting replica holds its requests until they are
+    (nothing is stopped now; a later tick stops them by the usual rules). None when not even that would do."""
+    later = stop_candidates(
+        (h for h in holdings if h.replica_id not in taken and h.model != model),
+        spare,
+        min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
+        min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
+        max_priority=priority,
+        soon=True,
+    )
+    plan = plan_eviction(records, shape, later)
+    if plan is None:
+        return None
+    victims, _placement = plan
+    wait = seconds_until_stoppable(
+        victims, min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
+    )
+    when = "once their requests finish" if wait is None else f"in about {Idle(wait)}"
+    return PlacementNote.making_room(f"waiting for {', '.join(_describe(v) for v in victims)} to be evictable {when}")
 
 
 def _stub(holding: Holding) -> Replica:

@@ -1,5 +1,6 @@
 """Eviction under pressure in the tick: who is stopped for a waiting replica, and who never is."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -118,15 +119,41 @@ def test_a_replica_with_running_requests_is_never_chosen_even_if_least_recently_
 
 def test_with_nothing_evictable_the_reason_covers_the_fleet_and_nothing_is_stopped(run_tick):
     a = make_node("gpu-a", fabric="ib-a")
-    busy = serving("busy", a, idle=10)
+    kept = serving("kept", a, idle=3000, min_replicas=1)  # never evictable: its model's min
     ask_for("newcomer")
 
     run_tick()
 
-    assert state_of(busy) == ReplicaState.READY
+    assert state_of(kept) == ReplicaState.READY
     reason = Replica.objects.get(model__name="newcomer").placement_error
     assert reason == "needs 8×H100-80GB on one node; most free on one node: 0"
     assert build_endpoint_table().models["newcomer"].unplaceable == reason
+
+
+@pytest.mark.parametrize(
+    ("why", "occupant", "wait"),
+    [
+        # The minimum idle (60 s) and residency (300 s) less what has passed (the test's own second or so).
+        ("used 10 s ago", {"idle": 10}, r"in about (48|49|50)s"),
+        ("ready 20 s ago", {"idle": 3000, "ready": 20}, r"in about 4m(38|39|40)s"),
+        ("running requests", {"idle": 3000}, "once their requests finish"),
+    ],
+)
+def test_a_replica_evictable_soon_holds_the_newcomers_requests_instead_of_refusing_them(run_tick, why, occupant, wait):
+    a = make_node("gpu-a", fabric="ib-a")
+    soon = serving("soon", a, **occupant)
+    if why == "running requests":
+        Shard.objects.filter(replica=soon).update(running=3)
+    ask_for("newcomer")
+
+    run_tick()
+
+    assert state_of(soon) == ReplicaState.READY  # nothing is stopped before the rules allow it
+    waiting = Replica.objects.get(model__name="newcomer")
+    assert waiting.hold == Hold.MAKING_ROOM, why
+    assert waiting.placement_error.startswith(f"{MAKING_ROOM}waiting for replica {soon.pk} of soon")
+    assert re.search(f"to be evictable {wait}$", waiting.placement_error), waiting.placement_error
+    assert build_endpoint_table().models["newcomer"].unplaceable is None  # routers hold its requests
 
 
 def test_no_eviction_when_the_tick_may_not_act_on_idleness(full_fleet):
