@@ -212,6 +212,13 @@ SETTINGS: tuple[Setting, ...] = (
     _s("LLMGW_EVICT_MIN_IDLE_SECONDS", "float", 60.0, "eviction takes only replicas idle at least this long", 0.0),
     _s("LLMGW_MIN_RESIDENCY_SECONDS", "float", 300.0, "eviction takes only replicas ready at least this long", 0.0),
     _s(
+        "LLMGW_MAX_SWAP_WAIT_SECONDS",
+        "float",
+        60.0,
+        "a request for a sleeping model waiting this long may swap out occupants still in use (never cut)",
+        0.0,
+    ),
+    _s(
         "LLMGW_HOST_MEMORY_SLEEP_FRACTION",
         "float",
         0.5,

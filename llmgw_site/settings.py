@@ -268,6 +268,7 @@ LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS = setting("LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS
 LLMGW_EVICT_MIN_IDLE_SECONDS = setting("LLMGW_EVICT_MIN_IDLE_SECONDS")
 LLMGW_MIN_RESIDENCY_SECONDS = setting("LLMGW_MIN_RESIDENCY_SECONDS")
 LLMGW_HOST_MEMORY_SLEEP_FRACTION = setting("LLMGW_HOST_MEMORY_SLEEP_FRACTION")
+LLMGW_MAX_SWAP_WAIT_SECONDS = setting("LLMGW_MAX_SWAP_WAIT_SECONDS")
 # Load over the target concurrency must last this long before the tick adds a replica.
 LLMGW_SCALE_OUT_AFTER_SECONDS = setting("LLMGW_SCALE_OUT_AFTER_SECONDS")
 # A replica created for waiting requests is withdrawn if still unplaced this long after the last ask.

@@ -197,7 +197,7 @@ def wake_replicas(replica_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
     if not ids:
         return 0
     GPUAssignment.objects.filter(shard__replica_id__in=ids).update(awake=True)
-    Replica.objects.filter(pk__in=ids).update(state=ReplicaState.WAKING)
+    Replica.objects.filter(pk__in=ids).update(state=ReplicaState.WAKING, wanted_since=None)
     heads = Shard.objects.filter(replica_id__in=ids, rank=0).values_list("id", "node__name")
     for shard_id, node_name in heads:
         outbox.wake(node_name, shard_id)

@@ -62,6 +62,9 @@ class Replica(models.Model):
     sleeping_level = models.PositiveSmallIntegerField(
         null=True, blank=True, help_text="The level of its current sleep (level 1 holds its weights in host memory)."
     )
+    wanted_since = models.DateTimeField(
+        null=True, blank=True, help_text="Asleep: since when requests (or min replicas) want it awake."
+    )
     weights_bytes = models.BigIntegerField(
         null=True, blank=True, help_text="Its weights' estimated size when placed: host memory a level-1 sleep holds."
     )

@@ -13,6 +13,11 @@ asleep replicas most recently used first:
    is woken by a later tick, once their engines are asleep;
 3. else it waits: the requests are held while routers keep asking.
 
+Swap-aware admission: models are served oldest demand first, a woken replica
+is not swapped out again before the minimum residency (its `ready_at` starts
+afresh), and a model waiting past LLMGW_MAX_SWAP_WAIT_SECONDS may swap out
+occupants still in use (see `wake_for_demand`).
+
 Occupants already going to sleep or stopping are waited for, never evicted
 twice. A constant number of queries whatever the number of models.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from django.conf import settings
@@ -38,17 +44,29 @@ log = logging.getLogger(__name__)
 
 
 def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> tuple[int, int]:
-    """Wake a sleeper of each model in `model_ids`, or make room for one; returns (woken, occupants evicted)."""
+    """Wake a sleeper of each model in `model_ids`, or make room for one; returns (woken, occupants evicted).
+
+    Models are served oldest demand first (`Replica.wanted_since`, stamped on a
+    sleeper the first tick its model is wanted), so when several contend for
+    the same GPUs the one waiting longest wins them. A model waiting longer
+    than LLMGW_MAX_SWAP_WAIT_SECONDS may have occupants swapped out that are
+    still in use — resident long enough, but not idle, or with requests in
+    flight (a sleep is a drain: they finish) — so no demand starves behind
+    models that are never idle.
+    """
     model_ids = set(model_ids)
     if not model_ids:
         return 0, 0
     sleepers = list(
         Replica.objects.filter(asleep_replicas(), model_id__in=model_ids)
         .order_by("model_id", "-last_used", "id")
-        .values_list("id", "model_id", "model__name", "profile__priority")
+        .values_list("id", "model_id", "model__name", "profile__priority", "wanted_since")
     )
     if not sleepers:
         return 0, 0
+    unstamped = [row[0] for row in sleepers if row[4] is None]
+    if unstamped:
+        Replica.objects.filter(pk__in=unstamped).update(wanted_since=now)
     gpus: dict[int, set[int]] = defaultdict(set)
     for replica_id, gpu_id in GPUAssignment.objects.filter(shard__replica_id__in=[s[0] for s in sleepers]).values_list(
         "shard__replica_id", "gpu_id"
@@ -60,56 +78,103 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
             gpu_id__in={g for held in gpus.values() for g in held}, awake=True
         ).values_list("gpu_id", "shard__replica_id", "shard__replica__state")
     }
-    woken: list[int] = []
-    taken: set[int] = set()  # GPUs a wake or an eviction of this tick has claimed
-    victims: dict[int, tuple[str, int]] = {}  # occupant replica id -> (why, sleep level)
-    holdings: list[Holding] | None = None
-    spare: dict[str, int] = {}
-    levels: dict[int, int] = {}
-    by_model: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
-    for replica_id, model_id, name, priority in sleepers:
-        by_model[model_id].append((replica_id, name, priority))
-    for candidates in by_model.values():
-        free = [c for c in candidates if not gpus[c[0]] & (taken | awake_on.keys())]
+    by_model: dict[int, list[_Sleeper]] = defaultdict(list)
+    for replica_id, model_id, name, priority, wanted_since in sleepers:
+        waited = 0.0 if wanted_since is None else (now - wanted_since).total_seconds()
+        by_model[model_id].append(_Sleeper(replica_id, name, priority, waited, gpus[replica_id]))
+    # Oldest demand first: the model waiting longest gets the GPUs it contends for.
+    order = sorted(by_model.values(), key=lambda group: -max(s.waited for s in group))
+    swaps = _Swaps(now, awake_on)
+    for group in order:
+        swaps.serve(group)
+    count = wake_replicas(swaps.woken, now, outbox)
+    swaps.evict(now)
+    return count, len(swaps.victims)
+
+
+@dataclass
+class _Sleeper:
+    replica_id: int
+    model: str
+    priority: int
+    waited: float  # seconds its model has wanted it
+    gpus: set[int]
+
+
+class _Swaps:
+    """One tick's decisions: sleepers to wake, occupants to evict, GPUs claimed."""
+
+    def __init__(self, now: datetime, awake_on: dict[int, tuple[int, str]]):
+        self.now, self.awake_on = now, awake_on
+        self.woken: list[int] = []
+        self.taken: set[int] = set()  # GPUs a wake or an eviction of this tick has claimed
+        self.victims: dict[int, tuple[str, int]] = {}  # occupant replica id -> (why, sleep level)
+        self._holdings: list[Holding] | None = None
+        self._spare: dict[str, int] = {}
+        self._levels: dict[int, int] = {}
+
+    def serve(self, group: list[_Sleeper]) -> None:
+        """Wake one of a model's sleepers whose GPUs are free, else make room for its most recently used one."""
+        free = [s for s in group if not s.gpus & (self.taken | self.awake_on.keys())]
         if free:
-            woken.append(free[0][0])
-            taken |= gpus[free[0][0]]
-            continue
-        replica_id, name, priority = candidates[0]
-        if gpus[replica_id] & taken:
-            continue  # another swap of this tick is using those GPUs
-        occupants = {awake_on[g] for g in gpus[replica_id] if g in awake_on}
+            self.woken.append(free[0].replica_id)
+            self.taken |= free[0].gpus
+            return
+        sleeper = group[0]
+        if sleeper.gpus & self.taken:
+            return  # another swap of this tick is using those GPUs
+        occupants = {self.awake_on[g] for g in sleeper.gpus if g in self.awake_on}
         serving = {occupant for occupant, state in occupants if state == ReplicaState.READY}
         if not serving:
-            continue  # its occupants are already going to sleep or stopping: woken once they are gone
-        if holdings is None:
-            holdings, spare = read_holdings(now), spare_replicas()
-            levels = sleep_levels([h.replica_id for h in holdings])
-        evictable = stop_candidates(
-            (h for h in holdings if h.model != name and h.replica_id not in victims),
-            spare,
+            return  # its occupants are already going to sleep or stopping: woken once they are gone
+        chosen = [h for h in self._evictable(sleeper) if h.replica_id in serving]
+        if len(chosen) < len(serving):
+            log.info("cannot wake replica %s of %s yet: its GPUs' occupants may not be evicted", *_who(sleeper))
+            return
+        for holding in chosen:
+            self._spare[holding.model] -= 1
+            self.victims[holding.replica_id] = (
+                f"swapped out for {sleeper.model}",
+                self._levels.get(holding.replica_id, 0),
+            )
+        self.taken |= sleeper.gpus
+        log.info("swapping %s in: evicting replicas %s", sleeper.model, sorted(serving))
+
+    def _evictable(self, sleeper: _Sleeper) -> list[Holding]:
+        if self._holdings is None:
+            self._holdings, self._spare = read_holdings(self.now), spare_replicas()
+            self._levels = sleep_levels([h.replica_id for h in self._holdings])
+        overdue = sleeper.waited >= settings.LLMGW_MAX_SWAP_WAIT_SECONDS
+        others = [h for h in self._holdings if h.model != sleeper.model and h.replica_id not in self.victims]
+        if overdue:
+            # Waited too long: in use is no longer a reason, but residency, priority and min still are.
+            others = [
+                replace(h, idle_seconds=max(h.idle_seconds or 0.0, settings.LLMGW_EVICT_MIN_IDLE_SECONDS), running=0)
+                for h in others
+                if h.idle_seconds is not None
+            ]
+        return stop_candidates(
+            others,
+            self._spare,
             min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
             min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
-            max_priority=priority,
+            max_priority=sleeper.priority,
         )
-        chosen = [h for h in evictable if h.replica_id in serving]
-        if len(chosen) < len(serving):
-            log.info("cannot wake replica %s of %s yet: its GPUs' occupants may not be evicted", replica_id, name)
-            continue
-        for holding in chosen:
-            spare[holding.model] -= 1
-            victims[holding.replica_id] = (f"swapped out for {name}", levels.get(holding.replica_id, 0))
-        taken |= gpus[replica_id]
-        log.info("swapping %s in: evicting replicas %s", name, sorted(serving))
-    count = wake_replicas(woken, now, outbox)
-    if victims:
-        put_to_sleep((SleepRequest(pk, level, why) for pk, (why, level) in victims.items() if level), now)
+
+    def evict(self, now: datetime) -> None:
+        """Put the chosen occupants to sleep (or stop those that cannot sleep)."""
+        if not self.victims:
+            return
+        put_to_sleep((SleepRequest(pk, level, why) for pk, (why, level) in self.victims.items() if level), now)
         stop_replicas(
             [
                 StopRequest(Replica(pk=pk, state=ReplicaState.READY), why)
-                for pk, (why, level) in victims.items()
+                for pk, (why, level) in self.victims.items()
                 if not level
             ],
             now,
         )
-    return count, len(victims)
+
+
+def _who(sleeper: _Sleeper) -> tuple[int, str]:
+    return sleeper.replica_id, sleeper.model

@@ -310,3 +310,69 @@ def test_routers_are_told_the_learned_wake_time_of_a_model_whose_replicas_all_sl
     assert build_endpoint_table().models["sleepy"].start_seconds == 300.0  # awake again: a start is the ETA
     asleep(sleeper)
     assert 4 <= build_endpoint_table().models["sleepy"].start_seconds < 10
+
+
+# -- swap-aware admission ---------------------------------------------------------------------------------------
+
+
+def test_of_two_models_wanting_the_same_gpus_the_one_waiting_longest_is_swapped_in(run_tick):
+    node = make_node("gpu-a")
+    newer, older = asleep(serving("newer", node)), asleep(serving("older", node))
+    occupant = serving("occupant", node, idle=3000)
+    Replica.objects.filter(pk=older.pk).update(wanted_since=timezone.now() - timedelta(seconds=20))
+    Replica.objects.filter(pk=newer.pk).update(wanted_since=timezone.now() - timedelta(seconds=5))
+    ask_for("newer")
+    ask_for("older")
+    run_tick()
+    assert Replica.objects.get(pk=occupant.pk).state == ReplicaState.SLEEPING
+    shard_report_asleep(occupant)
+    ask_for("newer")
+    ask_for("older")
+    run_tick(now=timezone.now() + LATER)
+    assert (state_of(older), state_of(newer)) == (ReplicaState.WAKING, ReplicaState.SLEEPING)
+
+
+def test_demand_is_stamped_on_the_sleeper_the_first_tick_it_is_wanted_and_cleared_by_its_wake(run_tick):
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("wanted", node))
+    serving("occupant", node, idle=5)  # in use: the sleeper waits
+    ask_for("wanted")
+    run_tick()
+    first = Replica.objects.get(pk=sleeper.pk).wanted_since
+    assert first is not None
+    ask_for("wanted")
+    run_tick()
+    assert Replica.objects.get(pk=sleeper.pk).wanted_since == first  # kept while it waits
+
+
+@pytest.mark.parametrize(("waited", "swapped"), [(10, False), (61, True)])
+def test_a_model_waiting_past_the_max_swap_wait_swaps_out_an_occupant_still_in_use(
+    run_tick, settings, waited, swapped
+):
+    settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("wanted", node))
+    occupant = serving("occupant", node, idle=5)  # used 5 s ago, requests in flight: never idle long enough
+    Shard.objects.filter(replica=occupant).update(running=4)
+    Replica.objects.filter(pk=sleeper.pk).update(wanted_since=timezone.now() - timedelta(seconds=waited))
+    ask_for("wanted")
+    run_tick()
+    assert (state_of(occupant) == ReplicaState.SLEEPING) is swapped
+
+
+def test_the_max_swap_wait_never_overrides_the_occupants_residency(run_tick, settings):
+    settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("wanted", node))
+    occupant = serving("occupant", node, idle=5, ready=30)  # woken 30 s ago: resident less than 300 s
+    Replica.objects.filter(pk=sleeper.pk).update(wanted_since=timezone.now() - timedelta(seconds=600))
+    ask_for("wanted")
+    run_tick()
+    assert state_of(occupant) == ReplicaState.READY
+
+
+def shard_report_asleep(replica):
+    """What the head's `sleeping` report does (record_asleep), for tests that need no agent."""
+    from reconciler.hibernate import record_asleep
+
+    record_asleep(Replica.objects.get(pk=replica.pk))
