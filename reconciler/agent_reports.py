@@ -24,7 +24,7 @@ from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, Sh
 from inventory.models import Node
 
 from .choices import ReplicaState, ShardState
-from .hibernate import record_asleep, record_awake
+from .hibernate import sleep_report
 from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
 from .models import BusyPort, Replica, Shard
 from .outbox import Outbox
@@ -64,13 +64,9 @@ def _apply_shard_status(
         message = message or f"shard {shard.pk} failed on {node_name}"
         fail_replicas([replica.pk], message, now, outbox, node_fault=port_busy, silent_shard_ids={shard.pk})
         return True
-    if state == "sleeping":
-        # Only the head's report counts: its engine sleeps for every rank (reconciler.hibernate).
-        return shard.rank == 0 and record_asleep(replica)
-    if replica.state == ReplicaState.SLEEPING:
-        return False  # "ready" from an engine not yet asleep (a hello before the sleep ran): still going to sleep
-    if replica.state == ReplicaState.WAKING:
-        return state == "ready" and shard.rank == 0 and record_awake(replica, now)
+    sleep = sleep_report(shard, state, now)
+    if sleep is not None:
+        return sleep
     first_word = shard.state == ShardState.ASSIGNED
     if first_word and shard.rank == 0 and replica.profile.nodes_per_replica > 1:
         # Its engine runs now: the other ranks can join it (lifecycle.start_followers). The profile's

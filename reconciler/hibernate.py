@@ -1,4 +1,4 @@
-"""The hibernate tier (DESIGN "Memory, sleep and adapters"): replicas that sleep instead of stopping.
+"""The hibernate tier (DESIGN "The hibernate tier"): replicas that sleep instead of stopping.
 
 A replica goes READY → SLEEPING → WAKING → READY:
 
@@ -178,6 +178,20 @@ def record_awake(replica: Replica, now: datetime) -> bool:
     replica.save(update_fields=["state", "ready_at", "sleeping_since", "sleeping_level", "endpoint_url"])
     log.info("replica %s is awake", replica.pk)
     return True
+
+
+def sleep_report(shard: Shard, state: str, now: datetime) -> bool | None:
+    """What an agent's report about `shard` means for the hibernate tier: whether to wake the ticker, or None
+    when the report is not about a sleep or a wake (the caller applies it as a start's)."""
+    replica = shard.replica
+    if state == "sleeping":
+        # Only the head's report counts: its engine sleeps for every rank.
+        return shard.rank == 0 and record_asleep(replica)
+    if replica.state == ReplicaState.SLEEPING:
+        return False  # "ready" from an engine not yet asleep (a hello before the sleep ran): still going to sleep
+    if replica.state == ReplicaState.WAKING:
+        return state == "ready" and shard.rank == 0 and record_awake(replica, now)
+    return None
 
 
 def asleep_replicas() -> Q:

@@ -90,30 +90,20 @@ def make_room(
     for replica, profiles, _reason in waiting:
         model = replica.model.name
         priority = replica.profile.priority
+        shapes = []
         for profile in profiles:
             shape = Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
             # Nodes whose GPUs are too small for the profile are no use, however much is stopped on them.
             records = memory.records(capacity, profile)
+            shapes.append((records, shape))
             soon = _fits_with(records, draining, shape)
             if soon is not None:
                 notes[replica.pk] = PlacementNote.making_room(f"waiting for GPUs being freed on {', '.join(soon)}")
                 break
             if holdings is None:
                 holdings, spare = read_holdings(now), spare_replicas()
-            candidates = stop_candidates(
-                # Never its own model's replicas: stopping one to start another would only churn.
-                (h for h in holdings if h.replica_id not in taken and h.model != model),
-                spare,
-                min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
-                min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
-                max_priority=priority,
-            )
-            plan = plan_eviction(records, shape, candidates)
+            plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority))
             if plan is None:
-                note = _room_soon(holdings, spare, taken, model, priority, records, shape)
-                if note is not None:
-                    notes[replica.pk] = note
-                    break
                 continue
             victims, _placement = plan
             for victim in victims:
@@ -125,20 +115,41 @@ def make_room(
             notes[replica.pk] = PlacementNote.making_room(f"stopping {stopping}")
             log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, stopping)
             break
-    if victims_all:
-        # The one eviction order, extended: a victim whose engine can sleep sleeps (a swap back is seconds),
-        # the rest are stopped. Either way its GPUs are free once its engine has drained.
-        levels = sleep_levels([request.replica.pk for request in victims_all])
-        put_to_sleep(
-            (
-                SleepRequest(r.replica.pk, levels[r.replica.pk], r.reason)
-                for r in victims_all
-                if levels.get(r.replica.pk)
-            ),
-            now,
-        )
-        stop_replicas([r for r in victims_all if not levels.get(r.replica.pk)], now)
+        else:
+            # No profile can make room now: hold, don't refuse, if one will once time has passed.
+            for records, shape in shapes if holdings is not None else ():
+                note = _room_soon(holdings, spare, taken, model, priority, records, shape)
+                if note is not None:
+                    notes[replica.pk] = note
+                    break
+    _sleep_or_stop(victims_all, now)
     return notes
+
+
+def _candidates(
+    holdings: list[Holding], spare: dict[str, int], taken: set[int], model: str, priority: int, *, soon: bool = False
+) -> list[Holding]:
+    """The one eviction order's candidates for a replica of `model`: never its own model's replicas (stopping one
+    to start another would only churn), nor one already chosen this tick."""
+    return stop_candidates(
+        (h for h in holdings if h.replica_id not in taken and h.model != model),
+        spare,
+        min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
+        min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
+        max_priority=priority,
+        soon=soon,
+    )
+
+
+def _sleep_or_stop(victims: list[StopRequest], now: datetime) -> None:
+    """The one eviction order, extended: a victim whose engine can sleep sleeps (a swap back is seconds), the
+    rest are stopped. Either way its GPUs are free once its engine has drained."""
+    if not victims:
+        return
+    levels = sleep_levels([request.replica.pk for request in victims])
+    sleepers = [SleepRequest(r.replica.pk, levels[r.replica.pk], r.reason) for r in victims if levels.get(r.replica.pk)]
+    put_to_sleep(sleepers, now)
+    stop_replicas([r for r in victims if not levels.get(r.replica.pk)], now)
 
 
 def _room_soon(
@@ -153,15 +164,7 @@ def _room_soon(
     """Hold, don't refuse: when replicas that will be evictable once time passes (not idle or resident long
     enough yet, or finishing requests) would make room, the waiting replica holds its requests until they are
     (nothing is stopped now; a later tick stops them by the usual rules). None when not even that would do."""
-    later = stop_candidates(
-        (h for h in holdings if h.replica_id not in taken and h.model != model),
-        spare,
-        min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
-        min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
-        max_priority=priority,
-        soon=True,
-    )
-    plan = plan_eviction(records, shape, later)
+    plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority, soon=True))
     if plan is None:
         return None
     victims, _placement = plan

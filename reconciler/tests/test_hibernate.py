@@ -346,9 +346,7 @@ def test_demand_is_stamped_on_the_sleeper_the_first_tick_it_is_wanted_and_cleare
 
 
 @pytest.mark.parametrize(("waited", "swapped"), [(10, False), (61, True)])
-def test_a_model_waiting_past_the_max_swap_wait_swaps_out_an_occupant_still_in_use(
-    run_tick, settings, waited, swapped
-):
+def test_a_model_waiting_past_the_max_swap_wait_swaps_out_an_occupant_still_in_use(run_tick, settings, waited, swapped):
     settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
     node = make_node("gpu-a")
     sleeper = asleep(serving("wanted", node))
