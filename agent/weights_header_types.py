@@ -1,8 +1,8 @@
 """The facts read from a model's weight-file headers, shared by the safetensors and GGUF readers.
 
 agent/weights_headers.py reads safetensors (and folders), agent/gguf_headers.py
-reads GGUF; both build the values here and use the shard-set rule below, so
-neither imports the other.
+reads GGUF (the first calls the second); both build the values here and use the
+shard-set rule below, so the GGUF reader needs nothing of the safetensors one.
 """
 
 from __future__ import annotations
