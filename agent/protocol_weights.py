@@ -65,13 +65,13 @@ class WeightsHeaderFacts(Struct, frozen=True, kw_only=True):
             raise ValueError(f"bytes_by_dtype adds up to {total}, not tensor_bytes {self.tensor_bytes}")
 
 
-class WeightsReport(Struct, frozen=True, kw_only=True):
+class WeightsReport(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One source's weights on the node's disk (agent/weights.py says where each source lives)."""
 
     source: Annotated[str, Meta(min_length=1, max_length=500)]
     path: Annotated[str, Meta(min_length=1, max_length=1000)]
     size_bytes: Count
-    # None: the agent does not say (an older agent, or headers it could not read).
+    # None: the agent does not say (an older agent, or headers it could not read); left out of the JSON then.
     header: WeightsHeaderFacts | None = None
 
 
