@@ -198,12 +198,12 @@ def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
 
 # What vLLM 0.32's CPU build says of its memory at start-up (read in the cached install's source):
 # * the engine's config line, `dtype=torch.bfloat16`: what it holds the weights in (a float32 checkpoint is cast);
-# * cpu_worker.determine_available_memory, `Explicitly set (1.00/23.43) GiB for KV cache on node 0.`: the KV space
+# * cpu_worker.determine_available_memory, `Explicitly set (1.0/12.21) GiB for KV cache on node 0.`: the KV space
 #   (VLLM_CPU_KVCACHE_SPACE, whole GiB, so its bytes are exact);
-# * kv_cache_utils, `GPU KV cache size: 1,048,576 tokens`: how many tokens that space holds, whole blocks of them.
+# * kv_cache_utils, `CPU KV cache size: 1,048,576 tokens, ...`: how many tokens that space holds, whole blocks.
 # Bytes per token = space ÷ tokens: exact to one block, far inside ±5%, whatever the model's size. Its CPU model
-# runner logs no weights size (`Model loading took %.6f seconds`: time only; the GPU runner's GiB figure comes from
-# CUDA memory stats), so vLLM's weights figure is its logged dtype × the checkpoint's parameters as the
+# runner logs no weights size (cpu_model_runner.load_model: `Starting to load model %s...` only; the GPU runner's
+# `Model loading took %s GiB` comes from CUDA memory stats), so vLLM's weights figure is its logged dtype × the checkpoint's parameters as the
 # safetensors library in vLLM's own environment counts them: a reader other than ours, and vLLM's own cast rule.
 VLLM_DTYPE = re.compile(r"with config: model=.*?dtype=torch\.(\w+)")
 VLLM_KV_SPACE = re.compile(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache")
@@ -241,7 +241,8 @@ def test_the_memory_estimate_matches_what_vllm_says_of_its_weights_and_kv_cache(
     vllm_weights = json.loads(counted.stdout) * TORCH_BYTES[dtype.group(1)]
     assert estimate.weights.bytes == pytest.approx(vllm_weights, rel=0.05)
 
-    # VLLM_CPU_KVCACHE_SPACE is whole GiB; the log rounds it to 2 decimals, which pins it.
+    # VLLM_CPU_KVCACHE_SPACE is whole GiB; the log rounds it to 2 decimals, which pins it. Measured here: 1 GiB
+    # for 1,048,576 tokens, 1024 bytes per token, as estimated; weights 1,443,072 parameters × 2 bytes, as estimated.
     kv_space = round(float(space.group(1))) * 2**30
     assert kv_space == int(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
     vllm_per_token = kv_space / int(tokens.group(1).replace(",", ""))
