@@ -203,8 +203,9 @@ def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
 # * kv_cache_utils, `CPU KV cache size: 1,048,576 tokens, ...`: how many tokens that space holds, whole blocks.
 # Bytes per token = space ÷ tokens: exact to one block, far inside ±5%, whatever the model's size. Its CPU model
 # runner logs no weights size (cpu_model_runner.load_model: `Starting to load model %s...` only; the GPU runner's
-# `Model loading took %s GiB` comes from CUDA memory stats), so vLLM's weights figure is its logged dtype × the checkpoint's parameters as the
-# safetensors library in vLLM's own environment counts them: a reader other than ours, and vLLM's own cast rule.
+# `Model loading took %s GiB` comes from CUDA memory stats), so vLLM's weights figure is its logged dtype × the
+# checkpoint's parameters as the safetensors library in vLLM's own environment counts them: a reader other than
+# ours, and vLLM's own cast rule. (LoRA buffers vLLM adds for --enable-lora are not weights and not counted.)
 VLLM_DTYPE = re.compile(r"with config: model=.*?dtype=torch\.(\w+)")
 VLLM_KV_SPACE = re.compile(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache")
 VLLM_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
