@@ -10,8 +10,9 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
                 host_memory_mib (null = unknown)
   heartbeat     gpus[{index, healthy, reason}], shards[{shard_id, state, running}], weights[]
                 (running: requests the engine holds, running or queued; null = unknown)
-                (weights: every source on disk, {source, path, size_bytes}; null = unchanged
-                since last reported, or no weights root)
+                (weights: every source on disk, {source, path, size_bytes, header}; null =
+                unchanged since last reported, or no weights root; header: what the weights'
+                headers say of their size and shape, agent/protocol_weights.py, null = not read)
   shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
   weights_status source, path, removed, message   (the answer to remove_weights)
   ack           cid, refused, message: the command `cid` reached the agent and was
@@ -43,6 +44,12 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .engine_env import env_problem
+
+# The weights items live in their own module; they are part of the protocol, so both ends import them from here.
+from .protocol_weights import WeightsHeaderFacts as WeightsHeaderFacts
+from .protocol_weights import WeightsReport as WeightsReport
+from .protocol_weights import WeightsShape as WeightsShape
+from .protocol_weights import no_repeated_sources
 
 PROTOCOL_VERSION = 1
 
@@ -119,14 +126,6 @@ def _no_repeated_gpus(indices: list[int], where: str) -> None:
         seen.add(index)
 
 
-def _no_repeated_sources(weights: list[WeightsReport] | None) -> None:
-    seen: set[str] = set()
-    for item in weights or ():
-        if item.source in seen:
-            raise ValueError(f"weights source {item.source!r} is repeated in `weights`")
-        seen.add(item.source)
-
-
 # The parts of messages below are untagged and unversioned: they are list items, not messages.
 class GPUReport(Struct, frozen=True, kw_only=True):
     """One GPU as `hello` describes it."""
@@ -145,14 +144,6 @@ class GPUHealth(Struct, frozen=True, kw_only=True):
     index: GPUIndex
     healthy: bool
     reason: str = ""
-
-
-class WeightsReport(Struct, frozen=True, kw_only=True):
-    """One source's weights on the node's disk (agent/weights.py says where each source lives)."""
-
-    source: Annotated[str, Meta(min_length=1, max_length=500)]
-    path: Annotated[str, Meta(min_length=1, max_length=1000)]
-    size_bytes: Annotated[int, Meta(ge=0)]
 
 
 class RunningShard(Struct, frozen=True, kw_only=True):
@@ -200,7 +191,7 @@ class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
-        _no_repeated_sources(self.weights)
+        no_repeated_sources(self.weights)
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag=HEARTBEAT):
@@ -213,7 +204,7 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag=HEARTBEAT):
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
-        _no_repeated_sources(self.weights)
+        no_repeated_sources(self.weights)
 
 
 class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):

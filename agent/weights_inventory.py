@@ -9,6 +9,10 @@ heartbeat would cost more than the heartbeat, so the disk is scanned:
 * at the next heartbeat after a shard became ready or stopped (an engine may
   have downloaded weights) or after remove_weights.
 
+Each source also carries what its weights' headers say of their size and
+shape (agent/weights_facts.py), read in the scan's thread once per
+modification stamp.
+
 A scan runs in a thread and never holds a heartbeat back: a heartbeat starts
 one when due and carries its result once it has finished, and only when the
 list differs from the one last sent (most heartbeats carry `weights: null`).
@@ -22,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from . import weights
 from .protocol import RemoveWeights, WeightsReport, WeightsStatus, encode
+from .weights_facts import HeaderCache
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ class WeightsInventory:
         self._dirty = False
         self._scan: asyncio.Task | None = None
         self._removals: set[asyncio.Task] = set()
+        self.headers = HeaderCache()
 
     async def scan_now(self) -> list[WeightsReport] | None:
         """Scan and wait for the result (before hello); a failed scan leaves the weights unknown (None)."""
@@ -82,8 +88,14 @@ class WeightsInventory:
         return None
 
     def _read(self) -> list[WeightsReport]:
+        """A scan, with each source's header facts (read once per modification stamp: agent/weights_facts.py)."""
         assert self.root is not None
-        return [WeightsReport(source=w.source, path=w.path, size_bytes=w.size_bytes) for w in weights.scan(self.root)]
+        found = weights.scan(self.root)
+        self.headers.keep_only({w.path for w in found})
+        return [
+            WeightsReport(source=w.source, path=w.path, size_bytes=w.size_bytes, header=self.headers.facts(w.path))
+            for w in found
+        ]
 
     def start_removal(self, cmd: RemoveWeights, send: Callable[[bytes], Awaitable[bool]]) -> asyncio.Task:
         """Carry out remove_weights in the background and send its weights_status with `send`.

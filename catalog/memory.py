@@ -22,7 +22,10 @@ Weights bytes, best source first (`estimate_weights`):
    (`parameter_count`) × the dtype (`torch_dtype`, or `quantization_config`:
    AWQ/GPTQ pack linear weights at `bits` plus a 16-bit scale and a `bits`
    zero point per group; FP8 at one byte; bitsandbytes 4/8-bit);
-3. the operator's catalog fields `parameters_billions` and `dtype`.
+3. the headers as a node reports them (the weights of a hub id the control
+   plane cannot read; exact too, counted as 1 is);
+4. the operator's catalog fields `parameters_billions` and `dtype`.
+The verdict's sentence ends with where the size came from.
 vLLM and SGLang serve a float32 checkpoint in bfloat16 (their `--dtype auto`),
 so its float32 tensors count half their file bytes there; the KV cache takes
 the dtype the engine computes in unless the profile names one (`--kv-cache-dtype`).
@@ -61,7 +64,7 @@ class WeightsEstimate:
     """The weights' bytes and where the figure comes from; `bytes` None = unknown, `detail` says why."""
 
     bytes: int | None
-    source: Literal["headers", "config", "catalog", "unknown"]
+    source: Literal["headers", "reported", "config", "catalog", "unknown"]
     detail: str
     parameters: int | None = None
     compute_dtype: str | None = None  # what the engine computes in, so the KV cache's default dtype
@@ -123,8 +126,11 @@ def estimate_weights(
     parameters_billions: float | None = None,
     dtype: str | None = None,
     engine: str | None = None,
+    reported: WeightsHeader | None = None,
+    reported_by: str = "",
 ) -> WeightsEstimate:
-    """The weights' bytes as `engine` holds them, from the best source given: headers, config.json, catalog."""
+    """The weights' bytes as `engine` holds them, from the best source given: headers the control plane
+    reads, config.json, headers a node reports (`reported`, by node `reported_by`), catalog."""
     if header is not None:
         return _from_header(header, engine)
     problems = []
@@ -133,6 +139,8 @@ def estimate_weights(
             return _from_config(config, engine)
         except ConfigError as exc:
             problems.append(str(exc))
+    if reported is not None:
+        return _from_header(reported, engine, f"{reported.format} headers as node {reported_by} reports them")
     if parameters_billions is not None and dtype:
         try:
             bits = dtype_bits(dtype)
@@ -164,17 +172,19 @@ def _from_config(config: Mapping[str, Any], engine: str | None) -> WeightsEstima
     return WeightsEstimate(config_weights_bytes(config, served), "config", detail, count.total, served)
 
 
-def _from_header(header: WeightsHeader, engine: str | None) -> WeightsEstimate:
-    detail = f"{header.format} headers of {len(header.files)} file(s)"
+def _from_header(header: WeightsHeader, engine: str | None, reported: str = "") -> WeightsEstimate:
+    """Bytes from headers: read here (`reported` empty), or as a node reports them (`reported` says which)."""
+    detail = reported or f"{header.format} headers of {len(header.files)} file(s)"
+    source: Literal["headers", "reported"] = "reported" if reported else "headers"
     if header.format == "gguf":  # llama.cpp holds GGUF tensors as stored and computes the KV cache in f16
-        return WeightsEstimate(header.total_bytes, "headers", detail, header.elements, "float16")
+        return WeightsEstimate(header.total_bytes, source, detail, header.elements, "float16")
     floats = {name: header.bytes_by_dtype.get(tag, 0) for tag, name in SAFETENSORS_FLOATS.items()}
     stored = max(floats, key=lambda name: floats[name]) if any(floats.values()) else None
     total = header.total_bytes
     if engine in HALVES_FLOAT32 and floats["float32"]:
         total -= floats["float32"] // 2
         detail += ", float32 served as bfloat16"
-    return WeightsEstimate(total, "headers", detail, header.elements, stored and served_dtype(engine, stored))
+    return WeightsEstimate(total, source, detail, header.elements, stored and served_dtype(engine, stored))
 
 
 @dataclass(frozen=True)
@@ -275,6 +285,7 @@ class MemoryVerdict:
     overhead_bytes: int | None = None
     kv_bytes: int | None = None  # one full-length sequence on one GPU; None = not counted
     sequences: int | None = None  # full-length sequences that fit beside the weights
+    size_source: str = "unknown"  # where the weights' size came from (WeightsEstimate.source)
 
     @property
     def needs_gib(self) -> float | None:
@@ -295,6 +306,7 @@ class MemoryVerdict:
             "kv_bytes_per_gpu": self.kv_bytes,
             "kv_counted": self.kv_bytes is not None,
             "full_length_sequences": self.sequences,
+            "size_source": self.size_source,
         }
 
 
@@ -323,7 +335,10 @@ def judge(profile: ProfileMemory, gpu: GPUMemory) -> MemoryVerdict:
     sentence += f" ({parts} + {kv_note})" if kv is not None else f" ({parts}; {kv_note})"
     if sequences is not None and fit is Fit.FITS:
         sentence += f"; room for {sequences} full-length sequence{'' if sequences == 1 else 's'}"
-    return MemoryVerdict(fit, sentence, usable, needs, weights, engine.overhead_bytes, kv, sequences)
+    sentence += f"; size from {profile.weights.detail}"
+    return MemoryVerdict(
+        fit, sentence, usable, needs, weights, engine.overhead_bytes, kv, sequences, profile.weights.source
+    )
 
 
 def window_slack_tokens(engine: str, gpu: GPUMemory) -> int:

@@ -2,10 +2,19 @@
 
 Sources, best first (catalog/memory.py `estimate_weights` ranks them): a model
 whose source is a local folder (or GGUF file) the control plane can read gives
-its weights' headers and its `config.json`; else the model's catalog size
-fields (`parameters_billions`, `dtype`, and `layers`, `kv_heads`, `head_dim`
-for the KV cache). The served context is the engine args' own flag, else the
-profile's `max_model_len`, else the model's `max_position_embeddings`.
+its weights' headers and its `config.json`; else, for a source it cannot read
+(a hub id, a GGUF path under the nodes' weights roots), the headers and shape
+an agent reports with its weights on disk (`reported_weights`); else the
+model's catalog size fields (`parameters_billions`, `dtype`, and `layers`,
+`kv_heads`, `head_dim` for the KV cache). The served context is the engine
+args' own flag, else the profile's `max_model_len`, else the model's
+`max_position_embeddings` (or the context the reported shape gives).
+
+What agents report lives in the inventory, above the catalog: the inventory
+app registers its reader at start-up (`set_reported_weights`, as it does for
+GPU memory). One read answers any number of sources, so a caller sizing many
+profiles (the tick's memory check, a catalog's warnings) reads once and hands
+the answer to `profile_memory`.
 
 What a local source says is read once per (source, modification times) and
 kept: a reconciler tick asks for every pending profile's estimate, and must not
@@ -18,12 +27,16 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.weights_headers import WeightsHeader, WeightsHeaderError, read_weights_headers
+import msgspec
+
+from agent.protocol import WeightsHeaderFacts, WeightsShape
+from agent.weights import weights_key
+from agent.weights_headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
 
 from .engine_flags import MemoryArgs, memory_args, parallel_shape
 from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
@@ -97,25 +110,35 @@ def _read_config(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _kv_shape(facts: SourceFacts, model: Model) -> KVShape | None:
+def _kv_shape(facts: SourceFacts, model: Model, reported: ReportedWeights | None) -> KVShape | None:
     if facts.config is not None:
         try:
             return kv_shape_from_config(facts.config)
         except ConfigError:
             pass
-    if facts.header is not None and facts.header.shape is not None:
-        shape = kv_shape_from_header(facts.header.shape)
-        if shape is not None:
-            return shape
+    for header in (facts.header, reported and reported.header):
+        if header is not None and header.shape is not None:
+            shape = kv_shape_from_header(header.shape)
+            if shape is not None:
+                return shape
     if model.layers and model.kv_heads and model.head_dim:
         return KVShape.uniform(model.layers, model.kv_heads, model.head_dim)
     return None
 
 
-def profile_memory(profile: Profile) -> ProfileMemory:
-    """What is known of `profile`'s memory, from the best source (module docstring)."""
+def profile_memory(profile: Profile, reported: Mapping[str, ReportedWeights] | None = None) -> ProfileMemory:
+    """What is known of `profile`'s memory, from the best source (module docstring).
+
+    `reported` is what agents report, by weights key (`reported_weights`); without it, and when the model's
+    source is not local, it is read for this one profile (one query).
+    """
     model = profile.model
     facts = source_facts(model.source)
+    key = weights_key(profile.engine, model.source)
+    local = facts.header is not None or facts.config is not None
+    if reported is None and not local:
+        reported = reported_weights([key])
+    node_says = None if local else (reported or {}).get(key)
     try:
         args = memory_args(profile.engine, list(profile.engine_args or []))
     except ValueError:
@@ -126,13 +149,17 @@ def profile_memory(profile: Profile) -> ProfileMemory:
         parameters_billions=model.parameters_billions,
         dtype=model.dtype or None,
         engine=profile.engine,
+        reported=node_says and node_says.header,
+        reported_by=node_says.node if node_says else "",
     )
     context = args.max_model_len or served_context(facts.config, profile.max_model_len)
+    if context is None and node_says is not None and node_says.header.shape is not None:
+        context = node_says.header.shape.context_length
     tensor_parallel, stages = parallel_shape(profile.engine, profile.gpus_per_node, profile.nodes_per_replica)
     return ProfileMemory(
         engine=profile.engine,
         weights=weights,
-        kv=_kv_shape(facts, model),
+        kv=_kv_shape(facts, model, node_says),
         kv_dtype=args.kv_dtype,
         max_model_len=context,
         tensor_parallel=tensor_parallel,
@@ -141,9 +168,11 @@ def profile_memory(profile: Profile) -> ProfileMemory:
     )
 
 
-def verdict(profile: Profile, gpu_class: str, memory_mib: int) -> MemoryVerdict:
+def verdict(
+    profile: Profile, gpu_class: str, memory_mib: int, reported: Mapping[str, ReportedWeights] | None = None
+) -> MemoryVerdict:
     """`profile` judged on GPUs of `gpu_class` with `memory_mib` MiB each (as agents report memory)."""
-    return judge(profile_memory(profile), GPUMemory(gpu_class, memory_mib * MIB))
+    return judge(profile_memory(profile, reported), GPUMemory(gpu_class, memory_mib * MIB))
 
 
 def forget_sources() -> None:
@@ -178,13 +207,15 @@ def class_memory_mib(gpu_class: str, fleet: dict[str, int]) -> int | None:
     return int(named[1]) * 1024 if named else None
 
 
-def profile_verdict(profile: Profile, fleet: dict[str, int]) -> MemoryVerdict | None:
+def profile_verdict(
+    profile: Profile, fleet: dict[str, int], reported: Mapping[str, ReportedWeights] | None = None
+) -> MemoryVerdict | None:
     """`profile` judged on its GPU class's memory; None when that memory is not known or the engine not sized."""
     memory = class_memory_mib(profile.gpu_class, fleet)
     if memory is None:
         return None
     try:
-        return verdict(profile, profile.gpu_class, memory)
+        return verdict(profile, profile.gpu_class, memory, reported)
     except ValueError:
         return None
 
@@ -200,9 +231,11 @@ def verdict_lines(
 ) -> list[tuple[MemoryVerdict | None, str]]:
     """Each profile's verdict and a line for it: `profiles[0] H100-80GB×2: fits: needs ...` (a model's profiles
     in order), or without `numbered` its model's name in place of the position (one profile on its own)."""
+    profiles = list(profiles)
+    reported = reported_weights({weights_key(p.engine, p.model.source) for p in profiles})
     lines = []
     for i, profile in enumerate(profiles):
-        judged = profile_verdict(profile, fleet)
+        judged = profile_verdict(profile, fleet, reported)
         words = (
             f"{judged.fit}: {judged.sentence}"
             if judged is not None
@@ -221,3 +254,55 @@ def fit_warnings(profiles: Iterable[Profile], fleet: dict[str, int], *, numbered
         for judged, line in verdict_lines(profiles, fleet, numbered=numbered)
         if judged is not None and judged.fit is Fit.DOES_NOT_FIT
     ]
+
+
+@dataclass(frozen=True)
+class ReportedWeights:
+    """A source's weights as a node reports their headers (exact bytes, dtypes, shape), and which node."""
+
+    header: WeightsHeader
+    node: str
+
+
+# What agents report of their weights' headers, by weights key (agent.weights.weights_key). The inventory app
+# registers its reader (one query for any number of keys); until then nothing is reported.
+ReportedReader = Callable[[Collection[str]], dict[str, ReportedWeights]]
+_reported_weights: list[ReportedReader] = [lambda keys: {}]
+
+
+def set_reported_weights(reader: ReportedReader) -> None:
+    """Register where agents' reported weights headers come from (the inventory app's reader of weights rows)."""
+    _reported_weights[0] = reader
+
+
+def reported_weights(keys: Collection[str]) -> dict[str, ReportedWeights]:
+    """What agents report of the weights under `keys` (one query, whatever the number of keys)."""
+    return _reported_weights[0](keys) if keys else {}
+
+
+def reported_from_row(header: Any, node: str) -> ReportedWeights | None:
+    """A stored weights report (the JSON of a WeightsHeaderFacts) as the memory model reads it; None if the
+    JSON is not one (a row from another protocol version: that node's next report replaces it)."""
+    try:
+        return ReportedWeights(reported_header(msgspec.convert(header, WeightsHeaderFacts)), node)
+    except msgspec.ValidationError:
+        return None
+
+
+def reported_header(facts: WeightsHeaderFacts) -> WeightsHeader:
+    """A node's report of its weights' headers as the memory model reads headers (files: on the node)."""
+    return WeightsHeader(
+        format=facts.format,
+        total_bytes=facts.tensor_bytes,
+        elements=facts.parameters,
+        tensors=facts.tensors,
+        bytes_by_dtype=dict(facts.bytes_by_dtype),
+        files=(),
+        shape=None if facts.shape is None else _header_shape(facts.shape),
+    )
+
+
+def _header_shape(shape: WeightsShape) -> HeaderShape:
+    values = {name: getattr(shape, name) for name in WeightsShape.__struct_fields__}
+    per_layer = values.pop("kv_heads_per_layer")
+    return HeaderShape(**values, kv_heads_per_layer=None if per_layer is None else tuple(per_layer))

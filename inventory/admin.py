@@ -55,10 +55,10 @@ class GPUInline(ReadOnlyInline):
 
 
 class WeightsInline(ReadOnlyInline):
-    """The weights the node's agent reports on its disk, with human sizes."""
+    """The weights the node's agent reports on its disk, with human sizes (on disk, and the tensors' own)."""
 
     model = Weights
-    fields = ["source", "size", "path", "seen_at"]
+    fields = ["source", "size", "tensors", "path", "seen_at"]
     verbose_name_plural = "weights on disk"
 
     def get_readonly_fields(self, request, obj=None):
@@ -67,6 +67,13 @@ class WeightsInline(ReadOnlyInline):
     @admin.display(description="size", ordering="size_bytes")
     def size(self, obj):
         return human_size(obj.size_bytes)
+
+    @admin.display(description="tensors (headers)")
+    def tensors(self, obj):
+        header = obj.header or {}
+        if not isinstance(header.get("tensor_bytes"), int):
+            return "-"  # not reported: an older agent, or headers it could not read
+        return f"{human_size(header['tensor_bytes'])} {header.get('format', '')}"
 
 
 @admin.register(Node)

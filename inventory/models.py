@@ -151,18 +151,43 @@ def human_size(size_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+class WeightsQuerySet(models.QuerySet):
+    def reported_headers(self, sources) -> dict[str, tuple[dict[str, Any], str]]:
+        """Per source, the newest header report of its weights and the node that made it: (header JSON, node name).
+
+        One query for any number of sources (rows of other nodes for the same source are read and passed over:
+        a source is on a few nodes, not thousands).
+        """
+        rows = (
+            self.filter(source__in=list(sources), header__isnull=False)
+            .order_by("source", "-seen_at", "-pk")
+            .values_list("source", "header", "node__name")
+        )
+        found: dict[str, tuple[dict[str, Any], str]] = {}
+        for source, header, node in rows:
+            found.setdefault(source, (header, node))
+        return found
+
+
 class Weights(models.Model):
     """One source's weights on a node's disk, as its agent last reported them (agent/weights.py).
 
     Rows are written only when what the node reports changes, so `seen_at` is
-    when this path and size were first reported.
+    when this path, size and header were first reported.
     """
 
     node = models.ForeignKey(Node, related_name="weights", on_delete=models.CASCADE)
     source = models.CharField(max_length=500, help_text="Hub repository id, or GGUF path relative to the root.")
     path = models.CharField(max_length=1000)
     size_bytes = models.PositiveBigIntegerField("size (bytes)")
+    # What the weights' headers say (agent.protocol WeightsHeaderFacts as JSON: exact tensor bytes, bytes per
+    # dtype, parameters, shape); null when the agent does not say. catalog/sizing.py sizes hub models by it.
+    header = models.JSONField(
+        null=True, blank=True, help_text="What the weights' headers say of their size and shape, as reported."
+    )
     seen_at = models.DateTimeField()
+
+    objects = WeightsQuerySet.as_manager()
 
     class Meta:
         ordering = ["node", "source"]

@@ -9,7 +9,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus
+from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus, to_builtins
 from hub.credentials import hash_secret
 
 from .choices import GPUHealth, NodeState
@@ -228,20 +228,26 @@ def record_weights_of_nodes(reports: Sequence[tuple[int, list[WeightsReport]]], 
         rows = existing[node_id]
         for item in reported:
             row = rows.pop(item.source, None)
+            header = None if item.header is None else to_builtins(item.header)
             if row is None:
                 to_create.append(
                     Weights(
-                        node_id=node_id, source=item.source, path=item.path, size_bytes=item.size_bytes, seen_at=now
+                        node_id=node_id,
+                        source=item.source,
+                        path=item.path,
+                        size_bytes=item.size_bytes,
+                        header=header,
+                        seen_at=now,
                     )
                 )
-            elif (row.path, row.size_bytes) != (item.path, item.size_bytes):
-                row.path, row.size_bytes, row.seen_at = item.path, item.size_bytes, now
+            elif (row.path, row.size_bytes, row.header) != (item.path, item.size_bytes, header):
+                row.path, row.size_bytes, row.header, row.seen_at = item.path, item.size_bytes, header, now
                 to_update.append(row)
         to_delete += [row.pk for row in rows.values()]
     if to_create:
         Weights.objects.bulk_create(to_create)
     if to_update:
-        Weights.objects.bulk_update(to_update, ["path", "size_bytes", "seen_at"])
+        Weights.objects.bulk_update(to_update, ["path", "size_bytes", "header", "seen_at"])
     if to_delete:
         Weights.objects.filter(pk__in=to_delete).delete()
     return len(to_create), len(to_update), len(to_delete)

@@ -6,24 +6,36 @@ not placed on that node; when no node of its GPU class can hold it, the
 profile is refused with the verdict's sentence, numbers included, and the
 next profile is tried. A size that is not known, or a node whose GPU memory
 is not reported, leaves placement as it was: counting GPUs only.
+
+Models whose source the control plane cannot read (hub ids) are sized by the
+headers agents report with their weights: the tick reads them with the
+weights on disk it already reads for placement (reconciler/placing.py), so
+they cost no query of their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from catalog.memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, judge
 from catalog.models import Profile
-from catalog.sizing import profile_memory
+from catalog.sizing import ReportedWeights, profile_memory
 
 from .capacity import CapacitySnapshot
 from .placement import NodeCapacity
 
 
 class MemoryCheck:
-    """One tick's memory verdicts: each profile's estimate made once, judged once per GPU memory size."""
+    """One tick's memory verdicts: each profile's estimate made once, judged once per GPU memory size.
 
-    def __init__(self) -> None:
+    `reported` is what agents report of the weights of every profile the tick may judge, by weights key
+    (catalog.sizing.reported_weights); without it each estimate of a hub model reads its own.
+    """
+
+    def __init__(self, reported: Mapping[str, ReportedWeights] | None = None) -> None:
         self._estimates: dict[int, ProfileMemory | None] = {}
         self._verdicts: dict[tuple[int, int], MemoryVerdict | None] = {}
+        self._reported = reported
 
     def verdict(self, profile: Profile, memory_mib: int) -> MemoryVerdict | None:
         """`profile` on GPUs of its class with `memory_mib` MiB each; None when the memory is not reported."""
@@ -40,7 +52,7 @@ class MemoryCheck:
     def _estimate(self, profile: Profile) -> ProfileMemory | None:
         if profile.pk not in self._estimates:
             try:
-                self._estimates[profile.pk] = profile_memory(profile)
+                self._estimates[profile.pk] = profile_memory(profile, self._reported)
             except ValueError:
                 self._estimates[profile.pk] = None  # an engine the memory model does not know: count GPUs only
         return self._estimates[profile.pk]

@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db.models import BigIntegerField, Case, Count, Exists, OuterRef, Q, Value, When
 
 from agent.weights import weights_key
 from catalog.models import Profile
+from catalog.sizing import ReportedWeights, reported_from_row
 from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
@@ -77,8 +79,9 @@ def place_pending(
         return outcome
     profiles = _profiles_of({r.model_id for r in pending})
     capacity = free_capacity(now)
-    memory = MemoryCheck()
-    placed, moved, unplaceable = _choose(pending, profiles, capacity, memory)
+    holders, reported = _weights_on_disk(profiles)
+    memory = MemoryCheck(reported)
+    placed, moved, unplaceable = _choose(pending, profiles, capacity, memory, holders)
 
     notes = make_room(unplaceable, capacity, now, memory) if evict and unplaceable else {}
     if settling:
@@ -106,17 +109,20 @@ _Unplaceable = list[tuple[Replica, list[Profile], str]]
 
 
 def _choose(
-    pending: list[Replica], profiles: dict[int, list[Profile]], capacity: CapacitySnapshot, memory: MemoryCheck
+    pending: list[Replica],
+    profiles: dict[int, list[Profile]],
+    capacity: CapacitySnapshot,
+    memory: MemoryCheck,
+    holders: dict[int, frozenset[str]],
 ) -> tuple[_Placed, list[Replica], _Unplaceable]:
     """Each pending replica on the first of its profiles with room, taken from `capacity` in memory.
 
     Returns those placed (with their new shards), those of them that moved to
     another profile, and those without room (with the profiles tried and why
     not). A profile no node's GPUs can hold (`memory`) is not tried, so no room
-    is made for it either. One query for running counts, one for the weights on disk.
+    is made for it either. One query for running counts.
     """
     running_on = _running_per_profile(profiles)
-    holders = _weights_holders(profiles)
     placed: _Placed = []
     moved: list[Replica] = []
     unplaceable: _Unplaceable = []
@@ -235,8 +241,11 @@ def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
     return counts
 
 
-def _weights_holders(profiles: dict[int, list[Profile]]) -> dict[int, frozenset[str]]:
-    """The names of the nodes holding each profile's weights on disk. One query.
+def _weights_on_disk(
+    profiles: dict[int, list[Profile]],
+) -> tuple[dict[int, frozenset[str]], dict[str, ReportedWeights]]:
+    """The names of the nodes holding each profile's weights on disk, and what the newest report of each
+    source's headers says (for the memory check: catalog.sizing). One query.
 
     A node reports a hub repository or a GGUF path relative to its root as the
     source; an absolute GGUF source is matched against the path it reports.
@@ -244,11 +253,20 @@ def _weights_holders(profiles: dict[int, list[Profile]]) -> dict[int, frozenset[
     keys = {p.pk: weights_key(p.engine, p.model.source) for ps in profiles.values() for p in ps}
     wanted = set(keys.values())
     where: dict[str, set[str]] = defaultdict(set)
-    rows = Weights.objects.filter(Q(source__in=wanted) | Q(path__in=wanted)).values_list("source", "path", "node__name")
-    for source, path, node_name in rows:
+    newest: dict[str, tuple[Any, str]] = {}
+    rows = (
+        Weights.objects.filter(Q(source__in=wanted) | Q(path__in=wanted))
+        .order_by("seen_at", "pk")
+        .values_list("source", "path", "node__name", "header")
+    )
+    for source, path, node_name, header in rows:
         where[source].add(node_name)
         where[path].add(node_name)
-    return {pk: frozenset(where.get(key, ())) for pk, key in keys.items()}
+        if header is not None:
+            newest[source] = (header, node_name)  # rows come oldest first: the newest report stays
+    reported = {source: reported_from_row(header, node) for source, (header, node) in newest.items()}
+    holders = {pk: frozenset(where.get(key, ())) for pk, key in keys.items()}
+    return holders, {source: r for source, r in reported.items() if r is not None}
 
 
 def _place_one(

@@ -38,6 +38,9 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from catalog.models import Model, Profile
+from catalog.parameters import dtype_bits
+from catalog.sizing import profile_memory
 from conftest import wait_until
 from tests.demo_stack import API_KEY, ROOT, demo_stack, engine_pids
 from tests.vllm_stack import tiny_model, vllm_install
@@ -191,6 +194,61 @@ def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
     listening = Path("/proc/net/tcp").read_text()
     assert f"0100007F:{port:04X} 00000000:0000 0A" in listening
     assert f"00000000:{port:04X} 00000000:0000 0A" not in listening
+
+
+# What vLLM 0.32's CPU build says of its memory at start-up (read in the cached install's source):
+# * the engine's config line, `dtype=torch.bfloat16`: what it holds the weights in (a float32 checkpoint is cast);
+# * cpu_worker.determine_available_memory, `Explicitly set (1.0/12.21) GiB for KV cache on node 0.`: the KV space
+#   (VLLM_CPU_KVCACHE_SPACE, whole GiB, so its bytes are exact);
+# * kv_cache_utils, `CPU KV cache size: 1,048,576 tokens, ...`: how many tokens that space holds, whole blocks.
+# Bytes per token = space ÷ tokens: exact to one block, far inside ±5%, whatever the model's size. Its CPU model
+# runner logs no weights size (cpu_model_runner.load_model: `Starting to load model %s...` only; the GPU runner's
+# `Model loading took %s GiB` comes from CUDA memory stats), so vLLM's weights figure is its logged dtype × the
+# checkpoint's parameters as the safetensors library in vLLM's own environment counts them: a reader other than
+# ours, and vLLM's own cast rule. (LoRA buffers vLLM adds for --enable-lora are not weights and not counted.)
+VLLM_DTYPE = re.compile(r"with config: model=.*?dtype=torch\.(\w+)")
+VLLM_KV_SPACE = re.compile(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache")
+VLLM_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+TORCH_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+COUNT_PARAMETERS = """
+import json, math, pathlib, sys
+from safetensors import safe_open
+total = 0
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):
+    with safe_open(str(path), framework="pt") as f:
+        total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+print(json.dumps(total))
+"""
+
+
+def test_the_memory_estimate_matches_what_vllm_says_of_its_weights_and_kv_cache(stack):
+    stack.replica()  # started: its start-up lines are in the log
+    log = stack.log.read_text()
+    dtype, space, tokens = (pattern.search(log) for pattern in (VLLM_DTYPE, VLLM_KV_SPACE, VLLM_KV_TOKENS))
+    assert dtype and space and tokens, "vLLM's start-up lines on dtype and KV cache"
+    model_dir = stack.models / "model"
+    # The estimate the control plane makes for this profile (unsaved rows: sizing reads the local folder itself).
+    profile = Profile(
+        model=Model(name=MODEL, source=str(model_dir)), engine="vllm", gpu_class="L40S-48GB", gpus_per_node=1,
+        engine_args=ENGINE_ARGS + LORA_ARGS,
+    )  # fmt: skip
+    estimate = profile_memory(profile)
+    assert estimate.weights.source == "headers" and estimate.kv is not None
+
+    counted = subprocess.run(
+        [str(stack.info["install"].python), "-c", COUNT_PARAMETERS, str(model_dir)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    vllm_weights = json.loads(counted.stdout) * TORCH_BYTES[dtype.group(1)]
+    assert estimate.weights.bytes == pytest.approx(vllm_weights, rel=0.05)
+
+    # VLLM_CPU_KVCACHE_SPACE is whole GiB; the log rounds it to 2 decimals, which pins it. Measured here: 1 GiB
+    # for 1,048,576 tokens, 1024 bytes per token, as estimated; weights 1,443,072 parameters × 2 bytes, as estimated.
+    kv_space = round(float(space.group(1))) * 2**30
+    assert kv_space == int(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    vllm_per_token = kv_space / int(tokens.group(1).replace(",", ""))
+    kv_bits = dtype_bits(estimate.kv_dtype or estimate.weights.compute_dtype)
+    assert estimate.kv.bytes_per_token(kv_bits) == pytest.approx(vllm_per_token, rel=0.05)
 
 
 def test_chat_completions_and_streams_through_the_router_with_usage_stored_per_key(stack):

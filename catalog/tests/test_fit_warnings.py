@@ -51,7 +51,8 @@ def test_apply_warns_of_a_profile_that_does_not_fit_and_applies_it_anyway(tmp_pa
     assert Profile.objects.filter(model__name="llama-70b").count() == 2
     assert err.splitlines() == [
         "warning: llama-70b: profiles[0] L40S-48GB×2: does_not_fit: needs 69.5 GiB per GPU; L40S-48GB has 44.2 GiB "
-        "usable (weights 65.8 + engine 2.5 + KV 1.2 for one 8192-token sequence) (placement will not put it there)"
+        "usable (weights 65.8 + engine 2.5 + KV 1.2 for one 8192-token sequence); size from catalog: 70.6 B parameters "
+        "in bfloat16 (placement will not put it there)"
     ]
     assert "memory" not in out
 
@@ -63,7 +64,7 @@ def test_dry_run_shows_each_profiles_verdict_including_unknown(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith("memory")]
     assert lines[0].startswith("memory       llama-70b: profiles[0] L40S-48GB×2: does_not_fit: needs 69.5 GiB")
     assert lines[1].startswith("memory       llama-70b: profiles[1] H100-80GB×2: fits: needs 69.5 GiB per GPU; ")
-    assert lines[1].endswith("room for 4 full-length sequences")
+    assert lines[1].endswith("room for 4 full-length sequences; size from catalog: 70.6 B parameters in bfloat16")
     assert lines[2].startswith("memory       unsized: profiles[0] A10-24GB×1: unknown: size unknown (")
     assert out.splitlines()[-1].startswith("dry run, nothing changed")
     assert not Model.objects.exists()

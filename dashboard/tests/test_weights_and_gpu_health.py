@@ -17,6 +17,16 @@ from tests.fleet import make_node
 pytestmark = pytest.mark.django_db
 
 
+# What an agent reports of a GGUF file's headers: its tensors take 3 GiB of the file's 5.
+Q4_HEADER = {
+    "format": "gguf",
+    "tensor_bytes": 3 << 30,
+    "parameters": 1,
+    "tensors": 1,
+    "bytes_by_dtype": {"Q4_K": 3 << 30},
+}
+
+
 @pytest.fixture
 def holding():
     a, b = make_node("gpu-a", gpus=2), make_node("gpu-b", gpus=2)
@@ -24,8 +34,15 @@ def holding():
     Weights.objects.bulk_create(
         [
             Weights(node=a, source="org/small", path="/w/hub/models--org--small", size_bytes=1536, seen_at=now),
-            Weights(node=a, source="gguf/q4.gguf", path="/w/gguf/q4.gguf", size_bytes=5 * 1024**3, seen_at=now),
-        ]
+            Weights(
+                node=a,
+                source="gguf/q4.gguf",
+                path="/w/gguf/q4.gguf",
+                size_bytes=5 * 1024**3,
+                seen_at=now,
+                header=Q4_HEADER,
+            ),
+        ]  # fmt: skip
     )
     GPU.objects.filter(node=b, index=1).update(health=GPUHealth.UNHEALTHY, health_reason="XID 79")
     return a, b
@@ -72,6 +89,7 @@ def test_node_admin_shows_weights_read_only_with_human_sizes_and_gpu_health_reas
     html = admin_client.get(reverse("admin:inventory_node_change", args=[a.pk])).content.decode()
     assert "Weights on disk" in html
     assert "org/small" in html and "1.5 KiB" in html and "5.0 GiB" in html
+    assert "3.0 GiB gguf" in html  # the tensors' bytes as the agent read them from the headers
     assert 'name="weights-0-source"' not in html  # read-only: no input for it
     html = admin_client.get(reverse("admin:inventory_node_change", args=[b.pk])).content.decode()
     assert "XID 79" in html
