@@ -260,6 +260,10 @@ class _ReplicaTally:
                 _iso(row["last_used"]),
                 idle.json_seconds(),
                 idle.known,
+                row["sleeping_level"],
+                # A level-1 sleeper keeps its weights in host memory (reconciler.host_memory).
+                row["weights_bytes"] if row["sleeping_level"] == 1 else None,
+                None if row["profile__wake_seconds"] is None else round(row["profile__wake_seconds"], 1),
             )
         )
 
@@ -281,7 +285,7 @@ def _replicas(now: datetime) -> _ReplicaTally:
     tally = _ReplicaTally()
     rows = Replica.objects.order_by("id").values(
         "id", "model__name", "profile_id", "state", "endpoint_url", "ready_at", "last_used",
-        "placement_error", "hold", "last_error",
+        "placement_error", "hold", "last_error", "sleeping_level", "weights_bytes", "profile__wake_seconds",
     )  # fmt: skip
     for row in rows:
         tally.add(row, shard_nodes.get(row["id"], []), shard_gpus.get(row["id"], 0), now)

@@ -182,6 +182,12 @@ class ReplicaStatus:
     last_used: str | None = field(metadata=_NULLABLE_TIME)
     idle_seconds: float = field(metadata=_IDLE_SECONDS)
     idle_known: bool
+    sleeping_level: int | None
+    """The level it sleeps at (the hibernate tier); None when it does not sleep."""
+    host_memory_bytes: int | None
+    """Host memory its sleep holds (its weights, at level 1); None when none."""
+    wake_seconds: float | None
+    """How long its profile's replicas take to wake, as learned; None while unknown."""
 
     @property
     def idle(self) -> Idle:

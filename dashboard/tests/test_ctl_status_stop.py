@@ -106,8 +106,10 @@ def test_unknown_usage_prints_why_and_that_stops_wait(idle_fleet):
 def test_replicas_are_counted_per_model_and_state_unless_all(idle_fleet):
     text = run()
     lines = section(text, "Models (--replicas lists every replica)")
-    assert lines[0].split() == ["MODEL", "ENABLED", "WANTED", "PENDING", "STARTING", "READY", "STOPPING", "FAILED"]
-    assert lines[3].split() == ["qwen-32b", "yes", "2", "1", "0", "1", "0", "0"]
+    assert lines[0].split() == [
+        "MODEL", "ENABLED", "WANTED", "PENDING", "STARTING", "READY", "SLEEPING", "WAKING", "STOPPING", "FAILED"
+    ]  # fmt: skip
+    assert lines[3].split() == ["qwen-32b", "yes", "2", "1", "0", "1", "0", "0", "0", "0"]
     assert "Replica list" not in text
     assert len(section(run("--all"), "Replica list")) == 1 + 4
 

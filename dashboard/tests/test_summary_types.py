@@ -26,7 +26,19 @@ def test_count_fields_follow_the_state_choices():
 
 
 def test_a_replicas_idle_is_read_back_as_the_one_idle_type():
-    row = dict(id=1, model="m", profile_id=1, state="ready", nodes=[], gpus=0, endpoint="", ready_at=None)
+    row = dict(
+        id=1,
+        model="m",
+        profile_id=1,
+        state="ready",
+        nodes=[],
+        gpus=0,
+        endpoint="",
+        ready_at=None,
+        sleeping_level=None,
+        host_memory_bytes=None,
+        wake_seconds=None,
+    )
     assert ReplicaStatus(**row, last_used=None, idle_seconds=-1.0, idle_known=False).idle is UNKNOWN
     assert ReplicaStatus(**row, last_used=None, idle_seconds=42.0, idle_known=True).idle == Idle(42.0)
 

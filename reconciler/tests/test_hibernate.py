@@ -374,3 +374,14 @@ def shard_report_asleep(replica):
     from reconciler.hibernate import record_asleep
 
     record_asleep(Replica.objects.get(pk=replica.pk))
+
+
+def test_status_shows_a_sleepers_level_host_memory_and_wake_time():
+    from dashboard.summary import cluster_summary
+
+    sleeper = asleep(serving("sleepy", make_node("gpu-a")))
+    Replica.objects.filter(pk=sleeper.pk).update(sleeping_level=1, weights_bytes=16 << 30)
+    Profile.objects.filter(model__name="sleepy").update(wake_seconds=1.26)
+    (row,) = cluster_summary().replica_list
+    assert (row.state, row.sleeping_level, row.host_memory_bytes, row.wake_seconds) == ("sleeping", 1, 16 << 30, 1.3)
+    assert cluster_summary().replicas.sleeping == 1
