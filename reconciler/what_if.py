@@ -28,6 +28,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import Prefetch, Q
+from django.utils import timezone
 
 from agent.weights import weights_key
 from catalog.catalog_file import read_models
@@ -91,6 +92,17 @@ def entries_from_names(names: list[str]) -> list[PlanEntry]:
     if unknown:
         raise PlanInputError([f"no catalog model or alias named {name!r}" for name in unknown])
     return [PlanEntry(found[name].name, list(found[name].profiles.all())) for name in names]
+
+
+def plan_request(data: Any = None, names: list[str] | None = None, now: datetime | None = None) -> PlanAnswer:
+    """Plan a catalog file's models (`data`, parsed) then catalog models by name, in that order; PlanInputError
+    naming every problem when nothing or something wrong is asked. What `manage.py plan` and the API call."""
+    entries = entries_from_data(data) if data is not None else []
+    if names:
+        entries += entries_from_names(names)
+    if not entries:
+        raise PlanInputError(["nothing to plan: give catalog-format model entries or catalog model names"])
+    return plan(entries, now or timezone.now())
 
 
 def plan(entries: list[PlanEntry], now: datetime) -> PlanAnswer:

@@ -166,13 +166,3 @@ class PlanAnswer:
             "usage_known": self.usage_known,
             "usage_reason": self.usage_reason,
         }
-
-    def lines(self) -> list[str]:
-        lines: list[str] = []
-        for model in self.models:
-            if lines:
-                lines.append("")
-            lines.extend(model.lines())
-        if not self.usage_known:
-            lines += ["", f"nothing counts as idle, so nothing would be stopped: {self.usage_reason}"]
-        return lines
