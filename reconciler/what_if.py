@@ -194,15 +194,17 @@ class _Planner:
             )
         listed = [answers[i] for i in sorted(answers)]
         reasons = [f"profiles[{a.index}] {a.shape}: {a.reason}" for a in listed] or ["the model has no profiles"]
-        figures = listed[0].figures if listed else Figures()
-        if listed and not figures.size_known:
-            reasons.append(f"{BY_COUNT}: {figures.memory}")
-        return ModelAnswer(entry.name, Verdict.DOES_NOT_FIT, None, figures, reason="; ".join(reasons), profiles=listed)
+        figures = listed[0].figures() if listed else {}
+        if listed and not listed[0].size_known:
+            reasons.append(f"{BY_COUNT}: {listed[0].memory}")
+        return ModelAnswer(
+            name=entry.name, verdict=Verdict.DOES_NOT_FIT, reason="; ".join(reasons), profiles=listed, **figures
+        )
 
     def _unchecked(self, index: int, profile: Profile) -> ProfileAnswer:
         """A profile's shape and memory figures on its class's largest GPUs, before any verdict."""
         memory = self.fleet.largest_memory_mib(profile.gpu_class) or class_memory_mib(profile.gpu_class, {}) or 0
-        return ProfileAnswer(index, shape_words(profile), self._figures(profile, memory))
+        return ProfileAnswer(index=index, shape=shape_words(profile), **self._figures(profile, memory).figures())
 
     def _figures(self, profile: Profile, memory_mib: int) -> Figures:
         judged = self.memory.verdict(profile, memory_mib)
@@ -277,14 +279,23 @@ class _Planner:
             self.taken.add(victim.replica_id)
             self.spare[victim.model] -= 1
         self.fleet.take(profile.gpu_class, placement)
-        spots = [Spot(s.node, s.gpu_indices) for s in placement.shards]
+        spots = [Spot(s.node, list(s.gpu_indices)) for s in placement.shards]
         where = [self.fleet.node(profile.gpu_class, s.node) for s in placement.shards]
         memory = min((n.memory_mib for n in where if n is not None and n.memory_mib), default=0)
-        figures = self._figures(profile, memory) if memory else answers[index].figures
-        answers[index] = replace(answers[index], figures=figures, verdict=verdict)
+        figures = self._figures(profile, memory) if memory else answers[index]
+        answers[index] = replace(answers[index], verdict=verdict, **figures.figures())
         listed = [answers[i] for i in sorted(answers)]
-        reason = "" if figures.size_known else f"{BY_COUNT}: {figures.memory}"
-        return ModelAnswer(entry.name, verdict, index, figures, spots, stops, reason, listed)
+        return ModelAnswer(
+            name=entry.name,
+            verdict=verdict,
+            profile=index,
+            shape=listed[index].shape,
+            where=spots,
+            stop=stops,
+            reason="" if figures.size_known else f"{BY_COUNT}: {figures.memory}",
+            profiles=listed,
+            **figures.figures(),
+        )
 
     def _stop(self, victim: Holding) -> Stop:
         """A victim and what it frees, on the fleet with this answer's victims freed (before its GPUs are taken)."""
@@ -297,9 +308,12 @@ class _Planner:
             elif record.whole:
                 count += f" (the whole node{f', fabric {record.fabric}' if record.fabric else ''})"
             phrases.append(count)
-        idle = victim.idle_seconds or 0.0
+        idle = round(victim.idle_seconds or 0.0, 3)
         frees = ", ".join(phrases) or "nothing schedulable"
-        return Stop(victim.replica_id, victim.model, victim.priority, victim.gpu_class, dict(victim.gpus), idle, frees)
+        nodes = {name: list(indices) for name, indices in sorted(victim.gpus.items())}
+        return Stop(
+            victim.replica_id, victim.model, victim.priority, victim.gpu_class, victim.gpu_count, nodes, idle, frees
+        )
 
 
 def _shape(profile: Profile) -> Shape:

@@ -1,12 +1,13 @@
-"""The planner's answer ("Will it fit?"): one typed value per model, with its JSON and text forms, defined once.
+"""The planner's answer ("Will it fit?"): typed values defined once, their JSON is `dataclasses.asdict`.
 
-`reconciler.what_if` builds it; `manage.py plan`, `POST /api/v1/plan` and the
-dashboard's form render it (JSON here, text here, HTML from the same fields).
+`reconciler.what_if` builds them; `manage.py plan`, `POST /api/v1/plan` (whose
+OpenAPI schema is derived from these dataclasses) and the dashboard's form
+render them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -33,10 +34,7 @@ class Spot:
     """Where one shard would go: a node and the GPU indices it would get there (rank 0 first)."""
 
     node: str
-    gpus: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "gpus": list(self.gpus)}
+    gpus: list[int]
 
 
 @dataclass(frozen=True)
@@ -47,24 +45,14 @@ class Stop:
     model: str
     priority: int
     gpu_class: str
-    gpus: dict[str, tuple[int, ...]]
+    gpu_count: int
+    nodes: dict[str, list[int]]
+    """Node name -> the GPU indices it holds there."""
     idle_seconds: float
     frees: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "replica": self.replica,
-            "model": self.model,
-            "priority": self.priority,
-            "gpu_class": self.gpu_class,
-            "gpu_count": sum(len(indices) for indices in self.gpus.values()),
-            "nodes": {node: list(indices) for node, indices in sorted(self.gpus.items())},
-            "idle_seconds": round(self.idle_seconds, 3),
-            "frees": self.frees,
-        }
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Figures:
     """A profile's memory per GPU on its class (None: not known), and the verdict's sentence with the numbers."""
 
@@ -74,74 +62,45 @@ class Figures:
     size_known: bool = False
     memory: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "needs_gib_per_gpu": self.needs_gib_per_gpu,
-            "usable_gib_per_gpu": self.usable_gib_per_gpu,
-            "full_length_sequences": self.full_length_sequences,
-            "size_known": self.size_known,
-            "memory": self.memory,
-        }
+    def figures(self) -> dict[str, Any]:
+        """Just these fields (to copy them onto another answer)."""
+        return {name: getattr(self, name) for name in Figures.__dataclass_fields__}
 
 
-@dataclass(frozen=True)
-class ProfileAnswer:
+@dataclass(frozen=True, kw_only=True)
+class ProfileAnswer(Figures):
     """One profile of a model as the plan saw it; `verdict` None = not tried (an earlier profile works)."""
 
     index: int
     shape: str
-    figures: Figures
     verdict: Verdict | None = None
     problem: Problem | None = None
     reason: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "shape": self.shape,
-            **self.figures.to_json(),
-            "verdict": None if self.verdict is None else str(self.verdict),
-            "problem": None if self.problem is None else str(self.problem),
-            "reason": self.reason,
-        }
 
+@dataclass(frozen=True, kw_only=True)
+class ModelAnswer(Figures):
+    """One model's answer: the verdict, the first profile that works, where it would go and what would stop.
 
-@dataclass(frozen=True)
-class ModelAnswer:
-    """One model's answer: the verdict, the first profile that works, where it would go and what would stop."""
+    The figures are the chosen profile's (judged on the GPUs it would get), else the first profile's.
+    """
 
     name: str
     verdict: Verdict
-    profile: int | None
-    figures: Figures
+    profile: int | None = None
+    shape: str | None = None
     where: list[Spot] = field(default_factory=list)
     stop: list[Stop] = field(default_factory=list)
     reason: str = ""
     profiles: list[ProfileAnswer] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        chosen = None if self.profile is None else self.profiles[self.profile]
-        return {
-            "name": self.name,
-            "verdict": str(self.verdict),
-            "profile": self.profile,
-            "shape": None if chosen is None else chosen.shape,
-            **self.figures.to_json(),
-            "where": [spot.to_json() for spot in self.where],
-            "stop": [stop.to_json() for stop in self.stop],
-            "reason": self.reason,
-            "profiles": [p.to_json() for p in self.profiles],
-        }
-
     def lines(self) -> list[str]:
         """The operator's block for this model (text output of `manage.py plan`)."""
         words = {Verdict.FITS: "fits", Verdict.FITS_AFTER_STOPPING: "fits after stopping"}
         head = f"{self.name}: {words.get(self.verdict, 'does not fit')}"
+        lines = [head if self.profile is None else f"{head} on profiles[{self.profile}] {self.shape}"]
         if self.profile is not None:
-            head += f" on profiles[{self.profile}] {self.profiles[self.profile].shape}"
-        lines = [head]
-        if self.profile is not None:
-            lines.append(f"  memory: {self.figures.memory or '-'}")
+            lines.append(f"  memory: {self.memory or '-'}")
         if self.where:
             lines.append("  where: " + "; ".join(f"{s.node} GPUs {','.join(map(str, s.gpus))}" for s in self.where))
         for stop in self.stop:
@@ -159,10 +118,7 @@ class PlanAnswer:
     models: list[ModelAnswer]
     usage_known: bool = True
     usage_reason: str = ""
+    """Why nothing counts as idle (so nothing would be stopped) when usage is not known."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "models": [m.to_json() for m in self.models],
-            "usage_known": self.usage_known,
-            "usage_reason": self.usage_reason,
-        }
+        return asdict(self)

@@ -57,7 +57,7 @@ def test_a_model_that_fits_says_where_best_fit_first():
     answer = ask(entry("small", {"gpus_per_node": 2})).models[0]
 
     assert (answer.verdict, answer.profile, answer.stop) == (Verdict.FITS, 0, [])
-    assert [(s.node, s.gpus) for s in answer.where] == [("tight", (6, 7))]
+    assert [(s.node, s.gpus) for s in answer.where] == [("tight", [6, 7])]
 
 
 def test_the_first_profile_with_room_wins_and_the_one_before_says_why_not():
@@ -76,8 +76,8 @@ def test_the_first_profile_with_room_wins_and_the_one_before_says_why_not():
     first = answer.profiles[0]
     assert (first.verdict, first.problem) == (Verdict.DOES_NOT_FIT, Problem.MEMORY)
     assert first.reason.startswith("needs 68.9 GiB per GPU; L40S-48GB has 44.2 GiB usable")
-    assert answer.figures.size_known and answer.figures.needs_gib_per_gpu == 68.9
-    assert answer.figures.usable_gib_per_gpu == 73.6 and answer.figures.full_length_sequences >= 1
+    assert answer.size_known and answer.needs_gib_per_gpu == 68.9
+    assert answer.usable_gib_per_gpu == 73.6 and answer.full_length_sequences >= 1
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def test_a_model_whose_size_is_unknown_is_judged_by_gpu_count_and_says_so():
     answer = ask(entry("mystery", {"gpus_per_node": 4})).models[0]
 
     assert answer.verdict == Verdict.FITS
-    assert (answer.figures.size_known, answer.figures.needs_gib_per_gpu) == (False, None)
+    assert (answer.size_known, answer.needs_gib_per_gpu) == (False, None)
     assert answer.reason.startswith("judged by GPU count alone: size unknown")
 
 
