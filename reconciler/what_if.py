@@ -49,10 +49,15 @@ BY_COUNT = "judged by GPU count alone"
 
 
 class PlanInputError(Exception):
-    """What was asked cannot be planned; `messages` names every problem (a file's field, an unknown name)."""
+    """What was asked cannot be planned; `messages` names every problem (a file's field, an unknown name).
 
-    def __init__(self, messages: list[str]):
+    `part` says which part of the request they are about: "models" (the
+    catalog-format entries), "names" (catalog models), or None (the whole request).
+    """
+
+    def __init__(self, messages: list[str], part: str | None = None):
         self.messages = list(messages)
+        self.part = part
         super().__init__("\n".join(self.messages))
 
 
@@ -69,7 +74,7 @@ def entries_from_data(data: Any) -> list[PlanEntry]:
     problems: list[str] = []
     wanted = read_models(data, problems)
     if problems:
-        raise PlanInputError(problems)
+        raise PlanInputError(problems, "models")
     entries = []
     for item in wanted:
         model = Model(name=item.name, source=item.source, enabled=item.enabled, **item.size)
@@ -90,7 +95,7 @@ def entries_from_names(names: list[str]) -> list[PlanEntry]:
             found.setdefault(alias.name, model)
     unknown = [name for name in names if name not in found]
     if unknown:
-        raise PlanInputError([f"no catalog model or alias named {name!r}" for name in unknown])
+        raise PlanInputError([f"no catalog model or alias named {name!r}" for name in unknown], "names")
     return [PlanEntry(found[name].name, list(found[name].profiles.all())) for name in names]
 
 
