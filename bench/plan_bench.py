@@ -1,6 +1,6 @@
 """`plan` ("Will it fit?") on a big fleet: wall time and query count per answer.
 
-    DATABASE_URL=postgres://postgres@127.0.0.1:5432/hplan SECRET_KEY=bench \\
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/llmgw_bench SECRET_KEY=bench \\
         .venv/bin/python bench/plan_bench.py [--nodes 1000] [--runs 20]
 
 It EMPTIES the database named by DATABASE_URL (migrate, then delete), builds
