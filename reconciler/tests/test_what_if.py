@@ -261,3 +261,22 @@ def test_the_memory_check_tells_unsaved_profiles_apart():
     needs = [check.verdict(Profile(model=m, gpu_class=H100, gpus_per_node=1), 81920).needs_gib for m in (small, large)]
 
     assert needs[0] < 20 < 100 < needs[1]
+
+
+def test_where_it_fits_is_where_the_tick_places_it(run_tick):
+    # One class, two memory sizes: the small node fits best by GPU count but cannot hold the model.
+    make_node("small", gpus=2, gpu_class="A100", memory_mb=40 * 1024)
+    make_node("large", gpus=4, gpu_class="A100", memory_mb=80 * 1024)
+    make_node("larger", gpus=8, gpu_class="A100", memory_mb=80 * 1024)
+    model = make_model("llama-70b", gpu_class="A100", gpus_per_node=2, max_model_len=8192)
+    Model.objects.filter(pk=model.pk).update(**LLAMA_70B)
+
+    answer = plan(entries_from_names(["llama-70b"]), timezone.now()).models[0]
+    run_tick()
+
+    shard = Shard.objects.get(replica__model=model)
+    assert answer.verdict == Verdict.FITS
+    assert [(s.node, s.gpus) for s in answer.where] == [
+        (shard.node.name, sorted(shard.gpu_assignments.values_list("gpu__index", flat=True)))
+    ]
+    assert shard.node.name == "large"
