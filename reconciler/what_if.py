@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, Q
+from django.db.models import Count, Prefetch, Q
 from django.utils import timezone
 
 from agent.weights import weights_key
@@ -37,10 +37,11 @@ from catalog.sizing import class_memory_mib, shape_words
 from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
+from .choices import ReplicaState
 from .eviction import Holding, plan_eviction, stop_candidates, with_freed
 from .fit import MemoryCheck
 from .holdings import read_holdings, spare_replicas
-from .models import UsageWatch
+from .models import Replica, UsageWatch
 from .placement import NodeCapacity, Placement, Shape, place
 from .usage import FLEET
 from .what_if_types import Figures, ModelAnswer, PlanAnswer, Problem, ProfileAnswer, Spot, Stop, Verdict
@@ -113,8 +114,9 @@ def plan_request(data: Any = None, names: list[str] | None = None, now: datetime
 def plan(entries: list[PlanEntry], now: datetime) -> PlanAnswer:
     """Each entry's answer, planned in order and cumulatively (module docstring). Writes nothing.
 
-    Queries: 1 (usage) + 3 (free capacity) + 1 (weights on disk), and when some
-    model needs room: 3 (holdings) + 2 (spare replicas).
+    Queries: 1 (usage) + 3 (free capacity) + 1 (weights on disk), + 1 (replicas
+    per profile) when catalog models are asked about, and when some model needs
+    room: 3 (holdings) + 2 (spare replicas).
     """
     watch = UsageWatch.objects.filter(name=FLEET).first()
     known = watch is not None and watch.known_since is not None
@@ -122,7 +124,24 @@ def plan(entries: list[PlanEntry], now: datetime) -> PlanAnswer:
         "" if known else (watch.reason if watch is not None and watch.reason else "no tick has collected usage yet")
     )
     planner = _Planner(_Fleet(free_capacity(now)), _weights_holders(entries), known, now)
+    planner.running = _running_per_profile(entries)
     return PlanAnswer([planner.answer(entry) for entry in entries], known, reason)
+
+
+def _running_per_profile(entries: list[PlanEntry]) -> dict[int, int]:
+    """Replicas on each saved profile asked about, counted as placing counts them for a profile's own max.
+    One query when a catalog model is asked about, none for a file's entries (their profiles are not saved)."""
+    ids = {p.pk for entry in entries for p in entry.profiles if p.pk is not None}
+    if not ids:
+        return {}
+    rows = (
+        Replica.objects.filter(profile_id__in=ids, drain_deadline__isnull=True)
+        .exclude(state__in=(ReplicaState.PENDING, ReplicaState.STOPPING))
+        .values("profile_id")
+        .annotate(n=Count("id"))
+        .values_list("profile_id", "n")
+    )
+    return dict(rows)
 
 
 def _weights_holders(entries: list[PlanEntry]) -> dict[str, frozenset[str]]:
@@ -174,6 +193,7 @@ class _Planner:
         self.holdings: list[Holding] | None = None  # read once, when a model first needs room
         self.spare: dict[str, int] = {}
         self.taken: set[int] = set()
+        self.running: dict[int, int] = {}  # replicas per saved profile, for its own max
 
     def answer(self, entry: PlanEntry) -> ModelAnswer:
         """The tick's two passes: room now on the profiles in order, then room made by stopping, in order."""
@@ -225,8 +245,13 @@ class _Planner:
         )
 
     def _blocked(self, profile: Profile) -> tuple[Problem, str] | None:
-        """Why `profile` can never fit this fleet, whatever is stopped: its memory, GPU count or fabric."""
+        """Why `profile` cannot take a replica whatever is stopped: its own max, its memory, GPU count or fabric."""
         gpu_class, per_node, nodes_needed = profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica
+        if profile.pk is not None and self.running.get(profile.pk, 0) >= profile.max_replicas:
+            return (
+                Problem.MAX_REPLICAS,
+                f"at its max of {profile.max_replicas} replica(s): the tick places no more on it",
+            )
         nodes = self.fleet.records(gpu_class)
         if not nodes:
             return Problem.GPU_COUNT, f"no ready, schedulable node has GPU class {gpu_class}"

@@ -21,8 +21,10 @@ class Verdict(StrEnum):
 
 
 class Problem(StrEnum):
-    """Why a profile does not fit: its memory, the GPU count of the class's nodes, the fabric, or no room now."""
+    """Why a profile does not fit: its own max replicas, its memory, the GPU count of the class's nodes, the
+    fabric, or no room now."""
 
+    MAX_REPLICAS = "max_replicas"
     MEMORY = "memory"
     GPU_COUNT = "gpu_count"
     FABRIC = "fabric"

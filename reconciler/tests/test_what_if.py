@@ -190,8 +190,8 @@ def test_the_planner_offers_exactly_the_replica_the_tick_stops(guarded, run_tick
         Shard.objects.filter(replica=kept).update(running=1)
     other = serving("other", b, idle=300)
     if guarded.get("own"):
-        entries = entries_from_names([name])
         Profile.objects.filter(model__name=name).update(max_replicas=2)
+        entries = entries_from_names([name])
     else:
         entries = entries_from_data({"models": [entry(name)]})
 
@@ -280,3 +280,21 @@ def test_where_it_fits_is_where_the_tick_places_it(run_tick):
         (shard.node.name, sorted(shard.gpu_assignments.values_list("gpu__index", flat=True)))
     ]
     assert shard.node.name == "large"
+
+
+def test_a_catalog_profile_at_its_own_max_is_not_offered_the_next_one_is():
+    a = make_node("gpu-a", gpus=8)
+    model = make_model("llama", gpus_per_node=2, max_replicas=1)
+    Profile.objects.create(model=model, order=1, gpu_class=H100, gpus_per_node=4, max_replicas=1)
+    make_replica(model.profiles.get(order=0), placement=[(a, [0, 1])])
+
+    with CaptureQueriesContext(connection) as queries:
+        answer = plan(entries_from_names(["llama"]), timezone.now()).models[0]
+
+    assert (answer.verdict, answer.profile, [s.gpus for s in answer.where]) == (Verdict.FITS, 1, [[2, 3, 4, 5]])
+    first = answer.profiles[0]
+    assert (first.problem, first.reason) == (
+        Problem.MAX_REPLICAS,
+        "at its max of 1 replica(s): the tick places no more on it",
+    )
+    assert len(queries) == 3 + 6  # names (3), then usage, free capacity (3), weights, replicas per profile
