@@ -34,7 +34,6 @@ from agent.weights import weights_key
 from catalog.catalog_file import read_models
 from catalog.models import Model, Profile
 from catalog.sizing import class_memory_mib, shape_words
-from inventory.models import Weights
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState
@@ -43,6 +42,7 @@ from .fit import MemoryCheck
 from .holdings import read_holdings, spare_replicas
 from .models import Replica, UsageWatch
 from .placement import NodeCapacity, Placement, Shape, place
+from .placing import weights_on_disk
 from .usage import FLEET
 from .what_if_types import Figures, ModelAnswer, PlanAnswer, Problem, ProfileAnswer, Spot, Stop, Verdict
 
@@ -123,7 +123,9 @@ def plan(entries: list[PlanEntry], now: datetime) -> PlanAnswer:
     reason = (
         "" if known else (watch.reason if watch is not None and watch.reason else "no tick has collected usage yet")
     )
-    planner = _Planner(_Fleet(free_capacity(now)), _weights_holders(entries), known, now)
+    keys = {weights_key(p.engine, p.model.source) for entry in entries for p in entry.profiles}
+    holders, reported = weights_on_disk(keys) if keys else ({}, {})
+    planner = _Planner(_Fleet(free_capacity(now)), holders, known, now, MemoryCheck(reported))
     planner.running = _running_per_profile(entries)
     return PlanAnswer([planner.answer(entry) for entry in entries], known, reason)
 
@@ -142,19 +144,6 @@ def _running_per_profile(entries: list[PlanEntry]) -> dict[int, int]:
         .values_list("profile_id", "n")
     )
     return dict(rows)
-
-
-def _weights_holders(entries: list[PlanEntry]) -> dict[str, frozenset[str]]:
-    """Per weights key, the nodes holding those weights on disk (the placer prefers them). One query."""
-    keys = {weights_key(p.engine, p.model.source) for entry in entries for p in entry.profiles}
-    where: dict[str, set[str]] = {key: set() for key in keys}
-    if keys:
-        rows = Weights.objects.filter(Q(source__in=keys) | Q(path__in=keys)).values_list("source", "path", "node__name")
-        for source, path, node in rows:
-            for key in (source, path):
-                if key in where:
-                    where[key].add(node)
-    return {key: frozenset(nodes) for key, nodes in where.items()}
 
 
 class _Fleet:
@@ -187,9 +176,11 @@ class _Fleet:
 class _Planner:
     """One request's plan: the fleet as earlier answers left it, and the victims already chosen."""
 
-    def __init__(self, fleet: _Fleet, holders: dict[str, frozenset[str]], usage_known: bool, now: datetime):
+    def __init__(
+        self, fleet: _Fleet, holders: dict[str, frozenset[str]], usage_known: bool, now: datetime, memory: MemoryCheck
+    ):
         self.fleet, self.holders, self.usage_known, self.now = fleet, holders, usage_known, now
-        self.memory = MemoryCheck()
+        self.memory = memory
         self.holdings: list[Holding] | None = None  # read once, when a model first needs room
         self.spare: dict[str, int] = {}
         self.taken: set[int] = set()
