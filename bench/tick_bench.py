@@ -61,7 +61,6 @@ def main() -> None:
     from catalog.choices import Engine
     from catalog.models import Model, Profile
     from hub import UsageReport, get_hub
-    from inventory.choices import NodeState
     from inventory.models import GPU, Node
     from reconciler.choices import ReplicaState
     from reconciler.lease import Leadership
@@ -92,21 +91,7 @@ def main() -> None:
         for table in (GPUAssignment, Shard, Replica, ModelLoad, Profile, Model, GPU, Node, Lease, UsageWatch):
             table.objects.all().delete()
         now = timezone.now()
-        nodes = Node.objects.bulk_create(
-            Node(
-                name=f"n{i:04d}",
-                address=f"10.0.{i // 250}.{i % 250}",
-                fabric=f"ib-{i % 4}",
-                state=NodeState.READY,
-                last_seen=now,
-            )
-            for i in range(size)
-        )
-        GPU.objects.bulk_create(
-            GPU(node=node, index=g, uuid=f"{node.name}-{g}", gpu_class="H100-80GB", memory_mb=81920)
-            for node in nodes
-            for g in range(8)
-        )
+        nodes = build_nodes(size, now)
         if args.scenario == "placing":
             waiting = []
             for m in range(max(1, size // 2)):
@@ -148,6 +133,29 @@ def main() -> None:
             f"{size:>6} {size * 8:>6} {replicas:>8} {placing_ms:>11.1f} {len(placing_queries):>8} "
             f"{statistics.median(steady):>16.1f} {steady_queries:>8}"
         )
+
+
+def build_nodes(size: int, now):
+    """`size` ready 8×H100-80GB nodes (`n0000`…) on four fabrics, in two bulk inserts."""
+    from inventory.choices import NodeState
+    from inventory.models import GPU, Node
+
+    nodes = Node.objects.bulk_create(
+        Node(
+            name=f"n{i:04d}",
+            address=f"10.0.{i // 250}.{i % 250}",
+            fabric=f"ib-{i % 4}",
+            state=NodeState.READY,
+            last_seen=now,
+        )
+        for i in range(size)
+    )
+    GPU.objects.bulk_create(
+        GPU(node=node, index=g, uuid=f"{node.name}-{g}", gpu_class="H100-80GB", memory_mb=81920)
+        for node in nodes
+        for g in range(8)
+    )
+    return nodes
 
 
 def full_fleet(nodes, now, waiting_models: int, sleeping: float = 0.0) -> list[str]:

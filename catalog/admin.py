@@ -5,7 +5,7 @@ from collections.abc import Callable, Iterable
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
-from django.utils.html import escape
+from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
 from agent.engine_env import masked, shown
@@ -164,16 +164,36 @@ class ProfileInline(EnvShownMasked, admin.StackedInline):
     # The position leads the first row; then the profile's own fields as the catalog lists them.
     fields = [("order", *PROFILE_FIELD_ROWS[0]), *PROFILE_FIELD_ROWS[1:], "memory"]
     readonly_fields = ["memory"]
+    _fleet: dict[str, int] | None = None
 
     @admin.display(description="memory per GPU")
     def memory(self, obj) -> str:
-        """The saved profile's verdict on its GPU class ("size unknown (…)" when the weights' size is not known)."""
+        """The saved profile's figures per GPU on its class (needs, usable, full-length sequences that fit), then
+        the verdict's sentence ("size unknown (…)" when the weights' size is not known)."""
         if obj is None or obj.pk is None:
             return "-"
-        judged = profile_verdict(obj, fleet_memory())
+        if self._fleet is None:
+            self._fleet = fleet_memory()  # one query per page, not per profile
+        judged = profile_verdict(obj, self._fleet)
         if judged is None:
             return f"no verdict: the memory of GPU class {obj.gpu_class} is not known (no agent reports it)"
-        return f"{judged.fit}: {judged.sentence}"
+        needs = "-" if judged.needs_gib is None else f"{judged.needs_gib} GiB"
+        sequences = "-" if judged.sequences is None else str(judged.sequences)
+        return format_html(
+            "verdict: <strong>{}</strong> · needs {} per GPU · {} GiB usable per {} GPU · full-length sequences that"
+            " fit: {}<br>{}: {}",
+            judged.fit,
+            needs,
+            judged.usable_gib,
+            obj.gpu_class,
+            sequences,
+            judged.fit,
+            judged.sentence,
+        )
+
+    def get_formset(self, request, obj=None, **kwargs):
+        self._fleet = None  # read afresh for each page
+        return super().get_formset(request, obj, **kwargs)
 
     def get_extra(self, request, obj=None, **kwargs):
         # One empty profile to fill in on the add page: a model without one cannot be served.

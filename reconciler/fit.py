@@ -16,32 +16,48 @@ they cost no query of their own.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 from catalog.memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, judge
 from catalog.models import Profile
 from catalog.sizing import ReportedWeights, profile_memory
 
-from .capacity import CapacitySnapshot
 from .placement import NodeCapacity
+
+
+class Records(Protocol):
+    """Where the placer's view of the nodes comes from: a tick's capacity snapshot, or a plan's fleet."""
+
+    def records(self, gpu_class: str) -> list[NodeCapacity]: ...
 
 
 class MemoryCheck:
     """One tick's memory verdicts: each profile's estimate made once, judged once per GPU memory size.
 
+
     `reported` is what agents report of the weights of every profile the tick may judge, by weights key
-    (catalog.sizing.reported_weights); without it each estimate of a hub model reads its own.
+    (catalog.sizing.reported_weights); without it each estimate of a hub model reads its own. Profiles are
+    told apart by id when saved, else by the row object itself (the planner judges unsaved rows, whose ids
+    are all None).
     """
 
     def __init__(self, reported: Mapping[str, ReportedWeights] | None = None) -> None:
-        self._estimates: dict[int, ProfileMemory | None] = {}
-        self._verdicts: dict[tuple[int, int], MemoryVerdict | None] = {}
+        self._estimates: dict[tuple, ProfileMemory | None] = {}
+        self._verdicts: dict[tuple, MemoryVerdict | None] = {}
+        self._unsaved: dict[int, Profile] = {}  # kept alive, so the id() keys of unsaved rows are never reused
         self._reported = reported
+
+    def _key(self, profile: Profile) -> tuple:
+        if profile.pk is not None:
+            return ("pk", profile.pk)
+        self._unsaved.setdefault(id(profile), profile)
+        return ("row", id(profile))
 
     def verdict(self, profile: Profile, memory_mib: int) -> MemoryVerdict | None:
         """`profile` on GPUs of its class with `memory_mib` MiB each; None when the memory is not reported."""
         if memory_mib <= 0:
             return None
-        key = (profile.pk, memory_mib)
+        key = (*self._key(profile), memory_mib)
         if key not in self._verdicts:
             estimate = self._estimate(profile)
             self._verdicts[key] = (
@@ -50,23 +66,24 @@ class MemoryCheck:
         return self._verdicts[key]
 
     def _estimate(self, profile: Profile) -> ProfileMemory | None:
-        if profile.pk not in self._estimates:
+        key = self._key(profile)
+        if key not in self._estimates:
             try:
-                self._estimates[profile.pk] = profile_memory(profile, self._reported)
+                self._estimates[key] = profile_memory(profile, self._reported)
             except ValueError:
-                self._estimates[profile.pk] = None  # an engine the memory model does not know: count GPUs only
-        return self._estimates[profile.pk]
+                self._estimates[key] = None  # an engine the memory model does not know: count GPUs only
+        return self._estimates[key]
 
     def holds(self, profile: Profile, node: NodeCapacity) -> bool:
         """Whether `node`'s GPUs may hold `profile` (yes when either the size or the memory is unknown)."""
         verdict = self.verdict(profile, node.memory_mib)
         return verdict is None or verdict.fit is not Fit.DOES_NOT_FIT
 
-    def records(self, capacity: CapacitySnapshot, profile: Profile) -> list[NodeCapacity]:
+    def records(self, capacity: Records, profile: Profile) -> list[NodeCapacity]:
         """The nodes of `profile`'s GPU class whose GPUs can hold it, as the placer sees them now."""
         return [node for node in capacity.records(profile.gpu_class) if self.holds(profile, node)]
 
-    def refusal(self, capacity: CapacitySnapshot, profile: Profile) -> str | None:
+    def refusal(self, capacity: Records, profile: Profile) -> str | None:
         """The verdict's sentence when no node of `profile`'s class can hold it, judged on the largest
         GPUs of the class (e.g. "needs 74.2 GiB per GPU; L40S-48GB has 44.7 GiB usable ..."); else None."""
         nodes = capacity.records(profile.gpu_class)

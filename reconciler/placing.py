@@ -251,11 +251,17 @@ def _weights_on_disk(
     source; an absolute GGUF source is matched against the path it reports.
     """
     keys = {p.pk: weights_key(p.engine, p.model.source) for ps in profiles.values() for p in ps}
-    wanted = set(keys.values())
+    where, reported = weights_on_disk(set(keys.values()))
+    return {pk: where.get(key, frozenset()) for pk, key in keys.items()}, reported
+
+
+def weights_on_disk(keys: set[str]) -> tuple[dict[str, frozenset[str]], dict[str, ReportedWeights]]:
+    """Per weights key, the nodes holding those weights on disk, and what the newest report of each source's
+    headers says (catalog.sizing). One query; shared by placement and the planner (reconciler.what_if)."""
     where: dict[str, set[str]] = defaultdict(set)
     newest: dict[str, tuple[Any, str]] = {}
     rows = (
-        Weights.objects.filter(Q(source__in=wanted) | Q(path__in=wanted))
+        Weights.objects.filter(Q(source__in=keys) | Q(path__in=keys))
         .order_by("seen_at", "pk")
         .values_list("source", "path", "node__name", "header")
     )
@@ -265,8 +271,7 @@ def _weights_on_disk(
         if header is not None:
             newest[source] = (header, node_name)  # rows come oldest first: the newest report stays
     reported = {source: reported_from_row(header, node) for source, (header, node) in newest.items()}
-    holders = {pk: frozenset(where.get(key, ())) for pk, key in keys.items()}
-    return holders, {source: r for source, r in reported.items() if r is not None}
+    return {key: frozenset(nodes) for key, nodes in where.items()}, {s: r for s, r in reported.items() if r}
 
 
 def _place_one(

@@ -206,3 +206,25 @@ def test_saving_one_profile_in_admin_warns_with_its_models_name(client):
     said = [str(m) for m in answer.context["messages"]]
     assert any(m.startswith("Memory: llama-70b A10-24GB×1: does_not_fit: needs ") for m in said), said
     assert Profile.objects.get(pk=profile.pk).gpu_class == "A10-24GB"  # a warning, not a refusal
+
+
+def test_the_model_change_page_shows_each_profiles_figures_per_gpu(client, django_assert_max_num_queries):
+    make_node("l40s", gpus=2, gpu_class="L40S-48GB")
+    make_node("h100", gpus=2, gpu_class="H100-80GB")
+    User.objects.create_superuser("admin", "a@example.com", "pw")
+    client.login(username="admin", password="pw")
+    apply_catalog(load_catalog_text(HUGE))
+    model = Model.objects.get(name="llama-70b")
+
+    page = client.get(f"/admin/catalog/model/{model.pk}/change/").content.decode()
+
+    assert (
+        "verdict: <strong>does_not_fit</strong> · needs 69.5 GiB per GPU · 44.2 GiB usable per L40S-48GB GPU"
+        " · full-length sequences that fit: 0" in page
+    )
+    assert "verdict: <strong>fits</strong> · needs 69.5 GiB per GPU · 73.6 GiB usable per H100-80GB GPU" in page
+    # The fleet's GPU memory is read once for the page, whatever the number of profiles.
+    Profile.objects.create(model=model, order=5, gpu_class="H100-80GB", gpus_per_node=2)
+    with django_assert_max_num_queries(30) as queries:
+        client.get(f"/admin/catalog/model/{model.pk}/change/")
+    assert sum('MAX("inventory_gpu"."memory_mb")' in q["sql"] for q in queries.captured_queries) == 1

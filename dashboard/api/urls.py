@@ -1,4 +1,4 @@
-"""URLs under /api/v1/ (included from llmgw_site.urls): the router's viewsets, status, schema and Swagger UI."""
+"""URLs under /api/v1/ (included from llmgw_site.urls): the router's viewsets, status, plan, schema and Swagger UI."""
 
 from collections import OrderedDict
 
@@ -6,23 +6,24 @@ from django.urls import re_path
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
 from rest_framework.routers import APIRootView, DefaultRouter
 
+from .plan import PlanView
 from .views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
 
 
 class RootView(APIRootView):
-    """The API's endpoints: lists, plus status, the OpenAPI schema and its Swagger UI."""
+    """The API's endpoints: lists, plus status, plan, the OpenAPI schema and its Swagger UI."""
 
     api_root_dict = OrderedDict()
 
 
 class Router(DefaultRouter):
-    """DefaultRouter whose root also lists status, schema and docs."""
+    """DefaultRouter whose root also lists status, plan, schema and docs."""
 
     APIRootView = RootView
 
     def get_api_root_view(self, api_urls=None):
         names = {prefix: self.routes[0].name.format(basename=basename) for prefix, _, basename in self.registry}
-        names.update({"status": "api-status", "schema": "api-schema", "docs": "api-docs"})
+        names.update({"status": "api-status", "plan": "api-plan", "schema": "api-schema", "docs": "api-docs"})
         return self.APIRootView.as_view(api_root_dict=names)
 
 
@@ -37,6 +38,7 @@ router.register("usage", TokenUsageViewSet, basename="usage")
 
 urlpatterns = [
     re_path(r"^status/?$", StatusView.as_view(), name="api-status"),
+    re_path(r"^plan/?$", PlanView.as_view(), name="api-plan"),
     re_path(r"^schema/?$", SpectacularJSONAPIView.as_view(), name="api-schema"),
     re_path(r"^docs/?$", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     *router.urls,

@@ -70,3 +70,16 @@ def test_the_tick_reads_the_reports_in_the_one_weights_query_however_many_models
     # Every one of them was judged by its reported size (70 B), not its catalog fields (7 B, which fit).
     assert Replica.objects.filter(state=ReplicaState.PENDING).count() == 7
     assert not Shard.objects.exists()
+
+
+def test_the_planner_sizes_hub_models_by_the_reported_headers_too():
+    from reconciler.what_if import plan_request
+
+    l40s = make_node("l40s-a", gpus=4, gpu_class=L40S)
+    make_node("h100-a", gpus=2, gpu_class=H100)
+    reported_70b(["llama-70b"], l40s)
+
+    (answer,) = plan_request(names=["llama-70b"]).models
+
+    assert (answer.verdict, answer.profile) == ("fits", 1)  # the L40S profile is refused by the reported 70 B
+    assert answer.needs_gib_per_gpu == 69.5  # the catalog fields (7 B) would say about 9
