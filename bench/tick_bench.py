@@ -160,9 +160,8 @@ def build_nodes(size: int, now):
 
 def full_fleet(nodes, now, waiting_models: int, sleeping: float = 0.0) -> list[str]:
     """Two ready 4-GPU replicas on every node (one model per two nodes, four replicas each), all known idle,
-    and the names of the 8-GPU models that will wait for room. A `sleeping` share of the replicas (every
-    other one at 0.5) is asleep instead: its GPUs are free, and a ready replica of another model is stacked
-    on them, so the fleet stays full."""
+    and the names of the 8-GPU models that will wait for room. A `sleeping` share of the replicas is asleep
+    instead (`_put_to_sleep`)."""
     from datetime import timedelta
 
     from catalog.choices import Engine
@@ -202,7 +201,7 @@ def full_fleet(nodes, now, waiting_models: int, sleeping: float = 0.0) -> list[s
         for g in range(4)
     )
     if sleeping > 0:
-        _stack_sleepers(replicas, shards, now, sleeping)
+        _put_to_sleep(replicas, sleeping)
     waiting = []
     for w in range(waiting_models):
         model = Model.objects.create(name=f"waiting-{w}", source=f"org/waiting-{w}")
@@ -211,14 +210,9 @@ def full_fleet(nodes, now, waiting_models: int, sleeping: float = 0.0) -> list[s
     return waiting
 
 
-def _stack_sleepers(replicas, shards, now, sleeping: float) -> None:
-    """Put a `sleeping` share of `replicas` to sleep and stack a ready replica of a model of its own on each
-    sleeper's GPUs, so the fleet stays full."""
-    from collections import defaultdict
-    from datetime import timedelta
-
-    from catalog.choices import Engine
-    from catalog.models import Model, Profile
+def _put_to_sleep(replicas, sleeping: float) -> None:
+    """Put a `sleeping` share of `replicas` (every other one at 0.5) to sleep, as the hibernate tier leaves them
+    once their engines are asleep: their GPUs free, their engines and ports kept."""
     from reconciler.choices import ReplicaState, ShardState
     from reconciler.models import GPUAssignment, Replica, Shard
 
@@ -227,37 +221,6 @@ def _stack_sleepers(replicas, shards, now, sleeping: float) -> None:
     Replica.objects.filter(pk__in=asleep).update(state=ReplicaState.SLEEPING, endpoint_url="", sleeping_level=2)
     Shard.objects.filter(replica_id__in=asleep).update(state=ShardState.SLEEPING)
     GPUAssignment.objects.filter(shard__replica_id__in=asleep).update(awake=False)
-    # Each sleeper's GPUs are held, awake, by a replica of a model of its own (so the fleet stays full).
-    stackers = []
-    for i, shard in enumerate(s for s in shards if s.replica_id in set(asleep)):
-        model = Model.objects.create(name=f"stacked-{i}", source=f"org/stacked-{i}")
-        profile = Profile.objects.create(
-            model=model, engine=Engine.MOCK, gpu_class="H100-80GB", gpus_per_node=4, idle_timeout_seconds=0
-        )
-        stackers.append((profile, shard))
-    stacked = Replica.objects.bulk_create(
-        Replica(
-            model_id=profile.model_id,
-            profile=profile,
-            state=ReplicaState.READY,
-            endpoint_url=f"http://10.0.0.2:{21000 + i}",
-            ready_at=now - timedelta(hours=1),
-            last_used=now - timedelta(seconds=300 + i),
-        )
-        for i, (profile, _shard) in enumerate(stackers)
-    )
-    on_top = Shard.objects.bulk_create(
-        Shard(replica=replica, node_id=shard.node_id, rank=0, port=22000 + i, state=ShardState.READY)
-        for i, (replica, (_profile, shard)) in enumerate(zip(stacked, stackers, strict=True))
-    )
-    held = defaultdict(list)
-    for assignment in GPUAssignment.objects.filter(shard__replica_id__in=asleep):
-        held[assignment.shard_id].append(assignment.gpu_id)
-    GPUAssignment.objects.bulk_create(
-        GPUAssignment(gpu_id=gpu_id, shard=top)
-        for top, (_profile, shard) in zip(on_top, stackers, strict=True)
-        for gpu_id in held[shard.pk]
-    )
 
 
 if __name__ == "__main__":
