@@ -39,7 +39,7 @@ from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState
 from .eviction import Holding, plan_eviction, stop_candidates, with_freed
 from .fit import MemoryCheck
-from .holdings import read_holdings, spare_replicas
+from .holdings import read_holdings, sleep_levels, spare_replicas
 from .models import Replica, UsageWatch
 from .placement import NodeCapacity, Placement, Shape, place
 from .placing import weights_on_disk
@@ -182,6 +182,7 @@ class _Planner:
         self.fleet, self.holders, self.usage_known, self.now = fleet, holders, usage_known, now
         self.memory = memory
         self.holdings: list[Holding] | None = None  # read once, when a model first needs room
+        self.levels: dict[int, int] = {}  # the level each holding would sleep at (0: it would be stopped)
         self.spare: dict[str, int] = {}
         self.taken: set[int] = set()
         self.running: dict[int, int] = {}  # replicas per saved profile, for its own max
@@ -269,6 +270,7 @@ class _Planner:
             return [], None, "usage is unknown, so nothing counts as idle and nothing would be stopped"
         if self.holdings is None:
             self.holdings, self.spare = read_holdings(self.now), spare_replicas()
+            self.levels = sleep_levels([h.replica_id for h in self.holdings])
         candidates = stop_candidates(
             # Never its own model's replicas: stopping one to start another would only churn.
             (h for h in self.holdings if h.replica_id not in self.taken and h.model != entry.name),
@@ -333,7 +335,15 @@ class _Planner:
         frees = ", ".join(phrases) or "nothing schedulable"
         nodes = {name: list(indices) for name, indices in sorted(victim.gpus.items())}
         return Stop(
-            victim.replica_id, victim.model, victim.priority, victim.gpu_class, victim.gpu_count, nodes, idle, frees
+            victim.replica_id,
+            victim.model,
+            victim.priority,
+            victim.gpu_class,
+            victim.gpu_count,
+            nodes,
+            idle,
+            frees,
+            sleeps=bool(self.levels.get(victim.replica_id)),
         )
 
 

@@ -52,6 +52,8 @@ class Stop:
     """Node name -> the GPU indices it holds there."""
     idle_seconds: float
     frees: str
+    sleeps: bool = False
+    """The tick would put it to sleep rather than stop it (the hibernate tier): it wakes in seconds later."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +108,8 @@ class ModelAnswer(Figures):
         if self.where:
             lines.append("  where: " + "; ".join(f"{s.node} GPUs {','.join(map(str, s.gpus))}" for s in self.where))
         for stop in self.stop:
-            lines.append(f"  stop: replica {stop.replica} of {stop.model} (frees {stop.frees})")
+            how = "sleep" if stop.sleeps else "stop"
+            lines.append(f"  {how}: replica {stop.replica} of {stop.model} (frees {stop.frees})")
         for answer in self.profiles:
             if answer.verdict is Verdict.DOES_NOT_FIT:
                 lines.append(f"  profiles[{answer.index}] {answer.shape}: {answer.problem}: {answer.reason}")

@@ -385,3 +385,15 @@ def test_status_shows_a_sleepers_level_host_memory_and_wake_time():
     (row,) = cluster_summary().replica_list
     assert (row.state, row.sleeping_level, row.host_memory_bytes, row.wake_seconds) == ("sleeping", 1, 16 << 30, 1.3)
     assert cluster_summary().replicas.sleeping == 1
+
+
+def test_the_planner_says_which_victims_would_sleep_rather_than_stop(usage_known):
+    from reconciler.what_if import plan_request
+
+    node = make_node("gpu-a")
+    serving("sleepy", node, idle=3000)
+    make_model("newcomer", gpus_per_node=8, min_replicas=0)
+    (answer,) = plan_request(names=["newcomer"]).models
+    assert answer.verdict == "fits_after_stopping"
+    assert [(s.model, s.sleeps) for s in answer.stop] == [("sleepy", True)]
+    assert "  sleep: replica" in "\n".join(answer.lines())

@@ -222,8 +222,8 @@ def test_planning_writes_nothing_and_reads_a_fixed_number_of_queries(usage_known
         assert [a.verdict for a in answers][0] == Verdict.FITS_AFTER_STOPPING
         assert all(q["sql"].lstrip().upper().startswith("SELECT") for q in queries.captured_queries)
         counts.append(len(queries))
-    # usage, free capacity (3), weights, holdings (3), spare replicas (2)
-    assert counts == [10, 10]
+    # usage, free capacity (3), weights, holdings (3), spare replicas (2), sleep levels
+    assert counts == [11, 11]
 
 
 def test_catalog_models_are_planned_by_name_or_alias_in_three_queries():
