@@ -28,10 +28,11 @@ from django.conf import settings
 
 from catalog.models import Profile
 from reconciler.capacity import CapacitySnapshot, free_capacity
+from reconciler.choices import ReplicaState
 from reconciler.eviction import Holding, stop_candidates, with_freed
 from reconciler.holdings import read_holdings, spare_replicas
 from reconciler.idle import Idle
-from reconciler.models import UsageWatch
+from reconciler.models import Shard, UsageWatch
 from reconciler.placement import NodeCapacity, Placement, Shape, place
 
 from .summary_types import IdleHeld, IdleHeldClass, Leader, StopCandidate, UsageState
@@ -191,7 +192,7 @@ def what_can_i_stop(
     `gpu_classes` are the fleet's classes (each listed in `idle_held_gpus`),
     `unplaceable` the models with a pending replica that found no room.
     Queries: 1 when usage is unknown; else up to 1 + 3 (holdings) + 2 (spare
-    replicas) + 3 (free capacity) + 1 (profiles of unplaceable models).
+    replicas) + 1 (sleepers) + 3 (free capacity) + 1 (profiles of unplaceable models).
     """
     usage = usage_state(now, leader)
     if not usage.known:
@@ -201,9 +202,36 @@ def what_can_i_stop(
     candidates = stop_candidates(
         holdings, spare_replicas(), min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=0
     )
+    sleepers = _sleepers(now)
     if not candidates:
-        return WhatCanIStop(usage, held, [])
+        return WhatCanIStop(usage, held, sleepers)
     fleet = _Fleet(free_capacity(now), _unplaceable_shapes(unplaceable))
     # Most GPU-seconds held while idle first; `candidates` is in eviction order, and sorted() is stable.
     ranked = sorted(candidates, key=lambda h: -(h.gpu_count * (h.idle_seconds or 0.0)))
-    return WhatCanIStop(usage, held, [_entry(h, fleet) for h in ranked])
+    return WhatCanIStop(usage, held, [_entry(h, fleet) for h in ranked] + sleepers)
+
+
+def _sleepers(now: datetime) -> list[StopCandidate]:
+    """Asleep replicas known idle, longest idle first, after the GPU holders: stopping one frees no GPU, but the
+    host memory a level-1 sleep holds, and its engine process and port. One query."""
+    rows = (
+        Shard.objects.filter(replica__state=ReplicaState.SLEEPING, replica__last_used__isnull=False)
+        .order_by("replica__last_used", "replica_id", "rank")
+        .values_list(
+            "replica_id", "replica__model__name", "replica__profile__gpu_class", "replica__last_used",
+            "replica__sleeping_level", "replica__weights_bytes", "node__name",
+        )
+    )  # fmt: skip
+    found: dict[int, StopCandidate] = {}
+    for replica_id, model, gpu_class, last_used, level, weights, node in rows:
+        if replica_id in found:
+            found[replica_id].nodes.append(node)
+            continue
+        idle = max(0.0, (now - last_used).total_seconds())
+        held = f"{weights / (1 << 30):.1f} GiB of host memory" if level == 1 and weights else "no host memory"
+        found[replica_id] = StopCandidate(
+            replica=replica_id, model=model, gpu_class=gpu_class, gpus=0, nodes=[node],
+            idle_seconds=round(idle, 3), idle=str(Idle(idle)), unblocks=[],
+            frees=f"{held}, its engine process and port (asleep at level {level or '?'}; no GPU)",
+        )  # fmt: skip
+    return list(found.values())

@@ -397,3 +397,17 @@ def test_the_planner_says_which_victims_would_sleep_rather_than_stop(usage_known
     assert answer.verdict == "fits_after_stopping"
     assert [(s.model, s.sleeps) for s in answer.stop] == [("sleepy", True)]
     assert "  sleep: replica" in "\n".join(answer.lines())
+
+
+def test_what_can_i_stop_lists_known_idle_sleepers_after_the_gpu_holders():
+    from dashboard.summary import cluster_summary
+
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("sleepy", node, idle=7200))
+    Replica.objects.filter(pk=sleeper.pk).update(sleeping_level=1, weights_bytes=16 << 30)
+    holder = serving("holder", node, idle=3000)
+    unknown = asleep(serving("unknown", make_node("gpu-b")))
+    Replica.objects.filter(pk=unknown.pk).update(last_used=None)  # unknown is not idle: never offered
+    stoppable = cluster_summary().stoppable
+    assert [(s.replica, s.gpus) for s in stoppable] == [(holder.pk, 8), (sleeper.pk, 0)]
+    assert stoppable[1].frees.startswith("16.0 GiB of host memory, its engine process and port (asleep at level 1")
