@@ -98,7 +98,8 @@ def test_commands_round_trip(message):
 
 
 def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
-    # Fields added since (GPU `reason`, `weights`) are optional: see the backward-compatibility test.
+    # Fields added since (GPU `reason`, `weights`, a status's `seconds` and `sleep_level`) are optional: see the
+    # backward-compatibility test.
     assert json.loads(protocol.encode(HELLO)) == {
         "type": "hello",
         "v": 1,
@@ -132,6 +133,8 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
         "message": "engine exited with code 2",
         "port": None,
         "port_busy": False,
+        "seconds": None,
+        "sleep_level": None,
     }
     # An agent that predates `port_busy` still speaks the protocol: the field defaults to False.
     older = protocol.decode_agent_message('{"type": "shard_status", "v": 1, "shard_id": 4, "state": "failed"}')
@@ -139,10 +142,13 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
     assert set(protocol.to_builtins(START)) == {
         "type", "v", "epoch", "cid", "shard_id", "replica_id", "rank", "node_count", "head_address",
         "engine", "model", "source", "gpu_indices", "port", "args", "env", "host", "rendezvous_port",
+        "sleep_mode",
     }  # fmt: skip
-    # A control plane that predates `rendezvous_port` still speaks the protocol: one node, no rendezvous.
-    without = {k: v for k, v in protocol.to_builtins(START).items() if k != "rendezvous_port"}
+    # A control plane that predates `rendezvous_port` (or `sleep_mode`) still speaks the protocol: one node, no
+    # rendezvous, an engine started as before.
+    without = {k: v for k, v in protocol.to_builtins(START).items() if k not in ("rendezvous_port", "sleep_mode")}
     assert protocol.decode_command(json.dumps(without)).rendezvous_port == 0
+    assert protocol.decode_command(json.dumps(without)).sleep_mode is False
     assert protocol.to_builtins(StopShard(epoch=2, shard_id=5, cid="c1")) == {
         "type": "stop_shard",
         "v": 1,
@@ -369,6 +375,6 @@ def test_node_name_pattern(name, ok):
 
 
 def test_shard_report_states_are_the_states_shard_status_accepts():
-    assert protocol.SHARD_REPORT_STATES == ("starting", "ready", "failed", "stopped")
+    assert protocol.SHARD_REPORT_STATES == ("starting", "ready", "sleeping", "failed", "stopped")
     for state in protocol.SHARD_REPORT_STATES:
         assert protocol.decode_agent_message(protocol.encode(ShardStatus(shard_id=1, state=state))).state == state
