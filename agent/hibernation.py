@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -35,7 +35,7 @@ from .supervisor import Shard
 
 log = logging.getLogger(__name__)
 
-Report = Callable[..., Awaitable[None]]
+Report = Callable[..., Coroutine[Any, Any, None]]
 
 
 class Hibernation:
