@@ -116,7 +116,7 @@ class Hibernation:
         """Whether `shard` is still this agent's to act on: not stopping, not exited (the watch reports that)."""
         return not shard.stopping and shard.engine.running and self._shards.get(shard.shard_id) is shard
 
-    async def _sleep(self, shard: Shard, level: int, timeout: float, started: float) -> None:
+    async def _sleep(self, shard: Shard, level: protocol.SleepLevel, timeout: float, started: float) -> None:
         log.info("shard %s: going to sleep at level %s (waiting up to %g s for requests in flight)", shard.shard_id,
                  level, timeout)  # fmt: skip
         waited = ""

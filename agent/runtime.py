@@ -248,6 +248,9 @@ class Agent:
 
     async def _answer_resent_start(self, shard: Shard) -> None:
         # The control plane resends a start it has no answer to yet: answer, do not start twice.
+        if shard.state == "sleeping":
+            await self._report(shard.shard_id, "sleeping", sleep_level=shard.sleep_level)
+            return
         ready = shard.state == "ready"
         await self._report(shard.shard_id, "ready" if ready else "starting", port=shard.port if ready else None)
 

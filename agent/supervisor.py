@@ -223,7 +223,7 @@ class Shard:
     stop_task: asyncio.Task | None = None
     sleep_task: asyncio.Task | None = None
     # The level it sleeps at, while sleeping or waking.
-    sleep_level: int | None = None
+    sleep_level: protocol.SleepLevel | None = None
     # Set by a stop (or shutdown) to end a drain at once.
     stop_now: asyncio.Event = field(default_factory=asyncio.Event)
 

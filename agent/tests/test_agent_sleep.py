@@ -219,16 +219,20 @@ def test_a_stop_during_a_sleep_wins_and_only_the_stop_is_reported():
     run(scenario())
 
 
-def test_a_drain_of_a_sleeping_shard_stops_it_at_once_saying_it_was_asleep():
+def test_a_drain_of_a_sleeping_shard_stops_it_at_once_saying_it_was_asleep_and_a_resent_start_is_answered():
     async def scenario():
         async with ControlPlane() as cp:
             agent = make_agent([cp.url])
             task = asyncio.create_task(agent.run())
             await cp.next(protocol.HELLO)
-            await start_sleepable(cp, 8)
+            port = await start_sleepable(cp, 8)
             pid = agent.engine_pid(8)
             await cp.send(command(protocol.SLEEP_SHARD, 1, shard_id=8))
             assert (await cp.next(protocol.SHARD_STATUS))["state"] == "sleeping"
+            # A start re-sent meanwhile is answered with what the shard is now, not started twice.
+            await cp.send(start_command(8, port, sleep_mode=True))
+            again = await cp.next(protocol.SHARD_STATUS)
+            assert (again["state"], again["sleep_level"], agent.engine_pid(8)) == ("sleeping", 1, pid)
             await cp.send(command(protocol.DRAIN_SHARD, 1, shard_id=8, timeout_seconds=60))
             stopped = await cp.next(protocol.SHARD_STATUS)
             assert stopped["state"] == "stopped"
