@@ -9,6 +9,8 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   hello         node, version, address, fabric, labels{}, gpus[], shards[], weights[]
   heartbeat     gpus[{index, healthy, reason}], shards[{shard_id, state, running}], weights[]
                 (running: requests the engine holds, running or queued; null = unknown)
+                (state: a shard_status state or one of the agent's in-between ones: draining,
+                falling_asleep, sleeping, waking; hello's shards[] the same)
                 (weights: every source on disk, {source, path, size_bytes}; null = unchanged
                 since last reported, or no weights root)
   shard_status  shard_id, state (starting|ready|sleeping|failed|stopped), message, port, port_busy,
@@ -16,7 +18,8 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
                 sleep_level (with `sleeping`: 1 or 2)
   weights_status source, path, removed, message   (the answer to remove_weights)
   ack           cid, refused, message: the command `cid` reached the agent and was
-                accepted (refused = fenced or malformed; message says why)
+                accepted (refused = fenced, malformed, or a sleep or wake that cannot be
+                done; message says why)
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
 stamped with the leader's lease `epoch`, and an agent refuses one older than
