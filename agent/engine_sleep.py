@@ -1,11 +1,14 @@
 """Asking one engine to sleep and to wake, in its own dialect (agent/engines.py chose it at launch).
 
-* `vllm` (vLLM 0.32 with VLLM_SERVER_DEV_MODE=1, and the mock engine imitating it): `POST /sleep?level=N`,
-  confirmed by `GET /is_sleeping` → `{"is_sleeping": true}`. Waking is `POST /wake_up`; after a level-2
+* `vllm` (vLLM 0.32 with VLLM_SERVER_DEV_MODE=1, and the mock engine imitating it): `POST
+  /sleep?level=N&mode=M`, confirmed by `GET /is_sleeping` → `{"is_sleeping": true}`. vLLM's default mode,
+  `abort`, ends the requests in flight; `wait` lets them finish first. agent/hibernation.py waits for them
+  itself (it can report what it waits for, and give up at the drain's timeout), then sleeps with `wait`, so
+  a request that slipped in meanwhile is not cut, or with `abort` once the timeout has passed. Waking is `POST /wake_up`; after a level-2
   sleep the weights were discarded, so, as vLLM's sleep-mode documentation requires, they are reloaded in
   place (`POST /collective_rpc {"method": "reload_weights"}`) and the prefix cache, which would point at the
   old weights' results, is reset (`POST /reset_prefix_cache`). Awake is confirmed by `/is_sleeping` and then
-  `/health`. vLLM's `/sleep` aborts the requests in flight, so agent/hibernation.py waits for them first.
+  `/health`.
 * `sglang` (with `--enable-memory-saver --enable-weights-cpu-backup`): `POST /release_memory_occupation {}`
   and `POST /resume_memory_occupation {}`, then `/health`. SGLang has no route that says whether it sleeps:
   its answers are the confirmation. Level 1 only (the weights wait in host memory).
@@ -49,10 +52,12 @@ class EngineSleep:
         self._base = base_url.rstrip("/")
         self.dialect = dialect
 
-    async def sleep(self, level: int) -> None:
-        """Put the engine to sleep at `level` and confirm it sleeps."""
+    async def sleep(self, level: int, cut_in_flight: bool = False) -> None:
+        """Put the engine to sleep at `level` and confirm it sleeps; requests still in flight finish first,
+        or, with `cut_in_flight`, are ended (vLLM; SGLang has no such choice)."""
         if self.dialect == "vllm":
-            await self._call("POST", "/sleep", params={"level": str(level)})
+            mode = "abort" if cut_in_flight else "wait"
+            await self._call("POST", "/sleep", params={"level": str(level), "mode": mode})
             if not await self.is_sleeping():
                 raise EngineSleepError(f"the engine answered POST /sleep?level={level} but says it is not sleeping")
         elif self.dialect == "sglang":

@@ -131,7 +131,8 @@ class Hibernation:
         if not self._current(shard):
             return
         try:
-            await self._engine(shard).sleep(level)
+            # Past the timeout the sleep does not wait any longer for what is still running.
+            await self._engine(shard).sleep(level, cut_in_flight=waited not in ("", draining.DRAINED))
         except EngineSleepError as exc:
             await self._fail(shard, f"sleep at level {level} failed: {exc}")
             return

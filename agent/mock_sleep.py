@@ -3,14 +3,15 @@
 * Loading: from launch until `--load-seconds` have passed, `/health` answers 503 and requests are held (a
   cold start, for benches of swaps).
 * Sleep, with VLLM_SERVER_DEV_MODE=1 only, as vLLM serves its development routes: `POST /sleep?level=N`
-  (1 or 2, default 1; `{"status": "sleeping", "level": N}`) ends the requests in flight (vLLM's default
-  mode, abort) and holds new ones, neither running nor waiting in the gauges, until `POST /wake_up`
-  (`{"status": "awake"}`, after `--wake-seconds`). `GET /is_sleeping` answers `{"is_sleeping": bool}`.
-  Sleeping again while asleep changes nothing, as in vLLM.
+  (1 or 2, default 1; `{"status": "sleeping", "level": N}`) ends the requests in flight (`mode=abort`,
+  vLLM's default) or first waits for them to finish (`mode=wait`), and holds new ones, neither running
+  nor waiting in the gauges, until `POST /wake_up` (`{"status": "awake", "tags": null}`, after
+  `--wake-seconds`). `GET /is_sleeping` answers `{"is_sleeping": bool}`. Sleeping again while asleep
+  changes nothing, as in vLLM. (vLLM's level 0, which only pauses, and `mode=keep` are not imitated.)
 * Level 2 discarded the weights: after `/wake_up` the engine says it is awake but holds requests until
   `POST /collective_rpc {"method": "reload_weights"}` has reloaded them (vLLM would answer from the
   reallocated, empty weights: the mock holds instead, so a missing reload shows). `POST /reset_prefix_cache`
-  answers 200.
+  answers `{"success": true}`.
 * `vllm:engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}`: 1 for the state it is in.
 """
 
@@ -47,6 +48,8 @@ class MockSleep:
         self.loaded = load_seconds <= 0
         self.level = 0
         self.needs_reload = False
+        # While a sleep with mode=wait waits for the requests in flight.
+        self._paused = False
         # Bumped by each sleep: a request started under an older one was in flight when the engine slept.
         self.generation = 0
         self._serving = asyncio.Event()
@@ -54,7 +57,7 @@ class MockSleep:
 
     @property
     def serving(self) -> bool:
-        return self.loaded and self.level == 0 and not self.needs_reload
+        return self.loaded and self.level == 0 and not self.needs_reload and not self._paused
 
     def _update(self) -> None:
         if self.serving:
@@ -94,6 +97,16 @@ class MockSleep:
         text = request.query.get("level", "1")
         if text not in ("1", "2"):
             raise BadRequest(f"sleep level must be 1 or 2, got {text!r}", "level")
+        mode = request.query.get("mode", "abort")
+        if mode not in ("abort", "wait"):
+            raise BadRequest(f"sleep mode must be abort or wait, got {mode!r}", "mode")
+        if mode == "wait":
+            # New requests are held from now on; those in flight finish first.
+            self._paused = True
+            self._update()
+            while request.app["engine"].running:
+                await asyncio.sleep(0.01)
+            self._paused = False
         if self.level == 0:
             self.level = int(text)
             self.generation += 1
@@ -107,7 +120,7 @@ class MockSleep:
             self.needs_reload = self.needs_reload or self.level == 2
             self.level = 0
             self._update()
-        return web.json_response({"status": "awake"})
+        return web.json_response({"status": "awake", "tags": None})
 
     async def is_sleeping(self, request: web.Request):
         return web.json_response({"is_sleeping": self.level > 0})
@@ -126,7 +139,7 @@ class MockSleep:
         return web.json_response({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request):
-        return web.Response(status=200)
+        return web.json_response({"success": True})
 
     def metric_lines(self, label: str) -> list[str]:
         """vLLM's sleep-state gauge; `label` is the engine's `{engine=…,model_name=…}` set, braces included."""

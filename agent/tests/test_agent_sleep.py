@@ -130,6 +130,30 @@ def test_sleep_waits_for_the_stream_in_flight_and_does_not_cut_it():
     run(scenario())
 
 
+def test_a_sleep_past_its_timeout_cuts_what_still_runs_and_says_so():
+    async def scenario():
+        async with ControlPlane() as cp:
+            agent = make_agent([cp.url], drain_poll_seconds=0.1)
+            task = asyncio.create_task(agent.run())
+            await cp.next(protocol.HELLO)
+            port = await start_sleepable(cp, 10, "--token-delay-ms", "1000")  # a 16 s answer
+            answering = asyncio.Event()
+            stream = asyncio.create_task(open_stream(port, answering))
+            await answering.wait()
+            started = time.monotonic()
+            await cp.send(command(protocol.SLEEP_SHARD, 1, shard_id=10, timeout_seconds=0.5))
+            slept = await cp.next(protocol.SHARD_STATUS, timeout=8)
+            assert (slept["state"], slept["message"]) == ("sleeping", "drain timed out after 0.5 s with 1 running")
+            assert 0.5 <= slept["seconds"] < 4 and time.monotonic() - started < 5
+            # The engine ended it (vLLM's mode abort), instead of the sleep waiting 16 s for it.
+            lines = await stream
+            assert '"finish_reason": "abort"' in lines[-2]
+            await agent.shutdown()
+            await task
+
+    run(scenario())
+
+
 def test_refusals_name_why_llama_cpp_and_shards_started_without_sleep_mode_cannot_sleep(tmp_path):
     async def scenario():
         async with ControlPlane() as cp:

@@ -63,7 +63,7 @@ def test_vllm_level_2_wakes_reloading_the_weights_and_resetting_the_prefix_cache
 
     run(scenario())
     assert recorder.calls == [
-        "POST /sleep?level=2",
+        "POST /sleep?level=2&mode=wait",
         "GET /is_sleeping",
         "POST /wake_up",
         'POST /collective_rpc {"method":"reload_weights"}',
@@ -94,7 +94,7 @@ def test_sglang_releases_and_resumes_its_memory_and_a_follower_is_not_asked_anyt
 @pytest.mark.parametrize(
     ("answers", "step", "problem"),
     [
-        ({"/sleep": (500, "engine core died")}, "sleep", "POST /sleep?level=1 answered HTTP 500: engine core died"),
+        ({"/sleep": (500, "engine core died")}, "sleep", "POST /sleep?level=1&mode=wait answered HTTP 500: engine core died"),
         ({"/is_sleeping": (200, '{"is_sleeping": false}')}, "sleep",
          "the engine answered POST /sleep?level=1 but says it is not sleeping"),
         ({"/is_sleeping": (200, "[]")}, "sleep", "GET /is_sleeping answered '[]', not {'is_sleeping': bool}"),

@@ -87,7 +87,7 @@ def test_a_request_to_a_sleeping_engine_is_held_and_served_once_woken(engine):
     assert 'vllm:num_requests_running{engine="0",model_name="mock-small"} 0.0' in engine.get("/metrics").text
     waking = time.monotonic()
     woke = engine.post("/wake_up")
-    assert (woke.status_code, woke.json()) == (200, {"status": "awake"})
+    assert (woke.status_code, woke.json()) == (200, {"status": "awake", "tags": None})
     assert 0.5 <= time.monotonic() - waking < 2.0  # --wake-seconds
     assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
     assert sleep_state(engine) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
@@ -104,7 +104,7 @@ def test_level_2_serves_only_after_the_weights_are_reloaded(engine):
     assert not held.done(), "the weights a level-2 sleep discarded were not reloaded yet"
     reloaded = engine.post("/collective_rpc", json={"method": "reload_weights"})
     assert reloaded.status_code == 200
-    assert engine.post("/reset_prefix_cache").status_code == 200
+    assert engine.post("/reset_prefix_cache").json() == {"success": True}
     assert held.result(5).json()["choices"][0]["finish_reason"] == "stop"
 
 
@@ -118,11 +118,25 @@ def test_a_sleep_aborts_the_stream_in_flight_as_vllm_does(engine):
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
 
 
+@pytest.mark.parametrize("engine", [("--token-delay-ms", "100")], indirect=True)
+def test_a_sleep_with_mode_wait_lets_the_stream_in_flight_finish_first(engine):
+    body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "one two three four five six"}]}
+    stream = engine.pool.submit(engine.post, "/v1/chat/completions", json=body)
+    wait_until(lambda: 'running{engine="0",model_name="mock-small"} 1.0' in engine.get("/metrics").text, 5, 0.02)
+    assert engine.post("/sleep", params={"level": 1, "mode": "wait"}).json() == {"status": "sleeping", "level": 1}
+    assert stream.done()
+    events = sse_events(stream.result())
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": True}
+
+
 def test_bad_sleep_levels_are_refused_naming_the_level(engine):
     refused = engine.post("/sleep", params={"level": "3"})
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == "sleep level must be 1 or 2, got '3'"
     assert refused.json()["error"]["param"] == "level"
+    keep = engine.post("/sleep", params={"mode": "keep"})
+    assert (keep.status_code, keep.json()["error"]["param"]) == (400, "mode")
     no_method = engine.post("/collective_rpc", json={})
     assert no_method.status_code == 400 and no_method.json()["error"]["param"] == "method"
     assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
