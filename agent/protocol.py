@@ -32,7 +32,8 @@ not; the control plane re-sends it until then (reconciler/commands.py)
                 host (the address the engine listens on; "" = the agent's --address),
                 rendezvous_port (where the ranks of a replica spanning nodes meet,
                 on the head node; 0 for one node),
-                sleep_mode (start the engine able to sleep; agent/engines.py says how)
+                sleep_mode (start the engine able to sleep, agent/engines.py says how;
+                absent unless true)
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
                 reports no requests in flight, or when the timeout passes
@@ -52,7 +53,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .engine_env import env_problem
 from .protocol_parts import (
@@ -225,8 +226,14 @@ class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     host: str = ""
     # A port on the head node, reserved beside the head's engine port, where a multi-node replica's ranks meet.
     rendezvous_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-    # Start the engine able to sleep (sleep_shard); an engine that cannot sleep starts as usual.
-    sleep_mode: bool = False
+    # Start the engine able to sleep (sleep_shard); an engine that cannot sleep starts as usual. Left out of
+    # the message unless set, so a start without it keeps the shape starts always had.
+    sleep_mode: bool | UnsetType = UNSET
+
+    @property
+    def able_to_sleep(self) -> bool:
+        """Whether the engine is to be started able to sleep (`sleep_mode` true; absent is no)."""
+        return self.sleep_mode is True
 
     def __post_init__(self) -> None:
         _no_repeated_gpus(self.gpu_indices, "gpu_indices")

@@ -32,7 +32,7 @@ def launch_for(cmd: protocol.StartShard, options: AgentOptions, gpus: Sequence[G
         args=list(cmd.args),
         host=cmd.host or options.address,
         rendezvous_port=cmd.rendezvous_port,
-        sleep_mode=cmd.sleep_mode,
+        sleep_mode=cmd.able_to_sleep,
         # --fake-gpus: the engine runs on the CPU, where GPU-only flags are refused.
         gpus_simulated=any(g.simulated for g in gpus if g.index in cmd.gpu_indices),
         python=options.engine_python,

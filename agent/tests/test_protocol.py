@@ -142,13 +142,10 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
     assert set(protocol.to_builtins(START)) == {
         "type", "v", "epoch", "cid", "shard_id", "replica_id", "rank", "node_count", "head_address",
         "engine", "model", "source", "gpu_indices", "port", "args", "env", "host", "rendezvous_port",
-        "sleep_mode",
     }  # fmt: skip
-    # A control plane that predates `rendezvous_port` (or `sleep_mode`) still speaks the protocol: one node, no
-    # rendezvous, an engine started as before.
-    without = {k: v for k, v in protocol.to_builtins(START).items() if k not in ("rendezvous_port", "sleep_mode")}
+    # A control plane that predates `rendezvous_port` still speaks the protocol: one node, no rendezvous.
+    without = {k: v for k, v in protocol.to_builtins(START).items() if k != "rendezvous_port"}
     assert protocol.decode_command(json.dumps(without)).rendezvous_port == 0
-    assert protocol.decode_command(json.dumps(without)).sleep_mode is False
     assert protocol.to_builtins(StopShard(epoch=2, shard_id=5, cid="c1")) == {
         "type": "stop_shard",
         "v": 1,

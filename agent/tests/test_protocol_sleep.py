@@ -44,11 +44,18 @@ def test_a_wake_without_its_shard_is_refused_and_the_refusal_keeps_the_command_i
     assert (refused.value.kind, refused.value.epoch, refused.value.cid) == ("wake_shard", 2, "c9")
 
 
-def test_start_shard_sleep_mode_is_optional_and_must_be_a_boolean():
+def test_start_shard_sleep_mode_is_optional_left_out_unless_set_and_must_be_a_boolean():
     start = {"type": "start_shard", "epoch": 1, "shard_id": 1, "engine": "vllm", "model": "m", "source": "m",
              "gpu_indices": [0], "port": 20000}  # fmt: skip
-    assert protocol.decode_command(command(**start)).sleep_mode is False
-    assert protocol.decode_command(command(**start, sleep_mode=True)).sleep_mode is True
+    assert protocol.decode_command(command(**start)).able_to_sleep is False
+    assert protocol.decode_command(command(**start, sleep_mode=False)).able_to_sleep is False
+    assert protocol.decode_command(command(**start, sleep_mode=True)).able_to_sleep is True
+    # A start that does not ask for it has the shape starts had before it (control planes may compare them).
+    plain = StartShard(epoch=1, shard_id=1, engine="vllm", model="m", source="m", gpu_indices=[0], port=20000)
+    assert "sleep_mode" not in protocol.to_builtins(plain)
+    asked = StartShard(epoch=1, shard_id=1, engine="vllm", model="m", source="m", gpu_indices=[0], port=20000,
+                       sleep_mode=True)  # fmt: skip
+    assert protocol.to_builtins(asked)["sleep_mode"] is True
     with pytest.raises(protocol.ProtocolError, match=r"Expected `bool`, got `str` - at `\$.sleep_mode`"):
         protocol.decode_command(command(**start, sleep_mode="yes"))
     assert isinstance(protocol.decode_command(command(**start)), StartShard)
