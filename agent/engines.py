@@ -43,6 +43,19 @@ Every engine listens on `host`, the node's management address: the one its
 endpoint is published on (start_shard's `host`, else the agent's `--address`),
 never on every interface. All four take `--host`.
 
+Sleep (the hibernate tier, agent/hibernation.py). A shard started with `sleep_mode` can be put to sleep
+and woken without a restart; each launch says how (`Launch.sleep`, a dialect of agent/engine_sleep.py):
+* vLLM: `VLLM_SERVER_DEV_MODE=1` (its `/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc` and
+  `/reset_prefix_cache` routes, served on the management address like every route) and
+  `--enable-sleep-mode`, which vLLM's CPU build refuses at start-up ("Sleep mode is not supported on
+  current platform"). So the flag goes only to shards on real GPUs: on GPUs simulated with `--fake-gpus`
+  the engine runs on the CPU, where the dev routes alone give the real state machine (vLLM's CPU worker
+  ignores the memory part). Ranks above 0 sleep with their head (vLLM's sleep reaches every worker).
+* SGLang: `--enable-memory-saver` (its `/release_memory_occupation` and `/resume_memory_occupation`) with
+  `--enable-weights-cpu-backup`, so the weights wait in host memory: level 1 only.
+* The mock engine: the same environment as vLLM, whose sleep routes it imitates.
+* llama.cpp has no sleep: it is stopped instead.
+
 Each launch also says where the engine publishes its Prometheus metrics (the
 agent reads its requests in flight there, agent/engine_load.py): vLLM always
 serves `/metrics`; SGLang only with `--enable-metrics` and llama.cpp's server
@@ -56,13 +69,15 @@ import ipaddress
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .vllm_command import DEFAULT_VLLM_COMMAND, model_arguments
 
 ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 DEFAULT_LLAMA_SERVER = "llama-server"
+# vLLM serves its sleep routes (and its other development routes) only with this set.
+VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 # The mock engine is imported from this checkout, whatever directory the agent was started from.
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -84,6 +99,9 @@ class Launch:
     cwd: str | None = None
     metrics_path: str | None = "/metrics"
     host: str = "127.0.0.1"
+    # How the engine sleeps (agent/engine_sleep.py), or None with `no_sleep` saying why it cannot.
+    sleep: str | None = None
+    no_sleep: str = ""
 
     @property
     def url_host(self) -> str:
@@ -145,21 +163,46 @@ def build_launch(
     args: list[str],
     host: str,
     rendezvous_port: int = 0,
+    sleep_mode: bool = False,
+    gpus_simulated: bool = False,
     python: str = sys.executable,
     llama_server: str = DEFAULT_LLAMA_SERVER,
     vllm_command: Sequence[str] = DEFAULT_VLLM_COMMAND,
 ) -> Launch:
-    """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input."""
+    """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input.
+
+    `sleep_mode` starts the engine able to sleep; `gpus_simulated` says its GPUs are `--fake-gpus` ones.
+    """
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     _check_rendezvous(node_count, rendezvous_port)
     shard = _Shard(model, source, port, gpu_indices, rank, node_count, head_address, args, host, rendezvous_port)
     if engine == "vllm":
-        return _vllm(shard, vllm_command)
-    if engine == "sglang":
-        return _sglang(shard)
+        launch = _vllm(shard, vllm_command)
+    elif engine == "sglang":
+        launch = _sglang(shard)
+    elif engine == "llamacpp":
+        launch = _llamacpp(shard, llama_server)
+    else:
+        launch = _mock(shard, python)
+    return _able_to_sleep(launch, engine, shard.rank, sleep_mode, gpus_simulated)
+
+
+def _able_to_sleep(launch: Launch, engine: str, rank: int, sleep_mode: bool, gpus_simulated: bool) -> Launch:
+    """`launch` with what lets its engine sleep (the module's docstring), or the reason it cannot."""
     if engine == "llamacpp":
-        return _llamacpp(shard, llama_server)
-    return _mock(shard, python)
+        return replace(launch, no_sleep="llama.cpp has no sleep mode; stop it instead")
+    if not sleep_mode:
+        return replace(launch, no_sleep=f"shard was started without sleep_mode, so its {engine} engine cannot sleep")
+    argv, env = list(launch.argv), dict(launch.env)
+    if engine in ("vllm", "mock"):
+        env[VLLM_DEV_MODE_ENV] = "1"
+        if engine == "vllm" and not gpus_simulated:
+            argv.append("--enable-sleep-mode")
+    else:
+        argv += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+    # The mock serves every rank itself; a real engine's other ranks sleep with their head.
+    dialect = "follower" if rank > 0 and engine != "mock" else ("sglang" if engine == "sglang" else "vllm")
+    return replace(launch, argv=argv, env=env, sleep=dialect)
 
 
 @dataclass(frozen=True)

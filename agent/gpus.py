@@ -43,6 +43,8 @@ class GPUInfo:
     gpu_class: str
     memory_mb: int
     healthy: bool = True
+    # From --fake-gpus: no GPU is there, so engines run on the CPU (agent/engines.py: no GPU-only flags).
+    simulated: bool = False
 
     def report(self) -> GPUReport:
         """This GPU as `hello` carries it."""
@@ -75,7 +77,7 @@ def parse_fake_gpus(spec: str, node_name: str = "") -> list[GPUInfo]:
             if index >= MAX_GPUS_PER_NODE:
                 raise ValueError(f"fake GPU spec {spec!r} has more than {MAX_GPUS_PER_NODE} GPUs")
             ident = uuid.uuid5(_FAKE_UUID_NAMESPACE, f"{node_name}/{index}/{gpu_class}")
-            gpus.append(GPUInfo(index, f"GPU-{ident}", gpu_class, memory_gb * 1024, True))
+            gpus.append(GPUInfo(index, f"GPU-{ident}", gpu_class, memory_gb * 1024, True, simulated=True))
     return gpus
 
 

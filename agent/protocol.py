@@ -10,13 +10,18 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
                 host_memory_mib (null = unknown)
   heartbeat     gpus[{index, healthy, reason}], shards[{shard_id, state, running}], weights[]
                 (running: requests the engine holds, running or queued; null = unknown)
+                (state: a shard_status state or one of the agent's in-between ones: draining,
+                falling_asleep, sleeping, waking; hello's shards[] the same)
                 (weights: every source on disk, {source, path, size_bytes, header}; null =
                 unchanged since last reported, or no weights root; header: what the weights'
                 headers say of their size and shape, agent/protocol_weights.py, null = not read)
-  shard_status  shard_id, state (starting|ready|failed|stopped), message, port, port_busy
+  shard_status  shard_id, state (starting|ready|sleeping|failed|stopped), message, port, port_busy,
+                seconds (how long the sleep or wake it reports took; null otherwise),
+                sleep_level (with `sleeping`: 1 or 2)
   weights_status source, path, removed, message   (the answer to remove_weights)
   ack           cid, refused, message: the command `cid` reached the agent and was
-                accepted (refused = fenced or malformed; message says why)
+                accepted (refused = fenced, malformed, or a sleep or wake that cannot be
+                done; message says why)
 
 control plane → agent (`Command`, checked by `decode_command`); each command is
 stamped with the leader's lease `epoch`, and an agent refuses one older than
@@ -28,10 +33,19 @@ not; the control plane re-sends it until then (reconciler/commands.py)
                 (env: extra environment for the engine, checked by agent/engine_env.py)
                 host (the address the engine listens on; "" = the agent's --address),
                 rendezvous_port (where the ranks of a replica spanning nodes meet,
-                on the head node; 0 for one node)
+                on the head node; 0 for one node),
+                sleep_mode (start the engine able to sleep, agent/engines.py says how;
+                absent unless true)
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
                 reports no requests in flight, or when the timeout passes
+  sleep_shard   epoch, shard_id, level (1|2), timeout_seconds (default 300): once the engine
+                reports no requests in flight (or the timeout passes), put it to sleep;
+                answered with shard_status `sleeping`, or `failed` (the engine is stopped)
+  wake_shard    epoch, shard_id: wake a sleeping engine; answered with shard_status `ready`
+                (with its port), or `failed`. Sleep and wake are refused in the ack (refused,
+                message says why) for a shard not running, an engine that cannot sleep, or a
+                shard in the wrong state (agent/hibernation.py)
   remove_weights epoch, source, path: delete a source's weights from the node's disk
   error         message   (the control plane could not accept a message)
 """
@@ -41,9 +55,18 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .engine_env import env_problem
+from .protocol_parts import (
+    PORT,
+    GPUHealth,
+    GPUIndex,
+    GPUReport,
+    RunningShard,
+    ShardHeartbeat,
+    _no_repeated_gpus,
+)
 
 # The weights items live in their own module; they are part of the protocol, so both ends import them from here.
 from .protocol_weights import WeightsHeaderFacts as WeightsHeaderFacts
@@ -69,6 +92,9 @@ ERROR = "error"
 ShardState = Literal["starting", "ready", "sleeping", "failed", "stopped"]
 SHARD_REPORT_STATES: tuple[str, ...] = get_args(ShardState)
 
+# vLLM's sleep levels: 1 moves the weights to host memory, 2 discards them (reloaded from disk on wake).
+SleepLevel = Literal[1, 2]
+
 # Close codes the control plane uses (4000-4999 are application codes).
 CLOSE_UNAUTHORIZED = 4001
 CLOSE_SUPERSEDED = 4002
@@ -77,9 +103,7 @@ CLOSE_PROTOCOL = 4003
 # Node names become channel-layer group names, hence the short, plain alphabet.
 NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
-PORT = Annotated[int, Meta(ge=1, le=65535)]
 NodeName = Annotated[str, Meta(pattern=NODE_NAME_PATTERN)]
-GPUIndex = Annotated[int, Meta(ge=0)]
 
 
 class ProtocolError(ValueError):
@@ -115,57 +139,6 @@ def parse_port(text: str | int) -> int:
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is outside 1-65535")
     return port
-
-
-def _no_repeated_gpus(indices: list[int], where: str) -> None:
-    seen: set[int] = set()
-    for index in indices:
-        if index in seen:
-            # __post_init__ errors carry no path at the top level, so the sentence names the field.
-            raise ValueError(f"GPU index {index} is repeated in `{where}`")
-        seen.add(index)
-
-
-# The parts of messages below are untagged and unversioned: they are list items, not messages.
-class GPUReport(Struct, frozen=True, kw_only=True):
-    """One GPU as `hello` describes it."""
-
-    index: GPUIndex
-    uuid: str
-    gpu_class: Annotated[str, Meta(min_length=1)]
-    memory_mb: Annotated[int, Meta(ge=0)]
-    healthy: bool
-    reason: str = ""
-
-
-class GPUHealth(Struct, frozen=True, kw_only=True):
-    """One GPU's health as `heartbeat` reports it; `reason` says why when unhealthy (XID, ECC, lost, …)."""
-
-    index: GPUIndex
-    healthy: bool
-    reason: str = ""
-
-
-class RunningShard(Struct, frozen=True, kw_only=True):
-    """A shard the agent runs now, as `hello` reports it (the control plane adopts or stops it)."""
-
-    shard_id: int
-    replica_id: int | None
-    state: str
-    port: PORT | None
-
-
-class ShardHeartbeat(Struct, frozen=True, kw_only=True):
-    """A running shard's state as `heartbeat` reports it.
-
-    `running` is the number of requests the engine holds (running or queued)
-    by its own /metrics, or None when that is not known (DESIGN invariant 3:
-    unknown is not idle).
-    """
-
-    shard_id: int
-    state: str
-    running: Annotated[int, Meta(ge=0)] | None = None
 
 
 class _Message(Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -220,6 +193,9 @@ class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
     message: str = ""
     port: PORT | None = None
     port_busy: bool = False
+    # A sleep (`sleeping`) or a wake (`ready` after one) reports how long it took, so wake times can be learned.
+    seconds: Annotated[float, Meta(ge=0)] | None = None
+    sleep_level: SleepLevel | None = None
 
 
 # A command id: unique per command, answered by `ack`; empty on a command that wants no answer.
@@ -258,8 +234,14 @@ class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     host: str = ""
     # A port on the head node, reserved beside the head's engine port, where a multi-node replica's ranks meet.
     rendezvous_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-    # Start the engine able to sleep and wake (sleep_shard, wake_shard).
-    sleep_mode: bool = False
+    # Start the engine able to sleep (sleep_shard); an engine that cannot sleep starts as usual. Left out of
+    # the message unless set, so a start without it keeps the shape starts always had.
+    sleep_mode: bool | UnsetType = UNSET
+
+    @property
+    def able_to_sleep(self) -> bool:
+        """Whether the engine is to be started able to sleep (`sleep_mode` true; absent is no)."""
+        return self.sleep_mode is True
 
     def __post_init__(self) -> None:
         _no_repeated_gpus(self.gpu_indices, "gpu_indices")
@@ -286,17 +268,20 @@ class DrainShard(_Message, frozen=True, kw_only=True, tag=DRAIN_SHARD):
 
 
 class SleepShard(_Message, frozen=True, kw_only=True, tag=SLEEP_SHARD):
-    """Put a shard's engine to sleep at `level` once it holds no requests (or after `timeout_seconds`)."""
+    """Put a shard's engine to sleep at `level` once it holds no requests, or after `timeout_seconds` regardless.
+
+    The control plane has already unpublished the replica, so no new requests arrive (a sleep is a drain).
+    """
 
     epoch: int
     cid: CommandId = ""
     shard_id: int
-    level: Annotated[int, Meta(ge=1, le=2)] = 1
+    level: SleepLevel = 1
     timeout_seconds: Annotated[float, Meta(ge=0)] = DEFAULT_DRAIN_TIMEOUT_SECONDS
 
 
 class WakeShard(_Message, frozen=True, kw_only=True, tag=WAKE_SHARD):
-    """Wake a sleeping shard's engine; the agent reports it ready when it serves again."""
+    """Wake a sleeping shard's engine; it is reported `ready` once it serves again."""
 
     epoch: int
     cid: CommandId = ""
@@ -341,6 +326,8 @@ _COMMANDS: dict[str, type[Any]] = {
     START_SHARD: StartShard,
     STOP_SHARD: StopShard,
     DRAIN_SHARD: DrainShard,
+    SLEEP_SHARD: SleepShard,
+    WAKE_SHARD: WakeShard,
     REMOVE_WEIGHTS: RemoveWeights,
 }
 _FROM_CONTROL_PLANE: dict[str, type[Any]] = {**_COMMANDS, ERROR: Error}

@@ -3,7 +3,8 @@
 One `Agent` per node. Over its link (agent/link.py) it says `hello` (its GPUs
 and the shards it runs now), sends a `heartbeat` on an interval, and carries
 out `start_shard`, `stop_shard` and `drain_shard`, answering each with
-`shard_status` (messages in agent/protocol.py). Each shard's engine is an
+`shard_status` (messages in agent/protocol.py), and `sleep_shard` and
+`wake_shard` through agent/hibernation.py. Each shard's engine is an
 EngineProcess (agent/supervisor.py) started from its launch (agent/engines.py).
 
 Each heartbeat carries the requests every serving engine holds, read from its
@@ -32,11 +33,12 @@ import shlex
 
 from . import draining, engine_env, protocol
 from .engine_load import EngineLoad
-from .engines import Launch, build_launch
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
 from .gpus import host_memory_mib
+from .hibernation import Hibernation
 from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
 from .options import AgentOptions
+from .starting import added_env, launch_for
 from .state import AgentState, Fence, StateError
 from .supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
 from .weights_inventory import WeightsInventory
@@ -73,6 +75,9 @@ class Agent:
         self._load = EngineLoad(options.load_timeout)
         self._fencing = Fence(self._state)
         self._shards: dict[int, Shard] = {}
+        self._hibernation = Hibernation(
+            self._shards, self._load, self._report, options.drain_poll_seconds, options.stop_grace_seconds
+        )
         self._shutdown_task: asyncio.Task | None = None
         discovered = {
             g.index: GPUCondition(g.healthy, "" if g.healthy else "unreadable at discovery") for g in self.gpus
@@ -157,11 +162,22 @@ class Agent:
         message: str = "",
         port: int | None = None,
         port_busy: bool = False,
+        seconds: float | None = None,
+        sleep_level: protocol.SleepLevel | None = None,
     ):
+        took = f" in {seconds:g} s" if seconds is not None else ""
         log.info(
-            "shard %s on %s: %s%s", shard_id, self.node, state, f" ({message.splitlines()[-1]})" if message else ""
+            "shard %s on %s: %s%s%s",
+            shard_id,
+            self.node,
+            state,
+            took,
+            f" ({message.splitlines()[-1]})" if message else "",
         )
-        status = protocol.ShardStatus(shard_id=shard_id, state=state, message=message, port=port, port_busy=port_busy)
+        status = protocol.ShardStatus(
+            shard_id=shard_id, state=state, message=message, port=port, port_busy=port_busy, seconds=seconds,
+            sleep_level=sleep_level,
+        )  # fmt: skip
         if not await self._link.send(protocol.encode(status)):
             log.debug("not connected; dropped shard_status for shard %s", shard_id)
 
@@ -178,6 +194,15 @@ class Agent:
         subject = f"weights {message.source}" if weights else message.shard_id
         if not self._fence(message.__struct_config__.tag, message.epoch, subject):
             await self._ack(message.cid, f"epoch {message.epoch} is older than epoch {self.highest_epoch} already seen")
+            return
+        if isinstance(message, protocol.SleepShard | protocol.WakeShard):
+            # Refused in the ack when it cannot be done (agent/hibernation.py says when).
+            refused = self._hibernation.refusal(message)
+            await self._ack(message.cid, refused)
+            if refused:
+                log.warning("refused %s for shard %s: %s", message.__struct_config__.tag, message.shard_id, refused)
+            else:
+                self._hibernation.begin(message)
             return
         # Answered before it is carried out: the control plane stops re-sending it now, and a re-sent
         # copy is answered again (a start for a shard already running is not started twice).
@@ -225,6 +250,9 @@ class Agent:
 
     async def _answer_resent_start(self, shard: Shard) -> None:
         # The control plane resends a start it has no answer to yet: answer, do not start twice.
+        if shard.state == "sleeping":
+            await self._report(shard.shard_id, "sleeping", sleep_level=shard.sleep_level)
+            return
         ready = shard.state == "ready"
         await self._report(shard.shard_id, "ready" if ready else "starting", port=shard.port if ready else None)
 
@@ -234,7 +262,7 @@ class Agent:
             await self._answer_resent_start(running)
             return
         try:
-            launch = self._launch_for(cmd)
+            launch = launch_for(cmd, self.options, self.gpus)
         except ValueError as exc:
             await self._report(cmd.shard_id, "failed", f"cannot start shard: {exc}")
             return
@@ -247,11 +275,7 @@ class Agent:
                 port_busy=True,
             )
             return
-        # The assigned GPUs (in launch.env) always win over a profile's environment (whose gate refuses
-        # the names the agent sets, agent/engine_env.py).
-        # Hub downloads land in the weights root, where the weights inventory looks (agent/weights.py).
-        weights_env = {"HF_HOME": self.options.weights_root} if self.options.weights_root else {}
-        added = {**weights_env, **cmd.env, **launch.env, **self._gpu_memory_env(cmd.gpu_indices)}
+        added = added_env(cmd, launch, self.options, self.gpus)
         env = {**os.environ, **added}
         try:
             # The name prefixes every line of the engine's output in the agent's log.
@@ -275,33 +299,6 @@ class Agent:
         log.info("shard %s: started %s (pid %s)", cmd.shard_id, command_line, engine.pid)
         await self._report(cmd.shard_id, "starting")
         shard.watch = asyncio.create_task(self._watch(shard), name=f"shard-{cmd.shard_id}-watch")
-
-    def _gpu_memory_env(self, indices) -> dict[str, str]:
-        """The placed GPUs' memory (MiB each, in CUDA_VISIBLE_DEVICES order), so an engine can tell whether it fits."""
-        memory = {g.index: g.memory_mb for g in self.gpus}
-        return {engine_env.GPU_MEMORY_ENV: ",".join(str(memory[i]) for i in indices if i in memory)}
-
-    def _launch_for(self, cmd: protocol.StartShard) -> Launch:
-        known = {g.index for g in self.gpus}
-        missing = [i for i in cmd.gpu_indices if i not in known]
-        if missing:
-            raise ValueError(f"GPU indices {missing} are not on node {self.node}")
-        return build_launch(
-            cmd.engine,
-            model=cmd.model,
-            source=cmd.source,
-            port=cmd.port,
-            gpu_indices=list(cmd.gpu_indices),
-            rank=cmd.rank,
-            node_count=cmd.node_count,
-            head_address=cmd.head_address,
-            args=list(cmd.args),
-            host=cmd.host or self.options.address,
-            rendezvous_port=cmd.rendezvous_port,
-            python=self.options.engine_python,
-            llama_server=self.options.llama_server,
-            vllm_command=self.options.vllm_command,
-        )
 
     async def _watch(self, shard: Shard) -> None:
         """Report ready when the engine is healthy, failed if it exits or never becomes healthy."""
@@ -349,9 +346,9 @@ class Agent:
         if shard.stop_task is not None:
             return shard.stop_task
         shard.stopping = True
-        if shard.state != "ready":
-            # Not serving yet, so nothing is in flight.
-            reason = "stopped at once: the engine was not serving yet"
+        if shard.state not in ("ready", "falling_asleep"):
+            # Not serving (yet, or while asleep), so nothing is in flight.
+            reason = f"stopped at once: the engine was {_NOT_SERVING.get(shard.state, 'not serving yet')}"
         elif shard.launch.metrics_path is None:
             # Its load cannot be read; SIGTERM still lets vLLM and SGLang finish what they hold.
             reason = "stopped at once: the engine reports no load to wait on"
@@ -392,3 +389,8 @@ class Agent:
             await asyncio.gather(*stops, return_exceptions=True)
         await self._link.close()
         await self._load.aclose()
+        await self._hibernation.aclose()
+
+
+# What a drain says of an engine it stops at once because it serves nothing.
+_NOT_SERVING = {"sleeping": "asleep", "waking": "waking from sleep"}

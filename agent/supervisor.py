@@ -202,8 +202,9 @@ class EngineProcess:
                     self._process.send_signal(sig)
 
 
-# States in which an engine serves requests, so its load is worth reading.
-SERVING_STATES = ("ready", "draining")
+# States in which an engine serves requests, so its load is worth reading (a sleeping one holds what
+# arrives, uncounted by vLLM's own gauges, so its load is not known).
+SERVING_STATES = ("ready", "draining", "falling_asleep")
 
 
 @dataclass
@@ -215,10 +216,14 @@ class Shard:
     port: int
     launch: Launch
     engine: EngineProcess
-    state: str = "starting"  # starting | ready | draining, until the process is gone
+    # starting | ready | draining, or falling_asleep | sleeping | waking (agent/hibernation.py), until it is gone
+    state: str = "starting"
     stopping: bool = False
     watch: asyncio.Task | None = None
     stop_task: asyncio.Task | None = None
+    sleep_task: asyncio.Task | None = None
+    # The level it sleeps at, while sleeping or waking.
+    sleep_level: protocol.SleepLevel | None = None
     # Set by a stop (or shutdown) to end a drain at once.
     stop_now: asyncio.Event = field(default_factory=asyncio.Event)
 

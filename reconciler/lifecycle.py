@@ -228,8 +228,9 @@ def start_fields(
         "env": dict(replica.profile.env or {}),
         "host": host,
         "rendezvous_port": rendezvous_port(head_port) if node_count > 1 else 0,
-        # Started able to sleep when the placer gave it a sleep level (reconciler.hibernate).
-        "sleep_mode": bool(replica.sleep_level),
+        # Started able to sleep when the placer gave it a sleep level (reconciler.hibernate); left out otherwise,
+        # so a start that does not ask for it keeps the shape starts always had.
+        **({"sleep_mode": True} if replica.sleep_level else {}),
     }
 
 

@@ -400,3 +400,46 @@ def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
     wait_until(lambda: not engine_pids(stack.info["var"], SERVER_MODULE.encode()), 15, 0.2)
     # Right after: the agent reads vLLM's running count every half second, and vLLM stops in a few seconds.
     assert time.monotonic() - finished[0] < 10
+
+
+def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_sleep_calls(stack):
+    """The agent's sleep and wake calls (agent/engine_sleep.py, what agent/hibernation.py runs for sleep_shard and
+    wake_shard) against the real vLLM: the state machine is real (`/is_sleeping`, the engine_sleep_state gauge, a
+    request held while asleep and served after the wake, the weights reloaded and the prefix cache reset after level
+    2), but on CPU the memory is not freed: vLLM's CPU worker ignores that part ("sleep mode is not supported on CPU,
+    ignore it"), which is why the agent does not pass it `--enable-sleep-mode` on simulated GPUs."""
+    from agent.engine_sleep import EngineSleep
+
+    stack.chat("hello again", 2)  # starts the engine again if a drain above stopped it
+    (replica,) = wait_until(
+        lambda: [r for r in stack.api("GET", "replicas/", params={"state": "ready"}).json()["results"]
+                 if r["model"] == MODEL],
+        30, 0.5,
+    )  # fmt: skip
+    url = replica["endpoint_url"]
+    engine = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+    def gauge() -> dict[str, float]:
+        samples = metric_samples(httpx.get(url + "/metrics", timeout=5).text, "vllm:engine_sleep_state")
+        return {s.labels["sleep_state"]: s.value for s in samples}
+
+    async def sleep_and_wake(level: int) -> None:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            calls = EngineSleep(client, url, "vllm")
+            await calls.sleep(level)
+            assert await calls.is_sleeping()
+            assert gauge() == {"awake": 0.0, "weights_offloaded": float(level == 1), "discard_all": float(level == 2)}
+            held = stack.submit(
+                engine.chat.completions.create, model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            time.sleep(1.0)
+            assert not held.done(), "a request to a sleeping engine is held"
+            await calls.wake(level)
+            assert not await calls.is_sleeping()
+            assert gauge() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+            assert held.result(60).usage.completion_tokens == 3
+
+    import asyncio
+
+    asyncio.run(sleep_and_wake(1))
+    asyncio.run(sleep_and_wake(2))  # its wake reloads the weights (POST /collective_rpc) and resets the prefix cache

@@ -145,6 +145,8 @@ def command(kind: str, epoch: int, **fields) -> dict:
         protocol.START_SHARD: protocol.StartShard,
         protocol.STOP_SHARD: protocol.StopShard,
         protocol.DRAIN_SHARD: protocol.DrainShard,
+        protocol.SLEEP_SHARD: protocol.SleepShard,
+        protocol.WAKE_SHARD: protocol.WakeShard,
         protocol.REMOVE_WEIGHTS: protocol.RemoveWeights,
     }[kind]
     return protocol.to_builtins(struct(epoch=epoch, **fields))

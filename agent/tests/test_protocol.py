@@ -98,7 +98,8 @@ def test_commands_round_trip(message):
 
 
 def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
-    # Fields added since (GPU `reason`, `weights`) are optional: see the backward-compatibility test.
+    # Fields added since (GPU `reason`, `weights`, a status's `seconds` and `sleep_level`) are optional: see the
+    # backward-compatibility test.
     assert json.loads(protocol.encode(HELLO)) == {
         "type": "hello",
         "v": 1,
@@ -132,6 +133,8 @@ def test_the_wire_shape_is_the_dict_shape_the_protocol_always_had():
         "message": "engine exited with code 2",
         "port": None,
         "port_busy": False,
+        "seconds": None,
+        "sleep_level": None,
     }
     # An agent that predates `port_busy` still speaks the protocol: the field defaults to False.
     older = protocol.decode_agent_message('{"type": "shard_status", "v": 1, "shard_id": 4, "state": "failed"}')
@@ -369,6 +372,6 @@ def test_node_name_pattern(name, ok):
 
 
 def test_shard_report_states_are_the_states_shard_status_accepts():
-    assert protocol.SHARD_REPORT_STATES == ("starting", "ready", "failed", "stopped")
+    assert protocol.SHARD_REPORT_STATES == ("starting", "ready", "sleeping", "failed", "stopped")
     for state in protocol.SHARD_REPORT_STATES:
         assert protocol.decode_agent_message(protocol.encode(ShardStatus(shard_id=1, state=state))).state == state
