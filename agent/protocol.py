@@ -159,8 +159,8 @@ class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
     shards: list[RunningShard] = []
     # None: the agent has no weights root (or predates weights), so nothing is known.
     weights: list[WeightsReport] | None = None
-    # The node's host memory in MiB (level-1 sleepers keep their weights there); None: not known.
-    host_memory_mib: Annotated[int, Meta(ge=0)] | None = None
+    # The node's host memory in MiB (level-1 sleepers keep their weights there); left out when not known.
+    host_memory_mib: Annotated[int, Meta(ge=0)] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")

@@ -31,6 +31,8 @@ import logging
 import os
 import shlex
 
+import msgspec
+
 from . import draining, engine_env, protocol
 from .engine_load import EngineLoad
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
@@ -136,7 +138,7 @@ class Agent:
                 gpus=gpu_reports(self.gpus, self._health.last),
                 shards=[shard.report() for shard in self._shards.values()],
                 weights=self._weights.for_hello(),
-                host_memory_mib=host_memory_mib(),
+                host_memory_mib=msgspec.UNSET if (memory := host_memory_mib()) is None else memory,
             )
         )
 

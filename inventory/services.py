@@ -8,6 +8,7 @@ from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
+from msgspec import UNSET
 
 from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus, to_builtins
 from hub.credentials import hash_secret
@@ -74,7 +75,8 @@ _UPDATES_PER_FIELD = 4
 
 def _reported(hello: Hello) -> tuple:
     """What a hello says of the node, in REPORTED_NODE_FIELDS' order."""
-    return hello.address, hello.fabric, hello.labels, hello.version, hello.host_memory_mib
+    host_memory = None if hello.host_memory_mib is UNSET else hello.host_memory_mib
+    return hello.address, hello.fabric, hello.labels, hello.version, host_memory
 
 
 def _write_reported(nodes: list[Node], changed: dict[str, dict[str, list[int]]]) -> None:
