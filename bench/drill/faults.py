@@ -299,8 +299,11 @@ class Faults:
         port = next(p for p in range(low, low + 1000) if p not in used)
         blocker = socket.socket()
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        blocker.bind(("0.0.0.0", port))
-        blocker.listen()
+        try:
+            blocker.bind(("0.0.0.0", port))
+            blocker.listen()
+        except OSError:  # another process on this machine holds it already: busy all the same, which is the fault
+            blocker.close()
         started = time.monotonic()
         try:
             model = _db(lambda: Model.objects.create(name="drill-port", source="drill/port"))
