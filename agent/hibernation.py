@@ -136,11 +136,7 @@ class Hibernation:
         except EngineSleepError as exc:
             await self._fail(shard, f"sleep at level {level} failed: {exc}")
             return
-        if not self._current(shard):
-            return
-        shard.state, shard.sleep_level = "sleeping", level
-        took = asyncio.get_running_loop().time() - started
-        await self._report(shard.shard_id, "sleeping", message=waited, seconds=round(took, 3), sleep_level=level)
+        await self._done(shard, "sleeping", level, started, message=waited, sleep_level=level)
 
     async def _wake(self, shard: Shard, started: float) -> None:
         level = shard.sleep_level or 1
@@ -149,11 +145,17 @@ class Hibernation:
         except EngineSleepError as exc:
             await self._fail(shard, f"wake from level {level} failed: {exc}")
             return
+        await self._done(shard, "ready", None, started, port=shard.port)
+
+    async def _done(
+        self, shard: Shard, state: str, level: protocol.SleepLevel | None, started: float, **report: Any
+    ) -> None:
+        """Record a sleep or a wake carried out, and report it with the seconds it took, unless a stop came first."""
         if not self._current(shard):
             return
-        shard.state, shard.sleep_level = "ready", None
+        shard.state, shard.sleep_level = state, level
         took = asyncio.get_running_loop().time() - started
-        await self._report(shard.shard_id, "ready", port=shard.port, seconds=round(took, 3))
+        await self._report(shard.shard_id, state, seconds=round(took, 3), **report)
 
     async def _fail(self, shard: Shard, reason: str) -> None:
         """Stop the engine of a sleep or wake that failed and report it failed, unless a stop got there first."""

@@ -13,6 +13,11 @@ concurrency); the placer may run a replica on any of the model's profiles
 * scale-out: when the routers' requests in flight per ready replica stay
   above the target concurrency for LLMGW_SCALE_OUT_AFTER_SECONDS, one more
   replica (up to max), with the same lifetime as an activation;
+* a swap under way: a sleeper stamped as wanted (`Replica.wanted_since`, by
+  `swap.wake_for_demand`) still wants waking for LLMGW_ACTIVATION_LINGER_SECONDS
+  after the stamp, without waiting for the routers' next ask: the tick its
+  GPUs' occupant is reported asleep wakes it. Past that, or once the model has
+  an awake replica, the stamp is stale and is cleared;
 * idle scale-down: above min, a READY replica whose known last use is older
   than its profile's idle timeout (empty: LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS;
   0: never) is stopped — only while usage is known (DESIGN invariant 3), and
@@ -131,6 +136,7 @@ def apply_demand(
         outcome.scaled_out = _scale_out(models, in_flight, now, to_create, renew, linger)
     if activations:
         to_create.extend(_activate(activations, models, renew, linger, outcome))
+    _swaps_under_way(models, now, outcome)
 
     if to_create:
         Replica.objects.bulk_create(to_create)
@@ -153,7 +159,15 @@ def _read_models() -> dict[int, _ModelDemand]:
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
     replicas = Replica.objects.exclude(state=ReplicaState.STOPPING).only(
-        "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline", "sleep_level"
+        "id",
+        "model_id",
+        "profile_id",
+        "state",
+        "last_used",
+        "demand_until",
+        "drain_deadline",
+        "sleep_level",
+        "wanted_since",
     )
     for replica in replicas:
         if replica.model_id in models:
@@ -180,6 +194,25 @@ def _bound(demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopReq
             wake.add(primary.model_id)
         to_create.extend(Replica(model_id=primary.model_id, profile=primary) for _ in range(max(0, missing - sleepers)))
     return keep
+
+
+def _swaps_under_way(models: dict[int, _ModelDemand], now: datetime, outcome: DemandOutcome) -> None:
+    """Models with a sleeper stamped as wanted within the linger still want it woken (the module docstring);
+    stale stamps are cleared. No query unless a stamp is stale."""
+    since = now - timedelta(seconds=settings.LLMGW_ACTIVATION_LINGER_SECONDS)
+    stale: list[int] = []
+    for demand in models.values():
+        stamped = [r for r in demand.sleepers() if r.wanted_since is not None]
+        model_id = demand.primary.model_id
+        if not stamped or model_id in outcome.wake:
+            continue
+        if not demand.awake() and any(r.wanted_since >= since for r in stamped):
+            # The routers asked a moment ago and are holding requests: waking need not wait for their next ask.
+            outcome.wake.add(model_id)
+        else:
+            stale.extend(r.pk for r in stamped)
+    if stale:
+        Replica.objects.filter(pk__in=stale).update(wanted_since=None)
 
 
 def _trim(replicas: list[Replica], limit: int, why: str, to_stop: list[StopRequest]) -> list[Replica]:

@@ -104,6 +104,18 @@ def place_pending(
     return outcome
 
 
+def room_now(replica: Replica, now: datetime, replacing: int) -> bool:
+    """Whether the unsaved PENDING `replica` would be placed on free GPUs now, by the rules place_pending
+    places by (profiles in order, their max, the memory check, weights on disk), in place of the replica
+    `replacing` (not counted against a profile's max); nothing is written. For a swap that would wait longer
+    than a cold start elsewhere (reconciler.swap). A constant number of queries."""
+    profiles = _profiles_of({replica.model_id})
+    holders, reported = _weights_on_disk(profiles)
+    running_on = _running_per_profile(profiles, leaving=replacing)
+    placed, _, _ = _choose([replica], profiles, free_capacity(now), MemoryCheck(reported), holders, running_on)
+    return bool(placed)
+
+
 _Placed = list[tuple[Replica, list[_NewShard]]]
 _Unplaceable = list[tuple[Replica, list[Profile], str]]
 
@@ -114,15 +126,16 @@ def _choose(
     capacity: CapacitySnapshot,
     memory: MemoryCheck,
     holders: dict[int, frozenset[str]],
+    running_on: dict[int, int] | None = None,
 ) -> tuple[_Placed, list[Replica], _Unplaceable]:
     """Each pending replica on the first of its profiles with room, taken from `capacity` in memory.
 
     Returns those placed (with their new shards), those of them that moved to
     another profile, and those without room (with the profiles tried and why
     not). A profile no node's GPUs can hold (`memory`) is not tried, so no room
-    is made for it either. One query for running counts.
+    is made for it either. One query for running counts, unless given (`running_on`).
     """
-    running_on = _running_per_profile(profiles)
+    running_on = _running_per_profile(profiles) if running_on is None else running_on
     placed: _Placed = []
     moved: list[Replica] = []
     unplaceable: _Unplaceable = []
@@ -223,8 +236,9 @@ def _profiles_of(model_ids: set[int]) -> dict[int, list[Profile]]:
     return profiles
 
 
-def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
-    """Replicas placed (or failed, coming back) per profile, for each profile's own max. One query."""
+def _running_per_profile(profiles: dict[int, list[Profile]], leaving: int | None = None) -> dict[int, int]:
+    """Replicas placed (or failed, coming back) per profile, for each profile's own max, but the replica
+    `leaving`. One query."""
     ids = [p.pk for ps in profiles.values() for p in ps]
     counts: dict[int, int] = defaultdict(int)
     rows = (
@@ -232,6 +246,7 @@ def _running_per_profile(profiles: dict[int, list[Profile]]) -> dict[int, int]:
         .exclude(state__in=(ReplicaState.PENDING, ReplicaState.STOPPING))
         # A replica a node drain is replacing makes way for its replacement (reconciler.drain).
         .filter(drain_deadline__isnull=True)
+        .exclude(pk=leaving)
         .values("profile_id")
         .annotate(n=Count("id"))
         .values_list("profile_id", "n")

@@ -11,7 +11,13 @@ asleep replicas most recently used first:
    own min), the occupants are put to sleep (or stopped, when their engine
    cannot sleep) — a sleep is a drain, so no request is cut — and the sleeper
    is woken by a later tick, once their engines are asleep;
-3. else it waits: the requests are held while routers keep asking.
+3. else it waits: the requests are held while routers keep asking — unless
+   its learned start time says a cold start elsewhere is sooner than the
+   swap (the occupants' time until they may be evicted, the unpublish grace
+   and the learned wake time; occupants in use are swapped out at the latest
+   once the demand has waited LLMGW_MAX_SWAP_WAIT_SECONDS) and the placer has
+   free GPUs for it now (`placing.room_now`): then a new replica is started
+   there, as an activation would, in place of the sleeper, which is stopped.
 
 Swap-aware admission: models are served oldest demand first, a woken replica
 is not swapped out again before the minimum residency (its `ready_at` starts
@@ -28,23 +34,25 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 
 from .choices import ReplicaState
-from .eviction import Holding, stop_candidates
+from .eviction import Holding, seconds_until_stoppable, stop_candidates
 from .hibernate import SleepRequest, asleep_replicas, put_to_sleep, wake_replicas
 from .holdings import read_holdings, sleep_levels, spare_replicas
-from .lifecycle import StopRequest, stop_replicas
+from .lifecycle import UNPUBLISH_GRACE_SECONDS, StopRequest, stop_replicas
 from .models import GPUAssignment, Replica
 from .outbox import Outbox
+from .placing import room_now
 
 log = logging.getLogger(__name__)
 
 
 def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> tuple[int, int]:
-    """Wake a sleeper of each model in `model_ids`, or make room for one; returns (woken, occupants evicted).
+    """Wake a sleeper of each model in `model_ids`, make room for one, or start the model elsewhere when that is
+    sooner (the module docstring); returns (woken, occupants evicted).
 
     Models are served oldest demand first (`Replica.wanted_since`, stamped on a
     sleeper the first tick its model is wanted), so when several contend for
@@ -60,7 +68,16 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
     sleepers = list(
         Replica.objects.filter(asleep_replicas(), model_id__in=model_ids)
         .order_by("model_id", "-last_used", "id")
-        .values_list("id", "model_id", "model__name", "profile__priority", "wanted_since")
+        .values_list(
+            "id",
+            "model_id",
+            "model__name",
+            "profile__priority",
+            "wanted_since",
+            "profile_id",
+            "profile__start_seconds",
+            "profile__wake_seconds",
+        )
     )
     if not sleepers:
         return 0, 0
@@ -79,9 +96,10 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
         ).values_list("gpu_id", "shard__replica_id", "shard__replica__state")
     }
     by_model: dict[int, list[_Sleeper]] = defaultdict(list)
-    for replica_id, model_id, name, priority, wanted_since in sleepers:
+    for replica_id, model_id, name, priority, wanted_since, profile_id, start, wake in sleepers:
         waited = 0.0 if wanted_since is None else (now - wanted_since).total_seconds()
-        by_model[model_id].append(_Sleeper(replica_id, name, priority, waited, gpus[replica_id]))
+        timing = _Timing(profile_id, start, wake)
+        by_model[model_id].append(_Sleeper(replica_id, model_id, name, priority, waited, gpus[replica_id], timing))
     # Oldest demand first: the model waiting longest gets the GPUs it contends for.
     order = sorted(by_model.values(), key=lambda group: -max(s.waited for s in group))
     swaps = _Swaps(now, awake_on)
@@ -89,16 +107,26 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
         swaps.serve(group)
     count = wake_replicas(swaps.woken, now, outbox)
     swaps.evict(now)
+    swaps.start_elsewhere(now)
     return count, len(swaps.victims)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    profile_id: int
+    start_seconds: float | None  # learned cold start of its profile
+    wake_seconds: float | None  # learned wake
 
 
 @dataclass
 class _Sleeper:
     replica_id: int
+    model_id: int
     model: str
     priority: int
     waited: float  # seconds its model has wanted it
     gpus: set[int]
+    timing: _Timing
 
 
 class _Swaps:
@@ -112,6 +140,7 @@ class _Swaps:
         self._holdings: list[Holding] | None = None
         self._spare: dict[str, int] = {}
         self._levels: dict[int, int] = {}
+        self.elsewhere: list[_Sleeper] = []  # swaps slower than a cold start: started elsewhere if there is room
 
     def serve(self, group: list[_Sleeper]) -> None:
         """Wake one of a model's sleepers whose GPUs are free, else make room for its most recently used one."""
@@ -129,7 +158,13 @@ class _Swaps:
             return  # its occupants are already going to sleep or stopping: woken once they are gone
         chosen = [h for h in self._evictable(sleeper) if h.replica_id in serving]
         if len(chosen) < len(serving):
-            log.info("cannot wake replica %s of %s yet: its GPUs' occupants may not be evicted", *_who(sleeper))
+            log.info(
+                "cannot wake replica %s of %s yet: its GPUs' occupants may not be evicted",
+                sleeper.replica_id,
+                sleeper.model,
+            )
+            if self._sooner_elsewhere(sleeper, serving):
+                self.elsewhere.append(sleeper)
             return
         for holding in chosen:
             self._spare[holding.model] -= 1
@@ -161,6 +196,47 @@ class _Swaps:
             max_priority=sleeper.priority,
         )
 
+    def _sooner_elsewhere(self, sleeper: _Sleeper, serving: set[int]) -> bool:
+        """Whether its learned cold start beats waiting for `serving` to become evictable and the wake after."""
+        start = sleeper.timing.start_seconds
+        if start is None:
+            return False
+        assert self._holdings is not None  # read by _evictable
+        occupants = [h for h in self._holdings if h.replica_id in serving]
+        one_day = stop_candidates(
+            occupants,
+            self._spare,
+            min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
+            min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
+            max_priority=sleeper.priority,
+            soon=True,
+        )
+        if len(one_day) < len(occupants):
+            return True  # a higher priority, its min or unknown idleness protects an occupant: no swap to wait for
+        until = seconds_until_stoppable(
+            occupants,
+            min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
+            min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
+        )
+        if until is None:  # in use: swapped out anyway once the demand has waited the max swap wait
+            until = max(0.0, settings.LLMGW_MAX_SWAP_WAIT_SECONDS - sleeper.waited)
+        return start < until + UNPUBLISH_GRACE_SECONDS + (sleeper.timing.wake_seconds or 0.0)
+
+    def start_elsewhere(self, now: datetime) -> None:
+        """A new replica, in place of the sleeper, for each model whose swap waits longer than a cold start
+        and that has room on free GPUs now: the sleeper is stopped, the placer starts the new one this tick."""
+        linger = now + timedelta(seconds=settings.LLMGW_ACTIVATION_LINGER_SECONDS)
+        replaced = []
+        for sleeper in self.elsewhere:
+            replica = Replica(model_id=sleeper.model_id, profile_id=sleeper.timing.profile_id, demand_until=linger)
+            if not room_now(replica, now, replacing=sleeper.replica_id):
+                continue
+            Replica(model_id=sleeper.model_id, profile_id=sleeper.timing.profile_id, demand_until=linger).save()
+            why = "started elsewhere instead: sooner than waiting to wake it"
+            replaced.append(StopRequest(Replica(pk=sleeper.replica_id, state=ReplicaState.SLEEPING), why))
+            log.info("starting %s on free GPUs: sooner than waking replica %s", sleeper.model, sleeper.replica_id)
+        stop_replicas(replaced, now)
+
     def evict(self, now: datetime) -> None:
         """Put the chosen occupants to sleep (or stop those that cannot sleep)."""
         if not self.victims:
@@ -174,7 +250,3 @@ class _Swaps:
             ],
             now,
         )
-
-
-def _who(sleeper: _Sleeper) -> tuple[int, str]:
-    return sleeper.replica_id, sleeper.model

@@ -443,3 +443,50 @@ def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_s
 
     asyncio.run(sleep_and_wake(1))
     asyncio.run(sleep_and_wake(2))  # its wake reloads the weights (POST /collective_rpc) and resets the prefix cache
+
+
+def test_the_control_plane_puts_the_idle_vllm_to_sleep_and_the_next_request_wakes_the_same_engine(stack):
+    """The hibernate tier end to end on the real vLLM: the profile's `sleep_after_seconds` makes the tick put the
+    idle replica to sleep (sleep_shard to the agent, which sleeps the engine through its own calls); the next
+    request through the router is held while the tick wakes it (wake_shard) and is answered by the same engine
+    process, never restarted. On CPU the state machine is real and the memory is not freed (see the test above)."""
+    stack.chat("are you up", 2)  # starts the engine again if a drain above stopped it
+    (replica,) = wait_until(
+        lambda: [r for r in stack.api("GET", "replicas/", params={"state": "ready"}).json()["results"]
+                 if r["model"] == MODEL],
+        30, 0.5,
+    )  # fmt: skip
+    url, pids = replica["endpoint_url"], engine_pids(stack.info["var"], SERVER_MODULE.encode())
+    profiles = [
+        {name: value for name, value in p.items() if name not in ("id", "order", "start_seconds")}
+        for p in stack.api("GET", f"models/{MODEL}").json()["profiles"]
+    ]
+
+    def sleep_after(seconds):
+        changed = stack.api(
+            "PATCH", f"models/{MODEL}", json={"profiles": [profiles[0] | {"sleep_after_seconds": seconds}]}
+        )
+        assert changed.status_code == 200, changed.text
+
+    sleep_after(2)
+    try:
+        wait_until(
+            lambda: httpx.get(f"{url}/is_sleeping", timeout=5).json()["is_sleeping"],
+            60, 0.5, describe=lambda: stack.log.read_text()[-3000:],
+        )  # fmt: skip
+        sleepers = wait_until(
+            lambda: [r for r in stack.api("GET", "replicas/", params={"state": "sleeping"}).json()["results"]
+                     if r["id"] == replica["id"]],
+            30, 0.3,
+        )  # fmt: skip
+        assert sleepers[0]["sleeping_level"] in (1, 2)
+        sleep_after(None)  # the woken replica must not fall asleep again under the assertions below
+        answer = stack.chat("and now", 3)
+        assert answer.usage.completion_tokens == 3
+        assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": False}
+        woken = stack.api("GET", f"replicas/{replica['id']}").json()
+        assert (woken["state"], woken["endpoint_url"]) == ("ready", url)
+        assert engine_pids(stack.info["var"], SERVER_MODULE.encode()) == pids, "woken, not started again"
+        assert re.search(rf"waking replicas \[{replica['id']}\]", stack.log.read_text())
+    finally:
+        sleep_after(None)

@@ -123,6 +123,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
     gpus = serializers.SerializerMethodField()
     idle_seconds = serializers.SerializerMethodField()
     idle_known = serializers.SerializerMethodField()
+    host_memory_bytes = serializers.SerializerMethodField()
+    wake_seconds = serializers.FloatField(source="profile.wake_seconds", read_only=True, allow_null=True)
 
     class Meta:
         model = Replica
@@ -147,6 +149,11 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "stopping_since",
             "stop_reason",
             "demand_until",
+            "sleep_level",
+            "sleeping_level",
+            "sleeping_since",
+            "host_memory_bytes",
+            "wake_seconds",
         ]
 
     def _now(self):
@@ -170,6 +177,10 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     def get_idle_known(self, obj) -> bool:
         return self._idle(obj).known
+
+    def get_host_memory_bytes(self, obj) -> int | None:
+        """What a level-1 sleeper holds in its nodes' host memory (its weights); None otherwise."""
+        return obj.weights_bytes if obj.sleeping_level == 1 else None
 
 
 class TokenUsageSerializer(serializers.ModelSerializer):

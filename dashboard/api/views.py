@@ -127,7 +127,7 @@ class ReplicaViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
     """Replicas with their nodes, GPU count and idle time; stop (or drain) one gracefully."""
 
     queryset = (
-        Replica.objects.select_related("model")
+        Replica.objects.select_related("model", "profile")
         .prefetch_related("shards__node", "shards__gpu_assignments")
         .order_by("id")
     )

@@ -10,7 +10,7 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from catalog.models import Alias
+from catalog.models import Alias, Profile
 from dashboard.summary import cluster_summary
 from reconciler.choices import Hold, ReplicaState
 from reconciler.models import Replica
@@ -125,3 +125,20 @@ def test_a_replica_shows_its_hold_by_value(staff_client):
     rows = {r["id"]: r for r in staff_client.get("/api/v1/replicas").json()["results"]}
     assert rows[replica.pk]["hold"] == "making_room"
     assert {r["hold"] for pk, r in rows.items() if pk != replica.pk} == {""}
+
+
+def test_a_sleeping_replica_shows_its_level_host_memory_and_wake_time(staff_client):
+    grow(2, "a")
+    level_one, level_two = Replica.objects.order_by("id")[:2]
+    now = timezone.now()
+    for replica, level in ((level_one, 1), (level_two, 2)):
+        Replica.objects.filter(pk=replica.pk).update(
+            state=ReplicaState.SLEEPING, sleep_level=1, sleeping_level=level, sleeping_since=now, weights_bytes=7 << 30
+        )
+        Profile.objects.filter(pk=replica.profile_id).update(wake_seconds=2.5)
+    rows = {r["id"]: r for r in staff_client.get("/api/v1/replicas", {"state": "sleeping"}).json()["results"]}
+    assert [(rows[r.pk]["sleeping_level"], rows[r.pk]["host_memory_bytes"]) for r in (level_one, level_two)] == [
+        (1, 7 << 30),
+        (2, None),  # level 2 discarded its weights: nothing held in host memory
+    ]
+    assert rows[level_one.pk]["wake_seconds"] == 2.5 and rows[level_one.pk]["sleeping_since"] is not None

@@ -345,6 +345,74 @@ def test_demand_is_stamped_on_the_sleeper_the_first_tick_it_is_wanted_and_cleare
     assert Replica.objects.get(pk=sleeper.pk).wanted_since == first  # kept while it waits
 
 
+def test_the_tick_its_occupant_is_asleep_wakes_the_sleeper_without_waiting_for_the_routers_next_ask(
+    run_tick, shard_report, settings
+):
+    settings.LLMGW_ACTIVATION_LINGER_SECONDS = 10
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("wanted", node))
+    occupant = serving("occupant", node, idle=3000)
+    ask_for("wanted")
+    run_tick()  # stamps the sleeper and puts the occupant to sleep
+    run_tick(now=timezone.now() + LATER)  # sends the occupant its sleep
+    shard_report(node, head(occupant), "sleeping")
+    run_tick(now=timezone.now() + LATER)  # no ask since the first: the stamp is the demand
+    assert state_of(sleeper) == ReplicaState.WAKING
+
+
+@pytest.mark.parametrize("why", ["stamped longer ago than the linger", "its model has an awake replica"])
+def test_a_stale_demand_stamp_wakes_nothing_and_is_cleared(run_tick, settings, why):
+    settings.LLMGW_ACTIVATION_LINGER_SECONDS = 10
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("wanted", node))
+    Replica.objects.filter(pk=sleeper.pk).update(wanted_since=timezone.now() - timedelta(seconds=3))
+    if why == "its model has an awake replica":
+        Profile.objects.filter(pk=sleeper.profile_id).update(max_replicas=2)
+        make_replica(sleeper.profile, placement=[(make_node("gpu-b"), list(range(8)))])
+        now = timezone.now()
+    else:
+        now = timezone.now() + timedelta(seconds=10)
+    run_tick(now=now)
+    assert (state_of(sleeper), Replica.objects.get(pk=sleeper.pk).wanted_since) == (ReplicaState.SLEEPING, None), why
+
+
+@pytest.mark.parametrize(
+    ("case", "start_seconds", "free_node", "elsewhere"),
+    [
+        ("an occupant of higher priority: no swap to wait for", 20.0, True, True),
+        ("a swap in 60 s against a 20 s start", 20.0, True, True),
+        ("a swap in 60 s against a 90 s start", 90.0, True, False),
+        ("start time not learned", None, True, False),
+        ("no free GPUs elsewhere", 20.0, False, False),
+    ],
+)
+def test_a_model_whose_swap_waits_longer_than_a_cold_start_is_started_on_free_gpus_elsewhere(
+    run_tick, settings, case, start_seconds, free_node, elsewhere
+):
+    settings.LLMGW_EVICT_MIN_IDLE_SECONDS, settings.LLMGW_MIN_RESIDENCY_SECONDS = 60, 300
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("wanted", node))
+    Profile.objects.filter(pk=sleeper.profile_id).update(start_seconds=start_seconds, wake_seconds=2.0)
+    if case.startswith("an occupant of higher priority"):
+        occupant = serving("occupant", node, idle=3000, priority=5)
+    else:
+        occupant = serving("occupant", node, idle=3000, ready=240)  # may be swapped out in 60 s
+    if free_node:
+        make_node("gpu-b")
+    ask_for("wanted")
+    run_tick()
+    started = Replica.objects.filter(model__name="wanted").exclude(pk=sleeper.pk)
+    assert started.exists() is elsewhere, case
+    if elsewhere:
+        assert started.get().state == ReplicaState.STARTING  # placed in the same tick, on gpu-b
+        assert Shard.objects.get(replica=started.get()).node.name == "gpu-b"
+        assert state_of(sleeper) == ReplicaState.STOPPING, "started in its place"
+    assert (state_of(occupant), state_of(sleeper) in (ReplicaState.SLEEPING, ReplicaState.STOPPING)) == (
+        ReplicaState.READY,
+        True,
+    )
+
+
 @pytest.mark.parametrize(("waited", "swapped"), [(10, False), (61, True)])
 def test_a_model_waiting_past_the_max_swap_wait_swaps_out_an_occupant_still_in_use(run_tick, settings, waited, swapped):
     settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
