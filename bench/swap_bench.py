@@ -136,6 +136,7 @@ def run_mode(mode: str, args) -> dict:
                 "concurrent_s": time.monotonic() - began,
                 "cold_starts_after_first": engines - len(MODELS),
                 "p95_sleeping_wait_s": _p95(sleeping_waits),
+                "sleeping_waits_s": " ".join(f"{w:.1f}" for w in sorted(sleeping_waits)) or None,
                 "sleeping_requests": len(sleeping_waits),
                 "swaps_sequential": wakes_before,
                 "swaps_concurrent": log.count("waking replicas") - wakes_before,

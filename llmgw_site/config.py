@@ -240,6 +240,13 @@ SETTINGS: tuple[Setting, ...] = (
         1.0,
     ),
     _s(
+        "LLMGW_UNPUBLISH_GRACE_SECONDS",
+        "float",
+        0.5,
+        "a replica taken out of service is unpublished this long before its engine is drained or put to sleep",
+        0.1,
+    ),
+    _s(
         "LLMGW_DRAIN_TIMEOUT_SECONDS",
         "float",
         300.0,

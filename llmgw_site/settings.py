@@ -273,6 +273,8 @@ LLMGW_MAX_SWAP_WAIT_SECONDS = setting("LLMGW_MAX_SWAP_WAIT_SECONDS")
 LLMGW_SCALE_OUT_AFTER_SECONDS = setting("LLMGW_SCALE_OUT_AFTER_SECONDS")
 # A replica created for waiting requests is withdrawn if still unplaced this long after the last ask.
 LLMGW_ACTIVATION_LINGER_SECONDS = setting("LLMGW_ACTIVATION_LINGER_SECONDS")
+# Routers get the table without a replica leaving service this long before its engine drains or sleeps.
+LLMGW_UNPUBLISH_GRACE_SECONDS = setting("LLMGW_UNPUBLISH_GRACE_SECONDS")
 # How long an agent lets a draining engine finish its running requests before stopping it anyway.
 LLMGW_DRAIN_TIMEOUT_SECONDS = setting("LLMGW_DRAIN_TIMEOUT_SECONDS")
 # A router whose watch mark has lapsed this long is presumed gone (until then, idleness is unknown).

@@ -23,6 +23,7 @@ from django.utils import timezone
 from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, ShardStatus
 from inventory.models import Node
 
+from .catalog_changes import publish_endpoint_table
 from .choices import ReplicaState, ShardState
 from .hibernate import sleep_report
 from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
@@ -110,7 +111,7 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
     undone alone (its savepoint); the others stand.
     """
     outbox = Outbox()
-    wake = False
+    wake = woken = False
     with transaction.atomic():
         shards = {
             shard.pk: shard
@@ -135,11 +136,14 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
                 continue
             touched_replicas.add(shard.replica_id)
             decided = len(outbox.commands)
+            waking = status.state == "ready" and shard.replica.state == ReplicaState.WAKING
             try:
                 with transaction.atomic():
-                    wake |= _apply_shard_status(
+                    applied = _apply_shard_status(
                         shard, status.state, status.message, status.port, now, outbox, port_busy=status.port_busy
                     )
+                wake |= applied
+                woken |= applied and waking
             except DatabaseError:
                 del outbox.commands[decided:]  # what the undone report decided is not sent either
                 log.exception("could not record node %s's report of shard %s as %s", node_name, shard.pk, status.state)
@@ -147,6 +151,9 @@ def record_shard_statuses(reports: Sequence[tuple[int, str, ShardStatus]]) -> No
                 shards.pop(status.shard_id, None)
         if wake:
             notify_work_pending()
+        if woken:
+            # A swap's requests are waiting for this replica: routers get it now, not after the next tick's work.
+            transaction.on_commit(publish_endpoint_table)
         outbox.send_on_commit()
 
 

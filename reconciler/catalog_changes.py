@@ -45,11 +45,20 @@ def _queued(callback) -> bool:
 
 
 def _publish() -> None:
+    publish_endpoint_table()
+    work_pending.send(sender=None)
+
+
+def publish_endpoint_table() -> None:
+    """Build and publish the endpoint table now, outside a tick (only if it changed, DESIGN invariant 7).
+
+    For changes routers should not wait a tick for: a catalog change, a replica
+    woken for waiting requests. A failure is logged: the next tick publishes anyway.
+    """
     try:
         get_hub().publish_endpoints(build_endpoint_table())
-    except Exception as exc:  # the next tick publishes anyway
-        log.warning("could not publish the endpoint table after a catalog change: %s", exc)
-    work_pending.send(sender=None)
+    except Exception as exc:
+        log.warning("could not publish the endpoint table: %s", exc)
 
 
 def connect() -> None:

@@ -3,7 +3,7 @@
 A replica goes READY → SLEEPING → WAKING → READY:
 
 * **to sleep** (`put_to_sleep`): it leaves the endpoint table at once; once
-  routers have had UNPUBLISH_GRACE_SECONDS to see it gone, its head's agent
+  routers have had the unpublish grace to see it gone, its head's agent
   gets sleep_shard (`send_sleeps`), which waits for the engine's requests in
   flight to finish, as a drain does, and puts it to sleep. Until the agent
   reports it asleep, its GPUs are still its own (their assignments stay
@@ -48,7 +48,7 @@ from catalog.sizing import profile_memory
 from .choices import AWAKE_STATES, ReplicaState, ShardState
 from .host_memory import choose_levels
 from .idle import Idle
-from .lifecycle import UNPUBLISH_GRACE_SECONDS, StopRequest, learn_time, stop_replicas
+from .lifecycle import StopRequest, learn_time, notify_when_unpublished, stop_replicas, unpublish_grace_seconds
 from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
 
@@ -116,6 +116,8 @@ def put_to_sleep(requests: Iterable[SleepRequest], now: datetime) -> int:
         )
     if stop:
         stop_replicas(stop, now)
+    if count:
+        notify_when_unpublished()
     return count
 
 
@@ -126,7 +128,7 @@ def send_sleeps(now: datetime, outbox: Outbox) -> int:
     the replica before its engine is asked to finish what it holds and sleep.
     A sleep not acknowledged is sent again by reconciler.commands. One query, plus one update when any is due.
     """
-    unpublished_before = now - timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
+    unpublished_before = now - timedelta(seconds=unpublish_grace_seconds())
     due = list(
         Shard.objects.filter(
             replica__state=ReplicaState.SLEEPING,

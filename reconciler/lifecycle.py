@@ -10,6 +10,7 @@ the caller's Outbox.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,10 +32,6 @@ from .signals import work_pending
 
 log = logging.getLogger(__name__)
 
-# How long a stopping replica stays unpublished before its engine is asked to drain: routers
-# receive a new table at once (pushed), so a second is plenty for them to stop sending to it.
-UNPUBLISH_GRACE_SECONDS = 1.0
-
 
 def backoff_seconds(failure_count: int) -> float:
     """Delay before retrying a replica that has failed `failure_count` times (exponential, capped)."""
@@ -46,6 +43,33 @@ def backoff_seconds(failure_count: int) -> float:
 def notify_work_pending() -> None:
     """After commit, tell whoever runs ticks that the next one has work (the embedded runner ticks at once)."""
     transaction.on_commit(lambda: work_pending.send(sender=None))
+
+
+def unpublish_grace_seconds() -> float:
+    """How long a replica leaving service (stopping, going to sleep) stays unpublished before its engine is
+    asked to drain or sleep. Routers receive a new table at once (pushed, in milliseconds), so this only has
+    to cover a request a router picked just before applying it: LLMGW_UNPUBLISH_GRACE_SECONDS."""
+    return float(settings.LLMGW_UNPUBLISH_GRACE_SECONDS)
+
+
+def notify_work_due(seconds: float) -> None:
+    """After commit, tell whoever runs ticks that work falls due in `seconds` (an unpublish grace ending, an
+    occupant becoming evictable), so it is done then rather than up to a tick interval later (the embedded
+    runner ticks at once). Nothing when the next regular tick comes first: that tick looks again."""
+    if seconds >= settings.LLMGW_TICK_SECONDS:
+        return
+
+    def later() -> None:
+        timer = threading.Timer(max(0.0, seconds), work_pending.send, kwargs={"sender": None})
+        timer.daemon = True
+        timer.start()
+
+    transaction.on_commit(later)
+
+
+def notify_when_unpublished() -> None:
+    """After commit, tell whoever runs ticks once the unpublish grace has passed: the drain or sleep it delays."""
+    notify_work_due(unpublish_grace_seconds())
 
 
 def fail_replicas(
@@ -137,7 +161,7 @@ def stop_replicas(requests: Iterable[StopRequest], now: datetime) -> tuple[int, 
     """Stop replicas: those without shards are deleted at once, the rest become STOPPING.
 
     A STOPPING replica is out of the endpoint table at once; the leader's next
-    tick, once routers have had UNPUBLISH_GRACE_SECONDS to see it gone, sends
+    tick, once routers have had the unpublish grace (`unpublish_grace_seconds`) to see it gone, sends
     its shards drain_shard (`stop_shards`). Returns (deleted, stopping).
     """
     why = {r.replica.pk: r.reason for r in requests if r.replica.state != ReplicaState.STOPPING}
@@ -154,6 +178,7 @@ def stop_replicas(requests: Iterable[StopRequest], now: datetime) -> tuple[int, 
         ]
         Replica.objects.bulk_update(stopping, ["state", "endpoint_url", "stopping_since", "stop_reason"])
         log.info("stopping replicas: %s", "; ".join(f"{pk} ({why[pk]})" for pk in sorted(with_shards)))
+        notify_when_unpublished()
     return len(idle), len(with_shards)
 
 
@@ -178,12 +203,12 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     one acknowledged is under way on the agent until the engine stops (its
     report deletes the shard) or the agent restarts (its hello does).
 
-    A replica that became STOPPING less than UNPUBLISH_GRACE_SECONDS ago waits
+    A replica that became STOPPING less than the unpublish grace ago waits
     for the next tick: routers must have the table without it before its
     engine is asked to finish (DESIGN "Stopping is always a drain").
     Returns (drains sent, replicas deleted).
     """
-    unpublished_before = now - timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
+    unpublished_before = now - timedelta(seconds=unpublish_grace_seconds())
     due = list(
         Shard.objects.filter(replica__state=ReplicaState.STOPPING)
         .filter(Q(replica__stopping_since__isnull=True) | Q(replica__stopping_since__lte=unpublished_before))

@@ -25,7 +25,9 @@ afresh), and a model waiting past LLMGW_MAX_SWAP_WAIT_SECONDS may swap out
 occupants still in use (see `wake_for_demand`).
 
 Occupants already going to sleep or stopping are waited for, never evicted
-twice. A constant number of queries whatever the number of models.
+twice. A swap its occupants' idle time or residency holds back tells the
+ticker when they may go (`lifecycle.notify_work_due`), so it is not put off
+by up to a tick interval more. A constant number of queries whatever the number of models.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .choices import ReplicaState
 from .eviction import Holding, seconds_until_stoppable, stop_candidates
 from .hibernate import SleepRequest, asleep_replicas, put_to_sleep, wake_replicas
 from .holdings import read_holdings, sleep_levels, spare_replicas
-from .lifecycle import UNPUBLISH_GRACE_SECONDS, StopRequest, stop_replicas
+from .lifecycle import StopRequest, notify_work_due, stop_replicas, unpublish_grace_seconds
 from .models import GPUAssignment, Replica
 from .outbox import Outbox
 from .placing import room_now
@@ -108,6 +110,8 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
     count = wake_replicas(swaps.woken, now, outbox)
     swaps.evict(now)
     swaps.start_elsewhere(now)
+    if swaps.next_try is not None:
+        notify_work_due(swaps.next_try)
     return count, len(swaps.victims)
 
 
@@ -141,6 +145,7 @@ class _Swaps:
         self._spare: dict[str, int] = {}
         self._levels: dict[int, int] = {}
         self.elsewhere: list[_Sleeper] = []  # swaps slower than a cold start: started elsewhere if there is room
+        self.next_try: float | None = None  # seconds until the first blocked swap may go ahead
 
     def serve(self, group: list[_Sleeper]) -> None:
         """Wake one of a model's sleepers whose GPUs are free, else make room for its most recently used one."""
@@ -163,8 +168,12 @@ class _Swaps:
                 sleeper.replica_id,
                 sleeper.model,
             )
-            if self._sooner_elsewhere(sleeper, serving):
-                self.elsewhere.append(sleeper)
+            wait = self._swap_wait(sleeper, serving)
+            if wait:  # (0: blocked by something no clock ends; the regular ticks look again)
+                self.next_try = min(wait, self.next_try if self.next_try is not None else wait)
+            start, wake = sleeper.timing.start_seconds, sleeper.timing.wake_seconds or 0.0
+            if start is not None and (wait is None or start < wait + unpublish_grace_seconds() + wake):
+                self.elsewhere.append(sleeper)  # a cold start beats waiting for the swap
             return
         for holding in chosen:
             self._spare[holding.model] -= 1
@@ -196,11 +205,8 @@ class _Swaps:
             max_priority=sleeper.priority,
         )
 
-    def _sooner_elsewhere(self, sleeper: _Sleeper, serving: set[int]) -> bool:
-        """Whether its learned cold start beats waiting for `serving` to become evictable and the wake after."""
-        start = sleeper.timing.start_seconds
-        if start is None:
-            return False
+    def _swap_wait(self, sleeper: _Sleeper, serving: set[int]) -> float | None:
+        """Seconds until `serving`, the occupants of the sleeper's GPUs, may be swapped out; None: not by time."""
         assert self._holdings is not None  # read by _evictable
         occupants = [h for h in self._holdings if h.replica_id in serving]
         one_day = stop_candidates(
@@ -212,7 +218,7 @@ class _Swaps:
             soon=True,
         )
         if len(one_day) < len(occupants):
-            return True  # a higher priority, its min or unknown idleness protects an occupant: no swap to wait for
+            return None  # a higher priority, its min or unknown idleness protects an occupant
         until = seconds_until_stoppable(
             occupants,
             min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
@@ -220,7 +226,7 @@ class _Swaps:
         )
         if until is None:  # in use: swapped out anyway once the demand has waited the max swap wait
             until = max(0.0, settings.LLMGW_MAX_SWAP_WAIT_SECONDS - sleeper.waited)
-        return start < until + UNPUBLISH_GRACE_SECONDS + (sleeper.timing.wake_seconds or 0.0)
+        return until
 
     def start_elsewhere(self, now: datetime) -> None:
         """A new replica, in place of the sleeper, for each model whose swap waits longer than a cold start

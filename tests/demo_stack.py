@@ -82,6 +82,29 @@ def demo_stack(var_dir: Path, *args: str, env: dict[str, str] | None = None) -> 
                 proc.wait(10)
 
 
+# Eviction within seconds, for end-to-end tests of swaps and making room.
+QUICK_EVICTION = {
+    "LLMGW_EVICT_MIN_IDLE_SECONDS": "1",
+    "LLMGW_MIN_RESIDENCY_SECONDS": "1",
+    "LLMGW_HEARTBEAT_SECONDS": "1",
+}
+
+
+@contextmanager
+def catalog_stack(var_dir: Path, catalog: str, env: dict[str, str] | None = None) -> Iterator[dict]:
+    """`demo_stack` on the catalog file `catalog` (YAML text), written into `var_dir`."""
+    path = var_dir / "catalog.yaml"
+    path.write_text(catalog)
+    with demo_stack(var_dir, "--catalog", str(path), env=env) as stack:
+        yield stack
+
+
+def chat(client, model: str, content: str = "hello") -> str:
+    """One chat completion through the router with the `openai` client `client`; the answer's text."""
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
+    return reply.choices[0].message.content
+
+
 def ctl_status(env: dict[str, str]) -> dict:
     out = subprocess.run(
         [sys.executable, "manage.py", "ctl_status", "--json"],

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import wait_until
-from tests.demo_stack import API_KEY, ctl_status, demo_stack, engine_pids
+from tests.demo_stack import API_KEY, QUICK_EVICTION, catalog_stack, chat, ctl_status, engine_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -38,20 +38,8 @@ models:
 
 @pytest.fixture
 def swapping(tmp_path):
-    catalog = tmp_path / "catalog.yaml"
-    catalog.write_text(CATALOG)
-    env = {
-        "LLMGW_EVICT_MIN_IDLE_SECONDS": "1",
-        "LLMGW_MIN_RESIDENCY_SECONDS": "1",
-        "LLMGW_HEARTBEAT_SECONDS": "1",
-    }
-    with demo_stack(tmp_path, "--catalog", str(catalog), env=env) as stack:
+    with catalog_stack(tmp_path, CATALOG, QUICK_EVICTION) as stack:
         yield stack
-
-
-def ask(client, model):
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}])
-    return reply.choices[0].message.content
 
 
 def replica_of(status, model):
@@ -61,22 +49,22 @@ def replica_of(status, model):
 
 def test_an_evicted_model_sleeps_and_its_next_request_wakes_the_same_replica(swapping, tmp_path):
     client = OpenAI(base_url=swapping["router"] + "/v1", api_key=API_KEY, timeout=90, max_retries=0)
-    assert "alpha" in ask(client, "alpha")
-    assert "beta" in ask(client, "beta")
+    assert "alpha" in chat(client, "alpha")
+    assert "beta" in chat(client, "beta")
     before = ctl_status(swapping["env"])
     alpha = replica_of(before, "alpha")
     engines = engine_pids(tmp_path)
     assert len(engines) == 2
     time.sleep(2.5)  # both idle past the eviction threshold; alpha used longest ago
 
-    assert "gamma" in ask(client, "gamma")
+    assert "gamma" in chat(client, "gamma")
     status = ctl_status(swapping["env"])
     assert replica_of(status, "alpha")["state"] == "sleeping"
     assert replica_of(status, "gamma")["nodes"] == alpha["nodes"]  # stacked on the sleeper's GPUs
     assert engines <= engine_pids(tmp_path)  # alpha's engine was kept: put to sleep, not stopped
 
     time.sleep(2.5)  # gamma idle past the threshold and resident long enough to be swapped out
-    assert "alpha" in ask(client, "alpha")
+    assert "alpha" in chat(client, "alpha")
     status = ctl_status(swapping["env"])
     woken = replica_of(status, "alpha")
     assert (woken["id"], woken["state"], woken["nodes"]) == (alpha["id"], "ready", alpha["nodes"])

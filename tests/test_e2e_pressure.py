@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import wait_until
-from tests.demo_stack import API_KEY, ctl_status, demo_stack
+from tests.demo_stack import API_KEY, QUICK_EVICTION, catalog_stack, chat, ctl_status
 
 pytestmark = pytest.mark.e2e
 
@@ -44,20 +44,8 @@ models:
 
 @pytest.fixture
 def pressure(tmp_path):
-    catalog = tmp_path / "catalog.yaml"
-    catalog.write_text(CATALOG)
-    env = {
-        "LLMGW_EVICT_MIN_IDLE_SECONDS": "1",
-        "LLMGW_MIN_RESIDENCY_SECONDS": "1",
-        "LLMGW_HEARTBEAT_SECONDS": "1",
-    }
-    with demo_stack(tmp_path, "--catalog", str(catalog), env=env) as stack:
+    with catalog_stack(tmp_path, CATALOG, QUICK_EVICTION) as stack:
         yield stack
-
-
-def ask(client, model, content="hello"):
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
-    return reply.choices[0].message.content
 
 
 def replicas_of(status, model):
@@ -66,14 +54,14 @@ def replicas_of(status, model):
 
 def test_the_least_recently_used_model_makes_room_and_a_fallback_profile_serves(pressure):
     client = OpenAI(base_url=pressure["router"] + "/v1", api_key=API_KEY, timeout=90, max_retries=0)
-    assert "alpha" in ask(client, "alpha")
-    assert "beta" in ask(client, "beta")
+    assert "alpha" in chat(client, "alpha")
+    assert "beta" in chat(client, "beta")
     status = ctl_status(pressure["env"])
     held = {r["model"]: r["nodes"] for r in status["replica_list"]}
     assert sorted(held["alpha"] + held["beta"]) == ["gpu-a", "gpu-b"]
 
     # The H100 nodes are full: the fallback profile serves from the L40S node.
-    assert "flexible" in ask(client, "flexible")
+    assert "flexible" in chat(client, "flexible")
     assert replicas_of(ctl_status(pressure["env"]), "flexible")[0]["nodes"] == ["gpu-c"]
 
     # A long stream on alpha is in flight while gamma is asked for; beta is idle.
@@ -89,7 +77,7 @@ def test_the_least_recently_used_model_makes_room_and_a_fallback_profile_serves(
     streaming.start()
     time.sleep(2.5)  # beta has been idle longer than the eviction threshold; alpha is busy
 
-    assert "gamma" in ask(client, "gamma")
+    assert "gamma" in chat(client, "gamma")
     assert streaming.is_alive()  # the stream was in flight through the whole eviction
 
     status = ctl_status(pressure["env"])

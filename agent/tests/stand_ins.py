@@ -185,11 +185,41 @@ async def health(port: int) -> int:
         return (await client.get(f"http://127.0.0.1:{port}/health")).status_code
 
 
-async def start_ready(cp: ControlPlane, shard_id: int, epoch: int = 1) -> int:
+PROMPT = "one two three four five six seven eight nine ten eleven twelve"  # 16 tokens in the reply
+
+
+async def start_ready(cp: ControlPlane, shard_id: int, *args: str, epoch: int = 1, **fields) -> int:
+    """Start a mock engine with `args` (and start_command's other `fields`); return its port once it is ready."""
     port = free_port()
-    await cp.send(start_command(shard_id, port, epoch))
+    await cp.send(start_command(shard_id, port, epoch, args=list(args), **fields))
     starting = await cp.next(protocol.SHARD_STATUS)
-    assert (starting["shard_id"], starting["state"]) == (shard_id, "starting")
+    assert (starting["shard_id"], starting["state"]) == (shard_id, "starting"), starting
     ready = await cp.next(protocol.SHARD_STATUS)
-    assert (ready["shard_id"], ready["state"], ready["port"]) == (shard_id, "ready", port)
+    assert (ready["shard_id"], ready["state"], ready["port"]) == (shard_id, "ready", port), ready
     return port
+
+
+async def open_stream(port: int, first_chunk: asyncio.Event) -> list[str]:
+    """A streaming chat request; sets `first_chunk` once the engine is answering; returns the data lines."""
+    body = {"model": "mock-small", "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
+    lines = []
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=30) as client,
+        client.stream("POST", url, json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                first_chunk.set()
+    return lines
+
+
+async def fresh_heartbeat(cp: ControlPlane) -> dict:
+    """A heartbeat built from now on: the queued ones are older, and the one being built may be too."""
+    queued = [cp.messages.get_nowait() for _ in range(cp.messages.qsize())]
+    for message in queued:
+        if message["type"] != protocol.HEARTBEAT:
+            cp.messages.put_nowait(message)
+    await cp.next(protocol.HEARTBEAT)
+    return checked(await cp.next(protocol.HEARTBEAT))

@@ -5,49 +5,24 @@ import json
 import stat
 import time
 
-import httpx
-
 from agent import protocol
-from agent.tests.stand_ins import ControlPlane, checked, command, make_agent, process_gone, run, start_command
+from agent.tests.stand_ins import (
+    ControlPlane,
+    command,
+    fresh_heartbeat,
+    make_agent,
+    open_stream,
+    process_gone,
+    run,
+    start_command,
+    start_ready,
+)
 from conftest import free_port
-
-PROMPT = "one two three four five six seven eight nine ten eleven twelve"  # 16 tokens in the reply
 
 
 async def start_slow(cp: ControlPlane, shard_id: int, token_delay_ms: int) -> int:
     """Start a mock engine that takes `token_delay_ms` per token; return its port once it is ready."""
-    port = free_port()
-    await cp.send(start_command(shard_id, port, args=["--token-delay-ms", str(token_delay_ms)]))
-    for expected in ("starting", "ready"):
-        status = await cp.next(protocol.SHARD_STATUS)
-        assert (status["shard_id"], status["state"]) == (shard_id, expected), status
-    return port
-
-
-async def open_stream(port: int, first_chunk: asyncio.Event) -> list[str]:
-    """A streaming chat request; sets `first_chunk` once the engine is answering; returns the data lines."""
-    body = {"model": "mock-small", "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
-    lines = []
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    async with (
-        httpx.AsyncClient(trust_env=False, timeout=30) as client,
-        client.stream("POST", url, json=body) as response,
-    ):
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                lines.append(line)
-                first_chunk.set()
-    return lines
-
-
-async def fresh_heartbeat(cp: ControlPlane) -> dict:
-    """A heartbeat built from now on: the queued ones are older, and the one being built may be too."""
-    queued = [cp.messages.get_nowait() for _ in range(cp.messages.qsize())]
-    for message in queued:
-        if message["type"] != protocol.HEARTBEAT:
-            cp.messages.put_nowait(message)
-    await cp.next(protocol.HEARTBEAT)
-    return checked(await cp.next(protocol.HEARTBEAT))
+    return await start_ready(cp, shard_id, "--token-delay-ms", str(token_delay_ms))
 
 
 async def heartbeat_running(cp: ControlPlane, shard_id: int) -> int | None:

@@ -8,8 +8,17 @@ import time
 import httpx
 
 from agent import protocol
-from agent.tests.stand_ins import ControlPlane, command, make_agent, process_gone, run, start_command
-from agent.tests.test_agent_drain import fresh_heartbeat, open_stream
+from agent.tests.stand_ins import (
+    ControlPlane,
+    command,
+    fresh_heartbeat,
+    make_agent,
+    open_stream,
+    process_gone,
+    run,
+    start_command,
+    start_ready,
+)
 from conftest import free_port
 
 CHAT = {"model": "mock-small", "messages": [{"role": "user", "content": "are you awake"}]}
@@ -17,12 +26,7 @@ CHAT = {"model": "mock-small", "messages": [{"role": "user", "content": "are you
 
 async def start_sleepable(cp: ControlPlane, shard_id: int, *args: str, engine: str = "mock") -> int:
     """Start a mock engine able to sleep; return its port once it is ready."""
-    port = free_port()
-    await cp.send(start_command(shard_id, port, args=list(args), sleep_mode=True, engine=engine))
-    for expected in ("starting", "ready"):
-        status = await cp.next(protocol.SHARD_STATUS)
-        assert (status["shard_id"], status["state"]) == (shard_id, expected), status
-    return port
+    return await start_ready(cp, shard_id, *args, sleep_mode=True, engine=engine)
 
 
 async def ack(cp: ControlPlane, cid: str) -> dict:

@@ -1,7 +1,9 @@
 """The hibernate tier in the tick: sleep instead of stop, wake on demand, swaps, and one awake shard per GPU."""
 
+import time
 from datetime import timedelta
 
+import msgspec
 import pytest
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ValidationError
@@ -10,18 +12,21 @@ from django.utils import timezone
 
 from catalog.choices import SleepLevel
 from catalog.models import Profile
+from conftest import wait_until
 from hub import get_hub
+from hub.contracts import EndpointTable
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.hibernate import profile_sleep_level, sleep_level
-from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS
+from reconciler.lifecycle import unpublish_grace_seconds
 from reconciler.models import GPUAssignment, Replica, Shard
 from reconciler.outbox import Outbox
+from reconciler.signals import work_pending
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("usage_known")]
 
-LATER = timedelta(seconds=UNPUBLISH_GRACE_SECONDS + 1)
+LATER = timedelta(seconds=unpublish_grace_seconds() + 1)
 
 
 def serving(name, node, *, idle=600, ready=3600, level=SleepLevel.DISCARD, priority=0, min_replicas=0, **profile):
@@ -312,6 +317,18 @@ def test_routers_are_told_the_learned_wake_time_of_a_model_whose_replicas_all_sl
     assert 4 <= build_endpoint_table().models["sleepy"].start_seconds < 10
 
 
+def test_a_woken_replica_is_published_when_its_head_reports_ready_not_at_the_next_tick(run_tick, shard_report):
+    node = make_node("gpu-a")
+    sleeper = asleep(serving("sleepy", node))
+    ask_for("sleepy")
+    run_tick()
+    assert state_of(sleeper) == ReplicaState.WAKING
+    Replica.objects.filter(pk=sleeper.pk).update(endpoint_url="")
+    shard_report(node, head(sleeper), "ready")  # no tick after it
+    table = msgspec.json.decode(async_to_sync(get_hub().read_endpoints)(), type=EndpointTable)
+    assert [row.replica_id for row in table.endpoints] == [str(sleeper.pk)]
+
+
 # -- swap-aware admission ---------------------------------------------------------------------------------------
 
 
@@ -479,3 +496,26 @@ def test_what_can_i_stop_lists_known_idle_sleepers_after_the_gpu_holders():
     stoppable = cluster_summary().stoppable
     assert [(s.replica, s.gpus) for s in stoppable] == [(holder.pk, 8), (sleeper.pk, 0)]
     assert stoppable[1].frees.startswith("16.0 GiB of host memory, its engine process and port (asleep at level 1")
+
+
+def test_a_swap_blocked_by_the_occupants_residency_tells_the_ticker_when_it_may_go_ahead(
+    run_tick, settings, django_capture_on_commit_callbacks
+):
+    settings.LLMGW_TICK_SECONDS, settings.LLMGW_MIN_RESIDENCY_SECONDS = 2.0, 300
+    node = make_node("gpu-a")
+    asleep(serving("wanted", node))
+    serving("occupant", node, idle=3000, ready=299.7)  # evictable in 0.3 s, before the next regular tick
+    told = []
+
+    def receiver(**_kwargs):
+        told.append(time.monotonic())
+
+    work_pending.connect(receiver, weak=False, dispatch_uid="swap-due-test")
+    try:
+        ask_for("wanted")
+        began = time.monotonic()
+        with django_capture_on_commit_callbacks(execute=True):
+            run_tick()
+        wait_until(lambda: [t for t in told if t - began >= 0.25], 3, 0.02)
+    finally:
+        work_pending.disconnect(dispatch_uid="swap-due-test")

@@ -11,7 +11,7 @@ from hub import get_hub
 from reconciler.choices import Hold, ReplicaState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.eviction import MAKING_ROOM
-from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS
+from reconciler.lifecycle import unpublish_grace_seconds
 from reconciler.models import Replica, Shard
 from reconciler.outbox import Outbox
 from reconciler.placing import place_pending
@@ -68,7 +68,7 @@ def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newco
     # Routers keep holding its requests: the table does not call it unplaceable.
     assert build_endpoint_table().models["newcomer"].unplaceable is None
 
-    later = timezone.now() + timedelta(seconds=UNPUBLISH_GRACE_SECONDS + 1)
+    later = timezone.now() + timedelta(seconds=unpublish_grace_seconds() + 1)
     run_tick(now=later)
     drained = Shard.objects.get(replica=stale)
     assert [(c["type"], c["shard_id"]) for c in inbox()] == [("drain_shard", drained.pk)]

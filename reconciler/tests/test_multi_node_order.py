@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.commands import acknowledge
-from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
+from reconciler.lifecycle import stop_replica, unpublish_grace_seconds
 from reconciler.models import PendingCommand, Replica, Shard
 from tests.fleet import make_model, make_node
 
@@ -125,7 +125,7 @@ def test_a_replica_spanning_nodes_drains_its_head_first_and_the_others_once_it_h
 
     with django_capture_on_commit_callbacks(execute=True):
         stop_replica(replica)
-    later = Replica.objects.get(pk=replica.pk).stopping_since + timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
+    later = Replica.objects.get(pk=replica.pk).stopping_since + timedelta(seconds=unpublish_grace_seconds())
     assert run_tick(now=later).stops_sent == 1
     assert [(c["type"], c["shard_id"]) for c in head_inbox()] == [("drain_shard", head.pk)]
     # Requests still in flight on the head run through rank 1: it is left alone until the head has stopped.

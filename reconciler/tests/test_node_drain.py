@@ -9,7 +9,7 @@ from django.utils import timezone
 from reconciler.choices import ReplicaState
 from reconciler.drain import drain_nodes, drain_replaced
 from reconciler.endpoints import build_endpoint_table
-from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS
+from reconciler.lifecycle import unpublish_grace_seconds
 from reconciler.models import Replica, Shard
 from tests.fleet import make_model, make_node, make_replica
 
@@ -56,7 +56,7 @@ def test_replica_on_a_drained_node_serves_until_its_replacement_is_ready_then_ge
     assert report.replicas_replaced == 1
     assert (old.state, old.stop_reason) == (ReplicaState.STOPPING, f"node drained: replaced by replica {new.pk}")
     assert "http://127.0.0.1:21001" not in endpoints()
-    run_tick(now=timezone.now() + timedelta(seconds=UNPUBLISH_GRACE_SECONDS + 1))
+    run_tick(now=timezone.now() + timedelta(seconds=unpublish_grace_seconds() + 1))
     drains = inbox["gpu-a"]()
     assert [(c["type"], c["shard_id"]) for c in drains] == [("drain_shard", old.shards.get().pk)]
     assert Replica.objects.get(pk=new.pk).state == ReplicaState.READY
@@ -77,7 +77,7 @@ def test_no_room_elsewhere_drains_at_once_with_a_note_and_withdraws_the_replacem
     assert old.state == ReplicaState.STOPPING
     assert old.stop_reason.startswith("node drained: no room for a replacement (")
     assert not Replica.objects.filter(pk=replacement).exists()
-    run_tick(now=timezone.now() + timedelta(seconds=UNPUBLISH_GRACE_SECONDS + 1))
+    run_tick(now=timezone.now() + timedelta(seconds=unpublish_grace_seconds() + 1))
     assert [c["type"] for c in inbox()] == ["drain_shard"]
 
 

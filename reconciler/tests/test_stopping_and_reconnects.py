@@ -1,5 +1,6 @@
 """Stopping replicas, and what an agent's hello says about the shards it runs."""
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -7,13 +8,16 @@ from asgiref.sync import async_to_sync
 from django.utils import timezone
 
 from agent.protocol import RunningShard
+from conftest import wait_until
 from hub import get_hub
+from inventory.models import Node
 from reconciler.agent_reports import reconcile_reported_shards_of_nodes
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.commands import acknowledge, send_pending_soon_to
 from reconciler.endpoints import build_endpoint_table
-from reconciler.lifecycle import UNPUBLISH_GRACE_SECONDS, stop_replica
+from reconciler.lifecycle import stop_replica, unpublish_grace_seconds
 from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
+from reconciler.signals import work_pending
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
@@ -35,9 +39,10 @@ def test_stopping_a_replica_drains_it_once_unpublished_and_deletes_it_when_its_s
     assert (stopping.state, stopping.endpoint_url) == (ReplicaState.STOPPING, "")
     assert stopping.stop_reason == "stopped by an operator"
     assert build_endpoint_table().endpoints == []
-    run_tick(now=stopping.stopping_since + timedelta(seconds=0.5))
+    grace = unpublish_grace_seconds()
+    run_tick(now=stopping.stopping_since + timedelta(seconds=grace / 2))
     assert inbox() == []  # routers may not have the table without it yet
-    later = stopping.stopping_since + timedelta(seconds=UNPUBLISH_GRACE_SECONDS)
+    later = stopping.stopping_since + timedelta(seconds=grace)
     assert run_tick(now=later).stops_sent == 1
     assert [(c["type"], c["shard_id"]) for c in inbox()] == [("drain_shard", shard.pk)]
     assert run_tick(now=later).stops_sent == 0
@@ -110,3 +115,24 @@ def test_a_start_the_agent_never_answered_is_sent_again_after_its_hello_not_fail
     replica = Replica.objects.get()
     assert replica.state == ReplicaState.STARTING and replica.failure_count == 0
     assert [(c["type"], c["shard_id"]) for c in inbox()] == [("start_shard", shard.pk)]
+
+
+def test_the_ticker_is_told_when_a_stopping_replicas_unpublish_grace_has_passed(django_capture_on_commit_callbacks):
+    """So the drain is sent then, not up to a tick interval later (the embedded runner ticks on work_pending)."""
+    make_node("gpu-a")
+    model = make_model("llama", min_replicas=0)
+    replica = Replica.objects.create(model=model, profile=model.profiles.get(), state=ReplicaState.READY)
+    Shard.objects.create(replica=replica, node=Node.objects.get(), rank=0, port=20000, state=ShardState.READY)
+    told = []
+
+    def receiver(**_kwargs):
+        told.append(time.monotonic())
+
+    work_pending.connect(receiver, weak=False, dispatch_uid="grace-test")
+    try:
+        began = time.monotonic()
+        with django_capture_on_commit_callbacks(execute=True):
+            stop_replica(replica)
+        wait_until(lambda: [t for t in told if t - began >= unpublish_grace_seconds()], 5, 0.02)
+    finally:
+        work_pending.disconnect(dispatch_uid="grace-test")
