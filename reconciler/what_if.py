@@ -37,7 +37,7 @@ from catalog.sizing import class_memory_mib, shape_words
 
 from .capacity import CapacitySnapshot, free_capacity
 from .choices import ReplicaState
-from .eviction import Holding, plan_eviction, stop_candidates, with_freed
+from .eviction import Holding, plan_eviction, seconds_until_stoppable, stop_candidates, with_freed
 from .fit import MemoryCheck
 from .holdings import read_holdings, sleep_levels, spare_replicas
 from .models import Replica, UsageWatch
@@ -271,19 +271,29 @@ class _Planner:
         if self.holdings is None:
             self.holdings, self.spare = read_holdings(self.now), spare_replicas()
             self.levels = sleep_levels([h.replica_id for h in self.holdings])
-        candidates = stop_candidates(
+        records, shape = self.memory.records(self.fleet, profile), _shape(profile)
+        candidates = self._candidates(entry, soon=False)
+        found = plan_eviction(records, shape, candidates)
+        if found is None:
+            # Hold, don't refuse (reconciler.room): the tick holds requests for room replicas will make once
+            # they become evictable, and stops them then.
+            found = plan_eviction(records, shape, self._candidates(entry, soon=True))
+        if found is None:
+            which = f"{len(candidates)} replica{'' if len(candidates) == 1 else 's'} may be stopped"
+            return [], None, f"stopping what may be stopped would not make room ({which})"
+        return found[0], found[1], ""
+
+    def _candidates(self, entry: PlanEntry, *, soon: bool) -> list[Holding]:
+        assert self.holdings is not None
+        return stop_candidates(
             # Never its own model's replicas: stopping one to start another would only churn.
             (h for h in self.holdings if h.replica_id not in self.taken and h.model != entry.name),
             self.spare,
             min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
             min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
             max_priority=entry.profiles[0].priority,
+            soon=soon,
         )
-        found = plan_eviction(self.memory.records(self.fleet, profile), _shape(profile), candidates)
-        if found is None:
-            which = f"{len(candidates)} replica{'' if len(candidates) == 1 else 's'} may be stopped"
-            return [], None, f"stopping what may be stopped would not make room ({which})"
-        return found[0], found[1], ""
 
     def _chosen(
         self,
@@ -333,6 +343,9 @@ class _Planner:
             phrases.append(count)
         idle = round(victim.idle_seconds or 0.0, 3)
         frees = ", ".join(phrases) or "nothing schedulable"
+        after = seconds_until_stoppable(
+            [victim], min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
+        )
         nodes = {name: list(indices) for name, indices in sorted(victim.gpus.items())}
         return Stop(
             victim.replica_id,
@@ -344,6 +357,7 @@ class _Planner:
             idle,
             frees,
             sleeps=bool(self.levels.get(victim.replica_id)),
+            after_seconds=None if after is None else round(after, 3),
         )
 
 

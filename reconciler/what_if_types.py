@@ -54,6 +54,15 @@ class Stop:
     frees: str
     sleeps: bool = False
     """The tick would put it to sleep rather than stop it (the hibernate tier): it wakes in seconds later."""
+    after_seconds: float | None = 0.0
+    """Seconds until it may be stopped (not idle or resident long enough yet; the tick holds requests until
+    then); None while it runs requests, which no clock ends; 0: now."""
+
+    def when(self) -> str:
+        """"" when it may be stopped now, else when it may (for the text answer)."""
+        if self.after_seconds is None:
+            return ", once its requests in flight finish"
+        return f", in {self.after_seconds:.0f} s" if self.after_seconds else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +118,7 @@ class ModelAnswer(Figures):
             lines.append("  where: " + "; ".join(f"{s.node} GPUs {','.join(map(str, s.gpus))}" for s in self.where))
         for stop in self.stop:
             how = "sleep" if stop.sleeps else "stop"
-            lines.append(f"  {how}: replica {stop.replica} of {stop.model} (frees {stop.frees})")
+            lines.append(f"  {how}: replica {stop.replica} of {stop.model} (frees {stop.frees}){stop.when()}")
         for answer in self.profiles:
             if answer.verdict is Verdict.DOES_NOT_FIT:
                 lines.append(f"  profiles[{answer.index}] {answer.shape}: {answer.problem}: {answer.reason}")

@@ -298,3 +298,26 @@ def test_a_catalog_profile_at_its_own_max_is_not_offered_the_next_one_is():
         "at its max of 1 replica(s): the tick places no more on it",
     )
     assert len(queries) == 3 + 6  # names (3), then usage, free capacity (3), weights, replicas per profile
+
+
+@pytest.mark.usefixtures("usage_known")
+@pytest.mark.parametrize(("busy", "after", "said"), [(False, 30.0, ", in 30 s"), (True, None, ", once its requests")])
+def test_a_model_the_tick_would_hold_for_fits_after_stopping_a_replica_not_yet_evictable(
+    settings, run_tick, busy, after, said
+):
+    settings.LLMGW_EVICT_MIN_IDLE_SECONDS, settings.LLMGW_MIN_RESIDENCY_SECONDS = 60, 300
+    recent = serving("recent", make_node("gpu-a"), idle=30)  # evictable in 30 s (when not busy)
+    if busy:
+        Shard.objects.filter(replica=recent).update(running=1)
+
+    answer = ask(entry("newcomer")).models[0]
+
+    assert answer.verdict == Verdict.FITS_AFTER_STOPPING
+    (stop,) = answer.stop
+    assert stop.replica == recent.pk
+    assert stop.after_seconds is None if busy else stop.after_seconds == pytest.approx(after, abs=1)
+    assert said in "\n".join(answer.lines())
+    # As the tick does: it holds the newcomer's requests (nothing stopped yet, not refused).
+    assert tick_stops(run_tick, "newcomer") == set()
+    held = Replica.objects.get(model__name="newcomer")
+    assert held.state == ReplicaState.PENDING and held.hold == "making_room", held.placement_error
