@@ -59,7 +59,7 @@ class Stop:
     then); None while it runs requests, which no clock ends; 0: now."""
 
     def when(self) -> str:
-        """"" when it may be stopped now, else when it may (for the text answer)."""
+        """When it may be stopped, for the text answer: "" when now."""
         if self.after_seconds is None:
             return ", once its requests in flight finish"
         return f", in {self.after_seconds:.0f} s" if self.after_seconds else ""
