@@ -1,8 +1,10 @@
 """The router's request metrics: plain numbers on the hot path, rendered as Prometheus families when scraped."""
 
+from bisect import bisect_left
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import UPSTREAM_LATENCY_BUCKETS, RouterMetrics
+from router.metrics import INTER_TOKEN_BUCKETS, UPSTREAM_LATENCY_BUCKETS, RouterMetrics
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
@@ -49,3 +51,39 @@ def test_requests_in_flight_are_reported_as_a_gauge():
     metrics.traffic.in_flight += 3
     metrics.traffic.in_flight -= 1
     assert samples(metrics)[("llmgw_router_in_flight_requests", ())] == 2
+
+
+def test_a_holds_time_is_kept_per_model_and_reason():
+    metrics = RouterMetrics()
+    metrics.traffic.held("a", "wake", 1.5)
+    metrics.traffic.held("a", "cold_start", 45.0)
+    metrics.traffic.held("a", "wake", 0.7)
+    got = samples(metrics)
+
+    def count(reason: str) -> float:
+        return got[("llmgw_router_hold_seconds_count", (("model", "a"), ("reason", reason)))]
+
+    assert (count("wake"), count("cold_start")) == (2, 1)
+    assert got[("llmgw_router_hold_seconds_bucket", (("le", "1.0"), ("model", "a"), ("reason", "wake")))] == 1
+    assert got[("llmgw_router_hold_seconds_bucket", (("le", "60.0"), ("model", "a"), ("reason", "cold_start")))] == 1
+    assert got[("llmgw_router_hold_seconds_sum", (("model", "a"), ("reason", "wake")))] == 2.2
+
+
+def test_a_streams_first_token_counts_from_its_receipt_and_each_gap_is_one_observation():
+    metrics = RouterMetrics()
+    traffic = metrics.traffic
+    gaps = traffic.inter_token.blank()
+    for gap in (0.01, 0.02, 0.02, 3.0):  # as the relay loop counts them
+        gaps[bisect_left(INTER_TOKEN_BUCKETS, gap)] += 1
+    traffic.stream_timed("a", received=10.0, first=10.25, last=13.3, gaps=gaps)
+    got = samples(metrics)
+
+    def gap_bucket(le: str) -> float:
+        return got[("llmgw_router_inter_token_seconds_bucket", (("le", le), ("model", "a")))]
+
+    assert got[("llmgw_router_time_to_first_token_seconds_count", (("model", "a"),))] == 1
+    assert got[("llmgw_router_time_to_first_token_seconds_sum", (("model", "a"),))] == 0.25
+    assert got[("llmgw_router_time_to_first_token_seconds_bucket", (("le", "0.1"), ("model", "a")))] == 0
+    assert got[("llmgw_router_time_to_first_token_seconds_bucket", (("le", "0.25"), ("model", "a")))] == 1
+    assert (gap_bucket("0.01"), gap_bucket("0.02"), gap_bucket("2.5"), gap_bucket("+Inf")) == (1, 3, 3, 4)
+    assert abs(got[("llmgw_router_inter_token_seconds_sum", (("model", "a"),))] - 3.05) < 1e-9
