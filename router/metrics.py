@@ -89,9 +89,9 @@ class Histogram:
     """One Prometheus histogram kept as plain numbers: per label values, a count per bucket and a sum of values.
 
     `key` is the one label's value, or a tuple of the values when there are several. A value equal to a
-    bound counts in that bound's bucket (`le`). A loop that observes many values of one key counts them
-    into a `blank()` list of its own with `bisect_left(bounds, value)` and hands it over with `add` once,
-    so each value costs it a bisect and an index, not a call.
+    bound counts in that bound's bucket (`le`). A loop that observes many values of one key takes its
+    `series(key)` once and counts into it itself, so each value costs it a bisect and two additions, not a
+    call: `counts[bisect_left(bounds, value)] += 1` and `series[1] += value`.
     """
 
     def __init__(self, name: str, documentation: str, labels: tuple[str, ...], bounds: tuple[float, ...]) -> None:
@@ -99,30 +99,23 @@ class Histogram:
         # key -> [count per bucket (the last one is +Inf), sum of values]
         self._series: dict[Any, list[Any]] = {}
 
-    def _of(self, key: Any) -> list[Any]:
+    def series(self, key: Any) -> list[Any]:
+        """`[count per bucket (the last one is +Inf), sum of values]` of `key`, made if new."""
         series = self._series.get(key)
         if series is None:
-            series = self._series[key] = [self.blank(), 0.0]
+            series = self._series[key] = self.blank()
         return series
 
-    def blank(self) -> list[int]:
-        """A count per bucket, all zero."""
-        return [0] * (len(self.bounds) + 1)
+    def blank(self) -> list[Any]:
+        """A series that counts nothing yet, kept nowhere: for a loop whose values turn out not to count."""
+        return [[0] * (len(self.bounds) + 1), 0.0]
 
     def observe(self, key: Any, value: float) -> None:
         series = self._series.get(key)
         if series is None:  # once per key: no call on every request's way
-            series = self._of(key)
+            series = self.series(key)
         series[0][bisect_left(self.bounds, value)] += 1
         series[1] += value
-
-    def add(self, key: Any, counts: list[int], total: float) -> None:
-        """Add what a loop counted into a `blank()` list, and the sum of its values."""
-        series = self._of(key)
-        mine = series[0]
-        for index, count in enumerate(counts):
-            mine[index] += count
-        series[1] += total
 
     def family(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
@@ -142,8 +135,9 @@ class Traffic(Collector):
 
     `answered(model, status)` counts an answer, `in_flight` is the number of
     requests being proxied, `upstream_latency(model, seconds)` records the time
-    to an engine's response headers; `stream_timed` a stream's first token and
-    the gaps between its chunks, `held(model, reason, seconds)` a request's hold.
+    to an engine's response headers, `held(model, reason, seconds)` a request's
+    hold; the proxy times a stream's first token and the gaps between its chunks
+    into `first_token` and `inter_token`.
     """
 
     def __init__(self) -> None:
@@ -182,12 +176,6 @@ class Traffic(Collector):
         key = (model, status)
         answers = self.answers
         answers[key] = answers.get(key, 0) + 1
-
-    def stream_timed(self, model: str, received: float, first: float, last: float, gaps: list[int]) -> None:
-        """A stream received at `received` relayed its first chunk at `first` and its last at `last` (one clock);
-        `gaps`: the gaps between its chunks, counted into `inter_token.blank()` (their sum is `last - first`)."""
-        self.first_token.observe(model, first - received)
-        self.inter_token.add(model, gaps, last - first)
 
     def held(self, model: str, reason: str, seconds: float) -> None:
         self.hold.observe((model, reason), seconds)

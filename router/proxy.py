@@ -336,14 +336,14 @@ class Proxy:
         content_type: str,
         streamed: bool,
     ) -> None:
-        """Relay an answer chunk by chunk as the engine sends it, reading its usage on the way, and time a stream's
-        chunks. Never retried once started; a break ends a stream (`streamed`: SSE) with an error event, and cuts
-        any other body."""
+        """Relay an answer chunk by chunk as the engine sends it, reading its usage and timing a stream on the way.
+        Never retried once started; a break ends a stream (`streamed`: SSE) with an error event, cuts any other body."""
         send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
-        # Timing costs a chunk a clock read and a bisect into a count of this stream's own, recorded once at its end.
-        clock, bounds, gaps = time.perf_counter, traffic.inter_token.bounds, traffic.inter_token.blank()
-        first = last = 0.0
+        # A gap between chunks costs a clock read, a bisect, two additions; a body not streamed counts into nothing.
+        inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
+        timing = inter_token.series(request.model) if streamed else inter_token.blank()
+        gaps, bounds = timing[0], inter_token.bounds
         reader: JsonUsage | SseUsage | None = None
         if served and exchange.key is not None:
             encoding = response.headers.get("Content-Encoding", "")
@@ -364,7 +364,9 @@ class Proxy:
                             continue
                     now = clock()
                     if last:
-                        gaps[bisect_left(bounds, now - last)] += 1
+                        gap = now - last
+                        gaps[bisect_left(bounds, gap)] += 1
+                        timing[1] += gap
                     else:
                         first = now
                     last = now
@@ -385,7 +387,7 @@ class Proxy:
         finally:
             self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None)
             if streamed and first:
-                traffic.stream_timed(request.model, request.received, first, last, gaps)
+                traffic.first_token.observe(request.model, first - request.received)
 
     async def _end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
         """An answer broke off after it began: a stream (`streamed`) ends with an error event; any other body

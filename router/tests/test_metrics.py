@@ -4,7 +4,7 @@ from bisect import bisect_left
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import INTER_TOKEN_BUCKETS, UPSTREAM_LATENCY_BUCKETS, RouterMetrics
+from router.metrics import UPSTREAM_LATENCY_BUCKETS, RouterMetrics
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
@@ -69,21 +69,22 @@ def test_a_holds_time_is_kept_per_model_and_reason():
     assert got[("llmgw_router_hold_seconds_sum", (("model", "a"), ("reason", "wake")))] == 2.2
 
 
-def test_a_streams_first_token_counts_from_its_receipt_and_each_gap_is_one_observation():
+def test_values_a_loop_counts_into_a_series_itself_are_rendered_like_observed_ones():
     metrics = RouterMetrics()
-    traffic = metrics.traffic
-    gaps = traffic.inter_token.blank()
-    for gap in (0.01, 0.02, 0.02, 3.0):  # as the relay loop counts them
-        gaps[bisect_left(INTER_TOKEN_BUCKETS, gap)] += 1
-    traffic.stream_timed("a", received=10.0, first=10.25, last=13.3, gaps=gaps)
+    inter_token = metrics.traffic.inter_token
+    series = inter_token.series("a")
+    for gap in (0.01, 0.02, 0.02, 3.0):  # as the relay loop counts a stream's gaps
+        series[0][bisect_left(inter_token.bounds, gap)] += 1
+        series[1] += gap
+    inter_token.observe("a", 0.1)
+    unkept = inter_token.blank()  # a body that is not a stream counts into this
+    unkept[0][0] += 1
     got = samples(metrics)
 
-    def gap_bucket(le: str) -> float:
+    def bucket(le: str) -> float:
         return got[("llmgw_router_inter_token_seconds_bucket", (("le", le), ("model", "a")))]
 
-    assert got[("llmgw_router_time_to_first_token_seconds_count", (("model", "a"),))] == 1
-    assert got[("llmgw_router_time_to_first_token_seconds_sum", (("model", "a"),))] == 0.25
-    assert got[("llmgw_router_time_to_first_token_seconds_bucket", (("le", "0.1"), ("model", "a")))] == 0
-    assert got[("llmgw_router_time_to_first_token_seconds_bucket", (("le", "0.25"), ("model", "a")))] == 1
-    assert (gap_bucket("0.01"), gap_bucket("0.02"), gap_bucket("2.5"), gap_bucket("+Inf")) == (1, 3, 3, 4)
-    assert abs(got[("llmgw_router_inter_token_seconds_sum", (("model", "a"),))] - 3.05) < 1e-9
+    assert inter_token.series("a") is series
+    assert (bucket("0.01"), bucket("0.02"), bucket("0.1"), bucket("2.5"), bucket("+Inf")) == (1, 3, 4, 4, 5)
+    assert got[("llmgw_router_inter_token_seconds_count", (("model", "a"),))] == 5
+    assert abs(got[("llmgw_router_inter_token_seconds_sum", (("model", "a"),))] - 3.15) < 1e-9
