@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
@@ -33,6 +33,10 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1)]
 # Unix seconds; the bound refuses inf (and NaN fails every comparison), which the hubs could not store.
 UnixTime = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
+
+
+Holding = Literal["wake", "making_room"]
+"""Why routers hold a model's requests, when the control plane knows better than "a cold start"."""
 
 
 class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -45,6 +49,10 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """Why its only wanted replica failed (the engine's own last words)."""
     start_seconds: Annotated[float, msgspec.Meta(ge=0)] | None = None
     """How long its first profile takes from placement to ready, as learned; None while unknown."""
+    holding: Holding | None = None
+    """Why its requests are held, when it is not a start: its wanted replicas only sleep (`wake`), or room is
+    being made for its pending replica (`making_room`). None (and left out of the wire): a cold start, or
+    nothing held."""
 
 
 class EndpointRow(msgspec.Struct, frozen=True):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from django.db.models import Exists, OuterRef
 
 from catalog.models import Alias, Model, Profile
-from hub.contracts import EndpointRow, EndpointTable, ModelEntry
+from hub.contracts import EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
 
-from .choices import ReplicaState
+from .choices import Hold, ReplicaState
 from .models import Replica, Shard
 
 # The most of an engine's error line a table carries: it goes to every router on every change.
@@ -31,8 +31,9 @@ def failure_reason(last_error: str) -> str:
 
 
 def build_endpoint_table() -> EndpointTable:
-    """Enabled models with a profile (with why a model cannot be placed, when it cannot, and how long
-    it takes to start, or why its last replica failed), and READY replicas whose nodes are all heard from.
+    """Enabled models with a profile (with why a model cannot be placed, when it cannot, how long it takes
+    to start, why its last replica failed, or why its requests are held when that is not a start), and READY
+    replicas whose nodes are all heard from.
     Seven queries, plain rows: it runs every tick, over every ready replica of the fleet."""
     return EndpointTable(models=_models(), endpoints=_endpoints())
 
@@ -51,12 +52,14 @@ def _models() -> dict[str, ModelEntry]:
     aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
     for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
         aliases[model_id].append(alias)
-    unplaceable, failed = _unplaceable(), _failed()
+    (unplaceable, holding), failed = _pending_notes(), _failed()
     # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate),
     # unknown until one wake has been timed (a start time would overstate it many times over).
     for model_id, wake in _sleeping_only():
         if model_id in first_start:
             first_start[model_id] = wake
+            # Only sleepers, so no pending replica whose making-room note this could overwrite.
+            holding[names[model_id]] = "wake"
     models: dict[str, ModelEntry] = {}
     for model_id, name in sorted(names.items(), key=lambda item: item[1]):
         start = first_start[model_id]
@@ -65,6 +68,7 @@ def _models() -> dict[str, ModelEntry]:
             unplaceable=unplaceable.get(name),
             failed=failed.get(name),
             start_seconds=None if start is None else round(start, 1),
+            holding=holding.get(name),
         )
     return models
 
@@ -84,19 +88,24 @@ def _endpoints() -> list[EndpointRow]:
     return [EndpointRow(str(pk), model, url, priority, weight, pool) for pk, model, url, priority, weight, pool in rows]
 
 
-def _unplaceable() -> dict[str, str]:
-    """Why a wanted model has no room right now, so routers can answer at once instead of holding requests."""
+def _pending_notes() -> tuple[dict[str, str], dict[str, Holding]]:
+    """(why a wanted model has no room right now, so routers can answer at once instead of holding requests;
+    the models room is being made for, whose requests routers hold) from the pending replicas, in one query."""
     unplaceable: dict[str, str] = {}
-    for name, reason in (
+    holding: dict[str, Holding] = {}
+    for name, reason, hold in (
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
-        .exclude(placement_error="")
-        # Room is being made for it, or nodes may still report in: routers keep holding its requests.
-        .not_holding()
+        # Placed at its last attempt (no note) and holding nothing: nothing to say of it.
+        .exclude(placement_error="", hold=Hold.NONE)
         .order_by("model__name", "profile__order", "id")
-        .values_list("model__name", "placement_error")
+        .values_list("model__name", "placement_error", "hold")
     ):
-        unplaceable.setdefault(name, reason)
-    return unplaceable
+        if hold == Hold.MAKING_ROOM:
+            holding[name] = "making_room"
+        elif hold == Hold.NONE:
+            unplaceable.setdefault(name, reason)
+        # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
+    return unplaceable, holding
 
 
 def _sleeping_only() -> list[tuple[int, float | None]]:

@@ -205,6 +205,7 @@ class RouterApp:
         return usable_key(info, self._wall_clock)
 
     async def _proxy_request(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        received = time.perf_counter()  # a stream's time to first token counts from here
         traffic = self._metrics.traffic
         model = UNKNOWN_MODEL
         try:
@@ -229,8 +230,9 @@ class RouterApp:
         exchange = self._in_flight.begin(key.digest, receive)
         traffic.in_flight += 1
         try:
+            pools = key.allowed_pools or None
             await self._proxy.forward(
-                Forwarding(scope, send, path, model, body, exchange, streaming, affinity, key.allowed_pools or None)
+                Forwarding(scope, send, path, model, body, exchange, streaming, affinity, pools, received=received)
             )
         except asyncio.CancelledError:
             if not exchange.client_gone():

@@ -70,6 +70,7 @@ class Balancer:
         self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
         self._start_failed: dict[str, str] = {}  # public name -> why its only replica failed
         self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
+        self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
         self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas
         self._by_replica: dict[str, Endpoint] = {}
         self._turn: dict[str, int] = {}  # round-robin position per model, for ties
@@ -89,7 +90,8 @@ class Balancer:
         fingerprint = table.fingerprint or None
         if fingerprint is not None and fingerprint == self.fingerprint:
             return False
-        names, catalog, unplaceable, start_failed, start_seconds = model_lookups(table.models)
+        lookups = model_lookups(table.models)
+        catalog = lookups.catalog
 
         endpoints: dict[str, list[Endpoint]] = {}
         by_replica: dict[str, Endpoint] = {}
@@ -104,8 +106,9 @@ class Balancer:
                 fresh = current
             by_replica[fresh.replica_id] = fresh
             endpoints.setdefault(fresh.model, []).append(fresh)
-        self._names, self._catalog, self._unplaceable = names, catalog, unplaceable
-        self._start_seconds, self._start_failed = start_seconds, start_failed
+        self._names, self._catalog, self._unplaceable = lookups.names, catalog, lookups.unplaceable
+        self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
+        self._holding = lookups.holding
         self._endpoints, self._by_replica = endpoints, by_replica
         self.fingerprint = fingerprint
         return True
@@ -125,6 +128,10 @@ class Balancer:
     def start_seconds(self, model: str) -> float | None:
         """How long `model` has taken to start (learned by the control plane), or None if unknown."""
         return self._start_seconds.get(model)
+
+    def holding(self, model: str) -> str | None:
+        """Why the control plane holds `model`'s requests when that is not a start (`wake`, `making_room`), or None."""
+        return self._holding.get(model)
 
     def catalog(self) -> dict[str, list[str]]:
         """Public model name -> aliases, as last published."""

@@ -13,7 +13,8 @@ spent; a model the control plane cannot place is refused at once with its
 reason, and so is one whose only replica failed, with the engine's own last
 line (503 `model_failed`) rather than a wait until the deadline. At most `max_waiters` requests wait per model; the next one is refused
 at once (503 `too_many_waiting`) rather than holding memory and sockets
-without bound.
+without bound. Each hold is timed, by the reason the table last gave for it
+(a start unless it said `wake` or `making_room`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .asgi_io import Send
 from .background import BackgroundTasks
 from .balancer import Balancer
 from .errors import RouterError
-from .metrics import RouterMetrics
+from .metrics import COLD_START, RouterMetrics
 from .table import Endpoint
 
 log = logging.getLogger(__name__)
@@ -135,46 +136,59 @@ class ColdStart:
         self, model: str, exclude: Iterable[Endpoint], affinity: int | None, pools: frozenset[str] | None
     ) -> Endpoint | None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.activation_timeout
-        while True:
-            endpoint = self.balancer.pick(model, exclude, affinity, pools)
-            if endpoint is not None:
-                return endpoint
-            if self.balancer.resolve(model) is None:
-                raise RouterError(
-                    404, f"The model `{model}` was removed while waiting for it.", "model_not_found", param="model"
-                )
-            self._ask_activation(model)
-            reason = self.balancer.unplaceable(model)
-            if reason is not None:
-                # Waiting would only hold the client until the deadline: say why now.
-                raise RouterError(
-                    503,
-                    f"The model `{model}` cannot be started now: {reason}.",
-                    "model_unplaceable",
-                    type_="server_error",
-                    headers=[(b"retry-after", str(self.retry_after).encode())],
-                )
-            failure = self.balancer.start_failure(model)
-            if failure is not None:
-                # The engine exited: nothing will be ready before the control plane's backoff ends.
-                raise RouterError(
-                    503,
-                    f"The model `{model}` has no replica running: its last one failed ({failure}). "
-                    "The control plane starts it again after a backoff; retry later.",
-                    "model_failed",
-                    type_="server_error",
-                    headers=[(b"retry-after", str(self.retry_after).encode())],
-                )
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            table_applied = self._table_applied
-            try:
-                async with asyncio.timeout(min(remaining, ACTIVATION_INTERVAL)):
-                    await table_applied.wait()
-            except TimeoutError:
-                pass
+        began = loop.time()
+        deadline = began + self.activation_timeout
+        # A start unless a table seen while waiting said otherwise; the last one that said wins (an early table
+        # may predate what the control plane knows). Timed only if it waited: one refused at once was not held.
+        reason, waited = COLD_START, False
+        try:
+            while True:
+                endpoint = self.balancer.pick(model, exclude, affinity, pools)
+                if endpoint is not None:
+                    return endpoint
+                if self.balancer.resolve(model) is None:
+                    raise RouterError(
+                        404, f"The model `{model}` was removed while waiting for it.", "model_not_found", param="model"
+                    )
+                self._ask_activation(model)
+                self._raise_if_hopeless(model)
+                reason = self.balancer.holding(model) or reason
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                waited, table_applied = True, self._table_applied
+                try:
+                    async with asyncio.timeout(min(remaining, ACTIVATION_INTERVAL)):
+                        await table_applied.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            if waited:
+                self.metrics.traffic.held(model, reason, loop.time() - began)
+
+    def _raise_if_hopeless(self, model: str) -> None:
+        """A RouterError if waiting for `model` would only hold the client until the deadline: the control plane
+        cannot place it, or its only replica failed."""
+        reason = self.balancer.unplaceable(model)
+        if reason is not None:
+            raise RouterError(
+                503,
+                f"The model `{model}` cannot be started now: {reason}.",
+                "model_unplaceable",
+                type_="server_error",
+                headers=[(b"retry-after", str(self.retry_after).encode())],
+            )
+        failure = self.balancer.start_failure(model)
+        if failure is not None:
+            # The engine exited: nothing will be ready before the control plane's backoff ends.
+            raise RouterError(
+                503,
+                f"The model `{model}` has no replica running: its last one failed ({failure}). "
+                "The control plane starts it again after a backoff; retry later.",
+                "model_failed",
+                type_="server_error",
+                headers=[(b"retry-after", str(self.retry_after).encode())],
+            )
 
     async def wait_with_keepalives(
         self, send: Send, model: str, affinity: int | None = None, pools: frozenset[str] | None = None

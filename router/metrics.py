@@ -6,9 +6,10 @@ Labels only ever carry published model names, never what a client typed, so
 a client cannot blow up the label cardinality. Ejection figures and the
 engines' polled load are read from the balancer when scraped, so requests pay
 nothing for them; what requests themselves add (answers by status, requests in
-flight, upstream latency) is kept in plain numbers (`Traffic`) that a scrape
-turns into metric families, so a request pays a dict update, not a labelled
-child lookup and a lock per figure.
+flight, upstream latency, a stream's time to first token and the gaps between
+its chunks, how long held requests waited) is kept in plain numbers (`Traffic`,
+`Histogram`) that a scrape turns into metric families, so a request pays a dict
+update, not a labelled child lookup and a lock per figure.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from .balancer import Balancer
 
 UNKNOWN_MODEL = "-"
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# A first token may wait for a cold start (20-600 s), a next one tens of milliseconds.
+FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
+# Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`.
+COLD_START = "cold_start"
 
 
 def metrics_token_ok(headers: Iterable[tuple[bytes, bytes]], token: str) -> bool:
@@ -50,7 +57,7 @@ class RouterMetrics:
 
     def __init__(self, balancer: Balancer | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        # Answers, requests in flight and upstream latency: counted by every request, so kept plain.
+        # Answers, requests in flight, latencies and holds: counted by requests, so kept plain.
         self.traffic = Traffic()
         self.registry.register(self.traffic)
         self.activations = Counter(
@@ -78,32 +85,100 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+class Histogram:
+    """One Prometheus histogram kept as plain numbers: per label values, a count per bucket and a sum of values.
+
+    `key` is the one label's value, or a tuple of the values when there are several. A value equal to a
+    bound counts in that bound's bucket (`le`). A loop that observes many values of one key takes its
+    `series(key)` once and counts into it itself, so each value costs it a bisect and two additions, not a
+    call: `counts[bisect_left(bounds, value)] += 1` and `series[1] += value`.
+    """
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...], bounds: tuple[float, ...]) -> None:
+        self.name, self.documentation, self.labels, self.bounds = name, documentation, labels, bounds
+        # key -> [count per bucket (the last one is +Inf), sum of values]
+        self._series: dict[Any, list[Any]] = {}
+
+    def series(self, key: Any) -> list[Any]:
+        """`[count per bucket (the last one is +Inf), sum of values]` of `key`, made if new."""
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = self.blank()
+        return series
+
+    def blank(self) -> list[Any]:
+        """A series that counts nothing yet, kept nowhere: for a loop whose values turn out not to count."""
+        return [[0] * (len(self.bounds) + 1), 0.0]
+
+    def observe(self, key: Any, value: float) -> None:
+        series = self._series.get(key)
+        if series is None:  # once per key: no call on every request's way
+            series = self.series(key)
+        series[0][bisect_left(self.bounds, value)] += 1
+        series[1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        bounds = [*(repr(float(bound)) for bound in self.bounds), "+Inf"]
+        # A copy: a scrape from another thread must not see the dict change under it.
+        for key, (counts, total) in sorted(self._series.copy().items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric(list(key) if isinstance(key, tuple) else [key], buckets, total)
+        return family
+
+
 class Traffic(Collector):
     """What requests add to the metrics, as plain numbers on the router's event loop, collected when scraped.
 
     `answered(model, status)` counts an answer, `in_flight` is the number of
     requests being proxied, `upstream_latency(model, seconds)` records the time
-    to an engine's response headers in the buckets of UPSTREAM_LATENCY_BUCKETS.
+    to an engine's response headers, `held(model, reason, seconds)` a request's
+    hold; the proxy times a stream's first token and the gaps between its chunks
+    into `first_token` and `inter_token`.
     """
 
     def __init__(self) -> None:
         self.answers: dict[tuple[str, int], int] = {}
         self.in_flight = 0
-        # model -> [count per bucket (the last one is +Inf), sum of seconds]
-        self._latency: dict[str, list[Any]] = {}
+        self.latency = Histogram(
+            "llmgw_router_upstream_latency_seconds",
+            "Time from sending a request to an engine to its response headers.",
+            ("model",),
+            UPSTREAM_LATENCY_BUCKETS,
+        )
+        self.first_token = Histogram(
+            "llmgw_router_time_to_first_token_seconds",
+            "Time from receiving a streamed (SSE) request, any hold included, to relaying the first chunk of its "
+            "answer to the client. Answers that are not streamed are not observed.",
+            ("model",),
+            FIRST_TOKEN_BUCKETS,
+        )
+        self.inter_token = Histogram(
+            "llmgw_router_inter_token_seconds",
+            "Gaps between consecutive chunks of a streamed (SSE) answer relayed to the client, one per gap.",
+            ("model",),
+            INTER_TOKEN_BUCKETS,
+        )
+        self.hold = Histogram(
+            "llmgw_router_hold_seconds",
+            "How long a request was held waiting for a replica, observed when the hold ended (served, refused, "
+            "timed out or the client left), by why: cold_start, wake (only sleepers) or making_room.",
+            ("model", "reason"),
+            HOLD_BUCKETS,
+        )
+        # Bound once: the one figure every request records.
+        self.upstream_latency = self.latency.observe
 
     def answered(self, model: str, status: int) -> None:
         key = (model, status)
         answers = self.answers
         answers[key] = answers.get(key, 0) + 1
 
-    def upstream_latency(self, model: str, seconds: float) -> None:
-        histogram = self._latency.get(model)
-        if histogram is None:
-            histogram = self._latency[model] = [[0] * (len(UPSTREAM_LATENCY_BUCKETS) + 1), 0.0]
-        # bisect_left: a value equal to a bound belongs to that bound's bucket (`le`).
-        histogram[0][bisect_left(UPSTREAM_LATENCY_BUCKETS, seconds)] += 1
-        histogram[1] += seconds
+    def held(self, model: str, reason: str, seconds: float) -> None:
+        self.hold.observe((model, reason), seconds)
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -111,22 +186,12 @@ class Traffic(Collector):
             "Requests answered, by public model name and HTTP status code.",
             labels=["model", "code"],
         )
-        # Copies: a scrape from another thread must not see the dicts change under it.
+        # A copy: a scrape from another thread must not see the dict change under it.
         for (model, status), count in sorted(self.answers.copy().items()):
             requests.add_metric([model, str(status)], count)
         yield requests
-        latency = HistogramMetricFamily(
-            "llmgw_router_upstream_latency_seconds",
-            "Time from sending a request to an engine to its response headers.",
-            labels=["model"],
-        )
-        for model, (counts, total) in sorted(self._latency.copy().items()):
-            cumulative, buckets = 0, []
-            for bound, count in zip((*UPSTREAM_LATENCY_BUCKETS, float("inf")), counts, strict=True):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-            latency.add_metric([model], buckets, total)
-        yield latency
+        for histogram in (self.latency, self.first_token, self.inter_token, self.hold):
+            yield histogram.family()
         in_flight = GaugeMetricFamily("llmgw_router_in_flight_requests", "Requests being proxied right now.")
         in_flight.add_metric([], self.in_flight)
         yield in_flight

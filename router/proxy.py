@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -45,6 +46,7 @@ from .wire import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
     WHOLE_BODY_LIMIT,
+    break_message,
     response_headers,
     sse_error_event,
     upstream_headers,
@@ -61,6 +63,7 @@ class Forwarding:
     `pass_usage` False: the client did not ask for a stream's usage chunk, so
     it is read and dropped. `headers_sent`: the client already has a 200 and a
     stream (held through a cold start), so an error can only travel inside it.
+    `received`: when the router received it (time.perf_counter), for a stream's time to first token.
     """
 
     scope: Scope
@@ -75,6 +78,7 @@ class Forwarding:
     pass_usage: bool = True
     headers_sent: bool = False
     held: bool = False  # held once already for a replacement replica (see _replacement)
+    received: float = 0.0
     tried: list[Endpoint] = field(default_factory=list)
 
 
@@ -268,19 +272,6 @@ class Proxy:
             type_="server_error",
         )
 
-    def _break_message(self, endpoint: Endpoint, exc: BaseException) -> tuple[int, str]:
-        """(status, text) for an answer that broke after it began (`exc`: a cancellation by the sweep of
-        requests in flight when its deadline passed), naming the deadline if one passed."""
-        if isinstance(exc, TimeoutError | asyncio.CancelledError):
-            return 504, (
-                f"Replica {endpoint.replica_id} of `{endpoint.model}` sent nothing for {self.idle_timeout:g} s "
-                "(LLMGW_UPSTREAM_IDLE_SECONDS) in the middle of its answer; the answer is incomplete."
-            )
-        return 502, (
-            f"Replica {endpoint.replica_id} of `{endpoint.model}` failed in the middle of its answer "
-            f"({type(exc).__name__}); the answer is incomplete."
-        )
-
     def _finish(
         self,
         request: Forwarding,
@@ -321,7 +312,7 @@ class Proxy:
                     raise
                 served = False
                 # Nothing was sent yet: the client still gets an error status.
-                status, message = self._break_message(endpoint, exc)
+                status, message = break_message(endpoint, exc, self.idle_timeout)
                 log.warning("%s (%r)", message, exc)
                 raise RouterError(status, message, "upstream_failed", type_="server_error") from None
             exchange.wait(None)  # all read
@@ -345,10 +336,14 @@ class Proxy:
         content_type: str,
         streamed: bool,
     ) -> None:
-        """Relay an answer chunk by chunk as the engine sends it, reading its usage on the way. Never retried
-        once started; a break ends a stream (`streamed`: SSE) with an error event, and cuts any other body."""
-        send, exchange = request.send, request.exchange
+        """Relay an answer chunk by chunk as the engine sends it, reading its usage and timing a stream on the way.
+        Never retried once started; a break ends a stream (`streamed`: SSE) with an error event, cuts any other body."""
+        send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
+        # A gap between chunks costs a clock read, a bisect, two additions; a body not streamed counts into nothing.
+        inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
+        timing = inter_token.series(request.model) if streamed else inter_token.blank()
+        gaps, bounds = timing[0], inter_token.bounds
         reader: JsonUsage | SseUsage | None = None
         if served and exchange.key is not None:
             encoding = response.headers.get("Content-Encoding", "")
@@ -367,6 +362,14 @@ class Proxy:
                         if not chunk:
                             exchange.wait(NEXT_CHUNK)  # the engine sent something all the same
                             continue
+                    now = clock()
+                    if last:
+                        gap = now - last
+                        gaps[bisect_left(bounds, gap)] += 1
+                        timing[1] += gap
+                    else:
+                        first = now
+                    last = now
                     exchange.wait(None)  # while sending: a slow client's time is not the engine's silence
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     exchange.wait(NEXT_CHUNK)
@@ -383,11 +386,13 @@ class Proxy:
             exchange.complete = True
         finally:
             self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None)
+            if streamed and first:
+                traffic.first_token.observe(request.model, first - request.received)
 
     async def _end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
         """An answer broke off after it began: a stream (`streamed`) ends with an error event; any other body
         is left cut (too late for a status, and a body of known length cannot be ended early)."""
-        status, message = self._break_message(endpoint, exc)
+        status, message = break_message(endpoint, exc, self.idle_timeout)
         log.warning("%s (%r)", message, exc)
         if streamed:
             request.exchange.status = status

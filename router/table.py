@@ -117,29 +117,37 @@ def _excerpt(raw: msgspec.Raw) -> str:
     return bytes(raw)[:200].decode(errors="replace")
 
 
-def model_lookups(
-    models: dict[str, ModelEntry],
-) -> tuple[dict[str, str], dict[str, list[str]], dict[str, str], dict[str, str], dict[str, float]]:
-    """(name or alias -> public name, public name -> aliases, unplaceable reasons, failed-start reasons,
-    learned start seconds) from the table's `models`."""
-    names: dict[str, str] = {}
-    catalog: dict[str, list[str]] = {}
-    unplaceable: dict[str, str] = {}
-    start_failed: dict[str, str] = {}
-    start_seconds: dict[str, float] = {}
+@dataclass(slots=True)
+class ModelLookups:
+    """What the balancer looks up by name in the table's `models`: each dict keyed by public name (`names` by
+    public name or alias), a model left out of a dict where its entry says nothing of it."""
+
+    names: dict[str, str] = field(default_factory=dict)  # name or alias -> public name
+    catalog: dict[str, list[str]] = field(default_factory=dict)  # public name -> aliases
+    unplaceable: dict[str, str] = field(default_factory=dict)
+    start_failed: dict[str, str] = field(default_factory=dict)
+    start_seconds: dict[str, float] = field(default_factory=dict)
+    holding: dict[str, str] = field(default_factory=dict)
+
+
+def model_lookups(models: dict[str, ModelEntry]) -> ModelLookups:
+    """The balancer's lookups from the table's `models`."""
+    found = ModelLookups()
     for public, entry in models.items():
-        catalog[public] = entry.aliases
+        found.catalog[public] = entry.aliases
         if entry.unplaceable is not None:
-            unplaceable[public] = entry.unplaceable
+            found.unplaceable[public] = entry.unplaceable
         if entry.failed is not None:
-            start_failed[public] = entry.failed
+            found.start_failed[public] = entry.failed
         if entry.start_seconds is not None:
-            start_seconds[public] = entry.start_seconds
-        names[public] = public
+            found.start_seconds[public] = entry.start_seconds
+        if entry.holding is not None:
+            found.holding[public] = entry.holding
+        found.names[public] = public
     for public, entry in models.items():
         for alias in entry.aliases:
-            names.setdefault(alias, public)  # a public name always wins over a clashing alias
-    return names, catalog, unplaceable, start_failed, start_seconds
+            found.names.setdefault(alias, public)  # a public name always wins over a clashing alias
+    return found
 
 
 def endpoint_of(row: EndpointRow) -> Endpoint:

@@ -1,7 +1,9 @@
 """What goes on the wire around a proxied request: the headers an engine gets and the client gets back,
-and the error event that ends a broken stream."""
+and what a client is told of an answer that broke off (the error event that ends a broken stream)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import aiohttp
 
@@ -22,6 +24,20 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse_error_event(message: str, code: str) -> bytes:
     """An OpenAI error event and the end of the stream: the SDKs raise APIError on `data: {"error": ...}`."""
     return b"data: " + error_body(message, "server_error", code) + b"\n\n" + SSE_DONE
+
+
+def break_message(endpoint: Endpoint, exc: BaseException, idle_timeout: float) -> tuple[int, str]:
+    """(status, text) for an answer that broke after it began (`exc`: a cancellation by the sweep of
+    requests in flight when its deadline passed), naming the deadline if one passed."""
+    if isinstance(exc, TimeoutError | asyncio.CancelledError):
+        return 504, (
+            f"Replica {endpoint.replica_id} of `{endpoint.model}` sent nothing for {idle_timeout:g} s "
+            "(LLMGW_UPSTREAM_IDLE_SECONDS) in the middle of its answer; the answer is incomplete."
+        )
+    return 502, (
+        f"Replica {endpoint.replica_id} of `{endpoint.model}` failed in the middle of its answer "
+        f"({type(exc).__name__}); the answer is incomplete."
+    )
 
 
 def response_headers(

@@ -145,8 +145,10 @@ class FakeEngine(ThreadedEngine):
         self.requests: list[dict] = []
         self.active = 0
         self.max_active = 0
-        # Streaming controls: hold after the first chunk until `release` is set, or stream without end.
+        # Streaming controls: hold after the first chunk until `release` is set, or stream without end;
+        # with `steps`, each chunk after the first waits for one release of it.
         self.hold_first_chunk = False
+        self.steps: threading.Semaphore | None = None
         self.release = threading.Event()
         self.released_in_time: bool | None = None
         self.endless = False
@@ -218,9 +220,10 @@ class FakeEngine(ThreadedEngine):
             except (ConnectionError, RuntimeError):
                 self.stream_cut.set()
                 raise
-        for text in (" from", f" {self.name}"):
-            await response.write(chunk(text))
-        await response.write(b"data: [DONE]\n\n")
+        for data in (chunk(" from"), chunk(f" {self.name}"), b"data: [DONE]\n\n"):
+            if self.steps is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.steps.acquire, True, 5)
+            await response.write(data)
         await response.write_eof()
         return response
 
@@ -302,8 +305,9 @@ def start_engine():
 class EngineProcess:
     """The bundled mock engine (`python -m agent.mock_engine`) as a real process, to be killed by signal."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, token_delay_ms: float = 0.0):
         self.port = port or free_port()
+        self.token_delay_ms = token_delay_ms
         self.process: subprocess.Popen | None = None
 
     @property
@@ -312,6 +316,7 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         argv = [sys.executable, "-m", "agent.mock_engine", "--port", str(self.port), "--model", MODEL]
+        argv += ["--token-delay-ms", str(self.token_delay_ms)]
         self.process = subprocess.Popen(argv, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_until(self._answers, timeout=10, interval=0.05, describe=self._describe)
         return self
@@ -337,8 +342,8 @@ class EngineProcess:
 def engine_process():
     started: list[EngineProcess] = []
 
-    def start(port: int | None = None) -> EngineProcess:
-        engine = EngineProcess(port).start()
+    def start(port: int | None = None, token_delay_ms: float = 0.0) -> EngineProcess:
+        engine = EngineProcess(port, token_delay_ms).start()
         started.append(engine)
         return engine
 
