@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from tests.demo_stack import API_KEY, ctl_status, demo_stack, engine_pids  # noqa: E402
+from tests.demo_stack import API_KEY, demo_stack, engine_pids  # noqa: E402
 
 TRACE = ["A", "B", "A", "A", "C", "A", "B", "C"]
 MODELS = {"A": "alpha", "B": "beta", "C": "gamma"}
@@ -86,8 +87,22 @@ def ask(client: httpx.Client, model: str) -> tuple[float, bool]:
         return time.monotonic() - began, False
 
 
-def asleep_models(env) -> set[str]:
-    return {r["model"] for r in ctl_status(env)["replica_list"] if r["state"] == "sleeping"}
+class Status:
+    """Which models sleep, read from the REST API (tens of ms, so the trace stays back to back; a
+    `ctl_status` process would take a second, time in which occupants become idle and resident)."""
+
+    def __init__(self, stack: dict):
+        token = subprocess.run(
+            [sys.executable, "manage.py", "create_api_token", "admin"],
+            cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=60, check=True,
+        ).stdout.strip()  # fmt: skip
+        self.client = httpx.Client(
+            base_url=f"http://127.0.0.1:{stack['port']}/api/v1", headers={"Authorization": f"Bearer {token}"}
+        )
+
+    def asleep_models(self) -> set[str]:
+        rows = self.client.get("/replicas/", params={"state": "sleeping", "page_size": 100}).json()["results"]
+        return {r["model"] for r in rows}
 
 
 def run_mode(mode: str, args) -> dict:
@@ -105,13 +120,14 @@ def run_mode(mode: str, args) -> dict:
             headers = {"Authorization": f"Bearer {API_KEY}"}
             launches = Launches(var)
             client = httpx.Client(base_url=stack["router"], headers=headers, timeout=600)
+            status = Status(stack)
             sleeping_waits, failed, looking = [], 0, 0.0
             began = time.monotonic()
             for _ in range(args.repeat):
                 for letter in TRACE:
                     model = MODELS[letter]
                     look = time.monotonic()
-                    was_asleep = model in asleep_models(stack["env"])
+                    was_asleep = model in status.asleep_models()
                     looking += time.monotonic() - look  # the bench's own status reads are not the swap's time
                     wait, ok = ask(client, model)
                     failed += not ok
