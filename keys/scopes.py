@@ -3,8 +3,8 @@
 Scopes name models and LoRA adapters by public name or alias. A key scoped
 to a base model does not reach its adapters unless it names them too (least
 privilege: an adapter is another model, often a customer's fine-tune, and
-adding one to the catalog must not widen the keys already issued; docs/design.md
-"Adapters"). They are checked against the catalog's rows: keys sit above the catalog in the control plane's layers
+adding one to the catalog must not widen the keys already issued; DESIGN
+"LoRA adapters"). They are checked against the catalog's rows: keys sit above the catalog in the control plane's layers
 (tests/test_layers.py). A deployment with an empty catalog (router-only mode:
 models exist only as `manage.py router --endpoint` names) accepts any name.
 """
