@@ -11,6 +11,7 @@ from .rules import (
     INTEGER_MAX,
     SMALLINT_MAX,
     adapter_problems,
+    adapters_kept_problem,
     adapters_problem,
     alias_is_own_name,
     engine_args_problem,
@@ -316,6 +317,12 @@ class Profile(models.Model):
             errors[problem[0]] = problem[1]
         if self.gpus_per_node and self.gpus_per_node > 16:
             errors["gpus_per_node"] = "No node carries more than 16 GPUs; check GPUs per node."
+        adapters = [(a.name, a.known_rank) for a in self.model.adapters.all()] if self.model_id else []
+        if adapters and (self.max_adapters is None or self.max_adapter_rank is not None):
+            others = self.model.profiles.exclude(pk=self.pk).filter(max_adapters__isnull=False).exists()
+            problem = adapters_kept_problem(self.max_adapters, self.max_adapter_rank, adapters, others)
+            if problem is not None:
+                errors.setdefault(*problem)
         if errors:
             raise ValidationError(errors)
 

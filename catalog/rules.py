@@ -142,6 +142,21 @@ def adapters_problem(engine: str, max_adapters: int | None, max_adapter_rank: in
     return None
 
 
+def adapters_kept_problem(
+    slots: int | None, max_rank: int | None, adapters: list[tuple[str, int | None]], others_take_adapters: bool
+) -> tuple[str, str] | None:
+    """(field, message) when a profile's adapter settings would strand its model's adapters (name, known rank):
+    the model's last profile taking adapters gives its slots up, or a max rank falls below an adapter's."""
+    names = ", ".join(f"“{name}”" for name, _ in adapters[:3]) + (", …" if len(adapters) > 3 else "")
+    if slots is None and not others_take_adapters:
+        return "max_adapters", f"The model's adapters ({names}) need a profile that takes adapters; keep max adapters."
+    over = [(name, rank) for name, rank in adapters if rank is not None and max_rank is not None and rank > max_rank]
+    if over:
+        name, rank = max(over, key=lambda item: item[1])
+        return "max_adapter_rank", f"Adapter “{name}” has rank {rank}, above max adapter rank {max_rank}."
+    return None
+
+
 def rank_in_folder(source: str) -> int | None:
     """The LoRA rank (`r`) in `source`/adapter_config.json when `source` is a local folder holding one, else None.
 

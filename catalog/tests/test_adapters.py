@@ -209,3 +209,17 @@ def test_the_admin_adds_adapters_inline_and_names_a_clash(admin_client, llama):
     response = admin_client.post(url, data)
     assert response.status_code == 302, response.content.decode()[:2000]
     assert list(llama.adapters.values_list("name", "aliases")) == [("sql", ["sql-bot"])]
+
+
+def test_a_profile_change_that_would_strand_the_models_adapters_is_refused(llama):
+    Adapter.objects.create(name="sql", base=llama, source="org/sql", rank=32)
+    profile = llama.profiles.get()
+    profile.max_adapter_rank = 16
+    assert errors_of(profile) == {"max_adapter_rank": ["Adapter “sql” has rank 32, above max adapter rank 16."]}
+    profile.max_adapters = profile.max_adapter_rank = None
+    assert errors_of(profile) == {
+        "max_adapters": ["The model's adapters (“sql”) need a profile that takes adapters; keep max adapters."]
+    }
+    # Another profile taking adapters keeps them placeable.
+    Profile.objects.create(model=llama, gpu_class="L40S-48GB", max_adapters=2)
+    profile.full_clean()
