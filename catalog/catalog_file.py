@@ -220,7 +220,8 @@ def _read_adapters(
                     _collect(
                         partial(alias_row.clean_fields, exclude=["model"]), _fixed(f"{where}.aliases[{j}]"), problems
                     )
-        if isinstance(adapter.name, str) and adapter.name and isinstance(adapter.aliases, list):
+        names = [adapter.name, *adapter.aliases] if isinstance(adapter.aliases, list) else [None]
+        if all(isinstance(name, str) and name for name in names):  # named ones only are checked against the rest
             adapters.append({key: getattr(adapter, key) for key in ADAPTER_KEYS})
     return adapters
 

@@ -223,3 +223,14 @@ def test_a_profile_change_that_would_strand_the_models_adapters_is_refused(llama
     # Another profile taking adapters keeps them placeable.
     Profile.objects.create(model=llama, gpu_class="L40S-48GB", max_adapters=2)
     profile.full_clean()
+
+
+def test_an_adapter_entry_of_the_wrong_shape_is_named_not_a_crash():
+    text = FILE.replace("aliases: [sql-bot]", "aliases: [{a: 1}]").replace("{name: chat, source: org/chat}", "chat")
+    with pytest.raises(CatalogFileError) as raised:
+        apply_catalog(load_catalog_text(text))
+    assert raised.value.messages == [
+        'models[0] "llama-8b": adapters[0].aliases: Aliases must be a JSON list of names.',
+        'models[0] "llama-8b": adapters[1]: expected a mapping with name, source, enabled, rank, aliases, got a string '
+        "('chat')",
+    ]
