@@ -56,6 +56,17 @@ and woken without a restart; each launch says how (`Launch.sleep`, a dialect of 
 * The mock engine: the same environment as vLLM, whose sleep routes it imitates.
 * llama.cpp has no sleep: it is stopped instead.
 
+LoRA adapters. A shard started with `adapters` (its profile's max adapters, and max adapter rank when set)
+has LoRA on, so adapters can be loaded and unloaded while it runs; the load routes are served on the
+management address like every route:
+* vLLM: `--enable-lora --max-loras N [--max-lora-rank R]` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`
+  (its `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`); without a rank vLLM takes 16.
+* SGLang: `--enable-lora --max-loras-per-batch N --lora-target-modules all [--max-lora-rank R]`: it starts
+  with no adapter to infer the modules from, so all of them are made loadable (its `/load_lora_adapter`).
+* The mock engine: `--max-loras N [--max-lora-rank R]` and vLLM's environment, as it imitates vLLM.
+* llama.cpp takes adapters only at start-up: refused.
+Every rank gets the same flags: a replica's engines must agree on their LoRA shape.
+
 Each launch also says where the engine publishes its Prometheus metrics (the
 agent reads its requests in flight there, agent/engine_load.py): vLLM always
 serves `/metrics`; SGLang only with `--enable-metrics` and llama.cpp's server
@@ -78,6 +89,8 @@ ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 DEFAULT_LLAMA_SERVER = "llama-server"
 # vLLM serves its sleep routes (and its other development routes) only with this set.
 VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# vLLM serves its adapter load and unload routes only with this set.
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # The mock engine is imported from this checkout, whatever directory the agent was started from.
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -164,6 +177,8 @@ def build_launch(
     host: str,
     rendezvous_port: int = 0,
     sleep_mode: bool = False,
+    adapter_slots: int | None = None,
+    max_adapter_rank: int | None = None,
     gpus_simulated: bool = False,
     python: str = sys.executable,
     llama_server: str = DEFAULT_LLAMA_SERVER,
@@ -171,7 +186,8 @@ def build_launch(
 ) -> Launch:
     """The launch for one shard of `model` on this node, listening on `host`; ValueError names any bad input.
 
-    `sleep_mode` starts the engine able to sleep; `gpus_simulated` says its GPUs are `--fake-gpus` ones.
+    `sleep_mode` starts the engine able to sleep; `adapter_slots` (with `max_adapter_rank`, None = the engine's
+    default) with LoRA on; `gpus_simulated` says its GPUs are `--fake-gpus` ones.
     """
     _check(engine, model, source, port, gpu_indices, rank, node_count, head_address, args, host)
     _check_rendezvous(node_count, rendezvous_port)
@@ -184,7 +200,29 @@ def build_launch(
         launch = _llamacpp(shard, llama_server)
     else:
         launch = _mock(shard, python)
+    launch = _with_adapters(launch, engine, adapter_slots, max_adapter_rank)
     return _able_to_sleep(launch, engine, shard.rank, sleep_mode, gpus_simulated)
+
+
+def _with_adapters(launch: Launch, engine: str, slots: int | None, max_rank: int | None) -> Launch:
+    """`launch` with LoRA on (the module's docstring), or as it is when the shard takes no adapters."""
+    if slots is None:
+        if max_rank is not None:
+            raise ValueError("a max adapter rank needs adapter slots")
+        return launch
+    for what, value in (("adapter slots", slots), ("max adapter rank", max_rank)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    if engine == "llamacpp":
+        raise ValueError("llama.cpp cannot load adapters at run time; start it without adapter slots")
+    rank = ["--max-lora-rank", str(max_rank)] if max_rank is not None else []
+    if engine == "sglang":
+        flags = ["--enable-lora", "--max-loras-per-batch", str(slots), "--lora-target-modules", "all", *rank]
+        return replace(launch, argv=[*launch.argv, *flags])
+    flags = ["--max-loras", str(slots), *rank]
+    if engine == "vllm":
+        flags = ["--enable-lora", *flags]
+    return replace(launch, argv=[*launch.argv, *flags], env={**launch.env, VLLM_RUNTIME_LORA_ENV: "true"})
 
 
 def _able_to_sleep(launch: Launch, engine: str, rank: int, sleep_mode: bool, gpus_simulated: bool) -> Launch:

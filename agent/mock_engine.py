@@ -1,7 +1,7 @@
 """The bundled mock engine: a tiny OpenAI-compatible server for demos and tests.
 
     python -m agent.mock_engine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
-        [--memory-gib-per-gpu 30] [--load-seconds 20] [--wake-seconds 1]
+        [--memory-gib-per-gpu 30] [--load-seconds 20] [--wake-seconds 1] [--max-loras 8 [--max-lora-rank 16]]
 
 It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
@@ -109,12 +109,19 @@ def create_app(
     load_seconds: float = 0.0,
     wake_seconds: float = 0.0,
     dev_mode: bool = False,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> web.Application:
-    """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (agent/mock_sleep.py)."""
+    """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (agent/mock_sleep.py).
+
+    `max_loras` (with `max_lora_rank`) are vLLM's LoRA slots as the agent starts it (agent/engines.py); kept
+    on the application (`app["lora_slots"]`) for the adapter routes that will use them.
+    """
     sleep = MockSleep(load_seconds, wake_seconds)
     engine = MockEngine(model, token_delay_ms, sleep)
     app = web.Application(middlewares=[errors_in_openai_shape])
     app["engine"] = engine
+    app["lora_slots"] = (max_loras, max_lora_rank)
     app.on_startup.append(sleep.load)
     if dev_mode:
         sleep.add_routes(app)
@@ -180,7 +187,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"the engine's true need per GPU: fail the start like CUDA out of memory when its GPUs ({GPU_MEMORY_ENV}) "
         "have less usable",
     )
+    parser.add_argument("--max-loras", type=_slots, default=None, help="LoRA adapters held at once, as vLLM's")
+    parser.add_argument("--max-lora-rank", type=_slots, default=None, help="the largest LoRA rank, as vLLM's")
     return parser.parse_args(argv)
+
+
+def _slots(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def _memory(text: str) -> float:
@@ -208,7 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     # As vLLM does, the sleep routes are served only in its development mode.
     dev_mode = os.environ.get(VLLM_DEV_MODE_ENV, "") not in ("", "0")
-    app = create_app(args.model, args.token_delay_ms, args.load_seconds, args.wake_seconds, dev_mode)
+    app = create_app(
+        args.model,
+        args.token_delay_ms,
+        args.load_seconds,
+        args.wake_seconds,
+        dev_mode,
+        args.max_loras,
+        args.max_lora_rank,
+    )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:
         # run_app turns SIGINT and SIGTERM into a graceful exit.

@@ -31,11 +31,10 @@ not; the control plane re-sends it until then (reconciler/commands.py)
   start_shard   epoch, shard_id, replica_id, rank, node_count, head_address,
                 engine, model, source, gpu_indices[], port, args[], env{},
                 (env: extra environment for the engine, checked by agent/engine_env.py)
-                host (the address the engine listens on; "" = the agent's --address),
-                rendezvous_port (where the ranks of a replica spanning nodes meet,
-                on the head node; 0 for one node),
-                sleep_mode (start the engine able to sleep, agent/engines.py says how;
-                absent unless true)
+                host (where the engine listens; "" = the agent's --address), rendezvous_port
+                (where a multi-node replica's ranks meet, on the head node; 0 for one node),
+                sleep_mode (start able to sleep), adapters {slots, max_rank} (start with LoRA
+                on); both absent unless set, agent/engines.py says how
   stop_shard    epoch, shard_id
   drain_shard   epoch, shard_id, timeout_seconds (default 300): stop once the engine
                 reports no requests in flight, or when the timeout passes
@@ -60,6 +59,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from .engine_env import env_problem
 from .protocol_parts import (
     PORT,
+    AdapterSlots,
     GPUHealth,
     GPUIndex,
     GPUReport,
@@ -234,9 +234,9 @@ class StartShard(_Message, frozen=True, kw_only=True, tag=START_SHARD):
     host: str = ""
     # A port on the head node, reserved beside the head's engine port, where a multi-node replica's ranks meet.
     rendezvous_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-    # Start the engine able to sleep (sleep_shard); an engine that cannot sleep starts as usual. Left out of
-    # the message unless set, so a start without it keeps the shape starts always had.
+    # Absent unless set, so a start without them keeps the shape starts always had (agent/engines.py: the flags).
     sleep_mode: bool | UnsetType = UNSET
+    adapters: AdapterSlots | UnsetType = UNSET
 
     @property
     def able_to_sleep(self) -> bool:

@@ -44,6 +44,14 @@ class GPUHealth(Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class AdapterSlots(Struct, frozen=True, kw_only=True):
+    """LoRA on a shard's engine: how many adapters it holds at once, and the largest rank it loads (None = the
+    engine's default). A start_shard carries it for a profile that takes adapters; agent/engines.py says the flags."""
+
+    slots: Annotated[int, Meta(ge=1)]
+    max_rank: Annotated[int, Meta(ge=1)] | None = None
+
+
 class RunningShard(Struct, frozen=True, kw_only=True):
     """A shard the agent runs now, as `hello` reports it (the control plane adopts or stops it)."""
 

@@ -20,6 +20,7 @@ def launch_for(cmd: protocol.StartShard, options: AgentOptions, gpus: Sequence[G
     missing = [i for i in cmd.gpu_indices if i not in known]
     if missing:
         raise ValueError(f"GPU indices {missing} are not on node {options.node}")
+    adapters = cmd.adapters if isinstance(cmd.adapters, protocol.AdapterSlots) else None
     return build_launch(
         cmd.engine,
         model=cmd.model,
@@ -33,6 +34,8 @@ def launch_for(cmd: protocol.StartShard, options: AgentOptions, gpus: Sequence[G
         host=cmd.host or options.address,
         rendezvous_port=cmd.rendezvous_port,
         sleep_mode=cmd.able_to_sleep,
+        adapter_slots=adapters.slots if adapters else None,
+        max_adapter_rank=adapters.max_rank if adapters else None,
         # --fake-gpus: the engine runs on the CPU, where GPU-only flags are refused.
         gpus_simulated=any(g.simulated for g in gpus if g.index in cmd.gpu_indices),
         python=options.engine_python,

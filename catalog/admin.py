@@ -1,4 +1,4 @@
-"""Catalog admin: models with their aliases and profiles inline, validated before anything is saved."""
+"""Catalog admin: models with their aliases, profiles and adapters inline, validated before anything is saved."""
 
 from collections.abc import Callable, Iterable
 
@@ -10,7 +10,8 @@ from django.utils.safestring import mark_safe
 
 from agent.engine_env import masked, shown
 
-from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets, name_clash
+from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Adapter, Alias, Model, Profile, name_clash
+from .rules import keep_stored_secrets
 from .sizing import fit_warnings, fleet_memory, profile_verdict
 
 # The GPU classes nodes report. The catalog sits below inventory in the stack, so inventory's admin
@@ -200,15 +201,23 @@ class ProfileInline(EnvShownMasked, admin.StackedInline):
         return 1 if obj is None else 0
 
 
+class AdapterInline(admin.TabularInline):
+    """A model's LoRA adapters (Adapter.clean() checks its profiles take them: save those first)."""
+
+    model = Adapter
+    fields = ["name", "source", "enabled", "rank", "aliases"]
+    extra = 0
+
+
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "enabled", "source", "alias_names", "profile_count", "updated_at"]
+    list_display = ["name", "enabled", "source", "alias_names", "profile_count", "adapter_count", "updated_at"]
     list_filter = ["enabled"]
-    search_fields = ["name", "aliases__name", "source"]
-    inlines = [AliasInline, ProfileInline]
+    search_fields = ["name", "aliases__name", "adapters__name", "source"]
+    inlines = [AliasInline, ProfileInline, AdapterInline]
 
     def get_queryset(self, request):
-        return super().get_queryset(request).prefetch_related("aliases", "profiles")
+        return super().get_queryset(request).prefetch_related("aliases", "profiles", "adapters")
 
     def save_related(self, request, form, formsets, change):
         super().save_related(request, form, formsets, change)
@@ -222,6 +231,10 @@ class ModelAdmin(admin.ModelAdmin):
     @admin.display(description="profiles")
     def profile_count(self, obj):
         return len(obj.profiles.all())
+
+    @admin.display(description="adapters")
+    def adapter_count(self, obj):
+        return len(obj.adapters.all())
 
 
 @admin.register(Alias)

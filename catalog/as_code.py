@@ -1,12 +1,12 @@
 """Catalog as code: export the catalog as a file's data, and apply one — planned first, then all or nothing.
 
-Models are matched by name, profiles by position: an existing profile row is
+Models are matched by name, profiles by position, adapters by name: an existing profile row is
 updated in place, so it keeps its id, its learned start time and the replicas
 on it; rows beyond the file's list are deleted, and their replicas go with
 them by cascade (agents then stop the orphaned engines). Applying the same
 file twice changes nothing the second time. Secret engine env values are
 exported as the mask (agent/engine_env.py), and a mask applied keeps the
-stored value (`catalog.models.keep_stored_secrets`).
+stored value (`catalog.rules.keep_stored_secrets`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from django.db.models import Count, Prefetch
 
 from agent.engine_env import masked
 
-from .catalog_file import CatalogFileError, WantedModel, check_names, read_models
-from .models import MODEL_SIZE_FIELDS, PROFILE_FIELDS, Alias, Model, Profile, keep_stored_secrets
+from .catalog_file import ADAPTER_KEYS, CatalogFileError, WantedModel, check_names, read_models
+from .models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from .rules import MODEL_SIZE_FIELDS, keep_stored_secrets
 from .sizing import fit_warnings, fleet_memory, verdict_lines
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
@@ -53,6 +54,9 @@ class ModelPlan:
     profiles_updated: list[tuple[Profile, list[str], dict[str, Any]]] = field(default_factory=list)
     profiles_added: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (order, fields)
     profiles_deleted: list[Profile] = field(default_factory=list)
+    adapters_added: list[dict[str, Any]] = field(default_factory=list)
+    adapters_updated: list[tuple[Adapter, list[str], dict[str, Any]]] = field(default_factory=list)
+    adapters_deleted: list[Adapter] = field(default_factory=list)
 
     def line(self) -> str:
         text = f"{self.verdict.value:<11}  {self.name}"
@@ -100,8 +104,8 @@ def fit_report(plan: Plan) -> tuple[list[str], list[str]]:
 
 
 def export_catalog() -> dict[str, Any]:
-    """The whole catalog as a file's data: `models:`, each with its aliases and profiles in order."""
-    models = Model.objects.prefetch_related("aliases", "profiles")
+    """The whole catalog as a file's data: `models:`, each with its aliases, profiles in order and adapters."""
+    models = Model.objects.prefetch_related("aliases", "profiles", "adapters")
     return {
         "models": [
             {
@@ -112,6 +116,8 @@ def export_catalog() -> dict[str, Any]:
                 **{name: getattr(model, name) for name in MODEL_SIZE_FIELDS if getattr(model, name) not in (None, "")},
                 "aliases": [alias.name for alias in model.aliases.all()],
                 "profiles": [_exported_profile(p) for p in model.profiles.all()],
+                # Only when it has some, so a file without adapters reads as before.
+                **({"adapters": adapters} if (adapters := _exported_adapters(model)) else {}),
             }
             for model in models
         ]
@@ -123,6 +129,10 @@ def _exported_profile(profile: Profile) -> dict[str, Any]:
     # Variables by name: PostgreSQL's jsonb keeps its own key order, and the file reads the same on any database.
     env = dict(sorted(masked(profile.env).items()))
     return {name: env if name == "env" else getattr(profile, name) for name in PROFILE_FIELDS}
+
+
+def _exported_adapters(model: Model) -> list[dict[str, Any]]:
+    return [{name: getattr(adapter, name) for name in ADAPTER_KEYS} for adapter in model.adapters.all()]
 
 
 def dump_catalog(data: dict[str, Any]) -> str:
@@ -141,9 +151,12 @@ def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
         raise CatalogFileError(problems)  # no model to compare with the catalog
     listed = {m.name for m in wanted}
     profiles = Profile.objects.annotate(replica_count=Count("replicas")).order_by("order", "id")
-    existing = {m.name: m for m in Model.objects.prefetch_related("aliases", Prefetch("profiles", queryset=profiles))}
+    existing = {
+        m.name: m
+        for m in Model.objects.prefetch_related("aliases", "adapters", Prefetch("profiles", queryset=profiles))
+    }
     unlisted = [m for name, m in sorted(existing.items()) if name not in listed]
-    kept = [] if prune else [(m.name, [a.name for a in m.aliases.all()]) for m in unlisted]
+    kept = [] if prune else [_names(m) for m in unlisted]
     check_names(wanted, kept, problems)
     _keep_stored_secrets(wanted, existing, problems)
     if problems:
@@ -157,6 +170,13 @@ def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
         else:
             plans.append(ModelPlan(model.name, Verdict.NOT_IN_FILE, ["kept; --prune deletes"], existing=model))
     return Plan(plans, prune)
+
+
+def _names(model: Model) -> tuple[tuple[str, list[str]], list[tuple[str, list[str]]]]:
+    """A kept model's public names for check_names: its own with its aliases, and its adapters' with theirs."""
+    return (model.name, [a.name for a in model.aliases.all()]), [
+        (a.name, list(a.aliases)) for a in model.adapters.all()
+    ]
 
 
 def apply_catalog(data: Any, *, prune: bool = False, dry_run: bool = False) -> Plan:
@@ -201,6 +221,9 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
         if wanted.aliases:
             plan.details.append(f"aliases {', '.join(wanted.aliases)}")
         plan.details.append(_count(len(wanted.profiles), "profile"))
+        plan.adapters_added = list(wanted.adapters)
+        if wanted.adapters:
+            plan.details.append(f"adapters {', '.join(a['name'] for a in wanted.adapters)}")
         return plan
     plan = ModelPlan(wanted.name, Verdict.LEFT_ALONE, wanted=wanted, existing=model)
     plan.model_fields = [f for f in ("source", "enabled") if getattr(model, f) != getattr(wanted, f)]
@@ -233,9 +256,31 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
     for i, row in enumerate(rows[len(wanted.profiles) :], start=len(wanted.profiles)):
         plan.profiles_deleted.append(row)
         plan.details.append(f"profiles[{i}] deleted ({_count(row.replica_count, 'replica')} with it)")
+    _plan_adapters(plan, wanted, model)
     if plan.details:
         plan.verdict = Verdict.CHANGED
     return plan
+
+
+def _plan_adapters(plan: ModelPlan, wanted: WantedModel, model: Model) -> None:
+    """Adapters by name: the file's new ones added, changed ones updated in place, unlisted ones deleted."""
+    rows = {a.name: a for a in model.adapters.all()}
+    listed = {a["name"] for a in wanted.adapters}
+    moves = []
+    for fields in wanted.adapters:
+        row = rows.get(fields["name"])
+        if row is None:
+            plan.adapters_added.append(fields)
+            moves.append(f"+{fields['name']}")
+            continue
+        changed = [name for name in ADAPTER_KEYS if getattr(row, name) != fields[name]]
+        if changed:
+            plan.adapters_updated.append((row, changed, fields))
+            moves.append(f"~{row.name} ({', '.join(changed)})")
+    plan.adapters_deleted = [row for name, row in rows.items() if name not in listed]
+    moves += [f"-{row.name}" for row in plan.adapters_deleted]
+    if moves:
+        plan.details.append(f"adapters {' '.join(moves)}")
 
 
 def _carry_out(plan: Plan) -> None:
@@ -253,6 +298,9 @@ def _carry_out(plan: Plan) -> None:
     profiles = [p.pk for m in plan.models for p in m.profiles_deleted]
     if profiles:
         Profile.objects.filter(pk__in=profiles).delete()
+    adapters = [a.pk for m in plan.models for a in m.adapters_deleted]
+    if adapters:
+        Adapter.objects.filter(pk__in=adapters).delete()
     for part in plan.models:
         wanted = part.wanted
         if wanted is None or part.verdict == Verdict.LEFT_ALONE:
@@ -273,6 +321,12 @@ def _carry_out(plan: Plan) -> None:
             row.save(update_fields=changed)
         for order, fields in part.profiles_added:
             Profile(model=model, order=order, **fields).save()
+        for adapter, changed, fields in part.adapters_updated:
+            for name in changed:
+                setattr(adapter, name, fields[name])
+            adapter.save(update_fields=[*changed, "updated_at"])
+        for fields in part.adapters_added:
+            Adapter(base=model, **fields).save()
 
 
 def _count(n: int, noun: str) -> str:

@@ -2,11 +2,12 @@
 
 Shape: a mapping with one key, `models:`, a list; each model has `name`,
 `source`, `enabled`, optionally its size (`parameters_billions`, `dtype`,
-`layers`, `kv_heads`, `head_dim`), `aliases` (a list of names) and `profiles` (a list whose
-order is the profile order), and each profile uses the Profile model's field
-names. Values are checked with the models' own validation (`clean_fields()`
+`layers`, `kv_heads`, `head_dim`), `aliases` (a list of names), `profiles` (a list whose
+order is the profile order; each profile uses the Profile model's field
+names) and `adapters` (LoRA adapters on it: `name`, `source`, `enabled`,
+`rank`, `aliases`). Values are checked with the models' own validation (`clean_fields()`
 and `clean()`, the same as the admin) and names with the one namespace rule of
-`catalog.models` (model names and aliases never repeat), judged on the catalog
+`catalog.models` (model names, adapter names and their aliases never repeat), judged on the catalog
 as it will be after the file is applied.
 """
 
@@ -21,18 +22,11 @@ import yaml
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models as db
 
-from .models import (
-    MODEL_SIZE_FIELDS,
-    PROFILE_FIELDS,
-    Alias,
-    Model,
-    Profile,
-    alias_is_own_name,
-    name_taken,
-    size_problems,
-)
+from .models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from .rules import MODEL_SIZE_FIELDS, adapter_problems, alias_is_own_name, name_taken, size_problems
 
-MODEL_KEYS = ("name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles")
+MODEL_KEYS = ("name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters")
+ADAPTER_KEYS = ("name", "source", "enabled", "rank", "aliases")
 REQUIRED_MODEL_KEYS = ("name", "source", "profiles")
 NOT_IN_FILE = {
     "id": "ids are not part of the file; models are matched by name, profiles by position",
@@ -62,6 +56,7 @@ class WantedModel:
     aliases: list[str] = field(default_factory=list)
     profiles: list[dict[str, Any]] = field(default_factory=list)
     size: dict[str, Any] = field(default_factory=dict)  # MODEL_SIZE_FIELDS, each None/"" when not given
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # ADAPTER_KEYS, validated
 
     @property
     def label(self) -> str:
@@ -105,24 +100,34 @@ def read_models(data: Any, problems: list[str]) -> list[WantedModel]:
     return wanted
 
 
-def check_names(wanted: list[WantedModel], kept: Iterable[tuple[str, list[str]]], problems: list[str]) -> None:
-    """Model names and aliases share one namespace, inside the file and with the models it keeps.
+# A model or adapter's name with its aliases, as the catalog keeps it.
+NamedRow = tuple[str, list[str]]
 
-    `kept`: (name, aliases) of the models that stay in the catalog untouched by
-    the file. Names of models the file lists are judged on the file's values,
-    so an alias may move from one listed model to another in one apply.
+
+def check_names(
+    wanted: list[WantedModel], kept: Iterable[tuple[NamedRow, list[NamedRow]]], problems: list[str]
+) -> None:
+    """Model names, adapter names and their aliases share one namespace, inside the file and with the models
+    it keeps.
+
+    `kept`: ((name, aliases), [(adapter name, aliases), …]) of the models that
+    stay in the catalog untouched by the file. Names of models the file lists
+    are judged on the file's values, so an alias may move from one listed model
+    to another in one apply.
     """
-    owners: dict[str, tuple[str, bool, str]] = {}  # name -> (owner model, is an alias, where)
-    for name, aliases in kept:
-        owners[name] = (name, False, "")
-        for alias in aliases:
-            owners[alias] = (name, True, "")
+    owners: dict[str, tuple[str, bool, str, str]] = {}  # name -> (owner, is an alias, where, model|adapter)
+    for (name, aliases), adapters in kept:
+        for kind, (owner, names) in [("model", (name, aliases)), *(("adapter", row) for row in adapters)]:
+            owners[owner] = (owner, False, "", kind)
+            for alias in names:
+                owners[alias] = (owner, True, "", kind)
 
-    def claim(name: str, owner: str, as_alias: bool, where: str) -> str | None:
+    def claim(name: str, owner: str, as_alias: bool, where: str, kind: str = "model") -> str | None:
         if name in owners:
-            other, other_is_alias, other_where = owners[name]
-            return name_taken(name, owner=other, as_alias=other_is_alias) + (f" ({other_where})" if other_where else "")
-        owners[name] = (owner, as_alias, where)
+            other, other_is_alias, other_where, other_kind = owners[name]
+            taken = name_taken(name, owner=other, as_alias=other_is_alias, kind=other_kind)
+            return taken + (f" ({other_where})" if other_where else "")
+        owners[name] = (owner, as_alias, where, kind)
         return None
 
     for model in wanted:
@@ -137,6 +142,15 @@ def check_names(wanted: list[WantedModel], kept: Iterable[tuple[str, list[str]]]
             )
             if clash:
                 problems.append(f"{model.label}: aliases[{i}]: {clash}")
+        for j, adapter in enumerate(model.adapters):
+            where = f"{model.label}: adapters[{j}]"
+            names = [("name", adapter["name"])] + [(f"aliases[{i}]", a) for i, a in enumerate(adapter["aliases"])]
+            for key, name in names:
+                # An alias equal to its own adapter's name was named when the adapter was read.
+                if key == "name" or name != adapter["name"]:
+                    clash = claim(name, adapter["name"], key != "name", f"{where}.{key}", "adapter")
+                    if clash:
+                        problems.append(f"{where}.{key}: {clash}")
 
 
 def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel | None:
@@ -167,11 +181,49 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     else:
         for i, profile in enumerate(profiles_data):
             profiles.append(_read_profile(profile, f"{label}: profiles[{i}]", problems))
+    adapters = _read_adapters(entry.get("adapters", []), label, str(name), profiles, problems)
     if not isinstance(name, str):
         return None
     # Returned even with problems (the caller raises), so its names are checked against the rest.
     size = {name: getattr(instance, name) for name in MODEL_SIZE_FIELDS}
-    return WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles, size)
+    return WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles, size, adapters)
+
+
+def _read_adapters(
+    entries: Any, label: str, model_name: str, profiles: list[dict[str, Any]], problems: list[str]
+) -> list[dict[str, Any]]:
+    """The model's adapters as the file gives them (every key filled in), judged against the file's profiles."""
+    if not isinstance(entries, list):
+        problems.append(f"{label}: adapters: expected a list of adapters, got {_kind(entries)}")
+        return []
+    slots = [(p.get("max_adapters"), p.get("max_adapter_rank")) for p in profiles]
+    adapters = []
+    for i, entry in enumerate(entries):
+        where = f"{label}: adapters[{i}]"
+        if not isinstance(entry, dict):
+            problems.append(f"{where}: expected a mapping with {', '.join(ADAPTER_KEYS)}, got {_kind(entry)}")
+            continue
+        _unknown_keys(entry, ADAPTER_KEYS, where, problems)
+        missing = {key for key in ("name", "source") if key not in entry}
+        problems.extend(f"{where}.{key}: missing (required)" for key in sorted(missing))
+        values = {key: entry[key] for key in ADAPTER_KEYS if key in entry}
+        at = _located(where, ".")
+        bad = _type_problems(Adapter, values, at, problems) | missing
+        adapter = Adapter(**{k: v for k, v in values.items() if k not in bad})
+        _collect(partial(adapter.clean_fields, exclude=[*bad, "base", "created_at", "updated_at"]), at, problems)
+        if not bad:
+            found = adapter_problems(adapter.known_rank, model_name, slots, adapter.aliases, adapter.name)
+            problems.extend(f"{at(key)}: {problem}" for key, problem in found.items())
+            if "aliases" not in found:
+                for j, alias in enumerate(adapter.aliases):
+                    alias_row = Alias(name=alias)
+                    _collect(
+                        partial(alias_row.clean_fields, exclude=["model"]), _fixed(f"{where}.aliases[{j}]"), problems
+                    )
+        names = [adapter.name, *adapter.aliases] if isinstance(adapter.aliases, list) else [None]
+        if all(isinstance(name, str) and name for name in names):  # named ones only are checked against the rest
+            adapters.append({key: getattr(adapter, key) for key in ADAPTER_KEYS})
+    return adapters
 
 
 def _read_aliases(aliases: Any, label: str, problems: list[str]) -> list[str]:

@@ -1,15 +1,27 @@
-"""Catalog models: a served Model, its Aliases and its ordered Profiles."""
-
-from collections.abc import Iterable
-from typing import Any
+"""Catalog models: a served Model, its Aliases, its ordered Profiles and the LoRA Adapters riding on it."""
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
-from agent.engine_env import MASK, env_problem, is_secret
+from agent.engine_env import MASK
 
-from .choices import ENGINE_SLEEP_LEVELS, Engine, SleepLevel, WeightsDtype
+from .choices import Engine, SleepLevel, WeightsDtype
+from .rules import (
+    INTEGER_MAX,
+    SMALLINT_MAX,
+    adapter_problems,
+    adapters_kept_problem,
+    adapters_problem,
+    alias_is_own_name,
+    engine_args_problem,
+    engine_env_problem,
+    in_range,
+    name_taken,
+    rank_in_folder,
+    size_problems,
+    sleep_problem,
+)
 
 public_name_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",
@@ -19,38 +31,25 @@ gpu_class_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", "Use letters, digits and . _ - (e.g. H100-80GB)."
 )
 
-# The column ranges PostgreSQL enforces, checked on every path (admin, catalog files, REST) and on
-# SQLite too, whose integers are unbounded: a priority of 99999999 is refused, not saved.
-SMALLINT_MAX = 32767
-INTEGER_MAX = 2147483647
-
-
-def in_range(low: int, high: int) -> list:
-    """Validators for a number from `low` to `high` inclusive."""
-    return [MinValueValidator(low), MaxValueValidator(high)]
-
-
-def name_taken(name: str, *, owner: str, as_alias: bool) -> str:
-    """The message for `name` already in use, as model `owner`'s name or as one of its aliases."""
-    if as_alias:
-        return f"“{name}” is already an alias of model “{owner}”"
-    return f"“{name}” is already the name of model “{owner}”"
-
-
-def alias_is_own_name(name: str) -> str:
-    """The message for an alias equal to its own model's name."""
-    return f"“{name}” is this model's own name; an alias must differ from it"
-
 
 def name_clash(
-    name: str, *, own_model_name: str | None = None, models: bool = True, aliases: bool = True, alias_pk=None
+    name: str,
+    *,
+    own_model_name: str | None = None,
+    models: bool = True,
+    aliases: bool = True,
+    alias_pk=None,
+    adapters: bool = True,
+    adapter_pk=None,
 ) -> str | None:
-    """Why `name` cannot become a new public name, or None: model names and aliases share one namespace.
+    """Why `name` cannot become a new public name, or None: model names, their aliases, adapter names and
+    their aliases share one namespace (a request names any of them as its `model`).
 
     `own_model_name`: the model an alias is for (an alias must differ from it);
-    `models`/`aliases`: which existing names to check; `alias_pk`: the alias
-    being edited, which does not clash with itself. The catalog file checks the
-    same namespace in memory (`catalog.catalog_file`), with the same messages.
+    `models`/`aliases`/`adapters`: which existing names to check; `alias_pk`,
+    `adapter_pk`: the alias or adapter being edited, which does not clash with
+    itself. The catalog file checks the same namespace in memory
+    (`catalog.catalog_file`), with the same messages.
     """
     if own_model_name is not None and name == own_model_name:
         return alias_is_own_name(name)
@@ -62,79 +61,12 @@ def name_clash(
         alias = Alias.objects.filter(name=name).exclude(pk=alias_pk).select_related("model").first()
         if alias is not None:
             return name_taken(name, owner=alias.model.name, as_alias=True)
+    if adapters:
+        # Adapter aliases are a JSON list, which SQLite cannot search inside: read the names, not the rows.
+        for owner, owner_aliases in Adapter.objects.exclude(pk=adapter_pk).values_list("name", "aliases"):
+            if name == owner or name in (owner_aliases or ()):
+                return name_taken(name, owner=owner, as_alias=name != owner, kind="adapter")
     return None
-
-
-def engine_args_problem(value) -> str | None:
-    """Why `value` is not an argv (a JSON list of strings), naming what it is instead; None if it is one."""
-    expected = "Engine args must be a JSON list of strings (an argv)"
-    if isinstance(value, list):
-        bad = [i for i, arg in enumerate(value) if not isinstance(arg, str)]
-        return f"{expected}; item {bad[0]} is not a string." if bad else None
-    # isinstance, not type(): the admin's JSON field hands over str and dict subclasses.
-    kinds = ((dict, "an object"), (str, "a shell string"), (bool, "a boolean"), (int | float, "a number"))
-    fallback = "null" if value is None else f"a {type(value).__name__}"
-    what = next((name for kind, name in kinds if isinstance(value, kind)), fallback)
-    return f"{expected}, not {what}."
-
-
-def engine_env_problem(value) -> str | None:
-    """Why `value` is not an engine environment (names to string values), naming the variable; None if it is one.
-
-    The rule is the agent's (agent/engine_env.py), so a profile the catalog takes is one its agents start.
-    """
-    return env_problem(value)
-
-
-def keep_stored_secrets(submitted, stored: dict, siblings: Iterable[dict] = ()) -> tuple[Any, str | None]:
-    """`submitted` with every secret shown as the mask given its stored value back, and a problem or None.
-
-    Export, REST reads and admin show secret values as the mask; handing the
-    mask back means "keep the value". `stored` is the env of the profile being
-    written ({} for a new one), `siblings` those of its model's other profiles:
-    the mask takes the one value they all hold for the name (so reordering
-    profiles keeps each secret), else this profile's own. A mask with no
-    stored value behind it is refused, naming the variable.
-    """
-    if not isinstance(submitted, dict):
-        return submitted, None  # engine_env_problem names what is wrong
-    envs = [stored, *siblings]
-    kept = dict(submitted)
-    for name, value in submitted.items():
-        if not (isinstance(name, str) and is_secret(name) and value == MASK):
-            continue
-        values = {env[name] for env in envs if isinstance(env, dict) and name in env}
-        if len(values) == 1:
-            kept[name] = values.pop()
-        elif name in stored:
-            kept[name] = stored[name]
-        else:
-            held = "no profile of this model has one" if not values else "this model's profiles hold different ones"
-            return (
-                submitted,
-                f"Variable {name}: “{MASK}” stands for a value already stored, and {held}; give the value.",
-            )
-    return kept, None
-
-
-# The model's size as the operator gives it, for the memory model (catalog/memory.py) when neither the
-# weights' headers nor a config.json can be read; all optional. The catalog file, its export, the admin and
-# the REST API read this one list.
-MODEL_SIZE_FIELDS = ("parameters_billions", "dtype", "layers", "kv_heads", "head_dim")
-
-
-def size_problems(model: "Model") -> dict[str, str]:
-    """What is half-given in a model's size fields: the weights need parameters and dtype together, the KV
-    cache layers, KV heads and head dim together (a part alone would be silently ignored)."""
-    errors = {}
-    if (model.parameters_billions is None) != (not model.dtype):
-        missing = "dtype" if model.parameters_billions is not None else "parameters_billions"
-        errors[missing] = "Give parameters (billions) and the weights dtype together, or neither."
-    kv = {"layers": model.layers, "kv_heads": model.kv_heads, "head_dim": model.head_dim}
-    if any(v is not None for v in kv.values()) and any(v is None for v in kv.values()):
-        missing = next(name for name, v in kv.items() if v is None)
-        errors[missing] = "Give layers, KV heads and head dim together (the KV cache's shape), or none of them."
-    return errors
 
 
 class Model(models.Model):
@@ -211,18 +143,6 @@ class Alias(models.Model):
             raise ValidationError({"name": clash})
 
 
-def sleep_problem(engine: str, level: int | None, after: int | None) -> tuple[str, str] | None:
-    """(field, message) when a profile's sleep settings cannot be honoured by its engine; else None."""
-    levels = ENGINE_SLEEP_LEVELS.get(engine, ())
-    if level not in (None, SleepLevel.NEVER) and level not in levels:
-        name = Engine(engine).label if engine in Engine.values else engine
-        can = f"only sleep level {', '.join(map(str, levels))}" if levels else "not sleep"
-        return "sleep_level", f"{name} can {can}; leave sleep level empty to take the best it allows, or 0."
-    if after is not None and (level == SleepLevel.NEVER or not levels):
-        return "sleep_after_seconds", "Replicas of this profile never sleep; leave sleep after empty."
-    return None
-
-
 # What an operator sets on a profile, in the order a catalog export writes them, grouped in the rows
 # the admin shows. Left out: the id, `order` (a position in the model's list) and `start_seconds`
 # (learned). The catalog file, its export, the admin and the REST API all read this one list.
@@ -233,6 +153,7 @@ PROFILE_FIELD_ROWS = (
     ("priority", "pool", "weight", "idle_timeout_seconds"),
     ("max_model_len",),
     ("sleep_level", "sleep_after_seconds"),
+    ("max_adapters", "max_adapter_rank"),
     ("engine_args",),
     ("env",),
 )
@@ -312,6 +233,22 @@ class Profile(models.Model):
         help_text="Put replicas above min to sleep after this long unused (known idle only); "
         "empty = only when their GPUs are wanted by another model. The idle timeout still stops them.",
     )
+    max_adapters = models.PositiveSmallIntegerField(
+        "max adapters",
+        null=True,
+        blank=True,
+        validators=in_range(1, SMALLINT_MAX),
+        help_text="LoRA adapters one replica holds at once (vLLM --max-loras, SGLang --max-loras-per-batch); "
+        "empty = this profile takes no adapters.",
+    )
+    max_adapter_rank = models.PositiveSmallIntegerField(
+        "max adapter rank",
+        null=True,
+        blank=True,
+        validators=in_range(1, SMALLINT_MAX),
+        help_text="The largest LoRA rank its replicas load (vLLM --max-lora-rank: 1, 8, 16, … 512); "
+        "empty = the engine's default (vLLM: 16).",
+    )
     engine_args = models.JSONField(
         "engine args", default=list, blank=True, help_text='Extra engine argv, e.g. ["--max-model-len", "8192"].'
     )
@@ -375,7 +312,84 @@ class Profile(models.Model):
         problem = sleep_problem(self.engine, self.sleep_level, self.sleep_after_seconds)
         if problem is not None:
             errors[problem[0]] = problem[1]
+        problem = adapters_problem(self.engine, self.max_adapters, self.max_adapter_rank)
+        if problem is not None:
+            errors[problem[0]] = problem[1]
         if self.gpus_per_node and self.gpus_per_node > 16:
             errors["gpus_per_node"] = "No node carries more than 16 GPUs; check GPUs per node."
+        adapters = [(a.name, a.known_rank) for a in self.model.adapters.all()] if self.model_id else []
+        if adapters and (self.max_adapters is None or self.max_adapter_rank is not None):
+            others = self.model.profiles.exclude(pk=self.pk).filter(max_adapters__isnull=False).exists()
+            problem = adapters_kept_problem(self.max_adapters, self.max_adapter_rank, adapters, others)
+            if problem is not None:
+                errors.setdefault(*problem)
         if errors:
             raise ValidationError(errors)
+
+
+class Adapter(models.Model):
+    """A LoRA adapter served under its own public name, loaded at run time onto replicas of its base model.
+
+    Its base must have a profile that takes adapters (`max_adapters`); its
+    rank, when known (given, or read from a local folder's
+    adapter_config.json), must fit that profile's max adapter rank.
+    """
+
+    name = models.CharField(max_length=200, unique=True, validators=[public_name_validator])
+    base = models.ForeignKey(Model, related_name="adapters", on_delete=models.CASCADE)
+    source = models.CharField(
+        max_length=500, help_text="Where the engine loads the adapter from: a hub repository id or a local folder."
+    )
+    enabled = models.BooleanField(default=True, db_default=True)
+    rank = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        validators=in_range(1, SMALLINT_MAX),
+        help_text="The adapter's LoRA rank; empty = read from adapter_config.json when the source is a local folder.",
+    )
+    aliases = models.JSONField(
+        default=list,
+        db_default=models.Value([], output_field=models.JSONField()),
+        blank=True,
+        help_text='Other public names it answers to, e.g. ["support-bot"].',
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def known_rank(self) -> int | None:
+        """The rank the catalog gives, else the one its local folder's adapter_config.json says, else None."""
+        return self.rank if self.rank is not None else rank_in_folder(self.source)
+
+    def clean(self):
+        # An inline form hands over a base that is not saved yet (no base_id, the object cached).
+        base = self.base if self.base_id is not None or Adapter.base.field.is_cached(self) else None
+        errors = {}
+        if base is not None:
+            # A base being added in the same form has no saved profiles yet: save it with them first.
+            profiles = [(p.max_adapters, p.max_adapter_rank) for p in base.profiles.all()] if base.pk else []
+            errors = adapter_problems(self.known_rank, base.name, profiles, self.aliases, self.name)
+        if self.name and (clash := name_clash(self.name, adapter_pk=self.pk)):
+            errors.setdefault("name", clash)
+        for alias in self.aliases if "aliases" not in errors else ():
+            problem = alias_name_problem(alias) or name_clash(alias, adapter_pk=self.pk)
+            if problem is not None:
+                errors["aliases"] = problem
+                break
+        if errors:
+            raise ValidationError(errors)
+
+
+def alias_name_problem(name: str) -> str | None:
+    """Why `name` is not a well-formed public name, naming it; None if it is one."""
+    try:
+        public_name_validator(name)
+    except ValidationError as exc:
+        return f"“{name}”: {exc.messages[0]}"
+    return None

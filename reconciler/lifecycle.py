@@ -256,7 +256,14 @@ def start_fields(
         # Started able to sleep when the placer gave it a sleep level (reconciler.hibernate); left out otherwise,
         # so a start that does not ask for it keeps the shape starts always had.
         **({"sleep_mode": True} if replica.sleep_level else {}),
+        # LoRA on for a profile that takes adapters; left out otherwise, for the same reason.
+        **({"adapters": adapter_slots(replica.profile)} if replica.profile.max_adapters else {}),
     }
+
+
+def adapter_slots(profile: Profile) -> dict:
+    """A profile's adapter slots as start_shard's `adapters` (agent.protocol.AdapterSlots)."""
+    return {"slots": profile.max_adapters, "max_rank": profile.max_adapter_rank}
 
 
 def send_starts(shards: list[Shard], outbox: Outbox) -> int:

@@ -10,8 +10,8 @@ pytestmark = pytest.mark.django_db
 ADD_URL = "/admin/catalog/model/add/"
 
 
-def model_form(name, aliases=(), profiles=(), *, alias_initial=(), source="org/weights"):
-    """POST data for the model change form with its alias and profile inlines.
+def model_form(name, aliases=(), profiles=(), *, alias_initial=(), source="org/weights", adapters=()):
+    """POST data for the model change form with its alias, profile and adapter inlines.
 
     `alias_initial` lists (pk, name) of existing aliases, sent first as the formset expects.
     """
@@ -53,6 +53,17 @@ def model_form(name, aliases=(), profiles=(), *, alias_initial=(), source="org/w
             **overrides,
         }
         data.update({f"profiles-{i}-{k}": v for k, v in profile.items()})
+    data.update(
+        {
+            "adapters-TOTAL_FORMS": str(len(adapters)),
+            "adapters-INITIAL_FORMS": "0",
+            "adapters-MIN_NUM_FORMS": "0",
+            "adapters-MAX_NUM_FORMS": "1000",
+        }
+    )
+    for i, row in enumerate(adapters):
+        adapter = {"name": "", "source": "", "enabled": "on", "rank": "", "aliases": "[]", **row}
+        data.update({f"adapters-{i}-{k}": v for k, v in adapter.items()})
     return data
 
 

@@ -7,7 +7,8 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from catalog.admin import unknown_gpu_classes
-from catalog.models import Model, Profile, engine_args_problem
+from catalog.models import Model, Profile
+from catalog.rules import engine_args_problem
 from catalog.tests.test_admin import ADD_URL, model_form, snapshot
 from tests.fleet import make_node
 

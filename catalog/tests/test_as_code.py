@@ -98,6 +98,8 @@ def test_export_writes_the_profile_fields_in_list_order_and_nothing_learned(flee
         "max_model_len": None,
         "sleep_level": None,
         "sleep_after_seconds": None,
+        "max_adapters": None,
+        "max_adapter_rank": None,
         "engine_args": ["--max-model-len", "8192"],
         "env": {"OMP_NUM_THREADS": "8", "HF_TOKEN": "***"},
     }
@@ -257,18 +259,18 @@ def test_a_name_an_unlisted_model_keeps_is_a_clash(fleet_catalog):
 
 def test_apply_reads_a_constant_number_of_queries_and_writes_a_few_per_row(fleet_catalog, django_assert_num_queries):
     data = export_catalog()
-    # Planning: models, their aliases, their profiles (with replica counts); plus the savepoint pair.
-    with django_assert_num_queries(5):
+    # Planning: models, their aliases, adapters and profiles (with replica counts); plus the savepoint pair.
+    with django_assert_num_queries(6):
         apply_catalog(data)
     for i in range(20):
         data["models"].append(model(f"m{i}", aliases=[f"alias-{i}"], profiles=[profile(), profile(gpus_per_node=2)]))
-    with django_assert_num_queries(3):
-        plan_catalog(data)  # no transaction of its own: the three reads, and the name checks in memory
+    with django_assert_num_queries(4):
+        plan_catalog(data)  # no transaction of its own: the four reads, and the name checks in memory
     # Each new model: its row, one alias, two profiles.
-    with django_assert_num_queries(5 + 20 * 4):
+    with django_assert_num_queries(6 + 20 * 4):
         apply_catalog(data)
     # Changing every field of a profile is still one UPDATE.
     for m in data["models"][2:]:
         m["profiles"][0] |= {"gpus_per_node": 4, "priority": 3, "pool": "p", "weight": 2, "engine_args": ["--x"]}
-    with django_assert_num_queries(5 + 20):
+    with django_assert_num_queries(6 + 20):
         apply_catalog(data)

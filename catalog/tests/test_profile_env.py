@@ -9,7 +9,8 @@ from django.core.management import call_command
 
 from catalog.as_code import Verdict, apply_catalog, export_catalog
 from catalog.catalog_file import CatalogFileError, load_catalog_text
-from catalog.models import Model, Profile, engine_env_problem, keep_stored_secrets
+from catalog.models import Model, Profile
+from catalog.rules import engine_env_problem, keep_stored_secrets
 
 pytestmark = pytest.mark.django_db
 

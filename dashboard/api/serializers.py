@@ -4,8 +4,9 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from agent.engine_env import MASK, masked
-from catalog.catalog_file import PROFILE_FIELDS
-from catalog.models import MODEL_SIZE_FIELDS, Model, Profile
+from catalog.catalog_file import ADAPTER_KEYS, PROFILE_FIELDS
+from catalog.models import Adapter, Model, Profile
+from catalog.rules import MODEL_SIZE_FIELDS
 from inventory.models import GPU, Node
 from keys.models import ApiKey, TokenUsage
 from reconciler.idle import Idle
@@ -40,11 +41,22 @@ class ProfileSerializer(serializers.ModelSerializer):
         fields = ["id", "order", *PROFILE_FIELDS, "start_seconds"]
 
 
+class AdapterSerializer(serializers.ModelSerializer):
+    """A LoRA adapter on a model, in the catalog file's keys (written through the model, like profiles)."""
+
+    aliases = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+    class Meta:
+        model = Adapter
+        fields = list(ADAPTER_KEYS)
+
+
 class ModelSerializer(serializers.ModelSerializer):
-    """A catalog model with its alias names and its profiles in placement order."""
+    """A catalog model with its alias names, its profiles in placement order and its adapters by name."""
 
     aliases = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
     profiles = ProfileSerializer(many=True, read_only=True)
+    adapters = AdapterSerializer(many=True, read_only=True)
 
     class Meta:
         model = Model
@@ -56,6 +68,7 @@ class ModelSerializer(serializers.ModelSerializer):
             *MODEL_SIZE_FIELDS,
             "aliases",
             "profiles",
+            "adapters",
             "created_at",
             "updated_at",
         ]

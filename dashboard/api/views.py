@@ -59,7 +59,7 @@ class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
     position, as `catalog apply` does; deleting a model takes its replicas.
     """
 
-    queryset = Model.objects.prefetch_related("aliases", "profiles").order_by("name")
+    queryset = Model.objects.prefetch_related("aliases", "profiles", "adapters").order_by("name")
     serializer_class = ModelSerializer
     lookup_field = "name"
     # Model names may hold "/" (hub ids such as meta-llama/Llama-3-8B), so the name is the rest of the path.

@@ -38,16 +38,16 @@ def _apply_one(entry: Any) -> Model:
         apply_catalog({"models": [entry]})
     except CatalogFileError as exc:
         raise bad_request([_FILE_LABEL.sub("", message) or message for message in exc.messages]) from None
-    model = Model.objects.prefetch_related("aliases", "profiles").get(name=entry["name"])
+    model = Model.objects.prefetch_related("aliases", "profiles", "adapters").get(name=entry["name"])
     # Warnings, not refusals (the estimate may be off): the answer carries them beside the model.
     model.warnings = fit_warnings(list(model.profiles.all()), fleet_memory())
     return model
 
 
 def create_model(entry: Any) -> Model:
-    """Create a model with its aliases and profiles (the catalog file's entry shape); 400 if anything is wrong."""
+    """Create a model with its aliases, profiles and adapters (the catalog file's entry shape); 400 if anything is wrong."""
     if not isinstance(entry, dict):
-        raise bad_request(["expected a JSON object with name, source, enabled, aliases and profiles"])
+        raise bad_request(["expected a JSON object with name, source, enabled, aliases, profiles and adapters"])
     with transaction.atomic():
         name = entry.get("name")
         if isinstance(name, str) and (clash := name_clash(name)):
@@ -56,9 +56,9 @@ def create_model(entry: Any) -> Model:
 
 
 def update_model(model: Model, changes: Any, *, partial: bool) -> Model:
-    """Replace (`partial=False`) or change some of a model's fields, aliases and profiles; the name stays."""
+    """Replace (`partial=False`) or change some of a model's fields, aliases, profiles and adapters; the name stays."""
     if not isinstance(changes, dict):
-        raise bad_request(["expected a JSON object with source, enabled, aliases and profiles"])
+        raise bad_request(["expected a JSON object with source, enabled, aliases, profiles and adapters"])
     if "name" in changes and changes["name"] != model.name:
         raise bad_request([f"name: a model cannot be renamed (this is “{model.name}”); create a new one instead"])
     with transaction.atomic():

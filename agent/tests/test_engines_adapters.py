@@ -1,0 +1,94 @@
+"""LoRA switched on for a shard that takes adapters (start_shard's `adapters`): argv and environment per engine,
+the protocol field, and the mock engine's flags."""
+
+import json
+
+import pytest
+
+from agent import protocol
+from agent.engines import build_launch
+from agent.gpus import parse_fake_gpus
+from agent.mock_engine import create_app, parse_args
+from agent.options import AgentOptions
+from agent.starting import launch_for
+from agent.tests.test_engines import BASE
+
+START = {"type": "start_shard", "v": 1, "epoch": 1, "shard_id": 1, "engine": "vllm", "model": "m", "source": "m",
+         "gpu_indices": [0], "port": 20000}  # fmt: skip
+
+
+def launch(engine, **overrides):
+    fields = {**BASE, "gpu_indices": [0, 1], "rank": 0, "node_count": 1, **overrides}
+    return build_launch(engine, python="/opt/py/bin/python", **fields)
+
+
+def test_vllm_gets_lora_its_slots_and_rank_and_its_runtime_update_switch():
+    result = launch("vllm", adapter_slots=8, max_adapter_rank=64, args=["--max-model-len", "8192"])
+    flags = ["--max-model-len", "8192", "--enable-lora", "--max-loras", "8", "--max-lora-rank", "64"]
+    assert result.argv[-len(flags) :] == flags
+    assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    # Without a rank, vLLM's own default applies.
+    assert launch("vllm", adapter_slots=2).argv[-3:] == ["--enable-lora", "--max-loras", "2"]
+
+
+def test_sglang_gets_its_batch_slots_with_every_module_loadable():
+    result = launch("sglang", adapter_slots=4, max_adapter_rank=16)
+    flags = ["--enable-lora", "--max-loras-per-batch", "4", "--lora-target-modules", "all", "--max-lora-rank", "16"]
+    assert result.argv[-len(flags) :] == flags
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in result.env
+
+
+def test_the_mock_takes_vllms_slots_and_environment_and_llama_cpp_is_refused():
+    mock = launch("mock", adapter_slots=3)
+    assert mock.argv[-2:] == ["--max-loras", "3"] and "--enable-lora" not in mock.argv
+    assert mock.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    with pytest.raises(ValueError, match="llama.cpp cannot load adapters at run time"):
+        launch("llamacpp", gpu_indices=[0], source="/m.gguf", adapter_slots=2)
+    with pytest.raises(ValueError, match="adapter slots must be a positive integer, got 0"):
+        launch("vllm", adapter_slots=0)
+    with pytest.raises(ValueError, match="a max adapter rank needs adapter slots"):
+        launch("vllm", max_adapter_rank=16)
+
+
+def test_without_adapters_a_launch_is_as_before_and_sleep_and_lora_combine():
+    assert launch("vllm") == launch("vllm", adapter_slots=None)
+    both = launch("vllm", adapter_slots=2, sleep_mode=True)
+    assert both.argv[-4:] == ["--enable-lora", "--max-loras", "2", "--enable-sleep-mode"]
+    assert both.env["VLLM_SERVER_DEV_MODE"] == "1" and both.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+
+
+def test_every_rank_of_a_replica_gets_the_same_lora_flags():
+    two = {"node_count": 2, "head_address": "10.0.0.1", "rendezvous_port": 20001, "adapter_slots": 4}
+    follower = launch("vllm", rank=1, vllm_command=("vllm", "serve"), **two)
+    assert follower.argv[follower.argv.index("--enable-lora") :][:3] == ["--enable-lora", "--max-loras", "4"]
+    assert "--max-loras-per-batch" in launch("sglang", rank=1, **two).argv
+
+
+def test_start_shard_adapters_are_optional_left_out_unless_set_and_checked():
+    plain = protocol.decode_command(json.dumps(START))
+    assert plain.adapters is protocol.UNSET and "adapters" not in protocol.to_builtins(plain)
+    asked = protocol.decode_command(json.dumps({**START, "adapters": {"slots": 8, "max_rank": 32}}))
+    assert asked.adapters == protocol.AdapterSlots(slots=8, max_rank=32)
+    assert protocol.to_builtins(asked)["adapters"] == {"slots": 8, "max_rank": 32}
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `int` >= 1 - at `\$.adapters.slots`"):
+        protocol.decode_command(json.dumps({**START, "adapters": {"slots": 0}}))
+
+
+def test_the_agent_turns_a_start_with_adapters_into_the_engines_flags():
+    gpus = parse_fake_gpus("1xH100-80GB", "n1")
+    options = AgentOptions(["ws://127.0.0.1:9/agent/ws"], "n1", "t", gpus, "127.0.0.1", vllm_command=["vllm"])
+    start = protocol.decode_command(json.dumps({**START, "adapters": {"slots": 8}}))
+    result = launch_for(start, options, gpus)
+    assert result.argv[-3:] == ["--enable-lora", "--max-loras", "8"]
+    assert result.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    assert "--enable-lora" not in launch_for(protocol.decode_command(json.dumps(START)), options, gpus).argv
+
+
+def test_the_mock_engine_parses_and_keeps_its_lora_slots(capsys):
+    args = parse_args(["--port", "20000", "--model", "m", "--max-loras", "8", "--max-lora-rank", "16"])
+    assert (args.max_loras, args.max_lora_rank) == (8, 16)
+    assert parse_args(["--port", "20000", "--model", "m"]).max_loras is None
+    assert create_app("m", max_loras=8)["lora_slots"] == (8, None)
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "20000", "--model", "m", "--max-loras", "0"])
+    assert "argument --max-loras: expected a positive integer, got 0" in capsys.readouterr().err
