@@ -67,20 +67,7 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
     model_ids = set(model_ids)
     if not model_ids:
         return 0, 0
-    sleepers = list(
-        Replica.objects.filter(asleep_replicas(), model_id__in=model_ids)
-        .order_by("model_id", "-last_used", "id")
-        .values_list(
-            "id",
-            "model_id",
-            "model__name",
-            "profile__priority",
-            "wanted_since",
-            "profile_id",
-            "profile__start_seconds",
-            "profile__wake_seconds",
-        )
-    )
+    sleepers = _asleep_of(model_ids)
     if not sleepers:
         return 0, 0
     unstamped = [row[0] for row in sleepers if row[4] is None]
@@ -113,6 +100,24 @@ def wake_for_demand(model_ids: Iterable[int], now: datetime, outbox: Outbox) -> 
     if swaps.next_try is not None:
         notify_work_due(swaps.next_try)
     return count, len(swaps.victims)
+
+
+def _asleep_of(model_ids: set[int]) -> list[tuple]:
+    """The asleep replicas of `model_ids`, most recently used first per model, as the rows a swap decides on."""
+    return list(
+        Replica.objects.filter(asleep_replicas(), model_id__in=model_ids)
+        .order_by("model_id", "-last_used", "id")
+        .values_list(
+            "id",
+            "model_id",
+            "model__name",
+            "profile__priority",
+            "wanted_since",
+            "profile_id",
+            "profile__start_seconds",
+            "profile__wake_seconds",
+        )
+    )
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,13 @@ from .errors import RouterError
 from .inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
 from .metrics import RouterMetrics
 from .table import Endpoint
-from .tokens import JsonUsage, SseUsage, ask_for_usage, usage_of_whole_answer, usage_reader
+from .tokens import ask_for_usage, usage_of_whole_answer
 from .wire import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
     WHOLE_BODY_LIMIT,
+    answer_usage_reader,
+    begin_body,
     break_message,
     response_headers,
     sse_error_event,
@@ -329,12 +331,7 @@ class Proxy:
             self._finish(request, endpoint, response, served, usage)
 
     async def _relay_stream(
-        self,
-        request: Forwarding,
-        endpoint: Endpoint,
-        response: ClientResponse,
-        content_type: str,
-        streamed: bool,
+        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool
     ) -> None:
         """Relay an answer chunk by chunk as the engine sends it, reading its usage and timing a stream on the way.
         Never retried once started; a break ends a stream (`streamed`: SSE) with an error event, cuts any other body."""
@@ -344,17 +341,9 @@ class Proxy:
         inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
         timing = inter_token.series(request.model) if streamed else inter_token.blank()
         gaps, bounds = timing[0], inter_token.bounds
-        reader: JsonUsage | SseUsage | None = None
-        if served and exchange.key is not None:
-            encoding = response.headers.get("Content-Encoding", "")
-            reader = usage_reader(content_type, encoding, request.pass_usage)
+        reader = answer_usage_reader(request, response, content_type) if served else None
         try:
-            if not request.headers_sent:
-                # A body that may lose its usage event cannot keep the engine's length.
-                headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
-                await send({"type": "http.response.start", "status": response.status, "headers": headers})
-            exchange.status = response.status
-            exchange.wait(NEXT_CHUNK)
+            await begin_body(request, endpoint, response, reader)
             try:
                 async for chunk in response.content.iter_any():
                     if reader is not None:
