@@ -41,6 +41,7 @@ from .hibernate import SleepRequest, idle_sleepers, put_to_sleep
 from .idle import Idle
 from .lifecycle import StopRequest, stop_replicas
 from .models import ModelLoad, Replica, Shard
+from .replica_rows import ReplicaRow
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +84,21 @@ class _ModelDemand:
     """One model's profiles (in order) and replicas, as this tick sees them."""
 
     profiles: list[Profile]
-    replicas: list[Replica] = field(default_factory=list)
+    replicas: list[ReplicaRow] = field(default_factory=list)
 
     @property
     def primary(self) -> Profile:
         return self.profiles[0]
 
-    def wanted(self) -> list[Replica]:
+    def wanted(self) -> list[ReplicaRow]:
         # A replica a node drain is replacing is on its way out: its replacement counts instead.
         return [r for r in self.replicas if r.state in WANTED_STATES and r.drain_deadline is None]
 
-    def awake(self) -> list[Replica]:
+    def awake(self) -> list[ReplicaRow]:
         """The wanted replicas that serve or will without a wake: every one but the sleepers."""
         return [r for r in self.wanted() if r.state in AWAKE_STATES]
 
-    def sleepers(self) -> list[Replica]:
+    def sleepers(self) -> list[ReplicaRow]:
         return [r for r in self.wanted() if r.state == ReplicaState.SLEEPING]
 
 
@@ -158,7 +159,7 @@ def _read_models() -> dict[int, _ModelDemand]:
     models: dict[int, _ModelDemand] = {}
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
-    replicas = Replica.objects.exclude(state=ReplicaState.STOPPING).only(
+    rows = Replica.objects.exclude(state=ReplicaState.STOPPING).values_list(
         "id",
         "model_id",
         "profile_id",
@@ -169,17 +170,19 @@ def _read_models() -> dict[int, _ModelDemand]:
         "sleep_level",
         "wanted_since",
     )
-    for replica in replicas:
-        if replica.model_id in models:
-            models[replica.model_id].replicas.append(replica)
+    for row in rows:
+        if row[1] in models:
+            models[row[1]].replicas.append(ReplicaRow(*row))
     return models
 
 
-def _bound(demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopRequest], wake: set[int]) -> list[Replica]:
+def _bound(
+    demand: _ModelDemand, to_create: list[Replica], to_stop: list[StopRequest], wake: set[int]
+) -> list[ReplicaRow]:
     """Keep the model between its min and max, and each profile at most at its own max; the replicas kept."""
     primary = demand.primary
     wanted = demand.wanted()
-    keep: list[Replica] = []
+    keep: list[ReplicaRow] = []
     for profile in demand.profiles:
         on_profile = [r for r in wanted if r.profile_id == profile.pk]
         kept = _trim(on_profile, profile.max_replicas, f"above the max of {profile} ", to_stop)
@@ -215,7 +218,7 @@ def _swaps_under_way(models: dict[int, _ModelDemand], now: datetime, outcome: De
         Replica.objects.filter(pk__in=stale).update(wanted_since=None)
 
 
-def _trim(replicas: list[Replica], limit: int, why: str, to_stop: list[StopRequest]) -> list[Replica]:
+def _trim(replicas: list[ReplicaRow], limit: int, why: str, to_stop: list[StopRequest]) -> list[ReplicaRow]:
     if len(replicas) <= limit:
         return replicas
     # Newest first within a state: keep the replicas that have been serving longest.
@@ -226,7 +229,7 @@ def _trim(replicas: list[Replica], limit: int, why: str, to_stop: list[StopReque
 
 
 def _idle_beyond_timeout(
-    demand: _ModelDemand, wanted: list[Replica], busy: set[int], now: datetime
+    demand: _ModelDemand, wanted: list[ReplicaRow], busy: set[int], now: datetime
 ) -> list[StopRequest]:
     """Replicas whose known last use is older than their profile's idle timeout, longest idle first: READY ones
     above min, and SLEEPING ones whatever min (a sleeper serves nothing; its sleeping time counts as idle)."""

@@ -51,6 +51,7 @@ from .idle import Idle
 from .lifecycle import StopRequest, learn_time, notify_when_unpublished, stop_replicas, unpublish_grace_seconds
 from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
+from .replica_rows import ReplicaRow
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,9 @@ def profile_sleep_level(profile: Profile) -> int:
     return sleep_level(profile.engine, profile.sleep_level, weights)
 
 
-def idle_sleepers(profiles: list[Profile], wanted: list[Replica], busy: set[int], now: datetime) -> list[SleepRequest]:
+def idle_sleepers(
+    profiles: list[Profile], wanted: list[ReplicaRow], busy: set[int], now: datetime
+) -> list[SleepRequest]:
     """One model's READY replicas above its min whose profile sleeps after a known idle time that has passed,
     longest idle first. `profiles` are the model's in order (the first sets min); `busy` replicas report
     running requests. Only while usage is known (the caller's rule, DESIGN invariant 3)."""

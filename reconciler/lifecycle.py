@@ -28,6 +28,7 @@ from .choices import ReplicaState, ShardState
 from .models import GPUAssignment, Replica, Shard
 from .outbox import Outbox
 from .placement import rendezvous_port
+from .replica_rows import ReplicaRow
 from .signals import work_pending
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def retry_failed(now: datetime) -> int:
 class StopRequest:
     """A replica to stop, and why (shown to operators)."""
 
-    replica: Replica
+    replica: Replica | ReplicaRow  # only its pk and state are read
     reason: str
 
 
