@@ -8,6 +8,7 @@ imports it.
 
 import hmac
 import logging
+from collections import defaultdict
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -20,7 +21,7 @@ from prometheus_client.registry import Collector
 from keys.models import TokenUsage
 
 from .summary import cluster_summary
-from .summary_types import GPU_STATES
+from .summary_types import GPU_STATES, ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,19 @@ def _families() -> dict[str, GaugeMetricFamily]:
         ),
         "lease_expires": GaugeMetricFamily(
             "llmgw_lease_expires_in_seconds", "Seconds until the leader lease lapses; negative once it has."
+        ),
+        "sleeping_gpus": GaugeMetricFamily(
+            "llmgw_sleeping_gpus",
+            "GPUs sleeping replicas keep their engines on (another may be awake there).",
+            labels=["model"],
+        ),
+        "sleeping_host_memory": GaugeMetricFamily(
+            "llmgw_sleeping_host_memory_bytes", "Host memory level-1 sleepers hold (their weights).", labels=["model"]
+        ),
+        "wake_seconds": GaugeMetricFamily(
+            "llmgw_model_wake_seconds",
+            "How long a sleeping model's replicas take to wake, as learned (absent until one wake is timed).",
+            labels=["model"],
         ),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
@@ -133,9 +147,29 @@ class FleetCollector(Collector):
             families["lease_epoch"].add_metric([], leader.epoch)
             families["lease_holder"].add_metric([leader.owner], 1)
             families["lease_expires"].add_metric([], leader.expires_in_seconds)
+        _sleepers(summary.replica_list, families)
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens
+
+
+def _sleepers(replicas: list[ReplicaStatus], families: dict[str, GaugeMetricFamily]) -> None:
+    """The hibernate tier per model: GPUs its sleepers are stacked on, host memory they hold, its wake time."""
+    gpus: dict[str, int] = defaultdict(int)
+    memory: dict[str, int] = defaultdict(int)
+    wake: dict[str, float] = {}
+    for replica in replicas:
+        if replica.state != "sleeping":
+            continue
+        gpus[replica.model] += replica.gpus
+        memory[replica.model] += replica.host_memory_bytes or 0
+        if replica.wake_seconds is not None:
+            wake[replica.model] = max(wake.get(replica.model, 0.0), replica.wake_seconds)
+    for model in sorted(gpus):
+        families["sleeping_gpus"].add_metric([model], gpus[model])
+        families["sleeping_host_memory"].add_metric([model], memory[model])
+        if model in wake:
+            families["wake_seconds"].add_metric([model], wake[model])
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

@@ -61,3 +61,28 @@ def test_metrics_module_registers_its_collector_once():
 
     assert metrics.register() is metrics.register()
     assert sum(1 for c in REGISTRY._collector_to_names if isinstance(c, metrics.FleetCollector)) == 1
+
+
+def test_sleeping_replicas_show_their_gpus_host_memory_and_wake_time_per_model(client):
+    from catalog.models import Profile
+    from reconciler.models import Replica
+
+    a, b = make_node("gpu-a", gpus=4), make_node("gpu-b", gpus=4)
+    profile = make_model("sleepy", gpus_per_node=2, min_replicas=0, max_replicas=3).profiles.get()
+    level_one, level_two = (
+        make_replica(profile, placement=[(a, [0, 1])]),
+        make_replica(profile, placement=[(b, [0, 1])]),
+    )
+    make_replica(profile, placement=[(a, [2, 3])])  # awake: not counted
+    for replica, level in ((level_one, 1), (level_two, 2)):
+        Replica.objects.filter(pk=replica.pk).update(
+            state=ReplicaState.SLEEPING, sleeping_level=level, weights_bytes=5 << 30
+        )
+    Profile.objects.filter(pk=profile.pk).update(wake_seconds=1.5)
+
+    samples = scrape(client)
+
+    model = (("model", "sleepy"),)
+    assert samples[("llmgw_sleeping_gpus", model)] == 4
+    assert samples[("llmgw_sleeping_host_memory_bytes", model)] == 5 << 30  # level 2 holds none
+    assert samples[("llmgw_model_wake_seconds", model)] == 1.5
