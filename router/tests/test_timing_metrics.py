@@ -154,7 +154,8 @@ def test_a_hold_that_times_out_is_timed_and_one_refused_at_once_is_not(start_rou
     assert chat(router, auth, model="stuck").status_code == 503
 
     held = histogram(router, "llmgw_router_hold_seconds", reason="making_room")
-    assert held["count"] == 1 and 0.3 <= held["sum"] < 5
+    # At least the 0.3 s timeout, to the float error of subtracting two event-loop times.
+    assert held["count"] == 1 and 0.3 - 1e-6 <= held["sum"] < 5
     assert histogram(router, "llmgw_router_hold_seconds", model="stuck", reason="cold_start") == {}
     assert 'llmgw_router_hold_seconds_count{model="llama-3-8b",reason="making_room"} 1.0' in (
         httpx.get(f"{router.url}/metrics").text
