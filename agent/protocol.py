@@ -19,6 +19,7 @@ agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
                 seconds (how long the sleep or wake it reports took; null otherwise),
                 sleep_level (with `sleeping`: 1 or 2)
   weights_status source, path, removed, message   (the answer to remove_weights)
+  (heartbeat's shards[] also carry adapters[]: the LoRA adapters each engine holds)
   ack           cid, refused, message: the command `cid` reached the agent and was
                 accepted (refused = fenced, malformed, or a sleep or wake that cannot be
                 done; message says why)
@@ -46,6 +47,7 @@ not; the control plane re-sends it until then (reconciler/commands.py)
                 message says why) for a shard not running, an engine that cannot sleep, or a
                 shard in the wrong state (agent/hibernation.py)
   remove_weights epoch, source, path: delete a source's weights from the node's disk
+  load_adapter, unload_adapter, and the agent's adapter_status: agent/protocol_adapters.py
   error         message   (the control plane could not accept a message)
 """
 
@@ -57,14 +59,18 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .engine_env import env_problem
+from .protocol_adapters import ADAPTER_STATUS, LOAD_ADAPTER, UNLOAD_ADAPTER, AdapterStatus, LoadAdapter, UnloadAdapter
 from .protocol_parts import (
     PORT,
+    PROTOCOL_VERSION,
     AdapterSlots,
+    CommandId,
     GPUHealth,
     GPUIndex,
     GPUReport,
     RunningShard,
     ShardHeartbeat,
+    _Message,
     _no_repeated_gpus,
 )
 
@@ -73,8 +79,6 @@ from .protocol_weights import WeightsHeaderFacts as WeightsHeaderFacts
 from .protocol_weights import WeightsReport as WeightsReport
 from .protocol_weights import WeightsShape as WeightsShape
 from .protocol_weights import no_repeated_sources
-
-PROTOCOL_VERSION = 1
 
 HELLO = "hello"
 HEARTBEAT = "heartbeat"
@@ -141,12 +145,6 @@ def parse_port(text: str | int) -> int:
     return port
 
 
-class _Message(Struct, frozen=True, kw_only=True, tag_field="type"):
-    """What every message has: its `type` tag (set by each subclass) and the protocol version."""
-
-    v: int = PROTOCOL_VERSION
-
-
 class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
     """The agent's first message on a stream: who it is, its GPUs and the shards it runs."""
 
@@ -196,10 +194,6 @@ class ShardStatus(_Message, frozen=True, kw_only=True, tag=SHARD_STATUS):
     # A sleep (`sleeping`) or a wake (`ready` after one) reports how long it took, so wake times can be learned.
     seconds: Annotated[float, Meta(ge=0)] | None = None
     sleep_level: SleepLevel | None = None
-
-
-# A command id: unique per command, answered by `ack`; empty on a command that wants no answer.
-CommandId = Annotated[str, Meta(max_length=64)]
 
 
 class Ack(_Message, frozen=True, kw_only=True, tag=ACK):
@@ -312,14 +306,15 @@ class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
     message: str
 
 
-AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus | Ack
-Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights
+AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus | AdapterStatus | Ack
+Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights | LoadAdapter | UnloadAdapter
 
 _AGENT_MESSAGES: dict[str, type[Any]] = {
     HELLO: Hello,
     HEARTBEAT: Heartbeat,
     SHARD_STATUS: ShardStatus,
     WEIGHTS_STATUS: WeightsStatus,
+    ADAPTER_STATUS: AdapterStatus,
     ACK: Ack,
 }
 _COMMANDS: dict[str, type[Any]] = {
@@ -329,6 +324,8 @@ _COMMANDS: dict[str, type[Any]] = {
     SLEEP_SHARD: SleepShard,
     WAKE_SHARD: WakeShard,
     REMOVE_WEIGHTS: RemoveWeights,
+    LOAD_ADAPTER: LoadAdapter,
+    UNLOAD_ADAPTER: UnloadAdapter,
 }
 _FROM_CONTROL_PLANE: dict[str, type[Any]] = {**_COMMANDS, ERROR: Error}
 

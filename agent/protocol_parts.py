@@ -10,10 +10,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
+PROTOCOL_VERSION = 1
 PORT = Annotated[int, Meta(ge=1, le=65535)]
 GPUIndex = Annotated[int, Meta(ge=0)]
+# A command id: unique per command, answered by `ack`; empty on a command that wants no answer.
+CommandId = Annotated[str, Meta(max_length=64)]
+# An adapter's public name, as the catalog allows it and engines load it under.
+AdapterName = Annotated[str, Meta(min_length=1, max_length=200)]
+
+
+class _Message(Struct, frozen=True, kw_only=True, tag_field="type"):
+    """What every message has: its `type` tag (set by each subclass) and the protocol version."""
+
+    v: int = PROTOCOL_VERSION
 
 
 def _no_repeated_gpus(indices: list[int], where: str) -> None:
@@ -72,3 +83,5 @@ class ShardHeartbeat(Struct, frozen=True, kw_only=True):
     shard_id: int
     state: str
     running: Annotated[int, Meta(ge=0)] | None = None
+    # The LoRA adapters the engine holds now, by name; absent when it takes none (started without adapter slots).
+    adapters: list[AdapterName] | UnsetType = UNSET

@@ -66,14 +66,35 @@ class EndpointRow(msgspec.Struct, frozen=True):
     pool: str = "default"
 
 
+class AdapterEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One enabled LoRA adapter as routers know it: the model it rides on, its aliases, the replicas holding it.
+
+    A request naming it goes to one of `replicas` (ready replicas of `base`, in the table's endpoints, whose
+    engine has it loaded) with `model` set to the adapter's public name, the name the engine loaded it under.
+    None holding it: routers ask for it like an activation and hold the request until one does.
+    """
+
+    base: Name
+    aliases: list[str] = []
+    replicas: list[Name] = []
+    loading: bool = False
+    """The control plane has sent a load for it that has not been answered yet."""
+
+
+ADAPTER_STAMP_SEPARATOR = "/"
+"""Usage stamps of adapters are keyed `"<replica id>/<adapter public name>"` beside the replicas' own ids."""
+
+
 class EndpointTable(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What the tick publishes and routers serve from (DESIGN invariant 7): models by public name, endpoints.
+    """What the tick publishes and routers serve from (DESIGN invariant 7): models by public name, endpoints,
+    LoRA adapters by public name.
 
     `fingerprint` is empty as built; the hub sets it to `fingerprint(table)` when it publishes.
     """
 
     models: dict[str, ModelEntry] = {}
     endpoints: list[EndpointRow] = []
+    adapters: dict[str, AdapterEntry] = {}
     fingerprint: str = ""
 
 
@@ -145,7 +166,8 @@ class UsageReport(msgspec.Struct, frozen=True):
     router: Name
     """This router's id, unique per process (it starts a new watch when the process starts)."""
     stamps: dict[str, float] = {}
-    """Replica id -> last use (Unix time); newest wins across routers."""
+    """Replica id -> last use (Unix time); newest wins across routers. A request for a LoRA adapter also stamps
+    `"<replica id>/<adapter>"` (ADAPTER_STAMP_SEPARATOR), the adapter's last use on that replica."""
     in_flight: dict[str, NonNegative] = {}
     """Public model name -> the most requests this router had in flight at once since its previous flush."""
     ttl: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 3.0

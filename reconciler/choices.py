@@ -56,3 +56,11 @@ class Hold(models.TextChoices):
     NONE = "", "not holding"
     MAKING_ROOM = "making_room", "making room (victims draining)"
     WAITING_FOR_NODES = "waiting_for_nodes", "waiting for nodes to report in"
+
+
+class AdapterLoadState(models.TextChoices):
+    """Where a LoRA adapter stands on one replica (reconciler.adapters)."""
+
+    LOADING = "loading", "loading (load sent)"
+    LOADED = "loaded", "loaded"
+    UNLOADING = "unloading", "unloading (unload sent)"

@@ -1,9 +1,9 @@
-"""Reconciler models: Replica, Shard, GPUAssignment and the leader Lease."""
+"""Reconciler models: Replica, Shard, GPUAssignment, AdapterLoad and the leader Lease."""
 
 from django.db import models
 from django.utils import timezone
 
-from .choices import Hold, ReplicaState, ShardState
+from .choices import AdapterLoadState, Hold, ReplicaState, ShardState
 from .idle import Idle
 
 
@@ -145,6 +145,28 @@ class GPUAssignment(models.Model):
         return f"GPU {self.gpu_id} → shard {self.shard_id}"
 
 
+class AdapterLoad(models.Model):
+    """A LoRA adapter the leader put on one replica of its base: loading, loaded, or being unloaded.
+
+    Written by reconciler.adapters; a replica holds at most its profile's `max_adapters` loading or loaded.
+    `last_used` is the routers' last use of the adapter on this replica (null: not used since it loaded).
+    """
+
+    adapter = models.ForeignKey("catalog.Adapter", related_name="loads", on_delete=models.CASCADE)
+    replica = models.ForeignKey(Replica, related_name="adapter_loads", on_delete=models.CASCADE)
+    state = models.CharField(max_length=16, choices=AdapterLoadState.choices, default=AdapterLoadState.LOADING)
+    requested_at = models.DateTimeField(help_text="When the load (or, unloading, the unload) was sent.")
+    loaded_at = models.DateTimeField(null=True, blank=True)
+    last_used = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["replica", "adapter"]
+        constraints = [models.UniqueConstraint(fields=["adapter", "replica"], name="adapter_load_once_per_replica")]
+
+    def __str__(self) -> str:
+        return f"adapter {self.adapter_id} on replica {self.replica_id} ({self.state})"
+
+
 class BusyPort(models.Model):
     """An engine port an agent found taken by something else on its node's host.
 
@@ -215,15 +237,17 @@ class Lease(models.Model):
 class PendingCommand(models.Model):
     """An agent command sent and not yet acknowledged: the tick sends it again until the agent answers.
 
-    One per (node, shard): a newer command for the same shard replaces the
+    One per (node, shard, subject): a newer command for the same shard replaces the
     older one (a stop supersedes the start it follows), so what is re-sent is
-    only ever the latest decision. `payload` is the command as sent, epoch and
+    only ever the latest decision; adapter commands are per adapter on the shard. `payload` is the command as sent, epoch and
     `cid` included, so a re-sent copy is the same command and a leader's
     successor's agents refuse it (and acknowledge the refusal).
     """
 
     node_name = models.CharField(max_length=64)
     shard_id = models.BigIntegerField()
+    # What on the shard the command is about beyond the shard itself: an adapter's name ("": the shard).
+    subject = models.CharField(max_length=200, blank=True, default="", db_default="")
     cid = models.CharField(max_length=64, unique=True)
     kind = models.CharField(max_length=16)
     payload = models.JSONField()
@@ -233,7 +257,9 @@ class PendingCommand(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["node_name", "shard_id"], name="pending_command_one_per_shard"),
+            models.UniqueConstraint(
+                fields=["node_name", "shard_id", "subject"], name="pending_command_one_per_shard_subject"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -27,7 +27,17 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import DrainShard, RemoveWeights, SleepShard, StartShard, StopShard, WakeShard, to_builtins
+from agent.protocol import (
+    DrainShard,
+    LoadAdapter,
+    RemoveWeights,
+    SleepShard,
+    StartShard,
+    StopShard,
+    UnloadAdapter,
+    WakeShard,
+    to_builtins,
+)
 from hub.channel_layer import deliver_to_groups
 
 from .models import Lease, PendingCommand
@@ -83,11 +93,13 @@ def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exc
 
 
 def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
-    """Record commands about to be sent as pending, each replacing any pending one for its shard; one query."""
+    """Record commands about to be sent as pending, each replacing any pending one for its shard (and adapter,
+    for an adapter command); one query."""
     rows = {
-        (node, cmd["shard_id"]): PendingCommand(
+        (node, cmd["shard_id"], cmd.get("name", "")): PendingCommand(
             node_name=node,
             shard_id=cmd["shard_id"],
+            subject=cmd.get("name", ""),
             cid=cmd["cid"],
             kind=cmd["type"],
             payload=cmd,
@@ -100,9 +112,12 @@ def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
     PendingCommand.objects.bulk_create(
         list(rows.values()),
         update_conflicts=True,
-        unique_fields=["node_name", "shard_id"],
+        unique_fields=["node_name", "shard_id", "subject"],
         update_fields=["cid", "kind", "payload", "attempts", "created_at", "due_at"],
     )
+
+
+_Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights | LoadAdapter | UnloadAdapter
 
 
 class Outbox:
@@ -111,9 +126,7 @@ class Outbox:
     def __init__(self, epoch: int | None = None, now: datetime | None = None):
         self.epoch = epoch
         self.now = now  # when the commands are decided (the tick's clock); None: the wall clock
-        self.commands: list[
-            tuple[str, type[StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights], dict]
-        ] = []
+        self.commands: list[tuple[str, type[_Command], dict]] = []
 
     def start(self, node_name: str, **fields) -> None:
         """Queue a start_shard; `fields` are StartShard's fields but the epoch."""
@@ -154,6 +167,14 @@ class Outbox:
     def remove_weights(self, node_name: str, source: str, path: str) -> None:
         """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""
         self.commands.append((node_name, RemoveWeights, {"source": source, "path": path}))
+
+    def load_adapter(self, node_name: str, shard_id: int, name: str, source: str) -> None:
+        """Queue a load_adapter: the agent loads the LoRA adapter into the shard's engine and reports the outcome."""
+        self.commands.append((node_name, LoadAdapter, {"shard_id": shard_id, "name": name, "source": source}))
+
+    def unload_adapter(self, node_name: str, shard_id: int, name: str) -> None:
+        """Queue an unload_adapter: the agent unloads the LoRA adapter from the shard's engine and reports it."""
+        self.commands.append((node_name, UnloadAdapter, {"shard_id": shard_id, "name": name}))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""

@@ -331,7 +331,7 @@ def resend_starts(now: datetime, outbox: Outbox) -> int:
     LLMGW_START_RESEND_SECONDS or at once when its `hello` shows it missing.
     A rank above 0 is due only once its head's engine has started (`lifecycle.head_started`).
     """
-    pending = PendingCommand.objects.filter(node_name=OuterRef("node__name"), shard_id=OuterRef("pk"))
+    pending = PendingCommand.objects.filter(node_name=OuterRef("node__name"), shard_id=OuterRef("pk"), subject="")
     due = list(
         Shard.objects.filter(
             ~Exists(pending),

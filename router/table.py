@@ -98,7 +98,7 @@ def decode_table(data: bytes) -> EndpointTable:
             endpoints.append(_decode_endpoint(raw))
         except msgspec.DecodeError as exc:
             log.warning("skipping an endpoint of the table (%s): %s", exc, _excerpt(raw))
-    return EndpointTable(models, endpoints, rows.fingerprint)
+    return EndpointTable(models=models, endpoints=endpoints, fingerprint=rows.fingerprint)
 
 
 def _model_entry(name: str, raw: msgspec.Raw) -> ModelEntry:
