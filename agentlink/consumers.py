@@ -159,6 +159,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 shard_statuses.add((self.node_id, self.node_name, message))
             case protocol.WeightsStatus():
                 await in_database(services.on_weights_status)(self.node_id, message)
+            case protocol.AdapterStatus():
+                await in_database(services.on_adapter_status)(self.node_id, message)
             case protocol.Ack():
                 if message.refused:
                     log.warning("node %s refused command %s: %s", self.node_name, message.cid, message.message)

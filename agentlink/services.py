@@ -8,14 +8,16 @@ from collections.abc import Sequence
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import Heartbeat, Hello, WeightsStatus
+from agent.protocol import AdapterStatus, Heartbeat, Hello, WeightsStatus
 from inventory.models import Node
 from inventory.services import record_heartbeat, record_weights_status, register_nodes
+from reconciler.adapters import reconcile_held, record_adapter_statuses
 from reconciler.agent_reports import (
     reconcile_reported_shards_of_nodes,
     record_running,
     stop_orphan_shards,
 )
+from reconciler.catalog_changes import publish_endpoint_table
 from reconciler.commands import send_pending_soon_to
 from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
 
@@ -68,6 +70,7 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: 
     """
     turned_unhealthy = record_heartbeat(node_id, heartbeat, mark_seen=mark_seen)
     record_running(node_id, heartbeat.shards)
+    reconcile_held(node_id, heartbeat.shards)
     stop_orphan_shards(node_id, node_name, heartbeat.shards)
     # Last, so the orphan check above does not take the failed replica's shards for orphans.
     if turned_unhealthy:
@@ -77,3 +80,12 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: 
 def on_weights_status(node_id: int, status: WeightsStatus) -> None:
     """Apply the node's answer to remove_weights (inventory.services does it)."""
     record_weights_status(Node.objects.get(pk=node_id), status)
+
+
+def on_adapter_status(node_id: int, status: AdapterStatus) -> None:
+    """Apply the node's answer to load_adapter or unload_adapter; an adapter now loaded is published at once,
+    so requests held for it go on without waiting for the next tick."""
+    with transaction.atomic():
+        loaded = record_adapter_statuses(node_id, [status], timezone.now())
+    if loaded:
+        publish_endpoint_table()

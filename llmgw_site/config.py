@@ -247,6 +247,13 @@ SETTINGS: tuple[Setting, ...] = (
         0.1,
     ),
     _s(
+        "LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS",
+        "float",
+        300.0,
+        "a LoRA adapter load (or unload) not answered this long is forgotten, and asked for again if still wanted",
+        1.0,
+    ),
+    _s(
         "LLMGW_DRAIN_TIMEOUT_SECONDS",
         "float",
         300.0,

@@ -275,6 +275,8 @@ LLMGW_SCALE_OUT_AFTER_SECONDS = setting("LLMGW_SCALE_OUT_AFTER_SECONDS")
 LLMGW_ACTIVATION_LINGER_SECONDS = setting("LLMGW_ACTIVATION_LINGER_SECONDS")
 # Routers get the table without a replica leaving service this long before its engine drains or sleeps.
 LLMGW_UNPUBLISH_GRACE_SECONDS = setting("LLMGW_UNPUBLISH_GRACE_SECONDS")
+# A LoRA adapter load or unload an agent has not answered this long is forgotten (reconciler.adapters).
+LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS = setting("LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS")
 # How long an agent lets a draining engine finish its running requests before stopping it anyway.
 LLMGW_DRAIN_TIMEOUT_SECONDS = setting("LLMGW_DRAIN_TIMEOUT_SECONDS")
 # A router whose watch mark has lapsed this long is presumed gone (until then, idleness is unknown).

@@ -14,7 +14,7 @@ import logging
 from django.db import connection, transaction
 from django.db.models.signals import post_delete, post_save
 
-from catalog.models import Alias, Model, Profile
+from catalog.models import Adapter, Alias, Model, Profile
 from hub import get_hub
 
 from .endpoints import build_endpoint_table
@@ -63,6 +63,6 @@ def publish_endpoint_table() -> None:
 
 def connect() -> None:
     """Listen for catalog saves and deletes (called once, from the app's ready())."""
-    for sender in (Model, Alias, Profile):
+    for sender in (Model, Alias, Profile, Adapter):
         post_save.connect(catalog_changed, sender=sender, dispatch_uid=f"catalog-changed-save-{sender.__name__}")
         post_delete.connect(catalog_changed, sender=sender, dispatch_uid=f"catalog-changed-delete-{sender.__name__}")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from django.db.models import Exists, OuterRef
 
-from catalog.models import Alias, Model, Profile
-from hub.contracts import EndpointRow, EndpointTable, Holding, ModelEntry
+from catalog.models import Adapter, Alias, Model, Profile
+from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
 
-from .choices import Hold, ReplicaState
-from .models import Replica, Shard
+from .choices import AdapterLoadState, Hold, ReplicaState
+from .models import AdapterLoad, Replica, Shard
 
 # The most of an engine's error line a table carries: it goes to every router on every change.
 FAILURE_LINE_CHARS = 300
@@ -33,9 +33,39 @@ def failure_reason(last_error: str) -> str:
 def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, how long it takes
     to start, why its last replica failed, or why its requests are held when that is not a start), and READY
-    replicas whose nodes are all heard from.
-    Seven queries, plain rows: it runs every tick, over every ready replica of the fleet."""
-    return EndpointTable(models=_models(), endpoints=_endpoints())
+    replicas whose nodes are all heard from, and enabled LoRA adapters with the published replicas holding them.
+    Nine queries, plain rows: it runs every tick, over every ready replica of the fleet."""
+    models, endpoints = _models(), _endpoints()
+    return EndpointTable(models=models, endpoints=endpoints, adapters=_adapters(models, endpoints))
+
+
+def _adapters(models: dict[str, ModelEntry], endpoints: list[EndpointRow]) -> dict[str, AdapterEntry]:
+    """Enabled adapters of published models, by public name, with the published replicas that hold them."""
+    rows = list(
+        Adapter.objects.filter(enabled=True, base__name__in=models.keys())
+        .order_by("name")
+        .values_list("pk", "name", "base__name", "aliases")
+    )
+    if not rows:
+        return {}
+    published = {int(row.replica_id) for row in endpoints}
+    held: dict[int, list[str]] = {}
+    loading: set[int] = set()
+    for adapter_id, replica_id, state in (
+        AdapterLoad.objects.filter(
+            replica_id__in=published, state__in=(AdapterLoadState.LOADING, AdapterLoadState.LOADED)
+        )
+        .order_by("replica_id")
+        .values_list("adapter_id", "replica_id", "state")
+    ):
+        if state == AdapterLoadState.LOADED:
+            held.setdefault(adapter_id, []).append(str(replica_id))
+        else:
+            loading.add(adapter_id)
+    return {
+        name: AdapterEntry(base=base, aliases=sorted(aliases or []), replicas=held.get(pk, []), loading=pk in loading)
+        for pk, name, base, aliases in rows
+    }
 
 
 def _models() -> dict[str, ModelEntry]:

@@ -2,7 +2,7 @@
 
 Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
 liveness → slow starts → demand → swaps (sleepers woken) → retries → resends of starts never answered →
-placement → replaced replicas drained → stops → sleeps → commands recorded as pending → unacknowledged ones sent again →
+placement → replaced replicas drained → adapters (idle ones unloaded, wanted ones loaded) → stops → sleeps → commands recorded as pending → unacknowledged ones sent again →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
 its tables once, decides in memory and writes in bulk.
@@ -19,6 +19,7 @@ from django.utils import timezone
 from hub import ControlPlaneHub, get_hub
 from hub.contracts import UsageSnapshot
 
+from .adapters import assign_adapters, forget_stale, record_adapter_stamps, split_activations, unload_idle
 from .commands import resend_unacknowledged
 from .demand import DemandOutcome, apply_demand
 from .drain import drain_replaced
@@ -69,6 +70,8 @@ class TickReport:
     starts_resent: int = 0
     commands_resent: int = 0
     stops_sent: int = 0
+    adapter_loads_sent: int = 0
+    adapter_unloads_sent: int = 0
     published: bool = False
     unknown_activations: list[str] = field(default_factory=list)
 
@@ -123,7 +126,9 @@ def _reconcile(
     report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
     report.partition_brake = liveness.brake
     report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
-    demand = _apply_demand(readings, usage, now, report)
+    # An adapter asked for starts or wakes its base like an activation; it is loaded once the base is ready.
+    activations, wanted_adapters = split_activations(readings.activations)
+    demand = _apply_demand(activations, readings, usage, now, report)
     # Swaps before placement: a woken sleeper's GPUs are no longer free for a new replica this tick.
     report.replicas_woken, report.replicas_swapped_out = wake_for_demand(demand.wake, now, outbox)
     report.replicas_retried = retry_failed(now)
@@ -139,6 +144,9 @@ def _reconcile(
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
     # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
     report.replicas_replaced = drain_replaced(now, placing.no_room)
+    forget_stale(now)
+    report.adapter_unloads_sent = unload_idle(now, outbox, usage_known=usage.known)
+    report.adapter_loads_sent = assign_adapters(wanted_adapters, now, outbox)
     report.stops_sent, deleted = stop_shards(now, outbox)
     report.sleeps_sent = send_sleeps(now, outbox)
     report.starts_sent = placing.starts_sent
@@ -155,18 +163,22 @@ def _take_usage(readings: _HubReadings, now: datetime, report: TickReport) -> tu
     usage = assess_usage(readings.usage, readings.usage_error, now)
     report.usage_known, report.usage_unknown_reason = usage.known, usage.reason
     # Stamps are facts whatever the verdict: move them even while idleness is unknown.
-    report.usage_updated, forget = collect_usage(readings.usage.stamps if readings.usage else {})
+    stamps = readings.usage.stamps if readings.usage else {}
+    report.usage_updated, forget = collect_usage(stamps)
+    record_adapter_stamps(stamps)
     report.usage_forgotten = len(forget)
     if usage.known:
         report.usage_idle_since_ready = mark_unused_since_ready(usage.watching_since)
     return usage, forget
 
 
-def _apply_demand(readings: _HubReadings, usage: UsageVerdict, now: datetime, report: TickReport) -> DemandOutcome:
+def _apply_demand(
+    activations: set[str], readings: _HubReadings, usage: UsageVerdict, now: datetime, report: TickReport
+) -> DemandOutcome:
     """Create, stop and scale replicas as demand says, counted in `report`."""
     # Idleness only while usage is known (DESIGN invariant 3); load only from a collection that worked.
     in_flight = usage.in_flight if readings.usage is not None else None
-    demand = apply_demand(readings.activations, now, usage_known=usage.known, in_flight=in_flight)
+    demand = apply_demand(activations, now, usage_known=usage.known, in_flight=in_flight)
     report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
     report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
     report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn

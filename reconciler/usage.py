@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.db.models import F
 
-from hub.contracts import RouterMark, UsageSnapshot
+from hub.contracts import ADAPTER_STAMP_SEPARATOR, RouterMark, UsageSnapshot
 
 from .models import Replica, UsageWatch
 
@@ -26,14 +26,18 @@ log = logging.getLogger(__name__)
 def collect_usage(stamps: dict[str, float]) -> tuple[int, list[str]]:
     """Move newer usage stamps into Replica.last_used.
 
-    Returns (replicas updated, stamp keys to forget: malformed or of replicas
-    that no longer exist). Two queries whatever the number of stamps.
+    Returns (replicas updated, stamp keys to forget: malformed, of replicas
+    that no longer exist, or an adapter's, which reconciler.adapters records).
+    Two queries whatever the number of stamps.
     """
     if not stamps:
         return 0, []
     known = dict(Replica.objects.values_list("id", "last_used"))
     changed, forget = [], []
     for key, ts in stamps.items():
+        if ADAPTER_STAMP_SEPARATOR in key:
+            forget.append(key)  # an adapter's last use on a replica: reconciler.adapters records it
+            continue
         try:
             replica_id = int(key)
             stamp = datetime.fromtimestamp(float(ts), tz=UTC)

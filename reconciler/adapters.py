@@ -1,0 +1,288 @@
+"""LoRA adapters on base replicas (DESIGN "LoRA adapters"): which replica loads which adapter, and when it goes.
+
+Routers ask for an adapter by its public name, like an activation, while they
+hold a request for it that no replica can serve. The tick then:
+
+* **starts or wakes the base** when it has no ready replica (`split_activations`
+  hands the base's name to demand, which does what it does for any model);
+* **assigns the adapter** (`assign_adapters`) to one ready replica of its base
+  whose profile takes adapters: rendezvous hashing of (adapter, replica) orders
+  them, so the choice is stable and spreads adapters evenly, and the first with
+  a free slot takes it. When every one is full, the top one's least recently
+  used loaded adapter is unloaded to make room (the agent runs the unload
+  before the load: it runs a shard's adapter commands in order). A replica
+  that is draining, asleep or waking is not READY, so it never loads one;
+* **unloads idle adapters** (`unload_idle`): loaded and unused past the base
+  profile's idle timeout, only while usage is known (DESIGN invariant 3).
+
+Each load is an AdapterLoad row (loading → loaded, or unloading) written in
+the tick's transaction, with its command (load_adapter / unload_adapter, fenced
+and acknowledged like every command). The agent's adapter_status moves it on
+(`record_adapter_statuses`); its heartbeats list what each engine holds
+(`reconcile_held`), which corrects the rows after an engine restart or a lost
+report. Routers see an adapter's replicas in the endpoint table once loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Q
+
+from agent.protocol import AdapterStatus, ShardHeartbeat
+from catalog.models import Adapter, Profile
+from hub.contracts import ADAPTER_STAMP_SEPARATOR
+
+from .choices import AdapterLoadState, ReplicaState, ShardState
+from .models import AdapterLoad, Shard
+from .outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+HELD = (AdapterLoadState.LOADING, AdapterLoadState.LOADED)
+"""Loads that take one of a replica's slots (an unloading one is freed first: see the module docstring)."""
+
+
+def split_activations(names: set[str]) -> tuple[set[str], set[int]]:
+    """(the activations with each enabled adapter's name replaced by its base's, the ids of those adapters).
+
+    One query, only when routers asked for something. Routers ask under public names, never aliases.
+    """
+    if not names:
+        return names, set()
+    found = list(
+        Adapter.objects.filter(name__in=names, enabled=True, base__enabled=True).values_list("pk", "name", "base__name")
+    )
+    if not found:
+        return names, set()
+    adapter_names = {name for _, name, _ in found}
+    return (names - adapter_names) | {base for _, _, base in found}, {pk for pk, _, _ in found}
+
+
+@dataclass
+class _Slot:
+    """A ready replica of a base that takes adapters, as the assignment sees it."""
+
+    replica_id: int
+    slots: int
+    shard_id: int
+    node_name: str
+    held: list[AdapterLoad]
+
+
+def assign_adapters(adapter_ids: set[int], now: datetime, outbox: Outbox) -> int:
+    """Give each wanted adapter held by no ready replica one (see the module docstring); returns loads sent.
+
+    Three queries when some adapter is wanted, plus the writes.
+    """
+    if not adapter_ids:
+        return 0
+    adapters = list(Adapter.objects.filter(pk__in=adapter_ids).only("pk", "name", "source", "base_id"))
+    by_base = _ready_slots({a.base_id for a in adapters})
+    new: list[AdapterLoad] = []
+    victims: list[AdapterLoad] = []
+    for adapter in sorted(adapters, key=lambda a: a.name):
+        candidates = by_base.get(adapter.base_id, [])
+        if not candidates or any(load.adapter_id == adapter.pk for c in candidates for load in c.held):
+            continue  # no ready replica yet (demand starts or wakes one), or it is held already
+        chosen, victim = _choose(adapter, candidates)
+        if chosen is None:
+            continue  # every slot of the best replica is loading: the next ask tries again
+        if victim is not None:
+            chosen.held.remove(victim)
+            victims.append(victim)
+            outbox.unload_adapter(chosen.node_name, chosen.shard_id, victim.adapter.name)
+        load = AdapterLoad(adapter=adapter, replica_id=chosen.replica_id, requested_at=now)
+        chosen.held.append(load)
+        new.append(load)
+        outbox.load_adapter(chosen.node_name, chosen.shard_id, adapter.name, adapter.source)
+        log.info("loading adapter %s onto replica %s", adapter.name, chosen.replica_id)
+    if victims:
+        AdapterLoad.objects.filter(pk__in=[v.pk for v in victims]).update(
+            state=AdapterLoadState.UNLOADING, requested_at=now
+        )
+    AdapterLoad.objects.bulk_create(new)
+    return len(new)
+
+
+def _ready_slots(base_ids: set[int]) -> dict[int, list[_Slot]]:
+    """Base model id -> its READY replicas whose profile takes adapters and whose head is ready, with their loads."""
+    by_base: dict[int, list[_Slot]] = defaultdict(list)
+    slots: dict[int, _Slot] = {}
+    for replica_id, model_id, max_adapters, shard_id, node_name in Shard.objects.filter(
+        rank=0,
+        state=ShardState.READY,
+        replica__state=ReplicaState.READY,
+        replica__model_id__in=base_ids,
+        replica__profile__max_adapters__gt=0,
+    ).values_list("replica_id", "replica__model_id", "replica__profile__max_adapters", "pk", "node__name"):
+        slots[replica_id] = _Slot(replica_id, max_adapters, shard_id, node_name, [])
+        by_base[model_id].append(slots[replica_id])
+    for load in AdapterLoad.objects.filter(replica_id__in=slots, state__in=HELD).select_related("adapter"):
+        slots[load.replica_id].held.append(load)
+    return by_base
+
+
+def _choose(adapter: Adapter, candidates: list[_Slot]) -> tuple[_Slot | None, AdapterLoad | None]:
+    """(the replica to load `adapter` onto, the loaded adapter to unload from it first, if any).
+
+    Rendezvous order; the first with a free slot, else the top one's least recently used loaded adapter.
+    """
+    ranked = sorted(candidates, key=lambda c: _score(adapter.name, c.replica_id), reverse=True)
+    for candidate in ranked:
+        if len(candidate.held) < candidate.slots:
+            return candidate, None
+    top = ranked[0]
+    loaded = [load for load in top.held if load.state == AdapterLoadState.LOADED]
+    if not loaded:
+        return None, None
+    return top, min(loaded, key=_last_touched)
+
+
+def _score(adapter_name: str, replica_id: int) -> int:
+    """Rendezvous hashing weight: stable across processes and restarts (unlike hash() of a str)."""
+    return zlib.crc32(f"{adapter_name}{ADAPTER_STAMP_SEPARATOR}{replica_id}".encode())
+
+
+def _last_touched(load: AdapterLoad) -> datetime:
+    """When a load was last used, or loaded (never used since), for least-recently-used order."""
+    return load.last_used or load.loaded_at or load.requested_at
+
+
+def unload_idle(now: datetime, outbox: Outbox, *, usage_known: bool) -> int:
+    """Unload loaded adapters unused past their base profile's idle timeout; returns how many unloads were sent.
+
+    Only while usage is known (DESIGN invariant 3). One query, plus one and the writes when some are idle.
+    """
+    if not usage_known:
+        return 0
+    idle: list[AdapterLoad] = []
+    loaded = AdapterLoad.objects.filter(state=AdapterLoadState.LOADED, replica__state=ReplicaState.READY)
+    for load in loaded.select_related("adapter", "replica__profile").order_by("pk"):
+        after = _idle_after(load.replica.profile)
+        if after is not None and _last_touched(load) <= now - timedelta(seconds=after):
+            idle.append(load)
+    if not idle:
+        return 0
+    heads = {
+        replica_id: (shard_id, node_name)
+        for replica_id, shard_id, node_name in Shard.objects.filter(
+            rank=0, replica_id__in={load.replica_id for load in idle}
+        ).values_list("replica_id", "pk", "node__name")
+    }
+    sent = [load for load in idle if load.replica_id in heads]
+    for load in sent:
+        shard_id, node_name = heads[load.replica_id]
+        outbox.unload_adapter(node_name, shard_id, load.adapter.name)
+        log.info("unloading adapter %s from replica %s: idle", load.adapter.name, load.replica_id)
+    AdapterLoad.objects.filter(pk__in=[load.pk for load in sent]).update(
+        state=AdapterLoadState.UNLOADING, requested_at=now
+    )
+    return len(sent)
+
+
+def _idle_after(profile: Profile) -> float | None:
+    """Seconds unused after which an adapter on a replica of `profile` is unloaded (the profile's idle timeout)."""
+    if profile.idle_timeout_seconds is None:
+        return settings.LLMGW_DEFAULT_IDLE_TIMEOUT_SECONDS
+    return float(profile.idle_timeout_seconds) or None
+
+
+def record_adapter_statuses(node_id: int, statuses: Sequence[AdapterStatus], now: datetime) -> bool:
+    """Apply the node's adapter_status reports to the loads of its own shards; return whether a load finished
+    (so the endpoint table is worth publishing now)."""
+    heads = dict(
+        Shard.objects.filter(node_id=node_id, rank=0, pk__in={s.shard_id for s in statuses}).values_list(
+            "pk", "replica_id"
+        )
+    )
+    loaded = False
+    for status in statuses:
+        replica_id = heads.get(status.shard_id)
+        if replica_id is None:
+            continue  # not a shard of this node (a node speaks only for itself), or gone
+        rows = AdapterLoad.objects.filter(replica_id=replica_id, adapter__name=status.name)
+        if status.state == "loaded":
+            loaded |= bool(rows.exclude(state=AdapterLoadState.UNLOADING).update(state="loaded", loaded_at=now))
+        elif status.state == "unloaded":
+            rows.filter(state=AdapterLoadState.UNLOADING).delete()
+        else:
+            log.warning("adapter %s failed on replica %s: %s", status.name, replica_id, status.message)
+            rows.delete()
+    return loaded
+
+
+def reconcile_held(node_id: int, reported: Iterable[ShardHeartbeat]) -> int:
+    """Correct the loads of the node's head shards by what their engines hold; returns rows changed.
+
+    A loaded adapter its engine no longer holds (the engine restarted) is forgotten; a loading one it
+    holds is loaded (its report was lost). Nothing to do, no query: only engines with slots list adapters.
+    """
+    holds = {item.shard_id: set(item.adapters) for item in reported if isinstance(item.adapters, list)}
+    if not holds:
+        return 0
+    heads = dict(Shard.objects.filter(node_id=node_id, rank=0, pk__in=holds).values_list("replica_id", "pk"))
+    if not heads:
+        return 0
+    lost, found = [], []
+    for pk, replica_id, name, state in AdapterLoad.objects.filter(replica_id__in=heads).values_list(
+        "pk", "replica_id", "adapter__name", "state"
+    ):
+        held = name in holds[heads[replica_id]]
+        if state == AdapterLoadState.LOADED and not held:
+            lost.append(pk)
+        elif state == AdapterLoadState.LOADING and held:
+            found.append(pk)
+    if lost:
+        AdapterLoad.objects.filter(pk__in=lost).delete()
+    if found:
+        AdapterLoad.objects.filter(pk__in=found).update(state=AdapterLoadState.LOADED)
+    return len(lost) + len(found)
+
+
+def record_adapter_stamps(stamps: dict[str, float]) -> int:
+    """Move routers' adapter stamps (`"<replica id>/<adapter>"`) into AdapterLoad.last_used; rows updated.
+
+    One read and one bulk update, only when there are such stamps. Malformed keys are ignored.
+    """
+    wanted: dict[tuple[int, str], datetime] = {}
+    for key, ts in stamps.items():
+        replica, separator, name = key.partition(ADAPTER_STAMP_SEPARATOR)
+        if not separator or not replica.isdigit() or not name:
+            continue
+        wanted[(int(replica), name)] = datetime.fromtimestamp(float(ts), tz=UTC)
+    if not wanted:
+        return 0
+    changed = []
+    replica_ids = {replica_id for replica_id, _ in wanted}
+    for load in AdapterLoad.objects.filter(replica_id__in=replica_ids, state=AdapterLoadState.LOADED).select_related(
+        "adapter"
+    ):
+        stamp = wanted.get((load.replica_id, load.adapter.name))
+        if stamp is not None and (load.last_used is None or stamp > load.last_used):
+            load.last_used = stamp
+            changed.append(load)
+    if changed:
+        AdapterLoad.objects.bulk_update(changed, ["last_used"])
+    return len(changed)
+
+
+def forget_stale(now: datetime) -> int:
+    """Forget loads whose replica's engine is gone or going (stopping, failed, pending again), and loads or
+    unloads the agent never answered (LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS: asked again if still wanted).
+    One query; returns how many."""
+    timeout = now - timedelta(seconds=settings.LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS)
+    gone = (ReplicaState.STOPPING, ReplicaState.FAILED, ReplicaState.PENDING)
+    deleted, _ = AdapterLoad.objects.filter(
+        Q(replica__state__in=gone)
+        | Q(state__in=(AdapterLoadState.LOADING, AdapterLoadState.UNLOADING), requested_at__lt=timeout)
+    ).delete()
+    if deleted:
+        log.info("forgot %d adapter loads (their replica is gone, or the agent never answered)", deleted)
+    return deleted
