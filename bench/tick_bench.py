@@ -13,6 +13,9 @@ DATABASE_URL), that many 8-GPU nodes, then:
   (two victims per waiting model), the steady ticks that follow re-read the
   holdings while the victims drain (no agents answer here).
 
+`--adapters N` registers N LoRA adapters on the pressure fleet's first model (8
+slots per replica) with its first two replicas' slots full, recently used.
+
 It prints the median steady tick time and the query counts
 (TICK_BENCH_QUERIES=1 lists a steady tick's queries, TICK_BENCH_PROFILE=1
 profiles one). The query count must
@@ -41,6 +44,12 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, default=20, help="pressure: 8-GPU models waiting for room")
     parser.add_argument(
         "--sleeping", type=float, default=0.0, help="pressure: the share of the replicas asleep (the hibernate tier)"
+    )
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="pressure: LoRA adapters registered on the first model, 8 slots per replica, its two first replicas full",
     )
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
@@ -101,6 +110,8 @@ def main() -> None:
                 )
         else:
             waiting = full_fleet(nodes, now, args.waiting, args.sleeping)
+            if args.adapters:
+                add_adapters(args.adapters, now)
         # Usage has been known for a while (a router has reported all along): the tick may stop and evict.
         UsageWatch.objects.create(name="fleet", known_since=now - timedelta(hours=1))
         # Building a big fleet takes longer than the heartbeat window: the nodes have just been heard from.
@@ -133,6 +144,27 @@ def main() -> None:
             f"{size:>6} {size * 8:>6} {replicas:>8} {placing_ms:>11.1f} {len(placing_queries):>8} "
             f"{statistics.median(steady):>16.1f} {steady_queries:>8}"
         )
+
+
+def add_adapters(count: int, now) -> None:
+    """`count` adapters on model-0 (8 slots per replica), 8 loaded on each of its first two replicas, used now."""
+    from catalog.models import Adapter, Model, Profile
+    from reconciler.choices import AdapterLoadState
+    from reconciler.models import AdapterLoad, Replica
+
+    base = Model.objects.get(name="model-0")
+    Profile.objects.filter(model=base).update(engine="vllm", max_adapters=8)
+    adapters = Adapter.objects.bulk_create(
+        Adapter(name=f"ft-{i:04d}", base=base, source=f"org/ft-{i:04d}") for i in range(count)
+    )
+    replicas = list(Replica.objects.filter(model=base).order_by("pk")[:2])
+    AdapterLoad.objects.bulk_create(
+        AdapterLoad(
+            adapter=adapter, replica=replicas[i // 8], state=AdapterLoadState.LOADED, requested_at=now,
+            loaded_at=now, last_used=now,
+        )
+        for i, adapter in enumerate(adapters[:16])
+    )  # fmt: skip
 
 
 def build_nodes(size: int, now):
