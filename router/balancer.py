@@ -42,7 +42,7 @@ from .tokens import TokenCounter
 log = logging.getLogger(__name__)
 
 _INFINITY = float("inf")
-# Why a request for an adapter is held while the control plane's load of it is unanswered (a hold's reason label).
+# Why a request for an adapter is held while a running replica of its base is to load it (a hold's reason label).
 ADAPTER_LOAD = "adapter_load"
 
 
@@ -158,10 +158,12 @@ class Balancer:
         return self._start_seconds.get(self._notes_of(model))
 
     def holding(self, model: str) -> str | None:
-        """Why the control plane holds `model`'s requests when that is not a start (`wake`, `making_room`, or
-        ADAPTER_LOAD for an adapter whose load is under way; an adapter's idle base: the base's reason), or None."""
+        """Why the control plane holds `model`'s requests when that is not a start (`wake`, `making_room`), or None.
+
+        An adapter's: ADAPTER_LOAD while its load is under way or its base runs (a load is all it waits for),
+        else its base's reason."""
         adapter = self._adapters.get(model)
-        if adapter is not None and adapter.loading:
+        if adapter is not None and (adapter.loading or self._endpoints.get(adapter.base)):
             return ADAPTER_LOAD
         return self._holding.get(self._notes_of(model))
 

@@ -113,12 +113,13 @@ def test_an_adapter_on_a_running_base_is_held_for_its_load_not_refused_for_its_b
     balancer.apply_table(lora_table(["http://a:1"], [], models=models))
     # The base runs: loading the adapter on it is all it takes, whatever the base's scale-out notes say.
     assert balancer.unplaceable(ADAPTER) is None and balancer.start_seconds(ADAPTER) is None
-    assert balancer.holding(ADAPTER) is None
-    balancer.apply_table(lora_table(["http://a:1"], [], adapter={"loading": True}, models=models))
     assert balancer.holding(ADAPTER) == ADAPTER_LOAD
+    # No replica of the base: the base's notes answer for the adapter, until its load is under way.
     balancer.apply_table(lora_table([], [], models=models))
     assert balancer.unplaceable(ADAPTER) == "no second GPU" and balancer.start_seconds(ADAPTER) == 90.0
     assert balancer.holding(ADAPTER) == "making_room"
+    balancer.apply_table(lora_table([], [], adapter={"loading": True}, models=models))
+    assert balancer.holding(ADAPTER) == ADAPTER_LOAD
 
 
 # -- over HTTP -------------------------------------------------------------------------------------
