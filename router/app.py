@@ -144,20 +144,24 @@ class RouterApp:
                 return
 
     def _model_list(self, key: KeyInfo) -> dict[str, Any]:
-        """Every model the key may use, under its name and each alias."""
+        """Every model the key may use, under its name and each alias; then its LoRA adapters, likewise."""
         resolve = self._balancer.resolve
         data: list[dict[str, Any]] = []
         for public, aliases in sorted(self._balancer.catalog().items()):
             if key.allows(public, resolve):
                 data.extend(_model_object(name, public) for name in (public, *aliases))
+        for public, adapter in sorted(self._balancer.adapters().items()):
+            if key.allows(public, resolve):
+                data.extend(_model_object(name, public, adapter.base) for name in (public, *adapter.aliases))
         return {"object": "list", "data": data}
 
     def _model(self, key: KeyInfo, name: str) -> dict[str, Any]:
-        """One model by name or alias (the SDK's `models.retrieve`); a model outside the key's scope is not shown."""
+        """One model or adapter by name or alias (the SDK's `models.retrieve`); one outside the key's scope is
+        not shown."""
         public = self._balancer.resolve(name)
         if public is None or not key.allows(public, self._balancer.resolve):
             raise RouterError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
-        return _model_object(name, public)
+        return _model_object(name, public, self._balancer.base_of(public))
 
     def _health(self) -> dict[str, Any]:
         balancer = self._balancer
@@ -253,7 +257,7 @@ class RouterApp:
 
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
         """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError
-        naming the problem."""
+        naming the problem. The public name is a LoRA adapter's when the request names one (or its alias)."""
         payload = decode_object(body)
         requested = requested_model(payload)
         public = self._balancer.resolve(requested)
@@ -294,8 +298,12 @@ def usable_key(info: KeyInfo | None, clock: Callable[[], float]) -> KeyInfo:
     return info
 
 
-def _model_object(name: str, public: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "root": public}
+def _model_object(name: str, public: str, parent: str | None = None) -> dict[str, Any]:
+    """OpenAI's model object; a LoRA adapter's also names its base model as `parent`, as vLLM lists them."""
+    found = {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "root": public}
+    if parent is not None:
+        found["parent"] = parent
+    return found
 
 
 def model_not_allowed(key: KeyInfo, model: str) -> RouterError:

@@ -19,6 +19,11 @@ may carry a prefix-affinity key (a stable hash of its prompt's start): such
 requests prefer one replica per key (rendezvous hashing over the candidates)
 while its load stays within a slack of the least loaded, so the engine can
 reuse the prefix's KV cache. A key's pools, when given, restrict the candidates.
+
+A LoRA adapter is picked like a model among the ready replicas of its base
+that hold it (the same Endpoint objects, so their loads are shared): the pick
+stamps the replica and `"<replica>/<adapter>"`, and counts the request in
+flight under the base, whose scale-out carries its adapters' load.
 """
 
 from __future__ import annotations
@@ -27,16 +32,18 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from hub.contracts import EndpointTable
+from hub.contracts import ADAPTER_STAMP_SEPARATOR, AdapterEntry, EndpointTable
 
 from .ejection import EjectionPolicy, Failure, log_change
 from .limits import RateLimiter
-from .table import Endpoint, endpoint_of, model_lookups
+from .table import Endpoint, adapter_holders, endpoint_of, model_lookups
 from .tokens import TokenCounter
 
 log = logging.getLogger(__name__)
 
 _INFINITY = float("inf")
+# Why a request for an adapter is held while a running replica of its base is to load it (a hold's reason label).
+ADAPTER_LOAD = "adapter_load"
 
 
 class Balancer:
@@ -71,10 +78,12 @@ class Balancer:
         self._start_failed: dict[str, str] = {}  # public name -> why its only replica failed
         self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
         self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
-        self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas
+        self._adapters: dict[str, AdapterEntry] = {}  # public adapter name -> its entry
+        self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self._by_replica: dict[str, Endpoint] = {}
         self._turn: dict[str, int] = {}  # round-robin position per model, for ties
-        self._stamps: dict[str, float] = {}  # replica id -> last use (time.time()), not yet flushed
+        self._stamps: dict[str, float] = {}  # replica id (or "<replica>/<adapter>") -> last use, not yet flushed
+        self._adapter_busy: dict[str, int] = {}  # "<replica>/<adapter>" -> its requests in flight (none: left out)
         self._in_flight: dict[str, int] = {}  # public name -> requests picked and not yet released
         self._peaks: dict[str, int] = {}  # public name -> most in flight at once since the last take
         self.fingerprint: str | None = None
@@ -90,7 +99,7 @@ class Balancer:
         fingerprint = table.fingerprint or None
         if fingerprint is not None and fingerprint == self.fingerprint:
             return False
-        lookups = model_lookups(table.models)
+        lookups = model_lookups(table.models, table.adapters)
         catalog = lookups.catalog
 
         endpoints: dict[str, list[Endpoint]] = {}
@@ -106,6 +115,8 @@ class Balancer:
                 fresh = current
             by_replica[fresh.replica_id] = fresh
             endpoints.setdefault(fresh.model, []).append(fresh)
+        endpoints.update(adapter_holders(lookups.adapters, by_replica))  # names of models and adapters never clash
+        self._adapters = lookups.adapters
         self._names, self._catalog, self._unplaceable = lookups.names, catalog, lookups.unplaceable
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
         self._holding = lookups.holding
@@ -117,21 +128,44 @@ class Balancer:
         """The public name `name` refers to (itself or the model it is an alias of), or None."""
         return self._names.get(name)
 
+    def base_of(self, name: str) -> str | None:
+        """The base model of the adapter whose public name is `name`; None when `name` is not an adapter's."""
+        adapter = self._adapters.get(name)
+        return None if adapter is None else adapter.base
+
+    def adapters(self) -> dict[str, AdapterEntry]:
+        """Public adapter name -> its entry (base, aliases, holders), as last published."""
+        return self._adapters
+
+    # Whose notes speak for a hold of `model`'s requests: its own; an adapter's, its base's while the base has no
+    # ready replica (nothing can load it before one starts), and none while one runs (loading it is all it takes).
+    def _notes_of(self, model: str) -> str:
+        adapter = self._adapters.get(model)
+        if adapter is None:
+            return model
+        return "" if self._endpoints.get(adapter.base) else adapter.base
+
     def unplaceable(self, model: str) -> str | None:
-        """Why the control plane could not place `model` at its last attempt, or None."""
-        return self._unplaceable.get(model)
+        """Why the control plane could not place `model` (an adapter: its idle base) at its last attempt, or None."""
+        return self._unplaceable.get(self._notes_of(model))
 
     def start_failure(self, model: str) -> str | None:
-        """Why `model`'s only replica failed (the engine's last words), or None."""
-        return self._start_failed.get(model)
+        """Why `model`'s (an adapter: its idle base's) only replica failed (the engine's last words), or None."""
+        return self._start_failed.get(self._notes_of(model))
 
     def start_seconds(self, model: str) -> float | None:
-        """How long `model` has taken to start (learned by the control plane), or None if unknown."""
-        return self._start_seconds.get(model)
+        """How long `model` (an adapter: its idle base) has taken to start (learned), or None if unknown."""
+        return self._start_seconds.get(self._notes_of(model))
 
     def holding(self, model: str) -> str | None:
-        """Why the control plane holds `model`'s requests when that is not a start (`wake`, `making_room`), or None."""
-        return self._holding.get(model)
+        """Why the control plane holds `model`'s requests when that is not a start (`wake`, `making_room`), or None.
+
+        An adapter's: ADAPTER_LOAD while its load is under way or its base runs (a load is all it waits for),
+        else its base's reason."""
+        adapter = self._adapters.get(model)
+        if adapter is not None and (adapter.loading or self._endpoints.get(adapter.base)):
+            return ADAPTER_LOAD
+        return self._holding.get(self._notes_of(model))
 
     def catalog(self) -> dict[str, list[str]]:
         """Public model name -> aliases, as last published."""
@@ -178,12 +212,17 @@ class Balancer:
         else:
             chosen = self._choose(model, candidates, affinity)
         chosen.outstanding += 1
-        self._stamps[chosen.replica_id] = self._clock()
-        model = chosen.model
-        in_flight = self._in_flight.get(model, 0) + 1
-        self._in_flight[model] = in_flight
-        if in_flight > self._peaks.get(model, 0):
-            self._peaks[model] = in_flight
+        now = self._clock()
+        self._stamps[chosen.replica_id] = now
+        base = chosen.model
+        if base != model:  # `model` is an adapter riding on `base`
+            key = chosen.replica_id + ADAPTER_STAMP_SEPARATOR + model
+            self._stamps[key] = now
+            self._adapter_busy[key] = self._adapter_busy.get(key, 0) + 1
+        in_flight = self._in_flight.get(base, 0) + 1
+        self._in_flight[base] = in_flight
+        if in_flight > self._peaks.get(base, 0):
+            self._peaks[base] = in_flight
         return chosen
 
     def _choose(self, model: str, candidates: list[Endpoint], affinity: int | None) -> Endpoint:
@@ -251,13 +290,18 @@ class Balancer:
         endpoint.queued = waiting or 0.0
         endpoint.kv_full = kv_usage is not None and kv_usage >= self.kv_full_fraction
 
-    def release(self, endpoint: Endpoint, failure: Failure | None = None) -> None:
-        """The request counted by `pick` has finished (in any way); `failure` if it failed before its response."""
+    def release(self, endpoint: Endpoint, failure: Failure | None = None, model: str | None = None) -> None:
+        """The request counted by `pick` has finished (in any way); `failure` if it failed before its response.
+
+        `model`: the public name it was picked for (pick's `model`), needed when that is an adapter's.
+        """
         endpoint.outstanding -= 1
         try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)
             self._in_flight[endpoint.model] -= 1
         except KeyError:  # a release without its pick: nothing was counted
             pass
+        if model is not None and model != endpoint.model:
+            self._adapter_released(endpoint.replica_id + ADAPTER_STAMP_SEPARATOR + model)
         if failure is None:
             # A probe that ended without an outcome (the client left): let another request probe.
             endpoint.health.probing = False
@@ -265,6 +309,13 @@ class Balancer:
         change = self._record_failure(endpoint, failure)
         if change:
             self._log_change(endpoint, change)
+
+    def _adapter_released(self, key: str) -> None:
+        left = self._adapter_busy.get(key, 0) - 1
+        if left > 0:
+            self._adapter_busy[key] = left
+        else:
+            self._adapter_busy.pop(key, None)
 
     def failed(self, endpoint: Endpoint, failure: Failure) -> None:
         """A request still counted against `endpoint` failed (a 5xx relayed to the client as it is)."""
@@ -306,16 +357,17 @@ class Balancer:
     def take_usage(self) -> tuple[dict[str, float], dict[str, int]]:
         """Swap out the stamps and the per-model in-flight peaks gathered since the last take.
 
-        A replica serving a request right now is stamped "now" as well, so a long
-        stream keeps its replica in use and the idle timeout cannot stop it
-        mid-answer. The next peak window starts at what is in flight now, so a
+        A replica serving a request right now is stamped "now" as well (and so is
+        an adapter on a replica serving it), so a long stream keeps its replica
+        and adapter in use and the idle timeout cannot stop it mid-answer. The next peak window starts at what is in flight now, so a
         long request still counts in every window it spans. The cost grows with
-        replicas and models, not with traffic.
+        replicas, models and adapters, not with traffic.
         """
         stamps, self._stamps = self._stamps, {}
         peaks = self._peaks
         self._peaks = {model: count for model, count in self._in_flight.items() if count}
         busy = [e.replica_id for e in self._by_replica.values() if e.outstanding > 0]
+        busy.extend(self._adapter_busy)
         if busy:
             now = self._clock()
             for replica_id in busy:

@@ -15,6 +15,12 @@ line (503 `model_failed`) rather than a wait until the deadline. At most `max_wa
 at once (503 `too_many_waiting`) rather than holding memory and sockets
 without bound. Each hold is timed, by the reason the table last gave for it
 (a start unless it said `wake` or `making_room`).
+
+A request for a LoRA adapter that no replica holds is held the same way: the
+router asks for the adapter's activation (the control plane starts or wakes
+its base if need be and loads it) and goes on as soon as a table lists a
+replica holding it. While its base has no ready replica, the base's notes
+(unplaceable, failed, its learned start time, why it is held) answer for it.
 """
 
 from __future__ import annotations
@@ -173,7 +179,7 @@ class ColdStart:
         if reason is not None:
             raise RouterError(
                 503,
-                f"The model `{model}` cannot be started now: {reason}.",
+                f"The model {self._named(model)} cannot be started now: {reason}.",
                 "model_unplaceable",
                 type_="server_error",
                 headers=[(b"retry-after", str(self.retry_after).encode())],
@@ -183,12 +189,17 @@ class ColdStart:
             # The engine exited: nothing will be ready before the control plane's backoff ends.
             raise RouterError(
                 503,
-                f"The model `{model}` has no replica running: its last one failed ({failure}). "
+                f"The model {self._named(model)} has no replica running: its last one failed ({failure}). "
                 "The control plane starts it again after a backoff; retry later.",
                 "model_failed",
                 type_="server_error",
                 headers=[(b"retry-after", str(self.retry_after).encode())],
             )
+
+    def _named(self, model: str) -> str:
+        """`model` for a message: an adapter's with its base, whose replicas it waits for."""
+        base = self.balancer.base_of(model)
+        return f"`{model}`" if base is None else f"`{model}` (an adapter of `{base}`)"
 
     async def wait_with_keepalives(
         self, send: Send, model: str, affinity: int | None = None, pools: frozenset[str] | None = None
@@ -214,7 +225,7 @@ class ColdStart:
             retry_after = max(1, math.ceil(learned - self.activation_timeout))
         return RouterError(
             503,
-            f"The model `{model}` is starting; no replica became ready within "
+            f"The model {self._named(model)} is starting; no replica became ready within "
             f"{self.activation_timeout:g} s. Retry later.",
             "model_starting",
             type_="server_error",

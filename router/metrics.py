@@ -32,7 +32,8 @@ UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
-# Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`.
+# Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`
+# (for a LoRA adapter whose base runs, its load: router.balancer.ADAPTER_LOAD).
 COLD_START = "cold_start"
 
 
@@ -165,7 +166,8 @@ class Traffic(Collector):
         self.hold = Histogram(
             "llmgw_router_hold_seconds",
             "How long a request was held waiting for a replica, observed when the hold ended (served, refused, "
-            "timed out or the client left), by why: cold_start, wake (only sleepers) or making_room.",
+            "timed out or the client left), by why: cold_start, wake (only sleepers), making_room or adapter_load "
+            "(a LoRA adapter waiting to be loaded on a running replica of its base).",
             ("model", "reason"),
             HOLD_BUCKETS,
         )

@@ -18,7 +18,7 @@ is read before anything is sent, so its failure is still a 502/504 in
 OpenAI's shape; only a large or unbounded non-SSE body can still be cut.
 
 Each answer's token usage is read as it is relayed and counted per key and
-model (router.tokens).
+model (router.tokens); a LoRA adapter's under the adapter's own name.
 """
 
 from __future__ import annotations
@@ -174,13 +174,13 @@ class Proxy:
                 failure, error = Failure.LOST, exc
             except asyncio.CancelledError as exc:
                 if not exchange.engine_failed(exc):
-                    balancer.release(endpoint)
+                    balancer.release(endpoint, None, request.model)
                     raise
                 # Not retried: the engine accepted the request and may be working on it.
-                balancer.release(endpoint, Failure.LOST)
+                balancer.release(endpoint, Failure.LOST, request.model)
                 raise self._first_byte_overdue(request, endpoint) from None
             except BaseException:
-                balancer.release(endpoint)
+                balancer.release(endpoint, None, request.model)
                 raise
             else:
                 self.metrics.traffic.upstream_latency(request.model, time.perf_counter() - started)
@@ -223,7 +223,7 @@ class Proxy:
         retried once."""
         model, affinity, pools = request.model, request.affinity, request.pools
         request.exchange.wait(None)  # a hold for a replacement below is not the engine's to answer
-        self.balancer.release(endpoint, failure)
+        self.balancer.release(endpoint, failure, model)
         log.warning("replica %s of %s failed before responding: %r", endpoint.replica_id, model, error)
         nxt = self.balancer.pick(model, request.tried, affinity, pools) if len(request.tried) == 1 else None
         if nxt is None and failure is Failure.CONNECT and not request.headers_sent and not request.held:
@@ -248,7 +248,7 @@ class Proxy:
             nxt = self.balancer.pick(request.model, request.tried, request.affinity, request.pools)
             if nxt is not None:
                 response.close()
-                self.balancer.release(endpoint, Failure.ERROR)
+                self.balancer.release(endpoint, Failure.ERROR, request.model)
                 self.metrics.retries.labels(request.model).inc()
                 return nxt
         self.balancer.failed(endpoint, Failure.ERROR)
@@ -266,7 +266,7 @@ class Proxy:
             detail = f"(its body broke off: {type(exc).__name__})"
         finally:
             response.close()
-            self.balancer.release(endpoint)
+            self.balancer.release(endpoint, None, request.model)
         raise RouterError(
             status,
             f"Replica {endpoint.replica_id} of `{request.model}` answered {status}: {detail}",
@@ -290,10 +290,11 @@ class Proxy:
         else:
             # Closing (not pooling) the connection is what makes the engine stop generating.
             response.close()
-        self.balancer.release(endpoint)
+        model = request.model  # an adapter's own name, not its base's
+        self.balancer.release(endpoint, None, model)
         key = exchange.key
         if key is not None:
-            self.balancer.tokens.count(key, endpoint.model, usage, served)
+            self.balancer.tokens.count(key, model, usage, served)
             if usage is not None:
                 self.balancer.limits.spent_tokens(key, usage[0] + usage[1])
 

@@ -127,8 +127,9 @@ class RouterState:
             return False
         if changed:
             log.info(
-                "endpoint table: %d models, %d ready endpoints",
+                "endpoint table: %d models, %d adapters, %d ready endpoints",
                 len(self.balancer.catalog()),
+                len(self.balancer.adapters()),
                 len(self.balancer.endpoints()),
             )
             self.cold_start.table_changed()

@@ -1,4 +1,5 @@
-"""The endpoint table as the router reads it: each ready replica an `Endpoint`, each model's names and notes.
+"""The endpoint table as the router reads it: each ready replica an `Endpoint`, each model's and LoRA adapter's
+names and notes.
 
 The control plane publishes `hub.contracts.EndpointTable` as JSON; `decode_table`
 decodes it row by row with msgspec, leaving out what is malformed rather than
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from hub.contracts import EndpointRow, EndpointTable, ModelEntry
+from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 
 from .ejection import ReplicaHealth
 
@@ -65,6 +66,7 @@ class _Rows(msgspec.Struct):
 
     models: dict[str, msgspec.Raw] = {}
     endpoints: list[msgspec.Raw] = []
+    adapters: dict[str, msgspec.Raw] = {}
     fingerprint: str = ""
 
 
@@ -78,6 +80,7 @@ _decode_rows = msgspec.json.Decoder(_Rows).decode
 _decode_model = msgspec.json.Decoder(ModelEntry).decode
 _decode_aliases = msgspec.json.Decoder(_Aliases).decode
 _decode_endpoint = msgspec.json.Decoder(EndpointRow).decode
+_decode_adapter = msgspec.json.Decoder(AdapterEntry).decode
 
 
 def decode_table(data: bytes) -> EndpointTable:
@@ -85,7 +88,8 @@ def decode_table(data: bytes) -> EndpointTable:
 
     A malformed endpoint row is dropped. A malformed model entry keeps its name (it is the key, so it is
     sound) and what of its aliases is sound, and loses its notes: dropping the model would answer its
-    requests "no such model". TableError when `data` is not a table at all.
+    requests "no such model". A malformed adapter entry is dropped: without its base it cannot be served.
+    TableError when `data` is not a table at all.
     """
     try:
         rows = _decode_rows(data)
@@ -98,7 +102,13 @@ def decode_table(data: bytes) -> EndpointTable:
             endpoints.append(_decode_endpoint(raw))
         except msgspec.DecodeError as exc:
             log.warning("skipping an endpoint of the table (%s): %s", exc, _excerpt(raw))
-    return EndpointTable(models=models, endpoints=endpoints, fingerprint=rows.fingerprint)
+    adapters = {}
+    for name, raw in rows.adapters.items():
+        try:
+            adapters[name] = _decode_adapter(raw)
+        except msgspec.DecodeError as exc:
+            log.warning("skipping adapter %r of the endpoint table (%s): %s", name, exc, _excerpt(raw))
+    return EndpointTable(models=models, endpoints=endpoints, adapters=adapters, fingerprint=rows.fingerprint)
 
 
 def _model_entry(name: str, raw: msgspec.Raw) -> ModelEntry:
@@ -119,10 +129,12 @@ def _excerpt(raw: msgspec.Raw) -> str:
 
 @dataclass(slots=True)
 class ModelLookups:
-    """What the balancer looks up by name in the table's `models`: each dict keyed by public name (`names` by
-    public name or alias), a model left out of a dict where its entry says nothing of it."""
+    """What the balancer looks up by name in the table's `models` and `adapters`: each dict keyed by public name
+    (`names` by public name or alias, of models and adapters alike), a model left out of a dict where its entry
+    says nothing of it."""
 
     names: dict[str, str] = field(default_factory=dict)  # name or alias -> public name
+    adapters: dict[str, AdapterEntry] = field(default_factory=dict)  # those riding on a model of the table
     catalog: dict[str, list[str]] = field(default_factory=dict)  # public name -> aliases
     unplaceable: dict[str, str] = field(default_factory=dict)
     start_failed: dict[str, str] = field(default_factory=dict)
@@ -130,8 +142,13 @@ class ModelLookups:
     holding: dict[str, str] = field(default_factory=dict)
 
 
-def model_lookups(models: dict[str, ModelEntry]) -> ModelLookups:
-    """The balancer's lookups from the table's `models`."""
+def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
+    """The balancer's lookups from the table's `models` and `adapters`.
+
+    The catalog keeps names of models, adapters and their aliases apart; should a table clash all the same, a
+    public name wins over an alias and a model over an adapter. An adapter whose base is not a model of the
+    table is left out: nothing could serve it.
+    """
     found = ModelLookups()
     for public, entry in models.items():
         found.catalog[public] = entry.aliases
@@ -144,10 +161,26 @@ def model_lookups(models: dict[str, ModelEntry]) -> ModelLookups:
         if entry.holding is not None:
             found.holding[public] = entry.holding
         found.names[public] = public
-    for public, entry in models.items():
-        for alias in entry.aliases:
-            found.names.setdefault(alias, public)  # a public name always wins over a clashing alias
+    for public, adapter in (adapters or {}).items():
+        if adapter.base in models and public not in found.names:
+            found.adapters[public] = adapter
+            found.names[public] = public
+    aliases = [(public, entry.aliases) for public, entry in models.items()]
+    aliases += [(public, adapter.aliases) for public, adapter in found.adapters.items()]
+    for public, names in aliases:
+        for alias in names:
+            found.names.setdefault(alias, public)
     return found
+
+
+def adapter_holders(adapters: dict[str, AdapterEntry], by_replica: dict[str, Endpoint]) -> dict[str, list[Endpoint]]:
+    """Public adapter name -> the ready replicas of its base that hold it (a replica the table does not list
+    among its endpoints, or of another model, is left out)."""
+    holders: dict[str, list[Endpoint]] = {}
+    for public, adapter in adapters.items():
+        found = [by_replica[r] for r in adapter.replicas if r in by_replica]
+        holders[public] = [e for e in found if e.model == adapter.base]
+    return holders
 
 
 def endpoint_of(row: EndpointRow) -> Endpoint:
