@@ -63,9 +63,11 @@ management address like every route:
   (its `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`); without a rank vLLM takes 16.
 * SGLang: `--enable-lora --max-loras-per-batch N --lora-target-modules all [--max-lora-rank R]`: it starts
   with no adapter to infer the modules from, so all of them are made loadable (its `/load_lora_adapter`).
-* The mock engine: `--max-loras N [--max-lora-rank R]` and vLLM's environment, as it imitates vLLM.
+* The mock engine: the same flags and environment as vLLM, whose LoRA routes it imitates.
 * llama.cpp takes adapters only at start-up: refused.
-Every rank gets the same flags: a replica's engines must agree on their LoRA shape.
+Every rank gets the same flags: a replica's engines must agree on their LoRA shape. Each launch says how its
+engine loads and unloads adapters (`Launch.adapters`, a dialect of agent/engine_adapters.py): a real engine's
+ranks above 0 serve no API and hold what their head loads (`follower`).
 
 Each launch also says where the engine publishes its Prometheus metrics (the
 agent reads its requests in flight there, agent/engine_load.py): vLLM always
@@ -91,6 +93,7 @@ DEFAULT_LLAMA_SERVER = "llama-server"
 VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 # vLLM serves its adapter load and unload routes only with this set.
 VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+_NO_RUNTIME_ADAPTERS = "llama.cpp cannot load adapters at run time"
 # The mock engine is imported from this checkout, whatever directory the agent was started from.
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -115,6 +118,9 @@ class Launch:
     # How the engine sleeps (agent/engine_sleep.py), or None with `no_sleep` saying why it cannot.
     sleep: str | None = None
     no_sleep: str = ""
+    # How the engine loads LoRA adapters (agent/engine_adapters.py), or None with `no_adapters` saying why it cannot.
+    adapters: str | None = None
+    no_adapters: str = ""
 
     @property
     def url_host(self) -> str:
@@ -200,29 +206,31 @@ def build_launch(
         launch = _llamacpp(shard, llama_server)
     else:
         launch = _mock(shard, python)
-    launch = _with_adapters(launch, engine, adapter_slots, max_adapter_rank)
+    launch = _with_adapters(launch, engine, shard.rank, adapter_slots, max_adapter_rank)
     return _able_to_sleep(launch, engine, shard.rank, sleep_mode, gpus_simulated)
 
 
-def _with_adapters(launch: Launch, engine: str, slots: int | None, max_rank: int | None) -> Launch:
-    """`launch` with LoRA on (the module's docstring), or as it is when the shard takes no adapters."""
+def _with_adapters(launch: Launch, engine: str, rank: int, slots: int | None, max_rank: int | None) -> Launch:
+    """`launch` with LoRA on (the module's docstring), or as it is, saying why, when the shard takes no adapters."""
     if slots is None:
         if max_rank is not None:
             raise ValueError("a max adapter rank needs adapter slots")
-        return launch
+        reason = f"shard was started without adapter slots, so its {engine} engine takes none"
+        return replace(launch, no_adapters=_NO_RUNTIME_ADAPTERS if engine == "llamacpp" else reason)
     for what, value in (("adapter slots", slots), ("max adapter rank", max_rank)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{what} must be a positive integer, got {value!r}")
     if engine == "llamacpp":
-        raise ValueError("llama.cpp cannot load adapters at run time; start it without adapter slots")
-    rank = ["--max-lora-rank", str(max_rank)] if max_rank is not None else []
+        raise ValueError(f"{_NO_RUNTIME_ADAPTERS}; start it without adapter slots")
+    rank_flags = ["--max-lora-rank", str(max_rank)] if max_rank is not None else []
+    # The mock serves every rank itself; a real engine's other ranks load what their head loads.
+    dialect = "follower" if rank > 0 and engine != "mock" else ("sglang" if engine == "sglang" else "vllm")
     if engine == "sglang":
-        flags = ["--enable-lora", "--max-loras-per-batch", str(slots), "--lora-target-modules", "all", *rank]
-        return replace(launch, argv=[*launch.argv, *flags])
-    flags = ["--max-loras", str(slots), *rank]
-    if engine == "vllm":
-        flags = ["--enable-lora", *flags]
-    return replace(launch, argv=[*launch.argv, *flags], env={**launch.env, VLLM_RUNTIME_LORA_ENV: "true"})
+        flags = ["--enable-lora", "--max-loras-per-batch", str(slots), "--lora-target-modules", "all", *rank_flags]
+        return replace(launch, argv=[*launch.argv, *flags], adapters=dialect)
+    flags = ["--enable-lora", "--max-loras", str(slots), *rank_flags]
+    env = {**launch.env, VLLM_RUNTIME_LORA_ENV: "true"}
+    return replace(launch, argv=[*launch.argv, *flags], env=env, adapters=dialect)
 
 
 def _able_to_sleep(launch: Launch, engine: str, rank: int, sleep_mode: bool, gpus_simulated: bool) -> Launch:

@@ -1,7 +1,8 @@
 """The bundled mock engine: a tiny OpenAI-compatible server for demos and tests.
 
     python -m agent.mock_engine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
-        [--memory-gib-per-gpu 30] [--load-seconds 20] [--wake-seconds 1] [--max-loras 8 [--max-lora-rank 16]]
+        [--memory-gib-per-gpu 30] [--load-seconds 20] [--wake-seconds 1]
+        [--enable-lora [--max-loras 8] [--max-lora-rank 16] [--lora-load-seconds 2]]
 
 It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
@@ -13,8 +14,9 @@ answered; a token is a word.
 
 It models what a CPU cannot show of vLLM (agent/mock_sleep.py): a cold start (`--load-seconds`), and,
 with VLLM_SERVER_DEV_MODE=1 as vLLM, its sleep routes, the held requests of a sleeping engine, the
-`vllm:engine_sleep_state` gauge and a wake that takes `--wake-seconds`. Requests and counters are
-agent/mock_generation.py's.
+`vllm:engine_sleep_state` gauge and a wake that takes `--wake-seconds`. With `--enable-lora` and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM, it loads and serves LoRA adapters (agent/mock_lora.py). Requests and
+counters are agent/mock_generation.py's.
 
 A node's engines can be held back, as a slow engine start would be: while the
 file named by LLMGW_MOCK_HOLD_FILE (in the environment the agent passes on)
@@ -44,6 +46,7 @@ from aiohttp import web
 from .engine_env import GPU_MEMORY_ENV
 from .engines import VLLM_DEV_MODE_ENV
 from .mock_generation import CACHE_SLOTS, EXTRA_ENDPOINTS, MockEngine
+from .mock_lora import MockLoRA, runtime_updates_allowed
 from .mock_sleep import MockSleep
 from .mock_text import BadRequest, openai_error
 from .protocol import parse_port
@@ -109,19 +112,21 @@ def create_app(
     load_seconds: float = 0.0,
     wake_seconds: float = 0.0,
     dev_mode: bool = False,
-    max_loras: int | None = None,
-    max_lora_rank: int | None = None,
+    lora: MockLoRA | None = None,
+    runtime_lora: bool = False,
 ) -> web.Application:
     """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (agent/mock_sleep.py).
 
-    `max_loras` (with `max_lora_rank`) are vLLM's LoRA slots as the agent starts it (agent/engines.py); kept
-    on the application (`app["lora_slots"]`) for the adapter routes that will use them.
+    `lora` holds its LoRA adapters (agent/mock_lora.py); `runtime_lora` adds vLLM's routes that load and
+    unload them.
     """
     sleep = MockSleep(load_seconds, wake_seconds)
-    engine = MockEngine(model, token_delay_ms, sleep)
+    lora = lora or MockLoRA()
+    engine = MockEngine(model, token_delay_ms, sleep, lora)
     app = web.Application(middlewares=[errors_in_openai_shape])
     app["engine"] = engine
-    app["lora_slots"] = (max_loras, max_lora_rank)
+    if runtime_lora:
+        lora.add_routes(app)
     app.on_startup.append(sleep.load)
     if dev_mode:
         sleep.add_routes(app)
@@ -187,8 +192,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"the engine's true need per GPU: fail the start like CUDA out of memory when its GPUs ({GPU_MEMORY_ENV}) "
         "have less usable",
     )
-    parser.add_argument("--max-loras", type=_slots, default=None, help="LoRA adapters held at once, as vLLM's")
-    parser.add_argument("--max-lora-rank", type=_slots, default=None, help="the largest LoRA rank, as vLLM's")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, as vLLM's")
+    parser.add_argument("--max-loras", type=_slots, default=None, help="LoRA adapters held at once (default 1)")
+    parser.add_argument("--max-lora-rank", type=_slots, default=None, help="the largest LoRA rank (default 16)")
+    parser.add_argument(
+        "--lora-load-seconds", type=_seconds, default=0.0, help="how long POST /v1/load_lora_adapter takes"
+    )
     return parser.parse_args(argv)
 
 
@@ -227,14 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     # As vLLM does, the sleep routes are served only in its development mode.
     dev_mode = os.environ.get(VLLM_DEV_MODE_ENV, "") not in ("", "0")
+    lora = MockLoRA(args.enable_lora, args.max_loras, args.max_lora_rank, args.lora_load_seconds)
+    # As vLLM does, the adapter routes are served only when runtime updates are allowed.
     app = create_app(
-        args.model,
-        args.token_delay_ms,
-        args.load_seconds,
-        args.wake_seconds,
-        dev_mode,
-        args.max_loras,
-        args.max_lora_rank,
+        args.model, args.token_delay_ms, args.load_seconds, args.wake_seconds, dev_mode, lora, runtime_updates_allowed()
     )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

@@ -14,6 +14,7 @@ import uuid
 
 from aiohttp import web
 
+from .mock_lora import MockLoRA
 from .mock_sleep import MockSleep
 from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 
@@ -28,9 +29,12 @@ EXTRA_ENDPOINTS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/scor
 class MockEngine:
     """Request handling and the counters behind /metrics for one served model."""
 
-    def __init__(self, model: str, token_delay_ms: float = 0.0, sleep: MockSleep | None = None):
+    def __init__(
+        self, model: str, token_delay_ms: float = 0.0, sleep: MockSleep | None = None, lora: MockLoRA | None = None
+    ):
         self.model = model
         self.sleep = sleep or MockSleep()
+        self.lora = lora or MockLoRA()
         self.token_delay = token_delay_ms / 1000.0
         self.running = 0
         self.waiting = 0
@@ -52,7 +56,8 @@ class MockEngine:
         return body
 
     def _wrong_model(self, body: dict):
-        if body["model"] != self.model:
+        """A 404 for a model this engine does not serve: neither its own nor a LoRA adapter it holds."""
+        if body["model"] != self.model and body["model"] not in self.lora.held:
             return openai_error(
                 404,
                 f"The model `{body['model']}` does not exist (this engine serves `{self.model}`).",
@@ -80,9 +85,10 @@ class MockEngine:
             raise BadRequest("field “stream_options” must be an object", "stream_options")
         return stream, bool(options.get("include_usage", False))
 
-    def reply_tokens(self, prompt: str, max_tokens: int | None) -> list[str]:
+    def reply_tokens(self, prompt: str, max_tokens: int | None, served: str | None = None) -> list[str]:
+        """The reply's words; `served` names what answers (an adapter, or by default the model)."""
         echo = words(prompt)[:ECHO_WORDS]
-        tokens = ["mock", "reply", "from", f"{self.model}:", *(echo or ["(empty)"])]
+        tokens = ["mock", "reply", "from", f"{served or self.model}:", *(echo or ["(empty)"])]
         return tokens[:max_tokens] if max_tokens else tokens
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
@@ -96,7 +102,9 @@ class MockEngine:
         """Shared path of chat and text completions, streaming or not."""
         stream, include_usage = self._stream_flags(body)
         max_tokens = self._max_tokens(body)
-        tokens = self.reply_tokens(prompt_text, max_tokens)
+        # The model or a LoRA adapter: answers name it, as vLLM's do.
+        served = body["model"]
+        tokens = self.reply_tokens(prompt_text, max_tokens, served)
         finish = "length" if max_tokens is not None and len(tokens) == max_tokens else "stop"
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -104,6 +112,8 @@ class MockEngine:
         generation = await self.sleep.hold()
         self.prompt_tokens_total += prompt_tokens
         self.running += 1
+        # Requests per adapter, for vllm:lora_requests_info (the model itself is no adapter: adds 0).
+        self.lora.running[served] += served != self.model
         try:
             if not stream:
                 for produced in range(len(tokens)):
@@ -130,18 +140,21 @@ class MockEngine:
                         "id": ident,
                         "object": obj,
                         "created": created,
-                        "model": self.model,
+                        "model": served,
                         "choices": [choice],
                         "usage": self._usage(prompt_tokens, len(tokens)),
                     }
                 )
             answer = (kind, ident, created, tokens, finish, prompt_tokens, include_usage, generation)
-            return await self._stream(request, *answer)
+            return await self._stream(request, served, *answer)
         finally:
             self.running -= 1
+            self.lora.running[served] -= served != self.model
             self.requests_total += 1
 
-    async def _stream(self, request, kind, ident, created, tokens, finish, prompt_tokens, include_usage, generation):
+    async def _stream(
+        self, request, served, kind, ident, created, tokens, finish, prompt_tokens, include_usage, generation
+    ):
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
         )
@@ -149,7 +162,7 @@ class MockEngine:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         async def send(choices: list, usage=None):
-            chunk = {"id": ident, "object": obj, "created": created, "model": self.model, "choices": choices}
+            chunk = {"id": ident, "object": obj, "created": created, "model": served, "choices": choices}
             if include_usage:
                 chunk["usage"] = usage
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -233,7 +246,7 @@ class MockEngine:
             {
                 "object": "list",
                 "data": data,
-                "model": self.model,
+                "model": body["model"],
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
             }
         )
@@ -243,13 +256,16 @@ class MockEngine:
         if (wrong := self._wrong_model(body)) is not None:
             return wrong
         self.requests_total += 1
-        return web.json_response({"object": "mock.receipt", "model": self.model, "path": request.path})
+        return web.json_response({"object": "mock.receipt", "model": body["model"], "path": request.path})
 
     async def models(self, request: web.Request):
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "llmgw-mock"}],
+                "data": [
+                    {"id": self.model, "object": "model", "created": 0, "owned_by": "llmgw-mock"},
+                    *self.lora.model_cards(self.model),
+                ],
             }
         )
 
@@ -273,4 +289,5 @@ class MockEngine:
         for name, kind, help_text, value in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
         lines += self.sleep.metric_lines(label)
+        lines += self.lora.metric_lines()
         return "\n".join(lines) + "\n"

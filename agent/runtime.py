@@ -3,9 +3,9 @@
 One `Agent` per node. Over its link (agent/link.py) it says `hello` (its GPUs
 and the shards it runs now), sends a `heartbeat` on an interval, and carries
 out `start_shard`, `stop_shard` and `drain_shard`, answering each with
-`shard_status` (messages in agent/protocol.py), and `sleep_shard` and
-`wake_shard` through agent/hibernation.py. Each shard's engine is an
-EngineProcess (agent/supervisor.py) started from its launch (agent/engines.py).
+`shard_status` (messages in agent/protocol.py), `sleep_shard` and `wake_shard`
+through agent/hibernation.py, and `load_adapter` and `unload_adapter` through
+agent/adapters.py. Each shard's engine is an EngineProcess (agent/supervisor.py) started from its launch (agent/engines.py).
 
 Each heartbeat carries the requests every serving engine holds, read from its
 /metrics just before (agent/engine_load.py, bounded so a slow engine cannot
@@ -30,10 +30,13 @@ import asyncio
 import logging
 import os
 import shlex
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
 from . import draining, engine_env, protocol
+from .adapters import Adapters
 from .engine_load import EngineLoad
 from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
 from .gpus import host_memory_mib
@@ -50,6 +53,9 @@ __all__ = ["Agent", "AgentOptions", "AgentRejected", "AgentSuperseded", "AgentTL
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
+_Refusable = TypeVar(
+    "_Refusable", bound=protocol.SleepShard | protocol.WakeShard | protocol.LoadAdapter | protocol.UnloadAdapter
+)
 
 
 class Agent:
@@ -80,6 +86,7 @@ class Agent:
         self._hibernation = Hibernation(
             self._shards, self._load, self._report, options.drain_poll_seconds, options.stop_grace_seconds
         )
+        self._adapters = Adapters(self._shards, self._link.send)
         self._shutdown_task: asyncio.Task | None = None
         discovered = {
             g.index: GPUCondition(g.healthy, "" if g.healthy else "unreadable at discovery") for g in self.gpus
@@ -150,10 +157,7 @@ class Agent:
         }
         running, health = await asyncio.gather(self._load.read_many(serving), self._health.read())
         # Shards that started or stopped while the engines were read are reported as they are now.
-        shards = [
-            protocol.ShardHeartbeat(shard_id=s.shard_id, state=s.state, running=running.get(s.shard_id))
-            for s in self._shards.values()
-        ]
+        shards = [s.heartbeat(running.get(s.shard_id)) for s in self._shards.values()]
         gpus = gpu_health_reports(self.gpus, health)
         return protocol.encode(protocol.Heartbeat(gpus=gpus, shards=shards, weights=self._weights.for_heartbeat()))
 
@@ -168,14 +172,8 @@ class Agent:
         sleep_level: protocol.SleepLevel | None = None,
     ):
         took = f" in {seconds:g} s" if seconds is not None else ""
-        log.info(
-            "shard %s on %s: %s%s%s",
-            shard_id,
-            self.node,
-            state,
-            took,
-            f" ({message.splitlines()[-1]})" if message else "",
-        )
+        last = f" ({message.splitlines()[-1]})" if message else ""
+        log.info("shard %s on %s: %s%s%s", shard_id, self.node, state, took, last)
         status = protocol.ShardStatus(
             shard_id=shard_id, state=state, message=message, port=port, port_busy=port_busy, seconds=seconds,
             sleep_level=sleep_level,
@@ -194,17 +192,14 @@ class Agent:
             return
         weights = isinstance(message, protocol.RemoveWeights)
         subject = f"weights {message.source}" if weights else message.shard_id
-        if not self._fence(message.__struct_config__.tag, message.epoch, subject):
+        if not self._fencing.admits(message.__struct_config__.tag, message.epoch, subject):
             await self._ack(message.cid, f"epoch {message.epoch} is older than epoch {self.highest_epoch} already seen")
             return
         if isinstance(message, protocol.SleepShard | protocol.WakeShard):
-            # Refused in the ack when it cannot be done (agent/hibernation.py says when).
-            refused = self._hibernation.refusal(message)
-            await self._ack(message.cid, refused)
-            if refused:
-                log.warning("refused %s for shard %s: %s", message.__struct_config__.tag, message.shard_id, refused)
-            else:
-                self._hibernation.begin(message)
+            await self._refuse_or_begin(message, self._hibernation.refusal(message), self._hibernation.begin)
+            return
+        if isinstance(message, protocol.LoadAdapter | protocol.UnloadAdapter):
+            await self._refuse_or_begin(message, self._adapters.refusal(message), self._adapters.begin)
             return
         # Answered before it is carried out: the control plane stops re-sending it now, and a re-sent
         # copy is answered again (a start for a shard already running is not started twice).
@@ -218,9 +213,13 @@ class Agent:
         else:
             self._begin_stop(message.shard_id)
 
-    def _fence(self, kind: str, epoch: int, shard_id: int | str) -> bool:
-        """Whether a command's epoch is current (agent/state.py, Fence)."""
-        return self._fencing.admits(kind, epoch, shard_id)
+    async def _refuse_or_begin(self, message: _Refusable, refused: str, begin: Callable[[_Refusable], object]) -> None:
+        """Acknowledge a command, refused when it cannot be done (`refused` says why), and begin it when it can."""
+        await self._ack(message.cid, refused)
+        if refused:
+            log.warning("refused %s for shard %s: %s", message.__struct_config__.tag, message.shard_id, refused)
+        else:
+            begin(message)
 
     @property
     def highest_epoch(self) -> int | None:
@@ -242,7 +241,7 @@ class Agent:
         await self._ack(exc.cid, f"malformed command: {exc}")
         if exc.kind != protocol.START_SHARD or exc.epoch is None or exc.shard_id is None:
             return
-        if not self._fence(exc.kind, exc.epoch, exc.shard_id):
+        if not self._fencing.admits(exc.kind, exc.epoch, exc.shard_id):
             return
         running = self._shards.get(exc.shard_id)
         if running is not None:
@@ -392,6 +391,7 @@ class Agent:
         await self._link.close()
         await self._load.aclose()
         await self._hibernation.aclose()
+        await self._adapters.aclose()
 
 
 # What a drain says of an engine it stops at once because it serves nothing.

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 
 from . import protocol
 from .engines import Launch
@@ -226,8 +227,17 @@ class Shard:
     sleep_level: protocol.SleepLevel | None = None
     # Set by a stop (or shutdown) to end a drain at once.
     stop_now: asyncio.Event = field(default_factory=asyncio.Event)
+    # The LoRA adapters its engine holds, by name: loaded and not unloaded since it started (agent/adapters.py).
+    adapters: set[str] = field(default_factory=set)
+    # The newest adapter command under way: each waits for the one before it (agent/adapters.py).
+    adapter_task: asyncio.Task | None = None
 
     def report(self) -> protocol.RunningShard:
         return protocol.RunningShard(
             shard_id=self.shard_id, replica_id=self.replica_id, state=self.state, port=self.port
         )
+
+    def heartbeat(self, running: int | None) -> protocol.ShardHeartbeat:
+        """The shard as a heartbeat reports it, with `running` requests; its adapters when it takes any."""
+        adapters = sorted(self.adapters) if self.launch.adapters is not None else msgspec.UNSET
+        return protocol.ShardHeartbeat(shard_id=self.shard_id, state=self.state, running=running, adapters=adapters)

@@ -148,6 +148,8 @@ def command(kind: str, epoch: int, **fields) -> dict:
         protocol.SLEEP_SHARD: protocol.SleepShard,
         protocol.WAKE_SHARD: protocol.WakeShard,
         protocol.REMOVE_WEIGHTS: protocol.RemoveWeights,
+        protocol.LOAD_ADAPTER: protocol.LoadAdapter,
+        protocol.UNLOAD_ADAPTER: protocol.UnloadAdapter,
     }[kind]
     return protocol.to_builtins(struct(epoch=epoch, **fields))
 

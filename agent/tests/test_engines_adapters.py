@@ -1,5 +1,5 @@
-"""LoRA switched on for a shard that takes adapters (start_shard's `adapters`): argv and environment per engine,
-the protocol field, and the mock engine's flags."""
+"""LoRA switched on for a shard that takes adapters (start_shard's `adapters`): argv, environment and adapter
+dialect per engine, the protocol field, and the mock engine's flags."""
 
 import json
 
@@ -9,6 +9,7 @@ from agent import protocol
 from agent.engines import build_launch
 from agent.gpus import parse_fake_gpus
 from agent.mock_engine import create_app, parse_args
+from agent.mock_lora import MockLoRA
 from agent.options import AgentOptions
 from agent.starting import launch_for
 from agent.tests.test_engines import BASE
@@ -38,9 +39,9 @@ def test_sglang_gets_its_batch_slots_with_every_module_loadable():
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in result.env
 
 
-def test_the_mock_takes_vllms_slots_and_environment_and_llama_cpp_is_refused():
+def test_the_mock_takes_vllms_flags_and_environment_and_llama_cpp_is_refused():
     mock = launch("mock", adapter_slots=3)
-    assert mock.argv[-2:] == ["--max-loras", "3"] and "--enable-lora" not in mock.argv
+    assert mock.argv[-3:] == ["--enable-lora", "--max-loras", "3"]
     assert mock.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
     with pytest.raises(ValueError, match="llama.cpp cannot load adapters at run time"):
         launch("llamacpp", gpu_indices=[0], source="/m.gguf", adapter_slots=2)
@@ -84,11 +85,32 @@ def test_the_agent_turns_a_start_with_adapters_into_the_engines_flags():
     assert "--enable-lora" not in launch_for(protocol.decode_command(json.dumps(START)), options, gpus).argv
 
 
-def test_the_mock_engine_parses_and_keeps_its_lora_slots(capsys):
-    args = parse_args(["--port", "20000", "--model", "m", "--max-loras", "8", "--max-lora-rank", "16"])
-    assert (args.max_loras, args.max_lora_rank) == (8, 16)
-    assert parse_args(["--port", "20000", "--model", "m"]).max_loras is None
-    assert create_app("m", max_loras=8)["lora_slots"] == (8, None)
+def test_each_launch_says_how_its_engine_loads_adapters_or_why_it_cannot():
+    assert (launch("vllm", adapter_slots=2).adapters, launch("sglang", adapter_slots=2).adapters) == ("vllm", "sglang")
+    assert launch("mock", adapter_slots=2).adapters == "vllm"
+    two = {"node_count": 2, "head_address": "10.0.0.1", "rendezvous_port": 20001, "adapter_slots": 4}
+    # A real engine's ranks above 0 hold what their head loads; the mock serves every rank itself.
+    assert launch("vllm", rank=1, vllm_command=("vllm", "serve"), **two).adapters == "follower"
+    assert launch("sglang", rank=1, **two).adapters == "follower"
+    assert launch("mock", rank=1, **two).adapters == "vllm"
+    plain = launch("vllm")
+    assert plain.adapters is None
+    assert plain.no_adapters == "shard was started without adapter slots, so its vllm engine takes none"
+    llama = launch("llamacpp", gpu_indices=[0], source="/m.gguf")
+    assert (llama.adapters, llama.no_adapters) == (None, "llama.cpp cannot load adapters at run time")
+
+
+def test_the_mock_engine_parses_vllms_lora_flags_and_its_load_time(capsys):
+    args = parse_args(["--port", "20000", "--model", "m", "--enable-lora", "--max-loras", "8", "--max-lora-rank", "16"])
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.lora_load_seconds) == (True, 8, 16, 0.0)
+    plain = parse_args(["--port", "20000", "--model", "m", "--lora-load-seconds", "1.5"])
+    assert (plain.enable_lora, plain.max_loras, plain.lora_load_seconds) == (False, None, 1.5)
+    # vLLM's defaults: one slot, rank 16.
+    assert (MockLoRA(True).max_loras, MockLoRA(True).max_rank) == (1, 16)
+    assert create_app("m", lora=MockLoRA(True, 8))["engine"].lora.max_loras == 8
     with pytest.raises(SystemExit):
         parse_args(["--port", "20000", "--model", "m", "--max-loras", "0"])
     assert "argument --max-loras: expected a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "20000", "--model", "m", "--lora-load-seconds", "soon"])
+    assert "a time must be a number of seconds, got 'soon'" in capsys.readouterr().err
