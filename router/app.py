@@ -60,6 +60,8 @@ PROXY_PATHS = frozenset(
     }
 )
 MODEL_PATH_PREFIX = "/v1/models/"
+# The most /v1/models bodies kept at once (one per key scope seen since the table last changed).
+MODEL_LISTS_KEPT = 256
 # nginx's convention for "the client closed the request"; only ever a metric label.
 CLIENT_CLOSED = 499
 
@@ -79,6 +81,9 @@ class RouterApp:
         self._max_body_bytes = state.config.max_body_bytes
         self._metrics_token = state.config.metrics_token
         self._in_flight = state.in_flight
+        # /v1/models bodies by key scope, for the table installed `_listed_for` (the balancer's generation).
+        self._model_lists: dict[frozenset[str], bytes] = {}
+        self._listed_for = -1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # HTTP is routed here rather than in a method of its own: a coroutine less on every request.
@@ -97,7 +102,7 @@ class RouterApp:
                 if method != "GET":
                     raise method_not_allowed(method, path, b"GET")
                 key = await self._authorize(scope)
-                await send_json(send, 200, self._model_list(key))
+                await send_bytes(send, 200, self._model_list_body(key), JSON_CONTENT_TYPE)
             elif path.startswith(MODEL_PATH_PREFIX):
                 if method != "GET":
                     raise method_not_allowed(method, path, b"GET")
@@ -142,6 +147,20 @@ class RouterApp:
                 await self.state.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    def _model_list_body(self, key: KeyInfo) -> bytes:
+        """/v1/models as sent, built once per table and key scope: with thousands of adapters, building and
+        encoding the list is most of the answer's cost, and it changes only with the table."""
+        generation = self._balancer.generation
+        if generation != self._listed_for:
+            self._model_lists.clear()
+            self._listed_for = generation
+        body = self._model_lists.get(key.allowed_models)
+        if body is None:
+            if len(self._model_lists) >= MODEL_LISTS_KEPT:
+                self._model_lists.clear()  # many scopes: start over rather than grow without bound
+            body = self._model_lists[key.allowed_models] = json.dumps(self._model_list(key)).encode()
+        return body
 
     def _model_list(self, key: KeyInfo) -> dict[str, Any]:
         """Every model the key may use, under its name and each alias; then its LoRA adapters, likewise."""

@@ -87,6 +87,7 @@ class Balancer:
         self._in_flight: dict[str, int] = {}  # public name -> requests picked and not yet released
         self._peaks: dict[str, int] = {}  # public name -> most in flight at once since the last take
         self.fingerprint: str | None = None
+        self.generation = 0  # tables installed so far: what was derived from one table is stale after it
         # Requests and tokens per key and model: kept here, beside the stamps, because the usage flusher
         # takes both together (router.tokens); the proxy counts into it when an answer ends.
         self.tokens = TokenCounter(clock)
@@ -122,6 +123,7 @@ class Balancer:
         self._holding = lookups.holding
         self._endpoints, self._by_replica = endpoints, by_replica
         self.fingerprint = fingerprint
+        self.generation += 1
         return True
 
     def resolve(self, name: str) -> str | None:

@@ -236,3 +236,17 @@ def test_models_lists_the_adapters_a_key_may_use_with_their_parent(start_router,
     assert (retrieved["id"], retrieved["root"], retrieved["parent"]) == (ADAPTER_ALIAS, ADAPTER, MODEL)
     assert_openai_error(httpx.get(f"{router.url}/v1/models/{ADAPTER}", headers=base_only), 404, "model_not_found")
     assert_openai_error(chat(router, base_only, model=ADAPTER), 403, "model_not_allowed", ADAPTER)
+
+
+def test_the_model_list_is_built_once_per_table_and_scope_and_follows_a_new_table(start_router, hub, auth):
+    hub.publish_endpoints(lora_table())
+    router = start_router()
+    first = httpx.get(f"{router.url}/v1/models", headers=auth)
+    assert httpx.get(f"{router.url}/v1/models", headers=auth).content == first.content
+    assert len(router.app._model_lists) == 1  # one scope seen: one body kept
+
+    extra = {"ft-2": AdapterEntry(base=MODEL)}
+    hub.publish_endpoints(msgspec.structs.replace(lora_table(), adapters={**lora_table().adapters, **extra}))
+    wait_until(lambda: router.app.state.balancer.resolve("ft-2") == "ft-2")
+    ids = [m["id"] for m in httpx.get(f"{router.url}/v1/models", headers=auth).json()["data"]]
+    assert "ft-2" in ids and "ft-2" not in [m["id"] for m in first.json()["data"]]
