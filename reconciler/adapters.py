@@ -98,6 +98,10 @@ def assign_adapters(adapter_ids: set[int], now: datetime, outbox: Outbox) -> int
             chosen.held.remove(victim)
             victims.append(victim)
             outbox.unload_adapter(chosen.node_name, chosen.shard_id, victim.adapter.name)
+            log.info(
+                "unloading adapter %s from replica %s: least recently used, for %s",
+                victim.adapter.name, chosen.replica_id, adapter.name,
+            )  # fmt: skip
         load = AdapterLoad(adapter=adapter, replica_id=chosen.replica_id, requested_at=now)
         chosen.held.append(load)
         new.append(load)

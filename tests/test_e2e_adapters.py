@@ -63,6 +63,8 @@ def test_adapters_are_loaded_on_demand_served_swapped_for_the_next_and_unloaded_
         assert second.model == "ft-b"
         text = log.read_text()
         assert "loading adapter ft-b onto replica" in text
+        unloaded = text.index("unloading adapter ft-a from replica")
+        assert "least recently used, for ft-b" in text[unloaded:].splitlines()[0]
         assert text.index("loading adapter ft-b") > text.index("loading adapter ft-a")
 
         # Unused past the base profile's idle timeout (4 s), ft-b is unloaded; the base replica stays.
