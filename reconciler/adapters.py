@@ -160,17 +160,18 @@ def _last_touched(load: AdapterLoad) -> datetime:
 
 
 def unload_idle(now: datetime, outbox: Outbox, *, usage_known: bool) -> int:
-    """Unload loaded adapters unused past their base profile's idle timeout; returns how many unloads were sent.
+    """Unload loaded adapters unused past their base profile's idle timeout (only while usage is known, DESIGN
+    invariant 3), and those an operator disabled; returns how many unloads were sent.
 
-    Only while usage is known (DESIGN invariant 3). One query, plus one and the writes when some are idle.
+    One query, plus one and the writes when some are due.
     """
-    if not usage_known:
-        return 0
     idle: list[AdapterLoad] = []
     loaded = AdapterLoad.objects.filter(state=AdapterLoadState.LOADED, replica__state=ReplicaState.READY)
+    if not usage_known:
+        loaded = loaded.filter(adapter__enabled=False)  # unknown is not idle; a disabled adapter goes anyway
     for load in loaded.select_related("adapter", "replica__profile").order_by("pk"):
         after = _idle_after(load.replica.profile)
-        if after is not None and _last_touched(load) <= now - timedelta(seconds=after):
+        if not load.adapter.enabled or (after is not None and _last_touched(load) <= now - timedelta(seconds=after)):
             idle.append(load)
     if not idle:
         return 0
@@ -184,7 +185,8 @@ def unload_idle(now: datetime, outbox: Outbox, *, usage_known: bool) -> int:
     for load in sent:
         shard_id, node_name = heads[load.replica_id]
         outbox.unload_adapter(node_name, shard_id, load.adapter.name)
-        log.info("unloading adapter %s from replica %s: idle", load.adapter.name, load.replica_id)
+        why = "idle" if load.adapter.enabled else "disabled"
+        log.info("unloading adapter %s from replica %s: %s", load.adapter.name, load.replica_id, why)
     AdapterLoad.objects.filter(pk__in=[load.pk for load in sent]).update(
         state=AdapterLoadState.UNLOADING, requested_at=now
     )

@@ -290,3 +290,18 @@ def test_an_adapter_added_or_removed_is_published_when_it_commits(django_capture
     with django_capture_on_commit_callbacks(execute=True):
         adapter.delete()
     assert "fresh" not in msgspec.json.decode(async_to_sync(hub.read_endpoints)(), type=EndpointTable).adapters
+
+
+def test_a_disabled_adapter_is_unloaded_even_while_usage_is_unknown(run_tick, agent_inbox):
+    model, (replica,) = _base()
+    (adapter,) = _adapters(model, "a")
+    now = timezone.now()
+    AdapterLoad.objects.create(
+        adapter=adapter, replica=replica, state="loaded", requested_at=now, loaded_at=now, last_used=now
+    )
+    inbox = agent_inbox("gpu-0")
+    adapter.enabled = False
+    adapter.save()
+
+    assert run_tick().adapter_unloads_sent == 1
+    assert _loads(inbox) == [("unload_adapter", "a")]
