@@ -54,6 +54,8 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
 ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+# The catalog's adapters on MODEL: one PEFT folder under two names, so each is loaded as an adapter of its own.
+ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
 # The profile's engine environment: what vLLM's CPU build needs here, and its sleep and LoRA routes switched on.
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -68,7 +70,9 @@ LONG = 1500  # tokens of the stream a drain waits for: 10 to 20 s with an unpinn
 
 
 def catalog_for(model_dir: Path) -> str:
-    args = ", ".join(f'"{a}"' for a in ENGINE_ARGS + LORA_ARGS)
+    # LoRA on through the profile's adapter slots: the agent turns them into LORA_ARGS (agent/engines.py).
+    args = ", ".join(f'"{a}"' for a in ENGINE_ARGS)
+    lora = model_dir.parent / "lora"
     env = json.dumps(ENGINE_ENV)  # JSON is YAML: a flow mapping of quoted strings
     bad = ", ".join(f'"{a}"' for a in BAD_ARGUMENT)
     return f"""
@@ -77,7 +81,10 @@ models:
     source: {model_dir}
     profiles:
       - {{engine: vllm, gpu_class: L40S-48GB, gpus_per_node: 1, idle_timeout_seconds: 0, engine_args: [{args}],
-         env: {env}}}
+         env: {env}, max_adapters: 2, max_adapter_rank: 8}}
+    adapters:
+      - {{name: {ADAPTERS[0]}, source: {lora}}}
+      - {{name: {ADAPTERS[1]}, source: {lora}, aliases: [{ADAPTERS[1]}-alias]}}
   - name: {BROKEN}
     source: {model_dir}
     profiles:
@@ -368,6 +375,34 @@ def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
     assert "ad1" not in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
     again = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad1"}, timeout=30)
     assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"
+
+
+def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_through_the_router(stack):
+    """Two catalog adapters end to end: a request names each (one by its alias); the router holds it, the tick
+    assigns it to the replica, the agent loads it into vLLM (load_adapter), and the answer comes from vLLM under
+    the adapter's name, its tokens stored per adapter."""
+    replica = stack.replica()
+    created = stack.api("POST", "keys/", json={"name": "vllm-adapters"})
+    assert created.status_code == 201, created.text
+    client = OpenAI(base_url=stack.router + "/v1", api_key=created.json()["key"], timeout=120, max_retries=0)
+    listed = {m.id: m for m in client.models.list().data}
+    assert listed[ADAPTERS[0]].model_extra["parent"] == MODEL
+
+    for asked, served in ((ADAPTERS[0], ADAPTERS[0]), (f"{ADAPTERS[1]}-alias", ADAPTERS[1])):
+        reply = client.chat.completions.create(
+            model=asked, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+        )
+        assert reply.model == served and reply.usage.completion_tokens == 3
+        assert re.search(rf"shard \d+: adapter {served} loaded in [0-9.]+ s", stack.log.read_text())
+    held = {m["id"]: m for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
+    assert {held[name]["parent"] for name in ADAPTERS} == {MODEL}
+
+    def stored():
+        rows = stack.api("GET", "usage/", params={"key": "vllm-adapters"}).json()["results"]
+        per_model = {row["model"]: row["completion_tokens"] for row in rows}
+        return per_model if per_model == {ADAPTERS[0]: 3, ADAPTERS[1]: 3} else None
+
+    wait_until(stored, 20, 0.3, describe=lambda: stack.api("GET", "usage/").text)
 
 
 def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
