@@ -6,7 +6,7 @@ replicas are counted per model and state, failed replicas are grouped by
 reason and "what can I stop" shows the top entries; `--all` prints
 everything, `--nodes` and `--replicas` print just the full node or replica
 list. `--check` prints one line and exits 2 when something needs attention
-(`dashboard.summary.needs_attention`), 0 otherwise: for cron and monitoring.
+(`dashboard.attention.needs_attention`), 0 otherwise: for cron and monitoring.
 `--watch N` redraws every N seconds until Ctrl-C.
 """
 
@@ -19,7 +19,8 @@ from collections import Counter, defaultdict
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from dashboard.summary import cluster_summary, needs_attention
+from dashboard.attention import needs_attention
+from dashboard.summary import cluster_summary
 from dashboard.summary_types import Capacity, ClusterSummary
 
 BAR_WIDTH = 16
