@@ -78,6 +78,13 @@ def _families() -> dict[str, GaugeMetricFamily]:
             "How long a sleeping model's replicas take to wake, as learned (absent until one wake is timed).",
             labels=["model"],
         ),
+        **_adapter_families(),
+        "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
+    }
+
+
+def _adapter_families() -> dict[str, GaugeMetricFamily]:
+    return {
         "adapters": GaugeMetricFamily(
             "llmgw_adapters",
             "LoRA adapters per base model: registered (enabled), loaded or loading (loads on its replicas).",
@@ -91,7 +98,6 @@ def _families() -> dict[str, GaugeMetricFamily]:
             "LoRA adapters loaded on a replica, for every replica of a base model with adapters.",
             labels=["replica", "model"],
         ),
-        "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
 
 
