@@ -183,4 +183,3 @@ def test_dashboard_shows_a_bases_adapter_counts_and_each_replicas(admin_client, 
     }
     assert cells[first.pk].split(">", 1)[1].startswith("2 +1 loading</td>")
     assert cells[third.pk].split(">", 1)[1].startswith("0</td>")
-
