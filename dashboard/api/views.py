@@ -18,6 +18,7 @@ from catalog.models import Model
 from dashboard.summary import cluster_summary
 from inventory.models import Node
 from keys.models import ApiKey, TokenUsage
+from reconciler.adapters import HELD
 from reconciler.choices import ReplicaState
 from reconciler.models import AdapterLoad, Replica
 
@@ -131,7 +132,11 @@ class ReplicaViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
         .prefetch_related(
             "shards__node",
             "shards__gpu_assignments",
-            Prefetch("adapter_loads", AdapterLoad.objects.select_related("adapter").order_by("adapter__name")),
+            # The loads taking a slot (loading, loaded), with their adapters' names: one query for the page.
+            Prefetch(
+                "adapter_loads",
+                AdapterLoad.objects.filter(state__in=HELD).select_related("adapter").order_by("adapter__name"),
+            ),
         )
         .order_by("id")
     )
