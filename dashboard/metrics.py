@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from keys.models import TokenUsage
 
 from .summary import cluster_summary
-from .summary_types import GPU_STATES, ReplicaStatus
+from .summary_types import GPU_STATES, ClusterSummary, ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,26 @@ def _families() -> dict[str, GaugeMetricFamily]:
             "How long a sleeping model's replicas take to wake, as learned (absent until one wake is timed).",
             labels=["model"],
         ),
+        **_adapter_families(),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
+    }
+
+
+def _adapter_families() -> dict[str, GaugeMetricFamily]:
+    return {
+        "adapters": GaugeMetricFamily(
+            "llmgw_adapters",
+            "LoRA adapters per base model: registered (enabled), loaded or loading (loads on its replicas).",
+            labels=["model", "state"],
+        ),
+        "adapter_slots": GaugeMetricFamily(
+            "llmgw_adapter_slots", "LoRA adapter slots of a base model's ready replicas.", labels=["model"]
+        ),
+        "replica_adapters": GaugeMetricFamily(
+            "llmgw_replica_adapters",
+            "LoRA adapters loaded on a replica, for every replica of a base model with adapters.",
+            labels=["replica", "model"],
+        ),
     }
 
 
@@ -148,6 +167,7 @@ class FleetCollector(Collector):
             families["lease_holder"].add_metric([leader.owner], 1)
             families["lease_expires"].add_metric([], leader.expires_in_seconds)
         _sleepers(summary.replica_list, families)
+        _adapters(summary, families)
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens
@@ -170,6 +190,21 @@ def _sleepers(replicas: list[ReplicaStatus], families: dict[str, GaugeMetricFami
         families["sleeping_host_memory"].add_metric([model], memory[model])
         if model in wake:
             families["wake_seconds"].add_metric([model], wake[model])
+
+
+def _adapters(summary: ClusterSummary, families: dict[str, GaugeMetricFamily]) -> None:
+    """LoRA adapters per base model that has any, and per replica of those (a series per adapter would be
+    thousands)."""
+    bases = {model.name for model in summary.models if model.adapters.shown}
+    for model in summary.models:
+        if model.name in bases:
+            for state, count in model.adapters.items():
+                if state != "slots":
+                    families["adapters"].add_metric([model.name, state], count)
+            families["adapter_slots"].add_metric([model.name], model.adapters.slots)
+    for replica in summary.replica_list:
+        if replica.model in bases:
+            families["replica_adapters"].add_metric([str(replica.id), replica.model], replica.adapters_loaded)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

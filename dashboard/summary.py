@@ -25,6 +25,12 @@ being made, not waiting for nodes to report in) — the ones waiting on an
 operator. `node_list` is every node with its GPUs by state
 and the weights its agent reports on disk (`weights`: source, size_bytes, size).
 
+A model's `adapters` count its enabled LoRA adapters, their loads loading and
+loaded on its replicas (unloading ones have given their slot up) and the slots
+of its ready replicas (their profiles' `max_adapters`); each replica counts
+its own loads. Two queries at any number of adapters, both counted in SQL: a
+count on the models' query, and the loads by replica and state.
+
 `usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
 `dashboard.stoppable`, on the reconciler's own eviction rules.
 """
@@ -34,21 +40,23 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.conf import settings
-from django.db.models import Count, Exists, OuterRef
+from django.db.models import Count, Exists, OuterRef, Q
 from django.utils import timezone
 
 from catalog.models import Model
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, Weights, effective, gpu_in_service, human_size, report_warnings
-from reconciler.choices import WANTED_STATES, Hold, ReplicaState
+from reconciler.adapters import HELD
+from reconciler.choices import WANTED_STATES, AdapterLoadState, Hold, ReplicaState
 from reconciler.idle import Idle
 from reconciler.liveness import partition_brake
-from reconciler.models import GPUAssignment, Lease, Replica, Shard
+from reconciler.models import AdapterLoad, GPUAssignment, Lease, Replica, Shard
 from reconciler.placement import NodeCapacity
 
 from .stoppable import what_can_i_stop
 from .summary_types import (
     GPU_STATES,
+    AdapterCounts,
     Capacity,
     ClusterSummary,
     FailedReason,
@@ -232,14 +240,18 @@ class _ReplicaTally:
     # is not waiting on an operator.
     blocked: set[str] = field(default_factory=set)
     replicas: list[ReplicaStatus] = field(default_factory=list)
+    adapter_loads: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # model -> state -> loads
+    adapter_slots: Counter = field(default_factory=Counter)  # model -> max_adapters over its ready replicas
 
-    def add(self, row: dict, nodes: list[str], gpus: int, now: datetime) -> None:
+    def add(self, row: dict, nodes: list[str], gpus: int, loads: Counter, now: datetime) -> None:
         state, model_name = row["state"], row["model__name"]
         self.counts[state] += 1
         if state in WANTED_STATES:
             self.wanted[model_name] += 1
         if state == ReplicaState.READY:
             self.ready[model_name] += 1
+            self.adapter_slots[model_name] += row["profile__max_adapters"] or 0
+        self.adapter_loads[model_name].update(loads)
         if state == ReplicaState.FAILED:
             self.failed[first_line(row["last_error"])][model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
@@ -264,7 +276,14 @@ class _ReplicaTally:
                 # A level-1 sleeper keeps its weights in host memory (reconciler.host_memory).
                 row["weights_bytes"] if row["sleeping_level"] == 1 else None,
                 None if row["profile__wake_seconds"] is None else round(row["profile__wake_seconds"], 1),
+                loads[AdapterLoadState.LOADED],
+                loads[AdapterLoadState.LOADING],
             )
+        )
+
+    def adapters(self, model: str, registered: int) -> AdapterCounts:
+        return AdapterCounts.of(
+            {**self.adapter_loads[model], "registered": registered, "slots": self.adapter_slots[model]}
         )
 
     def replica_counts(self) -> ReplicaCounts:
@@ -279,24 +298,37 @@ class _ReplicaTally:
         return [FailedReason(reason, sum(models.values()), sorted(models)) for reason, models in ranked]
 
 
+def _adapter_loads() -> dict[int, Counter]:
+    """Replica id -> its adapter loads taking a slot, by state. One query, counted in SQL."""
+    loads: dict[int, Counter] = defaultdict(Counter)
+    # order_by() drops the model's ordering, which would split the groups by adapter.
+    rows = AdapterLoad.objects.filter(state__in=HELD).values("replica_id", "state").annotate(n=Count("pk")).order_by()
+    for row in rows:
+        loads[row["replica_id"]][row["state"]] += row["n"]
+    return loads
+
+
 def _replicas(now: datetime) -> _ReplicaTally:
-    """Every replica with its shards' nodes and GPUs, tallied. Two queries."""
+    """Every replica with its shards' nodes and GPUs and its adapter loads, tallied. Three queries."""
     shard_nodes, shard_gpus = _shards_by_replica()
+    loads = _adapter_loads()
     tally = _ReplicaTally()
     rows = Replica.objects.order_by("id").values(
-        "id", "model__name", "profile_id", "state", "endpoint_url", "ready_at", "last_used",
-        "placement_error", "hold", "last_error", "sleeping_level", "weights_bytes", "profile__wake_seconds",
+        "id", "model__name", "profile_id", "state", "endpoint_url", "ready_at", "last_used", "placement_error",
+        "hold", "last_error", "sleeping_level", "weights_bytes", "profile__wake_seconds", "profile__max_adapters",
     )  # fmt: skip
     for row in rows:
-        tally.add(row, shard_nodes.get(row["id"], []), shard_gpus.get(row["id"], 0), now)
+        replica_id = row["id"]
+        tally.add(row, shard_nodes.get(replica_id, []), shard_gpus.get(replica_id, 0), loads[replica_id], now)
     return tally
 
 
 def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     """The state of the fleet; see the module docstring.
 
-    Seven queries whatever the fleet size: lease, GPUs, nodes, weights, models,
-    replicas, shards (with their GPU counts) — and nothing per row; plus
+    Eight queries whatever the fleet size: lease, GPUs, nodes, weights, models
+    (with their adapters counted), replicas, shards (with their GPU counts),
+    adapter loads (counted per replica and state) — and nothing per row; plus
     "what can I stop" (`stoppable.what_can_i_stop`): one more when usage is
     unknown, at most ten more otherwise.
     """
@@ -305,9 +337,12 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     capacity, free_nodes, gpus_per_node = _capacity_and_free_nodes(now)
     nodes, node_list = _nodes(gpus_per_node)
     tally = _replicas(now)
+    registered = Count("adapters", filter=Q(adapters__enabled=True))
     models = [
-        ModelStatus(name, enabled, tally.wanted[name], tally.ready[name])
-        for name, enabled in Model.objects.order_by("name").values_list("name", "enabled")
+        ModelStatus(name, enabled, tally.wanted[name], tally.ready[name], tally.adapters(name, adapters))
+        for name, enabled, adapters in Model.objects.annotate(n=registered)
+        .order_by("name")
+        .values_list("name", "enabled", "n")
     ]
     watched = nodes.ready + nodes.unreachable
     brake = PartitionBrake(
@@ -337,36 +372,3 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
         idle_held_gpus=stop.idle_held_gpus,
         stoppable=stop.stoppable,
     )
-
-
-def needs_attention(s: ClusterSummary) -> list[str]:
-    """What an operator should look at, one short phrase each; empty when all is well.
-
-    The `ctl_status --check` rule: no leader or an expired lease (nothing is
-    reconciled), the partition brake, unreachable nodes, unhealthy GPUs,
-    models that cannot be placed without an operator, failed replicas, and
-    unknown usage (idle stops and evictions are paused). Cordoned and lost
-    nodes are not listed: an operator or the tick has already acted on them.
-    """
-    problems = []
-    leader = s.leader
-    if leader is None:
-        problems.append("no leader")
-    elif leader.expires_in_seconds < 0:
-        problems.append(f"leader lease expired {-leader.expires_in_seconds:.0f}s ago")
-    if s.partition_brake.engaged:
-        problems.append("partition brake engaged")
-    if s.nodes.unreachable:
-        problems.append(f"{s.nodes.unreachable} unreachable nodes")
-    unhealthy = sum(row.unhealthy for row in s.capacity)
-    if unhealthy:
-        problems.append(f"{unhealthy} unhealthy GPUs")
-    if s.unplaceable_models:
-        names = s.unplaceable_models
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        problems.append(f"{len(names)} unplaceable models ({shown})")
-    if s.replicas.failed:
-        problems.append(f"{s.replicas.failed} failed replicas")
-    if not s.usage.known:
-        problems.append(f"usage unknown ({s.usage.reason})")
-    return problems

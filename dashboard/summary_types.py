@@ -113,13 +113,30 @@ class ReplicaCounts(_Counts):
 
 
 @dataclass(frozen=True)
+class AdapterCounts(_Counts):
+    """A base model's LoRA adapters: enabled ones registered, loads loaded and loading on its replicas
+    (an adapter on two replicas counts twice, as it takes two slots), and the slots of its ready replicas."""
+
+    registered: int
+    loaded: int
+    loading: int
+    slots: int
+
+    @property
+    def shown(self) -> bool:
+        """Whether surfaces list it: adapters registered, or loads left from a disabled one."""
+        return bool(self.registered or self.loaded or self.loading)
+
+
+@dataclass(frozen=True)
 class ModelStatus:
-    """A catalog model with its wanted and ready replicas."""
+    """A catalog model with its wanted and ready replicas and its LoRA adapters."""
 
     name: str
     enabled: bool
     wanted: int
     ready: int
+    adapters: AdapterCounts
 
 
 @dataclass(frozen=True)
@@ -188,6 +205,10 @@ class ReplicaStatus:
     """Host memory its sleep holds (its weights, at level 1); None when none."""
     wake_seconds: float | None
     """How long its profile's replicas take to wake, as learned; None while unknown."""
+    adapters_loaded: int
+    """LoRA adapters loaded on it."""
+    adapters_loading: int
+    """LoRA adapters being loaded on it (the load sent, not yet answered)."""
 
     @property
     def idle(self) -> Idle:

@@ -1,6 +1,7 @@
 """Serializers for the REST API; related rows come from the viewsets' prefetches. Writes are checked in `writes`."""
 
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from agent.engine_env import MASK, masked
@@ -9,6 +10,7 @@ from catalog.models import Adapter, Model, Profile
 from catalog.rules import MODEL_SIZE_FIELDS
 from inventory.models import GPU, Node
 from keys.models import ApiKey, TokenUsage
+from reconciler.choices import AdapterLoadState
 from reconciler.idle import Idle
 from reconciler.models import Replica
 
@@ -128,6 +130,13 @@ class NodeSerializer(serializers.ModelSerializer):
         return node.report_warnings()
 
 
+class ReplicaAdaptersSerializer(serializers.Serializer):
+    """The LoRA adapters on a replica, by name: loaded, and loading (the load sent, not answered yet)."""
+
+    loaded = serializers.ListField(child=serializers.CharField())
+    loading = serializers.ListField(child=serializers.CharField())
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     """A replica with its nodes and idle time; unknown idle is -1 with idle_known false (DESIGN invariant 3)."""
 
@@ -138,6 +147,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
     idle_known = serializers.SerializerMethodField()
     host_memory_bytes = serializers.SerializerMethodField()
     wake_seconds = serializers.FloatField(source="profile.wake_seconds", read_only=True, allow_null=True)
+    adapters = serializers.SerializerMethodField()
 
     class Meta:
         model = Replica
@@ -167,6 +177,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "sleeping_since",
             "host_memory_bytes",
             "wake_seconds",
+            "adapters",
         ]
 
     def _now(self):
@@ -194,6 +205,15 @@ class ReplicaSerializer(serializers.ModelSerializer):
     def get_host_memory_bytes(self, obj) -> int | None:
         """What a level-1 sleeper holds in its nodes' host memory (its weights); None otherwise."""
         return obj.weights_bytes if obj.sleeping_level == 1 else None
+
+    @extend_schema_field(ReplicaAdaptersSerializer)
+    def get_adapters(self, obj) -> dict[str, list[str]]:
+        """Its loads taking a slot, from the viewset's prefetch (ordered by adapter name)."""
+        names: dict[str, list[str]] = {AdapterLoadState.LOADED: [], AdapterLoadState.LOADING: []}
+        for load in obj.adapter_loads.all():
+            if load.state in names:
+                names[load.state].append(load.adapter.name)
+        return {"loaded": names[AdapterLoadState.LOADED], "loading": names[AdapterLoadState.LOADING]}
 
 
 class TokenUsageSerializer(serializers.ModelSerializer):

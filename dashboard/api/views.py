@@ -2,7 +2,7 @@
 
 from datetime import UTC, datetime
 
-from django.db.models import Q
+from django.db.models import Prefetch, Q
 from django.http import Http404
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
@@ -18,8 +18,9 @@ from catalog.models import Model
 from dashboard.summary import cluster_summary
 from inventory.models import Node
 from keys.models import ApiKey, TokenUsage
+from reconciler.adapters import HELD
 from reconciler.choices import ReplicaState
-from reconciler.models import Replica
+from reconciler.models import AdapterLoad, Replica
 
 from . import writes
 from .guards import RefuseNulMixin
@@ -124,11 +125,19 @@ STATE_FILTER = OpenApiParameter("state", OpenApiTypes.STR, enum=list(ReplicaStat
     drain=extend_schema(request=None, responses=ReplicaSerializer),
 )
 class ReplicaViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
-    """Replicas with their nodes, GPU count and idle time; stop (or drain) one gracefully."""
+    """Replicas with their nodes, GPU count, idle time and LoRA adapters; stop (or drain) one gracefully."""
 
     queryset = (
         Replica.objects.select_related("model", "profile")
-        .prefetch_related("shards__node", "shards__gpu_assignments")
+        .prefetch_related(
+            "shards__node",
+            "shards__gpu_assignments",
+            # The loads taking a slot (loading, loaded), with their adapters' names: one query for the page.
+            Prefetch(
+                "adapter_loads",
+                AdapterLoad.objects.filter(state__in=HELD).select_related("adapter").order_by("adapter__name"),
+            ),
+        )
         .order_by("id")
     )
     serializer_class = ReplicaSerializer

@@ -22,12 +22,12 @@ from rest_framework.authtoken.models import Token
 from schemathesis import GenerationMode
 from schemathesis.config import SchemathesisConfig
 
-from catalog.models import Alias
+from catalog.models import Adapter, Alias
 from dashboard.summary import cluster_summary
 from dashboard.tests.test_stoppable_surfaces import idle_fleet
 from keys.models import ApiKey
-from reconciler.choices import ReplicaState
-from reconciler.models import Lease
+from reconciler.choices import AdapterLoadState, ReplicaState
+from reconciler.models import AdapterLoad, Lease
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 CONFIG = {
@@ -55,8 +55,10 @@ def api_schema(db):
     make_replica(model.profiles.get(), placement=[(make_node("fuzz-node", gpus=2), [0])])
     make_replica(model.profiles.get(), state=ReplicaState.FAILED, error="engine exited: CUDA out of memory")
     ApiKey.issue("fuzz-key", allowed_models=["fuzz-model"], rpm=60)
+    lora_replica(make_node("fuzz-lora-node", gpus=1))
     summary = cluster_summary().as_json()
     assert summary["leader"] and summary["stoppable"] and summary["unplaceable"], "the fleet lost its variety"
+    assert any(m["adapters"]["loaded"] for m in summary["models"]), "the fleet lost its LoRA adapters"
     # The app runs in this thread on the test's own connection; like Django's test client, keep it open.
     request_started.disconnect(close_old_connections)
     request_finished.disconnect(close_old_connections)
@@ -66,6 +68,16 @@ def api_schema(db):
     )
     request_started.connect(close_old_connections)
     request_finished.connect(close_old_connections)
+
+
+def lora_replica(node):
+    """A ready replica of a base that takes adapters, with one adapter loaded and one loading."""
+    base = make_model("fuzz-base", engine="vllm", sleep_level=0, max_adapters=2, max_adapter_rank=16, min_replicas=0)
+    replica = make_replica(base.profiles.get(), placement=[(node, [0])])
+    now = timezone.now()
+    for name, state in (("fuzz-lora", AdapterLoadState.LOADED), ("fuzz-lora-2", AdapterLoadState.LOADING)):
+        adapter = Adapter.objects.create(name=name, base=base, source=f"org/{name}")
+        AdapterLoad.objects.create(adapter=adapter, replica=replica, state=state, requested_at=now, loaded_at=now)
 
 
 # About a minute for the negative examples alone on 2 quiet cores: more than the suite's default timeout allows

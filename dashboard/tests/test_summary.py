@@ -87,10 +87,11 @@ def test_node_and_replica_counts_match_the_rows(fleet):
 
 
 def test_models_count_wanted_without_stopping_and_ready_only_ready(fleet):
+    no_adapters = {"registered": 0, "loaded": 0, "loading": 0, "slots": 0}
     assert cluster_summary(fleet["now"]).as_json()["models"] == [
-        {"name": "big-405b", "enabled": True, "wanted": 2, "ready": 0},
-        {"name": "llama-70b", "enabled": True, "wanted": 4, "ready": 1},
-        {"name": "off", "enabled": False, "wanted": 0, "ready": 0},
+        {"name": "big-405b", "enabled": True, "wanted": 2, "ready": 0, "adapters": no_adapters},
+        {"name": "llama-70b", "enabled": True, "wanted": 4, "ready": 1, "adapters": no_adapters},
+        {"name": "off", "enabled": False, "wanted": 0, "ready": 0, "adapters": no_adapters},
     ]
 
 
@@ -150,10 +151,10 @@ def _grow_fleet(nodes: int):
 
 def test_summary_runs_the_same_number_of_queries_for_2_and_20_nodes(django_assert_num_queries):
     _grow_fleet(2)
-    with django_assert_num_queries(8):  # 7 for the summary (weights included); usage unknown: only the usage watch
+    with django_assert_num_queries(9):  # 8 for the summary (weights, adapter loads); usage unknown: the usage watch
         small = cluster_summary().as_json()
     _grow_fleet(20)
-    with django_assert_num_queries(8):  # 7 for the summary (weights included); usage unknown: only the usage watch
+    with django_assert_num_queries(9):  # 8 for the summary (weights, adapter loads); usage unknown: the usage watch
         large = cluster_summary().as_json()
     assert small["nodes"]["total"] == 2 and large["nodes"]["total"] == 22
 

@@ -38,6 +38,8 @@ def test_a_replicas_idle_is_read_back_as_the_one_idle_type():
         sleeping_level=None,
         host_memory_bytes=None,
         wake_seconds=None,
+        adapters_loaded=0,
+        adapters_loading=0,
     )
     assert ReplicaStatus(**row, last_used=None, idle_seconds=-1.0, idle_known=False).idle is UNKNOWN
     assert ReplicaStatus(**row, last_used=None, idle_seconds=42.0, idle_known=True).idle == Idle(42.0)
@@ -65,7 +67,7 @@ def test_the_status_schema_is_derived_from_the_dataclasses():
         for cls in vars(summary_types).values()
         if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == summary_types.__name__
     ]
-    assert len(described) == 17
+    assert len(described) == 18
     for cls in described:
         component = components[cls.__name__]
         assert list(component["properties"]) == names(cls), cls.__name__

@@ -2,11 +2,12 @@
 
 The cluster summary for a terminal or a script. The text stays a screenful at
 any fleet size: free whole nodes show a few names per (fabric, class),
-replicas are counted per model and state, failed replicas are grouped by
+replicas are counted per model and state, a base model's LoRA adapters are
+one line of counts (never one per adapter), failed replicas are grouped by
 reason and "what can I stop" shows the top entries; `--all` prints
 everything, `--nodes` and `--replicas` print just the full node or replica
 list. `--check` prints one line and exits 2 when something needs attention
-(`dashboard.summary.needs_attention`), 0 otherwise: for cron and monitoring.
+(`dashboard.attention.needs_attention`), 0 otherwise: for cron and monitoring.
 `--watch N` redraws every N seconds until Ctrl-C.
 """
 
@@ -19,8 +20,9 @@ from collections import Counter, defaultdict
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from dashboard.summary import cluster_summary, needs_attention
-from dashboard.summary_types import Capacity, ClusterSummary
+from dashboard.attention import needs_attention
+from dashboard.summary import cluster_summary
+from dashboard.summary_types import Capacity, ClusterSummary, ReplicaStatus
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3
@@ -52,6 +54,12 @@ def some_names(names: list[str], limit: int | None = NAMES_SHOWN) -> str:
     if limit is None or len(names) <= limit:
         return ", ".join(names)
     return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def replica_adapters(replica: ReplicaStatus) -> str:
+    """A replica's LoRA adapters: `3` loaded, `3+1` while one more loads (one word, like every cell)."""
+    loading = f"+{replica.adapters_loading}" if replica.adapters_loading else ""
+    return f"{replica.adapters_loaded}{loading}"
 
 
 def table(headers: list[str], rows: list[list]) -> list[str]:
@@ -306,16 +314,39 @@ class Command(BaseCommand):
             for m in s.models
         ]
         headers = ["MODEL", "ENABLED", "WANTED"] + [state.upper() for state in states]
-        return [title] + (self.styled_table(headers, rows) if rows else ["  none"])
+        return [title] + (self.styled_table(headers, rows) if rows else ["  none"]) + self.adapters(s)
+
+    @staticmethod
+    def adapters(s: ClusterSummary) -> list[str]:
+        """One line per base model with LoRA adapters, of counts: fleets have thousands of adapters."""
+        shown = [m for m in s.models if m.adapters.shown]
+        width = max((len(m.name) for m in shown), default=0)
+        lines = []
+        for m in shown:
+            a = m.adapters
+            lines.append(
+                f"  adapters  {m.name.ljust(width)}  {a.registered} registered, {a.loaded} loaded, "
+                f"{a.loading} loading, {a.slots} slots"
+            )
+        return lines
 
     def replica_list(self, s: ClusterSummary) -> list[str]:
         out = [self.section("Replica list")]
         rows = [
-            [r.id, r.model, r.state, ",".join(r.nodes) or "-", r.gpus, r.endpoint or "-", str(r.idle)]
+            [
+                r.id,
+                r.model,
+                r.state,
+                ",".join(r.nodes) or "-",
+                r.gpus,
+                replica_adapters(r),
+                r.endpoint or "-",
+                str(r.idle),
+            ]
             for r in s.replica_list
         ]
         out += (
-            self.styled_table(["ID", "MODEL", "STATE", "NODES", "GPUS", "ENDPOINT", "IDLE"], rows)
+            self.styled_table(["ID", "MODEL", "STATE", "NODES", "GPUS", "ADAPTERS", "ENDPOINT", "IDLE"], rows)
             if rows
             else ["  none"]
         )
