@@ -265,6 +265,15 @@ class ModelWriteSerializer(serializers.Serializer):
     profiles = ProfileWriteSerializer(many=True)
 
 
+class ScopeName(serializers.CharField):
+    """A name in a key's scope: a JSON string, refused when it is a number (CharField would turn 5 into "5")."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class ApiKeySerializer(serializers.ModelSerializer):
     """An API key for the router; its secret is never shown again after creation."""
 
@@ -288,7 +297,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
     def get_fields(self):
         fields = super().get_fields()
         for name in ("allowed_models", "allowed_pools"):
-            fields[name] = serializers.ListField(child=serializers.CharField(), required=False)
+            fields[name] = serializers.ListField(child=ScopeName(), required=False)
         return fields
 
 

@@ -142,7 +142,15 @@ def test_create_list_and_revoke_api_key(staff):
     assert ApiKey.objects.get(pk=key.pk).active is False
 
 
-@pytest.mark.parametrize(("body", "field"), [({"rpm": -1, "name": "k"}, "rpm"), ({"rpm": 5}, "name")])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"rpm": -1, "name": "k"}, "rpm"),
+        ({"rpm": 5}, "name"),
+        ({"name": "k", "allowed_models": [5]}, "allowed_models"),  # a number is not a model's name
+        ({"name": "k", "allowed_pools": [""]}, "allowed_pools"),
+    ],
+)
 def test_create_api_key_bad_input(staff, body, field):
     response = staff.post("/api/v1/keys/", body, format="json")
     assert response.status_code == 400 and field in response.json()
