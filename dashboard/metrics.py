@@ -26,7 +26,7 @@ from .summary_types import GPU_STATES, ClusterSummary, ReplicaStatus
 log = logging.getLogger(__name__)
 
 
-def _families() -> dict[str, GaugeMetricFamily]:
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     return {
         "gpus": GaugeMetricFamily("llmgw_gpus", "GPUs by class and state.", labels=["gpu_class", "state"]),
         "free": GaugeMetricFamily(
@@ -83,8 +83,19 @@ def _families() -> dict[str, GaugeMetricFamily]:
     }
 
 
-def _adapter_families() -> dict[str, GaugeMetricFamily]:
+def _adapter_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     return {
+        "adapter_loads": CounterMetricFamily(
+            "llmgw_adapter_loads", "LoRA adapter loads the agents answered, per base model.", labels=["model"]
+        ),
+        "adapter_load_failures": CounterMetricFamily(
+            "llmgw_adapter_load_failures", "LoRA adapter loads that failed, per base model.", labels=["model"]
+        ),
+        "adapter_load_seconds": GaugeMetricFamily(
+            "llmgw_adapter_load_seconds",
+            "How long a LoRA adapter load takes on a base model's replicas, as learned (absent until one is timed).",
+            labels=["model"],
+        ),
         "adapters": GaugeMetricFamily(
             "llmgw_adapters",
             "LoRA adapters per base model: registered (enabled), loaded or loading (loads on its replicas).",
@@ -173,7 +184,7 @@ class FleetCollector(Collector):
         yield tokens
 
 
-def _sleepers(replicas: list[ReplicaStatus], families: dict[str, GaugeMetricFamily]) -> None:
+def _sleepers(replicas: list[ReplicaStatus], families: dict[str, GaugeMetricFamily | CounterMetricFamily]) -> None:
     """The hibernate tier per model: GPUs its sleepers are stacked on, host memory they hold, its wake time."""
     gpus: dict[str, int] = defaultdict(int)
     memory: dict[str, int] = defaultdict(int)
@@ -192,7 +203,7 @@ def _sleepers(replicas: list[ReplicaStatus], families: dict[str, GaugeMetricFami
             families["wake_seconds"].add_metric([model], wake[model])
 
 
-def _adapters(summary: ClusterSummary, families: dict[str, GaugeMetricFamily]) -> None:
+def _adapters(summary: ClusterSummary, families: dict[str, GaugeMetricFamily | CounterMetricFamily]) -> None:
     """LoRA adapters per base model that has any, and per replica of those (a series per adapter would be
     thousands)."""
     bases = {model.name for model in summary.models if model.adapters.shown}
@@ -202,6 +213,11 @@ def _adapters(summary: ClusterSummary, families: dict[str, GaugeMetricFamily]) -
                 if state != "slots":
                     families["adapters"].add_metric([model.name, state], count)
             families["adapter_slots"].add_metric([model.name], model.adapters.slots)
+            loading = model.adapter_loading
+            families["adapter_loads"].add_metric([model.name], loading.loads)
+            families["adapter_load_failures"].add_metric([model.name], loading.failures)
+            if loading.load_seconds is not None:
+                families["adapter_load_seconds"].add_metric([model.name], loading.load_seconds)
     for replica in summary.replica_list:
         if replica.model in bases:
             families["replica_adapters"].add_metric([str(replica.id), replica.model], replica.adapters_loaded)

@@ -57,6 +57,7 @@ from .stoppable import what_can_i_stop
 from .summary_types import (
     GPU_STATES,
     AdapterCounts,
+    AdapterLoading,
     Capacity,
     ClusterSummary,
     FailedReason,
@@ -339,10 +340,19 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     tally = _replicas(now)
     registered = Count("adapters", filter=Q(adapters__enabled=True))
     models = [
-        ModelStatus(name, enabled, tally.wanted[name], tally.ready[name], tally.adapters(name, adapters))
-        for name, enabled, adapters in Model.objects.annotate(n=registered)
+        ModelStatus(
+            name,
+            enabled,
+            tally.wanted[name],
+            tally.ready[name],
+            tally.adapters(name, adapters),
+            AdapterLoading(loads or 0, failures or 0, load_seconds),
+        )  # fmt: skip
+        for name, enabled, adapters, loads, failures, load_seconds in Model.objects.annotate(n=registered)
         .order_by("name")
-        .values_list("name", "enabled", "n")
+        .values_list(
+            "name", "enabled", "n", "adapter_stats__loads", "adapter_stats__failures", "adapter_stats__load_seconds"
+        )
     ]
     watched = nodes.ready + nodes.unreachable
     brake = PartitionBrake(

@@ -129,6 +129,16 @@ class AdapterCounts(_Counts):
 
 
 @dataclass(frozen=True)
+class AdapterLoading:
+    """A base model's LoRA adapter loads as the agents answered them (counters), and how long one takes
+    (learned; None until a load was timed)."""
+
+    loads: int
+    failures: int
+    load_seconds: float | None
+
+
+@dataclass(frozen=True)
 class ModelStatus:
     """A catalog model with its wanted and ready replicas and its LoRA adapters."""
 
@@ -137,6 +147,7 @@ class ModelStatus:
     wanted: int
     ready: int
     adapters: AdapterCounts
+    adapter_loading: AdapterLoading
 
 
 @dataclass(frozen=True)

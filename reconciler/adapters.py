@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import Case, F, FloatField, Q, Value, When
 
 from agent.protocol import AdapterStatus, ShardHeartbeat
 from catalog.models import Adapter, Profile
 from hub.contracts import ADAPTER_STAMP_SEPARATOR
 
 from .choices import AdapterLoadState, ReplicaState, ShardState
-from .models import AdapterLoad, Shard
+from .models import AdapterLoad, AdapterStats, Shard
 from .outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -201,27 +201,48 @@ def _idle_after(profile: Profile) -> float | None:
 
 
 def record_adapter_statuses(node_id: int, statuses: Sequence[AdapterStatus], now: datetime) -> bool:
-    """Apply the node's adapter_status reports to the loads of its own shards; return whether a load finished
-    (so the endpoint table is worth publishing now)."""
-    heads = dict(
-        Shard.objects.filter(node_id=node_id, rank=0, pk__in={s.shard_id for s in statuses}).values_list(
-            "pk", "replica_id"
-        )
-    )
+    """Apply the node's adapter_status reports to the loads of its own shards, and count the loads answered in
+    their base's AdapterStats; return whether a load finished (so the endpoint table is worth publishing now)."""
+    heads = {
+        shard_id: (replica_id, model_id)
+        for shard_id, replica_id, model_id in Shard.objects.filter(
+            node_id=node_id, rank=0, pk__in={s.shard_id for s in statuses}
+        ).values_list("pk", "replica_id", "replica__model_id")
+    }
     loaded = False
     for status in statuses:
-        replica_id = heads.get(status.shard_id)
-        if replica_id is None:
+        if status.shard_id not in heads:
             continue  # not a shard of this node (a node speaks only for itself), or gone
+        replica_id, model_id = heads[status.shard_id]
         rows = AdapterLoad.objects.filter(replica_id=replica_id, adapter__name=status.name)
         if status.state == "loaded":
-            loaded |= bool(rows.exclude(state=AdapterLoadState.UNLOADING).update(state="loaded", loaded_at=now))
+            answered = rows.exclude(state=AdapterLoadState.UNLOADING).update(state="loaded", loaded_at=now)
+            loaded |= bool(answered)
+            _count(model_id, loaded=bool(answered), seconds=status.seconds)
         elif status.state == "unloaded":
             rows.filter(state=AdapterLoadState.UNLOADING).delete()
         else:
             log.warning("adapter %s failed on replica %s: %s", status.name, replica_id, status.message)
+            if rows.filter(state=AdapterLoadState.LOADING).exists():
+                _count(model_id, failed=True)
             rows.delete()
     return loaded
+
+
+def _count(model_id: int, *, loaded: bool = False, failed: bool = False, seconds: float | None = None) -> None:
+    """Add one answered load (timed `seconds`, folded into the learned load time) or one failure to the base's
+    AdapterStats. Two queries."""
+    if not (loaded or failed):
+        return
+    AdapterStats.objects.get_or_create(model_id=model_id)
+    changes: dict = {"loads": F("loads") + 1} if loaded else {"failures": F("failures") + 1}
+    if loaded and seconds is not None:
+        changes["load_seconds"] = Case(
+            When(load_seconds__isnull=True, then=Value(seconds)),
+            default=(F("load_seconds") + Value(seconds)) / Value(2.0),
+            output_field=FloatField(),
+        )
+    AdapterStats.objects.filter(model_id=model_id).update(**changes)
 
 
 def reconcile_held(node_id: int, reported: Iterable[ShardHeartbeat]) -> int:

@@ -1,4 +1,4 @@
-"""Reconciler models: Replica, Shard, GPUAssignment, AdapterLoad and the leader Lease."""
+"""Reconciler models: Replica, Shard, GPUAssignment, AdapterLoad (and AdapterStats) and the leader Lease."""
 
 from django.db import models
 from django.utils import timezone
@@ -165,6 +165,22 @@ class AdapterLoad(models.Model):
 
     def __str__(self) -> str:
         return f"adapter {self.adapter_id} on replica {self.replica_id} ({self.state})"
+
+
+class AdapterStats(models.Model):
+    """LoRA adapter loads on one base model's replicas as the agents answered them, counted by the control plane.
+
+    Counters for operators (`llmgw_adapter_loads_total`, `_load_failures_total`) and the learned time a load
+    takes (a moving average of what the agents timed).
+    """
+
+    model = models.OneToOneField("catalog.Model", related_name="adapter_stats", on_delete=models.CASCADE)
+    loads = models.PositiveBigIntegerField(default=0)
+    failures = models.PositiveBigIntegerField(default=0)
+    load_seconds = models.FloatField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"adapter loads on {self.model_id}: {self.loads} ({self.failures} failed)"
 
 
 class BusyPort(models.Model):

@@ -16,7 +16,7 @@ from dashboard.tests.test_api import count_queries
 from dashboard.tests.test_api_writes import client_for
 from dashboard.tests.test_metrics import scrape
 from reconciler.choices import AdapterLoadState, ReplicaState
-from reconciler.models import AdapterLoad
+from reconciler.models import AdapterLoad, AdapterStats
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -144,6 +144,14 @@ def test_metrics_count_adapters_per_base_and_state_and_loaded_per_replica(client
     for state, count in [("registered", 5), ("loaded", 4), ("loading", 1)]:
         assert samples[("llmgw_adapters", (("model", "llama"), ("state", state)))] == count
     assert samples[("llmgw_adapter_slots", base)] == 12
+    # Nothing answered yet: the counters are 0 and no load time is learned.
+    assert samples[("llmgw_adapter_loads_total", base)] == samples[("llmgw_adapter_load_failures_total", base)] == 0
+    assert ("llmgw_adapter_load_seconds", base) not in samples
+    AdapterStats.objects.create(model_id=first.model_id, loads=7, failures=2, load_seconds=1.5)
+    samples = scrape(client)
+    assert samples[("llmgw_adapter_loads_total", base)] == 7
+    assert samples[("llmgw_adapter_load_failures_total", base)] == 2
+    assert samples[("llmgw_adapter_load_seconds", base)] == 1.5
     for replica, loaded in [(first, 2), (second, 2), (third, 0)]:
         assert samples[("llmgw_replica_adapters", (("model", "llama"), ("replica", str(replica.pk))))] == loaded
     # A model without adapters has no series: a catalog of thousands of models must not cost three each.

@@ -88,10 +88,32 @@ def test_node_and_replica_counts_match_the_rows(fleet):
 
 def test_models_count_wanted_without_stopping_and_ready_only_ready(fleet):
     no_adapters = {"registered": 0, "loaded": 0, "loading": 0, "slots": 0}
+    no_loads = {"loads": 0, "failures": 0, "load_seconds": None}
     assert cluster_summary(fleet["now"]).as_json()["models"] == [
-        {"name": "big-405b", "enabled": True, "wanted": 2, "ready": 0, "adapters": no_adapters},
-        {"name": "llama-70b", "enabled": True, "wanted": 4, "ready": 1, "adapters": no_adapters},
-        {"name": "off", "enabled": False, "wanted": 0, "ready": 0, "adapters": no_adapters},
+        {
+            "name": "big-405b",
+            "enabled": True,
+            "wanted": 2,
+            "ready": 0,
+            "adapters": no_adapters,
+            "adapter_loading": no_loads,
+        },
+        {
+            "name": "llama-70b",
+            "enabled": True,
+            "wanted": 4,
+            "ready": 1,
+            "adapters": no_adapters,
+            "adapter_loading": no_loads,
+        },
+        {
+            "name": "off",
+            "enabled": False,
+            "wanted": 0,
+            "ready": 0,
+            "adapters": no_adapters,
+            "adapter_loading": no_loads,
+        },
     ]
 
 

@@ -15,7 +15,7 @@ from hub.contracts import EndpointTable
 from reconciler.adapters import _score, reconcile_held, record_adapter_stamps, record_adapter_statuses
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.endpoints import build_endpoint_table
-from reconciler.models import AdapterLoad
+from reconciler.models import AdapterLoad, AdapterStats
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -305,3 +305,26 @@ def test_a_disabled_adapter_is_unloaded_even_while_usage_is_unknown(run_tick, ag
 
     assert run_tick().adapter_unloads_sent == 1
     assert _loads(inbox) == [("unload_adapter", "a")]
+
+
+def test_answered_loads_and_failures_are_counted_per_base_with_the_learned_load_time(run_tick, agent_inbox):
+    model, (replica,) = _base(slots=4)
+    _adapters(model, "a", "b", "c")
+    _ask("a", "b", "c")
+    run_tick()
+    head = replica.shards.get()
+    now = timezone.now()
+
+    record_adapter_statuses(
+        head.node_id,
+        [
+            AdapterStatus(shard_id=head.pk, name="a", state="loaded", seconds=2.0),
+            AdapterStatus(shard_id=head.pk, name="b", state="loaded", seconds=4.0),
+            AdapterStatus(shard_id=head.pk, name="c", state="failed", message="no such adapter"),
+            AdapterStatus(shard_id=head.pk, name="c", state="failed", message="a repeat: nothing was loading"),
+        ],
+        now,
+    )
+
+    stats = AdapterStats.objects.get(model=model)
+    assert (stats.loads, stats.failures, stats.load_seconds) == (2, 1, 3.0)  # half old, half new
