@@ -11,7 +11,10 @@ hold a request for it that no replica can serve. The tick then:
   a free slot takes it. When every one is full, the top one's least recently
   used loaded adapter is unloaded to make room (the agent runs the unload
   before the load: it runs a shard's adapter commands in order). A replica
-  that is draining, asleep or waking is not READY, so it never loads one;
+  that is draining, asleep or waking is not READY, so it never loads one.
+  An adapter whose requests in flight (the routers' peaks) exceed its
+  holders' target concurrency is loaded onto one more replica with a free
+  slot;
 * **unloads idle adapters** (`unload_idle`): loaded and unused past the base
   profile's idle timeout, only while usage is known (DESIGN invariant 3).
 
@@ -71,29 +74,44 @@ class _Slot:
 
     replica_id: int
     slots: int
+    target_concurrency: int
     shard_id: int
     node_name: str
     held: list[AdapterLoad]
 
 
-def assign_adapters(adapter_ids: set[int], now: datetime, outbox: Outbox) -> int:
-    """Give each wanted adapter held by no ready replica one (see the module docstring); returns loads sent.
+def assign_adapters(
+    adapter_ids: set[int], now: datetime, outbox: Outbox, in_flight: dict[str, int] | None = None
+) -> int:
+    """Give each wanted adapter held by no ready replica one, and a busy adapter one more (see the module
+    docstring); returns loads sent. `in_flight`: the routers' peaks by public name (adapters' among them).
 
-    Three queries when some adapter is wanted, plus the writes.
+    Three queries when some adapter is wanted or has requests in flight, plus the writes.
     """
-    if not adapter_ids:
+    busy = {name: count for name, count in (in_flight or {}).items() if count}
+    if not adapter_ids and not busy:
         return 0
-    adapters = list(Adapter.objects.filter(pk__in=adapter_ids).only("pk", "name", "source", "base_id"))
+    adapters = list(
+        Adapter.objects.filter(Q(pk__in=adapter_ids) | Q(name__in=busy.keys(), enabled=True)).only(
+            "pk", "name", "source", "base_id"
+        )
+    )
+    if not adapters:
+        return 0  # the names in flight are models'
     by_base = _ready_slots({a.base_id for a in adapters})
     new: list[AdapterLoad] = []
     victims: list[AdapterLoad] = []
     for adapter in sorted(adapters, key=lambda a: a.name):
         candidates = by_base.get(adapter.base_id, [])
-        if not candidates or any(load.adapter_id == adapter.pk for c in candidates for load in c.held):
-            continue  # no ready replica yet (demand starts or wakes one), or it is held already
-        chosen, victim = _choose(adapter, candidates)
+        holders = [c for c in candidates if any(load.adapter_id == adapter.pk for load in c.held)]
+        if not candidates:
+            continue  # no ready replica yet: demand starts or wakes one
+        if holders:
+            chosen, victim = _spread(adapter, candidates, holders, busy.get(adapter.name, 0)), None
+        else:
+            chosen, victim = _choose(adapter, candidates)
         if chosen is None:
-            continue  # every slot of the best replica is loading: the next ask tries again
+            continue  # held where it is needed, or every slot of the best replica is loading: the next ask tries again
         if victim is not None:
             chosen.held.remove(victim)
             victims.append(victim)
@@ -115,18 +133,37 @@ def assign_adapters(adapter_ids: set[int], now: datetime, outbox: Outbox) -> int
     return len(new)
 
 
+def _spread(adapter: Adapter, candidates: list[_Slot], holders: list[_Slot], in_flight: int) -> _Slot | None:
+    """One more replica for an adapter whose requests in flight exceed its holders' target concurrency (their
+    profile's), once every load of it has been answered: the next in rendezvous order with a free slot. None
+    otherwise: spreading never unloads another adapter."""
+    if any(load.adapter_id == adapter.pk and load.state != AdapterLoadState.LOADED for h in holders for load in h.held):
+        return None
+    if in_flight <= sum(h.target_concurrency for h in holders):
+        return None
+    ranked = sorted(candidates, key=lambda c: _score(adapter.name, c.replica_id), reverse=True)
+    return next((c for c in ranked if c not in holders and len(c.held) < c.slots), None)
+
+
 def _ready_slots(base_ids: set[int]) -> dict[int, list[_Slot]]:
     """Base model id -> its READY replicas whose profile takes adapters and whose head is ready, with their loads."""
     by_base: dict[int, list[_Slot]] = defaultdict(list)
     slots: dict[int, _Slot] = {}
-    for replica_id, model_id, max_adapters, shard_id, node_name in Shard.objects.filter(
+    for replica_id, model_id, max_adapters, target, shard_id, node_name in Shard.objects.filter(
         rank=0,
         state=ShardState.READY,
         replica__state=ReplicaState.READY,
         replica__model_id__in=base_ids,
         replica__profile__max_adapters__gt=0,
-    ).values_list("replica_id", "replica__model_id", "replica__profile__max_adapters", "pk", "node__name"):
-        slots[replica_id] = _Slot(replica_id, max_adapters, shard_id, node_name, [])
+    ).values_list(
+        "replica_id",
+        "replica__model_id",
+        "replica__profile__max_adapters",
+        "replica__profile__target_concurrency",
+        "pk",
+        "node__name",
+    ):
+        slots[replica_id] = _Slot(replica_id, max_adapters, target, shard_id, node_name, [])
         by_base[model_id].append(slots[replica_id])
     for load in AdapterLoad.objects.filter(replica_id__in=slots, state__in=HELD).select_related("adapter"):
         slots[load.replica_id].held.append(load)

@@ -40,24 +40,28 @@ def build_endpoint_table() -> EndpointTable:
 
 
 def _adapters(models: dict[str, ModelEntry], endpoints: list[EndpointRow]) -> dict[str, AdapterEntry]:
-    """Enabled adapters of published models, by public name, with the published replicas that hold them."""
+    """Enabled adapters of published models, by public name, with the published replicas that hold them.
+
+    Two queries, neither with a list of names or ids in it: the fleet's loads are few (slots per replica), so
+    they are all read and matched here.
+    """
     rows = list(
-        Adapter.objects.filter(enabled=True, base__name__in=models.keys())
+        Adapter.objects.filter(enabled=True, base__enabled=True)
         .order_by("name")
         .values_list("pk", "name", "base__name", "aliases")
     )
     if not rows:
         return {}
-    published = {int(row.replica_id) for row in endpoints}
+    published = {row.replica_id for row in endpoints}
     held: dict[int, list[str]] = {}
     loading: set[int] = set()
     for adapter_id, replica_id, state in (
-        AdapterLoad.objects.filter(
-            replica_id__in=published, state__in=(AdapterLoadState.LOADING, AdapterLoadState.LOADED)
-        )
+        AdapterLoad.objects.filter(state__in=(AdapterLoadState.LOADING, AdapterLoadState.LOADED))
         .order_by("replica_id")
         .values_list("adapter_id", "replica_id", "state")
     ):
+        if str(replica_id) not in published:
+            continue
         if state == AdapterLoadState.LOADED:
             held.setdefault(adapter_id, []).append(str(replica_id))
         else:
@@ -65,6 +69,7 @@ def _adapters(models: dict[str, ModelEntry], endpoints: list[EndpointRow]) -> di
     return {
         name: AdapterEntry(base=base, aliases=sorted(aliases or []), replicas=held.get(pk, []), loading=pk in loading)
         for pk, name, base, aliases in rows
+        if base in models
     }
 
 

@@ -146,7 +146,8 @@ def _reconcile(
     report.replicas_replaced = drain_replaced(now, placing.no_room)
     forget_stale(now)
     report.adapter_unloads_sent = unload_idle(now, outbox, usage_known=usage.known)
-    report.adapter_loads_sent = assign_adapters(wanted_adapters, now, outbox)
+    in_flight = usage.in_flight if readings.usage is not None else None
+    report.adapter_loads_sent = assign_adapters(wanted_adapters, now, outbox, in_flight)
     report.stops_sent, deleted = stop_shards(now, outbox)
     report.sleeps_sent = send_sleeps(now, outbox)
     report.starts_sent = placing.starts_sent

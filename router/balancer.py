@@ -23,7 +23,8 @@ reuse the prefix's KV cache. A key's pools, when given, restrict the candidates.
 A LoRA adapter is picked like a model among the ready replicas of its base
 that hold it (the same Endpoint objects, so their loads are shared): the pick
 stamps the replica and `"<replica>/<adapter>"`, and counts the request in
-flight under the base, whose scale-out carries its adapters' load.
+flight under the base, whose scale-out carries its adapters' load, and under
+the adapter, which the leader spreads over more replicas when busy.
 """
 
 from __future__ import annotations
@@ -221,11 +222,15 @@ class Balancer:
             key = chosen.replica_id + ADAPTER_STAMP_SEPARATOR + model
             self._stamps[key] = now
             self._adapter_busy[key] = self._adapter_busy.get(key, 0) + 1
-        in_flight = self._in_flight.get(base, 0) + 1
-        self._in_flight[base] = in_flight
-        if in_flight > self._peaks.get(base, 0):
-            self._peaks[base] = in_flight
+            self._count_in_flight(model)  # its own load too: the leader spreads a busy adapter over more replicas
+        self._count_in_flight(base)
         return chosen
+
+    def _count_in_flight(self, name: str) -> None:
+        in_flight = self._in_flight.get(name, 0) + 1
+        self._in_flight[name] = in_flight
+        if in_flight > self._peaks.get(name, 0):
+            self._peaks[name] = in_flight
 
     def _choose(self, model: str, candidates: list[Endpoint], affinity: int | None) -> Endpoint:
         """The replica `pick` takes among `candidates` (see there)."""
@@ -303,6 +308,7 @@ class Balancer:
         except KeyError:  # a release without its pick: nothing was counted
             pass
         if model is not None and model != endpoint.model:
+            self._in_flight[model] -= 1
             self._adapter_released(endpoint.replica_id + ADAPTER_STAMP_SEPARATOR + model)
         if failure is None:
             # A probe that ended without an outcome (the client left): let another request probe.

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from agent.protocol import AdapterStatus, ShardHeartbeat
 from catalog.models import Adapter
-from hub import get_hub
+from hub import UsageReport, get_hub
 from hub.contracts import EndpointTable
 from reconciler.adapters import _score, reconcile_held, record_adapter_stamps, record_adapter_statuses
 from reconciler.choices import AdapterLoadState, ReplicaState
@@ -328,3 +328,42 @@ def test_answered_loads_and_failures_are_counted_per_base_with_the_learned_load_
 
     stats = AdapterStats.objects.get(model=model)
     assert (stats.loads, stats.failures, stats.load_seconds) == (2, 1, 3.0)  # half old, half new
+
+
+def _loaded(adapter, replica):
+    now = timezone.now()
+    return AdapterLoad.objects.create(adapter=adapter, replica=replica, state="loaded", requested_at=now, loaded_at=now)
+
+
+def _report_in_flight(counts):
+    async_to_sync(get_hub().report_usage)(UsageReport(router="test-router", ttl=3600, in_flight=counts))
+
+
+def test_a_busy_adapter_is_spread_to_one_more_replica_with_a_free_slot(run_tick, agent_inbox):
+    model, replicas = _base(slots=2, replicas=3)
+    model.profiles.update(target_concurrency=2)
+    (adapter,) = _adapters(model, "hot")
+    home = max(replicas, key=lambda r: _score("hot", r.pk))
+    _loaded(adapter, home)
+
+    _report_in_flight({"llama": 2, "hot": 2})  # at its holder's target: no more replicas
+    assert run_tick().adapter_loads_sent == 0
+    _report_in_flight({"llama": 3, "hot": 3})  # above it: the next replica in rendezvous order takes it
+    assert run_tick().adapter_loads_sent == 1
+    second = max((r for r in replicas if r != home), key=lambda r: _score("hot", r.pk))
+    assert set(AdapterLoad.objects.values_list("replica_id", flat=True)) == {home.pk, second.pk}
+    # While that load is under way, nothing more, however busy.
+    _report_in_flight({"llama": 9, "hot": 9})
+    assert run_tick().adapter_loads_sent == 0
+
+
+def test_spreading_never_unloads_another_adapter(run_tick, agent_inbox):
+    model, (first, second) = _base(slots=1, replicas=2)
+    model.profiles.update(target_concurrency=1)
+    hot, other = _adapters(model, "hot", "other")
+    _loaded(hot, first)
+    _loaded(other, second)
+
+    _report_in_flight({"hot": 5})
+    assert run_tick().adapter_loads_sent == 0
+    assert dict(AdapterLoad.objects.values_list("adapter__name", "state")) == {"hot": "loaded", "other": "loaded"}

@@ -89,10 +89,10 @@ def test_an_adapter_is_picked_only_among_its_holders_stamped_per_replica_and_cou
     picked = [balancer.pick(ADAPTER) for _ in range(4)]
     assert sorted(e.replica_id for e in picked) == ["2", "2", "3", "3"]  # least outstanding among the holders
     assert pending_stamps(balancer) == {"2": 1000.0, "2/sql-lora": 1000.0, "3": 1000.0, "3/sql-lora": 1000.0}
-    assert in_flight_by_model(balancer) == {MODEL: 4}
+    assert in_flight_by_model(balancer) == {MODEL: 4, ADAPTER: 4}  # the base's load, and the adapter's own
     model_request = balancer.pick(MODEL)
     assert model_request is not None and model_request.replica_id == "1"  # the model's own pick counts the load
-    assert in_flight_by_model(balancer) == {MODEL: 5}
+    assert in_flight_by_model(balancer) == {MODEL: 5, ADAPTER: 4}
     for endpoint in picked[1:]:
         balancer.release(endpoint, None, ADAPTER)
     balancer.release(model_request, None, MODEL)
@@ -101,9 +101,9 @@ def test_an_adapter_is_picked_only_among_its_holders_stamped_per_replica_and_cou
     # One adapter request still runs on its replica: both its replica and its adapter there stay in use.
     stamps, peaks = balancer.take_usage()
     assert stamps == {picked[0].replica_id: 2000.0, f"{picked[0].replica_id}/{ADAPTER}": 2000.0}
-    assert peaks == {MODEL: 1}
+    assert peaks == {MODEL: 1, ADAPTER: 1}
     balancer.release(picked[0], None, ADAPTER)
-    assert balancer.take_usage() == ({}, {MODEL: 1})
+    assert balancer.take_usage() == ({}, {MODEL: 1, ADAPTER: 1})
     assert balancer.take_usage() == ({}, {})
 
 
@@ -154,7 +154,7 @@ def test_an_alias_is_rewritten_to_the_adapters_name_and_served_by_a_holder_stamp
     wait_until(lambda: token_totals(counting, digest) == {ADAPTER: [2, 2, 6], MODEL: [1, 1, 3]})
     stamps = {stamp for report in counting.reports for stamp in report.stamps}
     assert stamps == {"1", "2", f"2/{ADAPTER}"}
-    assert {model for report in counting.reports for model in report.in_flight} == {MODEL}
+    assert {model for report in counting.reports for model in report.in_flight} == {MODEL, ADAPTER}
     assert metric(router, f'llmgw_router_requests_total{{code="200",model="{ADAPTER}"}}') == 2
     assert metric(router, f'llmgw_router_requests_total{{code="200",model="{MODEL}"}}') == 1
 
