@@ -15,7 +15,7 @@ hold a request for it that no replica can serve. The tick then:
   An adapter whose requests in flight (the routers' peaks) exceed its
   holders' target concurrency is loaded onto one more replica with a free
   slot;
-* **unloads idle adapters** (`unload_idle`): loaded and unused past the base
+* **unloads idle adapters** (`tend_loads`): loaded and unused past the base
   profile's idle timeout, only while usage is known (DESIGN invariant 3).
 
 Each load is an AdapterLoad row (loading → loaded, or unloading) written in
@@ -196,29 +196,47 @@ def _last_touched(load: AdapterLoad) -> datetime:
     return load.last_used or load.loaded_at or load.requested_at
 
 
-def unload_idle(now: datetime, outbox: Outbox, *, usage_known: bool) -> int:
-    """Unload loaded adapters unused past their base profile's idle timeout (only while usage is known, DESIGN
-    invariant 3), and those an operator disabled; returns how many unloads were sent.
+def tend_loads(now: datetime, outbox: Outbox, *, usage_known: bool) -> int:
+    """Forget stale loads, and unload idle and disabled adapters; returns how many unloads were sent.
 
-    One query, plus one and the writes when some are due.
+    Stale: the replica's engine is gone or going (stopping, failed, pending again), or a load or unload the
+    agent never answered (LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS: asked for again if still wanted). Unloaded:
+    adapters loaded and unused past their base profile's idle timeout (only while usage is known, DESIGN
+    invariant 3), and those an operator disabled. One read of the fleet's loads (a few per replica), plus
+    the writes and one more read when some are due.
     """
-    idle: list[AdapterLoad] = []
-    loaded = AdapterLoad.objects.filter(state=AdapterLoadState.LOADED, replica__state=ReplicaState.READY)
-    if not usage_known:
-        loaded = loaded.filter(adapter__enabled=False)  # unknown is not idle; a disabled adapter goes anyway
-    for load in loaded.select_related("adapter", "replica__profile").order_by("pk"):
-        after = _idle_after(load.replica.profile)
-        if not load.adapter.enabled or (after is not None and _last_touched(load) <= now - timedelta(seconds=after)):
-            idle.append(load)
-    if not idle:
-        return 0
+    timeout = now - timedelta(seconds=settings.LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS)
+    stale: list[int] = []
+    due: list[AdapterLoad] = []
+    for load in AdapterLoad.objects.select_related("adapter", "replica__profile").order_by("pk"):
+        replica_state = load.replica.state
+        if replica_state in _ENGINE_GONE or (load.state != AdapterLoadState.LOADED and load.requested_at < timeout):
+            stale.append(load.pk)
+        elif load.state == AdapterLoadState.LOADED and replica_state == ReplicaState.READY:
+            after = _idle_after(load.replica.profile) if usage_known else None
+            if not load.adapter.enabled or (
+                after is not None and _last_touched(load) <= now - timedelta(seconds=after)
+            ):
+                due.append(load)
+    if stale:
+        AdapterLoad.objects.filter(pk__in=stale).delete()
+        log.info("forgot %d adapter loads (their replica is gone, or the agent never answered)", len(stale))
+    return _unload(due, now, outbox) if due else 0
+
+
+# Replica states whose engine is gone or going: their loads mean nothing any more.
+_ENGINE_GONE = (ReplicaState.STOPPING, ReplicaState.FAILED, ReplicaState.PENDING)
+
+
+def _unload(loads: list[AdapterLoad], now: datetime, outbox: Outbox) -> int:
+    """Send unload_adapter to the heads of the replicas holding `loads`, which turn unloading; how many were sent."""
     heads = {
         replica_id: (shard_id, node_name)
         for replica_id, shard_id, node_name in Shard.objects.filter(
-            rank=0, replica_id__in={load.replica_id for load in idle}
+            rank=0, replica_id__in={load.replica_id for load in loads}
         ).values_list("replica_id", "pk", "node__name")
     }
-    sent = [load for load in idle if load.replica_id in heads]
+    sent = [load for load in loads if load.replica_id in heads]
     for load in sent:
         shard_id, node_name = heads[load.replica_id]
         outbox.unload_adapter(node_name, shard_id, load.adapter.name)
@@ -335,18 +353,3 @@ def record_adapter_stamps(stamps: dict[str, float]) -> int:
     if changed:
         AdapterLoad.objects.bulk_update(changed, ["last_used"])
     return len(changed)
-
-
-def forget_stale(now: datetime) -> int:
-    """Forget loads whose replica's engine is gone or going (stopping, failed, pending again), and loads or
-    unloads the agent never answered (LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS: asked again if still wanted).
-    One query; returns how many."""
-    timeout = now - timedelta(seconds=settings.LLMGW_ADAPTER_LOAD_TIMEOUT_SECONDS)
-    gone = (ReplicaState.STOPPING, ReplicaState.FAILED, ReplicaState.PENDING)
-    deleted, _ = AdapterLoad.objects.filter(
-        Q(replica__state__in=gone)
-        | Q(state__in=(AdapterLoadState.LOADING, AdapterLoadState.UNLOADING), requested_at__lt=timeout)
-    ).delete()
-    if deleted:
-        log.info("forgot %d adapter loads (their replica is gone, or the agent never answered)", deleted)
-    return deleted

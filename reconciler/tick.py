@@ -19,7 +19,7 @@ from django.utils import timezone
 from hub import ControlPlaneHub, get_hub
 from hub.contracts import UsageSnapshot
 
-from .adapters import assign_adapters, forget_stale, record_adapter_stamps, split_activations, unload_idle
+from .adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
 from .commands import resend_unacknowledged
 from .demand import DemandOutcome, apply_demand
 from .drain import drain_replaced
@@ -144,8 +144,7 @@ def _reconcile(
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
     # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
     report.replicas_replaced = drain_replaced(now, placing.no_room)
-    forget_stale(now)
-    report.adapter_unloads_sent = unload_idle(now, outbox, usage_known=usage.known)
+    report.adapter_unloads_sent = tend_loads(now, outbox, usage_known=usage.known)
     in_flight = usage.in_flight if readings.usage is not None else None
     report.adapter_loads_sent = assign_adapters(wanted_adapters, now, outbox, in_flight)
     report.stops_sent, deleted = stop_shards(now, outbox)

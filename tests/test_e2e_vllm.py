@@ -404,6 +404,16 @@ def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_throug
 
     wait_until(stored, 20, 0.3, describe=lambda: stack.api("GET", "usage/").text)
 
+    # An operator disables the second: the tick unloads it from vLLM (unload_adapter) at once.
+    keys = ("name", "source", "enabled", "rank", "aliases")
+    adapters = [{k: a[k] for k in keys} for a in stack.api("GET", f"models/{MODEL}").json()["adapters"]]
+    for adapter in adapters:
+        adapter["enabled"] = adapter["name"] != ADAPTERS[1]
+    assert stack.api("PATCH", f"models/{MODEL}", json={"adapters": adapters}).status_code == 200
+    wait_until(lambda: re.search(rf"adapter {ADAPTERS[1]} unloaded", stack.log.read_text()), 20, 0.2)
+    held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
+    assert ADAPTERS[0] in held and ADAPTERS[1] not in held
+
 
 def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
     """Last: it stops the module's engine. The stream is long (10 to 20 s on 2 cores, depending on what else runs)

@@ -367,3 +367,11 @@ def test_spreading_never_unloads_another_adapter(run_tick, agent_inbox):
     _report_in_flight({"hot": 5})
     assert run_tick().adapter_loads_sent == 0
     assert dict(AdapterLoad.objects.values_list("adapter__name", "state")) == {"hot": "loaded", "other": "loaded"}
+
+
+def test_the_table_lists_an_adapters_aliases_sorted():
+    model, _ = _base()
+    Adapter.objects.create(name="a", base=model, source="org/a", aliases=["zed", "alpha"])
+    Adapter.objects.create(name="b", base=model, source="org/b")
+    adapters = build_endpoint_table().adapters
+    assert (adapters["a"].aliases, adapters["b"].aliases) == (["alpha", "zed"], [])
