@@ -8,9 +8,10 @@ hold a request for it that no replica can serve. The tick then:
 * **assigns the adapter** (`assign_adapters`) to one ready replica of its base
   whose profile takes adapters: rendezvous hashing of (adapter, replica) orders
   them, so the choice is stable and spreads adapters evenly, and the first with
-  a free slot takes it. When every one is full, the top one's least recently
-  used loaded adapter is unloaded to make room (the agent runs the unload
-  before the load: it runs a shard's adapter commands in order). A replica
+  a free slot takes it. When every one is full, the least recently used
+  loaded adapter among them, with no requests in flight, is unloaded to make
+  room (the agent runs the unload before the load: it runs a shard's adapter
+  commands in order). A replica
   that is draining, asleep or waking is not READY, so it never loads one.
   An adapter whose requests in flight (the routers' peaks) exceed its
   holders' target concurrency is loaded onto one more replica with a free
@@ -109,7 +110,7 @@ def assign_adapters(
         if holders:
             chosen, victim = _spread(adapter, candidates, holders, busy.get(adapter.name, 0)), None
         else:
-            chosen, victim = _choose(adapter, candidates)
+            chosen, victim = _choose(adapter, candidates, busy)
         if chosen is None:
             continue  # held where it is needed, or every slot of the best replica is loading: the next ask tries again
         if victim is not None:
@@ -170,20 +171,25 @@ def _ready_slots(base_ids: set[int]) -> dict[int, list[_Slot]]:
     return by_base
 
 
-def _choose(adapter: Adapter, candidates: list[_Slot]) -> tuple[_Slot | None, AdapterLoad | None]:
+def _choose(adapter: Adapter, candidates: list[_Slot], busy: dict[str, int]) -> tuple[_Slot | None, AdapterLoad | None]:
     """(the replica to load `adapter` onto, the loaded adapter to unload from it first, if any).
 
-    Rendezvous order; the first with a free slot, else the top one's least recently used loaded adapter.
+    Rendezvous order; the first with a free slot. When every slot is taken: the least recently used loaded
+    adapter over all of them (one cache of every slot, as an LRU oracle would), passing over those with
+    requests in flight in the routers' last reports (`busy`: their stamps may not have arrived yet).
     """
     ranked = sorted(candidates, key=lambda c: _score(adapter.name, c.replica_id), reverse=True)
     for candidate in ranked:
         if len(candidate.held) < candidate.slots:
             return candidate, None
-    top = ranked[0]
-    loaded = [load for load in top.held if load.state == AdapterLoadState.LOADED]
-    if not loaded:
+    loaded = [
+        (load, candidate) for candidate in ranked for load in candidate.held if load.state == AdapterLoadState.LOADED
+    ]
+    idle = [(load, candidate) for load, candidate in loaded if not busy.get(load.adapter.name)]
+    if not (idle or loaded):
         return None, None
-    return top, min(loaded, key=_last_touched)
+    victim, chosen = min(idle or loaded, key=lambda pair: _last_touched(pair[0]))  # min keeps rendezvous order on ties
+    return chosen, victim
 
 
 def _score(adapter_name: str, replica_id: int) -> int:

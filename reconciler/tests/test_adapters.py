@@ -375,3 +375,26 @@ def test_the_table_lists_an_adapters_aliases_sorted():
     Adapter.objects.create(name="b", base=model, source="org/b")
     adapters = build_endpoint_table().adapters
     assert (adapters["a"].aliases, adapters["b"].aliases) == (["alpha", "zed"], [])
+
+
+def test_when_every_slot_is_taken_the_least_recently_used_over_all_replicas_goes_unless_in_flight(
+    run_tick, agent_inbox
+):
+    model, (first, second) = _base(slots=1, replicas=2)
+    old, older, new = _adapters(model, "old", "older", "new")
+    now = timezone.now()
+    for adapter, replica, ago in ((old, first, 60), (older, second, 600)):
+        AdapterLoad.objects.create(
+            adapter=adapter, replica=replica, state="loaded", requested_at=now, loaded_at=now,
+            last_used=now - timedelta(seconds=ago),
+        )  # fmt: skip
+    inbox = agent_inbox("gpu-1")
+
+    # "older" is in flight by the routers' last report (its stamp has not come yet): "old" goes instead.
+    _report_in_flight({"older": 1})
+    _ask("new")
+    run_tick()
+    assert dict(AdapterLoad.objects.values_list("adapter__name", "state")) == {
+        "old": "unloading", "older": "loaded", "new": "loading",
+    }  # fmt: skip
+    assert inbox() == []  # not on the second replica's node
