@@ -15,7 +15,7 @@ from hub.contracts import EndpointTable
 from reconciler.adapters import _score, reconcile_held, record_adapter_stamps, record_adapter_statuses
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.endpoints import build_endpoint_table
-from reconciler.models import AdapterLoad, AdapterStats
+from reconciler.models import AdapterLoad, AdapterStats, GPUAssignment
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -398,3 +398,19 @@ def test_when_every_slot_is_taken_the_least_recently_used_over_all_replicas_goes
         "old": "unloading", "older": "loaded", "new": "loading",
     }  # fmt: skip
     assert inbox() == []  # not on the second replica's node
+
+
+def test_an_adapter_of_a_sleeping_base_wakes_the_base_first(run_tick, agent_inbox):
+    model, (replica,) = _base()
+    _adapters(model, "a")
+    replica.state = ReplicaState.SLEEPING
+    replica.save(update_fields=["state"])
+    replica.shards.update(state="sleeping")
+    GPUAssignment.objects.filter(shard__replica=replica).update(awake=False)
+    inbox = agent_inbox("gpu-0")
+
+    _ask("a")
+    report = run_tick()
+
+    assert report.replicas_woken == 1 and report.adapter_loads_sent == 0  # loaded once it is ready again
+    assert [c["type"] for c in inbox()] == ["wake_shard"]
