@@ -11,13 +11,14 @@ hold a request for it that no replica can serve. The tick then:
   a free slot takes it. When every one is full, the least recently used
   loaded adapter among them, with no requests in flight, is unloaded to make
   room (the agent runs the unload before the load: it runs a shard's adapter
-  commands in order). A replica
-  that is draining, asleep or waking is not READY, so it never loads one.
-  An adapter whose requests in flight (the routers' peaks) exceed its
-  holders' target concurrency is loaded onto one more replica with a free
-  slot;
-* **unloads idle adapters** (`tend_loads`): loaded and unused past the base
-  profile's idle timeout, only while usage is known (DESIGN invariant 3).
+  commands in order). A replica that is draining, asleep or waking is not
+  READY, so it never loads one;
+* **spreads a busy adapter** (`assign_adapters` too): one whose requests in
+  flight (the routers' peaks) exceed its holders' target concurrency is
+  loaded onto one more replica with a free slot;
+* **forgets stale loads and unloads idle adapters** (`tend_loads`): loaded and
+  unused past the base profile's idle timeout, only while usage is known
+  (DESIGN invariant 3), or disabled.
 
 Each load is an AdapterLoad row (loading → loaded, or unloading) written in
 the tick's transaction, with its command (load_adapter / unload_adapter, fenced
