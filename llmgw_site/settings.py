@@ -77,6 +77,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_prometheus",
     "catalog",
     "inventory",
@@ -211,6 +212,11 @@ SPECTACULAR_SETTINGS = {
     # The schema and its Swagger UI are staff-only, like the API (drf-spectacular's default is anyone).
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
     "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI's scripts, styles and icon from the project's own static files, not a CDN: most GPU
+    # clusters have no internet, and the page was blank there.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- llmgw -------------------------------------------------------------------
