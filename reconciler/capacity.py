@@ -15,6 +15,7 @@ from datetime import datetime
 
 from django.db.models import Exists, OuterRef
 
+from inventory.choices import NodeState
 from inventory.models import GPU, Node, effective, gpu_in_service
 
 from .models import BusyPort, GPUAssignment, Shard
@@ -48,10 +49,19 @@ class CapacitySnapshot:
     nodes: dict[str, dict[str, NodeGPUs]] = field(default_factory=lambda: defaultdict(dict))
     ports: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     _records: dict[str, dict[str, NodeCapacity]] = field(default_factory=lambda: defaultdict(dict))
+    _without_class: dict[str, str] = field(default_factory=dict)
 
     def records(self, gpu_class: str) -> list[NodeCapacity]:
         """Every node with GPUs of `gpu_class`, as the placer sees it now."""
         return list(self._records[gpu_class].values())
+
+    def without_class(self, gpu_class: str) -> str:
+        """Why no node the placer may use has GPUs of `gpu_class`, naming what is true of those that have some
+        (read once per class and snapshot, only when a replica needs it)."""
+        reason = self._without_class.get(gpu_class)
+        if reason is None:
+            reason = self._without_class[gpu_class] = no_usable_node(gpu_class)
+        return reason
 
     def node(self, gpu_class: str, name: str) -> NodeGPUs:
         return self.nodes[gpu_class][name]
@@ -122,3 +132,39 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
     for address, name, port in busy_ports.values_list("node_address", "node__name", "port"):
         snapshot.ports[address or name].add(port)
     return snapshot
+
+
+# How an unusable node's state reads in a reason, in the order reasons list them.
+_STATE_WORDS = {
+    NodeState.UNREACHABLE: "unreachable",
+    NodeState.LOST: "lost",
+    NodeState.NEW: "enrolled but never connected",
+}
+NAMED_NODES = 3  # nodes named per kind in a reason; the rest are counted
+
+
+def no_usable_node(gpu_class: str) -> str:
+    """Why no ready, schedulable node has GPUs of `gpu_class`: none has the class at all, or each node that has
+    it is draining, cordoned, unreachable, lost or never connected (ctl_status, the dashboard and REST all show
+    this text). One query."""
+    draining = Shard.objects.filter(node=OuterRef("pk"), replica__drain_deadline__isnull=False)
+    rows = (
+        Node.objects.filter(gpus__gpu_class=gpu_class)
+        .annotate(draining=Exists(draining))
+        .order_by("name")
+        .values_list("name", "state", "schedulable", "draining")
+        .distinct()
+    )
+    kinds: dict[str, list[str]] = defaultdict(list)
+    for name, state, schedulable, is_draining in rows:
+        if state != NodeState.READY:
+            kinds[_STATE_WORDS.get(state, state)].append(name)
+        elif not schedulable:
+            kinds["draining" if is_draining else "cordoned"].append(name)
+    if not kinds:
+        return f"no node has GPU class {gpu_class}"
+    parts = []
+    for word, names in kinds.items():
+        more = f" and {len(names) - NAMED_NODES} more" if len(names) > NAMED_NODES else ""
+        parts.append(f"{word}: {', '.join(names[:NAMED_NODES])}{more}")
+    return f"every node with GPU class {gpu_class} is out of service ({'; '.join(parts)})"

@@ -296,7 +296,10 @@ def _place_one(
     Only nodes whose GPUs can hold the profile are candidates (DESIGN "Placement's memory check")."""
     gpu_class = profile.gpu_class
     shape = Shape(gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
-    result = place(memory.records(capacity, profile), shape, holders)
+    records = memory.records(capacity, profile)
+    if not records:
+        return Unplaceable(capacity.without_class(gpu_class))
+    result = place(records, shape, holders)
     if isinstance(result, Unplaceable):
         return result
     assert isinstance(result, Placement)

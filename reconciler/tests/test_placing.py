@@ -11,7 +11,7 @@ from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.models import GPUAssignment, Replica, Shard
-from tests.fleet import H100, make_model, make_node
+from tests.fleet import H100, make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -136,7 +136,27 @@ def test_cordoned_and_unready_nodes_get_no_shards(run_tick):
     run_tick()
 
     assert Shard.objects.count() == 0
-    assert Replica.objects.get().placement_error == "no node has GPU class H100-80GB"
+    # The reason names what is true of the nodes that have the class (one wording for ctl_status, dashboard, REST).
+    assert Replica.objects.get().placement_error == (
+        "every node with GPU class H100-80GB is out of service (cordoned: gpu-a; enrolled but never connected: gpu-b)"
+    )
+
+
+def test_an_unplaceable_reason_names_draining_unreachable_and_counts_what_it_does_not_name(run_tick):
+    draining = make_node("gpu-d")
+    make_replica(make_model("old", min_replicas=0).profiles.get(), placement=[(draining, [0])])
+    Replica.objects.update(drain_deadline=timezone.now() + timedelta(minutes=5))
+    Node.objects.filter(pk=draining.pk).update(schedulable=False)
+    for i in range(5):
+        make_node(f"gpu-u{i}", state=NodeState.UNREACHABLE)
+    make_model("llama", gpu_class=H100)
+
+    run_tick()
+
+    assert Replica.objects.get(model__name="llama").placement_error == (
+        "every node with GPU class H100-80GB is out of service "
+        "(draining: gpu-d; unreachable: gpu-u0, gpu-u1, gpu-u2 and 2 more)"
+    )
 
 
 def test_ports_come_from_the_range_and_are_not_reused_on_a_node(run_tick):

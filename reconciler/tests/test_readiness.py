@@ -170,7 +170,9 @@ def test_a_new_leader_holds_requests_while_enrolled_nodes_have_not_reported_in(r
 
     # A heartbeat window later, what still finds no room is unplaceable.
     run_tick(now=timezone.now() + timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER_SECONDS + 1))
-    assert build_endpoint_table().models["qwen"].unplaceable == "no node has GPU class L40S-48GB"
+    assert build_endpoint_table().models["qwen"].unplaceable == (
+        "every node with GPU class L40S-48GB is out of service (enrolled but never connected: gpu-c)"
+    )
     assert Replica.objects.get().hold == Hold.NONE
 
 
