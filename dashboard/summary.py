@@ -235,7 +235,7 @@ class _ReplicaTally:
     counts: Counter = field(default_factory=Counter)
     wanted: Counter = field(default_factory=Counter)
     ready: Counter = field(default_factory=Counter)
-    unplaceable: Counter = field(default_factory=Counter)  # (model, placement note) -> pending replicas
+    unplaceable: Counter = field(default_factory=Counter)  # (model, placement note, hold) -> pending replicas
     failed: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # reason -> model -> replicas
     # Models that found no room; one whose requests are held (room being made, nodes reporting in)
     # is not waiting on an operator.
@@ -256,7 +256,7 @@ class _ReplicaTally:
         if state == ReplicaState.FAILED:
             self.failed[first_line(row["last_error"])][model_name] += 1
         if state == ReplicaState.PENDING and row["placement_error"]:
-            self.unplaceable[(model_name, row["placement_error"])] += 1
+            self.unplaceable[(model_name, row["placement_error"], row["hold"])] += 1
             if row["hold"] == Hold.NONE:
                 self.blocked.add(model_name)
         idle = Idle.since(row["last_used"], now)
@@ -291,7 +291,9 @@ class _ReplicaTally:
         return ReplicaCounts.of({**self.counts, "total": len(self.replicas)})
 
     def unplaceable_list(self) -> list[Unplaceable]:
-        return [Unplaceable(model, reason, count) for (model, reason), count in sorted(self.unplaceable.items())]
+        return [
+            Unplaceable(model, reason, count, hold) for (model, reason, hold), count in sorted(self.unplaceable.items())
+        ]
 
     def failed_list(self) -> list[FailedReason]:
         """Most frequent reason first, so the line an operator needs is at the top."""

@@ -152,11 +152,18 @@ class ModelStatus:
 
 @dataclass(frozen=True)
 class Unplaceable:
-    """Pending replicas of a model that found no room, per reason (holding or not)."""
+    """Pending replicas of a model that found no room, per reason. `holding` says why routers still hold its
+    requests (`making_room`, `waiting_for_nodes`): then it is held, waiting on the fleet, not unplaceable
+    until an operator acts (empty)."""
 
     model: str
     reason: str
     pending: int
+    holding: str
+
+    @property
+    def held(self) -> bool:
+        return bool(self.holding)
 
 
 @dataclass(frozen=True)

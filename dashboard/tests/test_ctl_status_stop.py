@@ -14,7 +14,8 @@ from django.db import connection
 from django.utils import timezone
 
 from dashboard.management.commands.ctl_status import some_names
-from reconciler.choices import ReplicaState
+from reconciler.choices import Hold, ReplicaState
+from reconciler.models import Replica
 from tests.fleet import bulk_fleet, make_model, make_node, make_replica, watch_usage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,9 +108,11 @@ def test_replicas_are_counted_per_model_and_state_unless_all(idle_fleet):
     text = run()
     lines = section(text, "Models (--replicas lists every replica)")
     assert lines[0].split() == [
-        "MODEL", "ENABLED", "WANTED", "PENDING", "STARTING", "READY", "SLEEPING", "WAKING", "STOPPING", "FAILED"
+        "MODEL", "ENABLED", "WANTED", "GPUS", "PENDING", "STARTING", "READY", "SLEEPING", "WAKING", "STOPPING",
+        "FAILED",
     ]  # fmt: skip
-    assert lines[3].split() == ["qwen-32b", "yes", "2", "1", "0", "1", "0", "0", "0", "0"]
+    # Models that need a look come first: qwen-32b wants 2 and has 1 ready.
+    assert lines[1].split()[:3] + lines[1].split()[4:] == ["qwen-32b", "yes", "2", "1", "0", "1", "0", "0", "0", "0"]
     assert "Replica list" not in text
     assert len(section(run("--all"), "Replica list")) == 1 + 4
 
@@ -124,9 +127,12 @@ def test_some_names_shows_a_few_and_counts_the_rest():
 
 def test_a_thousand_nodes_fit_on_a_screen_and_all_prints_everything(db):
     watch_usage(known_since=timezone.now() - timedelta(days=1))
-    bulk_fleet(1000, fabrics=4, models=10, replicas=2000)  # 500 nodes full of idle replicas, 500 whole free
+    # 500 nodes full of idle replicas, 500 whole free; 500 models, as big catalogs have.
+    bulk_fleet(1000, fabrics=4, models=500, replicas=2000)
     lines = run().splitlines()
     assert len(lines) < 60
+    assert "  … and 488 more models (--models lists them all)" in lines
+    assert len(section(run("--models"), "Models")) == 1 + 500
     assert not any("gpu-0999" in line or "gpu-1000" in line for line in lines)
     free = section("\n".join(lines), "Free whole nodes")
     assert free[1].split()[:3] == ["ib-0", "H100-80GB", "125"] and free[1].endswith("and 122 more")
@@ -186,3 +192,18 @@ def test_head_reads_the_first_line_through_a_real_pipe():
     )
     assert result.stdout.startswith("llmgw status at ")
     assert result.stdout.splitlines()[-1] == "status 0" and result.stderr == ""
+
+
+def test_held_models_are_shown_apart_from_unplaceable_ones(db):
+    waits = make_model("waits", gpus_per_node=8, min_replicas=0).profiles.get()
+    stuck = make_model("stuck", gpus_per_node=8, min_replicas=0).profiles.get()
+    make_replica(waits, state=ReplicaState.PENDING, error="making room: stopping replica 7")
+    Replica.objects.filter(model__name="waits").update(hold=Hold.MAKING_ROOM)
+    make_replica(stuck, state=ReplicaState.PENDING, error="no node has GPU class H100-80GB")
+
+    text = run()
+
+    assert section(text, "Unplaceable")[1].split()[:2] == ["stuck", "1"]
+    held = section(text, "Held (room being made, nodes reporting in)")
+    assert held[1].split()[:2] == ["waits", "1"] and len(held) == 2
+    assert "waits" not in " ".join(section(text, "Unplaceable"))

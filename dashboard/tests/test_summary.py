@@ -119,7 +119,7 @@ def test_models_count_wanted_without_stopping_and_ready_only_ready(fleet):
 
 def test_unplaceable_groups_pending_replicas_by_model_and_reason(fleet):
     assert cluster_summary(fleet["now"]).as_json()["unplaceable"] == [
-        {"model": "big-405b", "reason": fleet["reason"], "pending": 2}
+        {"model": "big-405b", "reason": fleet["reason"], "pending": 2, "holding": ""}
     ]
 
 

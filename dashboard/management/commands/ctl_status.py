@@ -1,12 +1,13 @@
-"""`manage.py ctl_status [--json] [--top N] [--all] [--nodes] [--replicas] [--check] [--watch N]`.
+"""`manage.py ctl_status [--json] [--top N] [--all] [--nodes] [--models] [--replicas] [--check] [--watch N]`.
 
 The cluster summary for a terminal or a script. The text stays a screenful at
 any fleet size: free whole nodes show a few names per (fabric, class),
-replicas are counted per model and state, a base model's LoRA adapters are
-one line of counts (never one per adapter), failed replicas are grouped by
-reason and "what can I stop" shows the top entries; `--all` prints
-everything, `--nodes` and `--replicas` print just the full node or replica
-list. `--check` prints one line and exits 2 when something needs attention
+models show those that need a look and then the top holders of GPUs, with
+their replicas counted per state, a base model's LoRA adapters are one line
+of counts (never one per adapter), unplaceable models are apart from held
+ones, failed replicas are grouped by reason and "what can I stop" shows the
+top entries; `--all` prints everything, `--nodes`, `--models` and
+`--replicas` print just the full node, model or replica list. `--check` prints one line and exits 2 when something needs attention
 (`dashboard.attention.needs_attention`), 0 otherwise: for cron and monitoring.
 `--watch N` redraws every N seconds until Ctrl-C.
 """
@@ -28,6 +29,8 @@ BAR_WIDTH = 16
 NAMES_SHOWN = 3
 """Node names printed per (fabric, class) in "Free whole nodes" without --all."""
 DEFAULT_TOP = 10
+MODELS_SHOWN = 12
+"""Model rows (and adapter lines) printed without --all or --models: those needing a look, then the top holders."""
 FAILED_REASONS_SHOWN = 5
 """Failure reasons printed without --all (most frequent first)."""
 CHECK_FAILED = 2
@@ -82,6 +85,7 @@ class Command(BaseCommand):
         )
         parser.add_argument("--nodes", action="store_true", help="Print just the list of every node.")
         parser.add_argument("--replicas", action="store_true", help="Print just the list of every replica.")
+        parser.add_argument("--models", action="store_true", help="Print just the table of every model.")
         parser.add_argument(
             "--check",
             action="store_true",
@@ -126,9 +130,11 @@ class Command(BaseCommand):
             lines = ["attention: " + "; ".join(problems) if problems else "ok: " + self.ok_line(summary)]
         elif options["json"]:
             lines = [json.dumps(summary.as_json(), indent=2)]
-        elif options["nodes"] or options["replicas"]:
-            lines = (self.node_list(summary) if options["nodes"] else []) + (
-                self.replica_list(summary) if options["replicas"] else []
+        elif options["nodes"] or options["replicas"] or options["models"]:
+            lines = (
+                (self.node_list(summary) if options["nodes"] else [])
+                + (self.models(summary, None) if options["models"] else [])
+                + (self.replica_list(summary) if options["replicas"] else [])
             )
         else:
             lines = self.render(summary, top=None if options["all"] else options["top"])
@@ -172,7 +178,7 @@ class Command(BaseCommand):
         out.append(self.section("Replicas"))
         out.append("  " + "  ".join(f"{k} {v}" for k, v in s.replicas.items()))
         out += self.models(s, top)
-        out += self.unplaceable(s)
+        out += self.unplaceable(s, top)
         out += self.failed(s, top)
         out += self.what_can_i_stop(s, top)
         if top is None:
@@ -220,14 +226,22 @@ class Command(BaseCommand):
         table_lines = self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
         return [self.section("Free whole nodes"), *table_lines]
 
-    def unplaceable(self, s: ClusterSummary) -> list[str]:
-        if not s.unplaceable:
-            return []
-        rows = [[u.model, u.pending, " ".join(u.reason.split())] for u in s.unplaceable]
-        return [
-            self.section("Unplaceable"),
-            *self.styled_table(["MODEL", "PENDING", "REASON"], rows, row_style=self.style.ERROR),
-        ]
+    def unplaceable(self, s: ClusterSummary, top: int | None) -> list[str]:
+        """Models no room was found for: unplaceable (waiting on an operator, in red) apart from held ones (room is
+        being made, nodes are reporting in: their requests wait). At most `top` rows each, unless --all."""
+        out = []
+        for title, rows, style in (
+            ("Unplaceable", [u for u in s.unplaceable if not u.held], self.style.ERROR),
+            ("Held (room being made, nodes reporting in)", [u for u in s.unplaceable if u.held], str),
+        ):
+            if not rows:
+                continue
+            shown = rows if top is None else rows[:top]
+            cells = [[u.model, u.pending, " ".join(u.reason.split())] for u in shown]
+            out += [self.section(title), *self.styled_table(["MODEL", "PENDING", "REASON"], cells, row_style=style)]
+            if len(rows) > len(shown):
+                out.append(f"  … and {len(rows) - len(shown)} more (--all)")
+        return out
 
     def failed(self, s: ClusterSummary, top: int | None) -> list[str]:
         """Failed replicas grouped by the first line of their error, most frequent first."""
@@ -303,23 +317,36 @@ class Command(BaseCommand):
         return out
 
     def models(self, s: ClusterSummary, top: int | None) -> list[str]:
-        """One row per model: enabled, wanted, and its replicas counted per state (one table, to stay a screenful)."""
-        title = self.section("Models") + (" (--replicas lists every replica)" if top is not None else "")
+        """One row per model: enabled, wanted, GPUs held, and its replicas counted per state. Without --all (`top`
+        None) or --models, only the models that need a look (wanted but not all ready, or with failed replicas)
+        and then the top holders of GPUs, MODELS_SHOWN rows in all: catalogs have hundreds of models."""
         counts: dict[str, Counter] = defaultdict(Counter)
+        gpus: Counter = Counter()
         for r in s.replica_list:
             counts[r.model][r.state] += 1
+            gpus[r.model] += r.gpus
         states = [state for state, _ in s.replicas.items() if state != "total"]
+        chosen = list(s.models)
+        if top is not None:
+            # Attention first (the most replicas short first), then the biggest holders of GPUs.
+            chosen.sort(key=lambda m: (-(m.wanted - m.ready + counts[m.name]["failed"]), -gpus[m.name], m.name))
+            chosen = chosen[:MODELS_SHOWN]
         rows = [
-            [m.name, "yes" if m.enabled else "no", m.wanted] + [counts[m.name][state] for state in states]
-            for m in s.models
+            [m.name, "yes" if m.enabled else "no", m.wanted, gpus[m.name]] + [counts[m.name][state] for state in states]
+            for m in chosen
         ]
-        headers = ["MODEL", "ENABLED", "WANTED"] + [state.upper() for state in states]
-        return [title] + (self.styled_table(headers, rows) if rows else ["  none"]) + self.adapters(s)
+        headers = ["MODEL", "ENABLED", "WANTED", "GPUS"] + [state.upper() for state in states]
+        title = self.section("Models") + (" (--replicas lists every replica)" if top is not None else "")
+        out = [title] + (self.styled_table(headers, rows) if rows else ["  none"])
+        if len(s.models) > len(chosen):
+            out.append(f"  … and {len(s.models) - len(chosen)} more models (--models lists them all)")
+        return out + self.adapters(s, top)
 
     @staticmethod
-    def adapters(s: ClusterSummary) -> list[str]:
+    def adapters(s: ClusterSummary, top: int | None = None) -> list[str]:
         """One line per base model with LoRA adapters, of counts: fleets have thousands of adapters."""
-        shown = [m for m in s.models if m.adapters.shown]
+        bases = [m for m in s.models if m.adapters.shown]
+        shown = bases if top is None else bases[:MODELS_SHOWN]
         width = max((len(m.name) for m in shown), default=0)
         lines = []
         for m in shown:
@@ -328,6 +355,8 @@ class Command(BaseCommand):
                 f"  adapters  {m.name.ljust(width)}  {a.registered} registered, {a.loaded} loaded, "
                 f"{a.loading} loading, {a.slots} slots"
             )
+        if len(bases) > len(shown):
+            lines.append(f"  … and {len(bases) - len(shown)} more base models with adapters (--models)")
         return lines
 
     def replica_list(self, s: ClusterSummary) -> list[str]:
