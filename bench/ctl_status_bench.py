@@ -1,10 +1,10 @@
 """`manage.py ctl_status` on a big fleet: wall time of a real subprocess (start-up included) and lines printed.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/llmgw_bench SECRET_KEY=bench \\
-        .venv/bin/python bench/ctl_status_bench.py [--nodes 1000] [--runs 5]
+        .venv/bin/python bench/ctl_status_bench.py [--nodes 1000] [--models 500] [--runs 5]
 
 It EMPTIES the database named by DATABASE_URL (migrate, then flush), builds
-`--nodes` 8-GPU nodes with two ready replicas each (`tests.fleet.bulk_fleet`),
+`--nodes` 8-GPU nodes with two ready replicas each over `--models` models (`tests.fleet.bulk_fleet`),
 a leader lease, known usage, and a few failed and unplaceable replicas, then
 runs `python manage.py ctl_status` (default text, `--check`, `--nodes`,
 `--json`) `--runs` times each and prints the median and worst wall time and
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 VARIANTS = ([], ["--check"], ["--nodes"], ["--json"])
 
 
-def build(nodes: int) -> None:
+def build(nodes: int, models: int) -> None:
     import django
 
     django.setup()
@@ -44,7 +44,7 @@ def build(nodes: int) -> None:
     call_command("migrate", verbosity=0)
     call_command("flush", interactive=False, verbosity=0)
     started = time.perf_counter()
-    bulk_fleet(nodes, replicas=2 * nodes)
+    bulk_fleet(nodes, models=models, replicas=2 * nodes)
     now = timezone.now()
     Lease.objects.create(name=settings.LLMGW_LEASE_NAME, owner="bench", epoch=1, expires_at=now.timestamp() + 3600)
     watch_usage(known_since=now - timedelta(hours=2))
@@ -60,11 +60,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--models", type=int, default=500, help="models the replicas are spread over")
     args = parser.parse_args()
     if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
         sys.exit("set DATABASE_URL to a PostgreSQL database this bench may empty")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    build(args.nodes)
+    build(args.nodes, args.models)
     for variant in VARIANTS:
         times, lines = [], 0
         for _ in range(args.runs):
