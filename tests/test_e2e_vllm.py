@@ -380,7 +380,8 @@ def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
 def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_through_the_router(stack):
     """Two catalog adapters end to end: a request names each (one by its alias); the router holds it, the tick
     assigns it to the replica, the agent loads it into vLLM (load_adapter), and the answer comes from vLLM under
-    the adapter's name, its tokens stored per adapter."""
+    the adapter's name, its tokens stored per adapter. Then one is disabled and the other goes idle: the tick
+    unloads each from vLLM (unload_adapter)."""
     replica = stack.replica()
     created = stack.api("POST", "keys/", json={"name": "vllm-adapters"})
     assert created.status_code == 201, created.text
@@ -413,6 +414,24 @@ def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_throug
     wait_until(lambda: re.search(rf"adapter {ADAPTERS[1]} unloaded", stack.log.read_text()), 20, 0.2)
     held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
     assert ADAPTERS[0] in held and ADAPTERS[1] not in held
+
+    # Idle past its base profile's idle timeout (2 s for a moment; min 1 keeps the base itself), the first goes too.
+    profile = {
+        name: value
+        for name, value in stack.api("GET", f"models/{MODEL}").json()["profiles"][0].items()
+        if name not in ("id", "order", "start_seconds")
+    }
+    quick = stack.api(
+        "PATCH", f"models/{MODEL}", json={"profiles": [profile | {"idle_timeout_seconds": 2, "min_replicas": 1}]}
+    )
+    assert quick.status_code == 200, quick.text
+    try:
+        wait_until(lambda: re.search(rf"adapter {ADAPTERS[0]} unloaded", stack.log.read_text()), 30, 0.2)
+    finally:
+        assert stack.api("PATCH", f"models/{MODEL}", json={"profiles": [profile]}).status_code == 200
+    held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
+    assert held.isdisjoint(ADAPTERS)
+    assert stack.replica()["id"] == replica["id"]  # the base replica stayed
 
 
 def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):

@@ -43,6 +43,8 @@ def test_swagger_ui_renders_with_the_network_off_from_the_projects_own_assets(of
     browser.find_element(By.NAME, "username").send_keys("ops")
     browser.find_element(By.NAME, "password").send_keys("pw")
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    # The session cookie is set by the login's answer: wait for it before asking for a staff-only page.
+    _wait_for(browser, lambda: "/login/" not in browser.current_url, "the login went through")
 
     browser.get(f"{live_server.url}/api/v1/docs/")
     _wait_for(
