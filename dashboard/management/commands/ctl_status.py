@@ -29,8 +29,10 @@ BAR_WIDTH = 16
 NAMES_SHOWN = 3
 """Node names printed per (fabric, class) in "Free whole nodes" without --all."""
 DEFAULT_TOP = 10
-MODELS_SHOWN = 12
+MODELS_SHOWN = 8
 """Model rows (and adapter lines) printed without --all or --models: those needing a look, then the top holders."""
+ROWS_SHOWN = 5
+"""Rows of free whole nodes, and of unplaceable or held models, printed without --all."""
 FAILED_REASONS_SHOWN = 5
 """Failure reasons printed without --all (most frequent first)."""
 CHECK_FAILED = 2
@@ -222,8 +224,12 @@ class Command(BaseCommand):
 
     def free_nodes(self, s: ClusterSummary, top: int | None) -> list[str]:
         limit = None if top is None else NAMES_SHOWN
-        rows = [[r.fabric or "-", r.gpu_class, r.whole_free_nodes, some_names(r.nodes, limit)] for r in s.free_nodes]
+        # The fabrics with the most free whole nodes first, when not all are shown.
+        ranked = s.free_nodes if top is None else sorted(s.free_nodes, key=lambda r: -r.whole_free_nodes)[:ROWS_SHOWN]
+        rows = [[r.fabric or "-", r.gpu_class, r.whole_free_nodes, some_names(r.nodes, limit)] for r in ranked]
         table_lines = self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
+        if len(s.free_nodes) > len(ranked):
+            table_lines.append(f"  … and {len(s.free_nodes) - len(ranked)} more fabrics and classes (--all)")
         return [self.section("Free whole nodes"), *table_lines]
 
     def unplaceable(self, s: ClusterSummary, top: int | None) -> list[str]:
@@ -236,7 +242,7 @@ class Command(BaseCommand):
         ):
             if not rows:
                 continue
-            shown = rows if top is None else rows[:top]
+            shown = rows if top is None else rows[:ROWS_SHOWN]
             cells = [[u.model, u.pending, " ".join(u.reason.split())] for u in shown]
             out += [self.section(title), *self.styled_table(["MODEL", "PENDING", "REASON"], cells, row_style=style)]
             if len(rows) > len(shown):
@@ -346,7 +352,7 @@ class Command(BaseCommand):
     def adapters(s: ClusterSummary, top: int | None = None) -> list[str]:
         """One line per base model with LoRA adapters, of counts: fleets have thousands of adapters."""
         bases = [m for m in s.models if m.adapters.shown]
-        shown = bases if top is None else bases[:MODELS_SHOWN]
+        shown = bases if top is None else bases[:ROWS_SHOWN]
         width = max((len(m.name) for m in shown), default=0)
         lines = []
         for m in shown:
