@@ -20,6 +20,7 @@ from reconciler.agent_reports import (
 from reconciler.catalog_changes import publish_endpoint_table
 from reconciler.commands import send_pending_soon_to
 from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
+from reconciler.outbox import Outbox
 
 
 @transaction.atomic
@@ -70,7 +71,9 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: 
     """
     turned_unhealthy = record_heartbeat(node_id, heartbeat, mark_seen=mark_seen)
     record_running(node_id, heartbeat.shards)
-    reconcile_held(node_id, heartbeat.shards)
+    outbox = Outbox()
+    reconcile_held(node_id, node_name, heartbeat.shards, outbox)
+    outbox.send_on_commit()
     stop_orphan_shards(node_id, node_name, heartbeat.shards)
     # Last, so the orphan check above does not take the failed replica's shards for orphans.
     if turned_unhealthy:

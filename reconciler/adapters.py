@@ -307,22 +307,30 @@ def _count(model_id: int, *, loaded: bool = False, failed: bool = False, seconds
     AdapterStats.objects.filter(model_id=model_id).update(**changes)
 
 
-def reconcile_held(node_id: int, reported: Iterable[ShardHeartbeat]) -> int:
+def reconcile_held(node_id: int, node_name: str, reported: Iterable[ShardHeartbeat], outbox: Outbox) -> int:
     """Correct the loads of the node's head shards by what their engines hold; returns rows changed.
 
-    A loaded adapter its engine no longer holds (the engine restarted) is forgotten; a loading one it
-    holds is loaded (its report was lost). Nothing to do, no query: only engines with slots list adapters.
+    A loaded adapter its engine no longer holds (the engine restarted) is forgotten; a loading one it holds
+    is loaded (its report was lost); one it holds that no load backs (deleted from the catalog while loaded,
+    or forgotten) is unloaded, so it does not keep a slot the leader no longer counts. Nothing to do, no
+    query: only engines with slots list adapters.
     """
     holds = {item.shard_id: set(item.adapters) for item in reported if isinstance(item.adapters, list)}
     if not holds:
         return 0
-    heads = dict(Shard.objects.filter(node_id=node_id, rank=0, pk__in=holds).values_list("replica_id", "pk"))
+    heads = dict(
+        Shard.objects.filter(node_id=node_id, rank=0, pk__in=holds, state=ShardState.READY).values_list(
+            "replica_id", "pk"
+        )
+    )
     if not heads:
         return 0
     lost, found = [], []
+    backed: dict[int, set[str]] = defaultdict(set)
     for pk, replica_id, name, state in AdapterLoad.objects.filter(replica_id__in=heads).values_list(
         "pk", "replica_id", "adapter__name", "state"
     ):
+        backed[replica_id].add(name)
         held = name in holds[heads[replica_id]]
         if state == AdapterLoadState.LOADED and not held:
             lost.append(pk)
@@ -332,6 +340,10 @@ def reconcile_held(node_id: int, reported: Iterable[ShardHeartbeat]) -> int:
         AdapterLoad.objects.filter(pk__in=lost).delete()
     if found:
         AdapterLoad.objects.filter(pk__in=found).update(state=AdapterLoadState.LOADED)
+    for replica_id, shard_id in heads.items():
+        for name in sorted(holds[shard_id] - backed[replica_id]):
+            log.info("unloading adapter %s from replica %s: held by its engine, wanted by nobody", name, replica_id)
+            outbox.unload_adapter(node_name, shard_id, name)
     return len(lost) + len(found)
 
 

@@ -16,6 +16,7 @@ from reconciler.adapters import _score, reconcile_held, record_adapter_stamps, r
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.models import AdapterLoad, AdapterStats, GPUAssignment
+from reconciler.outbox import Outbox
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
@@ -232,10 +233,25 @@ def test_a_heartbeat_corrects_what_the_rows_say_an_engine_holds(run_tick):
     head = replica.shards.get()
 
     # The engine restarted and lost "lost"; "late" was loaded but its report went missing.
-    assert reconcile_held(head.node_id, [ShardHeartbeat(shard_id=head.pk, state="ready", adapters=["late"])]) == 2
+    beat = [ShardHeartbeat(shard_id=head.pk, state="ready", adapters=["late"])]
+    assert reconcile_held(head.node_id, "gpu-0", beat, Outbox(1)) == 2
     assert dict(AdapterLoad.objects.values_list("adapter__name", "state")) == {"late": "loaded"}
     # An engine without adapter slots lists none: nothing to correct, and no query.
-    assert reconcile_held(head.node_id, [ShardHeartbeat(shard_id=head.pk, state="ready")]) == 0
+    assert reconcile_held(head.node_id, "gpu-0", [ShardHeartbeat(shard_id=head.pk, state="ready")], Outbox(1)) == 0
+
+
+def test_an_adapter_an_engine_holds_that_no_load_backs_is_unloaded(run_tick, agent_inbox):
+    model, (replica,) = _base(slots=4)
+    (kept,) = _adapters(model, "kept")
+    _loaded(kept, replica)
+    head = replica.shards.get()
+    outbox = Outbox(1)
+
+    # "gone" was deleted from the catalog while loaded: its row went with it, the engine still holds it.
+    beat = [ShardHeartbeat(shard_id=head.pk, state="ready", adapters=["gone", "kept"])]
+    reconcile_held(head.node_id, "gpu-0", beat, outbox)
+
+    assert [(kind.__name__, fields["name"]) for _, kind, fields in outbox.commands] == [("UnloadAdapter", "gone")]
 
 
 def test_the_loads_of_a_replica_that_failed_are_forgotten(run_tick):
