@@ -118,7 +118,8 @@ def test_a_held_request_is_timed_by_the_last_reason_the_table_gave(start_router,
     assert result["status"] == 200
 
     held = histogram(router, "llmgw_router_hold_seconds", reason=reason)
-    assert held["count"] == 1 and 0 < held["sum"] < 5
+    # uvloop's loop.time() moves in whole milliseconds: a hold under one reads 0, and is still timed (count).
+    assert held["count"] == 1 and 0 <= held["sum"] < 5
     others = {"cold_start", "wake", "making_room"} - {reason}
     assert all(histogram(router, "llmgw_router_hold_seconds", reason=other) == {} for other in others)
 
