@@ -16,6 +16,10 @@ one tensor-parallel group report the same batch, so those count once.
 
 Unknown is not idle (DESIGN invariant 3): a body without any running gauge,
 an unreadable body or an engine that does not answer in time reads as None.
+So does a running gauge declared without a value, with one exception: SGLang
+gives its gauges a value only at its first batch, so an SGLang that has not
+served a request yet (its request and token counters declared, none above 0)
+reads as 0. Only a request inside that very first batch is not seen.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 # at least one engine must be present for the count to be known.
 RUNNING_FAMILIES = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing")
 QUEUED_FAMILIES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
+# SGLang's counters of requests served (family names, as the parser gives them without `_total`): declared
+# and all 0 or without a value, they say the engine has served nothing, so its valueless gauges mean 0.
+SERVED_COUNTERS = ("sglang:num_requests", "sglang:prompt_tokens", "sglang:generation_tokens")
 # Label naming the rank inside a tensor-parallel group (SGLang): its samples repeat one batch.
 SAME_BATCH_LABELS = ("tp_rank",)
 
@@ -41,10 +48,16 @@ def requests_in_flight(text: str) -> int | None:
     """The requests an engine holds (running + queued) from its /metrics text; None if the text does not say."""
     counted = set(RUNNING_FAMILIES + QUEUED_FAMILIES)
     found: set[str] = set()
+    # Whether SGLang's served counters are declared, and whether any of them is above 0.
+    declares_served = has_served = False
     # One value per label set, with the same-batch labels left out: max within, sum across.
     groups: dict[tuple[str, frozenset], float] = defaultdict(float)
     try:
         for family in text_string_to_metric_families(text):
+            if family.name in SERVED_COUNTERS and family.type == "counter":
+                declares_served = True
+                has_served = has_served or any(s.value != 0 for s in family.samples if s.name.endswith("_total"))
+                continue
             if family.name not in counted:
                 continue
             found.add(family.name)
@@ -61,8 +74,9 @@ def requests_in_flight(text: str) -> int | None:
         return None
     if not found & set(RUNNING_FAMILIES):
         return None
-    # A running family with no samples yet is an engine that has not reported a batch: not known.
-    if not any(name in RUNNING_FAMILIES for name, _ in groups):
+    # A running family with no samples yet is an engine that has not reported a batch: not known, unless
+    # it says it has served nothing (every served counter it declares at 0), which only SGLang's does.
+    if not any(name in RUNNING_FAMILIES for name, _ in groups) and (has_served or not declares_served):
         return None
     return round(sum(groups.values()))
 

@@ -334,7 +334,7 @@ def _typed(counts: dict[str, dict[str, list[int]]]) -> TokenCounts:
 def usage_reader(content_type: str, content_encoding: str, pass_usage: bool) -> JsonUsage | SseUsage | None:
     """What reads the usage of an answer of this type as it is relayed; None when it cannot be read.
 
-    A compressed body (the client's own Accept-Encoding reached the engine) is relayed unread.
+    Engines are asked for identity (router/wire.py); a body one compressed all the same is relayed unread.
     """
     if content_encoding and content_encoding != "identity":
         return None

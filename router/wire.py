@@ -62,13 +62,15 @@ def response_headers(
 
 
 def upstream_headers(scope: Scope) -> dict[str, str]:
-    """The request headers an engine gets: JSON, the client's Accept/Accept-Encoding, and its request id."""
+    """The request headers an engine gets: JSON, the client's Accept and its request id.
+
+    The client's Accept-Encoding is not passed on: an answer the engine compressed could not be read for its
+    token usage, nor its usage event dropped from a stream, so engines are asked for the answer as it is.
+    """
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
     for name, value in scope["headers"]:
         if name == b"accept":
             headers["Accept"] = value.decode("latin-1")
-        elif name == b"accept-encoding":
-            headers["Accept-Encoding"] = value.decode("latin-1")
         elif name == b"x-request-id":
             headers["X-Request-Id"] = value.decode("latin-1")
     return headers

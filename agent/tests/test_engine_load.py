@@ -126,3 +126,37 @@ def test_an_engine_that_is_not_listening_or_answers_an_error_reads_as_unknown():
             await runner.cleanup()
 
     run(scenario())
+
+
+SGLANG_DECLARED = (
+    "# HELP sglang:num_running_reqs The number of running requests.\n# TYPE sglang:num_running_reqs gauge\n"
+    "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n# TYPE sglang:num_queue_reqs gauge\n"
+)
+SGLANG_COUNTERS = (
+    "# HELP sglang:num_requests_total The number of requests finished.\n# TYPE sglang:num_requests_total counter\n"
+    "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
+    "# TYPE sglang:prompt_tokens_total counter\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("counters", "expected"),
+    [
+        # Started and never asked anything: its gauges and counters are declared, none has a value yet.
+        (SGLANG_COUNTERS, 0),
+        # Counters with a label set at 0 (and the time it was made) say the same.
+        (SGLANG_COUNTERS + 'sglang:num_requests_total{model_name="m"} 0.0\n'
+         'sglang:num_requests_created{model_name="m"} 1.7e9\n', 0),
+        # It has served requests, yet its gauges have no value: that is not a reading.
+        (SGLANG_COUNTERS + 'sglang:prompt_tokens_total{model_name="m"} 12.0\n', None),
+        # Without the counters nothing says it served nothing.
+        ("", None),
+    ],
+)  # fmt: skip
+def test_an_sglang_that_has_served_nothing_reads_as_idle_before_its_first_batch(counters, expected):
+    assert requests_in_flight(SGLANG_DECLARED + counters) == expected
+
+
+def test_an_sglang_with_a_queued_request_before_its_first_batch_counts_it():
+    queued = 'sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0\n'
+    assert requests_in_flight(SGLANG_DECLARED + SGLANG_COUNTERS + queued) == 1

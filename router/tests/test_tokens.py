@@ -27,7 +27,7 @@ from router.tokens import (
 )
 from router.usage import UsageFlusher
 
-from .conftest import MODEL, make_table
+from .conftest import MODEL, ThreadedEngine, make_table
 from .test_usage import UnreachableRedisHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -379,3 +379,61 @@ def test_a_failed_flush_keeps_the_counts_for_the_next(tmp_path):
 )
 def test_the_usage_of_a_json_answer_is_read_from_its_tail(tail, expected):
     assert usage_in_json_tail(tail) == expected
+
+
+# -- compression ---------------------------------------------------------------------------------
+
+
+class CompressingEngine(ThreadedEngine):
+    """An engine that compresses its answers whenever the request accepts it, as one behind a compressing
+    front end would; its answers carry usage (a whole answer's, or a stream's last event)."""
+
+    def __init__(self):
+        super().__init__("compressing")
+        self.accept_encodings: list[str] = []
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._chat)
+
+    async def _chat(self, request):
+        body = await request.json()
+        self.accept_encodings.append(request.headers.get("Accept-Encoding", ""))
+        usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+        if not body.get("stream"):
+            response = web.json_response({"choices": [{"index": 0, "message": {"content": "hi"}}], "usage": usage})
+            response.enable_compression()  # negotiated from the request's Accept-Encoding
+            return response
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.enable_compression()
+        await response.prepare(request)
+        content = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+        for event in (content, {"choices": [], "usage": usage}):
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+def compressing_engine():
+    engine = CompressingEngine().start()
+    yield engine
+    engine.stop()
+
+
+def test_answers_are_counted_and_the_usage_event_dropped_when_the_client_accepts_compression(
+    start_router, hub, api_key, auth, compressing_engine
+):
+    hub.publish_endpoints(make_table([compressing_engine.url]))
+    router = start_router(flush_seconds=60)
+    headers = {**auth, "Accept-Encoding": "gzip, deflate, br"}
+    url = f"{router.url}/v1/chat/completions"
+    whole = httpx.post(url, headers=headers, json={"model": MODEL, "messages": MESSAGES})
+    assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == 7
+    with httpx.stream("POST", url, headers=headers, json={"model": MODEL, "messages": MESSAGES, "stream": True}) as s:
+        raw = s.read()
+    # Counted twice, and the usage event the client did not ask for is gone from the stream.
+    assert pending(router, api_key) == [2, 14, 4]
+    assert [e["choices"] != [] for e in events(raw)] == [True]
+    # The engine was asked for answers as they are, whatever the client accepts.
+    assert compressing_engine.accept_encodings == ["identity", "identity"]
