@@ -13,11 +13,11 @@ Every vLLM fact the project relies on is asserted here against vLLM 0.32.0: the 
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:engine_sleep_state`, `vllm:lora_requests_info`),
 the usage chunk of a stream, and the sleep and LoRA routes with their answers.
 
-The engine gets the environment vLLM's CPU build needs from the agent's own environment (the `up` process):
-`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache), `VLLM_SERVER_DEV_MODE` (the sleep routes),
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING` (the LoRA routes), `HF_HUB_OFFLINE` (no hub lookups) and
-`VLLM_CPU_OMP_THREADS_BIND=nobind` (on 2 cores, a worker pinned to one starves the API server: /metrics goes
-unanswered for seconds while it generates).
+The profile's engine env carries what vLLM's CPU build needs here: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache),
+`HF_HUB_OFFLINE` (no hub lookups) and `VLLM_CPU_OMP_THREADS_BIND=nobind` (on 2 cores, a worker pinned to one
+starves the API server: /metrics goes unanswered for seconds while it generates). The switches of the sleep and
+LoRA routes (`VLLM_SERVER_DEV_MODE`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) are the agent's to set, so they are not
+in it: the routes answering shows the agent set them.
 """
 
 from __future__ import annotations
@@ -56,11 +56,9 @@ ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "1", "--gpu-memory-u
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 # The catalog's adapters on MODEL: one PEFT folder under two names, so each is loaded as an adapter of its own.
 ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
-# The profile's engine environment: what vLLM's CPU build needs here, and its sleep and LoRA routes switched on.
+# The profile's engine environment: what vLLM's CPU build needs here (the agent switches the sleep and LoRA routes on).
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_SERVER_DEV_MODE": "1",
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
     "HF_HUB_OFFLINE": "1",
     # Pinned to one of 2 cores, vLLM's worker leaves its API server too little CPU to answer /metrics while
     # it generates; unpinned it generates slower and answers.
@@ -195,7 +193,9 @@ def test_the_agent_starts_the_cached_vllm_with_the_production_argv(stack):
     added, argv = started.group(1).split(f" {install.python} ", 1)
     assert f"{install.python} {argv}" == expected
     placed = {"CUDA_VISIBLE_DEVICES=0", "LLMGW_GPU_MEMORY_MIB=49152"}  # the simulated L40S-48GB it was given
-    assert set(added.split()) == {f"{name}={value}" for name, value in ENGINE_ENV.items()} | placed
+    # The sleep routes (a vLLM replica is placed able to sleep) and the LoRA routes (the profile has slots).
+    switches = {"VLLM_SERVER_DEV_MODE=1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"}
+    assert set(added.split()) == {f"{name}={value}" for name, value in ENGINE_ENV.items()} | placed | switches
     assert int(started.group(2)) in engine_pids(stack.info["var"], SERVER_MODULE.encode())
     # It listens on the node's management address only, not on every interface.
     listening = Path("/proc/net/tcp").read_text()
@@ -313,6 +313,12 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     wait_until(router_saw_the_queue_and_the_cache_in_use, 30, 0.1, describe=lambda: f"router read {seen}")
     assert waiting.result(120).choices[0].finish_reason == "length"
     assert long.result(120).usage.completion_tokens == 1500
+    # The names the router and the agent read (router/engine_load.py, agent/engine_load.py), as vLLM serves
+    # them: the KV gauge under its new name only, each gauge per engine core (the router sums label sets).
+    families = {f.name: f for f in text_string_to_metric_families(engine_metrics(stack))}
+    read = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    assert set(read) <= set(families) and "vllm:gpu_cache_usage_perc" not in families
+    assert all(s.labels.get("engine") == "0" for name in read for s in families[name].samples)
 
 
 def engine_url(stack) -> str:

@@ -141,11 +141,8 @@ def test_the_layer_check_catches_a_violation():
 
 
 def test_no_model_is_reached_by_app_label_outside_migrations():
-    # `apps.get_model("app", "Model")` is an import the layer check cannot see; migrations need it for their
-    # historical models, nothing else does.
-    hidden = [
-        f"{module} reaches a model by app label"
-        for module, path in source_modules()
-        if "apps.get_model(" in path.read_text()
-    ]
+    # Reaching a model through the app registry by label is an import the layer check cannot see; migrations
+    # need it for their historical models, nothing else does. (Spelled in two parts so this file is no match.)
+    call = "apps." + "get_model("
+    hidden = [f"{module} reaches a model by app label" for module, path in source_modules() if call in path.read_text()]
     assert hidden == []

