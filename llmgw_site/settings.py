@@ -14,6 +14,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from telemetry import TracingConfigError, exporter_name
+
 from .config import setting
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -304,6 +306,11 @@ except ValueError as exc:
     ) from None
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
+# Traces follow the standard OTEL_* variables (telemetry/); one llmgw cannot honour stops start-up here.
+try:
+    exporter_name()
+except TracingConfigError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
 
 # --- Celery (distributed mode) ------------------------------------------------
 # Ticks go to the leader queue, which only the lease holder consumes (reconciler.campaign).

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.utils import timezone
+from opentelemetry.trace import Tracer
 
 from hub import ControlPlaneHub, get_hub
 from hub.contracts import UsageSnapshot
+from telemetry import CONTROL_PLANE, Steps
+from telemetry import tracer as traces_tracer
 
 from .adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
 from .commands import resend_unacknowledged
@@ -86,55 +89,70 @@ class _HubReadings:
 
 
 def tick(
-    leadership: Leadership | None = None, hub: ControlPlaneHub | None = None, now: datetime | None = None
+    leadership: Leadership | None = None,
+    hub: ControlPlaneHub | None = None,
+    now: datetime | None = None,
+    tracer: Tracer | None = None,
 ) -> TickReport:
-    """One reconcile pass, leader only; see the module docstring."""
+    """One reconcile pass, leader only; see the module docstring. With traces on (telemetry/), the pass is a
+    span `reconcile tick` and each step a child span of it (`tracer`: tests; else the environment's)."""
     leadership = leadership or get_leadership()
     if not leadership.renew():
         return TickReport(leader=False)
-    hub = hub or get_hub()
-    now = now or timezone.now()
+    tracer = tracer or traces_tracer(CONTROL_PLANE, "llmgw.reconciler")
+    if tracer is None:
+        return _tick(leadership, hub or get_hub(), now or timezone.now(), Steps(None))
+    with tracer.start_as_current_span("reconcile tick", attributes={"llmgw.epoch": leadership.epoch}) as span:
+        report = _tick(leadership, hub or get_hub(), now or timezone.now(), Steps(tracer))
+        span.set_attribute("llmgw.leader", report.leader)
+        return report
+
+
+def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: Steps) -> TickReport:
     report = TickReport(leader=True, epoch=leadership.epoch)
-    readings = _read_hub(hub)
+    readings = steps.run("read hub", _read_hub, hub)
 
     # Token counts the collection took from the hub: stored in their own transaction, before the fenced
     # one, so a tick that loses the lease loses none of them (reconciler.tokens).
-    record_token_usage(readings.usage, hub)
+    steps.run("token usage", record_token_usage, readings.usage, hub)
 
     try:
         # The fence is the transaction's last statement (DESIGN invariant 1): no lease lock while it works.
         with leadership.fenced_transaction():
-            usage, forget = _reconcile(readings, leadership, now, report)
+            usage, forget = _reconcile(readings, leadership, now, report, steps)
     except LeaseLost as exc:
         log.warning("tick abandoned, nothing committed: %s", exc)
         leadership.held = False
         return TickReport(leader=False, epoch=report.epoch)
-    _tell_hub(hub, forget, usage.gone, report)
+    steps.run("tell hub", _tell_hub, hub, forget, usage.gone, report)
     return report
 
 
 def _reconcile(
-    readings: _HubReadings, leadership: Leadership, now: datetime, report: TickReport
+    readings: _HubReadings, leadership: Leadership, now: datetime, report: TickReport, steps: Steps
 ) -> tuple[UsageVerdict, list[str]]:
     """The steps inside the fenced transaction, in the module docstring's order, counted in `report`.
 
     Returns the usage verdict and the usage stamps to forget once the transaction has committed.
     """
     outbox = Outbox(leadership.epoch, now)
-    usage, forget = _take_usage(readings, now, report)
-    liveness = check_liveness(now, leadership, outbox)
+    run = steps.run
+    usage, forget = run("usage", _take_usage, readings, now, report)
+    liveness = run("liveness", check_liveness, now, leadership, outbox)
     report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
     report.partition_brake = liveness.brake
-    report.replicas_failed = liveness.replicas_failed + fail_slow_starts(now, outbox)
+    report.replicas_failed = liveness.replicas_failed + run("slow starts", fail_slow_starts, now, outbox)
     # An adapter asked for starts or wakes its base like an activation; it is loaded once the base is ready.
-    activations, wanted_adapters = split_activations(readings.activations)
-    demand = _apply_demand(activations, readings, usage, now, report)
+    activations, wanted_adapters = run("adapter activations", split_activations, readings.activations)
+    demand = run("demand", _apply_demand, activations, readings, usage, now, report)
     # Swaps before placement: a woken sleeper's GPUs are no longer free for a new replica this tick.
-    report.replicas_woken, report.replicas_swapped_out = wake_for_demand(demand.wake, now, outbox)
-    report.replicas_retried = retry_failed(now)
-    forgive_stable(now)
-    report.starts_resent = resend_starts(now, outbox)
-    placing = place_pending(
+    report.replicas_woken, report.replicas_swapped_out = run("swaps", wake_for_demand, demand.wake, now, outbox)
+    report.replicas_retried = run("retries", retry_failed, now)
+    run("forgive stable", forgive_stable, now)
+    report.starts_resent = run("resend starts", resend_starts, now, outbox)
+    placing = run(
+        "placement",
+        place_pending,
         now,
         leadership.epoch,
         outbox,
@@ -143,18 +161,18 @@ def _reconcile(
     )
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
     # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
-    report.replicas_replaced = drain_replaced(now, placing.no_room)
-    report.adapter_unloads_sent = tend_loads(now, outbox, usage_known=usage.known)
+    report.replicas_replaced = run("drain replaced", drain_replaced, now, placing.no_room)
+    report.adapter_unloads_sent = run("adapter loads", tend_loads, now, outbox, usage_known=usage.known)
     in_flight = usage.in_flight if readings.usage is not None else None
-    report.adapter_loads_sent = assign_adapters(wanted_adapters, now, outbox, in_flight)
-    report.stops_sent, deleted = stop_shards(now, outbox)
-    report.sleeps_sent = send_sleeps(now, outbox)
+    report.adapter_loads_sent = run("adapters", assign_adapters, wanted_adapters, now, outbox, in_flight)
+    report.stops_sent, deleted = run("stops", stop_shards, now, outbox)
+    report.sleeps_sent = run("sleeps", send_sleeps, now, outbox)
     report.starts_sent = placing.starts_sent
     report.replicas_deleted = demand.deleted + deleted
     outbox.send_on_commit()
     # Last: this tick's commands have superseded the pending ones for the same shards by now,
     # so a start about to be drained is not sent again first.
-    report.commands_resent = resend_unacknowledged(now)
+    report.commands_resent = run("resend unacknowledged", resend_unacknowledged, now)
     return usage, forget
 
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from opentelemetry.trace import Tracer
+
+from telemetry import ROUTER
+from telemetry import tracer as traces_tracer
 
 from .ejection import EjectionPolicy
 
@@ -29,7 +33,8 @@ class RouterConfig:
     stream held that way hears a keep-alive (0: it is not answered until a
     replica is ready). `ejection` says when failing replicas are ejected.
     `router_id` names this router's usage reports and watch mark (None: a new
-    id per process, `router.usage.new_router_id`).
+    id per process, `router.usage.new_router_id`). `tracer`: where its spans
+    go when traces are on (telemetry/, from the OTEL_* environment), else None.
     """
 
     activation_timeout: float
@@ -47,6 +52,7 @@ class RouterConfig:
     keepalive_seconds: float = 10.0
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     router_id: str | None = None
+    tracer: Tracer | None = None
 
     def __post_init__(self) -> None:
         if self.activation_timeout < 0:
@@ -77,6 +83,7 @@ class RouterConfig:
                 "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
                 "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
                 "metrics_token": settings.LLMGW_METRICS_TOKEN or "",
+                "tracer": None if "tracer" in overrides else traces_tracer(ROUTER, "llmgw.router"),
                 **overrides,
             }
         )

@@ -158,7 +158,7 @@ class Proxy:
         """Send the request to `endpoint` (once more to another replica if it fails before answering); relay it."""
         session, balancer, exchange = self.session, self.balancer, request.exchange
         assert session is not None  # forward() refuses to start without one
-        headers = upstream_headers(request.scope)
+        headers = self._upstream_headers(request)
         failure: Failure
         error: aiohttp.ClientError
         while True:
@@ -204,6 +204,10 @@ class Proxy:
             await self._relay_whole(request, endpoint, response, content_type)
         else:
             await self._relay_stream(request, endpoint, response, content_type, streamed)
+
+    def _upstream_headers(self, request: Forwarding) -> dict[str, str]:
+        """The request headers every attempt of `request` sends its engine (router.tracing adds its trace)."""
+        return upstream_headers(request.scope)
 
     def _first_byte_overdue(self, request: Forwarding, endpoint: Endpoint) -> RouterError:
         return RouterError(

@@ -27,6 +27,7 @@ from .keys import ApiKeyCache
 from .metrics import RouterMetrics
 from .proxy import Proxy
 from .table import TableError, decode_table
+from .tracing import TracedBalancer, TracingProxy
 from .usage import UsageFlusher
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,16 @@ class RouterState:
         self.hub = hub
         self.config = config
         self.clock = clock
-        self.balancer = Balancer(
+        # With traces on, the same parts with spans (router.tracing); without, not a line of it runs.
+        tracer = config.tracer
+        self.balancer = (Balancer if tracer is None else TracedBalancer)(
             clock,
             ejection=config.ejection,
             kv_full_fraction=config.kv_full_fraction,
             affinity_slack=config.affinity_slack,
         )
+        if isinstance(self.balancer, TracedBalancer):
+            self.balancer.tracer = tracer
         self.engine_load = EngineLoadPoller(self.balancer)
         self.keys = key_cache or ApiKeyCache()
         self.metrics = RouterMetrics(self.balancer)
@@ -68,7 +73,11 @@ class RouterState:
             keepalive_seconds=config.keepalive_seconds,
             max_waiters=config.max_waiters,
         )
-        self.proxy = Proxy(self.balancer, self.metrics, self.cold_start, config)
+        self.proxy = (
+            Proxy(self.balancer, self.metrics, self.cold_start, config)
+            if tracer is None
+            else TracingProxy(self.balancer, self.metrics, self.cold_start, config, tracer)
+        )
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
         self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False

@@ -62,7 +62,7 @@ def response_headers(
 
 
 def upstream_headers(scope: Scope) -> dict[str, str]:
-    """The request headers an engine gets: JSON, the client's Accept and its request id.
+    """The request headers an engine gets: JSON, the client's Accept, its request id and its trace context.
 
     The client's Accept-Encoding is not passed on: an answer the engine compressed could not be read for its
     token usage, nor its usage event dropped from a stream, so engines are asked for the answer as it is.
@@ -73,6 +73,10 @@ def upstream_headers(scope: Scope) -> dict[str, str]:
             headers["Accept"] = value.decode("latin-1")
         elif name == b"x-request-id":
             headers["X-Request-Id"] = value.decode("latin-1")
+        elif name in (b"traceparent", b"tracestate"):
+            # W3C trace context: the engine's spans join the client's trace (router.tracing, when on, names
+            # the router's own span as the parent instead).
+            headers[name.decode()] = value.decode("latin-1")
     return headers
 
 

@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower numbers are lower in the stack; a package may import its own modules and lower ones.
 LAYERS = {
     "hub": 0,
+    "telemetry": 0,
     "catalog": 0,
     "inventory": 1,
     "keys": 1,
@@ -21,7 +22,7 @@ LAYERS = {
 # Packages that stand alone: what each may import besides itself.
 ALONE = {
     "hub": set(),
-    "router": {"hub", "keys"},  # DESIGN "Packages and their order": the hub, and the key rows it reads
+    "router": {"hub", "keys", "telemetry"},  # DESIGN "Packages and their order": the hub, the key rows it reads, traces
     "agent": set(),  # runs on GPU nodes, without the control plane
 }
 # Who may import a package that stands alone outside the layers: the embedded runner runs a router in its process.

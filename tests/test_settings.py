@@ -78,6 +78,12 @@ def test_start_up_fails_on_an_empty_llama_server_binary():
     assert "LLMGW_LLAMA_SERVER must name the llama.cpp server binary" in result.stderr
 
 
+def test_start_up_fails_on_a_traces_exporter_llmgw_does_not_ship():
+    result = django_setup(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    assert result.returncode != 0
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='grpc': llmgw exports OTLP over http/protobuf only" in result.stderr
+
+
 def test_the_host_up_listens_on_is_an_allowed_host():
     result = subprocess.run(
         [
