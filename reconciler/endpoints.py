@@ -86,15 +86,17 @@ def _aliases(text: str | None) -> list[str]:
 
 
 def _models() -> dict[str, ModelEntry]:
-    """Every enabled model with a profile, by public name (sorted), with its aliases and notes."""
+    """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools."""
     # The first profile is the one an activation starts, so its learned start time is the ETA.
     first_start: dict[int, float | None] = {}
-    for model_id, start_seconds in (
+    pools: dict[int, set[str]] = {}  # routers refuse at once a key bound to none of a model's pools
+    for model_id, start_seconds, pool in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
-        .values_list("model_id", "start_seconds")
+        .values_list("model_id", "start_seconds", "pool")
     ):
         first_start.setdefault(model_id, start_seconds)
+        pools.setdefault(model_id, set()).add(pool)
     names = dict(Model.objects.filter(pk__in=first_start.keys()).values_list("pk", "name"))
     aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
     for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
@@ -116,6 +118,7 @@ def _models() -> dict[str, ModelEntry]:
             failed=failed.get(name),
             start_seconds=None if start is None else round(start, 1),
             holding=holding.get(name),
+            pools=sorted(pools[model_id]),
         )
     return models
 

@@ -79,6 +79,7 @@ class Balancer:
         self._start_failed: dict[str, str] = {}  # public name -> why its only replica failed
         self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
         self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
+        self._pools: dict[str, frozenset[str]] = {}  # public name -> its profiles' pools, when published
         self._adapters: dict[str, AdapterEntry] = {}  # public adapter name -> its entry
         self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self._by_replica: dict[str, Endpoint] = {}
@@ -121,7 +122,7 @@ class Balancer:
         self._adapters = lookups.adapters
         self._names, self._catalog, self._unplaceable = lookups.names, catalog, lookups.unplaceable
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
-        self._holding = lookups.holding
+        self._holding, self._pools = lookups.holding, lookups.pools
         self._endpoints, self._by_replica = endpoints, by_replica
         self.fingerprint = fingerprint
         self.generation += 1
@@ -169,6 +170,11 @@ class Balancer:
         if adapter is not None and (adapter.loading or self._endpoints.get(adapter.base)):
             return ADAPTER_LOAD
         return self._holding.get(self._notes_of(model))
+
+    def serves_pools(self, model: str, pools: frozenset[str]) -> bool:
+        """Whether `model` (an adapter: its base) has a profile in `pools` (empty: any); unknown pools refuse none."""
+        have = self._pools.get(self._adapters[model].base if model in self._adapters else model)
+        return not pools or have is None or not have.isdisjoint(pools)
 
     def catalog(self) -> dict[str, list[str]]:
         """Public model name -> aliases, as last published."""
@@ -238,7 +244,7 @@ class Balancer:
         if not best:  # every replica left is KV-full (or ejected): the least loaded of them
             best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
         if not best:
-            return min(candidates, key=_ejected_at)
+            return min(candidates, key=lambda e: e.health.ejected_at)
         chosen = None
         if tier:
             # One replica at the top priority is its own rendezvous winner.
@@ -390,7 +396,3 @@ class Balancer:
 
     def in_flight(self) -> int:
         return sum(e.outstanding for e in self._by_replica.values())
-
-
-def _ejected_at(endpoint: Endpoint) -> float:
-    return endpoint.health.ejected_at

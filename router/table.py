@@ -140,6 +140,7 @@ class ModelLookups:
     start_failed: dict[str, str] = field(default_factory=dict)
     start_seconds: dict[str, float] = field(default_factory=dict)
     holding: dict[str, str] = field(default_factory=dict)
+    pools: dict[str, frozenset[str]] = field(default_factory=dict)  # a model's profiles' pools, when published
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
@@ -160,6 +161,8 @@ def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntr
             found.start_seconds[public] = entry.start_seconds
         if entry.holding is not None:
             found.holding[public] = entry.holding
+        if entry.pools:
+            found.pools[public] = frozenset(entry.pools)
         found.names[public] = public
     for public, adapter in (adapters or {}).items():
         if adapter.base in models and public not in found.names:
