@@ -49,6 +49,9 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     aliases: list[str] = []
     unplaceable: Name | None = None
     """Why the control plane cannot place it now: routers answer at once instead of holding requests."""
+    unplaceable_pools: list[str] = []
+    """The pools the replica `unplaceable` speaks of was started for: it answers only keys bound to all of them
+    (a key bound to other pools, or to none, has a start of its own). Empty: it answers every key."""
     failed: Name | None = None
     """Why its only wanted replica failed (the engine's own last words)."""
     start_seconds: Annotated[float, msgspec.Meta(ge=0)] | None = None

@@ -106,20 +106,19 @@ class _ModelDemand:
         return [r for r in self.wanted() if r.state == ReplicaState.SLEEPING]
 
     def serving(self, pools: frozenset[str]) -> list[ReplicaRow]:
-        """The wanted replicas that serve a key bound to `pools` (every one when empty): those placed on a profile
-        in one of them, and pending ones whose every profile they may go on is in one."""
-        wanted = self.wanted()
-        if not pools:
-            return wanted
+        """The wanted replicas that serve a key bound to `pools` (empty: a key bound to none); see `lands_in`."""
         pool_of = {p.pk: p.pool for p in self.profiles}
-        return [r for r in wanted if self.lands_in(pools, r.state, pool_of.get(r.profile_id), r.pools)]
+        return [r for r in self.wanted() if self.lands_in(pools, r.state, pool_of.get(r.profile_id), r.pools)]
 
     def lands_in(self, pools: frozenset[str], state: str, pool: str | None, bound: list[str]) -> bool:
-        """Whether a replica (in `state`, on a profile of `pool`, bound to the pools `bound`) serves `pools`."""
-        if not pools:
-            return True
+        """Whether a replica (in `state`, on a profile of `pool`, bound to the pools `bound`) serves a key bound to
+        `pools` (empty: any pool): placed, when it is in one of them; pending, when every profile it may go on is
+        in one. A pending replica bound to pools serves no unbound key: one pool's lack of room must not hold up
+        a start anywhere."""
         if state != ReplicaState.PENDING:
-            return pool in pools
+            return not pools or pool in pools
+        if not pools:
+            return not bound
         return all(p.pool in pools for p in self.profiles if not bound or p.pool in bound)
 
 

@@ -112,9 +112,11 @@ def _models() -> dict[str, ModelEntry]:
     models: dict[str, ModelEntry] = {}
     for model_id, name in sorted(names.items(), key=lambda item: item[1]):
         start = first_start[model_id]
+        note, note_pools = unplaceable.get(name, (None, []))
         models[name] = ModelEntry(
             aliases=sorted(aliases[model_id]),
-            unplaceable=unplaceable.get(name),
+            unplaceable=note,
+            unplaceable_pools=note_pools,
             failed=failed.get(name),
             start_seconds=None if start is None else round(start, 1),
             holding=holding.get(name),
@@ -138,22 +140,23 @@ def _endpoints() -> list[EndpointRow]:
     return [EndpointRow(str(pk), model, url, priority, weight, pool) for pk, model, url, priority, weight, pool in rows]
 
 
-def _pending_notes() -> tuple[dict[str, str], dict[str, Holding]]:
-    """(why a wanted model has no room right now, so routers can answer at once instead of holding requests;
-    the models room is being made for, whose requests routers hold) from the pending replicas, in one query."""
-    unplaceable: dict[str, str] = {}
+def _pending_notes() -> tuple[dict[str, tuple[str, list[str]]], dict[str, Holding]]:
+    """(why a wanted model has no room right now, so routers can answer at once instead of holding requests, with
+    the pools that replica is bound to (empty: none, and then its note wins, as it speaks for every key); the
+    models room is being made for, whose requests routers hold) from the pending replicas, in one query."""
+    unplaceable: dict[str, tuple[str, list[str]]] = {}
     holding: dict[str, Holding] = {}
-    for name, reason, hold in (
+    for name, reason, hold, pools in (
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
         # Placed at its last attempt (no note) and holding nothing: nothing to say of it.
         .exclude(placement_error="", hold=Hold.NONE)
         .order_by("model__name", "profile__order", "id")
-        .values_list("model__name", "placement_error", "hold")
+        .values_list("model__name", "placement_error", "hold", "pools")
     ):
         if hold == Hold.MAKING_ROOM:
             holding[name] = "making_room"
-        elif hold == Hold.NONE:
-            unplaceable.setdefault(name, reason)
+        elif hold == Hold.NONE and (name not in unplaceable or (unplaceable[name][1] and not pools)):
+            unplaceable[name] = (reason, pools)
         # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
     return unplaceable, holding
 

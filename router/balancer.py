@@ -75,7 +75,7 @@ class Balancer:
         self._ejections: dict[str, int] = {}  # public name -> ejections so far (a counter, never reset)
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
-        self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
+        self._unplaceable: dict[str, tuple[str, frozenset[str]]] = {}  # public name -> why it cannot be placed now
         self._start_failed: dict[str, str] = {}  # public name -> why its only replica failed
         self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
         self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
@@ -149,9 +149,11 @@ class Balancer:
             return model
         return "" if self._endpoints.get(adapter.base) else adapter.base
 
-    def unplaceable(self, model: str) -> str | None:
-        """Why the control plane could not place `model` (an adapter: its idle base) at its last attempt, or None."""
-        return self._unplaceable.get(self._notes_of(model))
+    def unplaceable(self, model: str, pools: frozenset[str] | None = None) -> str | None:
+        """Why the control plane could not place `model` (an adapter: its idle base) for a key bound to `pools`
+        (None: to none) at its last attempt, or None. A note on a start in some pools answers only keys of them all."""
+        note = self._unplaceable.get(self._notes_of(model))
+        return note[0] if note is not None and note[1] <= (pools or frozenset()) else None
 
     def start_failure(self, model: str) -> str | None:
         """Why `model`'s (an adapter: its idle base's) only replica failed (the engine's last words), or None."""

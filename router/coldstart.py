@@ -160,7 +160,7 @@ class ColdStart:
                         404, f"The model `{model}` was removed while waiting for it.", "model_not_found", param="model"
                     )
                 self._ask_activation(model, pools or frozenset())
-                self._raise_if_hopeless(model)
+                self._raise_if_hopeless(model, pools)
                 reason = self.balancer.holding(model) or reason
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -175,10 +175,10 @@ class ColdStart:
             if waited:
                 self.metrics.traffic.held(model, reason, loop.time() - began)
 
-    def _raise_if_hopeless(self, model: str) -> None:
-        """A RouterError if waiting for `model` would only hold the client until the deadline: the control plane
-        cannot place it, or its only replica failed."""
-        reason = self.balancer.unplaceable(model)
+    def _raise_if_hopeless(self, model: str, pools: frozenset[str] | None) -> None:
+        """A RouterError if waiting for `model` (for a key bound to `pools`) would only hold the client until the
+        deadline: the control plane cannot place it, or its only replica failed."""
+        reason = self.balancer.unplaceable(model, pools)
         if reason is not None:
             raise RouterError(
                 503,

@@ -81,6 +81,27 @@ def test_a_replica_bound_to_a_pool_with_no_room_there_stays_pending_though_anoth
     assert run_tick().replicas_created == 0
 
 
+def test_an_unbound_key_is_not_held_up_by_a_pools_lack_of_room_and_the_table_says_whose_note_it_is(run_tick):
+    model, default, gold = two_pools(gold_gpus=0)
+    ask("llama", ["gold"])
+    run_tick()
+    assert build_endpoint_table().models["llama"].unplaceable_pools == ["gold"]
+
+    ask("llama")
+    assert run_tick().replicas_created == 1
+    states = dict(Replica.objects.filter(model=model).values_list("profile_id", "state"))
+    assert states == {gold.pk: ReplicaState.PENDING, default.pk: ReplicaState.STARTING}
+
+
+def test_an_unbound_replicas_note_speaks_for_the_model_before_a_pool_bound_ones():
+    model, default, gold = two_pools()
+    # The bound one first in the order notes are read (its profile is the model's first).
+    Replica.objects.create(model=model, profile=default, pools=["default"], placement_error="in pool default: none")
+    Replica.objects.create(model=model, profile=gold, placement_error="no room anywhere")
+    entry = build_endpoint_table().models["llama"]
+    assert (entry.unplaceable, entry.unplaceable_pools) == ("no room anywhere", [])
+
+
 def test_a_pending_replica_that_may_land_in_another_pool_does_not_serve_a_pool_bound_activation(run_tick):
     model, default, gold = two_pools()
     Replica.objects.create(model=model, profile=default)  # unbound: it may go on either profile

@@ -23,9 +23,7 @@ def pool_key(*pools: str) -> str:
     return ApiKey.issue("pool-bound", allowed_pools=list(pools))[1]
 
 
-def test_a_key_bound_to_pools_none_of_the_models_profiles_are_in_is_403_at_once_and_asks_for_nothing(
-    start_router, hub
-):
+def test_a_key_bound_to_pools_none_of_the_models_profiles_are_in_is_403_at_once_and_asks_for_nothing(start_router, hub):
     hub.publish_endpoints(make_table(models={MODEL: {"pools": ["gold"]}}))
     router = start_router(activation_timeout=5)
     started = time.monotonic()
@@ -58,6 +56,17 @@ def test_a_key_bound_to_a_pool_of_the_model_is_held_asks_in_its_pools_and_is_ser
     assert response.status_code == 200, response.text
     assert asked == {Activation(MODEL, ("gold", "silver"))}
     assert len(mine.requests) == 1 and other.requests == []
+
+
+def test_a_note_on_a_start_in_some_pools_answers_keys_of_those_pools_at_once_and_holds_the_others(start_router, hub):
+    note = {"pools": ["default", "gold"], "unplaceable": "in pool gold: no room", "unplaceable_pools": ["gold"]}
+    hub.publish_endpoints(make_table(models={MODEL: note}))
+    router = start_router(activation_timeout=0.3)
+    error = assert_openai_error(chat(router, pool_key("gold")), 503, "model_unplaceable", "in pool gold: no room")
+    assert error["type"] == "server_error"
+    # A key of another pool, or of none, waits for its own start.
+    assert_openai_error(chat(router, pool_key("default")), 503, "model_starting", MODEL)
+    assert_openai_error(chat(router, ApiKey.issue("unbound")[1]), 503, "model_starting", MODEL)
 
 
 def test_a_table_naming_no_pools_for_a_model_refuses_no_key_for_its_pools(start_router, hub):
