@@ -49,9 +49,6 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     aliases: list[str] = []
     unplaceable: Name | None = None
     """Why the control plane cannot place it now: routers answer at once instead of holding requests."""
-    unplaceable_pools: list[str] = []
-    """The pools the replica `unplaceable` speaks of was started for: it answers only keys bound to all of them
-    (a key bound to other pools, or to none, has a start of its own). Empty: it answers every key."""
     failed: Name | None = None
     """Why its only wanted replica failed (the engine's own last words)."""
     start_seconds: Annotated[float, msgspec.Meta(ge=0)] | None = None
@@ -60,6 +57,9 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """Why its requests are held, when it is not a start: its wanted replicas only sleep (`wake`), or room is
     being made for its pending replica (`making_room`). None (and left out of the wire): a cold start, or
     nothing held."""
+    unplaceable_pools: list[str] = []
+    """The pools the replica `unplaceable` speaks of was started for: it answers only keys bound to all of them
+    (a key bound to other pools, or to none, has a start of its own). Empty: it answers every key."""
     pools: list[str] = []
     """The pools of its profiles, sorted: a key bound to none of them is refused at once. Empty: not known
     (a table from before pools were published, or a static one), so no key is refused for its pools."""
