@@ -2,7 +2,8 @@
 
 A replica goes on the first of its model's profiles with room (profile
 fallback; only those in its pools when it was created for a key bound to
-some, `Replica.pools`); when none has room, `room.make_room` may stop idle replicas for it.
+some, `Replica.pools`); when none has room, `room.make_room` may stop idle
+replicas for it.
 The placer (`placement.place`) decides on a capacity snapshot in memory,
 preferring nodes that hold the profile's weights on disk; this module reads
 the rows once (one query for the weights of every candidate source), writes
@@ -142,7 +143,7 @@ def _choose(
     unplaceable: _Unplaceable = []
     for replica in pending:
         tried, reasons = [], []
-        candidates = profiles_in(profiles[replica.model_id], replica.pools)
+        candidates = _profiles_in(profiles[replica.model_id], replica.pools)
         for profile in candidates:
             if running_on[profile.pk] >= profile.max_replicas:
                 reasons.append(f"{shape_label(profile)}: at its max of {profile.max_replicas}")
@@ -224,7 +225,7 @@ def _write_notes(notes: list[tuple[Replica, PlacementNote]]) -> None:
         Replica.objects.bulk_update(changed, ["placement_error", "hold"])
 
 
-def profiles_in(profiles: list[Profile], pools: list[str]) -> list[Profile]:
+def _profiles_in(profiles: list[Profile], pools: list[str]) -> list[Profile]:
     """The profiles (in order) a replica bound to `pools` may go on: those in one of them; all when it is not."""
     return [p for p in profiles if p.pool in pools] if pools else profiles
 
