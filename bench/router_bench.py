@@ -120,9 +120,12 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
         allowed_models=[MODEL] if "scope" in features else [],
         rpm=10**9 if "limits" in features else None,
         tpm=10**12 if "limits" in features else None,
+        # A key bound to the engine's pool, which the table lists for the model: the pools check runs in full.
+        allowed_pools=["default"] if "pools" in features else [],
     )
     hub = InProcessHub()
-    hub.publish_endpoints(EndpointTable(models={MODEL: ModelEntry()}, endpoints=[EndpointRow("1", MODEL, upstream)]))
+    entry = ModelEntry(pools=["default"]) if "pools" in features else ModelEntry()
+    hub.publish_endpoints(EndpointTable(models={MODEL: entry}, endpoints=[EndpointRow("1", MODEL, upstream)]))
     # Served as production serves it: the router's one server configuration.
     GracefulServer(server_config(create_app(hub), port=port, grace=settings.LLMGW_SHUTDOWN_GRACE_SECONDS)).run()
 
@@ -269,7 +272,7 @@ def main() -> None:
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--key-features", default="", help="the router's key: scope and/or limits (comma list; default neither)"
+        "--key-features", default="", help="the router's key: scope, limits and/or pools (comma list; default none)"
     )
     args = parser.parse_args()
     try:

@@ -12,7 +12,8 @@ implements all of them (`hub.memory.InProcessHub` embedded,
   recording usage"), so the tick can tell "never used while watched" from
   "unknown", and notice one router that cannot flush (invariant 3). Token
   counts (`TokenCount`) add up in the hub until the tick takes them (read and reset at once);
-* activation queue: routers ask for a model to be started, the tick drains;
+* activation queue: routers ask for a model to be started (`Activation`: in the asking key's pools, if it is
+  bound to some), the tick drains;
 * key changes: the control plane names API keys (by hash) that were revoked,
   deleted or edited, and every router drops them from its cache at once;
 * rate-limit counters: routers add up what limited keys used this minute.
@@ -23,11 +24,14 @@ methods are coroutines (they run on the router's loop).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Protocol
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1)]
@@ -53,6 +57,12 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """Why its requests are held, when it is not a start: its wanted replicas only sleep (`wake`), or room is
     being made for its pending replica (`making_room`). None (and left out of the wire): a cold start, or
     nothing held."""
+    unplaceable_pools: list[str] = []
+    """The pools the replica `unplaceable` speaks of was started for: it answers only keys bound to all of them
+    (a key bound to other pools, or to none, has a start of its own). Empty: it answers every key."""
+    pools: list[str] = []
+    """The pools of its profiles, sorted: a key bound to none of them is refused at once. Empty: not known
+    (a table from before pools were published, or a static one), so no key is refused for its pools."""
 
 
 class EndpointRow(msgspec.Struct, frozen=True):
@@ -255,12 +265,52 @@ class UsageSource(Protocol):
         ...
 
 
+class Activation(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A router's ask for a model to be started: its public name, and the pools a replica must be in to serve
+    the key that asked (sorted; empty: any pool, any profile)."""
+
+    model: Name
+    pools: tuple[Name, ...] = ()
+
+    @classmethod
+    def of(cls, model: str, pools: Iterable[str] = ()) -> Activation:
+        """The activation of `model` for a key bound to `pools` (in any order, repeats allowed)."""
+        return cls(model, tuple(sorted(set(pools))))
+
+
+_decode_activation = msgspec.json.Decoder(Activation).decode
+
+
+def encode_activation(activation: Activation) -> bytes:
+    """An activation as a hub stores it: the bare model name when it names no pools (what every control plane
+    understands, and all activations were before pools), else its JSON object. Public names never start with
+    `{` (catalog.models.public_name_validator), so the two cannot be confused."""
+    if not activation.pools:
+        return activation.model.encode()
+    return msgspec.json.encode(activation)
+
+
+def decode_activation(raw: bytes | str) -> Activation | None:
+    """An activation as `encode_activation` stored it; None (logged) for a malformed one, which is skipped."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    try:
+        if data.startswith(b"{"):
+            return _decode_activation(data)
+        return Activation(msgspec.convert(data.decode(), Name))
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        log.warning("skipping a malformed activation (%s): %r", exc, data[:200])
+        return None
+
+
 class ActivationQueue(Protocol):
     """Routers ask for models to be started; the tick takes every request once."""
 
-    async def request_activation(self, model_name: str) -> None: ...
+    async def request_activation(self, model_name: str, pools: Iterable[str] = ()) -> None:
+        """Ask for `model_name` to be started, on a profile in one of `pools` when the asking key is bound to
+        some (empty: any profile)."""
+        ...
 
-    def drain_activations(self) -> set[str]: ...
+    def drain_activations(self) -> set[Activation]: ...
 
 
 class KeyChangeSink(Protocol):

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from .contracts import (
+    Activation,
     EndpointTable,
     RouterMark,
     TokenCounts,
@@ -35,7 +36,7 @@ class InProcessHub:
         self._table: EndpointTable | None = None
         self._encoded: bytes | None = None  # `_table` as routers read it
         self._stamps: dict[str, float] = {}
-        self._activations: set[str] = set()
+        self._activations: set[Activation] = set()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[bytes]]] = []
         self._key_watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[list[str]]]] = []
         self._marks: dict[str, RouterMark] = {}  # router id -> its watch mark
@@ -90,7 +91,7 @@ class InProcessHub:
             for rid in replica_ids:
                 self._stamps.pop(str(rid), None)
 
-    def drain_activations(self) -> set[str]:
+    def drain_activations(self) -> set[Activation]:
         with self._lock:
             wanted, self._activations = self._activations, set()
         return wanted
@@ -136,9 +137,10 @@ class InProcessHub:
         with self._lock:
             self._marks.pop(router, None)
 
-    async def request_activation(self, model_name: str) -> None:
+    async def request_activation(self, model_name: str, pools: Iterable[str] = ()) -> None:
+        activation = Activation.of(model_name, pools)
         with self._lock:
-            self._activations.add(model_name)
+            self._activations.add(activation)
             listeners = list(self._activation_listeners)
         for listener in listeners:
             listener()

@@ -1,6 +1,7 @@
 """The distributed hub in Redis: a key plus pub/sub for the endpoint table, a ZSET of
 last-use stamps, a hash of routers' watch marks, a hash of token counters, a ZSET
-of API keys' last use, a set of activations, and a pub/sub channel of changed API keys.
+of API keys' last use, a set of activations (`contracts.encode_activation`: a model name, or a JSON object
+naming its pools too), and a pub/sub channel of changed API keys.
 
 A router's report is one MULTI round trip: the stamps and keys' last use
 (`ZADD GT`, newest wins) and its token counts (`HINCRBY`, one field per hour,
@@ -26,7 +27,19 @@ import msgspec
 import redis
 import redis.asyncio
 
-from .contracts import EndpointTable, RouterMark, TokenCount, TokenCounts, UsageReport, UsageSnapshot, checked, hour_of
+from .contracts import (
+    Activation,
+    EndpointTable,
+    RouterMark,
+    TokenCount,
+    TokenCounts,
+    UsageReport,
+    UsageSnapshot,
+    checked,
+    decode_activation,
+    encode_activation,
+    hour_of,
+)
 from .fingerprint import fingerprinted
 
 log = logging.getLogger(__name__)
@@ -198,12 +211,13 @@ class RedisHub:
         if ids:
             self._sync.zrem(USAGE_KEY, *ids)
 
-    def drain_activations(self) -> set[str]:
+    def drain_activations(self) -> set[Activation]:
         pipe = self._sync.pipeline(transaction=True)
         pipe.smembers(ACTIVATIONS_KEY)
         pipe.delete(ACTIVATIONS_KEY)
         members, _ = pipe.execute()
-        return {m.decode() for m in members}
+        # A malformed member (logged by decode_activation) is skipped: the others are still started.
+        return {a for a in map(decode_activation, members) if a is not None}
 
     def forget_routers(self, routers: Iterable[str]) -> None:
         names = list(routers)
@@ -256,8 +270,8 @@ class RedisHub:
     async def leave(self, router: str) -> None:
         await self._aio().hdel(ROUTERS_KEY, router)
 
-    async def request_activation(self, model_name: str) -> None:
-        await self._aio().sadd(ACTIVATIONS_KEY, model_name)
+    async def request_activation(self, model_name: str, pools: Iterable[str] = ()) -> None:
+        await self._aio().sadd(ACTIVATIONS_KEY, encode_activation(Activation.of(model_name, pools)))
 
     # -- key changes ----------------------------------------------------------
     def publish_key_changes(self, digests: list[str]) -> None:

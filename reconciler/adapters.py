@@ -42,7 +42,7 @@ from django.db.models import Case, F, FloatField, Q, Value, When
 
 from agent.protocol import AdapterStatus, ShardHeartbeat
 from catalog.models import Adapter, Profile
-from hub.contracts import ADAPTER_STAMP_SEPARATOR
+from hub.contracts import ADAPTER_STAMP_SEPARATOR, Activation
 
 from .choices import AdapterLoadState, ReplicaState, ShardState
 from .models import AdapterLoad, AdapterStats, Shard
@@ -54,20 +54,24 @@ HELD = (AdapterLoadState.LOADING, AdapterLoadState.LOADED)
 """Loads that take one of a replica's slots (an unloading one is freed first: see the module docstring)."""
 
 
-def split_activations(names: set[str]) -> tuple[set[str], set[int]]:
-    """(the activations with each enabled adapter's name replaced by its base's, the ids of those adapters).
+def split_activations(activations: set[Activation]) -> tuple[set[Activation], set[int]]:
+    """(the activations with each enabled adapter's name replaced by its base's, in the same pools; the ids of
+    those adapters).
 
     One query, only when routers asked for something. Routers ask under public names, never aliases.
     """
-    if not names:
-        return names, set()
+    if not activations:
+        return activations, set()
     found = list(
-        Adapter.objects.filter(name__in=names, enabled=True, base__enabled=True).values_list("pk", "name", "base__name")
+        Adapter.objects.filter(name__in={a.model for a in activations}, enabled=True, base__enabled=True).values_list(
+            "pk", "name", "base__name"
+        )
     )
     if not found:
-        return names, set()
-    adapter_names = {name for _, name, _ in found}
-    return (names - adapter_names) | {base for _, _, base in found}, {pk for pk, _, _ in found}
+        return activations, set()
+    base_of = {name: base for _, name, base in found}
+    models = {Activation(base_of.get(a.model, a.model), a.pools) for a in activations}
+    return models, {pk for pk, _, _ in found}
 
 
 @dataclass

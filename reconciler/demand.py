@@ -9,7 +9,10 @@ concurrency); the placer may run a replica on any of the model's profiles
 * an activation (a router holding requests for a model with no replica)
   creates one replica whose demand lasts while routers keep asking: if it is
   still unplaced LLMGW_ACTIVATION_LINGER_SECONDS after the last ask, it is
-  withdrawn, so nothing starts later for nobody;
+  withdrawn, so nothing starts later for nobody. An activation for a key
+  bound to pools counts only the replicas in those pools (placed on a profile
+  of one, or pending with nowhere else to go); its new replica keeps the pools
+  (`Replica.pools`), so the placer tries only the profiles in them;
 * scale-out: when the routers' requests in flight per ready replica stay
   above the target concurrency for LLMGW_SCALE_OUT_AFTER_SECONDS, one more
   replica (up to max), with the same lifetime as an activation;
@@ -35,6 +38,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 
 from catalog.models import Alias, Profile
+from hub.contracts import Activation
 
 from .choices import AWAKE_STATES, WANTED_STATES, ReplicaState
 from .hibernate import SleepRequest, idle_sleepers, put_to_sleep
@@ -101,9 +105,25 @@ class _ModelDemand:
     def sleepers(self) -> list[ReplicaRow]:
         return [r for r in self.wanted() if r.state == ReplicaState.SLEEPING]
 
+    def serving(self, pools: frozenset[str]) -> list[ReplicaRow]:
+        """The wanted replicas that serve a key bound to `pools` (empty: a key bound to none); see `lands_in`."""
+        pool_of = {p.pk: p.pool for p in self.profiles}
+        return [r for r in self.wanted() if self.lands_in(pools, r.state, pool_of.get(r.profile_id), r.pools)]
+
+    def lands_in(self, pools: frozenset[str], state: str, pool: str | None, bound: list[str]) -> bool:
+        """Whether a replica (in `state`, on a profile of `pool`, bound to the pools `bound`) serves a key bound to
+        `pools` (empty: any pool): placed, when it is in one of them; pending, when every profile it may go on is
+        in one. A pending replica bound to pools serves no unbound key: one pool's lack of room must not hold up
+        a start anywhere."""
+        if state != ReplicaState.PENDING:
+            return not pools or pool in pools
+        if not pools:
+            return not bound
+        return all(p.pool in pools for p in self.profiles if not bound or p.pool in bound)
+
 
 def apply_demand(
-    activations: set[str], now: datetime, *, usage_known: bool = True, in_flight: dict[str, int] | None = None
+    activations: set[Activation], now: datetime, *, usage_known: bool = True, in_flight: dict[str, int] | None = None
 ) -> DemandOutcome:
     """Apply demand for every model; see the module docstring. A constant number of queries.
 
@@ -169,6 +189,7 @@ def _read_models() -> dict[int, _ModelDemand]:
         "drain_deadline",
         "sleep_level",
         "wanted_since",
+        "pools",
     )
     for row in rows:
         if row[1] in models:
@@ -305,34 +326,57 @@ def _scale_out(
 
 
 def _activate(
-    activations: set[str],
+    activations: set[Activation],
     models: dict[int, _ModelDemand],
     renew: list[int],
     linger: datetime,
     outcome: DemandOutcome,
 ) -> list[Replica]:
-    """One new replica (on the model's first profile) per activated model that wants none; aliases resolve.
+    """One new replica per activated model that wants none (none in the asked pools, when it names some);
+    aliases resolve. It goes on the model's first profile, or its first in the asked pools.
 
     A model that already has an unplaced replica created for waiting requests
     gets that replica's demand renewed instead.
     """
     by_name = {d.primary.model.name: d for d in models.values() if d.primary.model.enabled}
-    unresolved = activations - by_name.keys()
-    names = {name: name for name in activations}
+    asked = {a.model for a in activations}
+    unresolved = asked - by_name.keys()
+    names = {name: name for name in asked}
     if unresolved:
         names.update(Alias.objects.filter(name__in=unresolved).values_list("name", "model__name"))
-    created = []
-    for requested in sorted(activations):
-        demand = by_name.get(names[requested])
+    created: list[Replica] = []
+    for activation in sorted(activations, key=lambda a: (a.model, a.pools)):
+        demand = by_name.get(names[activation.model])
         if demand is None:
-            outcome.unknown_activations.append(requested)
+            outcome.unknown_activations.append(activation.model)
             continue
-        wanted = demand.wanted()
-        if not demand.awake() and demand.sleepers():
+        pools = frozenset(activation.pools)
+        serving = demand.serving(pools)
+        if not any(r.state in AWAKE_STATES for r in serving) and any(r.state == ReplicaState.SLEEPING for r in serving):
             outcome.wake.add(demand.primary.model_id)  # a swap, not a cold start (reconciler.hibernate)
-        elif not wanted and not any(r.model_id == demand.primary.model_id for r in created):
-            created.append(Replica(model_id=demand.primary.model_id, profile=demand.primary, demand_until=linger))
-        renew.extend(r.pk for r in wanted if r.state == ReplicaState.PENDING and r.demand_until is not None)
+        elif not serving:
+            replica = _new_for(demand, pools, created, linger)
+            if replica is not None:
+                created.append(replica)
+        renew.extend(r.pk for r in serving if r.state == ReplicaState.PENDING and r.demand_until is not None)
     if outcome.unknown_activations:
         log.warning("activation requested for unknown or disabled models: %s", outcome.unknown_activations)
     return created
+
+
+def _new_for(demand: _ModelDemand, pools: frozenset[str], created: list[Replica], linger: datetime) -> Replica | None:
+    """A new replica of `demand`'s model for requests of a key bound to `pools` (empty: any), or None when one
+    created this tick serves them already, when no profile is in them, or when the model is at its max."""
+    model_id = demand.primary.model_id
+    mine = [r for r in created if r.model_id == model_id]
+    if any(demand.lands_in(pools, ReplicaState.PENDING, None, r.pools) for r in mine):
+        return None
+    profile = next((p for p in demand.profiles if not pools or p.pool in pools), None)
+    if profile is None:
+        # Routers refuse such keys at once (the table lists each model's pools); this one read an older table.
+        log.warning("activation of %s in pools %s, where it has no profile", demand.primary.model.name, sorted(pools))
+        return None
+    if len(demand.wanted()) + len(mine) >= demand.primary.max_replicas:
+        log.warning("activation of %s in pools %s: the model is at its max replicas", profile.model.name, sorted(pools))
+        return None
+    return Replica(model_id=model_id, profile=profile, pools=sorted(pools), demand_until=linger)

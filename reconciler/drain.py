@@ -59,7 +59,7 @@ def drain_nodes(node_ids: Iterable[int]) -> tuple[int, int]:
         at_once = [r for r in replicas if r not in serving and r not in already]
         if serving:
             replacements = Replica.objects.bulk_create(
-                Replica(model_id=r.model_id, profile_id=r.profile_id) for r in serving
+                Replica(model_id=r.model_id, profile_id=r.profile_id, pools=r.pools) for r in serving
             )
             for old, new in zip(serving, replacements, strict=True):
                 old.replaced_by = new

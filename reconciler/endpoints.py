@@ -86,15 +86,17 @@ def _aliases(text: str | None) -> list[str]:
 
 
 def _models() -> dict[str, ModelEntry]:
-    """Every enabled model with a profile, by public name (sorted), with its aliases and notes."""
+    """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools."""
     # The first profile is the one an activation starts, so its learned start time is the ETA.
     first_start: dict[int, float | None] = {}
-    for model_id, start_seconds in (
+    pools: dict[int, set[str]] = {}  # routers refuse at once a key bound to none of a model's pools
+    for model_id, start_seconds, pool in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
-        .values_list("model_id", "start_seconds")
+        .values_list("model_id", "start_seconds", "pool")
     ):
         first_start.setdefault(model_id, start_seconds)
+        pools.setdefault(model_id, set()).add(pool)
     names = dict(Model.objects.filter(pk__in=first_start.keys()).values_list("pk", "name"))
     aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
     for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
@@ -110,12 +112,15 @@ def _models() -> dict[str, ModelEntry]:
     models: dict[str, ModelEntry] = {}
     for model_id, name in sorted(names.items(), key=lambda item: item[1]):
         start = first_start[model_id]
+        note, note_pools = unplaceable.get(name, (None, []))
         models[name] = ModelEntry(
             aliases=sorted(aliases[model_id]),
-            unplaceable=unplaceable.get(name),
+            unplaceable=note,
+            unplaceable_pools=note_pools,
             failed=failed.get(name),
             start_seconds=None if start is None else round(start, 1),
             holding=holding.get(name),
+            pools=sorted(pools[model_id]),
         )
     return models
 
@@ -135,22 +140,23 @@ def _endpoints() -> list[EndpointRow]:
     return [EndpointRow(str(pk), model, url, priority, weight, pool) for pk, model, url, priority, weight, pool in rows]
 
 
-def _pending_notes() -> tuple[dict[str, str], dict[str, Holding]]:
-    """(why a wanted model has no room right now, so routers can answer at once instead of holding requests;
-    the models room is being made for, whose requests routers hold) from the pending replicas, in one query."""
-    unplaceable: dict[str, str] = {}
+def _pending_notes() -> tuple[dict[str, tuple[str, list[str]]], dict[str, Holding]]:
+    """(why a wanted model has no room right now, so routers can answer at once instead of holding requests, with
+    the pools that replica is bound to (empty: none, and then its note wins, as it speaks for every key); the
+    models room is being made for, whose requests routers hold) from the pending replicas, in one query."""
+    unplaceable: dict[str, tuple[str, list[str]]] = {}
     holding: dict[str, Holding] = {}
-    for name, reason, hold in (
+    for name, reason, hold, pools in (
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
         # Placed at its last attempt (no note) and holding nothing: nothing to say of it.
         .exclude(placement_error="", hold=Hold.NONE)
         .order_by("model__name", "profile__order", "id")
-        .values_list("model__name", "placement_error", "hold")
+        .values_list("model__name", "placement_error", "hold", "pools")
     ):
         if hold == Hold.MAKING_ROOM:
             holding[name] = "making_room"
-        elif hold == Hold.NONE:
-            unplaceable.setdefault(name, reason)
+        elif hold == Hold.NONE and (name not in unplaceable or (unplaceable[name][1] and not pools)):
+            unplaceable[name] = (reason, pools)
         # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
     return unplaceable, holding
 

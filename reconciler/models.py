@@ -68,6 +68,12 @@ class Replica(models.Model):
     weights_bytes = models.BigIntegerField(
         null=True, blank=True, help_text="Its weights' estimated size when placed: host memory a level-1 sleep holds."
     )
+    pools = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Created for requests of a key bound to these pools: placed only on a profile in one of them "
+        "(empty: on any of its model's profiles).",
+    )
     stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
     # Make-before-break node drain (reconciler.drain): this replica keeps serving until `replaced_by`
     # is ready, then is drained; at `drain_deadline` at the latest.

@@ -1,7 +1,9 @@
 """Putting pending replicas on GPUs, and (re)sending the start commands that follow.
 
 A replica goes on the first of its model's profiles with room (profile
-fallback); when none has room, `room.make_room` may stop idle replicas for it.
+fallback; only those in its pools when it was created for a key bound to
+some, `Replica.pools`); when none has room, `room.make_room` may stop idle
+replicas for it.
 The placer (`placement.place`) decides on a capacity snapshot in memory,
 preferring nodes that hold the profile's weights on disk; this module reads
 the rows once (one query for the weights of every candidate source), writes
@@ -141,7 +143,8 @@ def _choose(
     unplaceable: _Unplaceable = []
     for replica in pending:
         tried, reasons = [], []
-        for profile in profiles[replica.model_id]:
+        candidates = _profiles_in(profiles[replica.model_id], replica.pools)
+        for profile in candidates:
             if running_on[profile.pk] >= profile.max_replicas:
                 reasons.append(f"{shape_label(profile)}: at its max of {profile.max_replicas}")
                 continue
@@ -165,9 +168,9 @@ def _choose(
             break
         else:
             # One profile: the placer's own words; several: each profile's, in order.
-            if len(profiles[replica.model_id]) == 1:
+            if len(candidates) == 1:
                 reasons = [reason.split(": ", 1)[1] for reason in reasons]
-            unplaceable.append((replica, tried, "; ".join(reasons)))
+            unplaceable.append((replica, tried, _in_pools(replica.pools, "; ".join(reasons))))
     return placed, moved, unplaceable
 
 
@@ -220,6 +223,19 @@ def _write_notes(notes: list[tuple[Replica, PlacementNote]]) -> None:
             changed.append(replica)
     if changed:
         Replica.objects.bulk_update(changed, ["placement_error", "hold"])
+
+
+def _profiles_in(profiles: list[Profile], pools: list[str]) -> list[Profile]:
+    """The profiles (in order) a replica bound to `pools` may go on: those in one of them; all when it is not."""
+    return [p for p in profiles if p.pool in pools] if pools else profiles
+
+
+def _in_pools(pools: list[str], reason: str) -> str:
+    """Why a replica bound to `pools` found no room, saying where it looked."""
+    if not pools:
+        return reason
+    where = f"in pool{'s' if len(pools) > 1 else ''} {', '.join(pools)}"
+    return f"{where}: {reason}" if reason else f"no profile {where}"
 
 
 def shape_label(profile: Profile) -> str:

@@ -20,3 +20,4 @@ class ReplicaRow:
     drain_deadline: datetime | None
     sleep_level: int | None
     wanted_since: datetime | None
+    pools: list[str]

@@ -18,7 +18,7 @@ from django.utils import timezone
 from opentelemetry.trace import Tracer
 
 from hub import ControlPlaneHub, get_hub
-from hub.contracts import UsageSnapshot
+from hub.contracts import Activation, UsageSnapshot
 from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
 
@@ -85,7 +85,7 @@ class _HubReadings:
 
     usage: UsageSnapshot | None  # None: collection failed, `usage_error` says why
     usage_error: str
-    activations: set[str]
+    activations: set[Activation]
 
 
 def tick(
@@ -191,7 +191,7 @@ def _take_usage(readings: _HubReadings, now: datetime, report: TickReport) -> tu
 
 
 def _apply_demand(
-    activations: set[str], readings: _HubReadings, usage: UsageVerdict, now: datetime, report: TickReport
+    activations: set[Activation], readings: _HubReadings, usage: UsageVerdict, now: datetime, report: TickReport
 ) -> DemandOutcome:
     """Create, stop and scale replicas as demand says, counted in `report`."""
     # Idleness only while usage is known (DESIGN invariant 3); load only from a collection that worked.

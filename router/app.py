@@ -238,11 +238,7 @@ class RouterApp:
                 traffic.answered(model, CLIENT_CLOSED)
                 return
             model, body, streaming, affinity = self._parse(body)
-            allowed = key.allowed_models
-            if allowed and model not in allowed and not key.allows(model, self._balancer.resolve):
-                raise model_not_allowed(key, model)
-            if key.rpm is not None or key.tpm is not None:
-                self._balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
+            self._admit(key, model)
         except RouterError as exc:
             traffic.answered(model, exc.status)
             raise
@@ -273,6 +269,18 @@ class RouterApp:
             self._in_flight.end(exchange)
             traffic.in_flight -= 1
             traffic.answered(model, exchange.status or CLIENT_CLOSED)
+
+    def _admit(self, key: KeyInfo, model: str) -> None:
+        """Nothing if `key` may send a request for `model` now; else a RouterError: 403 for a model outside its
+        scope or with no profile in its pools (no replica could ever serve it, so it is not held), 429 past its
+        rate limits. Set and dict lookups only."""
+        balancer, allowed = self._balancer, key.allowed_models
+        if allowed and model not in allowed and not key.allows(model, balancer.resolve):
+            raise model_not_allowed(key, model)
+        if key.allowed_pools and not balancer.serves_pools(model, key.allowed_pools):
+            raise model_not_in_pools(key, model)
+        if key.rpm is not None or key.tpm is not None:
+            balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
 
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
         """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError
@@ -329,6 +337,17 @@ def model_not_allowed(key: KeyInfo, model: str) -> RouterError:
     """403: the key's scope does not include `model`."""
     return RouterError(
         403, f"The API key “{key.name}” may not use the model `{model}`.", "model_not_allowed", param="model"
+    )
+
+
+def model_not_in_pools(key: KeyInfo, model: str) -> RouterError:
+    """403: no profile of `model` is in one of the key's pools, so no replica may ever serve it."""
+    pools = ", ".join(sorted(key.allowed_pools))
+    return RouterError(
+        403,
+        f"The API key “{key.name}” is limited to the pools {pools}, and the model `{model}` runs in none of them.",
+        "model_not_in_pools",
+        param="model",
     )
 
 

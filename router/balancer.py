@@ -75,10 +75,11 @@ class Balancer:
         self._ejections: dict[str, int] = {}  # public name -> ejections so far (a counter, never reset)
         self._names: dict[str, str] = {}  # public name or alias -> public name
         self._catalog: dict[str, list[str]] = {}  # public name -> aliases
-        self._unplaceable: dict[str, str] = {}  # public name -> why the control plane cannot place it now
+        self._unplaceable: dict[str, tuple[str, frozenset[str]]] = {}  # public name -> why it cannot be placed now
         self._start_failed: dict[str, str] = {}  # public name -> why its only replica failed
         self._start_seconds: dict[str, float] = {}  # public name -> learned time from placement to ready
         self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
+        self._pools: dict[str, frozenset[str]] = {}  # public name -> its profiles' pools, when published
         self._adapters: dict[str, AdapterEntry] = {}  # public adapter name -> its entry
         self._endpoints: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self._by_replica: dict[str, Endpoint] = {}
@@ -121,7 +122,7 @@ class Balancer:
         self._adapters = lookups.adapters
         self._names, self._catalog, self._unplaceable = lookups.names, catalog, lookups.unplaceable
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
-        self._holding = lookups.holding
+        self._holding, self._pools = lookups.holding, lookups.pools
         self._endpoints, self._by_replica = endpoints, by_replica
         self.fingerprint = fingerprint
         self.generation += 1
@@ -148,9 +149,11 @@ class Balancer:
             return model
         return "" if self._endpoints.get(adapter.base) else adapter.base
 
-    def unplaceable(self, model: str) -> str | None:
-        """Why the control plane could not place `model` (an adapter: its idle base) at its last attempt, or None."""
-        return self._unplaceable.get(self._notes_of(model))
+    def unplaceable(self, model: str, pools: frozenset[str] | None = None) -> str | None:
+        """Why the control plane could not place `model` (an adapter: its idle base) for a key bound to `pools`
+        (None: to none) at its last attempt, or None. A note on a start in some pools answers only keys of them all."""
+        note = self._unplaceable.get(self._notes_of(model))
+        return note[0] if note is not None and note[1] <= (pools or frozenset()) else None
 
     def start_failure(self, model: str) -> str | None:
         """Why `model`'s (an adapter: its idle base's) only replica failed (the engine's last words), or None."""
@@ -169,6 +172,11 @@ class Balancer:
         if adapter is not None and (adapter.loading or self._endpoints.get(adapter.base)):
             return ADAPTER_LOAD
         return self._holding.get(self._notes_of(model))
+
+    def serves_pools(self, model: str, pools: frozenset[str]) -> bool:
+        """Whether `model` (an adapter: its base) has a profile in `pools` (empty: any); unknown pools refuse none."""
+        have = self._pools.get(self._adapters[model].base if model in self._adapters else model)
+        return not pools or have is None or not have.isdisjoint(pools)
 
     def catalog(self) -> dict[str, list[str]]:
         """Public model name -> aliases, as last published."""
@@ -238,7 +246,7 @@ class Balancer:
         if not best:  # every replica left is KV-full (or ejected): the least loaded of them
             best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
         if not best:
-            return min(candidates, key=_ejected_at)
+            return min(candidates, key=lambda e: e.health.ejected_at)
         chosen = None
         if tier:
             # One replica at the top priority is its own rendezvous winner.
@@ -390,7 +398,3 @@ class Balancer:
 
     def in_flight(self) -> int:
         return sum(e.outstanding for e in self._by_replica.values())
-
-
-def _ejected_at(endpoint: Endpoint) -> float:
-    return endpoint.health.ejected_at

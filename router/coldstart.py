@@ -5,7 +5,8 @@ connection (its engine or node died): the control plane replaces it, and the
 request is answered by the replacement instead of failing.
 
 Many waiters share one activation request (re-asked at most once per
-ACTIVATION_INTERVAL in case the first was lost). Waiters wake on every applied
+ACTIVATION_INTERVAL in case the first was lost); a key bound to pools asks
+for a replica in them, which the control plane starts on a profile of one. Waiters wake on every applied
 endpoint table. A streaming client is kept alive with SSE comments while it
 waits. Past the bound the answer is 503 with a Retry-After that carries the
 start time the control plane learned for the model, less the wait already
@@ -73,7 +74,7 @@ class ColdStart:
         # proxy in between from timing out the silent connection.
         self.keepalive_seconds = keepalive_seconds
         self._table_applied = asyncio.Event()
-        self._asked: dict[str, float] = {}
+        self._asked: dict[tuple[str, frozenset[str]], float] = {}  # (model, key's pools) -> when last asked
         self.max_waiters = max_waiters
         self._waiting: dict[str, int] = {}
 
@@ -86,19 +87,21 @@ class ColdStart:
         waiting, self._table_applied = self._table_applied, asyncio.Event()
         waiting.set()
 
-    def _ask_activation(self, model: str) -> None:
+    def _ask_activation(self, model: str, pools: frozenset[str]) -> None:
+        """Ask for `model` to be started in `pools` (empty: anywhere), unless asked in the last interval."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if now - self._asked.get(model, float("-inf")) < ACTIVATION_INTERVAL:
+        asked = (model, pools)
+        if now - self._asked.get(asked, float("-inf")) < ACTIVATION_INTERVAL:
             return
-        self._asked[model] = now
+        self._asked[asked] = now
         self.metrics.activations.labels(model).inc()
         # In the background: a slow or unreachable store must not delay noticing the replica.
-        self.tasks.start(self._send_activation(model))
+        self.tasks.start(self._send_activation(model, pools))
 
-    async def _send_activation(self, model: str) -> None:
+    async def _send_activation(self, model: str, pools: frozenset[str]) -> None:
         try:
-            await self.hub.request_activation(model)
+            await self.hub.request_activation(model, pools)
         except Exception as exc:
             log.warning("could not ask for model %s to be activated: %s", model, exc)
 
@@ -156,8 +159,8 @@ class ColdStart:
                     raise RouterError(
                         404, f"The model `{model}` was removed while waiting for it.", "model_not_found", param="model"
                     )
-                self._ask_activation(model)
-                self._raise_if_hopeless(model)
+                self._ask_activation(model, pools or frozenset())
+                self._raise_if_hopeless(model, pools)
                 reason = self.balancer.holding(model) or reason
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -172,10 +175,10 @@ class ColdStart:
             if waited:
                 self.metrics.traffic.held(model, reason, loop.time() - began)
 
-    def _raise_if_hopeless(self, model: str) -> None:
-        """A RouterError if waiting for `model` would only hold the client until the deadline: the control plane
-        cannot place it, or its only replica failed."""
-        reason = self.balancer.unplaceable(model)
+    def _raise_if_hopeless(self, model: str, pools: frozenset[str] | None) -> None:
+        """A RouterError if waiting for `model` (for a key bound to `pools`) would only hold the client until the
+        deadline: the control plane cannot place it, or its only replica failed."""
+        reason = self.balancer.unplaceable(model, pools)
         if reason is not None:
             raise RouterError(
                 503,

@@ -70,7 +70,7 @@ class StaticHub(InProcessHub):
         self.publish_endpoints(table)
         self._key_changes = key_changes
 
-    async def request_activation(self, model_name: str) -> None:
+    async def request_activation(self, model_name: str, pools: Iterable[str] = ()) -> None:
         """Nothing to ask: there is no control plane. (The model's table entry says why it cannot start.)"""
 
     async def watch_key_changes(self) -> AsyncIterator[list[str]]:

@@ -136,10 +136,11 @@ class ModelLookups:
     names: dict[str, str] = field(default_factory=dict)  # name or alias -> public name
     adapters: dict[str, AdapterEntry] = field(default_factory=dict)  # those riding on a model of the table
     catalog: dict[str, list[str]] = field(default_factory=dict)  # public name -> aliases
-    unplaceable: dict[str, str] = field(default_factory=dict)
+    unplaceable: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)  # why, for keys of which pools
     start_failed: dict[str, str] = field(default_factory=dict)
     start_seconds: dict[str, float] = field(default_factory=dict)
     holding: dict[str, str] = field(default_factory=dict)
+    pools: dict[str, frozenset[str]] = field(default_factory=dict)  # a model's profiles' pools, when published
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
@@ -153,13 +154,15 @@ def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntr
     for public, entry in models.items():
         found.catalog[public] = entry.aliases
         if entry.unplaceable is not None:
-            found.unplaceable[public] = entry.unplaceable
+            found.unplaceable[public] = (entry.unplaceable, frozenset(entry.unplaceable_pools))
         if entry.failed is not None:
             found.start_failed[public] = entry.failed
         if entry.start_seconds is not None:
             found.start_seconds[public] = entry.start_seconds
         if entry.holding is not None:
             found.holding[public] = entry.holding
+        if entry.pools:
+            found.pools[public] = frozenset(entry.pools)
         found.names[public] = public
     for public, adapter in (adapters or {}).items():
         if adapter.base in models and public not in found.names:

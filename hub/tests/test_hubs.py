@@ -8,8 +8,18 @@ import pytest
 import redis
 
 from hub import InProcessHub, RedisHub, fingerprint
-from hub.contracts import EndpointRow, EndpointTable, ModelEntry, RouterMark, UsageReport, UsageSnapshot
-from hub.redis_hub import KEY_CHANGES_CHANNEL, ROUTERS_KEY
+from hub.contracts import (
+    Activation,
+    EndpointRow,
+    EndpointTable,
+    ModelEntry,
+    RouterMark,
+    UsageReport,
+    UsageSnapshot,
+    decode_activation,
+    encode_activation,
+)
+from hub.redis_hub import ACTIVATIONS_KEY, KEY_CHANGES_CHANNEL, ROUTERS_KEY
 
 
 @pytest.fixture(params=["in-process", "redis"])
@@ -86,8 +96,46 @@ def test_activations_are_drained_once_however_often_asked(hub):
         await asyncio.gather(*(hub.request_activation("llama") for _ in range(5)), hub.request_activation("qwen"))
 
     run(ask())
-    assert hub.drain_activations() == {"llama", "qwen"}
+    assert hub.drain_activations() == {Activation("llama"), Activation("qwen")}
     assert hub.drain_activations() == set()
+
+
+def test_an_activation_carries_the_asking_keys_pools_and_one_per_model_and_pools_is_drained(hub):
+    async def ask():
+        await hub.request_activation("llama", ["silver", "gold"])
+        await hub.request_activation("llama", ("gold", "silver", "gold"))  # the same pools in another order
+        await hub.request_activation("llama", {"gold"})
+        await hub.request_activation("llama")
+
+    run(ask())
+    assert hub.drain_activations() == {
+        Activation("llama", ("gold", "silver")),
+        Activation("llama", ("gold",)),
+        Activation("llama"),
+    }
+    assert hub.drain_activations() == set()
+
+
+def test_an_activation_without_pools_is_stored_as_the_bare_model_name_every_control_plane_reads(redis_url):
+    hub = RedisHub(redis_url)
+    run(hub.request_activation("llama"))
+    run(hub.request_activation("qwen", ["gold"]))
+    stored = redis.Redis.from_url(redis_url).smembers(ACTIVATIONS_KEY)
+    assert stored == {b"llama", b'{"model":"qwen","pools":["gold"]}'}
+
+
+def test_a_malformed_activation_is_skipped_and_logged_and_the_others_are_drained(redis_url, caplog):
+    redis.Redis.from_url(redis_url).sadd(
+        ACTIVATIONS_KEY, b"llama", b'{"model":"qwen","pools":["gold"]}', b'{"model":"qwen","pools":[""]}', b"{nope", b""
+    )
+    assert RedisHub(redis_url).drain_activations() == {Activation("llama"), Activation("qwen", ("gold",))}
+    assert caplog.text.count("skipping a malformed activation") == 3
+
+
+def test_an_activation_is_decoded_as_it_was_encoded():
+    for activation in (Activation("llama"), Activation("org/model:v1", ("a", "b"))):
+        assert decode_activation(encode_activation(activation)) == activation
+    assert Activation.of("m", ["b", "a", "b"]) == Activation("m", ("a", "b"))
 
 
 def test_usage_keeps_the_newest_stamp_and_forgets_on_request(hub):
@@ -223,7 +271,7 @@ def test_an_activation_request_calls_the_in_process_listeners():
     hub.on_activation(lambda: calls.append("woken"))
     run(hub.request_activation("llama"))
     assert calls == ["woken"]
-    assert hub.drain_activations() == {"llama"}
+    assert hub.drain_activations() == {Activation("llama")}
 
 
 def test_key_changes_reach_every_watcher_published_after_it_subscribed(hub):

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from conftest import wait_until
-from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, ModelEntry
+from hub.contracts import Activation, AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 from hub.credentials import hash_secret
 from keys.models import ApiKey
 from router.balancer import ADAPTER_LOAD, Balancer
@@ -170,7 +170,7 @@ def test_an_adapter_held_nowhere_is_held_asks_for_its_activation_and_is_served_o
     def publish_when_asked():
         wait_until(lambda: counting.activations)
         assert router.state.cold_start.waiting(ADAPTER) == 1
-        assert hub.drain_activations() == {ADAPTER}
+        assert hub.drain_activations() == {Activation(ADAPTER)}
         hub.publish_endpoints(lora_table([engine.url], ["1"]))
 
     publisher = threading.Thread(target=publish_when_asked)
@@ -190,7 +190,7 @@ def test_an_adapter_past_the_hold_is_503_with_retry_after_like_a_models_cold_sta
     error = assert_openai_error(response, 503, "model_starting", f"`{ADAPTER}` (an adapter of `{MODEL}`)")
     assert error["type"] == "server_error"
     assert response.headers["retry-after"] == "300"  # its idle base's learned start, less the wait
-    assert hub.drain_activations() == {ADAPTER}
+    assert hub.drain_activations() == {Activation(ADAPTER)}
 
 
 @pytest.mark.parametrize(
