@@ -5,9 +5,12 @@ when the profile is about to be deleted (deleting a model deletes its
 profiles). After the deleting transaction commits, for each noted source that
 no remaining profile still uses, every node whose Weights rows hold it is sent
 remove_weights, after a second, short transaction that decides it (Outbox:
-commands leave only after commit). The agent answers with weights_status;
-inventory.services forgets the row on success and keeps it (with a warning)
-on refusal.
+commands leave only after commit). Like every command it is pending until the
+agent acknowledges it (per node and source: reconciler.outbox.pending_key), so a
+node offline now gets it when it reconnects. The agent then answers with
+weights_status; inventory.services forgets the row on success and keeps it
+(with a warning) on refusal. What this misses (weights no profile ever named,
+a source edited away, a removal refused) reconciler.weights_sweep removes later.
 """
 
 from __future__ import annotations
@@ -55,17 +58,22 @@ def _pending_callback():
     return None
 
 
+def keys_in_use() -> set[str]:
+    """The weights keys of every profile of every model; one query.
+
+    The whole catalog's profiles (the catalog is small): keys are normalised
+    forms of the sources, so they cannot be matched in SQL. A node's weights are
+    in use when their source or their path is one of these.
+    """
+    return {weights_key(engine, source) for engine, source in Profile.objects.values_list("engine", "model__source")}
+
+
 def remove_unused_weights(keys: set[str]) -> int:
     """Send remove_weights for every node's copy of `keys` no remaining profile uses; return how many were sent.
 
     Three queries: the remaining profiles, the holders, the epoch.
     """
-    # The whole catalog's profiles (a deletion is rare, the catalog small): keys are normalised forms of
-    # the sources, so they cannot be matched in SQL.
-    still_used = {
-        weights_key(engine, source) for engine, source in Profile.objects.values_list("engine", "model__source")
-    }
-    unused = keys - still_used
+    unused = keys - keys_in_use()
     if not unused:
         return 0
     with transaction.atomic():
