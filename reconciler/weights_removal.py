@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import CharField, Q, Value
 from django.db.models.signals import pre_delete
 
-from agent.weights import weights_key
-from catalog.models import Profile
+from agent.weights import GGUF_ENGINES, weights_key
+from catalog.models import Adapter, Profile
 from inventory.models import Weights
 
 from .outbox import Outbox
@@ -58,14 +58,26 @@ def _pending_callback():
     return None
 
 
-def keys_in_use() -> set[str]:
-    """The weights keys of every profile of every model; one query.
+# Marks the LoRA adapters' rows in keys_in_use's one query (no engine is called that).
+_ADAPTER = "(adapter)"
 
-    The whole catalog's profiles (the catalog is small): keys are normalised
-    forms of the sources, so they cannot be matched in SQL. A node's weights are
-    in use when their source or their path is one of these.
+
+def keys_in_use() -> set[str]:
+    """The weights keys of every profile of every model, and of every LoRA adapter; one query.
+
+    The whole catalog (it is small): keys are normalised forms of the sources,
+    so they cannot be matched in SQL. A node's weights are in use when their
+    source or their path is one of these. An adapter from the hub lands in the
+    same cache (engines get the weights root as HF_HOME); its source is read
+    both ways, as a hub id and as a GGUF path, so it is kept whichever it is.
     """
-    return {weights_key(engine, source) for engine, source in Profile.objects.values_list("engine", "model__source")}
+    adapters = Adapter.objects.annotate(engine=Value(_ADAPTER, output_field=CharField()))
+    profiles = Profile.objects.values_list("engine", "model__source").order_by()
+    keys: set[str] = set()
+    for engine, source in profiles.union(adapters.values_list("engine", "source").order_by(), all=True):
+        engines = ("", GGUF_ENGINES[0]) if engine == _ADAPTER else (engine,)
+        keys.update(weights_key(reading, source) for reading in engines)
+    return keys
 
 
 def remove_unused_weights(keys: set[str]) -> int:
