@@ -81,9 +81,10 @@ def keys_in_use() -> set[str]:
 
 
 def remove_unused_weights(keys: set[str]) -> int:
-    """Send remove_weights for every node's copy of `keys` no remaining profile uses; return how many were sent.
+    """Send remove_weights for every node's copy of `keys` no remaining profile (or adapter) uses; return how
+    many were sent.
 
-    Three queries: the remaining profiles, the holders, the epoch.
+    Four queries: the remaining profiles and adapters, the holders, the epoch, the pending rows.
     """
     unused = keys - keys_in_use()
     if not unused:
