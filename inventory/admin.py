@@ -58,7 +58,7 @@ class WeightsInline(ReadOnlyInline):
     """The weights the node's agent reports on its disk, with human sizes (on disk, and the tensors' own)."""
 
     model = Weights
-    fields = ["source", "size", "tensors", "path", "seen_at"]
+    fields = ["source", "size", "tensors", "path", "seen_at", "unused_since"]
     verbose_name_plural = "weights on disk"
 
     def get_readonly_fields(self, request, obj=None):

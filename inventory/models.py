@@ -186,6 +186,12 @@ class Weights(models.Model):
         null=True, blank=True, help_text="What the weights' headers say of their size and shape, as reported."
     )
     seen_at = models.DateTimeField()
+    # Set by the leader's sweep (reconciler.weights_sweep) when it first finds no profile using the weights,
+    # cleared when one does again, and set anew when a removal is sent (one that did not take is tried again
+    # a grace period later).
+    unused_since = models.DateTimeField(
+        null=True, blank=True, help_text="Since when no profile uses them (empty: in use, or not swept yet)."
+    )
 
     objects = WeightsQuerySet.as_manager()
 

@@ -107,6 +107,16 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _s("LLMGW_COMMAND_RESEND_BATCH", "int", 200, "most unacknowledged commands one tick sends again", 1),
     _s(
+        "LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS",
+        "float",
+        86400.0,
+        "weights a node holds that no profile uses are removed once unused this long (from the first sweep that "
+        "found them unused)",
+        0.0,
+    ),
+    _s("LLMGW_WEIGHTS_SWEEP_SECONDS", "float", 600.0, "the leader sweeps the nodes' unused weights this often", 1.0),
+    _s("LLMGW_WEIGHTS_SWEEP_BATCH", "int", 100, "most weights removals one sweep sends", 1),
+    _s(
         "LLMGW_CHANNEL_CAPACITY",
         "int",
         10000,

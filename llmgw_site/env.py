@@ -4,6 +4,7 @@ A bad value fails at start-up with ImproperlyConfigured naming the variable,
 rather than surfacing later as a confusing runtime error.
 """
 
+import math
 import os
 
 from django.core.exceptions import ImproperlyConfigured
@@ -41,6 +42,8 @@ def env_float(name: str, default: float, minimum: float | None = None) -> float:
         raise ImproperlyConfigured(f"{name}={value!r} is not a number") from None
     if number != number or (minimum is not None and number < minimum):
         raise ImproperlyConfigured(f"{name}={value!r} must be a number of at least {minimum}")
+    if math.isinf(number):  # a duration of inf seconds overflows every timedelta made of it
+        raise ImproperlyConfigured(f"{name}={value!r} must be a finite number")
     return number
 
 

@@ -180,6 +180,8 @@ class Leadership:
         # When this process became leader at the current epoch; a young leader
         # declares no node lost (it has not yet watched a whole heartbeat window).
         self.leader_since: datetime | None = None
+        # When this process's tick next sweeps the nodes' unused weights (reconciler.weights_sweep).
+        self.next_weights_sweep: datetime | None = None
         self._lock = threading.Lock()
 
     def renew(self) -> bool:

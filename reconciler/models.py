@@ -259,17 +259,19 @@ class Lease(models.Model):
 class PendingCommand(models.Model):
     """An agent command sent and not yet acknowledged: the tick sends it again until the agent answers.
 
-    One per (node, shard, subject): a newer command for the same shard replaces the
-    older one (a stop supersedes the start it follows), so what is re-sent is
-    only ever the latest decision; adapter commands are per adapter on the shard. `payload` is the command as sent, epoch and
-    `cid` included, so a re-sent copy is the same command and a leader's
-    successor's agents refuse it (and acknowledge the refusal).
+        One per (node, shard, subject): a newer command for the same shard replaces the
+        older one (a stop supersedes the start it follows), so what is re-sent is
+        only ever the latest decision; adapter commands are per adapter on the shard, and a node's
+    remove_weights per source (shard 0, reconciler.outbox.pending_key). `payload` is the command as sent, epoch and
+        `cid` included, so a re-sent copy is the same command and a leader's
+        successor's agents refuse it (and acknowledge the refusal).
     """
 
     node_name = models.CharField(max_length=64)
     shard_id = models.BigIntegerField()
-    # What on the shard the command is about beyond the shard itself: an adapter's name ("": the shard).
-    subject = models.CharField(max_length=200, blank=True, default="", db_default="")
+    # What on the shard the command is about beyond the shard itself: an adapter's name ("": the shard);
+    # for a node's remove_weights (shard 0), "weights:" and the source (up to 500 characters).
+    subject = models.CharField(max_length=600, blank=True, default="", db_default="")
     cid = models.CharField(max_length=64, unique=True)
     kind = models.CharField(max_length=16)
     payload = models.JSONField()

@@ -28,6 +28,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agent.protocol import (
+    REMOVE_WEIGHTS,
     DrainShard,
     LoadAdapter,
     RemoveWeights,
@@ -92,14 +93,34 @@ def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exc
     return failed
 
 
+# The shard id node-level commands (remove_weights) are pending under: shard ids start at 1.
+NODE_SHARD_ID = 0
+WEIGHTS_SUBJECT_PREFIX = "weights:"
+
+
+def weights_subject(source: str) -> str:
+    """The subject a remove_weights for `source` is pending under (on shard NODE_SHARD_ID)."""
+    return WEIGHTS_SUBJECT_PREFIX + source
+
+
+def pending_key(cmd: dict) -> tuple[int, str]:
+    """(shard id, subject) a command is pending under: its shard and, for an adapter command, the adapter's
+    name; a remove_weights is the node's, under its source, so it never replaces a shard's command."""
+    if cmd["type"] == REMOVE_WEIGHTS:
+        return NODE_SHARD_ID, weights_subject(cmd["source"])
+    return cmd["shard_id"], cmd.get("name", "")
+
+
 def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
-    """Record commands about to be sent as pending, each replacing any pending one for its shard (and adapter,
-    for an adapter command); one query."""
-    rows = {
-        (node, cmd["shard_id"], cmd.get("name", "")): PendingCommand(
+    """Record commands about to be sent as pending, each replacing any pending one under its key
+    (`pending_key`: a newer command for the same shard, adapter or weights); one query."""
+    rows: dict[tuple[str, int, str], PendingCommand] = {}
+    for node, cmd in built:
+        shard_id, subject = pending_key(cmd)
+        rows[node, shard_id, subject] = PendingCommand(
             node_name=node,
-            shard_id=cmd["shard_id"],
-            subject=cmd.get("name", ""),
+            shard_id=shard_id,
+            subject=subject,
             cid=cmd["cid"],
             kind=cmd["type"],
             payload=cmd,
@@ -107,8 +128,6 @@ def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
             created_at=now,
             due_at=resend_due(now, 1),
         )
-        for node, cmd in built
-    }
     PendingCommand.objects.bulk_create(
         list(rows.values()),
         update_conflicts=True,
@@ -185,9 +204,7 @@ class Outbox:
             (node, to_builtins(kind(epoch=epoch, cid=new_command_id(), **fields)))
             for node, kind, fields in self.commands
         ]
-        # Shard commands wait, pending, for their ack; a remove_weights is answered by weights_status, and
-        # one lost leaves the weights listed on the node (admin, status) until it is deleted again.
-        record_pending([(node, cmd) for node, cmd in built if "shard_id" in cmd], self.now or timezone.now())
+        record_pending(built, self.now or timezone.now())
         transaction.on_commit(lambda: deliver(built))
 
 

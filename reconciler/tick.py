@@ -2,7 +2,8 @@
 
 Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
 liveness → slow starts → demand → swaps (sleepers woken) → retries → resends of starts never answered →
-placement → replaced replicas drained → adapters (idle ones unloaded, wanted ones loaded) → stops → sleeps → commands recorded as pending → unacknowledged ones sent again →
+placement → replaced replicas drained → adapters (idle ones unloaded, wanted ones loaded) → stops → sleeps →
+unused weights swept (every LLMGW_WEIGHTS_SWEEP_SECONDS) → commands recorded as pending → unacknowledged ones sent again →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
 its tables once, decides in memory and writes in bulk.
@@ -36,6 +37,7 @@ from .placing import place_pending, resend_starts
 from .swap import wake_for_demand
 from .tokens import record_token_usage
 from .usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
+from .weights_sweep import sweep_due, sweep_unused_weights, swept
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ class TickReport:
     stops_sent: int = 0
     adapter_loads_sent: int = 0
     adapter_unloads_sent: int = 0
+    weights_swept: bool = False
+    weights_removals_sent: int = 0
     published: bool = False
     unknown_activations: list[str] = field(default_factory=list)
 
@@ -124,6 +128,8 @@ def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: St
         log.warning("tick abandoned, nothing committed: %s", exc)
         leadership.held = False
         return TickReport(leader=False, epoch=report.epoch)
+    if report.weights_swept:
+        swept(leadership, now)
     steps.run("tell hub", _tell_hub, hub, forget, usage.gone, report)
     return report
 
@@ -167,6 +173,9 @@ def _reconcile(
     report.adapter_loads_sent = run("adapters", assign_adapters, wanted_adapters, now, outbox, in_flight)
     report.stops_sent, deleted = run("stops", stop_shards, now, outbox)
     report.sleeps_sent = run("sleeps", send_sleeps, now, outbox)
+    if sweep_due(leadership, now):
+        report.weights_swept = True
+        report.weights_removals_sent = run("weights sweep", sweep_unused_weights, now, outbox)
     report.starts_sent = placing.starts_sent
     report.replicas_deleted = demand.deleted + deleted
     outbox.send_on_commit()

@@ -5,9 +5,12 @@ when the profile is about to be deleted (deleting a model deletes its
 profiles). After the deleting transaction commits, for each noted source that
 no remaining profile still uses, every node whose Weights rows hold it is sent
 remove_weights, after a second, short transaction that decides it (Outbox:
-commands leave only after commit). The agent answers with weights_status;
-inventory.services forgets the row on success and keeps it (with a warning)
-on refusal.
+commands leave only after commit). Like every command it is pending until the
+agent acknowledges it (per node and source: reconciler.outbox.pending_key), so a
+node offline now gets it when it reconnects. The agent then answers with
+weights_status; inventory.services forgets the row on success and keeps it
+(with a warning) on refusal. What this misses (weights no profile ever named,
+a source edited away, a removal refused) reconciler.weights_sweep removes later.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from __future__ import annotations
 import logging
 
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import CharField, Q, Value
 from django.db.models.signals import pre_delete
 
-from agent.weights import weights_key
-from catalog.models import Profile
+from agent.weights import GGUF_ENGINES, weights_key
+from catalog.models import Adapter, Profile
 from inventory.models import Weights
 
 from .outbox import Outbox
@@ -55,17 +58,35 @@ def _pending_callback():
     return None
 
 
-def remove_unused_weights(keys: set[str]) -> int:
-    """Send remove_weights for every node's copy of `keys` no remaining profile uses; return how many were sent.
+# Marks the LoRA adapters' rows in keys_in_use's one query (no engine is called that).
+_ADAPTER = "(adapter)"
 
-    Three queries: the remaining profiles, the holders, the epoch.
+
+def keys_in_use() -> set[str]:
+    """The weights keys of every profile of every model, and of every LoRA adapter; one query.
+
+    The whole catalog (it is small): keys are normalised forms of the sources,
+    so they cannot be matched in SQL. A node's weights are in use when their
+    source or their path is one of these. An adapter from the hub lands in the
+    same cache (engines get the weights root as HF_HOME); its source is read
+    both ways, as a hub id and as a GGUF path, so it is kept whichever it is.
     """
-    # The whole catalog's profiles (a deletion is rare, the catalog small): keys are normalised forms of
-    # the sources, so they cannot be matched in SQL.
-    still_used = {
-        weights_key(engine, source) for engine, source in Profile.objects.values_list("engine", "model__source")
-    }
-    unused = keys - still_used
+    adapters = Adapter.objects.annotate(engine=Value(_ADAPTER, output_field=CharField()))
+    profiles = Profile.objects.values_list("engine", "model__source").order_by()
+    keys: set[str] = set()
+    for engine, source in profiles.union(adapters.values_list("engine", "source").order_by(), all=True):
+        engines = ("", GGUF_ENGINES[0]) if engine == _ADAPTER else (engine,)
+        keys.update(weights_key(reading, source) for reading in engines)
+    return keys
+
+
+def remove_unused_weights(keys: set[str]) -> int:
+    """Send remove_weights for every node's copy of `keys` no remaining profile (or adapter) uses; return how
+    many were sent.
+
+    Four queries: the remaining profiles and adapters, the holders, the epoch, the pending rows.
+    """
+    unused = keys - keys_in_use()
     if not unused:
         return 0
     with transaction.atomic():

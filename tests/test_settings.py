@@ -42,6 +42,7 @@ def django_setup(**env) -> subprocess.CompletedProcess:
         (lambda: env_port("LLMGW_X", 1), "ten", "port 'ten' is not a number"),
         (lambda: env_port("LLMGW_X", 1), "0", "port 0 is outside 1-65535"),
         (lambda: env_float("LLMGW_X", 1.0, minimum=0.1), "nan", "must be a number"),
+        (lambda: env_float("LLMGW_X", 1.0, minimum=0.1), "inf", "must be a finite number"),
         (lambda: env_bool("LLMGW_X"), "maybe", "not a boolean"),
         (lambda: env_int("LLMGW_X", 1, minimum=1), "2.5", "not a whole number"),
         (lambda: env_int("LLMGW_X", 1, minimum=1), "0", "at least 1"),
@@ -70,6 +71,21 @@ def test_start_up_fails_on_a_bad_tick_interval():
     result = django_setup(LLMGW_TICK_SECONDS="soon")
     assert result.returncode != 0
     assert "LLMGW_TICK_SECONDS='soon' is not a number" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS", "-1", "must be a number of at least 0.0"),
+        ("LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS", "a day", "is not a number"),
+        ("LLMGW_WEIGHTS_SWEEP_SECONDS", "0", "must be a number of at least 1.0"),
+        ("LLMGW_WEIGHTS_SWEEP_BATCH", "0", "must be a whole number of at least 1"),
+    ],
+)
+def test_start_up_fails_on_a_bad_weights_sweep_setting(name, value, words):
+    result = django_setup(**{name: value})
+    assert result.returncode != 0
+    assert f"{name}={value!r} {words}" in result.stderr
 
 
 def test_start_up_fails_on_an_empty_llama_server_binary():

@@ -50,7 +50,10 @@ def test_hello_carries_the_weights_and_remove_weights_deletes_inside_the_root_on
             assert (refused["source"], refused["removed"]) == ("evil", False)
             assert "outside the weights root" in refused["message"]
 
-            await cp.send(command(protocol.REMOVE_WEIGHTS, 5, source="org/m", path=str(entry)))
+            # Acknowledged as soon as received (the control plane stops sending it again), then answered.
+            await cp.send(command(protocol.REMOVE_WEIGHTS, 5, cid="c1", source="org/m", path=str(entry)))
+            ack = checked(await cp.next(protocol.ACK))
+            assert (ack["cid"], ack["refused"]) == ("c1", False)
             removed = checked(await cp.next(protocol.WEIGHTS_STATUS))
             assert (removed["source"], removed["removed"], removed["message"]) == ("org/m", True, f"removed {entry}")
             # A later heartbeat reports the disk as it is now.
@@ -58,9 +61,11 @@ def test_hello_carries_the_weights_and_remove_weights_deletes_inside_the_root_on
                 pass
             assert heartbeat["weights"] == []
 
-            # A deposed leader's removal is refused without an answer (fencing).
+            # A deposed leader's removal is refused without an answer but its acknowledgement (fencing).
             make_hf_cache(root, "org/again")
-            await cp.send(command(protocol.REMOVE_WEIGHTS, 4, source="org/again", path=str(root / "hub")))
+            await cp.send(command(protocol.REMOVE_WEIGHTS, 4, cid="c2", source="org/again", path=str(root / "hub")))
+            refusal = checked(await cp.next(protocol.ACK))
+            assert (refusal["cid"], refusal["refused"]) == ("c2", True)
             await asyncio.sleep(0.3)
             await agent.shutdown()
             await task

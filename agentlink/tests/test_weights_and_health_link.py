@@ -1,6 +1,8 @@
 """Over the agent link: hello's weights are stored, remove_weights reaches the agent and its answer is applied,
 and a heartbeat reporting a held GPU unhealthy fails the replica and stops its shard."""
 
+import asyncio
+
 import pytest
 from channels.db import database_sync_to_async
 
@@ -8,7 +10,7 @@ from agent import protocol
 from agentlink.tests.test_consumer import connect, hello
 from inventory.models import Node, Weights
 from reconciler.choices import ReplicaState
-from reconciler.models import Replica
+from reconciler.models import PendingCommand, Replica
 from reconciler.outbox import Outbox
 from tests.fleet import make_model, make_replica
 
@@ -34,8 +36,10 @@ async def test_weights_reported_at_hello_are_removed_when_the_agent_says_so(toke
     assert (await comm.receive_json_from(timeout=5))["type"] == "error"
     await database_sync_to_async(queue_removal)()
     command = await comm.receive_json_from(timeout=5)
-    assert command.pop("cid")  # acknowledged like every command
+    cid = command.pop("cid")  # pending until acknowledged, like every command
     assert command == {"type": "remove_weights", "v": 1, "epoch": 2, **{k: WEIGHTS[0][k] for k in ("source", "path")}}
+    assert await database_sync_to_async(PendingCommand.objects.filter(cid=cid).exists)()
+    await comm.send_json_to({"type": "ack", "v": 1, "cid": cid})
     rows = await database_sync_to_async(lambda: list(Weights.objects.values_list("source", "size_bytes")))()
     assert rows == [("org/llama", 123)]
 
@@ -46,6 +50,8 @@ async def test_weights_reported_at_hello_are_removed_when_the_agent_says_so(toke
     await comm.send_json_to({"type": "bogus", "v": 1})  # its error reply marks the end of what was processed
     assert (await comm.receive_json_from(timeout=5))["type"] == "error"
     assert not await database_sync_to_async(Weights.objects.exists)()
+    await asyncio.sleep(0.3)  # acks are settled in batches, a tenth of a second apart
+    assert not await database_sync_to_async(PendingCommand.objects.exists)()
     await comm.disconnect()
 
 

@@ -91,6 +91,8 @@ def test_node_admin_shows_weights_read_only_with_human_sizes_and_gpu_health_reas
     assert "org/small" in html and "1.5 KiB" in html and "5.0 GiB" in html
     assert "3.0 GiB gguf" in html  # the tensors' bytes as the agent read them from the headers
     assert 'name="weights-0-source"' not in html  # read-only: no input for it
+    # When the sweep found them unused: removed once that is a grace period ago.
+    assert "Unused since" in html
     html = admin_client.get(reverse("admin:inventory_node_change", args=[b.pk])).content.decode()
     assert "XID 79" in html
     assert "XID 79" in admin_client.get(reverse("admin:inventory_gpu_changelist")).content.decode()
