@@ -47,6 +47,7 @@ from .engine_env import GPU_MEMORY_ENV
 from .engines import VLLM_DEV_MODE_ENV
 from .mock_generation import CACHE_SLOTS, EXTRA_ENDPOINTS, MockEngine
 from .mock_lora import MockLoRA, runtime_updates_allowed
+from .mock_prefix_cache import MockPrefixCache
 from .mock_sleep import MockSleep
 from .mock_text import BadRequest, openai_error
 from .protocol import parse_port
@@ -114,6 +115,7 @@ def create_app(
     dev_mode: bool = False,
     lora: MockLoRA | None = None,
     runtime_lora: bool = False,
+    prefix_cache: MockPrefixCache | None = None,
 ) -> web.Application:
     """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (agent/mock_sleep.py).
 
@@ -122,7 +124,7 @@ def create_app(
     """
     sleep = MockSleep(load_seconds, wake_seconds)
     lora = lora or MockLoRA()
-    engine = MockEngine(model, token_delay_ms, sleep, lora)
+    engine = MockEngine(model, token_delay_ms, sleep, lora, prefix_cache)
     app = web.Application(middlewares=[errors_in_openai_shape])
     app["engine"] = engine
     if runtime_lora:
@@ -130,6 +132,7 @@ def create_app(
     app.on_startup.append(sleep.load)
     if dev_mode:
         sleep.add_routes(app)
+        sleep.on_reset_prefix_cache = engine.prefix_cache.reset
     app.router.add_post("/v1/chat/completions", engine.chat_completions)
     app.router.add_post("/v1/completions", engine.completions)
     app.router.add_post("/v1/embeddings", engine.embeddings)
@@ -198,7 +201,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--lora-load-seconds", type=_seconds, default=0.0, help="how long POST /v1/load_lora_adapter takes"
     )
+    parser.add_argument(
+        "--prefix-cache-tokens", type=_count, default=0, help="prompt tokens its prefix cache holds (default 0: none)"
+    )
+    parser.add_argument(
+        "--uncached-token-ms", type=_delay, default=0.0, help="time to first token per prompt token not cached"
+    )
     return parser.parse_args(argv)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text}")
+    return value
 
 
 def _slots(text: str) -> int:
@@ -238,8 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     dev_mode = os.environ.get(VLLM_DEV_MODE_ENV, "") not in ("", "0")
     lora = MockLoRA(args.enable_lora, args.max_loras, args.max_lora_rank, args.lora_load_seconds)
     # As vLLM does, the adapter routes are served only when runtime updates are allowed.
+    cache = MockPrefixCache(args.prefix_cache_tokens, args.uncached_token_ms)
     app = create_app(
-        args.model, args.token_delay_ms, args.load_seconds, args.wake_seconds, dev_mode, lora, runtime_updates_allowed()
+        args.model,
+        args.token_delay_ms,
+        args.load_seconds,
+        args.wake_seconds,
+        dev_mode,
+        lora,
+        runtime_updates_allowed(),
+        cache,
     )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

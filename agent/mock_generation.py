@@ -15,6 +15,7 @@ import uuid
 from aiohttp import web
 
 from .mock_lora import MockLoRA
+from .mock_prefix_cache import MockPrefixCache
 from .mock_sleep import MockSleep
 from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 
@@ -30,11 +31,17 @@ class MockEngine:
     """Request handling and the counters behind /metrics for one served model."""
 
     def __init__(
-        self, model: str, token_delay_ms: float = 0.0, sleep: MockSleep | None = None, lora: MockLoRA | None = None
+        self,
+        model: str,
+        token_delay_ms: float = 0.0,
+        sleep: MockSleep | None = None,
+        lora: MockLoRA | None = None,
+        prefix_cache: MockPrefixCache | None = None,
     ):
         self.model = model
         self.sleep = sleep or MockSleep()
         self.lora = lora or MockLoRA()
+        self.prefix_cache = prefix_cache or MockPrefixCache()
         self.token_delay = token_delay_ms / 1000.0
         self.running = 0
         self.waiting = 0
@@ -98,8 +105,9 @@ class MockEngine:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    async def _generate(self, request, body, kind: str, prompt_text: str, prompt_tokens: int):
-        """Shared path of chat and text completions, streaming or not."""
+    async def _generate(self, request, body, kind: str, prompt_text: str, prompt: list[str], prompt_tokens: int):
+        """Shared path of chat and text completions, streaming or not; `prompt`: its tokens as the prefix cache
+        sees them, `prompt_tokens` as its usage counts them."""
         stream, include_usage = self._stream_flags(body)
         max_tokens = self._max_tokens(body)
         # The model or a LoRA adapter: answers name it, as vLLM's do.
@@ -115,6 +123,7 @@ class MockEngine:
         # Requests per adapter, for vllm:lora_requests_info (the model itself is no adapter: adds 0).
         self.lora.running[served] += served != self.model
         try:
+            await self.prefix_cache.prefill(prompt)
             if not stream:
                 for produced in range(len(tokens)):
                     if self.token_delay:
@@ -200,16 +209,16 @@ class MockEngine:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("field “messages” must be a non-empty list", "messages")
-        texts, last_user = [], ""
+        prompt, last_user = [], ""
         for message in messages:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequest("each message must be an object with a string “role”", "messages")
             text = content_text(message.get("content"))
-            texts.append(text)
+            # The role as a token of the prefix cache's (as a chat template marks it), not counted in usage.
+            prompt += [f"<{message['role']}>", *words(text)]
             if message["role"] == "user":
                 last_user = text
-        prompt_tokens = sum(len(words(t)) for t in texts)
-        return await self._generate(request, body, "chat", last_user, prompt_tokens)
+        return await self._generate(request, body, "chat", last_user, prompt, len(prompt) - len(messages))
 
     async def completions(self, request: web.Request):
         body = await self._body(request)
@@ -220,7 +229,8 @@ class MockEngine:
             prompt = " ".join(prompt)
         if not isinstance(prompt, str):
             raise BadRequest("field “prompt” must be a string or a list of strings", "prompt")
-        return await self._generate(request, body, "completion", prompt, len(words(prompt)))
+        tokens = words(prompt)
+        return await self._generate(request, body, "completion", prompt, tokens, len(tokens))
 
     async def embeddings(self, request: web.Request):
         body = await self._body(request)
@@ -289,5 +299,6 @@ class MockEngine:
         for name, kind, help_text, value in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
         lines += self.sleep.metric_lines(label)
+        lines += self.prefix_cache.metric_lines(label)
         lines += self.lora.metric_lines()
         return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -54,6 +55,8 @@ class MockSleep:
         self.generation = 0
         self._serving = asyncio.Event()
         self._update()
+        # What POST /reset_prefix_cache empties (agent/mock_prefix_cache.py), given by the app.
+        self.on_reset_prefix_cache: Callable[[], None] | None = None
 
     @property
     def serving(self) -> bool:
@@ -139,6 +142,8 @@ class MockSleep:
         return web.json_response({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request):
+        if self.on_reset_prefix_cache is not None:
+            self.on_reset_prefix_cache()
         return web.json_response({"success": True})
 
     def metric_lines(self, label: str) -> list[str]:

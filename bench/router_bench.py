@@ -85,8 +85,9 @@ def serve_builtin_engine(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def serve_router(port: int, upstream: str, workdir: str, key_features: str = "") -> None:
-    """The router as production runs it, on an embedded hub holding one endpoint for the engine."""
+def serve_router(port: int, upstream: str, workdir: str, key_features: str = "", affinity: bool = True) -> None:
+    """The router as production runs it, on an embedded hub holding an endpoint per engine (`upstream`: URLs,
+    comma-separated); without `affinity`, balanced on load alone (bench/affinity_bench.py's baseline)."""
     os.environ.update(
         {
             "DATABASE_URL": f"sqlite:///{workdir}/bench.sqlite3",
@@ -123,9 +124,14 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "")
         # A key bound to the engine's pool, which the table lists for the model: the pools check runs in full.
         allowed_pools=["default"] if "pools" in features else [],
     )
+    if not affinity:
+        import router.app
+
+        router.app.prefix_affinity = lambda payload: None  # the router as if prompts had no prefix
     hub = InProcessHub()
     entry = ModelEntry(pools=["default"]) if "pools" in features else ModelEntry()
-    hub.publish_endpoints(EndpointTable(models={MODEL: entry}, endpoints=[EndpointRow("1", MODEL, upstream)]))
+    rows = [EndpointRow(str(i), MODEL, url) for i, url in enumerate(upstream.split(","), 1)]
+    hub.publish_endpoints(EndpointTable(models={MODEL: entry}, endpoints=rows))
     # Served as production serves it: the router's one server configuration.
     GracefulServer(server_config(create_app(hub), port=port, grace=settings.LLMGW_SHUTDOWN_GRACE_SECONDS)).run()
 
@@ -271,6 +277,7 @@ def main() -> None:
     parser.add_argument("--serve-router", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--no-affinity", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--key-features", default="", help="the router's key: scope, limits and/or pools (comma list; default none)"
     )
@@ -289,7 +296,7 @@ def main() -> None:
     if args.serve_engine:
         return serve_builtin_engine(args.serve_engine)
     if args.serve_router:
-        return serve_router(args.serve_router, args.upstream, args.workdir, args.key_features)
+        return serve_router(args.serve_router, args.upstream, args.workdir, args.key_features, not args.no_affinity)
 
     engine_port, floor_port, router_port = free_port(), free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"

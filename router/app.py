@@ -23,7 +23,7 @@ from typing import Any
 from hub import get_hub
 from hub.contracts import RouterHub
 
-from .affinity import prefix_affinity
+from .affinity import Prefix, prefix_affinity
 from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
 from .body import decode_object, echo, requested_model
 from .config import RouterConfig
@@ -282,9 +282,10 @@ class RouterApp:
         if key.rpm is not None or key.tpm is not None:
             balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
 
-    def _parse(self, body: bytes) -> tuple[str, bytes, bool, int | None]:
-        """(public model name, body for the engine, whether it streams, prefix-affinity key), or a RouterError
-        naming the problem. The public name is a LoRA adapter's when the request names one (or its alias)."""
+    def _parse(self, body: bytes) -> tuple[str, bytes, bool, Prefix | None]:
+        """(public model name, body for the engine, whether it streams, prompt prefix: router.affinity), or a
+        RouterError naming the problem. The public name is a LoRA adapter's when the request names one (or its
+        alias)."""
         payload = decode_object(body)
         requested = requested_model(payload)
         public = self._balancer.resolve(requested)

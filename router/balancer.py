@@ -15,10 +15,11 @@ the clock is read only when a replica is ejected.
 The engines' own load (router.engine_load polls it off the request path) is
 cached on each endpoint: its waiting requests add to the load, and a replica
 whose KV cache is nearly full is passed over while another is not. A request
-may carry a prefix-affinity key (a stable hash of its prompt's start): such
-requests prefer one replica per key (rendezvous hashing over the candidates)
-while its load stays within a slack of the least loaded, so the engine can
-reuse the prefix's KV cache. A key's pools, when given, restrict the candidates.
+may carry its prompt's Prefix (router.affinity): it prefers the replica its
+longest remembered prefix was last sent to, else its conversation key's
+(rendezvous hashing over the candidates), while that replica's load stays
+within a slack of the least loaded, so the engine reuses the prefix's KV
+cache. A key's pools, when given, restrict the candidates.
 
 A LoRA adapter is picked like a model among the ready replicas of its base
 that hold it (the same Endpoint objects, so their loads are shared): the pick
@@ -35,6 +36,8 @@ from collections.abc import Callable, Iterable
 
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, AdapterEntry, EndpointTable
 
+from .affinity import Prefix, PrefixMemory
+from .choice import cached_at, least_loaded
 from .ejection import EjectionPolicy, Failure, log_change
 from .limits import RateLimiter
 from .table import Endpoint, adapter_holders, endpoint_of, model_lookups
@@ -42,7 +45,6 @@ from .tokens import TokenCounter
 
 log = logging.getLogger(__name__)
 
-_INFINITY = float("inf")
 # Why a request for an adapter is held while a running replica of its base is to load it (a hold's reason label).
 ADAPTER_LOAD = "adapter_load"
 
@@ -69,6 +71,7 @@ class Balancer:
             raise ValueError("kv_full_fraction must be > 0 and affinity_slack >= 0")
         self.kv_full_fraction = kv_full_fraction
         self.affinity_slack = affinity_slack
+        self.prefixes = PrefixMemory()
         self._clock = clock
         self._ejection_clock = ejection_clock
         self.ejection = ejection or EjectionPolicy()
@@ -124,6 +127,7 @@ class Balancer:
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
         self._holding, self._pools = lookups.holding, lookups.pools
         self._endpoints, self._by_replica = endpoints, by_replica
+        self.prefixes.keep_only(endpoints)
         self.fingerprint = fingerprint
         self.generation += 1
         return True
@@ -192,7 +196,7 @@ class Balancer:
         self,
         model: str,
         exclude: Iterable[Endpoint] = (),
-        affinity: int | None = None,
+        affinity: Prefix | None = None,
         pools: frozenset[str] | None = None,
     ) -> Endpoint | None:
         """Choose a replica of `model` and count a request against it; None if it has none.
@@ -202,9 +206,10 @@ class Balancer:
         load (outstanding requests plus the engine's waiting ones, per unit of
         weight), ties taken in turn, among the replicas not ejected (a
         half-open one is taken for its single probe) and not KV-full (unless
-        all are: then among those). With an `affinity` key, the key's replica
-        (rendezvous hashing over that same set) is taken instead while its
-        load is within `affinity_slack` of the least. When every replica left
+        all are: then among those). With an `affinity` prefix, the replica of
+        its longest remembered prefix, else its key's (rendezvous hashing over
+        that same set), is taken instead while its load is within
+        `affinity_slack` of the least; where it went is remembered. When every replica left
         is ejected, the one ejected longest ago. The choice and the last-use
         stamp are one step of the loop, so a stamp always names the replica
         actually used.
@@ -240,17 +245,16 @@ class Balancer:
         if in_flight > self._peaks.get(name, 0):
             self._peaks[name] = in_flight
 
-    def _choose(self, model: str, candidates: list[Endpoint], affinity: int | None) -> Endpoint:
+    def _choose(self, model: str, candidates: list[Endpoint], affinity: Prefix | None) -> Endpoint:
         """The replica `pick` takes among `candidates` (see there)."""
-        best, best_load, tier = self._least_loaded(candidates, True, affinity is not None)
+        best, best_load, tier = least_loaded(candidates, True, affinity is not None, self._ejection_clock)
         if not best:  # every replica left is KV-full (or ejected): the least loaded of them
-            best, best_load, tier = self._least_loaded(candidates, False, affinity is not None)
+            best, best_load, tier = least_loaded(candidates, False, affinity is not None, self._ejection_clock)
         if not best:
             return min(candidates, key=lambda e: e.health.ejected_at)
         chosen = None
-        if tier:
-            # One replica at the top priority is its own rendezvous winner.
-            preferred = tier[0] if len(tier) == 1 else max(tier, key=lambda e: hash((affinity, e.affinity_seed)))
+        if tier and affinity is not None:
+            preferred = cached_at(self.prefixes, model, tier, affinity)
             if preferred.load <= best_load + self.affinity_slack:
                 chosen = preferred
         if chosen is None:
@@ -259,44 +263,9 @@ class Balancer:
             self._turn[model] = turn + 1
         if chosen.health.ejected_until:
             chosen.health.probing = True  # half-open: this request is the one probe
+        if affinity is not None:
+            self.prefixes.remember(model, affinity, chosen.replica_id)
         return chosen
-
-    def _least_loaded(
-        self, candidates: list[Endpoint], skip_full: bool, with_tier: bool
-    ) -> tuple[list[Endpoint], float, list[Endpoint] | None]:
-        """(least loaded at the top priority, their load, every one at the top priority if `with_tier`).
-
-        Ejected replicas (but a half-open one due its probe) are left out, and
-        KV-full ones if `skip_full`.
-        """
-        now: float | None = None  # the ejection clock, read only if some replica is ejected
-        best: list[Endpoint] = []
-        tier: list[Endpoint] | None = [] if with_tier else None
-        top = 0
-        best_load = _INFINITY
-        for e in candidates:
-            health = e.health
-            if health.ejected_until:
-                if now is None:
-                    now = self._ejection_clock()
-                if health.probing or now < health.ejected_until:
-                    continue
-            if skip_full and e.kv_full:
-                continue
-            priority = e.priority
-            if not best or priority > top:
-                best, top, best_load = [e], priority, e.load
-                if tier is not None:
-                    tier = [e]
-            elif priority == top:
-                if tier is not None:
-                    tier.append(e)
-                load = e.load
-                if load < best_load:
-                    best, best_load = [e], load
-                elif load == best_load:
-                    best.append(e)
-        return best, best_load, tier
 
     def record_engine_load(self, endpoint: Endpoint, waiting: float | None, kv_usage: float | None) -> None:
         """Cache what the engine behind `endpoint` reported (None: unknown), for the picks to come."""

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 from hub.contracts import ActivationQueue
 
+from .affinity import Prefix
 from .asgi_io import Send
 from .background import BackgroundTasks
 from .balancer import Balancer
@@ -109,7 +110,7 @@ class ColdStart:
         self,
         model: str,
         exclude: Iterable[Endpoint] = (),
-        affinity: int | None = None,
+        affinity: Prefix | None = None,
         pools: frozenset[str] | None = None,
     ) -> Endpoint | None:
         """Pick a replica of `model` (not one of `exclude`; `affinity` and `pools` as for Balancer.pick),
@@ -142,7 +143,7 @@ class ColdStart:
                 del self._waiting[model]
 
     async def _wait(
-        self, model: str, exclude: Iterable[Endpoint], affinity: int | None, pools: frozenset[str] | None
+        self, model: str, exclude: Iterable[Endpoint], affinity: Prefix | None, pools: frozenset[str] | None
     ) -> Endpoint | None:
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -205,7 +206,7 @@ class ColdStart:
         return f"`{model}`" if base is None else f"`{model}` (an adapter of `{base}`)"
 
     async def wait_with_keepalives(
-        self, send: Send, model: str, affinity: int | None = None, pools: frozenset[str] | None = None
+        self, send: Send, model: str, affinity: Prefix | None = None, pools: frozenset[str] | None = None
     ) -> Endpoint:
         """Wait for a replica like wait_for_endpoint, sending an SSE comment every keepalive interval."""
         waiter = asyncio.ensure_future(self.wait_for_endpoint(model, (), affinity, pools))

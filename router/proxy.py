@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import ClientResponse
 
+from .affinity import Prefix
 from .asgi_io import Scope, Send
 from .balancer import Balancer
 from .coldstart import ColdStart
@@ -75,7 +76,7 @@ class Forwarding:
     body: bytes
     exchange: Exchange
     streaming: bool = False
-    affinity: int | None = None
+    affinity: Prefix | None = None
     pools: frozenset[str] | None = None
     pass_usage: bool = True
     headers_sent: bool = False

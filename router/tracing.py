@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from .affinity import Prefix
 from .balancer import Balancer
 from .coldstart import ColdStart
 from .config import RouterConfig
@@ -37,7 +38,7 @@ class TracedBalancer(Balancer):
         self,
         model: str,
         exclude: Iterable[Endpoint] = (),
-        affinity: int | None = None,
+        affinity: Prefix | None = None,
         pools: frozenset[str] | None = None,
     ) -> Endpoint | None:
         if self.tracer is None:

@@ -317,7 +317,8 @@ def test_a_replica_whose_kv_cache_is_full_is_skipped_until_it_drains(settings, s
     finally:
         held.close()
     wait_until(lambda: not balancer.endpoints(MODEL)[0].kv_full, timeout=5)
-    assert {chat(router, auth, f"question {i}") for i in range(8)} == {"1", "2"}
+    # New conversations (the ones above stay where their cache now is): both replicas again.
+    assert {chat(router, auth, f"another question {i}") for i in range(8)} == {"1", "2"}
 
 
 def test_prefix_affinity_sticks_within_the_slack_and_moves_beyond_it(settings, start_router, hub, auth, mock_engine):
@@ -334,8 +335,10 @@ def test_prefix_affinity_sticks_within_the_slack_and_moves_beyond_it(settings, s
         # Three in flight on the preferred replica, none on the other: beyond the slack of 2, so it moves.
         wait_until(lambda: router.state.balancer.in_flight() == 3, timeout=5)
         assert [e.outstanding for e in router.state.balancer.endpoints(MODEL) if e.replica_id == first] == [3]
-        assert chat(router, auth, shared) != first
+        moved = chat(router, auth, shared)
+        assert moved != first
     finally:
         held.close()
     wait_until(lambda: router.state.balancer.in_flight() == 0, timeout=5)
-    assert chat(router, auth, shared) == first
+    # Idle again: the prefix stays where it was last sent, whose cache holds it too.
+    assert chat(router, auth, shared) == moved
