@@ -133,7 +133,7 @@ def test_a_turn_follows_the_replica_its_last_turn_went_to_when_the_slack_moved_i
     balancer.release(home)
     other = next(e for e in balancer.endpoints(MODEL) if e is not home)
     # Home is busy: the second turn goes to the other replica, and now its cache is the longest there ...
-    busy = balancer.pick(MODEL)
+    busy = balancer.pick(MODEL, [other])
     assert busy is home
     assert balancer.pick(MODEL, affinity=prefix_affinity({"messages": second})) is other
     balancer.release(other)
