@@ -95,11 +95,16 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def trace(conversations: int, turns: int, seed: int) -> tuple[str, list[list[str]]]:
-    """The shared system prompt, and each conversation's questions (the answers come from the engine)."""
+def trace(
+    conversations: int, turns: int, seed: int, system_words: int = 120, question_words: int = 30
+) -> tuple[str, list[list[str]]]:
+    """The shared system prompt, and each conversation's questions, the first twice as long (the answers come
+    from the engine)."""
     rng = random.Random(seed)
-    system = "You are the fleet assistant. " + text(rng, 120)
-    return system, [[text(rng, 60 if t == 0 else 30) for t in range(turns)] for _ in range(conversations)]
+    system = "You are the fleet assistant. " + text(rng, system_words)
+    return system, [
+        [text(rng, question_words * (2 if t == 0 else 1)) for t in range(turns)] for _ in range(conversations)
+    ]
 
 
 async def converse(session, url_of, system: str, questions: list[str], number: int, sent: list[Sent]) -> None:
@@ -229,7 +234,7 @@ def start_vllm_engines(count: int, workdir: str) -> list[tuple[subprocess.Popen,
 async def main_async(args, engines: list[str], workdir: str) -> list[dict]:
     for url in engines:
         await wait_ready(url + "/health", timeout=600)
-    system, conversations = trace(args.conversations, args.turns, args.seed)
+    system, conversations = trace(args.conversations, args.turns, args.seed, args.system_words, args.question_words)
     results = []
     oracle = await measure(
         "oracle (conversation-sticky, load ignored)",
@@ -266,6 +271,8 @@ def main() -> None:
     parser.add_argument("--cache-tokens", type=int, default=20_000, help="mock: each engine's prefix cache")
     parser.add_argument("--uncached-ms", type=float, default=0.5, help="mock: first-token time per uncached token")
     parser.add_argument("--seed", type=int, default=1, help="the trace's random words (default 1)")
+    parser.add_argument("--system-words", type=int, default=120, help="the shared system prompt's length")
+    parser.add_argument("--question-words", type=int, default=30, help="a question's (the first: twice that)")
     args = parser.parse_args()
     if not 2 <= args.replicas <= 4 or min(args.conversations, args.turns, args.concurrency) < 1:
         parser.error("--replicas takes 2 to 4; --conversations, --turns and --concurrency at least 1")

@@ -34,11 +34,13 @@ class NodeGPUs:
     total: int = 0
     free: dict[int, int] = field(default_factory=dict)
     memory_mib: int = 0  # its smallest GPU of the class (a replica's shard may get any of them)
+    out_of_service: int = 0  # unhealthy or in quarantine
 
     def record(self) -> NodeCapacity:
         """The placer's view of this node."""
+        free = tuple(sorted(self.free))
         return NodeCapacity(
-            self.name, self.fabric, self.address, self.gpu_class, tuple(sorted(self.free)), self.total, self.memory_mib
+            self.name, self.fabric, self.address, self.gpu_class, free, self.total, self.memory_mib, self.out_of_service
         )
 
 
@@ -113,7 +115,9 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
         # memory_mb is MiB as nvidia-smi reports memory.total (agent/gpus.py); 0 = not reported.
         node.memory_mib = min(node.memory_mib, memory) if node.memory_mib and memory else node.memory_mib or memory
         node.total += 1
-        if gpu_in_service(health, healthy_since, now) and not held:
+        if not gpu_in_service(health, healthy_since, now):
+            node.out_of_service += 1
+        elif not held:
             node.free[index] = gpu_id
     for gpu_class, nodes in snapshot.nodes.items():
         snapshot._records[gpu_class] = {name: node.record() for name, node in nodes.items()}

@@ -25,6 +25,7 @@ class NodeCapacity:
     free: tuple[int, ...]
     total: int
     memory_mib: int = 0  # the smallest GPU of the class on the node, as its agent reports it; 0 = unknown
+    out_of_service: int = 0  # GPUs of the class unhealthy or in quarantine (neither used nor free)
 
     def __post_init__(self) -> None:
         if len(set(self.free)) != len(self.free):
@@ -111,7 +112,9 @@ def _place_single(candidates: list[NodeCapacity], shape: Shape, holders: frozens
     if not fitting:
         most = min(candidates, key=lambda c: (-len(c.free), c.name))
         where = f"{len(most.free)} ({most.name})" if most.free else "0"
-        return Unplaceable(f"needs {need}×{shape.gpu_class} on one node; most free on one node: {where}")
+        return Unplaceable(
+            f"needs {need}×{shape.gpu_class} on one node; most free on one node: {where}{_out_of_service(candidates)}"
+        )
     best = min(fitting, key=lambda c: (c.name not in holders, len(c.free), c.name))
     return Placement((ShardPlacement(best.name, best.address, tuple(sorted(best.free)[:need])),))
 
@@ -133,6 +136,7 @@ def _place_multi(candidates: list[NodeCapacity], shape: Shape, holders: frozense
             free.append(f"{unfabricated} without a fabric")
         return Unplaceable(
             f"needs {need_nodes} whole {shape.gpu_class} nodes on one fabric; free: {', '.join(free) or 'none'}"
+            f"{_out_of_service(candidates)}"
         )
 
     def holding_in(fabric: str) -> int:
@@ -162,3 +166,13 @@ def rendezvous_port(head_port: int) -> int:
     counts both as used, so no other engine is given the second one.
     """
     return head_port + 1
+
+
+def _out_of_service(candidates: list[NodeCapacity]) -> str:
+    """What an unplaceable reason adds when GPUs of the class are out of service: where (the first few)."""
+    sick = sorted((c.name, c.out_of_service) for c in candidates if c.out_of_service)
+    if not sick:
+        return ""
+    named = ", ".join(f"{count} on {name}" for name, count in sick[:3])
+    more = f" and {len(sick) - 3} more nodes" if len(sick) > 3 else ""
+    return f"; unhealthy or in quarantine: {named}{more}"

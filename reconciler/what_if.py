@@ -150,6 +150,7 @@ class _Fleet:
     """The snapshot's placer records as the plan goes: GPUs of earlier answers taken, their victims' GPUs freed."""
 
     def __init__(self, snapshot: CapacitySnapshot):
+        self.snapshot = snapshot
         self._nodes = {c: {r.name: r for r in snapshot.records(c)} for c in list(snapshot.nodes)}
 
     def records(self, gpu_class: str) -> list[NodeCapacity]:
@@ -246,7 +247,8 @@ class _Planner:
             )
         nodes = self.fleet.records(gpu_class)
         if not nodes:
-            return Problem.GPU_COUNT, f"no ready, schedulable node has GPU class {gpu_class}"
+            # The tick's own words: which nodes of the class are out of service, or that none has it.
+            return Problem.GPU_COUNT, self.fleet.snapshot.without_class(gpu_class)
         refusal = self.memory.refusal(self.fleet, profile)
         if refusal is not None:
             return Problem.MEMORY, refusal

@@ -33,6 +33,19 @@ def test_single_node_explains_the_most_free_on_one_node():
     assert result == Unplaceable("needs 4×H100-80GB on one node; most free on one node: 2 (gpu-a)")
 
 
+def test_gpus_out_of_service_are_named_where_a_replica_does_not_fit():
+    sick = NodeCapacity("gpu-b", "", "10.0.0.5", H100, (), 8, out_of_service=8)
+    result = place([node("gpu-a", [0]), sick], Shape(H100, 2))
+    assert result == Unplaceable(
+        "needs 2×H100-80GB on one node; most free on one node: 1 (gpu-a); unhealthy or in quarantine: 8 on gpu-b"
+    )
+    whole = [NodeCapacity(f"n{i}", "ib", "a", H100, (), 8, out_of_service=1 + i) for i in range(5)]
+    assert place(whole, Shape(H100, 8, 2)).reason == (
+        "needs 2 whole H100-80GB nodes on one fabric; free: none; "
+        "unhealthy or in quarantine: 1 on n0, 2 on n1, 3 on n2 and 2 more nodes"
+    )
+
+
 def test_wrong_gpu_class_is_not_capacity():
     result = place([node("gpu-a", range(8))], Shape("L4-24GB", 1))
     assert result == Unplaceable("no node has GPU class L4-24GB")

@@ -99,7 +99,9 @@ def test_unhealthy_and_quarantined_gpus_are_not_free(run_tick, settings):
     model = make_model("llama", gpus_per_node=3)
 
     run_tick()
-    assert Replica.objects.get(model=model).placement_error.endswith("most free on one node: 2 (gpu-a)")
+    assert Replica.objects.get(model=model).placement_error.endswith(
+        "most free on one node: 2 (gpu-a); unhealthy or in quarantine: 2 on gpu-a"
+    )
 
     Profile.objects.filter(model=model).update(gpus_per_node=2)
     run_tick()
@@ -139,6 +141,18 @@ def test_cordoned_and_unready_nodes_get_no_shards(run_tick):
     # The reason names what is true of the nodes that have the class (one wording for ctl_status, dashboard, REST).
     assert Replica.objects.get().placement_error == (
         "every node with GPU class H100-80GB is out of service (cordoned: gpu-a; enrolled but never connected: gpu-b)"
+    )
+
+
+def test_an_unplaceable_reason_names_the_gpus_out_of_service(run_tick):
+    node = make_node("gpu-a", gpus=2)
+    GPU.objects.filter(node=node).update(health=GPUHealth.UNHEALTHY, health_reason="XID 79")
+    make_model("llama")
+
+    run_tick()
+
+    assert Replica.objects.get().placement_error == (
+        "needs 1×H100-80GB on one node; most free on one node: 0; unhealthy or in quarantine: 2 on gpu-a"
     )
 
 

@@ -53,7 +53,7 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
     assert woken, "a replica turning ready must wake the ticker"
     assert run_tick().published is True
     table = published(hub)
-    assert table.models == {"llama": ModelEntry(aliases=["llama-latest"], start_seconds=42.0)}
+    assert table.models == {"llama": ModelEntry(aliases=["llama-latest"], start_seconds=42.0, pools=["gold"])}
     assert table.endpoints == [
         EndpointRow(
             replica_id=str(replica.pk), model="llama", url="http://127.0.0.1:20000", priority=5, weight=3, pool="gold"
@@ -77,7 +77,7 @@ def test_endpoint_table_lists_enabled_models_with_profiles_in_eight_queries(djan
     Model.objects.create(name="bare", source="org/bare")
     with django_assert_max_num_queries(8):  # the seventh and eighth: adapters, none here
         table = build_endpoint_table()
-    assert table == EndpointTable(models={"llama": ModelEntry(aliases=[])}, endpoints=[])
+    assert table == EndpointTable(models={"llama": ModelEntry(aliases=[], pools=["default"])}, endpoints=[])
 
 
 def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
@@ -86,8 +86,7 @@ def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
     run_tick()
 
     assert build_endpoint_table().models["llama"] == ModelEntry(
-        aliases=[],
-        unplaceable="no node has GPU class H100-80GB",
+        aliases=[], unplaceable="no node has GPU class H100-80GB", pools=["default"]
     )
 
 
@@ -139,7 +138,7 @@ def test_a_catalog_change_is_published_when_it_commits_not_at_the_next_tick(djan
         model = make_model("new-model")
         Alias.objects.create(model=model, name="newest")
     table = published(hub)
-    assert table.models["new-model"] == ModelEntry(aliases=["newest"])
+    assert table.models["new-model"] == ModelEntry(aliases=["newest"], pools=["default"])
 
     with django_capture_on_commit_callbacks(execute=True):
         Model.objects.filter(pk=model.pk).delete()

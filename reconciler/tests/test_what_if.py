@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from catalog.models import Model, Profile
 from hub import get_hub
+from inventory.models import Node
 from reconciler.choices import ReplicaState
 from reconciler.fit import MemoryCheck
 from reconciler.models import Replica, Shard
@@ -80,10 +81,19 @@ def test_the_first_profile_with_room_wins_and_the_one_before_says_why_not():
     assert answer.usable_gib_per_gpu == 73.6 and answer.full_length_sequences >= 1
 
 
+def test_a_class_whose_nodes_are_all_out_of_service_is_named_as_the_tick_names_it():
+    make_node("a", gpus=4, fabric="ib-a")
+    Node.objects.filter(name="a").update(schedulable=False)
+
+    answer = ask(entry("big", {"gpus_per_node": 1})).models[0]
+
+    assert answer.profiles[0].reason == "every node with GPU class H100-80GB is out of service (cordoned: a)"
+
+
 @pytest.mark.parametrize(
     ("profile", "problem", "reason"),
     [
-        ({"gpu_class": "A100-40GB"}, Problem.GPU_COUNT, "no ready, schedulable node has GPU class A100-40GB"),
+        ({"gpu_class": "A100-40GB"}, Problem.GPU_COUNT, "no node has GPU class A100-40GB"),
         ({"gpus_per_node": 8}, Problem.GPU_COUNT, "needs 8 H100-80GB GPUs on one node; the most on one node: 4"),
         (
             {"gpus_per_node": 4, "nodes_per_replica": 2},
