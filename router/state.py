@@ -48,10 +48,7 @@ class RouterState:
     ):
         """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand).
         `token_store`: router-only mode stores token usage itself (router.token_store); None in a fleet."""
-        self.hub = hub
-        self.token_store = token_store
-        self.config = config
-        self.clock = clock
+        self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
         # With traces on, the same parts with spans (router.tracing); without, not a line of it runs.
         tracer = config.tracer
         self.balancer = (Balancer if tracer is None else TracedBalancer)(
