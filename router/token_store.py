@@ -54,6 +54,7 @@ class TokenStore:
         self.forget_seconds = settings.LLMGW_ROUTER_FORGET_SECONDS if forget_seconds is None else forget_seconds
         self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
+        self._failing = False  # said once while the hub stays unreachable, not every round
 
     async def run(self) -> None:
         """Store every `interval` seconds, until cancelled."""
@@ -67,10 +68,16 @@ class TokenStore:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-token-store")
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._store)
+            stored = await asyncio.get_running_loop().run_in_executor(self._executor, self._store)
         except Exception as exc:  # the hub unreachable: the counts wait there for the next round
-            log.warning("could not take token usage from the hub: %s", exc)
+            if not self._failing:
+                log.warning("could not take token usage from the hub, will retry: %s", exc)
+                self._failing = True
             return 0
+        if self._failing:
+            log.info("taking token usage from the hub again")
+            self._failing = False
+        return stored
 
     async def close(self) -> None:
         """Store what the last usage flush handed the hub, then close the thread's database connection."""

@@ -199,3 +199,18 @@ def test_token_counts_are_taken_once_whichever_hub(redis_url):
         tokens, keys = hub.take_tokens()
         assert [msgspec.to_builtins(t) for t in tokens.values()] == [{"d": {"m": [1, 2, 3]}}] and keys == {"d": 5.0}
         assert hub.take_tokens() == ({}, {})
+
+
+def test_an_unreachable_hub_is_said_once_not_every_round(caplog):
+    # Nothing listens on port 1: every round fails to reach this Redis.
+    store = TokenStore(SharedStaticHub(static_table(), "redis://127.0.0.1:1/0"), forget_seconds=60.0)
+
+    async def rounds():
+        try:
+            return [await store.store() for _ in range(3)]
+        finally:
+            await store.close()
+
+    with caplog.at_level("INFO", logger="router.token_store"):
+        assert asyncio.run(rounds()) == [0, 0, 0]
+    assert caplog.text.count("could not take token usage from the hub") == 1
