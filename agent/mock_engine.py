@@ -2,7 +2,7 @@
 
     python -m agent.mock_engine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
         [--memory-gib-per-gpu 30] [--load-seconds 20] [--wake-seconds 1]
-        [--enable-lora [--max-loras 8] [--max-lora-rank 16] [--lora-load-seconds 2]]
+        [--enable-lora [--max-loras 8] [--max-lora-rank 16] [--lora-load-seconds 2]] [--api-key KEY]
 
 It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
@@ -94,6 +94,24 @@ async def health(request: web.Request):
     return web.Response(text="ok\n")
 
 
+# vLLM 0.32's AuthenticationMiddleware guards these path prefixes only (/health and /metrics stay open).
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def bearer_guard(api_key: str):  # aiohttp's middleware type is private: left unannotated
+    """vLLM's `--api-key`: a guarded path without `Authorization: Bearer <key>` answers 401 `{"error": "Unauthorized"}`."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token != api_key:
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return guard
+
+
 @web.middleware
 async def errors_in_openai_shape(request: web.Request, handler):
     """Bad input and unknown routes answer in OpenAI's error shape, as the real engines do."""
@@ -116,16 +134,17 @@ def create_app(
     lora: MockLoRA | None = None,
     runtime_lora: bool = False,
     prefix_cache: MockPrefixCache | None = None,
+    api_key: str | None = None,
 ) -> web.Application:
     """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (agent/mock_sleep.py).
 
     `lora` holds its LoRA adapters (agent/mock_lora.py); `runtime_lora` adds vLLM's routes that load and
-    unload them.
+    unload them. `api_key`: as vLLM's `--api-key`, its API routes want it as a bearer token.
     """
     sleep = MockSleep(load_seconds, wake_seconds)
     lora = lora or MockLoRA()
     engine = MockEngine(model, token_delay_ms, sleep, lora, prefix_cache)
-    app = web.Application(middlewares=[errors_in_openai_shape])
+    app = web.Application(middlewares=[errors_in_openai_shape] + ([bearer_guard(api_key)] if api_key else []))
     app["engine"] = engine
     if runtime_lora:
         lora.add_routes(app)
@@ -194,6 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"the engine's true need per GPU: fail the start like CUDA out of memory when its GPUs ({GPU_MEMORY_ENV}) "
         "have less usable",
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("VLLM_API_KEY") or None, help="want this bearer key, as vLLM's --api-key"
     )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, as vLLM's")
     parser.add_argument("--max-loras", type=_slots, default=None, help="LoRA adapters held at once (default 1)")
@@ -267,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         lora,
         runtime_updates_allowed(),
         cache,
+        args.api_key,
     )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

@@ -37,6 +37,8 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1)]
 # Unix seconds; the bound refuses inf (and NaN fails every comparison), which the hubs could not store.
 UnixTime = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
+# An engine's bearer key: visible ASCII only, so it can travel in an Authorization header as it is.
+UpstreamKey = Annotated[str, msgspec.Meta(pattern=r"^[!-~]+$")]
 
 
 Holding = Literal["wake", "making_room"]
@@ -66,7 +68,12 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class EndpointRow(msgspec.Struct, frozen=True):
-    """One READY replica routers may send a model's requests to."""
+    """One READY replica routers may send a model's requests to.
+
+    `api_key`: the bearer key its engine was started with (`--api-key`), sent to it and to no other; only
+    router-only mode sets it. Unset, it is left out of the wire, so the fleet's tables are the same bytes as
+    before it existed; its repr never shows it.
+    """
 
     replica_id: Name
     model: Name
@@ -74,6 +81,14 @@ class EndpointRow(msgspec.Struct, frozen=True):
     priority: int = 0
     weight: Annotated[int, msgspec.Meta(ge=1)] = 1
     pool: str = "default"
+    api_key: UpstreamKey | msgspec.UnsetType = msgspec.UNSET
+
+    def __repr__(self) -> str:
+        key = "" if self.api_key is msgspec.UNSET else ", api_key=<set>"
+        return (
+            f"EndpointRow({self.replica_id!r}, {self.model!r}, {self.url!r}, priority={self.priority}, "
+            f"weight={self.weight}, pool={self.pool!r}{key})"
+        )
 
 
 class AdapterEntry(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -300,6 +315,22 @@ def decode_activation(raw: bytes | str) -> Activation | None:
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         log.warning("skipping a malformed activation (%s): %r", exc, data[:200])
         return None
+
+
+class TokenSource(Protocol):
+    """Where router-only mode (no control plane, no tick) takes the token counts to store, and keeps the
+    routers' marks (which the rate limits' shares count) free of routers that are gone."""
+
+    def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
+        """TAKE the token counts ({hour: counts}) and keys' last use, read and reset in one step: of several
+        routers taking at once, each count reaches exactly one."""
+        ...
+
+    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None: ...
+
+    def router_marks(self) -> list[RouterMark]: ...
+
+    def forget_routers(self, routers: Iterable[str]) -> None: ...
 
 
 class ActivationQueue(Protocol):

@@ -72,6 +72,16 @@ class InProcessHub:
             keys, self._keys = self._keys, {}
             return UsageSnapshot(dict(self._stamps), list(self._marks.values()), tokens, keys)
 
+    def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
+        with self._lock:
+            tokens, self._tokens = self._tokens, {}
+            keys, self._keys = self._keys, {}
+        return tokens, keys
+
+    def router_marks(self) -> list[RouterMark]:
+        with self._lock:
+            return list(self._marks.values())
+
     def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
         with self._lock:
             for hour, counts in tokens.items():

@@ -197,6 +197,26 @@ class RedisHub:
             keys={member.decode(): score for member, score in key_rows},
         )
 
+    def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
+        pipe = self._sync.pipeline(transaction=True)
+        pipe.hgetall(TOKENS_KEY)
+        pipe.zrange(KEYS_USED_KEY, 0, -1, withscores=True)
+        pipe.delete(TOKENS_KEY, KEYS_USED_KEY)  # in the same MULTI: taken by exactly one caller
+        raw_tokens, key_rows, _ = cast(
+            tuple[dict[bytes, bytes], list[tuple[bytes, float]], int],
+            pipe.execute(),
+        )
+        return _parse_token_fields(raw_tokens), {member.decode(): score for member, score in key_rows}
+
+    def router_marks(self) -> list[RouterMark]:
+        marks = []
+        for key, raw in cast(dict[bytes, bytes], self._sync.hgetall(ROUTERS_KEY)).items():
+            try:
+                marks.append(_parse_mark(key.decode(), raw))
+            except ValueError as exc:  # skipped: its router's next report rewrites it
+                log.warning("%s", exc)
+        return marks
+
     def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
         pipe = self._sync.pipeline(transaction=True)
         for hour, counts in tokens.items():

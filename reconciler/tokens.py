@@ -2,31 +2,20 @@
 
 Routers count requests and tokens per key digest and model (router.tokens);
 the hub adds their counts up per hour until the tick takes them in one step
-(`collect_usage`). This module adds what was taken to `keys.models.TokenUsage`
-and moves keys' last use into `ApiKey.last_used_at` (newest wins), in a fixed
-number of queries: one read of the keys, one upsert per `UPSERT_BATCH` rows,
-one update. The upsert adds in the database (`INSERT … ON CONFLICT DO UPDATE
-SET n = n + excluded.n`, the same statement on SQLite and PostgreSQL), so two
-leaders storing what each took at once still add up. When the database refuses,
-the counts go back to the hub for the next tick instead of being lost.
+(`collect_usage`). This module hands what was taken to `keys.usage.store_tokens`
+(which adds it to `keys.models.TokenUsage` in a fixed number of queries, so two
+leaders storing what each took at once still add up). When the database
+refuses, the counts go back to the hub for the next tick instead of being lost.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
 
-from django.db import connection, transaction
-from django.db.models import Case, DateTimeField, Value, When
-from django.db.models.functions import Coalesce, Greatest
-
-from hub.contracts import TokenCounts, UsageSnapshot, UsageSource
-from keys.models import ApiKey, TokenUsage
+from hub.contracts import UsageSnapshot, UsageSource
+from keys.usage import store_tokens
 
 log = logging.getLogger(__name__)
-
-# Rows per INSERT: 7 parameters each stays under SQLite's oldest limit of 999 variables.
-UPSERT_BATCH = 100
 
 
 def record_token_usage(snapshot: UsageSnapshot | None, hub: UsageSource) -> int:
@@ -45,70 +34,3 @@ def record_token_usage(snapshot: UsageSnapshot | None, hub: UsageSource) -> int:
         except Exception as again:
             log.error("token usage lost: the database refused it and the hub could not take it back: %s", again)
         return 0
-
-
-def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
-    """Add `tokens` ({hour start: {digest: {model: TokenCount}}}) to TokenUsage and move
-    `keys` (digest -> last use) into ApiKey.last_used_at; one transaction. Unknown digests are dropped."""
-    digests = set(keys)
-    for counts in tokens.values():
-        digests.update(counts)
-    if not digests:
-        return 0
-    with transaction.atomic():
-        known = {
-            digest: (pk, name)
-            for pk, digest, name in ApiKey.objects.filter(key_hash__in=digests).values_list("id", "key_hash", "name")
-        }
-        unknown = digests - set(known)
-        if unknown:
-            log.warning("dropping token usage of %d unknown API key(s) (deleted since?)", len(unknown))
-        rows = [
-            (known[digest][0], known[digest][1], model, hour, count.requests, count.prompt, count.completion)
-            for hour, counts in sorted(tokens.items())
-            for digest, models in counts.items()
-            if digest in known
-            for model, count in models.items()
-        ]
-        for start in range(0, len(rows), UPSERT_BATCH):
-            _upsert(rows[start : start + UPSERT_BATCH])
-        _stamp_last_use({known[d][0]: ts for d, ts in keys.items() if d in known})
-    return len(rows)
-
-
-def _upsert(rows: list[tuple]) -> None:
-    """Add each row's counts to its (key, model, hour) row, creating it if need be: one statement."""
-    quote = connection.ops.quote_name
-    table = quote(TokenUsage._meta.db_table)
-    columns = ["key_id", "key_name", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
-    counters = columns[4:]
-    params: list = []
-    for key_id, key_name, model, hour, requests, prompt, completion in rows:
-        at = connection.ops.adapt_datetimefield_value(datetime.fromtimestamp(hour, tz=UTC))
-        params += [key_id, key_name, model, at, requests, prompt, completion]
-    placeholders = ", ".join(["(" + ", ".join(["%s"] * len(columns)) + ")"] * len(rows))
-    additions = ", ".join(f"{quote(c)} = {table}.{quote(c)} + excluded.{quote(c)}" for c in counters)
-    sql = (
-        f"INSERT INTO {table} ({', '.join(quote(c) for c in columns)}) VALUES {placeholders} "
-        f"ON CONFLICT ({quote('key_id')}, {quote('model')}, {quote('hour')}) "
-        f"DO UPDATE SET {additions}, {quote('key_name')} = excluded.{quote('key_name')}"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-
-
-def _stamp_last_use(last_use: dict[int, float]) -> None:
-    """ApiKey.last_used_at = the later of what it has and the reported use: one UPDATE, newest wins."""
-    if not last_use:
-        return
-    reported = Case(
-        *[
-            When(pk=pk, then=Value(datetime.fromtimestamp(ts, tz=UTC), output_field=DateTimeField()))
-            for pk, ts in last_use.items()
-        ],
-        output_field=DateTimeField(),
-    )
-    # In SQL, not read-then-write: a concurrent older stamp can never move a newer one back.
-    ApiKey.objects.filter(pk__in=list(last_use)).update(
-        last_used_at=Greatest(Coalesce("last_used_at", reported), reported)
-    )

@@ -32,6 +32,7 @@ from .keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from .metrics import UNKNOWN_MODEL, metrics_token_ok
 from .proxy import Forwarding
 from .state import RouterState
+from .token_store import TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -358,11 +359,12 @@ def create_app(
     *,
     key_cache: ApiKeyCache | None = None,
     clock: Callable[[], float] = time.time,
+    token_store: TokenStore | None = None,
 ) -> RouterApp:
     """Build a router ASGI app; `app.state` is its RouterState.
 
     `hub` defaults to hub.get_hub(), `config` to RouterConfig.from_settings();
-    `key_cache` and `clock` are for tests (RouterState).
+    `key_cache` and `clock` are for tests; `token_store` for router-only mode (RouterState).
     """
     return RouterApp(
         RouterState(
@@ -370,5 +372,6 @@ def create_app(
             RouterConfig.from_settings() if config is None else config,
             key_cache=key_cache,
             clock=clock,
+            token_store=token_store,
         )
     )

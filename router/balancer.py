@@ -118,6 +118,7 @@ class Balancer:
             if current is not None and current.url == fresh.url and current.model == fresh.model:
                 # Keep the same object so requests in flight still count against it.
                 current.priority, current.weight, current.pool = fresh.priority, fresh.weight, fresh.pool
+                current.authorization = fresh.authorization
                 fresh = current
             by_replica[fresh.replica_id] = fresh
             endpoints.setdefault(fresh.model, []).append(fresh)

@@ -160,20 +160,21 @@ class EngineLoadPoller:
         targets = list(self.balancer.endpoints() if endpoints is None else endpoints)
         if not targets:
             return
-        readings = await asyncio.gather(*(self.read(e.url) for e in targets))
+        readings = await asyncio.gather(*(self.read(e.url, e.authorization) for e in targets))
         record = self.balancer.record_engine_load
         for endpoint, reading in zip(targets, readings, strict=True):
             record(endpoint, reading.waiting, reading.kv_usage)
 
-    async def read(self, url: str) -> EngineReading:
-        """One engine's load; UNKNOWN when it cannot be read in time or makes no sense."""
+    async def read(self, url: str, headers: dict[str, str] | None = None) -> EngineReading:
+        """One engine's load; UNKNOWN when it cannot be read in time or makes no sense. `headers`: the engine's
+        own Authorization, if it has a key (llama.cpp's `--api-key` guards /metrics too)."""
         session = self._session
         if session is None:
             raise RuntimeError("the engine load poller is not running")
         chunks: list[bytes] = []
         size = 0
         try:
-            async with session.get(url + METRICS_PATH) as response:
+            async with session.get(url + METRICS_PATH, headers=headers) as response:
                 if response.status != 200:
                     return UNKNOWN
                 async for chunk in response.content.iter_chunked(64 * 1024):

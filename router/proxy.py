@@ -168,7 +168,8 @@ class Proxy:
             exchange.wait(FIRST_BYTE)
             try:
                 started = time.perf_counter()
-                response = await session.post(endpoint.url + request.path, data=request.body, headers=headers)
+                sent = headers if endpoint.authorization is None else headers | endpoint.authorization  # its own key
+                response = await session.post(endpoint.url + request.path, data=request.body, headers=sent)
             except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
                 failure, error = Failure.CONNECT, exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -200,8 +201,7 @@ class Proxy:
         # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
         content_type = response.headers.get("Content-Type", "")
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
-        length = response.content_length
-        if not streamed and length is not None and length <= WHOLE_BODY_LIMIT:
+        if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
             await self._relay_whole(request, endpoint, response, content_type)
         else:
             await self._relay_stream(request, endpoint, response, content_type, streamed)

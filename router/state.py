@@ -27,6 +27,7 @@ from .keys import ApiKeyCache
 from .metrics import RouterMetrics
 from .proxy import Proxy
 from .table import TableError, decode_table
+from .token_store import TokenStore
 from .tracing import TracedBalancer, TracingProxy
 from .usage import UsageFlusher
 
@@ -43,11 +44,11 @@ class RouterState:
         *,
         key_cache: ApiKeyCache | None = None,
         clock: Callable[[], float] = time.time,
+        token_store: TokenStore | None = None,
     ):
-        """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand)."""
-        self.hub = hub
-        self.config = config
-        self.clock = clock
+        """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand).
+        `token_store`: router-only mode stores token usage itself (router.token_store); None in a fleet."""
+        self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
         # With traces on, the same parts with spans (router.tracing); without, not a line of it runs.
         tracer = config.tracer
         self.balancer = (Balancer if tracer is None else TracedBalancer)(
@@ -101,6 +102,8 @@ class RouterState:
             self.apply_table(table)
         self.tasks.start(self._poll(), name="router-poll-endpoints")
         self.tasks.start(self.usage.run(), name="router-flush-usage")
+        if self.token_store is not None:
+            self.tasks.start(self.token_store.run(), name="router-store-tokens")
         self.tasks.start(self.engine_load.run(), name="router-poll-engine-load")
         # Revoked and edited keys are dropped from the cache as the control plane publishes them.
         self.tasks.start(self.keys.follow(self.hub), name="router-watch-key-changes")
@@ -123,6 +126,9 @@ class RouterState:
                 await self.usage.close()
         except TimeoutError:
             log.warning("usage store did not take the last usage report before shutdown")
+        if self.token_store is not None:
+            # After the last flush: what it handed the hub is stored too.
+            await self.token_store.close()
         await self.proxy.close()
         await self.keys.close()
 

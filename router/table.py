@@ -44,6 +44,8 @@ class Endpoint:
     # What the pick reads: unknown load counts as no extra load and never as full.
     queued: float = field(default=0.0, compare=False, repr=False)
     kv_full: bool = field(default=False, compare=False, repr=False)
+    # Its engine's own bearer header (router-only mode, `EndpointRow.api_key`), built once; None: it has none.
+    authorization: dict[str, str] | None = field(default=None, compare=False, repr=False)
     # Stable across routers and restarts (unlike hash() of a str), so every router prefers the same replica per key.
     affinity_seed: int = field(init=False, compare=False, repr=False)
     replica_id_bytes: bytes = field(init=False, compare=False, repr=False)  # as every answer's header names it
@@ -188,4 +190,7 @@ def adapter_holders(adapters: dict[str, AdapterEntry], by_replica: dict[str, End
 
 def endpoint_of(row: EndpointRow) -> Endpoint:
     """The balancer's Endpoint for a published row."""
-    return Endpoint(row.replica_id, row.model, row.url.rstrip("/"), row.priority, row.weight, row.pool)
+    endpoint = Endpoint(row.replica_id, row.model, row.url.rstrip("/"), row.priority, row.weight, row.pool)
+    if row.api_key is not msgspec.UNSET:
+        endpoint.authorization = {"Authorization": f"Bearer {row.api_key}"}
+    return endpoint

@@ -13,7 +13,8 @@ from hub import InProcessHub, RedisHub
 from hub.contracts import TokenCount, UsageReport, UsageSnapshot
 from hub.credentials import hash_secret
 from keys.models import ApiKey, TokenUsage
-from reconciler.tokens import UPSERT_BATCH, record_token_usage, store_tokens
+from keys.usage import UPSERT_BATCH, store_tokens
+from reconciler.tokens import record_token_usage
 
 pytestmark = pytest.mark.django_db
 
@@ -89,7 +90,7 @@ def test_last_use_moves_forward_only():
 
 def test_unknown_keys_are_dropped_with_a_log_line(caplog):
     _, alice = new_key("alice")
-    with caplog.at_level(logging.WARNING, logger="reconciler.tokens"):
+    with caplog.at_level(logging.WARNING, logger="keys.usage"):
         assert store({H0: {alice: {"m": [1, 1, 1]}, "f" * 64: {"m": [5, 5, 5]}}}, {"e" * 64: H0}) == 1
     assert rows() == {("alice", "m", H0): [1, 1, 1]}
     assert "2 unknown API key(s)" in caplog.text

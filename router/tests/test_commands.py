@@ -12,7 +12,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from conftest import free_port, wait_until
-from router.static_table import NO_CONTROL_PLANE, EndpointSpecError, parse_endpoints
+from router.static_table import NO_CONTROL_PLANE
 
 from .conftest import MODEL, PROJECT
 
@@ -20,21 +20,18 @@ IMPORTED = "sk-old-gateway-0123456789abcdef"
 
 
 @pytest.mark.parametrize(
-    ("values", "problem"),
+    ("args", "problem"),
     [
-        (["llama"], "--endpoint 'llama': expected MODEL=URL"),
-        (["=http://127.0.0.1:1"], "--endpoint '=http://127.0.0.1:1': expected MODEL=URL"),
-        (["llama=ftp://host/"], "--endpoint 'llama=ftp://host/': 'ftp://host/' is not an http:// or https:// URL"),
-        (["llama=127.0.0.1:8000"], "--endpoint 'llama=127.0.0.1:8000': '127.0.0.1:8000' is not an http"),
-        (["a=http://h:1", "a=http://h:2"], "--endpoint 'a=http://h:2': model 'a' is given more than once"),
+        (["--endpoint", "llama"], "--endpoint 'llama': expected MODEL=URL"),
+        (["--endpoint", "llama=ftp://host/"], "--endpoint 'llama=ftp://host/': 'ftp://host/' is not an http"),
+        (["--endpoint", "a=http://h:1", "--alias", "a=a"], "--alias 'a=a': alias 'a' is the name of a model"),
+        (["--alias", "x=a"], "no endpoint given"),
+        (["--endpoints", "/nonexistent/endpoints.yaml"], "--endpoints /nonexistent/endpoints.yaml: cannot read it"),
     ],
 )
-def test_router_refuses_bad_endpoints_naming_the_value(values, problem):
-    with pytest.raises(EndpointSpecError, match="^" + re.escape(problem)):
-        parse_endpoints(values)
-    argv = [arg for value in values for arg in ("--endpoint", value)]
+def test_router_refuses_bad_endpoints_naming_the_value(args, problem):
     with pytest.raises(CommandError, match=re.escape(problem)):
-        call_command("router", *argv)
+        call_command("router", *args)
 
 
 @pytest.mark.parametrize(("args", "problem"), [(["--workers", "0"], "--workers 0"), (["--port", "70000"], "--port")])
@@ -93,3 +90,61 @@ def test_router_only_mode_serves_engines_on_a_fixed_table_with_no_control_plane(
     # It drains, shuts down cleanly, then re-raises the signal it caught (so a supervisor sees why it ended).
     assert router.returncode in (0, -signal.SIGTERM) and "router draining" in output, output
     assert f"router-only mode, no control plane: {MODEL} → {engine.url}" in output
+
+
+ENDPOINTS_FILE = """
+models:
+  {model}:
+    aliases: [chat]
+    endpoints:
+      - url: {first}
+        api_key_env: ENGINE_ONE_KEY
+      - url: {second}
+        api_key: sk-engine-two
+"""
+
+
+def test_router_only_mode_from_a_file_fronts_engines_with_keys_of_their_own(tmp_path, engine_process):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["LLMGW_VAR_DIR"] = str(tmp_path)
+    env["ENGINE_ONE_KEY"] = "sk-engine-one"
+    manage = [sys.executable, "manage.py"]
+    assert subprocess.run([*manage, "migrate", "--verbosity", "0"], cwd=PROJECT, env=env).returncode == 0
+    created = subprocess.run(
+        [*manage, "create_api_key", "ci", "--key", IMPORTED], cwd=PROJECT, env=env, capture_output=True, text=True
+    )
+    assert created.returncode == 0, created.stderr
+    engines = [engine_process(api_key="sk-engine-one"), engine_process(api_key="sk-engine-two")]
+    path = tmp_path / "endpoints.yaml"
+    path.write_text(ENDPOINTS_FILE.format(model=MODEL, first=engines[0].url, second=engines[1].url))
+    port = free_port()
+    argv = [*manage, "router", "--port", str(port), "--workers", "2", "--endpoints", str(path)]
+    router = subprocess.Popen(argv, cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {IMPORTED}"}
+    try:
+        wait_until(lambda: answers(router, url), timeout=30, interval=0.1)
+        # The engines refuse anyone without their key; through the router, each gets its own.
+        assert httpx.post(f"{engines[0].url}/v1/chat/completions", json={}).status_code == 401
+        replicas = set()
+        for i in range(16):
+            body = {"model": "chat", "messages": [{"role": "user", "content": f"question {i}"}]}
+            answer = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=body, timeout=10)
+            assert answer.status_code == 200, answer.text
+            replicas.add(answer.headers["x-llmgw-replica"])
+        assert replicas == {"static-1", "static-2"}
+        # No key on any command line (ps shows them): the workers got the table in their environment.
+        assert "sk-engine" not in " ".join(argv)
+    finally:
+        router.send_signal(signal.SIGTERM)
+        output = router.communicate(timeout=20)[0]
+    assert "sk-engine" not in output, output
+    assert f"{MODEL} (alias chat) → {engines[0].url} [api key ***], {engines[1].url} [api key ***]" in output
+    assert "REDIS_URL is not set, so each of the 2 workers keeps its own rate limits" in output
+
+
+def answers(router: subprocess.Popen, url: str) -> bool:
+    assert router.poll() is None, router.stdout.read() if router.stdout else ""
+    try:
+        return httpx.get(f"{url}/health", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -8,14 +8,6 @@ import pytest
 
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from router.balancer import Balancer
-from router.static_table import (
-    NO_CONTROL_PLANE,
-    TABLE_VARIABLE,
-    EndpointSpecError,
-    decode_table_variable,
-    encode_table,
-    parse_endpoints,
-)
 from router.table import TableError, decode_table
 
 from .conftest import ALIAS, MODEL, make_table, table_rows
@@ -115,19 +107,3 @@ def test_a_router_keeps_its_table_when_handed_something_that_is_not_one(start_ro
         assert router.state.apply_table(b"[]") is False
     assert "ignoring a malformed endpoint table" in caplog.text
     assert chat(router, auth).status_code == 200
-
-
-def test_router_only_mode_hands_its_workers_the_table_it_built():
-    table = parse_endpoints(["llama=http://10.0.0.5:8000/", "qwen=https://10.0.0.6"])
-    assert decode_table_variable(encode_table(table)) == table
-    assert table.endpoints == [
-        EndpointRow("static-1", "llama", "http://10.0.0.5:8000"),
-        EndpointRow("static-2", "qwen", "https://10.0.0.6"),
-    ]
-    assert table.models["qwen"] == ModelEntry(unplaceable=NO_CONTROL_PLANE)
-
-
-@pytest.mark.parametrize("text", ["", "[]", '{"endpoints": [{"model": "llama"}]}'])
-def test_a_worker_refuses_a_handed_table_it_cannot_read_naming_the_variable(text):
-    with pytest.raises(EndpointSpecError, match=f"^{TABLE_VARIABLE} is not an endpoint table"):
-        decode_table_variable(text)
