@@ -229,7 +229,8 @@ class TokenUsageViewSet(RefuseNulMixin, mixins.ListModelMixin, viewsets.GenericV
             queryset = queryset.filter(key_name=key)
         if model := params.get("model"):
             queryset = queryset.filter(model=model)
-        if since := params.get("since"):
+        # Given empty, it is no date: a 400, as the schema says, not "no filter".
+        if (since := params.get("since")) is not None:
             queryset = queryset.filter(hour__gte=_hour_of(since))
         return queryset
 
