@@ -72,7 +72,7 @@ def test_a_bad_env_is_a_400_naming_the_variable_and_changes_nothing(staff, tiny,
     assert (catalog_rows(), stored_envs()) == before
 
 
-WRITTEN_VALUE = {"type": "string", "maxLength": 8192}
+WRITTEN_VALUE = {"type": "string", "maxLength": 8192, "pattern": "^[^\\x00]*$"}
 
 
 def test_the_schema_says_env_is_an_object_of_strings(staff):
