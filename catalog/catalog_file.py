@@ -306,12 +306,16 @@ def _expected_type(model_field) -> type | None:
         return int
     if isinstance(model_field, db.CharField):
         return str
+    if isinstance(model_field, db.FloatField):
+        return float
     return None  # JSON fields: their clean() says what they accept
 
 
 def _is(value: Any, expected: type) -> bool:
-    # YAML true/false are bools, and bool is a subclass of int: neither is a number here.
-    return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    # YAML true/false are bools, and bool is a subclass of int: neither is a number here. An integer is a float.
+    if isinstance(value, bool):
+        return expected is bool
+    return isinstance(value, int | float) if expected is float else isinstance(value, expected)
 
 
 def _located(label: str, separator: str) -> Callable[[str], str]:
@@ -332,7 +336,14 @@ def _collect(validate: Callable[[], None], at: Callable[[str], str], problems: l
             problems.extend(f"{at(name)}: {message}" for message in messages)
 
 
-_KINDS: dict[type, str] = {bool: "true or false", int: "an integer", str: "a string", list: "a list", dict: "a mapping"}
+_KINDS: dict[type, str] = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+}
 
 
 def _kind(value: Any) -> str:

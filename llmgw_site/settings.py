@@ -214,6 +214,8 @@ SPECTACULAR_SETTINGS = {
     # The schema and its Swagger UI are staff-only, like the API (drf-spectacular's default is anyone).
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
     "COMPONENT_SPLIT_REQUEST": True,
+    # drf-spectacular's own hook, then: input strings refuse NUL and bodies unknown keys, as the API does.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "dashboard.api.schema.strict_input"],
     # Swagger UI's scripts, styles and icon from the project's own static files, not a CDN: most GPU
     # clusters have no internet, and the page was blank there.
     "SWAGGER_UI_DIST": "SIDECAR",

@@ -43,7 +43,9 @@ class _Server(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     """Bind a listening socket, or raise OSError naming the address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # Named TCP, not protocol 0: asyncio sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP, and
+    # without it a keep-alive client's every request after the first waited ~40 ms (Nagle and delayed ACKs).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

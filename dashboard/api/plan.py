@@ -14,7 +14,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 from rest_framework_dataclasses.serializers import DataclassSerializer
 
+from dashboard.api.fields import RefuseUnknownKeys, StrictCharField
 from dashboard.api.guards import RefuseNulMixin
+from dashboard.api.schema import PLAN_REFUSED
 from reconciler.what_if import PlanInputError, plan_request
 from reconciler.what_if_types import PlanAnswer
 
@@ -22,7 +24,7 @@ MAX_MODELS = 100
 """Models one request may plan (entries and names together): an answer, not a bulk job."""
 
 
-class PlanRequestSerializer(serializers.Serializer):
+class PlanRequestSerializer(RefuseUnknownKeys):
     """What to plan: catalog-format entries, catalog model names, or both (at least one model)."""
 
     models = serializers.ListField(
@@ -32,7 +34,7 @@ class PlanRequestSerializer(serializers.Serializer):
         help_text="Catalog-format model entries (name, source, profiles, ...), as in a catalog file; planned first.",
     )
     names = serializers.ListField(
-        child=serializers.CharField(max_length=255),
+        child=StrictCharField(max_length=255),
         required=False,
         max_length=MAX_MODELS,
         help_text="Catalog models by name or alias; planned after `models`.",
@@ -57,7 +59,7 @@ class PlanAnswerSerializer(DataclassSerializer):
 class PlanView(RefuseNulMixin, APIView):
     """POST /api/v1/plan: the planner's answer for the models asked; nothing is written."""
 
-    @extend_schema(request=PlanRequestSerializer, responses=PlanAnswerSerializer)
+    @extend_schema(request=PlanRequestSerializer, responses={200: PlanAnswerSerializer, 400: PLAN_REFUSED})
     def post(self, request):
         body = PlanRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)

@@ -226,56 +226,8 @@ class TokenUsageSerializer(serializers.ModelSerializer):
         fields = ["id", "key", "key_id", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
 
 
-class ProfileWriteSerializer(serializers.ModelSerializer):
-    """A profile as written: the catalog file's profile fields (order is the list position)."""
-
-    class Meta:
-        model = Profile
-        fields = list(PROFILE_FIELDS)
-        extra_kwargs = {"engine_args": {"help_text": 'Extra engine argv, e.g. ["--max-model-len", "8192"].'}}
-
-    def get_fields(self):
-        fields = super().get_fields()
-        fields["engine_args"] = serializers.ListField(child=serializers.CharField(), required=False)
-        fields["env"] = serializers.DictField(
-            child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False, help_text=ENV_HELP
-        )
-        return fields
-
-
-class ModelWriteSerializer(serializers.Serializer):
-    """A model as written by POST/PUT/PATCH: the same entry as in a catalog file (`catalog apply`).
-
-    Documents the body; the checks are the catalog file's (`dashboard.api.writes`).
-    """
-
-    name = serializers.CharField(max_length=200, help_text="Public name; cannot change after creation.")
-    source = serializers.CharField(max_length=500)
-    enabled = serializers.BooleanField(required=False, default=True)
-    parameters_billions = serializers.FloatField(
-        required=False, allow_null=True, help_text="Parameters in billions; with dtype, sizes the weights."
-    )
-    dtype = serializers.ChoiceField(
-        choices=Model._meta.get_field("dtype").choices, required=False, allow_blank=True, help_text="Weights dtype."
-    )
-    layers = serializers.IntegerField(required=False, allow_null=True, help_text="Layers (KV cache shape).")
-    kv_heads = serializers.IntegerField(required=False, allow_null=True, help_text="KV heads per layer.")
-    head_dim = serializers.IntegerField(required=False, allow_null=True, help_text="Dimension of one head.")
-    aliases = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
-    profiles = ProfileWriteSerializer(many=True)
-
-
-class ScopeName(serializers.CharField):
-    """A name in a key's scope: a JSON string, refused when it is a number (CharField would turn 5 into "5")."""
-
-    def to_internal_value(self, data):
-        if not isinstance(data, str):
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
 class ApiKeySerializer(serializers.ModelSerializer):
-    """An API key for the router; its secret is never shown again after creation."""
+    """An API key for the router as read; its secret is never shown again after creation (written: write_serializers)."""
 
     class Meta:
         model = ApiKey
@@ -297,7 +249,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
     def get_fields(self):
         fields = super().get_fields()
         for name in ("allowed_models", "allowed_pools"):
-            fields[name] = serializers.ListField(child=ScopeName(), required=False)
+            fields[name] = serializers.ListField(child=serializers.CharField(), read_only=True)
         return fields
 
 

@@ -4,8 +4,6 @@ from datetime import UTC, datetime
 
 from django.db.models import Prefetch, Q
 from django.http import Http404
-from django.utils import timezone
-from django.utils.dateparse import parse_date, parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
@@ -23,12 +21,13 @@ from reconciler.choices import ReplicaState
 from reconciler.models import AdapterLoad, Replica
 
 from . import writes
+from .fields import parse_date_or_time
 from .guards import RefuseNulMixin
+from .schema import MODEL_WRITE_REFUSED
 from .serializers import (
     ApiKeySerializer,
     DrainedSerializer,
     ModelSerializer,
-    ModelWriteSerializer,
     ModelWrittenSerializer,
     NewApiKeySerializer,
     NodeSerializer,
@@ -36,6 +35,7 @@ from .serializers import (
     TokenUsageSerializer,
 )
 from .status import StatusSerializer
+from .write_serializers import ApiKeyWriteSerializer, ModelReplaceSerializer, ModelWriteSerializer
 
 
 class StatusView(APIView):
@@ -47,9 +47,15 @@ class StatusView(APIView):
 
 
 @extend_schema_view(
-    create=extend_schema(request=ModelWriteSerializer, responses={201: ModelWrittenSerializer}),
-    update=extend_schema(request=ModelWriteSerializer, responses=ModelWrittenSerializer),
-    partial_update=extend_schema(request=ModelWriteSerializer(partial=True), responses=ModelWrittenSerializer),
+    create=extend_schema(
+        request=ModelWriteSerializer, responses={201: ModelWrittenSerializer, 400: MODEL_WRITE_REFUSED}
+    ),
+    update=extend_schema(
+        request=ModelReplaceSerializer, responses={200: ModelWrittenSerializer, 400: MODEL_WRITE_REFUSED}
+    ),
+    partial_update=extend_schema(
+        request=ModelReplaceSerializer(partial=True), responses={200: ModelWrittenSerializer, 400: MODEL_WRITE_REFUSED}
+    ),
 )
 class ModelViewSet(RefuseNulMixin, viewsets.ModelViewSet):
     """Catalog models with their aliases and profiles; `{name}` is a model's name or one of its aliases.
@@ -168,7 +174,7 @@ class ReplicaViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
 
 
 @extend_schema_view(
-    create=extend_schema(request=ApiKeySerializer, responses={201: NewApiKeySerializer}),
+    create=extend_schema(request=ApiKeyWriteSerializer, responses={201: NewApiKeySerializer}),
     revoke=extend_schema(request=None, responses=ApiKeySerializer),
 )
 class ApiKeyViewSet(RefuseNulMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -179,7 +185,7 @@ class ApiKeyViewSet(RefuseNulMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMo
     lookup_value_regex = "[^/]+"
 
     def create(self, request, *args, **kwargs):
-        serializer = ApiKeySerializer(data=request.data)
+        serializer = ApiKeyWriteSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         key, secret = writes.issue_key(dict(serializer.validated_data))
         return Response({**ApiKeySerializer(key).data, "key": secret}, status=status.HTTP_201_CREATED)
@@ -189,20 +195,28 @@ class ApiKeyViewSet(RefuseNulMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMo
         return Response(ApiKeySerializer(writes.revoke_key(self.get_object())).data)
 
 
+# What `since` takes, as the schema says it: an RFC 3339 date-time, or a full date.
+SINCE = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
+
+
 @extend_schema_view(
     list=extend_schema(
         parameters=[
             OpenApiParameter("key", OpenApiTypes.STR, description="The key's name."),
             OpenApiParameter("model", OpenApiTypes.STR),
-            OpenApiParameter("since", OpenApiTypes.STR, description="ISO 8601 date or time (UTC unless it says)."),
+            OpenApiParameter(
+                "since",
+                SINCE,
+                description="An RFC 3339 date-time (2026-01-31T14:00:00Z) or a date (2026-01-31, midnight UTC).",
+            ),
         ]
     )
 )
 class TokenUsageViewSet(RefuseNulMixin, mixins.ListModelMixin, viewsets.GenericViewSet):
     """GET /api/v1/usage/: tokens per API key, model and hour, newest hour first.
 
-    Filters: `key` (the key's name), `model`, `since` (an ISO 8601 date or
-    time; rows of the hour containing it and later; UTC when no offset is given).
+    Filters: `key` (the key's name), `model`, `since` (an RFC 3339 date-time
+    or a date, midnight UTC; rows of the hour containing it and later).
     """
 
     queryset = TokenUsage.objects.order_by("-hour", "key_name", "model", "id")
@@ -215,21 +229,22 @@ class TokenUsageViewSet(RefuseNulMixin, mixins.ListModelMixin, viewsets.GenericV
             queryset = queryset.filter(key_name=key)
         if model := params.get("model"):
             queryset = queryset.filter(model=model)
-        if since := params.get("since"):
+        # Given empty, it is no date: a 400, as the schema says, not "no filter".
+        if (since := params.get("since")) is not None:
             queryset = queryset.filter(hour__gte=_hour_of(since))
         return queryset
 
 
 def _hour_of(text: str) -> datetime:
-    """The start of the hour an ISO 8601 date or time falls in (UTC unless it says otherwise); 400 if unreadable."""
-    try:
-        at = parse_datetime(text)
-        if at is None and (day := parse_date(text)) is not None:
-            at = datetime(day.year, day.month, day.day)
-    except ValueError:
-        at = None
+    """The start of the hour an RFC 3339 date-time or a date (midnight UTC) falls in; 400 if it is neither."""
+    at = parse_date_or_time(text)
     if at is None:
-        raise ValidationError({"since": f"{text!r} is not an ISO 8601 date or time (e.g. 2026-01-31T14:00:00Z)."})
-    if timezone.is_naive(at):
-        at = at.replace(tzinfo=UTC)
-    return at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+        raise ValidationError(
+            {"since": f"{text[:40]!r} is not an RFC 3339 date-time or a date (e.g. 2026-01-31T14:00:00Z, 2026-01-31)."}
+        )
+    try:
+        at = at.astimezone(UTC)
+    except OverflowError:
+        # Within a day of the calendar's ends: from before any row, or after every one.
+        at = datetime.min.replace(tzinfo=UTC) if at.year == 1 else datetime.max.replace(tzinfo=UTC)
+    return at.replace(minute=0, second=0, microsecond=0)

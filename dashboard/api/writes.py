@@ -24,6 +24,8 @@ from reconciler.drain import drain_nodes
 from reconciler.lifecycle import stop_replica
 from reconciler.models import Replica
 
+from .write_serializers import ModelReplaceSerializer, ModelWriteSerializer, body_problems
+
 # Messages from the catalog file reader start with where the entry is in the file; here there is one entry.
 _FILE_LABEL = re.compile(r'^models\[0\](?: "[^"]*")?: ')
 
@@ -48,6 +50,8 @@ def create_model(entry: Any) -> Model:
     """Create a model with its aliases, profiles and adapters (the catalog file's entry shape); 400 if anything is wrong."""
     if not isinstance(entry, dict):
         raise bad_request(["expected a JSON object with name, source, enabled, aliases, profiles and adapters"])
+    if problems := body_problems(ModelWriteSerializer, entry):
+        raise bad_request(problems)
     with transaction.atomic():
         name = entry.get("name")
         if isinstance(name, str) and (clash := name_clash(name)):
@@ -59,6 +63,8 @@ def update_model(model: Model, changes: Any, *, partial: bool) -> Model:
     """Replace (`partial=False`) or change some of a model's fields, aliases, profiles and adapters; the name stays."""
     if not isinstance(changes, dict):
         raise bad_request(["expected a JSON object with source, enabled, aliases, profiles and adapters"])
+    if problems := body_problems(ModelReplaceSerializer, changes, partial=partial):
+        raise bad_request(problems)
     if "name" in changes and changes["name"] != model.name:
         raise bad_request([f"name: a model cannot be renamed (this is “{model.name}”); create a new one instead"])
     with transaction.atomic():

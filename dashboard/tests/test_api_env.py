@@ -72,9 +72,13 @@ def test_a_bad_env_is_a_400_naming_the_variable_and_changes_nothing(staff, tiny,
     assert (catalog_rows(), stored_envs()) == before
 
 
+WRITTEN_VALUE = {"type": "string", "maxLength": 8192, "pattern": "^[^\\x00]*$"}
+
+
 def test_the_schema_says_env_is_an_object_of_strings(staff):
     schema = staff.get("/api/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
-    for component in ("Profile", "ProfileWriteRequest"):
+    for component, strings in (("Profile", {"type": "string"}), ("ProfileWriteRequest", WRITTEN_VALUE)):
         env = schema["components"]["schemas"][component]["properties"]["env"]
-        assert env["type"] == "object" and env["additionalProperties"] == {"type": "string"}, (component, env)
+        assert env["type"] == "object" and env["additionalProperties"] == strings, (component, env)
         assert "***" in env["description"]
+    assert env["maxProperties"] == 64  # as written: the agent's limits, stated

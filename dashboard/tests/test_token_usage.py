@@ -76,17 +76,29 @@ def test_usage_filters_by_key_model_and_since(staff_client, spent):
     assert listed("key=bob") == [("bob", "llama", "11")]
     assert listed("model=qwen") == [("alice", "qwen", "11")]
     assert listed("key=alice&model=llama") == [("alice", "llama", "11"), ("alice", "llama", "10")]
-    # A time inside an hour includes that hour; no offset means UTC.
-    assert len(listed("since=2026-03-01T11:30:00")) == 3
+    # A time inside an hour includes that hour; a date is its midnight UTC.
+    assert len(listed("since=2026-03-01T11:30:00Z")) == 3
+    assert len(listed("since=2026-03-01t11:30:00.5z")) == 3  # RFC 3339 allows either case
     assert len(listed("since=2026-03-01T11:30:00%2B01:00")) == 4
     assert len(listed("since=2026-03-01")) == 4
     assert listed("since=2026-03-02") == []
 
 
-def test_a_bad_since_is_a_400_naming_it(staff_client):
-    response = staff_client.get("/api/v1/usage/?since=yesterday")
+@pytest.mark.parametrize(
+    "since",
+    # Not the schema's RFC 3339 date-time or date: an offset is required, a day must exist, and empty is no date.
+    ["yesterday", "2026-03-01T11:30:00", "2026-03-01 11:30:00Z", "2026-02-30", "x2026-03-01", ""],
+)
+def test_a_since_the_schema_does_not_allow_is_a_400_naming_it(staff_client, since):
+    response = staff_client.get("/api/v1/usage/", {"since": since})
     assert response.status_code == 400
-    assert "ISO 8601" in response.json()["since"]
+    assert "is not an RFC 3339 date-time or a date" in response.json()["since"]
+
+
+@pytest.mark.parametrize(("since", "rows"), [("0001-01-01T00:00:00+01:00", 4), ("9999-12-31T23:59:59-23:59", 0)])
+def test_a_since_past_the_calendars_ends_reads_as_its_end(staff_client, spent, since, rows):
+    response = staff_client.get("/api/v1/usage/", {"since": since})
+    assert response.status_code == 200 and response.json()["count"] == rows
 
 
 def test_usage_is_paginated_and_runs_constant_queries(staff_client):
