@@ -296,7 +296,9 @@ class RouterApp:
             # Engines serve under the public name only.
             payload["model"] = public
             body = json.dumps(payload).encode()
-        return public, body, payload.get("stream") is True, prefix_affinity(payload)
+        # A prefix only matters where there is a choice of replicas (router.affinity): not hashed otherwise.
+        affinity = prefix_affinity(payload) if self._balancer.has_choice(public) else None
+        return public, body, payload.get("stream") is True, affinity
 
 
 def bearer_token(scope: Scope) -> str:

@@ -192,6 +192,10 @@ class Balancer:
             return list(self._endpoints.get(model, ()))
         return list(self._by_replica.values())
 
+    def has_choice(self, model: str) -> bool:
+        """Whether `model` (or adapter) has more than one ready replica to choose from."""
+        return len(self._endpoints.get(model, ())) > 1
+
     # -- per request ------------------------------------------------------------
     def pick(
         self,

@@ -217,3 +217,10 @@ def test_a_model_gone_from_the_table_is_forgotten():
     assert balancer.prefixes.last_replica(MODEL, prefix_affinity({"messages": conversation(1, 1)[0]})) is not None
     balancer.apply_table(make_table([], models={"other": {}}, fingerprint="gone"))
     assert balancer.prefixes.last_replica(MODEL, prefix_affinity({"messages": conversation(1, 1)[0]})) is None
+
+
+def test_a_prefix_is_only_worth_hashing_where_there_is_a_choice_of_replicas():
+    balancer = balancer_with(*REPLICAS[:1])
+    assert not balancer.has_choice(MODEL) and not balancer.has_choice("unknown")
+    balancer.apply_table(make_table(REPLICAS[:2], fingerprint="two"))
+    assert balancer.has_choice(MODEL)
