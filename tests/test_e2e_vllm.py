@@ -52,7 +52,7 @@ BROKEN = "broken-vllm"
 BAD_ARGUMENT = ["--max-num-seqs", "not-a-number"]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
-ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
+ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 # The catalog's adapters on MODEL: one PEFT folder under two names, so each is loaded as an adapter of its own.
 ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
@@ -64,7 +64,13 @@ ENGINE_ENV = {
     # it generates; unpinned it generates slower and answers.
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
-LONG = 1500  # tokens of the stream a drain waits for: 10 to 20 s with an unpinned worker on 2 cores
+# Tokens of each answer the load and drain tests keep in flight. The tiny model generates 100 to 400 a second
+# here, depending on what else runs, so a long answer asks for several: with `--max-num-seqs 1` vLLM runs them
+# one after the other (the rest wait in its queue), 15 to 60 s in all. Never cut short: vLLM is told to ignore
+# the end-of-sequence token (the tiny model's random weights may choose it at any step, even greedily).
+LONG = 3000
+WHOLE = {"extra_body": {"ignore_eos": True}, "temperature": 1.0}
+DRAIN_ANSWERS = 4
 
 
 def catalog_for(model_dir: Path) -> str:
@@ -112,10 +118,10 @@ class Stack:
         return self._pool.submit(fn, *args, **kwargs)
 
     def chat(self, content: str, max_tokens: int, client: OpenAI | None = None, **options):
+        options.setdefault("temperature", 0)  # greedy, unless several answers are asked for (vLLM refuses that)
         return (client or self.client).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
-            **options,
-        )  # fmt: skip
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, **options
+        )
 
     def api(self, method: str, path: str, **kwargs) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"}
@@ -296,9 +302,16 @@ def test_chat_completions_and_streams_through_the_router_with_usage_stored_per_k
 def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack):
     replica = str(stack.replica()["id"])
     # Not streamed: a fast stream keeps vLLM's API server so busy on 2 cores that /metrics answers late.
-    long = stack.submit(stack.chat, "count to many", 1500)
-    wait_until(lambda: router_gauge(stack, "llmgw_router_in_flight_requests") == 1.0, 30, 0.02)
-    # The engine runs one request at a time (--max-num-seqs 1): a second one waits in vLLM's own queue.
+    long = stack.submit(stack.chat, "count to many", LONG, n=2, **WHOLE)
+    gauges: list[float] = []
+
+    def the_router_holds_it() -> bool:
+        gauges.append(router_gauge(stack, "llmgw_router_in_flight_requests"))
+        return gauges[-1] == 1.0
+
+    wait_until(the_router_holds_it, 30, 0.02, describe=lambda: f"in flight: {sorted(set(gauges))}, done: {long.done()}")
+    # The engine runs one sequence at a time (--max-num-seqs 1): the long answer's second, and then a second
+    # request, wait in vLLM's own queue.
     waiting = stack.submit(stack.chat, "and me", 3)
     seen: dict[str, list[float]] = {"waiting": [], "kv": []}
 
@@ -312,7 +325,7 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     # The router polls every 0.5 s here; on a busy machine vLLM's API server answers in bursts.
     wait_until(router_saw_the_queue_and_the_cache_in_use, 30, 0.1, describe=lambda: f"router read {seen}")
     assert waiting.result(120).choices[0].finish_reason == "length"
-    assert long.result(120).usage.completion_tokens == 1500
+    assert long.result(180).usage.completion_tokens == 2 * LONG
     # The names the router and the agent read (router/engine_load.py, agent/engine_load.py), as vLLM serves
     # them: the KV gauge under its new name only, each gauge per engine core (the router sums label sets).
     families = {f.name: f for f in text_string_to_metric_families(engine_metrics(stack))}
@@ -441,9 +454,8 @@ def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_throug
 
 
 def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
-    """Last: it stops the module's engine. The stream is long (10 to 20 s on 2 cores, depending on what else runs)
-    so that it is still running when the drain reaches the agent, a few seconds after the operator's call
-    (unpublish, a tick, then `drain_shard`)."""
+    """Last: it stops the module's engine. The stream is long (LONG) so that it is still running when the drain
+    reaches the agent, a few seconds after the operator's call (unpublish, a tick, then `drain_shard`)."""
     replica = stack.replica()["id"]
     engines = engine_pids(stack.info["var"], SERVER_MODULE.encode())
     assert engines
@@ -451,7 +463,10 @@ def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
     chunks: list = []
 
     def stream():
-        for chunk in stack.chat("a long answer", LONG, stream=True, stream_options={"include_usage": True}):
+        answer = stack.chat(
+            "a long answer", LONG, n=DRAIN_ANSWERS, stream=True, stream_options={"include_usage": True}, **WHOLE
+        )
+        for chunk in answer:
             chunks.append(chunk)
         finished.append(time.monotonic())
 
@@ -463,8 +478,9 @@ def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
     assert stack.api("POST", f"replicas/{replica}/drain").status_code == 200
     wait_until(lambda: re.search(r"shard \d+: draining", stack.log.read_text()), 15, 0.1)
     assert streaming.is_alive(), "the stream should still be in flight when the drain begins"
-    streaming.join(120)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == LONG, "the stream finished whole"
+    streaming.join(240)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == DRAIN_ANSWERS * LONG, "the stream finished whole"
     stopped = re.compile(r"shard \d+ on gpu-c: stopped \(drained: no running requests")
     wait_until(lambda: stopped.search(stack.log.read_text()), 15, 0.1, describe=lambda: stack.log.read_text()[-3000:])
     wait_until(lambda: not engine_pids(stack.info["var"], SERVER_MODULE.encode()), 15, 0.2)
