@@ -61,13 +61,15 @@ class PlacingOutcome:
 
 
 def place_pending(
-    now: datetime, epoch: int, outbox: Outbox, *, evict: bool = False, settling: bool = False
+    now: datetime, epoch: int, outbox: Outbox, *, eviction_paused: str = "", settling: bool = False
 ) -> PlacingOutcome:
     """Place PENDING replicas, highest priority then oldest first, each on the first of its model's profiles
     with room (and below that profile's own max); bulk-write shards and GPU assignments.
 
-    With `evict` (usage is known and no partition brake), a replica no profile
-    can take may have idle replicas stopped to make room for it (`room.make_room`).
+    A replica no profile can take may have idle replicas stopped to make room
+    for it (`room.make_room`) — unless `eviction_paused` says why not this tick
+    (idleness unknown, the partition brake): then it is held if eviction would
+    make room once it may act, and nothing is stopped.
     With `settling` (the fleet may not have reported in yet), one that finds no
     room is noted as waiting for nodes, not unplaceable: routers hold its requests.
     """
@@ -85,7 +87,7 @@ def place_pending(
     memory = MemoryCheck(reported)
     placed, moved, unplaceable = _choose(pending, profiles, capacity, memory, holders)
 
-    notes = make_room(unplaceable, capacity, now, memory) if evict and unplaceable else {}
+    notes = make_room(unplaceable, capacity, now, memory, paused=eviction_paused) if unplaceable else {}
     if settling:
         for replica, _tried, reason in unplaceable:
             notes.setdefault(replica.pk, PlacementNote.waiting_for_nodes(reason))

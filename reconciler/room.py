@@ -75,9 +75,16 @@ def make_room(
     capacity: CapacitySnapshot,
     now: datetime,
     memory: MemoryCheck,
+    *,
+    paused: str = "",
 ) -> dict[int, PlacementNote]:
     """Decide, for each waiting (replica, profiles it may use, why not), whether to wait or to stop victims.
 
+    `paused` says why nothing may be evicted this tick ("" when eviction may
+    act): then nothing is stopped, but a replica that eviction would make room
+    for still holds its requests instead of being refused — a usage store that
+    has just come back, or a control plane that has just started, is not a
+    reason to answer "cannot be started" for a model a tick later would place.
     Returns the placement note (holding: making room) of each replica that now waits for room.
     """
     draining = _draining_gpus(now)
@@ -102,6 +109,8 @@ def make_room(
                 break
             if holdings is None:
                 holdings, spare = read_holdings(now), spare_replicas()
+            if paused:
+                continue
             plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority))
             if plan is None:
                 continue
@@ -118,7 +127,7 @@ def make_room(
         else:
             # No profile can make room now: hold, don't refuse, if one will once time has passed.
             for records, shape in shapes if holdings is not None else ():
-                note = _room_soon(holdings, spare, taken, model, priority, records, shape)
+                note = _room_soon(holdings, spare, taken, model, priority, records, shape, paused)
                 if note is not None:
                     notes[replica.pk] = note
                     break
@@ -160,14 +169,19 @@ def _room_soon(
     priority: int,
     records: list[NodeCapacity],
     shape: Shape,
+    paused: str,
 ) -> PlacementNote | None:
     """Hold, don't refuse: when replicas that will be evictable once time passes (not idle or resident long
-    enough yet, or finishing requests) would make room, the waiting replica holds its requests until they are
-    (nothing is stopped now; a later tick stops them by the usual rules). None when not even that would do."""
+    enough yet, or finishing requests) or once eviction may act again (`paused`) would make room, the waiting
+    replica holds its requests until they are (nothing is stopped now; a later tick stops them by the usual
+    rules). None when not even that would do."""
     plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority, soon=True))
     if plan is None:
         return None
     victims, _placement = plan
+    if paused:
+        held = ", ".join(_describe(v) for v in victims)
+        return PlacementNote.making_room(f"nothing is evicted while {paused}; then {held} would make room")
     wait = seconds_until_stoppable(
         victims, min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
     )

@@ -162,7 +162,7 @@ def _reconcile(
         now,
         leadership.epoch,
         outbox,
-        evict=usage.known and not liveness.brake,
+        eviction_paused=_eviction_paused(usage, liveness.brake),
         settling=fleet_settling(now, leadership),
     )
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
@@ -183,6 +183,13 @@ def _reconcile(
     # so a start about to be drained is not sent again first.
     report.commands_resent = run("resend unacknowledged", resend_unacknowledged, now)
     return usage, forget
+
+
+def _eviction_paused(usage: UsageVerdict, brake: bool) -> str:
+    """Why nothing may be evicted this tick, or "" (DESIGN invariant 3; the partition brake)."""
+    if brake:
+        return "the partition brake is on"
+    return "" if usage.known else f"idleness is unknown ({usage.reason})"
 
 
 def _take_usage(readings: _HubReadings, now: datetime, report: TickReport) -> tuple[UsageVerdict, list[str]]:

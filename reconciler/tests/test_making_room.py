@@ -12,7 +12,7 @@ from reconciler.choices import Hold, ReplicaState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.eviction import MAKING_ROOM
 from reconciler.lifecycle import unpublish_grace_seconds
-from reconciler.models import Replica, Shard
+from reconciler.models import Replica, Shard, UsageWatch
 from reconciler.outbox import Outbox
 from reconciler.placing import place_pending
 from tests.fleet import make_model, make_node, make_replica
@@ -156,14 +156,42 @@ def test_a_replica_evictable_soon_holds_the_newcomers_requests_instead_of_refusi
     assert build_endpoint_table().models["newcomer"].unplaceable is None  # routers hold its requests
 
 
-def test_no_eviction_when_the_tick_may_not_act_on_idleness(full_fleet):
+def test_no_eviction_when_the_tick_may_not_act_on_idleness_but_the_newcomer_is_held_not_refused(full_fleet):
     _a, _b, recent, stale = full_fleet
     model = ask_for("newcomer")
-    Replica.objects.create(model=model, profile=model.profiles.get())
+    waiting = Replica.objects.create(model=model, profile=model.profiles.get())
 
-    place_pending(timezone.now(), 1, Outbox(1), evict=False)
+    place_pending(timezone.now(), 1, Outbox(1), eviction_paused="idleness is unknown (no router is reporting usage)")
 
     assert (state_of(recent), state_of(stale)) == (ReplicaState.READY, ReplicaState.READY)
+    waiting.refresh_from_db()
+    assert waiting.hold == Hold.MAKING_ROOM
+    assert re.fullmatch(
+        re.escape(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (no router is reporting usage); ")
+        + rf"then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) would make room",
+        waiting.placement_error,
+    ), waiting.placement_error
+    assert build_endpoint_table().models["newcomer"].unplaceable is None  # routers hold its requests
+
+
+def test_a_tick_that_does_not_know_idleness_holds_a_newcomer_eviction_would_place(full_fleet, run_tick):
+    """Just after a control plane starts, usage is unknown for a mark's lifetime: a request then is held."""
+    _a, _b, recent, stale = full_fleet
+    UsageWatch.objects.all().delete()
+    ask_for("newcomer")
+
+    report = run_tick()
+
+    assert not report.usage_known, "the watch has just begun: routers may still hold stamps"
+
+    assert (state_of(recent), state_of(stale)) == (ReplicaState.READY, ReplicaState.READY)
+    waiting = Replica.objects.get(model__name="newcomer")
+    assert waiting.hold == Hold.MAKING_ROOM
+    assert waiting.placement_error.startswith(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (waiting")
+    assert re.search(
+        rf"; then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) would make room$", waiting.placement_error
+    )
+    assert build_endpoint_table().models["newcomer"].unplaceable is None
 
 
 def test_two_waiting_replicas_do_not_count_the_same_draining_gpus(full_fleet, run_tick):
