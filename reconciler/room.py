@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from django.conf import settings
@@ -174,14 +174,23 @@ def _room_soon(
     """Hold, don't refuse: when replicas that will be evictable once time passes (not idle or resident long
     enough yet, or finishing requests) or once eviction may act again (`paused`) would make room, the waiting
     replica holds its requests until they are (nothing is stopped now; a later tick stops them by the usual
-    rules). None when not even that would do."""
+    rules). None when not even that would do.
+
+    While paused, a replica whose idleness is unknown counts as one that may
+    become evictable: its routers' stamps may not have been collected yet (a
+    control plane that has just started). Once eviction may act, a replica
+    still of unknown idleness is not a candidate, and the waiting one is refused.
+    """
+    if paused:
+        known = {h.replica_id: h for h in holdings}
+        holdings = [h if h.idle_seconds is not None else replace(h, idle_seconds=0.0) for h in holdings]
     plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority, soon=True))
     if plan is None:
         return None
     victims, _placement = plan
     if paused:
-        held = ", ".join(_describe(v) for v in victims)
-        return PlacementNote.making_room(f"nothing is evicted while {paused}; then {held} would make room")
+        held = ", ".join(_describe(known[v.replica_id]) for v in victims)
+        return PlacementNote.making_room(f"nothing is evicted while {paused}; then {held} may make room")
     wait = seconds_until_stoppable(
         victims, min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
     )

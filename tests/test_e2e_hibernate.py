@@ -11,6 +11,7 @@ every request here is answered.
 
 import time
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -71,3 +72,20 @@ def test_an_evicted_model_sleeps_and_its_next_request_wakes_the_same_replica(swa
     assert replica_of(status, "gamma")["state"] == "sleeping"
     assert len(engine_pids(tmp_path)) == 3  # no engine started for alpha's second request
     wait_until(lambda: "waking replicas" in swapping["log"].read_text(), 10, 0.2)
+
+
+def test_a_model_asked_for_before_idleness_is_known_is_held_until_eviction_may_act(tmp_path):
+    """Just after start-up usage is unknown for a router mark's lifetime (3 flushes: 9 s here), and the stamps of
+    alpha and beta may not be collected yet: gamma's request is held, not refused, and answered once it is known."""
+    env = {**QUICK_EVICTION, "LLMGW_USAGE_FLUSH_SECONDS": "3"}
+    with catalog_stack(tmp_path, CATALOG, env) as stack:
+        client = OpenAI(base_url=stack["router"] + "/v1", api_key=API_KEY, timeout=90, max_retries=0)
+        assert "alpha" in chat(client, "alpha")
+        assert "beta" in chat(client, "beta")
+        time.sleep(1.5)  # idle and resident past the thresholds, but usage not known yet
+
+        assert "gamma" in chat(client, "gamma")
+        status = ctl_status(stack["env"])
+        assert replica_of(status, "alpha")["state"] == "sleeping"
+        held = httpx.get(stack["router"] + "/metrics", timeout=5).text
+        assert 'llmgw_router_hold_seconds_count{model="gamma",reason="making_room"} 1.0' in held, held

@@ -168,10 +168,28 @@ def test_no_eviction_when_the_tick_may_not_act_on_idleness_but_the_newcomer_is_h
     assert waiting.hold == Hold.MAKING_ROOM
     assert re.fullmatch(
         re.escape(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (no router is reporting usage); ")
-        + rf"then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) would make room",
+        + rf"then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) may make room",
         waiting.placement_error,
     ), waiting.placement_error
     assert build_endpoint_table().models["newcomer"].unplaceable is None  # routers hold its requests
+
+
+def test_while_eviction_is_paused_an_occupant_of_unknown_idleness_holds_the_newcomer_then_it_is_refused():
+    """Its stamps may not be collected yet; once idleness is known and it still is not, it is never a candidate."""
+    a = make_node("gpu-a", fabric="ib-a")
+    occupant = serving("unstamped", a, idle=None)
+    model = ask_for("newcomer")
+    waiting = Replica.objects.create(model=model, profile=model.profiles.get())
+
+    place_pending(timezone.now(), 1, Outbox(1), eviction_paused="idleness is unknown (no router is reporting usage)")
+    waiting.refresh_from_db()
+    assert (waiting.hold, state_of(occupant)) == (Hold.MAKING_ROOM, ReplicaState.READY)
+    assert waiting.placement_error.endswith(f"then replica {occupant.pk} of unstamped (8 GPUs, idle -) may make room")
+
+    place_pending(timezone.now(), 1, Outbox(1))
+    waiting.refresh_from_db()
+    assert (waiting.hold, state_of(occupant)) == (Hold.NONE, ReplicaState.READY)
+    assert build_endpoint_table().models["newcomer"].unplaceable == waiting.placement_error
 
 
 def test_a_tick_that_does_not_know_idleness_holds_a_newcomer_eviction_would_place(full_fleet, run_tick):
@@ -189,7 +207,7 @@ def test_a_tick_that_does_not_know_idleness_holds_a_newcomer_eviction_would_plac
     assert waiting.hold == Hold.MAKING_ROOM
     assert waiting.placement_error.startswith(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (waiting")
     assert re.search(
-        rf"; then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) would make room$", waiting.placement_error
+        rf"; then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) may make room$", waiting.placement_error
     )
     assert build_endpoint_table().models["newcomer"].unplaceable is None
 
