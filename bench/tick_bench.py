@@ -1,12 +1,14 @@
 """Reconcile tick cost against fleet size: wall time and query count per tick.
 
     .venv/bin/python bench/tick_bench.py [--nodes 10,100,500] [--ticks 20] [--scenario placing|pressure]
+    .venv/bin/python bench/tick_bench.py --compare REV [--rounds 4] [--nodes 1000] [--ticks 10]
 
 For each fleet size it builds, in a fresh SQLite file (or the database named by
 DATABASE_URL), that many 8-GPU nodes, then:
 
 * `placing`: one single-GPU model per two nodes with min_replicas=4; one
-  placing tick, then `--ticks` steady ticks;
+  placing tick, then `--ticks` steady ticks (the agents have acknowledged
+  the starts, their engines are still starting);
 * `pressure`: a full fleet — two ready 4-GPU replicas on every node (so 2,000
   replicas at 1,000 nodes), idle for known times — and a queue of
   `--waiting` 8-GPU models asked for before every tick: the first tick evicts
@@ -16,9 +18,15 @@ DATABASE_URL), that many 8-GPU nodes, then:
 `--adapters N` registers N LoRA adapters on the pressure fleet's first model (8
 slots per replica) with its first two replicas' slots full, recently used.
 
+`--compare REV` runs this checkout's bench and REV's own (`git archive`d to a
+temporary folder, run with this interpreter), `--rounds` times each in turn,
+alternating which goes first, on one machine and one database server (a fresh
+database per run): the placing scenario, one size.
+
 It prints the median steady tick time and the query counts
 (TICK_BENCH_QUERIES=1 lists a steady tick's queries, TICK_BENCH_PROFILE=1
-profiles one). The query count must
+profiles one, TICK_BENCH_PROFILE=placing the placing tick, TICK_BENCH_STEPS=1
+times each step of the placing tick and of the last steady tick). The query count must
 not grow with the fleet (CONVENTIONS: a tick runs a fixed number of queries).
 """
 
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +61,12 @@ def main() -> None:
         default=0,
         help="pressure: LoRA adapters registered on the first model, 8 slots per replica, its two first replicas full",
     )
+    parser.add_argument("--compare", metavar="REV", help="run REV's own bench in turn with this one's")
+    parser.add_argument("--rounds", type=int, default=4, help="--compare: runs of each side")
     args = parser.parse_args()
+    if args.compare:
+        compare(args.compare, args.rounds, args.nodes, args.ticks)
+        return
     sizes = [int(n) for n in args.nodes.split(",")]
 
     os.environ.setdefault("LLMGW_VAR_DIR", tempfile.mkdtemp(prefix="llmgw-tick-bench-"))
@@ -73,10 +88,11 @@ def main() -> None:
     from inventory.models import GPU, Node
     from reconciler.choices import ReplicaState
     from reconciler.lease import Leadership
-    from reconciler.models import GPUAssignment, Lease, ModelLoad, Replica, Shard, UsageWatch
+    from reconciler.models import GPUAssignment, Lease, ModelLoad, PendingCommand, Replica, Shard, UsageWatch
     from reconciler.tick import tick
 
     hub = get_hub()
+    step_times = _time_steps() if os.environ.get("TICK_BENCH_STEPS") else None
 
     def one_tick():
         # A router reporting keeps usage known, so the tick may evict; the waiting queue asks again.
@@ -116,11 +132,25 @@ def main() -> None:
         UsageWatch.objects.create(name="fleet", known_since=now - timedelta(hours=1))
         # Building a big fleet takes longer than the heartbeat window: the nodes have just been heard from.
         Node.objects.update(last_seen=timezone.now())
+        profile = os.environ.get("TICK_BENCH_PROFILE", "")
+        PendingCommand.objects.all().delete()  # a previous run's starts would be sent again by this one's ticks
         with CaptureQueriesContext(connection) as placing_queries:
             started = time.perf_counter()
-            one_tick()
+            if profile == "placing":
+                import cProfile
+                import pstats
+
+                profiler = cProfile.Profile()
+                profiler.runcall(one_tick)
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(60)
+            else:
+                one_tick()
             placing_ms = (time.perf_counter() - started) * 1000
-        if os.environ.get("TICK_BENCH_PROFILE"):
+        if step_times is not None:
+            _print_steps("placing tick", step_times)
+        # The agents acknowledge what they were sent, as live ones do at once: a steady tick re-sends nothing.
+        PendingCommand.objects.all().delete()
+        if profile and profile != "placing":
             import cProfile
             import pstats
 
@@ -129,6 +159,9 @@ def main() -> None:
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
         steady, steady_queries = [], 0
         for _ in range(args.ticks):
+            if step_times is not None:
+                step_times[0].clear()
+                step_times[1].clear()
             with CaptureQueriesContext(connection) as ctx:
                 started = time.perf_counter()
                 one_tick()
@@ -136,6 +169,8 @@ def main() -> None:
             steady_queries = len(ctx)
             if os.environ.get("TICK_BENCH_QUERIES"):
                 print("\n".join(q["sql"][:160] for q in ctx.captured_queries))
+        if step_times is not None:
+            _print_steps("last steady tick", step_times)
         replicas = Replica.objects.count()
         if args.scenario == "pressure":
             stopping = Replica.objects.filter(state=ReplicaState.STOPPING).count()
@@ -144,6 +179,37 @@ def main() -> None:
             f"{size:>6} {size * 8:>6} {replicas:>8} {placing_ms:>11.1f} {len(placing_queries):>8} "
             f"{statistics.median(steady):>16.1f} {steady_queries:>8}"
         )
+
+
+def _time_steps() -> tuple[dict[str, float], dict[str, int]]:
+    """Time every step the tick runs through `telemetry.Steps` (and the publish after commit), in ms, and count
+    its queries (while a CaptureQueriesContext is open)."""
+    from django.db import connection
+
+    import telemetry
+
+    times: dict[str, float] = {}
+    plain = telemetry.Steps.run
+
+    def timed(self, name, step, /, *args, **kwargs):
+        started, queries = time.perf_counter(), len(connection.queries)
+        try:
+            return plain(self, name, step, *args, **kwargs)
+        finally:
+            times[name] = times.get(name, 0.0) + (time.perf_counter() - started) * 1000
+            counts[name] = counts.get(name, 0) + len(connection.queries) - queries
+
+    counts: dict[str, int] = {}
+    telemetry.Steps.run = timed
+    return times, counts
+
+
+def _print_steps(title: str, steps: tuple[dict[str, float], dict[str, int]]) -> None:
+    times, counts = steps
+    listed = sorted(times.items(), key=lambda i: -i[1])
+    print(f"       {title} (ms, queries): " + ", ".join(f"{name} {ms:.1f} {counts[name]}q" for name, ms in listed))
+    times.clear()
+    counts.clear()
 
 
 def add_adapters(count: int, now) -> None:
@@ -253,6 +319,66 @@ def _put_to_sleep(replicas, sleeping: float) -> None:
     Replica.objects.filter(pk__in=asleep).update(state=ReplicaState.SLEEPING, endpoint_url="", sleeping_level=2)
     Shard.objects.filter(replica_id__in=asleep).update(state=ShardState.SLEEPING)
     GPUAssignment.objects.filter(shard__replica_id__in=asleep).update(awake=False)
+
+
+ROW = re.compile(r"^\s*(\d+)\s+\d+\s+(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s*$", re.M)
+
+
+def compare(rev: str, rounds: int, nodes: str, ticks: int) -> None:
+    """This checkout against REV, each running its own bench in turn (module docstring)."""
+    size = nodes.split(",")[0]
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory(prefix="llmgw-tick-compare-") as tmp:
+        other = Path(tmp) / "rev"
+        other.mkdir()
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(other)], input=archive, check=True)
+        sides = {"this checkout": (ROOT, "head"), f"{rev} ({sha.stdout.strip()})": (other, "rev")}
+        results: dict[str, list[tuple[float, int, float, int]]] = {name: [] for name in sides}
+        for round_ in range(rounds):
+            order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+            for name in order:
+                root, suffix = sides[name]
+                results[name].append(_run_side(root, suffix, size, ticks, Path(tmp)))
+                print(f"round {round_ + 1} {name}: {results[name][-1]}", flush=True)
+    print(f"\n{size} nodes, placing scenario, {rounds} runs each in turn (medians; queries per tick)")
+    print(f"{'side':<28} {'placing ms':>11} {'queries':>8} {'steady ms':>10} {'queries':>8}")
+    medians = {}
+    for name, runs in results.items():
+        placing, placing_q, steady, steady_q = (statistics.median(column) for column in zip(*runs, strict=True))
+        medians[name] = (placing, steady)
+        print(f"{name:<28} {placing:>11.1f} {placing_q:>8.0f} {steady:>10.1f} {steady_q:>8.0f}")
+    (head_placing, head_steady), (rev_placing, rev_steady) = medians.values()
+    print(f"{'ratio':<28} {head_placing / rev_placing:>11.2f} {'':>8} {head_steady / rev_steady:>10.2f}")
+
+
+def _run_side(root: Path, suffix: str, size: str, ticks: int, tmp: Path) -> tuple[float, int, float, int]:
+    """One run of the bench in `root` on its own database; (placing ms, queries, steady ms, queries)."""
+    env = dict(os.environ, LLMGW_VAR_DIR=tempfile.mkdtemp(dir=tmp), SECRET_KEY=os.environ.get("SECRET_KEY", "bench"))
+    if os.environ.get("DATABASE_URL"):
+        env["DATABASE_URL"] = _side_database(os.environ["DATABASE_URL"], suffix)
+    command = [sys.executable, str(root / "bench" / "tick_bench.py"), "--nodes", size, "--ticks", str(ticks)]
+    out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
+    match = ROW.search(out)
+    if match is None:
+        raise SystemExit(f"no result row in the output of {root}:\n{out}")
+    _nodes, replicas, placing, placing_q, steady, steady_q = match.groups()
+    if int(replicas) == 0:
+        raise SystemExit(f"{root}'s bench placed nothing:\n{out}")
+    return float(placing), int(placing_q), float(steady), int(steady_q)
+
+
+def _side_database(url: str, suffix: str) -> str:
+    """`url` with `_<suffix>` after its database name, created afresh for each run: each side migrates its own, and
+    an older bench leaves its lease row behind (the next run would not lead, so would place nothing)."""
+    import psycopg
+
+    base, _, name = url.rpartition("/")
+    side = f"{name}_{suffix}"
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{side}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{side}"')
+    return f"{base}/{side}"
 
 
 if __name__ == "__main__":

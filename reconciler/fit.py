@@ -30,6 +30,10 @@ class Records(Protocol):
 
     def records(self, gpu_class: str) -> list[NodeCapacity]: ...
 
+    def memory_sizes(self, gpu_class: str) -> frozenset[int]:
+        """The GPU memory sizes (MiB) of the class's nodes: fixed while GPUs are taken and freed."""
+        ...
+
 
 class MemoryCheck:
     """One tick's memory verdicts: each profile's estimate made once, judged once per GPU memory size.
@@ -76,12 +80,22 @@ class MemoryCheck:
 
     def holds(self, profile: Profile, node: NodeCapacity) -> bool:
         """Whether `node`'s GPUs may hold `profile` (yes when either the size or the memory is unknown)."""
-        verdict = self.verdict(profile, node.memory_mib)
-        return verdict is None or verdict.fit is not Fit.DOES_NOT_FIT
+        return self._holds_size(profile, node.memory_mib)
 
     def records(self, capacity: Records, profile: Profile) -> list[NodeCapacity]:
-        """The nodes of `profile`'s GPU class whose GPUs can hold it, as the placer sees them now."""
-        return [node for node in capacity.records(profile.gpu_class) if self.holds(profile, node)]
+        """The nodes of `profile`'s GPU class whose GPUs can hold it, as the placer sees them now.
+
+        Judged once per GPU memory size of the class, not once per node: the placer asks for every
+        replica it places, and a fleet has thousands of nodes but a handful of sizes."""
+        nodes = capacity.records(profile.gpu_class)
+        fits = {size: self._holds_size(profile, size) for size in capacity.memory_sizes(profile.gpu_class)}
+        if all(fits.values()):
+            return nodes
+        return [node for node in nodes if fits[node.memory_mib]]
+
+    def _holds_size(self, profile: Profile, memory_mib: int) -> bool:
+        verdict = self.verdict(profile, memory_mib)
+        return verdict is None or verdict.fit is not Fit.DOES_NOT_FIT
 
     def refusal(self, capacity: Records, profile: Profile) -> str | None:
         """The verdict's sentence when no node of `profile`'s class can hold it, judged on the largest

@@ -115,8 +115,12 @@ def _place_single(candidates: list[NodeCapacity], shape: Shape, holders: frozens
         return Unplaceable(
             f"needs {need}×{shape.gpu_class} on one node; most free on one node: {where}{_out_of_service(candidates)}"
         )
-    best = min(fitting, key=lambda c: (c.name not in holders, len(c.free), c.name))
-    return Placement((ShardPlacement(best.name, best.address, tuple(sorted(best.free)[:need])),))
+    return on_node(min(fitting, key=lambda c: (c.name not in holders, len(c.free), c.name)), need)
+
+
+def on_node(node: NodeCapacity, need: int) -> Placement:
+    """A single-node placement on `node`: its `need` lowest free GPUs."""
+    return Placement((ShardPlacement(node.name, node.address, tuple(sorted(node.free)[:need])),))
 
 
 def _place_multi(candidates: list[NodeCapacity], shape: Shape, holders: frozenset[str]) -> Placement | Unplaceable:

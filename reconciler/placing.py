@@ -34,7 +34,7 @@ from .hibernate import sleep_level
 from .lifecycle import head_started, send_starts, start_fields
 from .models import GPUAssignment, PendingCommand, Replica, Shard
 from .outbox import Outbox
-from .placement import Placement, Shape, Unplaceable, pick_port, place
+from .placement import Placement, Shape, Unplaceable, on_node, pick_port, place
 from .room import PlacementNote, make_room
 
 
@@ -317,7 +317,14 @@ def _place_one(
     records = memory.records(capacity, profile)
     if not records:
         return Unplaceable(capacity.without_class(gpu_class))
-    result = place(records, shape, holders)
+    result: Placement | Unplaceable | None = None
+    if shape.nodes_per_replica == 1 and len(records) == capacity.count(gpu_class):
+        # Every node of the class may hold it: the snapshot's index finds what `place` would (tests/test_best_fit).
+        best = capacity.best_fit(gpu_class, shape.gpus_per_node, holders)
+        if best is not None:
+            result = on_node(best, shape.gpus_per_node)
+    if result is None:
+        result = place(records, shape, holders)  # multi-node, a memory filter, or none fits: why not, in words
     if isinstance(result, Unplaceable):
         return result
     assert isinstance(result, Placement)

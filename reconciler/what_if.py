@@ -156,6 +156,9 @@ class _Fleet:
     def records(self, gpu_class: str) -> list[NodeCapacity]:
         return list(self._nodes.get(gpu_class, {}).values())
 
+    def memory_sizes(self, gpu_class: str) -> frozenset[int]:
+        return self.snapshot.memory_sizes(gpu_class) if gpu_class in self.snapshot.nodes else frozenset()
+
     def node(self, gpu_class: str, name: str) -> NodeCapacity | None:
         return self._nodes.get(gpu_class, {}).get(name)
 
