@@ -97,14 +97,9 @@ class CapacitySnapshot:
         What `place` finds by a pass over the fleet, found from an index of the nodes by free count, so a tick
         placing thousands of replicas does not pass over thousands of nodes for each."""
         records = self._records[gpu_class]
-        best: NodeCapacity | None = None
-        for name in holders:
-            node = records.get(name)
-            if node is not None and len(node.free) >= need:
-                if best is None or (len(node.free), node.name) < (len(best.free), best.name):
-                    best = node
-        if best is not None:
-            return best
+        fitting = [node for node in map(records.get, holders) if node is not None and len(node.free) >= need]
+        if fitting:
+            return min(fitting, key=lambda node: (len(node.free), node.name))
         by_free = self._free_index(gpu_class)
         counts = [count for count, names in by_free.items() if count >= need and names]
         return records[by_free[min(counts)][0]] if counts else None
