@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from django.db.models import Exists, OuterRef, TextField
 from django.db.models.functions import Cast
 
-from catalog.models import Adapter, Alias, Model, Profile
+from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
 
@@ -37,7 +38,7 @@ def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, how long it takes
     to start, why its last replica failed, or why its requests are held when that is not a start), and READY
     replicas whose nodes are all heard from, and enabled LoRA adapters with the published replicas holding them.
-    Nine queries, plain rows: it runs every tick, over every ready replica of the fleet."""
+    Five queries (six with adapters), plain rows: it runs every tick, over every ready replica of the fleet."""
     models, endpoints = _models(), _endpoints()
     return EndpointTable(models=models, endpoints=endpoints, adapters=_adapters(models, endpoints))
 
@@ -86,25 +87,29 @@ def _aliases(text: str | None) -> list[str]:
 
 
 def _models() -> dict[str, ModelEntry]:
-    """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools."""
+    """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools.
+    Three queries: profiles, aliases, and the replicas that are neither serving nor stopping (`_Notes`)."""
     # The first profile is the one an activation starts, so its learned start time is the ETA.
     first_start: dict[int, float | None] = {}
     pools: dict[int, set[str]] = {}  # routers refuse at once a key bound to none of a model's pools
-    for model_id, start_seconds, pool in (
+    names: dict[int, str] = {}
+    for model_id, name, start_seconds, pool in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
-        .values_list("model_id", "start_seconds", "pool")
+        .values_list("model_id", "model__name", "start_seconds", "pool")
     ):
+        names[model_id] = name
         first_start.setdefault(model_id, start_seconds)
         pools.setdefault(model_id, set()).add(pool)
-    names = dict(Model.objects.filter(pk__in=first_start.keys()).values_list("pk", "name"))
     aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
-    for model_id, alias in Alias.objects.filter(model_id__in=names.keys()).values_list("model_id", "name"):
-        aliases[model_id].append(alias)
-    (unplaceable, holding), failed = _pending_notes(), _failed()
+    for model_id, alias in Alias.objects.filter(model__enabled=True).values_list("model_id", "name"):
+        if model_id in aliases:
+            aliases[model_id].append(alias)
+    notes = _Notes.read()
+    holding = dict(notes.holding)
     # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate),
     # unknown until one wake has been timed (a start time would overstate it many times over).
-    for model_id, wake in _sleeping_only():
+    for model_id, wake in notes.sleeping_only.items():
         if model_id in first_start:
             first_start[model_id] = wake
             # Only sleepers, so no pending replica whose making-room note this could overwrite.
@@ -112,12 +117,12 @@ def _models() -> dict[str, ModelEntry]:
     models: dict[str, ModelEntry] = {}
     for model_id, name in sorted(names.items(), key=lambda item: item[1]):
         start = first_start[model_id]
-        note, note_pools = unplaceable.get(name, (None, []))
+        note, note_pools = notes.unplaceable.get(name, (None, []))
         models[name] = ModelEntry(
             aliases=sorted(aliases[model_id]),
             unplaceable=note,
             unplaceable_pools=note_pools,
-            failed=failed.get(name),
+            failed=notes.failed.get(name),
             start_seconds=None if start is None else round(start, 1),
             holding=holding.get(name),
             pools=sorted(pools[model_id]),
@@ -140,66 +145,59 @@ def _endpoints() -> list[EndpointRow]:
     return [EndpointRow(str(pk), model, url, priority, weight, pool) for pk, model, url, priority, weight, pool in rows]
 
 
-def _pending_notes() -> tuple[dict[str, tuple[str, list[str]]], dict[str, Holding]]:
-    """(why a wanted model has no room right now, so routers can answer at once instead of holding requests, with
-    the pools that replica is bound to (empty: none, and then its note wins, as it speaks for every key); the
-    models room is being made for, whose requests routers hold) from the pending replicas, in one query."""
-    unplaceable: dict[str, tuple[str, list[str]]] = {}
-    holding: dict[str, Holding] = {}
-    for name, reason, hold, pools in (
-        Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
-        # Placed at its last attempt (no note) and holding nothing: nothing to say of it.
-        .exclude(placement_error="", hold=Hold.NONE)
-        .order_by("model__name", "profile__order", "id")
-        .values_list("model__name", "placement_error", "hold", "pools")
-    ):
-        if hold == Hold.MAKING_ROOM:
-            holding[name] = "making_room"
-        elif hold == Hold.NONE and (name not in unplaceable or (unplaceable[name][1] and not pools)):
-            unplaceable[name] = (reason, pools)
-        # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
-    return unplaceable, holding
+@dataclass
+class _Notes:
+    """What the table says of models that are not simply served, from their replicas neither serving nor stopping
+    (pending, asleep, waking, failed: few in a steady fleet), read in one query.
 
-
-def _sleeping_only() -> list[tuple[int, float | None]]:
-    """(model id, learned wake time) of each model whose wanted replicas are sleepers (asleep or waking)."""
-    serving = Replica.objects.filter(
-        model=OuterRef("model"), state__in=(ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
-    )
-    rows = (
-        Replica.objects.filter(state__in=(ReplicaState.SLEEPING, ReplicaState.WAKING))
-        .exclude(Exists(serving))
-        .order_by("model_id", "id")
-        .values_list("model_id", "profile__wake_seconds")
-    )
-    first: dict[int, float | None] = {}
-    for model_id, wake_seconds in rows:
-        first.setdefault(model_id, wake_seconds)
-    return list(first.items())
-
-
-def _failed() -> dict[str, str]:
-    """A model whose only wanted replica failed (its engine exited, in its start or later) -> the engine's words.
-
-    Routers answer at once with them instead of holding requests until their deadline. A replica
-    pending or starting again (after the backoff) withdraws the reason: then requests wait for it.
+    * `unplaceable`: why a wanted model has no room right now, so routers answer at once instead of holding
+      requests, with the pools that replica is bound to (empty: none, and then its note wins, as it speaks for
+      every key);
+    * `holding`: the models room is being made for, whose requests routers hold;
+    * `sleeping_only`: model id -> learned wake time, for models whose wanted replicas are all sleepers;
+    * `failed`: a model whose only wanted replica failed (its engine exited, in its start or later) -> the
+      engine's words, so routers answer at once instead of holding requests until their deadline. A replica
+      pending or starting again (after the backoff) withdraws it: then requests wait for it.
     """
-    another_wanted = Replica.objects.filter(
-        model=OuterRef("model"),
-        state__in=(
-            ReplicaState.PENDING,
-            ReplicaState.STARTING,
-            ReplicaState.READY,
-            ReplicaState.SLEEPING,
-            ReplicaState.WAKING,
-        ),
-    )
-    failed: dict[str, str] = {}
-    for name, error in (
-        Replica.objects.filter(state=ReplicaState.FAILED, model__enabled=True)
-        .exclude(Exists(another_wanted))
-        .order_by("model__name", "-id")
-        .values_list("model__name", "last_error")
-    ):
-        failed.setdefault(name, failure_reason(error))
-    return failed
+
+    unplaceable: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+    holding: dict[str, Holding] = field(default_factory=dict)
+    sleeping_only: dict[int, float | None] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls) -> _Notes:
+        serving = Replica.objects.filter(model=OuterRef("model"), state__in=_SERVING)
+        wanted = Replica.objects.filter(model=OuterRef("model"), state__in=(*_SERVING, *_SLEEPERS))
+        rows = sorted(
+            Replica.objects.filter(model__enabled=True, state__in=(ReplicaState.PENDING, ReplicaState.FAILED, *_SLEEPERS))
+            .annotate(serving=Exists(serving), wanted=Exists(wanted))
+            .values_list(
+                "id", "model_id", "model__name", "state", "placement_error", "hold", "pools", "profile__order",
+                "profile__wake_seconds", "last_error", "serving", "wanted",
+            ),
+            key=lambda row: row[0],
+        )  # fmt: skip
+        notes = cls()
+        # Pending replicas in placement order: a model's first profile speaks first.
+        for _pk, _model_id, name, _state, reason, hold, pools, *_ in sorted(
+            (r for r in rows if r[3] == ReplicaState.PENDING), key=lambda r: (r[2], r[7], r[0])
+        ):
+            if not reason and hold == Hold.NONE:
+                continue  # placed at its last attempt (no note) and holding nothing: nothing to say of it
+            if hold == Hold.MAKING_ROOM:
+                notes.holding[name] = "making_room"
+            elif hold == Hold.NONE and (name not in notes.unplaceable or (notes.unplaceable[name][1] and not pools)):
+                notes.unplaceable[name] = (reason, pools)
+            # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
+        for _pk, model_id, _name, state, *_, wake, _error, serving_too, _wanted in rows:
+            if state in _SLEEPERS and not serving_too:
+                notes.sleeping_only.setdefault(model_id, wake)  # the oldest sleeper's
+        for _pk, _model_id, name, state, *_, error, _serving, wanted_too in reversed(rows):
+            if state == ReplicaState.FAILED and not wanted_too:
+                notes.failed.setdefault(name, failure_reason(error))  # the newest failure's
+        return notes
+
+
+_SERVING = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
+_SLEEPERS = (ReplicaState.SLEEPING, ReplicaState.WAKING)

@@ -282,14 +282,14 @@ def test_a_load_never_answered_is_forgotten_after_the_timeout_and_asked_again(ru
 
 
 @pytest.mark.parametrize("count", [1, 50])
-def test_the_table_with_adapters_is_built_in_nine_queries_whatever_their_number(count, django_assert_num_queries):
+def test_the_table_with_adapters_is_built_in_six_queries_whatever_their_number(count, django_assert_num_queries):
     model, (replica,) = _base(slots=count)
     adapters = _adapters(model, *(f"ft-{i}" for i in range(count)))
     now = timezone.now()
     AdapterLoad.objects.bulk_create(
         AdapterLoad(adapter=a, replica=replica, state="loaded", requested_at=now, loaded_at=now) for a in adapters
     )
-    with django_assert_num_queries(9):
+    with django_assert_num_queries(6):
         table = build_endpoint_table()
     assert len(table.adapters) == count
     assert all(entry.replicas == [str(replica.pk)] for entry in table.adapters.values())

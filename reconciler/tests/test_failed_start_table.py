@@ -48,10 +48,10 @@ def test_only_the_failed_model_carries_a_reason_and_its_latest_failure_wins():
     assert qwen is not None
 
 
-def test_the_table_is_built_in_eight_queries(django_assert_num_queries):
+def test_the_table_is_built_in_five_queries(django_assert_num_queries):
     for name in ("a", "b", "c"):
         failed_replica(make_model(name).profiles.get())
-    with django_assert_num_queries(8):
+    with django_assert_num_queries(5):
         build_endpoint_table()
 
 

@@ -72,11 +72,11 @@ def test_the_tick_that_evicts_for_a_model_marks_it_making_room(run_tick):
     assert holding() == {"newcomer": "making_room", "recent": None, "stale": None}
 
 
-def test_the_table_with_every_kind_of_hold_is_still_built_in_eight_queries(django_assert_num_queries):
+def test_the_table_with_every_kind_of_hold_is_still_built_in_five_queries(django_assert_num_queries):
     replicas("asleep", ReplicaState.SLEEPING)
     replicas("room", ReplicaState.PENDING, hold=Hold.MAKING_ROOM, error="making room: stopping replica 7")
     replicas("stuck", ReplicaState.PENDING, error="no node has GPU class X")
-    with django_assert_num_queries(8):
+    with django_assert_num_queries(5):
         build_endpoint_table()
 
 
