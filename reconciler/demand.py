@@ -132,7 +132,7 @@ def apply_demand(
     collected: load is then left as it was).
     """
     outcome = DemandOutcome()
-    models = _read_models()
+    models, lapsed = _read_models(now)
     busy = set(Shard.objects.filter(running__gt=0).values_list("replica_id", flat=True))
     to_create: list[Replica] = []
     to_stop: list[StopRequest] = []
@@ -165,7 +165,12 @@ def apply_demand(
     if renew:
         Replica.objects.filter(pk__in=renew, state=ReplicaState.PENDING).update(demand_until=linger)
     # Waiting requests gave up on a replica that never found room: nothing should start later for nobody.
-    withdrawn, _ = Replica.objects.filter(state=ReplicaState.PENDING, demand_until__lt=now).delete()
+    # Only those read lapsed and not renewed above, so a tick with none runs no query for it.
+    renewed = set(renew)
+    lapsed = [pk for pk in lapsed if pk not in renewed]
+    withdrawn = 0
+    if lapsed:
+        withdrawn, _ = Replica.objects.filter(pk__in=lapsed, state=ReplicaState.PENDING, demand_until__lt=now).delete()
     outcome.withdrawn = withdrawn
     if withdrawn:
         log.info("withdrew %d unplaced replicas nobody waits for any more", withdrawn)
@@ -174,8 +179,9 @@ def apply_demand(
     return outcome
 
 
-def _read_models() -> dict[int, _ModelDemand]:
-    """Every model with a profile, its profiles in order and its replicas not already stopping. Two queries."""
+def _read_models(now: datetime) -> tuple[dict[int, _ModelDemand], list[int]]:
+    """Every model with a profile, its profiles in order and its replicas not already stopping; and the pending
+    replicas whose demand lapsed before `now` (whatever their model). Two queries."""
     models: dict[int, _ModelDemand] = {}
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
@@ -191,10 +197,14 @@ def _read_models() -> dict[int, _ModelDemand]:
         "wanted_since",
         "pools",
     )
+    lapsed = []
     for row in rows:
-        if row[1] in models:
-            models[row[1]].replicas.append(ReplicaRow(*row))
-    return models
+        replica = ReplicaRow(*row)
+        if replica.state == ReplicaState.PENDING and replica.demand_until is not None and replica.demand_until < now:
+            lapsed.append(replica.pk)
+        if replica.model_id in models:
+            models[replica.model_id].replicas.append(replica)
+    return models, lapsed
 
 
 def _bound(

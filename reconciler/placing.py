@@ -15,6 +15,7 @@ GPUAssignment.gpu backs the arithmetic (DESIGN invariant 2).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -61,7 +62,12 @@ class PlacingOutcome:
 
 
 def place_pending(
-    now: datetime, epoch: int, outbox: Outbox, *, eviction_paused: str = "", settling: bool = False
+    now: datetime,
+    epoch: int,
+    outbox: Outbox,
+    *,
+    eviction_paused: str = "",
+    settling: Callable[[], bool] = lambda: False,
 ) -> PlacingOutcome:
     """Place PENDING replicas, highest priority then oldest first, each on the first of its model's profiles
     with room (and below that profile's own max); bulk-write shards and GPU assignments.
@@ -70,8 +76,9 @@ def place_pending(
     for it (`room.make_room`) — unless `eviction_paused` says why not this tick
     (idleness unknown, the partition brake): then it is held if eviction would
     make room once it may act, and nothing is stopped.
-    With `settling` (the fleet may not have reported in yet), one that finds no
-    room is noted as waiting for nodes, not unplaceable: routers hold its requests.
+    While `settling()` (the fleet may not have reported in yet; asked only when
+    a replica finds no room), one that finds no room is noted as waiting for
+    nodes, not unplaceable: routers hold its requests.
     """
     outcome = PlacingOutcome()
     pending = list(
@@ -88,7 +95,7 @@ def place_pending(
     placed, moved, unplaceable = _choose(pending, profiles, capacity, memory, holders)
 
     notes = make_room(unplaceable, capacity, now, memory, paused=eviction_paused) if unplaceable else {}
-    if settling:
+    if unplaceable and settling():
         for replica, _tried, reason in unplaceable:
             notes.setdefault(replica.pk, PlacementNote.waiting_for_nodes(reason))
     outcome.no_room = {replica.pk for replica, _, _ in unplaceable if replica.pk not in notes}

@@ -163,7 +163,7 @@ def _reconcile(
         leadership.epoch,
         outbox,
         eviction_paused=_eviction_paused(usage, liveness.brake),
-        settling=fleet_settling(now, leadership),
+        settling=lambda: fleet_settling(now, leadership),
     )
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
     # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
