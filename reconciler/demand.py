@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db.models import Exists, OuterRef
 
 from catalog.models import Alias, Profile
 from hub.contracts import Activation
@@ -45,7 +46,7 @@ from .hibernate import SleepRequest, idle_sleepers, put_to_sleep
 from .idle import Idle
 from .lifecycle import StopRequest, stop_replicas
 from .models import ModelLoad, Replica, Shard
-from .replica_rows import ReplicaRow
+from .replica_rows import FleetCensus, ReplicaRow
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class DemandOutcome:
     unknown_activations: list[str] = field(default_factory=list)
     wake: set[int] = field(default_factory=set)
     """Models whose requests (or min replicas) want a sleeper woken (reconciler.hibernate)."""
+    census: FleetCensus = field(default_factory=FleetCensus)
+    """The fleet's replicas as demand read them, before its own changes."""
 
 
 def idle_timeout(profile: Profile) -> float | None:
@@ -132,8 +135,8 @@ def apply_demand(
     collected: load is then left as it was).
     """
     outcome = DemandOutcome()
-    models, lapsed = _read_models(now)
-    busy = set(Shard.objects.filter(running__gt=0).values_list("replica_id", flat=True))
+    models, lapsed, outcome.census = _read_models(now)
+    busy = {r.pk for demand in models.values() for r in demand.replicas if r.busy}
     to_create: list[Replica] = []
     to_stop: list[StopRequest] = []
     to_sleep: list[SleepRequest] = []
@@ -179,13 +182,15 @@ def apply_demand(
     return outcome
 
 
-def _read_models(now: datetime) -> tuple[dict[int, _ModelDemand], list[int]]:
-    """Every model with a profile, its profiles in order and its replicas not already stopping; and the pending
-    replicas whose demand lapsed before `now` (whatever their model). Two queries."""
+def _read_models(now: datetime) -> tuple[dict[int, _ModelDemand], list[int], FleetCensus]:
+    """Every model with a profile, its profiles in order and its replicas not already stopping (each marked busy
+    when a shard of it reports running requests); the pending replicas whose demand lapsed before `now` (whatever
+    their model); and the census of every replica. Two queries."""
     models: dict[int, _ModelDemand] = {}
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
-    rows = Replica.objects.exclude(state=ReplicaState.STOPPING).values_list(
+    running = Shard.objects.filter(replica=OuterRef("pk"), running__gt=0)
+    rows = Replica.objects.annotate(busy=Exists(running)).values_list(
         "id",
         "model_id",
         "profile_id",
@@ -196,15 +201,19 @@ def _read_models(now: datetime) -> tuple[dict[int, _ModelDemand], list[int]]:
         "sleep_level",
         "wanted_since",
         "pools",
+        "failure_count",
+        "busy",
     )
     lapsed = []
-    for row in rows:
-        replica = ReplicaRow(*row)
+    read = [ReplicaRow(*row) for row in rows]
+    for replica in read:
+        if replica.state == ReplicaState.STOPPING:
+            continue
         if replica.state == ReplicaState.PENDING and replica.demand_until is not None and replica.demand_until < now:
             lapsed.append(replica.pk)
         if replica.model_id in models:
             models[replica.model_id].replicas.append(replica)
-    return models, lapsed
+    return models, lapsed, FleetCensus.of(read)
 
 
 def _bound(

@@ -193,6 +193,12 @@ def stop_replica(replica: Replica, reason: str = "stopped by an operator") -> No
         notify_work_pending()
 
 
+def stopping_or_sleeping() -> bool:
+    """Whether any replica is stopping or sleeping: else neither `stop_shards` nor `hibernate.send_sleeps` has
+    anything to do. One query."""
+    return Replica.objects.filter(state__in=(ReplicaState.STOPPING, ReplicaState.SLEEPING)).exists()
+
+
 def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     """Send drain_shard to STOPPING replicas' shards, once; delete replicas with none left.
 

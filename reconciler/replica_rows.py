@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from .choices import ReplicaState
+
 
 @dataclass(slots=True)
 class ReplicaRow:
@@ -21,3 +23,26 @@ class ReplicaRow:
     sleep_level: int | None
     wanted_since: datetime | None
     pools: list[str]
+    failure_count: int = 0
+    busy: bool = False
+    """A shard of it reports running requests (the engine's own count)."""
+
+
+@dataclass(frozen=True)
+class FleetCensus:
+    """What kinds of replica the fleet held when demand read it, so the tick skips a step with nothing to do (each
+    is a query), and what the steps after demand changed: see `reconciler.tick`."""
+
+    states: frozenset[str] = frozenset()
+    forgivable: bool = False
+    """Some READY replica still counts failures (`lifecycle.forgive_stable`)."""
+    draining: bool = False
+    """Some replica not stopping waits for its replacement (`drain.drain_replaced`)."""
+
+    @classmethod
+    def of(cls, rows: list[ReplicaRow]) -> FleetCensus:
+        return cls(
+            states=frozenset(row.state for row in rows),
+            forgivable=any(row.failure_count and row.state == ReplicaState.READY for row in rows),
+            draining=any(row.drain_deadline is not None and row.state != ReplicaState.STOPPING for row in rows),
+        )

@@ -24,16 +24,17 @@ from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
 
 from .adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
+from .choices import ReplicaState
 from .commands import resend_unacknowledged
 from .demand import DemandOutcome, apply_demand
 from .drain import drain_replaced
 from .endpoints import build_endpoint_table
 from .hibernate import send_sleeps
 from .lease import Leadership, LeaseLost, get_leadership
-from .lifecycle import forgive_stable, retry_failed, stop_shards
+from .lifecycle import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
 from .liveness import check_liveness, fail_slow_starts, fleet_settling
 from .outbox import Outbox
-from .placing import place_pending, resend_starts
+from .placing import PlacingOutcome, place_pending, resend_starts
 from .swap import wake_for_demand
 from .tokens import record_token_usage
 from .usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
@@ -147,32 +148,43 @@ def _reconcile(
     liveness = run("liveness", check_liveness, now, leadership, outbox)
     report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
     report.partition_brake = liveness.brake
-    report.replicas_failed = liveness.replicas_failed + run("slow starts", fail_slow_starts, now, outbox)
+    report.replicas_failed = liveness.replicas_failed + run(
+        "slow starts", fail_slow_starts, now, outbox, liveness.stuck
+    )
     # An adapter asked for starts or wakes its base like an activation; it is loaded once the base is ready.
     activations, wanted_adapters = run("adapter activations", split_activations, readings.activations)
     demand = run("demand", _apply_demand, activations, readings, usage, now, report)
     # Swaps before placement: a woken sleeper's GPUs are no longer free for a new replica this tick.
     report.replicas_woken, report.replicas_swapped_out = run("swaps", wake_for_demand, demand.wake, now, outbox)
-    report.replicas_retried = run("retries", retry_failed, now)
-    run("forgive stable", forgive_stable, now)
+    # A step finding no replica of its kind in demand's census is skipped: each is a query every tick.
+    census = demand.census
+    report.replicas_retried = run("retries", retry_failed, now) if ReplicaState.FAILED in census.states else 0
+    if census.forgivable:
+        run("forgive stable", forgive_stable, now)
     report.starts_resent = run("resend starts", resend_starts, now, outbox)
-    placing = run(
-        "placement",
-        place_pending,
-        now,
-        leadership.epoch,
-        outbox,
-        eviction_paused=_eviction_paused(usage, liveness.brake),
-        settling=lambda: fleet_settling(now, leadership),
-    )
+    placing = PlacingOutcome()
+    if ReplicaState.PENDING in census.states or demand.created or report.replicas_retried or demand.wake:
+        placing = run(
+            "placement",
+            place_pending,
+            now,
+            leadership.epoch,
+            outbox,
+            eviction_paused=_eviction_paused(usage, liveness.brake),
+            settling=lambda: fleet_settling(now, leadership),
+        )
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
-    # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
-    report.replicas_replaced = run("drain replaced", drain_replaced, now, placing.no_room)
+    if census.draining:
+        # Node drains, make-before-break: after placement, which may have made a replacement ready to start.
+        report.replicas_replaced = run("drain replaced", drain_replaced, now, placing.no_room)
     report.adapter_unloads_sent = run("adapter loads", tend_loads, now, outbox, usage_known=usage.known)
     in_flight = usage.in_flight if readings.usage is not None else None
     report.adapter_loads_sent = run("adapters", assign_adapters, wanted_adapters, now, outbox, in_flight)
-    report.stops_sent, deleted = run("stops", stop_shards, now, outbox)
-    report.sleeps_sent = run("sleeps", send_sleeps, now, outbox)
+    deleted = 0
+    # Stopping and sleeping replicas: held before this tick (the census), or made by one of its steps.
+    if census.states & {ReplicaState.STOPPING, ReplicaState.SLEEPING} or stopping_or_sleeping():
+        report.stops_sent, deleted = run("stops", stop_shards, now, outbox)
+        report.sleeps_sent = run("sleeps", send_sleeps, now, outbox)
     if sweep_due(leadership, now):
         report.weights_swept = True
         report.weights_removals_sent = run("weights sweep", sweep_unused_weights, now, outbox)

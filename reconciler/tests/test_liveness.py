@@ -58,6 +58,28 @@ def test_replicas_of_a_lost_node_are_placed_on_another_node_in_the_same_tick(run
     assert replica.shards.get().node.name == "gpu-b"
 
 
+def test_a_start_stuck_on_a_node_that_is_lost_fails_once_as_its_nodes_not_as_a_slow_start(run_tick, settings):
+    """The tick reads the shards on lost nodes and the stuck ones together: a shard that is both counts once."""
+    settings.LLMGW_UNREACHABLE_AFTER_SECONDS, settings.LLMGW_LOST_AFTER_SECONDS = 20, 120
+    settings.LLMGW_SHARD_START_TIMEOUT_SECONDS = 60
+    make_node("gpu-a")
+    make_model("llama")
+    run_tick()
+    make_node("gpu-b")
+    Node.objects.filter(name="gpu-b").update(last_seen=timezone.now() + timedelta(seconds=130))
+
+    lost = run_tick(now=timezone.now() + timedelta(seconds=130))
+
+    assert (lost.nodes_lost, lost.replicas_failed, lost.replicas_placed) == (1, 1, 1)
+    replica = Replica.objects.get()
+    assert (replica.state, replica.failure_count, replica.last_error) == (
+        ReplicaState.STARTING,
+        0,
+        "node lost: no heartbeat",
+    )
+    assert replica.shards.get().node.name == "gpu-b"
+
+
 def test_a_new_leader_declares_no_node_lost_within_one_unreachable_window(leader, run_tick, settings):
     settings.LLMGW_UNREACHABLE_AFTER_SECONDS, settings.LLMGW_LOST_AFTER_SECONDS = 20, 120
     node = make_node("gpu-a")

@@ -17,6 +17,9 @@ STEPS = {
     "retries", "forgive stable", "resend starts", "placement", "drain replaced", "adapter loads", "adapters",
     "stops", "sleeps", "resend unacknowledged", "tell hub",
 }  # fmt: skip
+# Skipped when demand's census finds no replica of their kind (failed, counting failures, waiting for a
+# replacement, stopping or sleeping): a first tick over an empty fleet has none.
+SKIPPED = {"retries", "forgive stable", "drain replaced", "stops", "sleeps"}
 
 
 def test_a_tick_is_a_span_with_a_child_span_per_step(leader, django_capture_on_commit_callbacks):
@@ -33,5 +36,5 @@ def test_a_tick_is_a_span_with_a_child_span_per_step(leader, django_capture_on_c
     assert root.name == "reconcile tick"
     assert root.attributes["llmgw.leader"] is True and root.attributes["llmgw.epoch"] == leader.epoch
     children = {s.name for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id}
-    assert children == STEPS
+    assert children == STEPS - SKIPPED
     provider.shutdown()
