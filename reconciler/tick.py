@@ -6,7 +6,7 @@ placement → replaced replicas drained → adapters (idle ones unloaded, wanted
 unused weights swept (every LLMGW_WEIGHTS_SWEEP_SECONDS) → commands recorded as pending → unacknowledged ones sent again →
 fence (lease still ours at this epoch, unexpired) → commit → send agent
 commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
-its tables once, decides in memory and writes in bulk.
+its tables once, decides in memory and writes in bulk; a step demand's census finds nothing for is skipped.
 """
 
 from __future__ import annotations
