@@ -115,12 +115,7 @@ def make_room(
             if plan is None:
                 continue
             victims, _placement = plan
-            for victim in victims:
-                taken.add(victim.replica_id)
-                spare[victim.model] -= 1
-                # Its GPUs are this replica's once free: they are not in `draining`, so no one else counts them.
-                victims_all.append(StopRequest(_stub(victim), f"evicted for {model}: {_describe(victim)}"))
-            stopping = ", ".join(_describe(v) for v in victims)
+            stopping = _claim(victims, model, taken, spare, victims_all)
             notes[replica.pk] = PlacementNote.making_room(f"stopping {stopping}")
             log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, stopping)
             break
@@ -133,6 +128,19 @@ def make_room(
                     break
     _sleep_or_stop(victims_all, now)
     return notes
+
+
+def _claim(
+    victims: list[Holding], model: str, taken: set[int], spare: dict[str, int], requests: list[StopRequest]
+) -> str:
+    """Take `victims` for a replica of `model`: out of later replicas' candidates and of their models' spares,
+    and to be stopped (or put to sleep) for it. Returns them described, for its note."""
+    for victim in victims:
+        taken.add(victim.replica_id)
+        spare[victim.model] -= 1
+        # Its GPUs are this replica's once free: they are not in `draining`, so no one else counts them.
+        requests.append(StopRequest(_stub(victim), f"evicted for {model}: {_describe(victim)}"))
+    return ", ".join(_describe(v) for v in victims)
 
 
 def _candidates(

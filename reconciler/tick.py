@@ -164,14 +164,9 @@ def _reconcile(
     report.starts_resent = run("resend starts", resend_starts, now, outbox)
     placing = PlacingOutcome()
     if ReplicaState.PENDING in census.states or demand.created or report.replicas_retried or demand.wake:
+        paused, settling = _eviction_paused(usage, liveness.brake), lambda: fleet_settling(now, leadership)
         placing = run(
-            "placement",
-            place_pending,
-            now,
-            leadership.epoch,
-            outbox,
-            eviction_paused=_eviction_paused(usage, liveness.brake),
-            settling=lambda: fleet_settling(now, leadership),
+            "placement", place_pending, now, leadership.epoch, outbox, eviction_paused=paused, settling=settling
         )
     report.replicas_placed, report.replicas_unplaceable = placing.placed, placing.unplaceable
     if census.draining:

@@ -311,7 +311,7 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
 
     wait_until(the_router_holds_it, 30, 0.02, describe=lambda: f"in flight: {sorted(set(gauges))}, done: {long.done()}")
     # The engine runs one sequence at a time (--max-num-seqs 1): the long answer's second, and then a second
-    # request, wait in vLLM's own queue.
+    # request, wait in vLLM's own queue (one or two waiting, as the router's poll falls).
     waiting = stack.submit(stack.chat, "and me", 3)
     seen: dict[str, list[float]] = {"waiting": [], "kv": []}
 
@@ -320,7 +320,7 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
         for key, family in (("waiting", "waiting_requests"), ("kv", "kv_cache_usage_ratio")):
             samples = metric_samples(text, f"llmgw_router_engine_{family}")
             seen[key] += [s.value for s in samples if s.labels.get("replica") == replica]
-        return 1.0 in seen["waiting"] and any(0 < v < 1 for v in seen["kv"])
+        return any(v >= 1 for v in seen["waiting"]) and any(0 < v < 1 for v in seen["kv"])
 
     # The router polls every 0.5 s here; on a busy machine vLLM's API server answers in bursts.
     wait_until(router_saw_the_queue_and_the_cache_in_use, 30, 0.1, describe=lambda: f"router read {seen}")
