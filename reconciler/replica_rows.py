@@ -30,8 +30,8 @@ class ReplicaRow:
 
 @dataclass(frozen=True)
 class FleetCensus:
-    """What kinds of replica the fleet held when demand read it, so the tick skips a step with nothing to do (each
-    is a query), and what the steps after demand changed: see `reconciler.tick`."""
+    """What kinds of replica the fleet held when demand read it, before demand's own changes: the tick skips a
+    step with no replica of its kind (each is a query), counting what its earlier steps made (`reconciler.tick`)."""
 
     states: frozenset[str] = frozenset()
     forgivable: bool = False
