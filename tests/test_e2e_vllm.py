@@ -66,11 +66,13 @@ ENGINE_ENV = {
 }
 # Tokens of each answer the load and drain tests keep in flight. The tiny model generates 100 to 400 a second
 # here, depending on what else runs, so a long answer asks for several: with `--max-num-seqs 1` vLLM runs them
-# one after the other (the rest wait in its queue), 15 to 60 s in all. Never cut short: vLLM is told to ignore
-# the end-of-sequence token (the tiny model's random weights may choose it at any step, even greedily).
+# one after the other (the rest wait in its queue). Never cut short: vLLM is told to ignore the end-of-sequence
+# token (the tiny model's random weights may choose it at any step, even greedily).
 LONG = 3000
 WHOLE = {"extra_body": {"ignore_eos": True}, "temperature": 1.0}
-DRAIN_ANSWERS = 4
+# The drain's stream: 6,000 tokens, 15 s at the fastest seen and a minute at the slowest, where the drain reaches
+# the agent within a few seconds of the operator's call (four answers took two minutes on a slow machine).
+DRAIN_ANSWERS = 2
 
 
 def catalog_for(model_dir: Path) -> str:
