@@ -157,7 +157,8 @@ def test_a_load_takes_its_time_holds_its_slot_meanwhile_and_requests_show_in_the
         assert load(engine, "other").status_code == 500
         assert loading.result(5).status_code == 200
         assert time.monotonic() - started >= 0.6
-        running = pool.submit(chat, engine, "slow", max_tokens=4)
-        wait_until(lambda: lora_info(engine)[0]["running_lora_adapters"] == "slow", 2, 0.05)
-        assert running.result(5).json()["model"] == "slow"
+        # Running for 3 s (20 tokens at 150 ms): a loaded machine may answer the gauge's reads late.
+        running = pool.submit(chat, engine, "slow", max_tokens=20)
+        wait_until(lambda: lora_info(engine)[0]["running_lora_adapters"] == "slow", 10, 0.05)
+        assert running.result(15).json()["model"] == "slow"
     assert lora_info(engine)[0]["running_lora_adapters"] == ""
