@@ -109,7 +109,7 @@ class CapacitySnapshot:
         if index is None:
             index = self._by_free[gpu_class] = defaultdict(list)
             for name, node in sorted(self._records[gpu_class].items()):
-                bisect.insort(index[len(node.free)], name)
+                index[len(node.free)].append(name)  # in name order: each list is sorted
         return index
 
     def node(self, gpu_class: str, name: str) -> NodeGPUs:

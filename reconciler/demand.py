@@ -190,20 +190,7 @@ def _read_models(now: datetime) -> tuple[dict[int, _ModelDemand], list[int], Fle
     for profile in Profile.objects.select_related("model").order_by("model_id", "order", "id"):
         models.setdefault(profile.model_id, _ModelDemand([])).profiles.append(profile)
     running = Shard.objects.filter(replica=OuterRef("pk"), running__gt=0)
-    rows = Replica.objects.annotate(busy=Exists(running)).values_list(
-        "id",
-        "model_id",
-        "profile_id",
-        "state",
-        "last_used",
-        "demand_until",
-        "drain_deadline",
-        "sleep_level",
-        "wanted_since",
-        "pools",
-        "failure_count",
-        "busy",
-    )
+    rows = Replica.objects.annotate(busy=Exists(running)).values_list(*ReplicaRow.COLUMNS)
     lapsed = []
     read = [ReplicaRow(*row) for row in rows]
     for replica in read:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import ClassVar
 
 from .choices import ReplicaState
 
@@ -26,6 +27,12 @@ class ReplicaRow:
     failure_count: int = 0
     busy: bool = False
     """A shard of it reports running requests (the engine's own count)."""
+
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline", "sleep_level",
+        "wanted_since", "pools", "failure_count", "busy",
+    )  # fmt: skip
+    """What to read for it, in its fields' order (`busy` an annotation of the query)."""
 
 
 @dataclass(frozen=True)
