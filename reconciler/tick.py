@@ -163,6 +163,7 @@ def _reconcile(
         run("forgive stable", forgive_stable, now)
     report.starts_resent = run("resend starts", resend_starts, now, outbox)
     placing = PlacingOutcome()
+    # Pending replicas come from the census, demand's creations, retries and wakes: a step that makes them adds here.
     if ReplicaState.PENDING in census.states or demand.created or report.replicas_retried or demand.wake:
         paused, settling = _eviction_paused(usage, liveness.brake), lambda: fleet_settling(now, leadership)
         placing = run(
