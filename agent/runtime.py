@@ -351,7 +351,8 @@ class Agent:
             # Not serving (yet, or while asleep), so nothing is in flight.
             reason = f"stopped at once: the engine was {_NOT_SERVING.get(shard.state, 'not serving yet')}"
         elif shard.launch.metrics_path is None:
-            # Its load cannot be read; SIGTERM still lets vLLM and SGLang finish what they hold.
+            # Only a rank above 0 reports no load, and it holds no requests of its own: the control plane
+            # drains its head first and drains it only once the head has stopped (reconciler/lifecycle.py).
             reason = "stopped at once: the engine reports no load to wait on"
         else:
             shard.state = "draining"
