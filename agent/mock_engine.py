@@ -13,8 +13,9 @@ they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
 
 It models what a CPU cannot show of vLLM (agent/mock_sleep.py): a cold start (`--load-seconds`), and,
-with VLLM_SERVER_DEV_MODE=1 as vLLM, its sleep routes, the held requests of a sleeping engine, the
-`vllm:engine_sleep_state` gauge and a wake that takes `--wake-seconds`. With `--enable-lora` and
+with VLLM_SERVER_DEV_MODE=1 as vLLM, its sleep routes, the held requests of a sleeping engine, a wake whole
+or by memory pool, the weights a level-2 sleep discards, the `vllm:engine_sleep_state` gauge and a wake that
+takes `--wake-seconds`. With `--enable-lora` and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM, it loads and serves LoRA adapters (agent/mock_lora.py). Requests and
 counters are agent/mock_generation.py's.
 

@@ -1,8 +1,9 @@
 """The mock engine's requests and counters: generation (chat, completions, streams), embeddings, and /metrics.
 
 What it answers is described in agent/mock_engine.py, which serves it; when it may answer is the business of
-agent/mock_sleep.py (loading, asleep, weights to reload): each generation waits for that first, and one that
-a sleep catches in flight ends with finish reason `abort`, as vLLM's sleep (mode abort) ends it.
+agent/mock_sleep.py (loading, asleep): each generation waits for that first, one run before a level-2 sleep's
+weights were reloaded answers NO_WEIGHTS words, and one that a sleep catches in flight ends with finish reason
+`abort`, as vLLM's sleep (mode abort) ends it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from aiohttp import web
 
 from .mock_lora import MockLoRA
 from .mock_prefix_cache import MockPrefixCache
-from .mock_sleep import MockSleep
+from .mock_sleep import NO_WEIGHTS, MockSleep
 from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 
 EMBEDDING_DIMENSIONS = 16
@@ -118,6 +119,8 @@ class MockEngine:
         created = int(time.time())
         # Held, uncounted, while loading or asleep (agent/mock_sleep.py).
         generation = await self.sleep.hold()
+        if self.sleep.weights_discarded:
+            tokens = [NO_WEIGHTS] * len(tokens)  # run before the reload a level-2 sleep needs (mock_sleep.py)
         self.prompt_tokens_total += prompt_tokens
         self.running += 1
         # Requests per adapter, for vllm:lora_requests_info (the model itself is no adapter: adds 0).

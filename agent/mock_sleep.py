@@ -1,17 +1,24 @@
-"""When the mock engine may answer: loading, awake, asleep, and waiting for its weights, as vLLM 0.32 behaves.
+"""When the mock engine may answer: loading, awake, asleep, and after a level-2 sleep how, as vLLM 0.32 behaves.
 
 * Loading: from launch until `--load-seconds` have passed, `/health` answers 503 and requests are held (a
   cold start, for benches of swaps).
 * Sleep, with VLLM_SERVER_DEV_MODE=1 only, as vLLM serves its development routes: `POST /sleep?level=N`
   (1 or 2, default 1; `{"status": "sleeping", "level": N}`) ends the requests in flight (`mode=abort`,
-  vLLM's default) or first waits for them to finish (`mode=wait`), and holds new ones, neither running
-  nor waiting in the gauges, until `POST /wake_up` (`{"status": "awake", "tags": null}`, after
-  `--wake-seconds`). `GET /is_sleeping` answers `{"is_sleeping": bool}`. Sleeping again while asleep
-  changes nothing, as in vLLM. (vLLM's level 0, which only pauses, and `mode=keep` are not imitated.)
-* Level 2 discarded the weights: after `/wake_up` the engine says it is awake but holds requests until
-  `POST /collective_rpc {"method": "reload_weights"}` has reloaded them (vLLM would answer from the
-  reallocated, empty weights: the mock holds instead, so a missing reload shows). `POST /reset_prefix_cache`
-  answers `{"success": true}`.
+  vLLM's default) or first waits for them to finish (`mode=wait`), empties the prefix cache, and holds new
+  requests, neither running nor waiting in the gauges, until the engine is fully awake. Its two memory
+  pools, `weights` and `kv_cache`, sleep together; `POST /wake_up` wakes both, or with `?tags=weights` or
+  `?tags=kv_cache` one, after `--wake-seconds` when the weights come back. It answers `{"status": "awake"}`
+  once neither sleeps, and only then are the held requests run (the status is `"sleeping"` before). As in
+  vLLM, a wake naming a tag that is not asleep (an unknown one, or one woken already) wakes nothing and is
+  no error, and `scheduling` is left out (vLLM's level 0, which only pauses, is not imitated, nor is `mode=keep`).
+  `GET /is_sleeping` answers `{"is_sleeping": bool}`: true until fully awake. Sleeping again while asleep
+  changes nothing, as in vLLM.
+* Level 2 discarded the weights: `POST /collective_rpc {"method": "reload_weights"}` reloads them, which
+  fails (HTTP 500) while the `weights` pool still sleeps, as writing into unmapped GPU memory would. A
+  request run before the reload (vLLM resumes on any full wake, reloaded or not) answers with its every
+  word NO_WEIGHTS, where vLLM would answer garbage from whatever that memory holds: a wrong wake order
+  shows. `POST /reset_prefix_cache` answers `{"success": bool}`: false, emptying nothing, while requests
+  run (their KV blocks are held), as vLLM's.
 * `vllm:engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}`: 1 for the state it is in.
 """
 
@@ -24,9 +31,13 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from .mock_text import BadRequest
+from .mock_text import BadRequest, openai_error
 
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # sleep level 0, 1, 2
+# vLLM's memory pools that sleep and wake (vllm/v1/executor/abstract.py, SLEEP_TAGS).
+SLEEP_TAGS = frozenset(("weights", "kv_cache"))
+# Each word of an answer computed before a level-2 sleep's discarded weights were reloaded.
+NO_WEIGHTS = "<no-weights>"
 
 
 def seconds_since_launch() -> float:
@@ -47,8 +58,11 @@ class MockSleep:
         self.load_seconds = load_seconds
         self.wake_seconds = wake_seconds
         self.loaded = load_seconds <= 0
+        # The level of the sleep, until fully awake again (the gauge's state).
         self.level = 0
-        self.needs_reload = False
+        self.asleep: set[str] = set()
+        # From a level-2 sleep until reload_weights.
+        self.weights_discarded = False
         # While a sleep with mode=wait waits for the requests in flight.
         self._paused = False
         # Bumped by each sleep: a request started under an older one was in flight when the engine slept.
@@ -60,7 +74,7 @@ class MockSleep:
 
     @property
     def serving(self) -> bool:
-        return self.loaded and self.level == 0 and not self.needs_reload and not self._paused
+        return self.loaded and not self.asleep and not self._paused
 
     def _update(self) -> None:
         if self.serving:
@@ -110,23 +124,30 @@ class MockSleep:
             while request.app["engine"].running:
                 await asyncio.sleep(0.01)
             self._paused = False
-        if self.level == 0:
-            self.level = int(text)
+        if "weights" not in self.asleep:
+            self.level, self.asleep = int(text), set(SLEEP_TAGS)
+            self.weights_discarded = self.weights_discarded or self.level == 2
             self.generation += 1
             self._update()
+            # vLLM's sleep (level 1 or 2) resets the prefix cache before it frees the memory.
+            if self.on_reset_prefix_cache is not None:
+                self.on_reset_prefix_cache()
         return web.json_response({"status": "sleeping", "level": int(text)})
 
     async def wake_up(self, request: web.Request):
-        if self.level:
-            if self.wake_seconds:
+        named = request.query.getall("tags", [])
+        tags = set(named) - {"scheduling"} if named else set(self.asleep)
+        # As vLLM's executor: nothing is woken unless every tag named sleeps.
+        if tags and tags <= self.asleep:
+            if "weights" in tags and self.wake_seconds:
                 await asyncio.sleep(self.wake_seconds)
-            self.needs_reload = self.needs_reload or self.level == 2
-            self.level = 0
+            self.asleep -= tags
+            self.level = self.level if self.asleep else 0
             self._update()
-        return web.json_response({"status": "awake", "tags": None})
+        return web.json_response({"status": "sleeping" if self.asleep else "awake", "tags": named or None})
 
     async def is_sleeping(self, request: web.Request):
-        return web.json_response({"is_sleeping": self.level > 0})
+        return web.json_response({"is_sleeping": bool(self.asleep)})
 
     async def collective_rpc(self, request: web.Request):
         try:
@@ -137,14 +158,17 @@ class MockSleep:
         if not isinstance(method, str) or not method:
             raise BadRequest("field “method” is required and must be a string", "method")
         if method == "reload_weights":
-            self.needs_reload = False
-            self._update()
+            if "weights" in self.asleep:
+                return openai_error(500, "reload_weights: the weights' memory sleeps; wake it (tags=weights) first",
+                                    kind="InternalServerError")  # fmt: skip
+            self.weights_discarded = False
         return web.json_response({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request):
-        if self.on_reset_prefix_cache is not None:
+        success = request.app["engine"].running == 0
+        if success and self.on_reset_prefix_cache is not None:
             self.on_reset_prefix_cache()
-        return web.json_response({"success": True})
+        return web.json_response({"success": success})
 
     def metric_lines(self, label: str) -> list[str]:
         """vLLM's sleep-state gauge; `label` is the engine's `{engine=…,model_name=…}` set, braces included."""

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from agent.mock_sleep import NO_WEIGHTS
 from agent.tests.test_mock_engine import MODEL, PROJECT, sse_events
 from conftest import free_port, wait_until
 
@@ -95,18 +96,78 @@ def test_a_request_to_a_sleeping_engine_is_held_and_served_once_woken(engine):
     assert held.result(5).json()["choices"][0]["message"]["content"] == f"mock reply from {MODEL}: are you awake"
 
 
-def test_level_2_serves_only_after_the_weights_are_reloaded(engine):
+def test_after_level_2_a_wake_by_parts_serves_what_was_queued_only_once_the_weights_are_reloaded(engine):
+    # vLLM's order: the weights' memory back (still paused), the weights reloaded, the prefix cache reset,
+    # then the KV cache, whose wake resumes scheduling.
     assert engine.post("/sleep", params={"level": 2}).json() == {"status": "sleeping", "level": 2}
     assert sleep_state(engine) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
-    assert engine.post("/wake_up").status_code == 200
-    assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
     held = engine.pool.submit(engine.post, "/v1/chat/completions", json=CHAT)
-    time.sleep(0.5)
-    assert not held.done(), "the weights a level-2 sleep discarded were not reloaded yet"
-    reloaded = engine.post("/collective_rpc", json={"method": "reload_weights"})
-    assert reloaded.status_code == 200
+    woke = engine.post("/wake_up", params={"tags": "weights"})
+    assert (woke.status_code, woke.json()) == (200, {"status": "sleeping", "tags": ["weights"]})
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert sleep_state(engine) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+    assert engine.post("/collective_rpc", json={"method": "reload_weights"}).json() == {"results": [None]}
     assert engine.post("/reset_prefix_cache").json() == {"success": True}
-    assert held.result(5).json()["choices"][0]["finish_reason"] == "stop"
+    time.sleep(0.3)
+    assert not held.done(), "scheduling resumes only once the KV cache is back too"
+    woke = engine.post("/wake_up", params={"tags": "kv_cache"})
+    assert (woke.status_code, woke.json()) == (200, {"status": "awake", "tags": ["kv_cache"]})
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert sleep_state(engine) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert held.result(5).json()["choices"][0]["message"]["content"] == f"mock reply from {MODEL}: are you awake"
+
+
+def test_after_level_2_a_whole_wake_runs_what_was_queued_at_once_on_weights_not_reloaded(engine):
+    # As vLLM: a tagless wake resumes scheduling in the same call, before any reload can follow.
+    engine.post("/sleep", params={"level": 2})
+    held = engine.pool.submit(engine.post, "/v1/chat/completions", json=CHAT)
+    time.sleep(0.3)
+    assert engine.post("/wake_up").json() == {"status": "awake", "tags": None}
+    assert held.result(5).json()["choices"][0]["message"]["content"] == " ".join([NO_WEIGHTS] * 7)
+    engine.post("/collective_rpc", json={"method": "reload_weights"})
+    served = engine.post("/v1/chat/completions", json=CHAT).json()
+    assert served["choices"][0]["message"]["content"] == f"mock reply from {MODEL}: are you awake"
+
+
+def test_tags_wake_only_what_sleeps_and_the_weights_reload_only_into_woken_memory(engine):
+    engine.post("/sleep", params={"level": 2})
+    # The weights' memory still sleeps: writing into it would fault on a GPU.
+    refused = engine.post("/collective_rpc", json={"method": "reload_weights"})
+    assert refused.status_code == 500 and "wake it (tags=weights) first" in refused.json()["error"]["message"]
+    # As vLLM: a tag that does not sleep (unknown, or awake already) wakes nothing and is no error.
+    for tags in (["foo"], ["weights", "foo"], ["scheduling"]):
+        assert engine.post("/wake_up", params={"tags": tags}).json() == {"status": "sleeping", "tags": tags}
+    assert engine.post("/wake_up", params={"tags": "kv_cache"}).json()["status"] == "sleeping"
+    assert engine.post("/wake_up", params={"tags": "kv_cache"}).json()["status"] == "sleeping"
+    assert engine.post("/wake_up", params={"tags": ["weights", "kv_cache"]}).json()["status"] == "sleeping"
+    woke = engine.post("/wake_up", params={"tags": "weights"})
+    assert woke.json() == {"status": "awake", "tags": ["weights"]}
+    assert engine.post("/wake_up", params={"tags": "weights"}).json() == {"status": "awake", "tags": ["weights"]}
+
+
+@pytest.mark.parametrize("engine", [("--token-delay-ms", "100", "--prefix-cache-tokens", "4096")], indirect=True)
+def test_the_prefix_cache_is_reset_by_a_sleep_and_not_while_a_request_holds_blocks(engine):
+    prompt = {**CHAT, "messages": [{"role": "user", "content": " ".join(["word"] * 40)}]}
+
+    def hits() -> float:
+        line = next(
+            x for x in engine.get("/metrics").text.splitlines() if x.startswith("vllm:prefix_cache_hits_total{")
+        )
+        return float(line.rsplit(" ", 1)[1])
+
+    engine.post("/v1/chat/completions", json=prompt)
+    running = engine.pool.submit(engine.post, "/v1/chat/completions", json=prompt)
+    wait_until(lambda: 'running{engine="0",model_name="mock-small"} 1.0' in engine.get("/metrics").text, 5, 0.02)
+    assert engine.post("/reset_prefix_cache").json() == {"success": False}
+    running.result(5)
+    before = hits()
+    engine.post("/v1/chat/completions", json=prompt)
+    cached = hits()
+    assert cached > before > 0, "the refused reset emptied nothing"
+    engine.post("/sleep", params={"level": 1})
+    engine.post("/wake_up")
+    engine.post("/v1/chat/completions", json=prompt)
+    assert hits() == cached, "the sleep emptied the prefix cache"
 
 
 @pytest.mark.parametrize("engine", [("--token-delay-ms", "100")], indirect=True)
