@@ -4,11 +4,24 @@
   /sleep?level=N&mode=M`, confirmed by `GET /is_sleeping` → `{"is_sleeping": true}`. vLLM's default mode,
   `abort`, ends the requests in flight; `wait` lets them finish first. agent/hibernation.py waits for them
   itself (it can report what it waits for, and give up at the drain's timeout), then sleeps with `wait`, so
-  a request that slipped in meanwhile is not cut, or with `abort` once the timeout has passed. Waking is `POST /wake_up`; after a level-2
-  sleep the weights were discarded, so, as vLLM's sleep-mode documentation requires, they are reloaded in
-  place (`POST /collective_rpc {"method": "reload_weights"}`) and the prefix cache, which would point at the
-  old weights' results, is reset (`POST /reset_prefix_cache`). Awake is confirmed by `/is_sleeping` and then
-  `/health`.
+  a request that slipped in meanwhile is not cut, or with `abort` once the timeout has passed. A sleep
+  pauses vLLM's scheduler (requests that arrive are queued, not run) and, at levels 1 and 2, resets the
+  prefix cache itself before it frees the memory.
+
+  Waking is `POST /wake_up`, which answers `{"status": "awake" | "sleeping", "tags": …}`: vLLM resumes
+  scheduling in the same call that makes the last of its memory (`weights`, `kv_cache`) resident again,
+  and `/is_sleeping` stays true until then. After level 1 the weights come back from host memory in that
+  one call, before scheduling resumes, so a tagless wake is right. After level 2 the weights were
+  discarded: a tagless wake would run the queued requests on memory that holds no weights before any
+  reload could follow. So the wake goes by parts: `?tags=weights` (answered `sleeping`: the weights'
+  memory is back, still paused), the weights reloaded into it in place (`POST /collective_rpc
+  {"method": "reload_weights"}`, which needs that memory mapped), the prefix cache reset (`POST
+  /reset_prefix_cache`: the sleep emptied it already, and this confirms that nothing refers to the discarded
+  KV cache before anything runs; it is the scheduler's bookkeeping, so it works while paused. Its
+  `{"success": false}` means blocks are still held, but the sleep freed them all and a paused scheduler
+  takes no new ones: a failure, not something to wait out), and last `?tags=kv_cache`, answered `awake`,
+  which resumes scheduling.
+  Awake is confirmed by `/is_sleeping` and then `/health`.
 * `sglang` (with `--enable-memory-saver --enable-weights-cpu-backup`): `POST /release_memory_occupation {}`
   and `POST /resume_memory_occupation {}`, then `/health`. SGLang has no route that says whether it sleeps:
   its answers are the confirmation. Level 1 only (the weights wait in host memory).
@@ -70,13 +83,33 @@ class EngineSleep:
         if self.dialect == "sglang":
             await self._call("POST", "/resume_memory_occupation", json={})
         else:
-            await self._call("POST", "/wake_up")
             if level == 2:
-                await self._call("POST", "/collective_rpc", json={"method": "reload_weights"})
-                await self._call("POST", "/reset_prefix_cache")
+                await self._wake_reloading()
+            else:
+                await self._wake_up(None, "awake")
             if await self.is_sleeping():
                 raise EngineSleepError("the engine answered POST /wake_up but says it is still sleeping")
         await self._call("GET", "/health")
+
+    async def _wake_reloading(self) -> None:
+        """vLLM after level 2: the weights' memory back, the weights reloaded into it and the prefix cache reset
+        while scheduling is still paused; then the KV cache, whose wake resumes scheduling."""
+        await self._wake_up("weights", "sleeping")
+        await self._call("POST", "/collective_rpc", json={"method": "reload_weights"})
+        reset = await self._call("POST", "/reset_prefix_cache")
+        if _field(reset, "success") is not True:
+            raise EngineSleepError(f"POST /reset_prefix_cache answered {_shown(reset.text)!r}, not success true")
+        await self._wake_up("kv_cache", "awake")
+
+    async def _wake_up(self, tag: str | None, status: str) -> None:
+        """`POST /wake_up` for `tag` (None: everything), confirming the `status` vLLM answers with."""
+        if tag is None:
+            answer, path = await self._call("POST", "/wake_up"), "POST /wake_up"
+        else:
+            answer, path = await self._call("POST", "/wake_up", params={"tags": tag}), f"POST /wake_up?tags={tag}"
+        if _field(answer, "status") != status:
+            paused = " (scheduling must stay paused until the weights are reloaded)" if status == "sleeping" else ""
+            raise EngineSleepError(f"{path} answered {_shown(answer.text)!r}, not status {status!r}{paused}")
 
     async def is_sleeping(self) -> bool:
         """vLLM's own word on whether it sleeps (`GET /is_sleeping`)."""
@@ -98,6 +131,15 @@ class EngineSleep:
         if answer.status_code != 200:
             raise EngineSleepError(f"{method} {path}{query} answered HTTP {answer.status_code}: {_shown(answer.text)}")
         return answer
+
+
+def _field(answer: httpx.Response, name: str) -> object:
+    """Field `name` of an engine's JSON object answer; None if the answer is not one or lacks it."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return None
+    return body.get(name) if isinstance(body, dict) else None
 
 
 def _shown(text: str) -> str:

@@ -97,9 +97,14 @@ def test_a_level_2_wake_reloads_the_weights_before_it_reports_ready():
             await cp.send(command(protocol.SLEEP_SHARD, 1, cid="s3", shard_id=2, level=1))
             refused = await ack(cp, "s3")
             assert refused["refused"] and refused["message"] == "shard 2 already sleeps at level 2; wake it first"
+            held = asyncio.create_task(chat(port))
+            await asyncio.sleep(0.3)
+            assert not held.done()
             await cp.send(command(protocol.WAKE_SHARD, 1, cid="w2", shard_id=2))
             assert (await cp.next(protocol.SHARD_STATUS))["state"] == "ready"
-            # Served at once: the mock holds requests after a level-2 wake until the weights are reloaded.
+            # The request queued during the sleep ran on the reloaded weights: the mock, as vLLM, runs what it
+            # holds once fully awake, and answers one run before the reload with NO_WEIGHTS words.
+            assert (await held)["choices"][0]["message"]["content"] == "mock reply from mock-small: are you awake"
             async with asyncio.timeout(2):
                 assert (await chat(port))["choices"][0]["finish_reason"] == "stop"
             await agent.shutdown()
