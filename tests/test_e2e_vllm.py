@@ -376,6 +376,14 @@ def test_sleep_and_wake_routes_answer_and_the_sleep_state_gauge_follows(stack):
     assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": False}
     assert sleep_state(stack) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     assert held.result(30).choices[0].finish_reason == "length"
+    # Waking by memory pool (what agent/engine_sleep.py does after level 2, and the mock imitates): a tag that
+    # does not sleep wakes nothing and is no error; vLLM stays paused, and says it sleeps, until both are back.
+    assert httpx.post(f"{url}/sleep", params={"level": 2}, timeout=30).json() == {"status": "sleeping", "level": 2}
+    for tags, status in ((["foo"], "sleeping"), (["weights"], "sleeping"), (["kv_cache"], "awake")):
+        woke = httpx.post(f"{url}/wake_up", params={"tags": tags}, timeout=30)
+        assert (woke.status_code, woke.json()) == (200, {"status": status, "tags": tags})
+        assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": status == "sleeping"}
+        assert sleep_state(stack)["discard_all"] == float(status == "sleeping")
 
 
 def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
@@ -493,9 +501,10 @@ def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
 def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_sleep_calls(stack):
     """The agent's sleep and wake calls (agent/engine_sleep.py, what agent/hibernation.py runs for sleep_shard and
     wake_shard) against the real vLLM: the state machine is real (`/is_sleeping`, the engine_sleep_state gauge, a
-    request held while asleep and served after the wake, the weights reloaded and the prefix cache reset after level
-    2), but on CPU the memory is not freed: vLLM's CPU worker ignores that part ("sleep mode is not supported on CPU,
-    ignore it"), which is why the agent does not pass it `--enable-sleep-mode` on simulated GPUs."""
+    request held while asleep and served after the wake; after level 2 the wake by parts, still paused with the
+    weights alone back, the weights reloaded and the prefix cache reset before the KV cache's wake resumes it), but
+    on CPU the memory is not freed: vLLM's CPU worker ignores that part ("sleep mode is not supported on CPU, ignore
+    it"), which is why the agent does not pass it `--enable-sleep-mode` on simulated GPUs."""
     from agent.engine_sleep import EngineSleep
 
     stack.chat("hello again", 2)  # starts the engine again if a drain above stopped it
@@ -512,7 +521,18 @@ def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_s
         return {s.labels["sleep_state"]: s.value for s in samples}
 
     async def sleep_and_wake(level: int) -> None:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        # Each call of the wake: what vLLM answered, and whether the request held during the sleep was done by then.
+        answered: list[tuple[str, object, bool]] = []
+        waking: list = []
+
+        async def record(response: httpx.Response) -> None:
+            await response.aread()
+            if waking:
+                body = response.json() if response.headers.get("content-type") == "application/json" else response.text
+                answered.append((f"{response.request.method} {response.request.url.raw_path.decode()}", body,
+                                 waking[0].done()))  # fmt: skip
+
+        async with httpx.AsyncClient(trust_env=False, event_hooks={"response": [record]}) as client:
             calls = EngineSleep(client, url, "vllm")
             await calls.sleep(level)
             assert await calls.is_sleeping()
@@ -522,10 +542,23 @@ def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_s
             )
             time.sleep(1.0)
             assert not held.done(), "a request to a sleeping engine is held"
+            waking.append(held)
             await calls.wake(level)
+            waking.clear()
             assert not await calls.is_sleeping()
             assert gauge() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
             assert held.result(60).usage.completion_tokens == 3
+        if level == 2:
+            # By parts: vLLM stays paused (the request held) until the KV cache, woken last, is back.
+            assert [(call, body) for call, body, _ in answered[:4]] == [
+                ("POST /wake_up?tags=weights", {"status": "sleeping", "tags": ["weights"]}),
+                ("POST /collective_rpc", {"results": [None]}),
+                ("POST /reset_prefix_cache", {"success": True}),
+                ("POST /wake_up?tags=kv_cache", {"status": "awake", "tags": ["kv_cache"]}),
+            ]
+            assert [done for _, _, done in answered[:3]] == [False, False, False]
+        else:
+            assert answered[0][:2] == ("POST /wake_up", {"status": "awake", "tags": None})
 
     import asyncio
 
