@@ -299,7 +299,7 @@ class Profile(models.Model):
 
     def clean(self):
         errors = {}
-        problem = engine_args_problem(self.engine_args)
+        problem = engine_args_problem(self.engine_args, self.engine)
         if problem is not None:
             errors["engine_args"] = problem
         problem = engine_env_problem(self.env)

@@ -38,7 +38,7 @@ from agent.protocol import WeightsHeaderFacts, WeightsShape
 from agent.weights import weights_key
 from agent.weights_headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
 
-from .engine_flags import MemoryArgs, memory_args, parallel_shape
+from .engine_flags import MemoryArgs, memory_args, parallel_shape, sets_context
 from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from .memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, estimate_weights, judge, served_context
 from .parameters import ConfigError
@@ -139,8 +139,9 @@ def profile_memory(profile: Profile, reported: Mapping[str, ReportedWeights] | N
     if reported is None and not local:
         reported = reported_weights([key])
     node_says = None if local else (reported or {}).get(key)
+    engine_args = list(profile.engine_args or [])
     try:
-        args = memory_args(profile.engine, list(profile.engine_args or []))
+        args = memory_args(profile.engine, engine_args)
     except ValueError:
         args = MemoryArgs()  # a bad value there fails the engine's own start, with its own words
     weights = estimate_weights(
@@ -152,7 +153,10 @@ def profile_memory(profile: Profile, reported: Mapping[str, ReportedWeights] | N
         reported=node_says and node_says.header,
         reported_by=node_says.node if node_says else "",
     )
-    context = args.max_model_len or served_context(facts.config, profile.max_model_len)
+    # Engine args that set the context win over the profile's max_model_len (with_context), "the model's own"
+    # (vLLM's auto, llama.cpp's 0) included.
+    profile_context = None if sets_context(profile.engine, engine_args) else profile.max_model_len
+    context = args.max_model_len or served_context(facts.config, profile_context)
     if context is None and node_says is not None and node_says.header.shape is not None:
         context = node_says.header.shape.context_length
     tensor_parallel, stages = parallel_shape(profile.engine, profile.gpus_per_node, profile.nodes_per_replica)

@@ -141,6 +141,15 @@ def test_profile_engine_args_must_be_a_json_list_of_strings(admin_client):
     assert not Model.objects.exists() and not Profile.objects.exists()
 
 
+def test_profile_context_the_engine_would_refuse_is_a_form_error_naming_it(admin_client):
+    response = admin_client.post(
+        ADD_URL, model_form("qwen-7b", profiles=[{"engine_args": '["--max-model-len", "1.5K"]'}])
+    )
+    assert response.status_code == 200
+    assert "Engine arg --max-model-len: &#x27;1.5K&#x27; is not a valid value" in response.content.decode()
+    assert not Model.objects.exists() and not Profile.objects.exists()
+
+
 def test_profile_with_max_below_min_replicas_is_a_form_error(admin_client):
     response = admin_client.post(ADD_URL, model_form("qwen-7b", profiles=[{"min_replicas": "3", "max_replicas": "2"}]))
     assert response.status_code == 200

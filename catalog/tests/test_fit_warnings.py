@@ -140,6 +140,35 @@ def test_a_local_folder_is_read_once_per_modification_time(tmp_path):
     assert profile_memory(profile).weights.bytes > first.weights.bytes
 
 
+def test_a_context_of_auto_keeps_the_other_engine_args_and_is_the_models_own(tmp_path):
+    forget_sources()
+    tiny_llama(tmp_path)  # max_position_embeddings 2048
+    model = Model.objects.create(name="tiny", source=str(tmp_path))
+    args = ["--max-model-len", "auto", "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8"]
+    profile = Profile.objects.create(model=model, gpu_class="A10-24GB", max_model_len=1024, engine_args=args)
+    memory = profile_memory(profile)
+    assert (memory.memory_fraction, memory.kv_dtype) == (0.5, "fp8")
+    # The args' context wins over the profile's 1024 (it is not passed: with_context), and auto is the model's.
+    assert memory.max_model_len == 2048
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "why"),
+    [
+        ("vllm", ["--max-model-len", "1.5K"], "vLLM allows no decimals with the binary suffix K: try 1.5k"),
+        ("llamacpp", ["-c", "32k"], "llama.cpp takes a plain integer of tokens, and reads 32k as 32"),
+    ],
+)
+def test_a_context_the_engine_would_refuse_is_refused_at_edit_time_naming_it(engine, args, why):
+    profile = {"gpu_class": "A10-24GB", "engine": engine, "engine_args": args}
+    with pytest.raises(CatalogFileError) as caught:
+        apply_catalog({"models": [{"name": "m", "source": "org/m", "profiles": [profile]}]})
+    assert caught.value.messages == [
+        f'models[0] "m": profiles[0].engine_args: Engine arg {args[0]}: {args[1]!r} is not a valid value ({why}).'
+    ]
+    assert not Model.objects.exists()
+
+
 def test_a_hub_source_uses_the_catalog_fields_and_unknown_says_so():
     model = Model.objects.create(name="m", source="org/m")
     profile = Profile.objects.create(model=model, gpu_class="A10-24GB")

@@ -1,11 +1,13 @@
 """KV cache per token and the per-GPU verdict: the rule of catalog/memory.py on known models and at its edges."""
 
+import re
+
 import numpy as np
 import pytest
 
 from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from agent.weights_headers import HeaderShape, read_weights_headers
-from catalog.engine_flags import MemoryArgs, memory_args, parallel_shape
+from catalog.engine_flags import MemoryArgs, context_problem, memory_args, parallel_shape
 from catalog.kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from catalog.memory import (
     ENGINE_MEMORY,
@@ -261,6 +263,67 @@ def test_engine_args_give_the_share_the_context_and_the_kv_dtype():
     ):
         with pytest.raises(ValueError, match=f"engine arg {bad[0]}"):
             memory_args("vllm", bad)
+
+
+# Context spellings each engine reads differently from the reader before it: vLLM 0.32's
+# human_readable_int_or_auto, SGLang 0.5.23's human_readable_int, llama.cpp's std::stoi.
+CONTEXTS_TAKEN = [
+    ("vllm", "auto", None),  # the model's own, which vLLM then fits to the KV cache memory
+    ("vllm", " AUTO ", None),
+    ("vllm", "-1", None),
+    ("vllm", "1G", 2**30),
+    ("vllm", "1g", 10**9),
+    ("vllm", "2T", 2 * 2**40),
+    ("vllm", "1t", 10**12),
+    ("mock", "auto", None),
+    ("sglang", "1Ki", 1024),
+    ("sglang", "2Mi", 2 * 2**20),
+    ("sglang", "1M", 10**6),  # SI: vLLM's 1M is 2**20
+    ("sglang", "4.5M", 4_500_000),
+    ("sglang", "1G", 10**9),
+]
+CONTEXTS_REFUSED = [
+    ("vllm", "1.5K", "no decimals with the binary suffix K"),
+    ("vllm", "2.5M", "no decimals with the binary suffix M"),
+    ("vllm", "0", "at least 1 token"),
+    ("vllm", "0k", "at least 1 token"),
+    ("vllm", "1e3k", "vLLM takes"),
+    ("vllm", "1 k", "vLLM takes"),
+    ("sglang", "32K", "SGLang takes"),  # SGLang's suffixes are case-sensitive: k, M, G, T, Ki, Mi, Gi, Ti
+    ("sglang", "1m", "SGLang takes"),
+    ("sglang", "0", "leave the flag out for the model's own"),
+    ("llamacpp", "32k", "reads 32k as 32"),  # std::stoi stops at the k: 32 tokens
+    ("llamacpp", "4K", "plain integer"),
+    ("llamacpp", "1.5k", "plain integer"),
+    ("llamacpp", "2147483648", "to 2147483647"),
+]
+CONTEXT_FLAGS = {"vllm": "--max-model-len", "mock": "--max-model-len", "sglang": "--context-length", "llamacpp": "-c"}
+
+
+@pytest.mark.parametrize(("engine", "value", "tokens"), CONTEXTS_TAKEN)
+def test_each_engine_reads_the_context_spellings_it_accepts(engine, value, tokens):
+    assert memory_args(engine, [CONTEXT_FLAGS[engine], value]).max_model_len == tokens
+    assert context_problem(engine, [CONTEXT_FLAGS[engine], value]) is None
+
+
+@pytest.mark.parametrize(("engine", "value", "why"), CONTEXTS_REFUSED)
+def test_each_engine_refuses_the_context_spellings_it_refuses_naming_the_value(engine, value, why):
+    args = [CONTEXT_FLAGS[engine], value]
+    with pytest.raises(ValueError, match=f"engine arg {CONTEXT_FLAGS[engine]}: {re.escape(repr(value))}.*{why}"):
+        memory_args(engine, args)
+    assert why in context_problem(engine, args)
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "why"),
+    [
+        ("vllm", ["--max-model-len=", "8192"], "vLLM takes"),  # the empty value, not the next argument
+        ("llamacpp", ["--ctx-size=4096"], "no --flag=value"),  # llama.cpp looks `--ctx-size=4096` up as a flag
+    ],
+)
+def test_a_context_the_engine_cannot_parse_from_the_argv_is_refused(engine, args, why):
+    with pytest.raises(ValueError, match=why):
+        memory_args(engine, args)
 
 
 def test_each_engine_spreads_a_replica_as_it_is_started():

@@ -13,6 +13,7 @@ import logging
 
 import httpx
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
 from router.config import RouterConfig
 from router.errors import RouterError
 
-from .conftest import ALIAS, MODEL, make_table
+from .conftest import ALIAS, MODEL, ThreadedEngine, make_table
 from .test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -96,6 +97,70 @@ def test_other_json_endpoints_naming_a_model_are_proxied_to_its_replica(start_ro
     assert response.status_code == 200
     assert response.json() == {"object": "mock.receipt", "model": MODEL, "path": path}
     assert response.headers["x-llmgw-replica"] == "1"
+
+
+class EchoEngine(ThreadedEngine):
+    """Answers a POST to any path with the path and the model its body names, as an engine serving it would."""
+
+    def __init__(self):
+        super().__init__("echo")
+        self.paths: list[str] = []
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/{path:.*}", self._echo)
+
+    async def _echo(self, request):
+        self.paths.append(request.path)
+        body = await request.json()
+        return web.json_response({"object": "echo", "model": body["model"], "path": request.path})
+
+
+@pytest.fixture
+def echo_engine():
+    engine = EchoEngine().start()
+    yield engine
+    engine.stop()
+
+
+# Paths one of the engines serves with a body that names the model, which the router once answered 404.
+ADDED_PATHS = [
+    "/v1/messages",  # Anthropic: vLLM, SGLang, llama.cpp
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/batch",  # vLLM: `messages` is a list of conversations, `model` at the top
+    "/v2/embed",
+    "/generative_scoring",
+    "/v1/systemone",  # vLLM and SGLang
+    "/v1/decisions",  # SGLang
+    "/chat/completions",  # llama.cpp
+    "/responses",
+    "/v1/chat/completions/input_tokens",
+    "/chat/completions/input_tokens",
+    "/v1/responses/input_tokens",
+    "/responses/input_tokens",
+    "/v1/reranking",
+    "/reranking",
+]
+# OpenAI's, but no engine llmgw runs serves them: the router's own 404, the engine never asked.
+DROPPED_PATHS = ["/v1/moderations", "/v1/audio/speech"]
+
+
+@pytest.mark.parametrize("path", ADDED_PATHS)
+def test_each_engine_path_naming_a_model_is_proxied_to_a_replica_of_it(start_router, hub, auth, echo_engine, path):
+    hub.publish_endpoints(make_table([echo_engine.url]))
+    router = start_router()
+    response = httpx.post(f"{router.url}{path}", headers=auth, json={"model": ALIAS, "messages": []}, timeout=5)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"object": "echo", "model": MODEL, "path": path}
+    assert response.headers["x-llmgw-replica"] == "1"
+
+
+@pytest.mark.parametrize("path", DROPPED_PATHS)
+def test_a_path_no_engine_serves_is_the_routers_404(start_router, hub, auth, echo_engine, path):
+    hub.publish_endpoints(make_table([echo_engine.url]))
+    router = start_router()
+    response = httpx.post(f"{router.url}{path}", headers=auth, json={"model": MODEL, "input": "x"}, timeout=5)
+    assert_openai_error(response, 404, "not_found", f"Unknown path: POST {path}")
+    assert echo_engine.paths == []
 
 
 def test_every_proxied_path_checks_the_key_and_the_model(start_router, hub, auth):
