@@ -14,20 +14,20 @@ leader collecting), idleness is unknown for everyone (DESIGN invariant 3):
 `stoppable` is empty, nothing counts as idle-held, and `usage.reason` says why.
 
 A fixed number of queries whatever the fleet size; everything per candidate
-is computed in memory on one free-capacity snapshot.
+is computed in memory on the placer's records of the fleet's GPUs, which the
+summary has read already (`records`: free GPUs by the placer's own rule).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
 
 from catalog.models import Profile
-from reconciler.capacity import CapacitySnapshot, free_capacity
 from reconciler.choices import ReplicaState
 from reconciler.eviction import Holding, stop_candidates, with_freed
 from reconciler.holdings import read_holdings, spare_replicas
@@ -104,13 +104,13 @@ def _join(phrases: list[str]) -> str:
 
 
 class _Fleet:
-    """The free-capacity snapshot indexed for per-candidate questions, read once per summary."""
+    """The placer's records of the fleet indexed for per-candidate questions, once per summary."""
 
-    def __init__(self, snapshot: CapacitySnapshot, unplaceable: dict[str, list[Shape]]):
+    def __init__(self, records: Mapping[str, Iterable[NodeCapacity]], unplaceable: dict[str, list[Shape]]):
         self.records: dict[str, dict[str, NodeCapacity]] = {}
         self.whole_on_fabric: dict[tuple[str, str], list[NodeCapacity]] = defaultdict(list)
-        for gpu_class in snapshot.nodes:
-            self.records[gpu_class] = {r.name: r for r in snapshot.records(gpu_class)}
+        for gpu_class, nodes in records.items():
+            self.records[gpu_class] = {r.name: r for r in nodes}
             for record in self.records[gpu_class].values():
                 if record.whole and record.fabric:
                     self.whole_on_fabric[(gpu_class, record.fabric)].append(record)
@@ -122,7 +122,7 @@ class _Fleet:
         }
 
     def after_stopping(self, holding: Holding) -> list[NodeCapacity]:
-        """The holding's nodes as they would be once it stops (only schedulable ones are in the snapshot)."""
+        """The holding's nodes as they would be once it stops (only schedulable ones have records)."""
         records = self.records.get(holding.gpu_class, {})
         return with_freed([records[name] for name in sorted(holding.gpus) if name in records], [holding])
 
@@ -140,8 +140,8 @@ class _Fleet:
         for fabric, count in sorted(whole.items()):
             where = f"on {fabric}" if fabric else "(no fabric)"
             phrases.insert(0, f"{_plural(count, f'whole {gpu_class} node', f'whole {gpu_class} nodes')} {where}")
-        in_snapshot = {node.name for node in freed}
-        for name in sorted(set(holding.gpus) - in_snapshot):
+        with_records = {node.name for node in freed}
+        for name in sorted(set(holding.gpus) - with_records):
             count = len(holding.gpus[name])
             gpus = _plural(count, f"{gpu_class} GPU", f"{gpu_class} GPUs")
             phrases.append(f"{gpus} on {name} (not schedulable now)")
@@ -185,14 +185,20 @@ def _entry(holding: Holding, fleet: _Fleet) -> StopCandidate:
 
 
 def what_can_i_stop(
-    now: datetime, *, leader: Leader | None, gpu_classes: Iterable[str], unplaceable: set[str]
+    now: datetime,
+    *,
+    leader: Leader | None,
+    gpu_classes: Iterable[str],
+    unplaceable: set[str],
+    records: Mapping[str, Iterable[NodeCapacity]],
 ) -> WhatCanIStop:
     """The summary's `usage`, `idle_held_gpus` and `stoppable` (ranked, best first).
 
     `gpu_classes` are the fleet's classes (each listed in `idle_held_gpus`),
-    `unplaceable` the models with a pending replica that found no room.
+    `unplaceable` the models with a pending replica that found no room,
+    `records` per class the placer's record of each ready, schedulable node.
     Queries: 1 when usage is unknown; else up to 1 + 3 (holdings) + 2 (spare
-    replicas) + 1 (sleepers) + 3 (free capacity) + 1 (profiles of unplaceable models).
+    replicas) + 1 (sleepers) + 1 (profiles of unplaceable models).
     """
     usage = usage_state(now, leader)
     if not usage.known:
@@ -205,7 +211,7 @@ def what_can_i_stop(
     sleepers = _sleepers(now)
     if not candidates:
         return WhatCanIStop(usage, held, sleepers)
-    fleet = _Fleet(free_capacity(now), _unplaceable_shapes(unplaceable))
+    fleet = _Fleet(records, _unplaceable_shapes(unplaceable))
     # Most GPU-seconds held while idle first; `candidates` is in eviction order, and sorted() is stable.
     ranked = sorted(candidates, key=lambda h: -(h.gpu_count * (h.idle_seconds or 0.0)))
     return WhatCanIStop(usage, held, [_entry(h, fleet) for h in ranked] + sleepers)

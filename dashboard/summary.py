@@ -80,13 +80,13 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def gpu_state(gpu: dict, now: datetime) -> str:
-    """The display state of one GPU row (values from `_gpu_rows`); see the module docstring."""
-    if gpu["node__state"] != NodeState.READY or not gpu["node__schedulable"]:
+def gpu_state(gpu, now: datetime) -> str:
+    """The display state of one GPU row (a named row of `_gpu_rows`); see the module docstring."""
+    if gpu.node__state != NodeState.READY or not gpu.node__schedulable:
         return "unavailable"
-    if not gpu_in_service(gpu["health"], gpu["healthy_since"], now):
+    if not gpu_in_service(gpu.health, gpu.healthy_since, now):
         return "unhealthy"
-    if gpu["assigned"]:
+    if gpu.assigned:
         return "used"
     return "free"
 
@@ -94,22 +94,16 @@ def gpu_state(gpu: dict, now: datetime) -> str:
 def _gpu_rows():
     # Used means an awake shard holds it; sleepers stacked on a GPU leave it free (DESIGN invariant 2).
     held = GPUAssignment.objects.filter(gpu=OuterRef("pk"), awake=True)
+    # Named rows, not dicts: a big fleet has tens of thousands of GPUs, and a dict per row is most of their cost.
     return (
         GPU.objects.exclude(node__state=NodeState.LOST)
         .annotate(assigned=Exists(held), node_fabric=effective("fabric", "node__"))
-        .values(
-            "node_id",
-            "node__name",
-            "node_fabric",
-            "node__state",
-            "node__schedulable",
-            "index",
-            "gpu_class",
-            "health",
-            "healthy_since",
-            "assigned",
+        .values_list(
+            "node_id", "node__name", "node_fabric", "node__state", "node__schedulable",
+            "index", "gpu_class", "health", "healthy_since", "assigned",
+            named=True,
         )
-    )
+    )  # fmt: skip
 
 
 def _leader(now: datetime) -> Leader | None:
@@ -120,42 +114,65 @@ def _leader(now: datetime) -> Leader | None:
     return Leader(lease.owner, lease.epoch, round(lease.expires_at - now.timestamp(), 3))
 
 
-def _capacity_and_free_nodes(now: datetime) -> tuple[list[Capacity], list[FreeNodes], dict[int, Counter]]:
-    capacity: dict[str, Counter] = defaultdict(Counter)
-    per_node: dict[int, Counter] = defaultdict(Counter)
-    # (node_id, gpu_class) -> what the placer would see of it, for ready, schedulable nodes
-    per_node_class: dict[tuple[int, str], dict] = {}
-    for gpu in _gpu_rows():
+@dataclass
+class _GPUTally:
+    """The GPU rows read once, counted every way the summary shows them."""
+
+    capacity: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # class -> state -> GPUs
+    per_node: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))  # node id -> state -> GPUs
+    # (node id, class) -> what the placer would see of it, for ready, schedulable nodes
+    placeable: dict[tuple[int, str], dict] = field(default_factory=dict)
+
+    def add(self, gpu, now: datetime) -> None:
         state = gpu_state(gpu, now)
-        capacity[gpu["gpu_class"]][state] += 1
-        per_node[gpu["node_id"]][state] += 1
-        if gpu["node__state"] == NodeState.READY and gpu["node__schedulable"]:
-            key = (gpu["node_id"], gpu["gpu_class"])
-            entry = per_node_class.setdefault(
-                key, {"name": gpu["node__name"], "fabric": gpu["node_fabric"], "free": [], "total": 0}
+        self.capacity[gpu.gpu_class][state] += 1
+        self.per_node[gpu.node_id][state] += 1
+        if gpu.node__state == NodeState.READY and gpu.node__schedulable:
+            entry = self.placeable.setdefault(
+                (gpu.node_id, gpu.gpu_class),
+                {"name": gpu.node__name, "fabric": gpu.node_fabric, "free": [], "total": 0},
             )
             entry["total"] += 1
             if state == "free":
-                entry["free"].append(gpu["index"])
+                entry["free"].append(gpu.index)
 
-    capacity_list = [
-        Capacity(gpu_class, sum(counts.values()), *(counts[state] for state in GPU_STATES))
-        for gpu_class, counts in sorted(capacity.items())
-    ]
+    def capacity_list(self) -> list[Capacity]:
+        return [
+            Capacity(gpu_class, sum(counts.values()), *(counts[state] for state in GPU_STATES))
+            for gpu_class, counts in sorted(self.capacity.items())
+        ]
 
+    def records(self) -> dict[str, list[NodeCapacity]]:
+        """Per GPU class, the placer's record of each ready, schedulable node: free GPUs by the placer's own rule
+        (`reconciler.capacity.free_capacity` reads the same), so status and placement agree."""
+        records: dict[str, list[NodeCapacity]] = defaultdict(list)
+        for (_node_id, gpu_class), entry in self.placeable.items():
+            free = tuple(sorted(entry["free"]))
+            records[gpu_class].append(NodeCapacity(entry["name"], entry["fabric"], "", gpu_class, free, entry["total"]))
+        return records
+
+
+def _free_nodes(records: dict[str, list[NodeCapacity]]) -> list[FreeNodes]:
     # Every (fabric, class) with a ready, schedulable node is listed, even at 0,
     # so a metric series drops to zero instead of vanishing. "Whole" is the
     # placer's own rule (NodeCapacity.whole), so status and placement agree.
     groups: dict[tuple[str, str], list[str]] = {}
-    for (_node_id, gpu_class), entry in per_node_class.items():
-        names = groups.setdefault((entry["fabric"], gpu_class), [])
-        node = NodeCapacity(entry["name"], entry["fabric"], "", gpu_class, tuple(entry["free"]), entry["total"])
-        if node.whole:
-            names.append(entry["name"])
-    free_nodes = [
+    for gpu_class, nodes in records.items():
+        for node in nodes:
+            names = groups.setdefault((node.fabric, gpu_class), [])
+            if node.whole:
+                names.append(node.name)
+    return [
         FreeNodes(fabric, gpu_class, len(names), sorted(names)) for (fabric, gpu_class), names in sorted(groups.items())
     ]
-    return capacity_list, free_nodes, per_node
+
+
+def _gpus(now: datetime) -> _GPUTally:
+    """Every GPU not on a lost node, tallied. One query."""
+    tally = _GPUTally()
+    for gpu in _gpu_rows():
+        tally.add(gpu, now)
+    return tally
 
 
 def _weights_per_node() -> dict[int, list[NodeWeights]]:
@@ -326,22 +343,10 @@ def _replicas(now: datetime) -> _ReplicaTally:
     return tally
 
 
-def cluster_summary(now: datetime | None = None) -> ClusterSummary:
-    """The state of the fleet; see the module docstring.
-
-    Eight queries whatever the fleet size: lease, GPUs, nodes, weights, models
-    (with their adapters counted), replicas, shards (with their GPU counts),
-    adapter loads (counted per replica and state) — and nothing per row; plus
-    "what can I stop" (`stoppable.what_can_i_stop`): one more when usage is
-    unknown, at most ten more otherwise.
-    """
-    now = now or timezone.now()
-    leader = _leader(now)
-    capacity, free_nodes, gpus_per_node = _capacity_and_free_nodes(now)
-    nodes, node_list = _nodes(gpus_per_node)
-    tally = _replicas(now)
+def _models(tally: _ReplicaTally) -> list[ModelStatus]:
+    """Every catalog model with its replicas as tallied and its enabled adapters counted. One query."""
     registered = Count("adapters", filter=Q(adapters__enabled=True))
-    models = [
+    return [
         ModelStatus(
             name,
             enabled,
@@ -356,6 +361,25 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
             "name", "enabled", "n", "adapter_stats__loads", "adapter_stats__failures", "adapter_stats__load_seconds"
         )
     ]
+
+
+def cluster_summary(now: datetime | None = None) -> ClusterSummary:
+    """The state of the fleet; see the module docstring.
+
+    Eight queries whatever the fleet size: lease, GPUs, nodes, weights, models
+    (with their adapters counted), replicas, shards (with their GPU counts),
+    adapter loads (counted per replica and state) — and nothing per row; plus
+    "what can I stop" (`stoppable.what_can_i_stop`, on the placer's records of
+    the GPUs read here): one more when usage is unknown, at most seven more
+    otherwise.
+    """
+    now = now or timezone.now()
+    leader = _leader(now)
+    gpus = _gpus(now)
+    records, capacity = gpus.records(), gpus.capacity_list()
+    nodes, node_list = _nodes(gpus.per_node)
+    tally = _replicas(now)
+    models = _models(tally)
     watched = nodes.ready + nodes.unreachable
     brake = PartitionBrake(
         partition_brake(nodes.unreachable, watched),
@@ -364,14 +388,14 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
         settings.LLMGW_PARTITION_BRAKE_FRACTION,
     )
     stop = what_can_i_stop(
-        now, leader=leader, gpu_classes=[row.gpu_class for row in capacity], unplaceable=tally.blocked
+        now, leader=leader, gpu_classes=[row.gpu_class for row in capacity], unplaceable=tally.blocked, records=records
     )
     return ClusterSummary(
         generated_at=now.isoformat(),
         leader=leader,
         partition_brake=brake,
         capacity=capacity,
-        free_nodes=free_nodes,
+        free_nodes=_free_nodes(records),
         nodes=nodes,
         replicas=tally.replica_counts(),
         models=models,

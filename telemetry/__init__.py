@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from threading import Lock
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.trace import Tracer
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Tracer
 
 ROUTER = "llmgw-router"
 CONTROL_PLANE = "llmgw-control-plane"
@@ -73,6 +73,12 @@ def build_provider(
     service: str, environ: Mapping[str, str] = os.environ, exporter: SpanExporter | None = None
 ) -> TracerProvider | None:
     """A provider exporting `service`'s spans as the environment asks (or to `exporter`); None when traces are off."""
+    # The SDK is imported only when traces are on: the settings import this package, so every process
+    # (each `manage.py` command) would otherwise load it at start-up.
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
     if exporter is None:
         name = exporter_name(environ)
         if name is None:

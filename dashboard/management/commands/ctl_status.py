@@ -76,6 +76,9 @@ def table(headers: list[str], rows: list[list]) -> list[str]:
 
 class Command(BaseCommand):
     help = "Show the cluster: capacity, free whole nodes, nodes, replicas, models and what can be stopped."
+    # A read of the fleet that cron runs every minute and --watch every few seconds: the system checks import
+    # every URLconf and view and tell nothing about the fleet (`manage.py check`, migrate and the servers run them).
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", help="Print the summary as JSON (for scripts).")
