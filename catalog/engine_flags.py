@@ -1,12 +1,15 @@
-"""What a profile's engine args tell the memory model (its memory fraction, context and KV dtype), the flag
-each engine takes for its context, and how each engine splits a replica over its GPUs (agent/engines.py)."""
+"""What a profile's engine args tell the memory model (its memory fraction, context and KV dtype, with the
+bytes each KV cache dtype stores), the flag each engine takes for its context, and how each engine splits a
+replica over its GPUs (agent/engines.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from .parameters import dtype_bits
@@ -21,10 +24,17 @@ class MemoryArgs:
     kv_dtype: str | None = None
 
 
-# The flags each engine reads for its memory share, its context and its KV cache dtype. llama.cpp's
-# --cache-type-k/-v may differ from each other and are not read: its KV cache is counted in f16.
+# The flags each engine reads for its memory share, its context and its KV cache dtype, as each spells them
+# (_flag_name for the spellings each also takes). vLLM registers --device-memory-utilization as an alias of
+# --gpu-memory-utilization (vllm/engine/arg_utils.py:1356-1361). llama.cpp's --cache-type-k/-v may differ from
+# each other and are not read: its KV cache is counted in f16.
 _MEMORY_FLAGS: dict[str, dict[str, str]] = {
-    "vllm": {"--gpu-memory-utilization": "fraction", "--max-model-len": "context", "--kv-cache-dtype": "kv"},
+    "vllm": {
+        "--gpu-memory-utilization": "fraction",
+        "--device-memory-utilization": "fraction",
+        "--max-model-len": "context",
+        "--kv-cache-dtype": "kv",
+    },
     "sglang": {"--mem-fraction-static": "fraction", "--context-length": "context", "--kv-cache-dtype": "kv"},
     "llamacpp": {"-c": "context", "--ctx-size": "context"},
 }
@@ -36,9 +46,27 @@ CONTEXT_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length", "llamac
 
 
 def sets_context(engine: str, args: list[str]) -> bool:
-    """Whether `args` name the engine's context flag (to any value, the model's own included)."""
-    context_flags = [name for name, kind in _MEMORY_FLAGS.get(engine, {}).items() if kind == "context"]
-    return any(arg.partition("=")[0] in context_flags for arg in args)
+    """Whether `args` name the engine's context flag (to any value, the model's own included), in any spelling
+    the engine takes for it (vLLM's `--max_model_len`)."""
+    flags = _MEMORY_FLAGS.get(engine, {})
+    return any(flags.get(_flag_name(engine, arg)[0]) == "context" for arg in args)
+
+
+def _flag_name(engine: str, arg: str) -> tuple[str, str, bool]:
+    """(the flag `arg` names as the engine reads it, the value after `=`, whether there is an `=`).
+
+    vLLM's FlexibleArgumentParser turns `_` into `-` in an argument starting with `--`, from there to the first
+    `.` of the part before `=` (vllm/utils/argparse_utils.py:336-356): `--max_model_len=4096` is
+    `--max-model-len=4096`. llama.cpp turns every `_` of an argument starting with `--` into `-`
+    (common/arg.cpp:819-825, both parsers). SGLang's plain argparse takes only the spelling it registers.
+    """
+    name, equals, value = arg.partition("=")
+    if name.startswith("--") and engine in ("vllm", "mock"):
+        head, dot, tail = name.partition(".")
+        name = head.replace("_", "-") + dot + tail
+    elif name.startswith("--") and engine == "llamacpp":
+        name = name.replace("_", "-")
+    return name, value, bool(equals)
 
 
 def with_context(engine: str, args: list[str], max_model_len: int | None) -> list[str]:
@@ -51,24 +79,35 @@ def with_context(engine: str, args: list[str], max_model_len: int | None) -> lis
 
 
 def memory_args(engine: str, args: list[str]) -> MemoryArgs:
-    """Read a profile's engine args (`--flag value` or `--flag=value`); ValueError names a bad value."""
+    """Read a profile's engine args (`--flag value` or `--flag=value`); ValueError names the first bad value."""
+    found, problems = read_memory_args(engine, args)
+    if problems:
+        raise ValueError(problems[0])
+    return found
+
+
+def read_memory_args(engine: str, args: list[str]) -> tuple[MemoryArgs, list[str]]:
+    """What each flag of `args` says, each read on its own, and why each one not read was not (naming it): a
+    bad KV cache dtype leaves the memory fraction and the context read. A flag given twice reads as its last,
+    as the engines' parsers take it."""
     found: dict[str, Any] = {}
+    problems = []
     for name, kind, value, inline in _memory_flags(engine, args):
         try:
             found.update(_read(engine, kind, value, inline))
         except ValueError as exc:
-            raise ValueError(_bad_value(name, value, exc)) from None
-    return MemoryArgs(**found)
+            problems.append(_bad_value(name, value, exc))
+    return MemoryArgs(**found), problems
 
 
-def context_problem(engine: str, args: list[str]) -> str | None:
-    """Why the engine would refuse (or misread) the context `args` give it, naming the flag and the value; None
-    if it takes it.
+def refused_value(engine: str, args: list[str]) -> str | None:
+    """Why the engine would refuse (or misread) the context or the KV cache dtype `args` give it, naming the
+    flag and the value; None if it takes them.
 
-    Only the context is judged here: the memory model knows fewer KV cache dtypes than the engines do.
+    The memory fraction is not judged here: the memory model's range for it is its own, not the engines'.
     """
     for name, kind, value, inline in _memory_flags(engine, args):
-        if kind != "context":
+        if kind == "fraction":
             continue
         try:
             _read(engine, kind, value, inline)
@@ -78,16 +117,17 @@ def context_problem(engine: str, args: list[str]) -> str | None:
 
 
 def _memory_flags(engine: str, args: list[str]) -> Iterator[tuple[str, str, str, bool]]:
-    """(flag, kind, value, whether written `--flag=value`) for each flag of `args` the memory model reads."""
+    """(flag as written, kind, value, whether written `--flag=value`) for each flag of `args` the memory model
+    reads, in any spelling the engine takes for it."""
     flags = _MEMORY_FLAGS.get(engine, {})
     for position, arg in enumerate(args):
-        name, equals, value = arg.partition("=")
+        name, value, equals = _flag_name(engine, arg)
         if name not in flags:
             continue
         # `--flag=` gives the empty value (which the engines refuse), not the next argument.
         if not equals:
             value = args[position + 1] if position + 1 < len(args) else ""
-        yield name, flags[name], value, bool(equals)
+        yield arg.partition("=")[0], flags[name], value, equals
 
 
 def _read(engine: str, kind: str, value: str, inline: bool) -> dict[str, Any]:
@@ -103,10 +143,7 @@ def _read(engine: str, kind: str, value: str, inline: bool) -> dict[str, Any]:
         return {"memory_fraction": fraction}
     if kind == "context":
         return {"max_model_len": _CONTEXT_READERS[engine](value)}
-    if value == "auto":
-        return {}
-    dtype_bits(value)
-    return {"kv_dtype": value}
+    return {"kv_dtype": _kv_dtype(engine, value)}
 
 
 def _bad_value(name: str, value: str, exc: ValueError) -> str:
@@ -200,6 +237,106 @@ _CONTEXT_READERS: dict[str, Callable[[str], int | None]] = {
     "sglang": _sglang_context,
     "llamacpp": _llamacpp_context,
 }
+
+
+# Bytes one token's K and V take in one head slot of `key_dim` + `value_dim` elements (an MLA latent: its
+# `latent_dim`, 0), under each KV cache dtype an engine takes; None where the size cannot be known from the
+# args (it depends on the model or the attention backend) or is the model's own (auto): the memory model then
+# counts the model's dtype, the engines' `auto`, rather than guess low.
+SlotBytes = Callable[[int, int], Fraction]
+
+
+def _bits(bits: int | Fraction) -> SlotBytes:
+    """A dtype of `bits` per element and nothing more."""
+    return lambda key_dim, value_dim: Fraction(bits) * (key_dim + value_dim) / 8
+
+
+def _per_token_head(bits: int) -> SlotBytes:
+    """vLLM's *_per_token_head: the data, then one fp32 scale for K and one for V per token and head (Triton,
+    vllm/v1/attention/backends/triton_attn.py:283-295; MLA one pair per latent, layers/attention/
+    mla_attention.py:1576-1590)."""
+    return lambda key_dim, value_dim: Fraction(bits) * (key_dim + value_dim) / 8 + 2 * 4
+
+
+def _turboquant(key_bits: int, value_bits: int) -> SlotBytes:
+    """vLLM's TurboQuant slot per token and head (TurboQuantConfig.slot_size_aligned, vllm/model_executor/
+    layers/quantization/turboquant/config.py:128-176): FP8 keys (8 bits) or packed keys plus an fp16 norm, packed
+    values plus an fp16 scale and zero, rounded up to even. Both are sized from the key's head size."""
+
+    def slot(key_dim: int, value_dim: int) -> Fraction:
+        key = key_dim if key_bits == 8 else math.ceil(key_dim * key_bits / 8) + 2
+        both = key + math.ceil(key_dim * value_bits / 8) + 4
+        return Fraction(both + both % 2)
+
+    return slot
+
+
+# vLLM 0.32 takes the CacheDType literal (vllm/config/cache.py:39-59) as argparse choices, case as written
+# (literal_to_kwargs, vllm/engine/arg_utils.py:214-228); what each stores: vllm/utils/torch_utils.py:33-56.
+_VLLM_KV: dict[str, SlotBytes | None] = {
+    "auto": None,
+    "float16": _bits(16),
+    "bfloat16": _bits(16),
+    "fp8": _bits(8),
+    "fp8_e4m3": _bits(8),
+    "fp8_e5m2": _bits(8),
+    "fp8_inc": _bits(8),  # torch.float8_e4m3fn (Intel Gaudi)
+    # DeepSeek sparse-MLA blobs per token, not per element: 656 or 352 bytes for V3.2's 576-wide latent
+    # (mla_attention.py:1365), 584 under V4 (models/deepseek_v4/attention.py:878).
+    "fp8_ds_mla": None,
+    "nvfp4_ds_mla": None,
+    "turboquant_k8v4": _turboquant(8, 4),
+    "turboquant_4bit_nc": _turboquant(4, 4),
+    "turboquant_k3v4_nc": _turboquant(3, 4),
+    "turboquant_3bit_nc": _turboquant(3, 3),
+    # FP4 codes with one UE8M0 byte per 32 (vllm/v1/attention/ops/ultraquant/format.py:159-205): 4.25 bits.
+    "ultraquant_4bit": _bits(Fraction(17, 4)),
+    "int4_per_token_head": _per_token_head(4),
+    "int8_per_token_head": _per_token_head(8),
+    "fp8_per_token_head": _per_token_head(8),
+    # FP4 data plus an fp8 scale per 16 (nvfp4_kv_cache_full_dim, torch_utils.py:556-558; FlashInfer's
+    # customize_spec, v1/attention/backends/flashinfer.py:436-445): 4.5 bits; 4over6 is the same layout.
+    "nvfp4": _bits(Fraction(9, 2)),
+    "nvfp4_4over6": _bits(Fraction(9, 2)),
+}
+
+# SGLang 0.5.23's --kv-cache-dtype choices (sglang/srt/arg_groups/fields/model.py:197-219); what each stores:
+# configure_kv_cache_dtype (sglang/srt/mem_cache/kv_cache_dtype.py:35-87) and the pool's cell size
+# (sglang/srt/model_executor/pool_configurator.py:340-530).
+_SGLANG_KV: dict[str, SlotBytes | None] = {
+    "auto": None,
+    "bf16": _bits(16),
+    "bfloat16": _bits(16),
+    "fp8_e4m3": _bits(8),
+    "fp8_e5m2": _bits(8),
+    "mxfp8": _bits(Fraction(33, 4)),  # fp8 data plus one UE8M0 scale byte per 32 (pool_configurator.py:526-530)
+    # FP4 data, then one or two scale layouts and a dequant workspace as the attention backend and the GPU
+    # need them (layers/quantization/fp4_kv_cache_quant_method.py:744-768, 897-915): not known from the args.
+    "nvfp4": None,
+    "fp4_mx_block16": None,
+}
+
+_KV_DTYPES = {"vllm": _VLLM_KV, "mock": _VLLM_KV, "sglang": _SGLANG_KV}
+_ENGINE_NAMES = {"vllm": "vLLM", "mock": "vLLM", "sglang": "SGLang"}
+
+
+def _kv_dtype(engine: str, value: str) -> str | None:
+    """The KV cache dtype the memory model counts for `--kv-cache-dtype value` (None: the model's dtype), or a
+    ValueError naming the values the engine takes, when its parser would refuse `value`."""
+    dtypes = _KV_DTYPES[engine]
+    if value not in dtypes:
+        raise ValueError(f"{_ENGINE_NAMES[engine]} takes {', '.join(dtypes)}, case as written")
+    return None if dtypes[value] is None else value
+
+
+def kv_cache_bits(engine: str, kv_dtype: str, key_dim: int, value_dim: int) -> Fraction:
+    """Bits per element of a KV cache `kv_dtype` holds under `engine` in heads of `key_dim` + `value_dim` (an
+    MLA latent: `latent_dim`, 0), its scales included; a dtype name the engine table lacks (a profile's
+    memory set by hand) reads as parameters.dtype_bits does."""
+    slot = _KV_DTYPES.get(engine, {}).get(kv_dtype)
+    if slot is None:
+        return dtype_bits(kv_dtype)
+    return slot(key_dim, value_dim) * 8 / (key_dim + value_dim) if key_dim + value_dim else Fraction(0)
 
 
 def parallel_shape(engine: str, gpus_per_node: int, nodes_per_replica: int) -> tuple[int, int]:

@@ -60,6 +60,12 @@ class KVShape:
     def layers(self) -> int:
         return len(self.kv_heads)
 
+    @property
+    def slot_dims(self) -> tuple[int, int]:
+        """(key, value) elements of one head's slot per token, as a KV cache dtype's scales are laid out: MLA's
+        latent counts as the key (engine_flags.kv_cache_bits)."""
+        return (self.latent_dim, 0) if self.latent_dim else (self.key_dim, self.value_dim)
+
     def layer_bytes_per_token(self, layer: int, kv_bits: Fraction | int, tensor_parallel: int = 1) -> Fraction:
         """Bytes one token takes in one layer's cache on one GPU of a tensor-parallel group."""
         if self.latent_dim:

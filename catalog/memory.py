@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 from agent.weights_headers import WeightsHeader
 
+from .engine_flags import kv_cache_bits
 from .kv_cache import KVShape
 from .parameters import DTYPE_BITS, ConfigError, bytes_of, dtype_bits, parameter_count
 
@@ -263,6 +264,7 @@ class ProfileMemory:
     tensor_parallel: int = 1
     pipeline_stages: int = 1
     memory_fraction: float | None = None  # the profile's own (e.g. --gpu-memory-utilization), else the engine's
+    unread_args: tuple[str, ...] = ()  # engine args the estimate could not read (each counts as its default)
 
 
 @dataclass(frozen=True)
@@ -322,8 +324,10 @@ def judge(profile: ProfileMemory, gpu: GPUMemory) -> MemoryVerdict:
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
     usable = int(gpu.memory_bytes * fraction)
     has = f"{gpu.gpu_class} has {usable / GIB:.1f} GiB usable"
+    # An engine arg not read counts as the engine's default; the verdict says which, as the engine would refuse it.
+    unread = "".join(f"; {problem}, counted as the engine's default" for problem in profile.unread_args)
     if profile.weights.bytes is None:
-        return MemoryVerdict(Fit.UNKNOWN, f"size unknown ({profile.weights.detail}); {has}", usable)
+        return MemoryVerdict(Fit.UNKNOWN, f"size unknown ({profile.weights.detail}); {has}{unread}", usable)
     weights = math.ceil(profile.weights.bytes / (profile.tensor_parallel * profile.pipeline_stages))
     kv, kv_note = _sequence_kv(profile, gpu)
     needs = weights + engine.overhead_bytes + (kv or 0)
@@ -335,7 +339,7 @@ def judge(profile: ProfileMemory, gpu: GPUMemory) -> MemoryVerdict:
     sentence += f" ({parts} + {kv_note})" if kv is not None else f" ({parts}; {kv_note})"
     if sequences is not None and fit is Fit.FITS:
         sentence += f"; room for {sequences} full-length sequence{'' if sequences == 1 else 's'}"
-    sentence += f"; size from {profile.weights.detail}"
+    sentence += f"; size from {profile.weights.detail}{unread}"
     return MemoryVerdict(
         fit, sentence, usable, needs, weights, engine.overhead_bytes, kv, sequences, profile.weights.source
     )
@@ -369,7 +373,10 @@ def _sequence_kv(profile: ProfileMemory, gpu: GPUMemory) -> tuple[int | None, st
     if not profile.max_model_len:
         return None, "KV cache not counted: the served context is unknown"
     try:
-        bits = dtype_bits(profile.kv_dtype or profile.weights.compute_dtype or "bfloat16")
+        if profile.kv_dtype:
+            bits = kv_cache_bits(profile.engine, profile.kv_dtype, *profile.kv.slot_dims)
+        else:
+            bits = dtype_bits(profile.weights.compute_dtype or "bfloat16")
     except ValueError as exc:
         return None, f"KV cache not counted: {exc}"
     slack = window_slack_tokens(profile.engine, gpu)

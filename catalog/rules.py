@@ -12,7 +12,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from agent.engine_env import MASK, env_problem, is_secret
 
 from .choices import ENGINE_SLEEP_LEVELS, Engine, SleepLevel
-from .engine_flags import context_problem
+from .engine_flags import refused_value
 
 # The column ranges PostgreSQL enforces, checked on every path (admin, catalog files, REST) and on
 # SQLite too, whose integers are unbounded: a priority of 99999999 is refused, not saved.
@@ -39,13 +39,13 @@ def alias_is_own_name(name: str) -> str:
 
 def engine_args_problem(value, engine: str = "") -> str | None:
     """Why `value` is not an argv (a JSON list of strings), naming what it is instead, or why `engine` would
-    refuse the context it sets (engine_flags.context_problem); None if neither."""
+    refuse the context or KV cache dtype it sets (engine_flags.refused_value); None if neither."""
     expected = "Engine args must be a JSON list of strings (an argv)"
     if isinstance(value, list):
         bad = [i for i, arg in enumerate(value) if not isinstance(arg, str)]
         if bad:
             return f"{expected}; item {bad[0]} is not a string."
-        problem = context_problem(engine, value)
+        problem = refused_value(engine, value)
         return None if problem is None else f"{problem[0].upper()}{problem[1:]}."
     # isinstance, not type(): the admin's JSON field hands over str and dict subclasses.
     kinds = ((dict, "an object"), (str, "a shell string"), (bool, "a boolean"), (int | float, "a number"))

@@ -38,7 +38,7 @@ from agent.protocol import WeightsHeaderFacts, WeightsShape
 from agent.weights import weights_key
 from agent.weights_headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
 
-from .engine_flags import MemoryArgs, memory_args, parallel_shape, sets_context
+from .engine_flags import parallel_shape, read_memory_args, sets_context
 from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from .memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, estimate_weights, judge, served_context
 from .parameters import ConfigError
@@ -140,10 +140,9 @@ def profile_memory(profile: Profile, reported: Mapping[str, ReportedWeights] | N
         reported = reported_weights([key])
     node_says = None if local else (reported or {}).get(key)
     engine_args = list(profile.engine_args or [])
-    try:
-        args = memory_args(profile.engine, engine_args)
-    except ValueError:
-        args = MemoryArgs()  # a bad value there fails the engine's own start, with its own words
+    # Each flag is read on its own: a bad value in one (which fails the engine's own start, with its own words)
+    # leaves the others read, and the verdict names it.
+    args, unread = read_memory_args(profile.engine, engine_args)
     weights = estimate_weights(
         header=facts.header,
         config=facts.config,
@@ -169,6 +168,7 @@ def profile_memory(profile: Profile, reported: Mapping[str, ReportedWeights] | N
         tensor_parallel=tensor_parallel,
         pipeline_stages=stages,
         memory_fraction=args.memory_fraction,
+        unread_args=tuple(unread),
     )
 
 

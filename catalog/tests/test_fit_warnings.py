@@ -13,7 +13,7 @@ from catalog.as_code import apply_catalog, dump_catalog, export_catalog
 from catalog.catalog_file import CatalogFileError, load_catalog_text
 from catalog.memory import Fit
 from catalog.models import Model, Profile
-from catalog.sizing import forget_sources, profile_memory, profile_verdict
+from catalog.sizing import forget_sources, profile_memory, profile_verdict, verdict
 from tests.fleet import make_node
 
 pytestmark = pytest.mark.django_db
@@ -152,6 +152,50 @@ def test_a_context_of_auto_keeps_the_other_engine_args_and_is_the_models_own(tmp
     assert memory.max_model_len == 2048
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8_inc", "nvfp4", "turboquant_k8v4"])
+def test_a_kv_cache_dtype_vllm_takes_keeps_the_other_engine_args(tmp_path, kv_dtype):
+    forget_sources()
+    tiny_llama(tmp_path)
+    model = Model.objects.create(name="tiny", source=str(tmp_path))
+    args = ["--gpu-memory-utilization", "0.5", "--kv-cache-dtype", kv_dtype, "--max-model-len", "1024"]
+    profile = Profile.objects.create(model=model, gpu_class="A10-24GB", engine_args=args)
+    memory = profile_memory(profile)
+    assert (memory.memory_fraction, memory.kv_dtype, memory.max_model_len) == (0.5, kv_dtype, 1024)
+    assert memory.unread_args == ()
+
+
+def test_a_bad_engine_arg_leaves_the_others_read_and_the_verdict_names_it(tmp_path):
+    forget_sources()
+    tiny_llama(tmp_path)
+    model = Model.objects.create(name="tiny", source=str(tmp_path))
+    # Saved before edit-time checks knew the KV cache dtypes (objects.create does not validate).
+    args = ["--gpu_memory_utilization", "0.5", "--kv-cache-dtype", "FP8", "--max-model-len", "1024"]
+    profile = Profile.objects.create(model=model, gpu_class="A10-24GB", engine_args=args)
+    memory = profile_memory(profile)
+    assert (memory.memory_fraction, memory.kv_dtype, memory.max_model_len) == (0.5, None, 1024)
+    assert [problem.split(" (")[0] for problem in memory.unread_args] == [
+        "engine arg --kv-cache-dtype: 'FP8' is not a valid value"
+    ]
+    sentence = verdict(profile, "A10-24GB", 24 * 1024).sentence
+    assert "engine arg --kv-cache-dtype: 'FP8' is not a valid value (vLLM takes auto" in sentence
+    assert "counted as the engine's default" in sentence
+
+
+@pytest.mark.parametrize(
+    ("engine", "value", "takes"),
+    [("vllm", "FP8", "vLLM takes auto, float16"), ("sglang", "fp8", "SGLang takes auto, bf16")],
+)
+def test_a_kv_cache_dtype_the_engine_would_refuse_is_refused_at_edit_time_naming_it(engine, value, takes):
+    profile = {"gpu_class": "A10-24GB", "engine": engine, "engine_args": ["--kv-cache-dtype", value]}
+    with pytest.raises(CatalogFileError) as caught:
+        apply_catalog({"models": [{"name": "m", "source": "org/m", "profiles": [profile]}]})
+    [message] = caught.value.messages
+    assert message.startswith(
+        f'models[0] "m": profiles[0].engine_args: Engine arg --kv-cache-dtype: {value!r} is not a valid value ({takes}'
+    )
+    assert not Model.objects.exists()
+
+
 @pytest.mark.parametrize(
     ("engine", "args", "why"),
     [
@@ -191,6 +235,29 @@ def test_max_model_len_is_passed_to_the_engine_unless_its_args_set_the_context()
     assert with_context("vllm", ["--max-model-len=1024"], 8192) == ["--max-model-len=1024"]
     assert with_context("mock", [], 8192) == []
     assert with_context("vllm", [], None) == []
+    # SGLang's argparse takes no --context_length: it is not the context flag (and the engine refuses it).
+    assert with_context("sglang", ["--context_length", "1"], 4096) == [
+        "--context_length",
+        "1",
+        "--context-length",
+        "4096",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        ("vllm", ["--max_model_len", "4096"]),  # vLLM's parser reads it as --max-model-len
+        ("vllm", ["--max_model_len=4096"]),
+        ("mock", ["--max_model_len", "4096"]),
+        ("llamacpp", ["--ctx_size", "4096"]),  # llama.cpp's too, as --ctx-size
+    ],
+)
+def test_a_context_set_in_another_spelling_of_the_flag_is_not_set_twice(engine, args):
+    from catalog.engine_flags import sets_context, with_context
+
+    assert with_context(engine, args, 8192) == args
+    assert sets_context(engine, args)
 
 
 def test_the_rest_answer_carries_warnings_and_the_admin_says_them(client):

@@ -7,7 +7,7 @@ import pytest
 
 from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from agent.weights_headers import HeaderShape, read_weights_headers
-from catalog.engine_flags import MemoryArgs, context_problem, memory_args, parallel_shape
+from catalog.engine_flags import MemoryArgs, kv_cache_bits, memory_args, parallel_shape, refused_value
 from catalog.kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from catalog.memory import (
     ENGINE_MEMORY,
@@ -303,7 +303,7 @@ CONTEXT_FLAGS = {"vllm": "--max-model-len", "mock": "--max-model-len", "sglang":
 @pytest.mark.parametrize(("engine", "value", "tokens"), CONTEXTS_TAKEN)
 def test_each_engine_reads_the_context_spellings_it_accepts(engine, value, tokens):
     assert memory_args(engine, [CONTEXT_FLAGS[engine], value]).max_model_len == tokens
-    assert context_problem(engine, [CONTEXT_FLAGS[engine], value]) is None
+    assert refused_value(engine, [CONTEXT_FLAGS[engine], value]) is None
 
 
 @pytest.mark.parametrize(("engine", "value", "why"), CONTEXTS_REFUSED)
@@ -311,7 +311,7 @@ def test_each_engine_refuses_the_context_spellings_it_refuses_naming_the_value(e
     args = [CONTEXT_FLAGS[engine], value]
     with pytest.raises(ValueError, match=f"engine arg {CONTEXT_FLAGS[engine]}: {re.escape(repr(value))}.*{why}"):
         memory_args(engine, args)
-    assert why in context_problem(engine, args)
+    assert why in refused_value(engine, args)
 
 
 @pytest.mark.parametrize(
@@ -324,6 +324,111 @@ def test_each_engine_refuses_the_context_spellings_it_refuses_naming_the_value(e
 def test_a_context_the_engine_cannot_parse_from_the_argv_is_refused(engine, args, why):
     with pytest.raises(ValueError, match=why):
         memory_args(engine, args)
+
+
+# --kv-cache-dtype values each engine takes that the reader before refused (vLLM 0.32's CacheDType, SGLang
+# 0.5.23's choices), and the dtype the estimate counts: None where the size is not known from the args.
+KV_DTYPES_TAKEN = [
+    ("vllm", "fp8_inc", "fp8_inc"),
+    ("mock", "fp8_inc", "fp8_inc"),
+    ("vllm", "nvfp4_4over6", "nvfp4_4over6"),
+    ("vllm", "ultraquant_4bit", "ultraquant_4bit"),
+    ("vllm", "turboquant_k8v4", "turboquant_k8v4"),
+    ("vllm", "turboquant_4bit_nc", "turboquant_4bit_nc"),
+    ("vllm", "turboquant_k3v4_nc", "turboquant_k3v4_nc"),
+    ("vllm", "turboquant_3bit_nc", "turboquant_3bit_nc"),
+    ("vllm", "int4_per_token_head", "int4_per_token_head"),
+    ("vllm", "int8_per_token_head", "int8_per_token_head"),
+    ("vllm", "fp8_per_token_head", "fp8_per_token_head"),
+    ("vllm", "fp8_ds_mla", None),  # a per-model blob: the model's dtype is counted
+    ("vllm", "nvfp4_ds_mla", None),
+    ("sglang", "mxfp8", "mxfp8"),
+    ("sglang", "nvfp4", None),  # scale layouts as the attention backend needs them
+    ("sglang", "fp4_mx_block16", None),
+]
+# Values the reader before took and the engine's parser refuses (argparse choices, case as written).
+KV_DTYPES_REFUSED = [
+    ("vllm", "FP8"),
+    ("vllm", "int8"),  # vLLM's is int8_per_token_head
+    ("vllm", "float32"),
+    ("vllm", "Q8_0"),
+    ("sglang", "fp8"),  # SGLang names fp8_e4m3 or fp8_e5m2
+    ("sglang", "float16"),  # SGLang's 16-bit choices are bf16 and bfloat16
+]
+
+
+@pytest.mark.parametrize(("engine", "value", "counted"), KV_DTYPES_TAKEN)
+def test_each_engine_takes_its_kv_cache_dtypes(engine, value, counted):
+    args = ["--gpu-memory-utilization" if engine != "sglang" else "--mem-fraction-static", "0.5"]
+    assert memory_args(engine, [*args, "--kv-cache-dtype", value]) == MemoryArgs(0.5, None, counted)
+    assert refused_value(engine, ["--kv-cache-dtype", value]) is None
+
+
+@pytest.mark.parametrize(("engine", "value"), KV_DTYPES_REFUSED)
+def test_a_kv_cache_dtype_the_engine_refuses_is_refused_naming_it(engine, value):
+    takes = {"vllm": "vLLM takes auto, float16", "sglang": "SGLang takes auto, bf16"}[engine]
+    with pytest.raises(ValueError, match=f"engine arg --kv-cache-dtype: {value!r} is not a valid value \\({takes}"):
+        memory_args(engine, ["--kv-cache-dtype", value])
+    assert takes in refused_value(engine, [f"--kv-cache-dtype={value}"])
+
+
+# Bytes per token of one layer with one KV head, as the engines lay each dtype out (scales included).
+KV_BYTES = [
+    ("vllm", "fp8_inc", KVShape.uniform(1, 1, 128), 256),
+    ("vllm", "nvfp4_4over6", KVShape.uniform(1, 1, 128), 2 * (64 + 8)),  # nvfp4_kv_cache_full_dim: D/2 + D/16
+    ("vllm", "ultraquant_4bit", KVShape.uniform(1, 1, 128), 136),  # its format.py: D=128 -> 136 B/slot
+    ("vllm", "ultraquant_4bit", KVShape.uniform(1, 1, 256), 272),  # D=256 -> 272
+    ("vllm", "int8_per_token_head", KVShape.uniform(1, 1, 128), 256 + 2 * 4),  # one fp32 scale for K, one for V
+    ("vllm", "fp8_per_token_head", KVShape.uniform(1, 1, 128), 264),
+    ("vllm", "int4_per_token_head", KVShape.uniform(1, 1, 128), 128 + 8),
+    ("vllm", "int8_per_token_head", KVShape.latent(1, 576), 576 + 8),  # MLA: one scale pair per latent
+    ("vllm", "turboquant_k8v4", KVShape.uniform(1, 1, 128), 128 + 64 + 4),  # fp8 keys; values + fp16 scale, zero
+    ("vllm", "turboquant_4bit_nc", KVShape.uniform(1, 1, 128), 64 + 2 + 64 + 4),  # keys + fp16 norm
+    ("vllm", "turboquant_k3v4_nc", KVShape.uniform(1, 1, 128), 48 + 2 + 64 + 4),
+    ("vllm", "turboquant_3bit_nc", KVShape.uniform(1, 1, 128), 48 + 2 + 48 + 4),
+    ("vllm", "turboquant_3bit_nc", KVShape.uniform(1, 1, 96), 36 + 2 + 36 + 4),
+    ("vllm", "turboquant_k3v4_nc", KVShape.uniform(1, 1, 72), 27 + 2 + 36 + 4 + 1),  # rounded up to even
+    ("sglang", "mxfp8", KVShape.uniform(1, 1, 128), 256 + 256 // 32),  # one UE8M0 scale byte per 32
+]
+
+
+@pytest.mark.parametrize(("engine", "dtype", "shape", "per_token"), KV_BYTES)
+def test_each_kv_cache_dtype_is_counted_as_the_engine_stores_it(engine, dtype, shape, per_token):
+    assert shape.bytes_per_token(kv_cache_bits(engine, dtype, *shape.slot_dims)) == per_token
+
+
+def test_a_verdict_counts_the_kv_cache_dtype_the_args_give():
+    weights = estimate_weights(config=GEMMA_2_9B, engine="vllm")
+    args = memory_args("vllm", ["--kv-cache-dtype", "ultraquant_4bit", "--max-model-len", "8192"])
+    profile = ProfileMemory("vllm", weights, kv_shape_from_config(GEMMA_2_9B), args.kv_dtype, args.max_model_len)
+    # Gemma 2 9B: 42 layers of 8 KV heads of 256 (half of them within a 4096 window), 272 bytes per head.
+    per_layer_token = 8 * 272
+    assert judge(profile, H100).kv_bytes == 21 * per_layer_token * 8192 + 21 * per_layer_token * 8192
+
+
+# Flag spellings the engines take for the same flag, which the reader before passed over.
+SPELLINGS = [
+    ("vllm", ["--max_model_len", "4096"], MemoryArgs(max_model_len=4096)),  # FlexibleArgumentParser: _ -> -
+    ("vllm", ["--max_model_len=4k"], MemoryArgs(max_model_len=4000)),
+    ("vllm", ["--gpu_memory_utilization", "0.5"], MemoryArgs(memory_fraction=0.5)),
+    ("vllm", ["--kv_cache_dtype=fp8"], MemoryArgs(kv_dtype="fp8")),
+    ("vllm", ["--device-memory-utilization", "0.6"], MemoryArgs(memory_fraction=0.6)),  # vLLM's alias
+    ("vllm", ["--device_memory_utilization", "0.6"], MemoryArgs(memory_fraction=0.6)),
+    ("mock", ["--max_model_len", "4096"], MemoryArgs(max_model_len=4096)),
+    ("llamacpp", ["--ctx_size", "4096"], MemoryArgs(max_model_len=4096)),  # common/arg.cpp: every _ -> -
+]
+
+
+@pytest.mark.parametrize(("engine", "args", "read"), SPELLINGS)
+def test_each_engine_reads_its_flags_in_every_spelling_it_takes(engine, args, read):
+    assert memory_args(engine, args) == read
+
+
+def test_spellings_an_engine_does_not_take_are_not_its_flags():
+    assert memory_args("sglang", ["--context_length", "4096"]) == MemoryArgs()  # plain argparse: no such flag
+    assert memory_args("vllm", ["-max_model_len", "4096"]) == MemoryArgs()  # one dash: vLLM leaves it be
+    with pytest.raises(ValueError, match="no --flag=value"):
+        memory_args("llamacpp", ["--ctx_size=4096"])  # --ctx-size=4096 to llama.cpp: not a flag
 
 
 def test_each_engine_spreads_a_replica_as_it_is_started():
