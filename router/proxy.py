@@ -42,7 +42,7 @@ from .errors import RouterError
 from .inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
 from .metrics import RouterMetrics
 from .table import Endpoint
-from .tokens import ask_for_usage, usage_of_whole_answer
+from .tokens import IN_OUT_USAGE_PATHS, ask_for_usage, usage_of_whole_answer
 from .wire import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
@@ -124,8 +124,9 @@ class Proxy:
         """Answer `request` from a replica of its model; a RouterError if none can (before the response began)."""
         if self.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
-        if request.streaming:
-            # A stream's tokens come only in a usage chunk the engine sends when asked (router.tokens).
+        if request.streaming and request.path not in IN_OUT_USAGE_PATHS:
+            # An OpenAI stream's tokens come only in a usage chunk the engine sends when asked; Anthropic's and
+            # the Responses API's streams always carry theirs (router.tokens).
             request.body, request.pass_usage = ask_for_usage(request.body)
         try:
             endpoint = self.balancer.pick(request.model, (), request.affinity, request.pools)
@@ -326,7 +327,8 @@ class Proxy:
             exchange.wait(None)  # all read
             if served and exchange.key is not None:
                 # A whole JSON answer: its usage is read here; nothing of it is dropped.
-                usage = usage_of_whole_answer(content_type, response.headers.get("Content-Encoding", ""), body)
+                encoding = response.headers.get("Content-Encoding", "")
+                usage = usage_of_whole_answer(content_type, encoding, body, request.path)
             send, status = request.send, response.status
             headers = response_headers(response, endpoint)
             await send({"type": "http.response.start", "status": status, "headers": headers})

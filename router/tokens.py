@@ -16,6 +16,29 @@ models, never traffic.
   a non-null `usage` (the last one wins) and drops it again when the client
   did not ask for it. Every other byte passes unchanged.
 
+Those are OpenAI's chat, completions and embeddings shapes: `usage` with
+`prompt_tokens` and `completion_tokens`. Anthropic's Messages API and OpenAI's
+Responses API (`IN_OUT_USAGE_PATHS`: vLLM, SGLang and llama.cpp serve both)
+count `input_tokens` and `output_tokens` instead, and send them in every
+answer, streamed or not, so their streams are never asked for usage and
+nothing of them is ever dropped:
+
+* a JSON answer has them in its top-level `usage` (a Responses one with
+  nested `*_tokens_details`, skipped), read as above;
+* an Anthropic stream in `message_start` (`message.usage`: the input) and
+  `message_delta` (`usage`: the output so far, and on vLLM the input again;
+  on SGLang and llama.cpp the output alone), a Responses stream in its last
+  event (`response.completed`, or `.incomplete`/`.failed`: `response.usage`).
+  `InOutSseUsage` reads each and keeps the latest input and the latest
+  output, passing every byte through as the engine sent it.
+
+Prompt tokens are `input_tokens` plus Anthropic's `cache_read_input_tokens`
+and `cache_creation_input_tokens`, which Anthropic's `input_tokens` leaves out
+(a Responses `input_tokens` includes its cached tokens, reported apart in its
+details): the same prompt counts the same on every API. Token counting
+(`/v1/messages/count_tokens`, `*/input_tokens`) answers `input_tokens` with no
+`usage`: it generates nothing and counts as a request with no tokens.
+
 A malformed or missing usage counts no tokens and never fails a request.
 """
 
@@ -39,6 +62,8 @@ WHOLE_DECODE_BYTES = 2048
 # An SSE event not yet ended is held back until it is (the client cannot use half an event anyway);
 # one longer than this is passed on unread, so a stream without recognisable framing is never stalled.
 SSE_CARRY_BYTES = 64 * 1024
+# The same where an event carries a whole answer before its usage (the Responses API's last): held up to this.
+IN_OUT_SSE_CARRY_BYTES = 1024 * 1024
 # More tokens than this in one answer is not a count but garbage.
 MAX_TOKENS = 1 << 40
 
@@ -46,6 +71,11 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 _DECODER = json.JSONDecoder()  # built once: constructing one costs more than decoding a usage object
+
+# Where answers count input and output tokens, and always carry them (the paths as engines serve them).
+IN_OUT_USAGE_PATHS = frozenset({"/v1/messages", "/v1/responses", "/responses"})
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 
 
 class _Usage(msgspec.Struct):
@@ -55,12 +85,39 @@ class _Usage(msgspec.Struct):
     (a bool, a float, a negative or absurd count) makes it unusable.
     """
 
-    prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
-    completion_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] | None = 0
+    prompt_tokens: _Count
+    completion_tokens: _Count | None = 0
 
     def counts(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens)."""
         return self.prompt_tokens, self.completion_tokens or 0
+
+
+class _InOutUsage(msgspec.Struct):
+    """A `usage` object of Anthropic's Messages API or OpenAI's Responses API (`IN_OUT_USAGE_PATHS`).
+
+    Each count may be missing: a `message_delta` event may carry the output
+    alone. Anthropic's cache counts are part of the prompt (its
+    `input_tokens` leaves them out); a Responses usage has none of them.
+    """
+
+    input_tokens: _Count | None = None
+    output_tokens: _Count | None = None
+    cache_read_input_tokens: _Count | None = None
+    cache_creation_input_tokens: _Count | None = None
+
+    def prompt(self) -> int | None:
+        """The prompt tokens, or None if this usage does not count the input."""
+        if self.input_tokens is None:
+            return None
+        return self.input_tokens + (self.cache_read_input_tokens or 0) + (self.cache_creation_input_tokens or 0)
+
+    def counts(self) -> tuple[int, int] | None:
+        """(prompt tokens, completion tokens), or None for a usage that counts neither."""
+        prompt = self.prompt()
+        if prompt is None and self.output_tokens is None:
+            return None
+        return prompt or 0, self.output_tokens or 0
 
 
 class _Answer(msgspec.Struct):
@@ -77,9 +134,34 @@ class _Event(_Answer):
     choices: object = None
 
 
+class _InOutAnswer(msgspec.Struct):
+    """A whole answer, or the message or response an event carries, on `IN_OUT_USAGE_PATHS`: its `usage`."""
+
+    usage: _InOutUsage | None = None
+
+
+class _InOutEvent(_InOutAnswer):
+    """An SSE event on `IN_OUT_USAGE_PATHS`: its own `usage` (Anthropic's `message_delta`), its message's
+    (`message_start`) or its response's (the Responses API's last event)."""
+
+    message: _InOutAnswer | None = None
+    response: _InOutAnswer | None = None
+
+    def found(self) -> _InOutUsage | None:
+        """The usage this event carries, if any."""
+        if self.usage is not None:
+            return self.usage
+        holder = self.message or self.response
+        return None if holder is None else holder.usage
+
+
+_UsageDecoder = msgspec.json.Decoder[_Usage] | msgspec.json.Decoder[_InOutUsage]
 _USAGE_DECODER = msgspec.json.Decoder(_Usage)
 _ANSWER_DECODER = msgspec.json.Decoder(_Answer)
 _EVENT_DECODER = msgspec.json.Decoder(_Event)
+_IN_OUT_USAGE_DECODER = msgspec.json.Decoder(_InOutUsage)
+_IN_OUT_ANSWER_DECODER = msgspec.json.Decoder(_InOutAnswer)
+_IN_OUT_EVENT_DECODER = msgspec.json.Decoder(_InOutEvent)
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -112,16 +194,18 @@ def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
     return json.dumps(payload).encode(), False
 
 
-def read_usage(usage: object) -> tuple[int, int] | None:
-    """(prompt tokens, completion tokens) from a decoded `usage` object, or None if it is not a usable one."""
+def read_usage(usage: object, shape: type[_Usage] | type[_InOutUsage] = _Usage) -> tuple[int, int] | None:
+    """(prompt tokens, completion tokens) from a decoded `usage` object of `shape` (OpenAI's chat one, or
+    `_InOutUsage`), or None if it is not a usable one."""
     try:
-        return msgspec.convert(usage, _Usage).counts()
+        return msgspec.convert(usage, shape).counts()
     except msgspec.ValidationError:
         return None
 
 
-def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
-    """The usage of a JSON answer from its last bytes: the last `"usage": {...}` decoded on its own."""
+def usage_in_json_tail(tail: bytes, decoder: _UsageDecoder = _USAGE_DECODER) -> tuple[int, int] | None:
+    """The usage of a JSON answer from its last bytes: the last `"usage": {...}` decoded on its own
+    (by `decoder`: OpenAI's chat shape unless told)."""
     # The last `"usage"` is almost always the key sought: try it first, and search before it only if not.
     at = tail.rfind(b'"usage"')
     if at < 0:
@@ -137,7 +221,7 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
     if end > 0 and tail.find(b"{", start + 1, end) < 0:
         # A flat object (the usual usage): decoded and checked alone, in C.
         try:
-            usage = _USAGE_DECODER.decode(tail[start : end + 1])
+            usage = decoder.decode(tail[start : end + 1])
         except msgspec.ValidationError:
             return None  # a whole object, but not a usable usage
         except msgspec.DecodeError:
@@ -148,11 +232,13 @@ def usage_in_json_tail(tail: bytes) -> tuple[int, int] | None:
         usage, _ = _DECODER.raw_decode(tail[start:].decode("utf-8", "replace"))
     except ValueError:
         return None
-    return read_usage(usage)
+    return read_usage(usage, _InOutUsage if decoder is _IN_OUT_USAGE_DECODER else _Usage)
 
 
-def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes) -> tuple[int, int] | None:
-    """The usage of a JSON answer read whole (one of another type, or compressed, is not read).
+def usage_of_whole_answer(
+    content_type: str, content_encoding: str, body: bytes, path: str = ""
+) -> tuple[int, int] | None:
+    """The usage of a JSON answer to `path` read whole (one of another type, or compressed, is not read).
 
     A short answer (a chat completion, usually) is decoded whole, skipping all
     but its top-level `usage`, which costs less than searching it; a longer one
@@ -160,6 +246,8 @@ def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes)
     """
     if (content_encoding and content_encoding != "identity") or not content_type.startswith("application/json"):
         return None
+    if path in IN_OUT_USAGE_PATHS:
+        return _in_out_usage_of_whole_answer(body)
     if len(body) > WHOLE_DECODE_BYTES:
         return usage_in_json_tail(body[-JSON_TAIL_BYTES:])
     try:
@@ -168,6 +256,17 @@ def usage_of_whole_answer(content_type: str, content_encoding: str, body: bytes)
         return None
     # Not usage.counts(): a call less on the path of every JSON answer.
     return None if usage is None else (usage.prompt_tokens, usage.completion_tokens or 0)
+
+
+def _in_out_usage_of_whole_answer(body: bytes) -> tuple[int, int] | None:
+    """usage_of_whole_answer for an answer on `IN_OUT_USAGE_PATHS`."""
+    if len(body) > WHOLE_DECODE_BYTES:
+        return usage_in_json_tail(body[-JSON_TAIL_BYTES:], _IN_OUT_USAGE_DECODER)
+    try:
+        usage = _IN_OUT_ANSWER_DECODER.decode(body).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if usage is None else usage.counts()
 
 
 class JsonUsage:
@@ -198,6 +297,18 @@ class JsonUsage:
         return usage_in_json_tail(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
+class InOutJsonUsage(JsonUsage):
+    """JsonUsage for an answer on `IN_OUT_USAGE_PATHS`: its usage counts input and output tokens."""
+
+    __slots__ = ()
+
+    def usage(self) -> tuple[int, int] | None:
+        chunks = self._chunks
+        if not chunks:
+            return None
+        return usage_in_json_tail(b"".join(chunks), _IN_OUT_USAGE_DECODER)
+
+
 class SseUsage:
     """Reads the usage event of an SSE stream as it is relayed, and drops it unless the client asked for it.
 
@@ -207,6 +318,7 @@ class SseUsage:
     """
 
     __slots__ = ("_carry", "_found", "_pass_usage", "drops")
+    carry_limit = SSE_CARRY_BYTES
 
     def __init__(self, pass_usage: bool) -> None:
         self._pass_usage = pass_usage
@@ -228,7 +340,7 @@ class SseUsage:
         end = max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
         if end < len(chunk):
             rest = chunk[end:] if end >= 0 else chunk
-            if len(rest) <= SSE_CARRY_BYTES:
+            if len(rest) <= self.carry_limit:
                 self._carry = rest
                 chunk = chunk[:end] if end >= 0 else b""
         if _USAGE_OBJECT.search(chunk) is None:
@@ -269,6 +381,41 @@ class SseUsage:
             return False
         self._found = payload.usage.counts()
         return not payload.choices
+
+
+class InOutSseUsage(SseUsage):
+    """Reads the usage of a stream on `IN_OUT_USAGE_PATHS` as it is relayed, dropping nothing.
+
+    Anthropic's streams count the input in `message_start` and the output
+    (so far: the last wins) in `message_delta`, which may count the input
+    again or not; a Responses stream counts both in its last event, after the
+    whole answer. That event is held whole up to `carry_limit`; past it, it
+    is passed on in pieces and its usage read from the tail of its last piece.
+    """
+
+    __slots__ = ()
+    carry_limit = IN_OUT_SSE_CARRY_BYTES
+
+    def __init__(self) -> None:
+        super().__init__(pass_usage=True)
+
+    def _read_event(self, event: bytes) -> bool:
+        """Record the usage `event` carries, merged with what earlier events counted; never drop it."""
+        lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+        try:
+            usage = _IN_OUT_EVENT_DECODER.decode(b"\n".join(lines)).found()
+        except msgspec.ValidationError:
+            return False
+        except msgspec.DecodeError:
+            # Not a whole event: the last piece of one too long to hold, whose usage ends it.
+            self._found = usage_in_json_tail(event[-JSON_TAIL_BYTES:], _IN_OUT_USAGE_DECODER) or self._found
+            return False
+        if usage is not None:
+            prompt, output = usage.prompt(), usage.output_tokens
+            if prompt is not None or output is not None:
+                before = self._found or (0, 0)
+                self._found = (before[0] if prompt is None else prompt, before[1] if output is None else output)
+        return False
 
 
 class TokenCounter:
@@ -331,15 +478,17 @@ def _typed(counts: dict[str, dict[str, list[int]]]) -> TokenCounts:
     return {digest: {model: TokenCount(*row) for model, row in models.items()} for digest, models in counts.items()}
 
 
-def usage_reader(content_type: str, content_encoding: str, pass_usage: bool) -> JsonUsage | SseUsage | None:
-    """What reads the usage of an answer of this type as it is relayed; None when it cannot be read.
+def usage_reader(
+    content_type: str, content_encoding: str, pass_usage: bool, path: str = ""
+) -> JsonUsage | SseUsage | None:
+    """What reads the usage of an answer of this type to `path` as it is relayed; None when it cannot be read.
 
     Engines are asked for identity (router/wire.py); a body one compressed all the same is relayed unread.
     """
     if content_encoding and content_encoding != "identity":
         return None
     if content_type.startswith("text/event-stream"):
-        return SseUsage(pass_usage)
+        return SseUsage(pass_usage) if path not in IN_OUT_USAGE_PATHS else InOutSseUsage()
     if content_type.startswith("application/json"):
-        return JsonUsage()
+        return JsonUsage() if path not in IN_OUT_USAGE_PATHS else InOutJsonUsage()
     return None

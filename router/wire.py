@@ -86,7 +86,7 @@ def answer_usage_reader(
     """What reads the usage of a served answer whose key records tokens; None when nothing is recorded."""
     if request.exchange.key is None:
         return None
-    return usage_reader(content_type, response.headers.get("Content-Encoding", ""), request.pass_usage)
+    return usage_reader(content_type, response.headers.get("Content-Encoding", ""), request.pass_usage, request.path)
 
 
 async def begin_body(

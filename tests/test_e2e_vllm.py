@@ -301,6 +301,42 @@ def test_chat_completions_and_streams_through_the_router_with_usage_stored_per_k
     wait_until(stored, 20, 0.3, describe=lambda: stack.api("GET", "usage/").text)
 
 
+def test_anthropic_messages_and_responses_through_the_router_with_usage_stored_per_key(stack):
+    stack.activation.result(timeout=300)
+    created = stack.api("POST", "keys/", json={"name": "vllm-in-out"})
+    assert created.status_code == 201, created.text
+    headers = {"Authorization": f"Bearer {created.json()['key']}"}
+    # Anthropic's Messages API, streamed: its usage in message_start and message_delta, relayed as vLLM sent it.
+    ask = {"model": MODEL, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+    with httpx.stream("POST", stack.router + "/v1/messages", headers=headers, json=ask, timeout=60) as answer:
+        assert answer.status_code == 200
+        raw = answer.read().decode()
+    events = {e.split("\n")[0]: json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if "data: " in e}
+    assert {"event: message_start", "event: message_delta", "event: message_stop"} <= set(events)
+    messages_usage = events["event: message_delta"]["usage"]
+    assert 1 <= messages_usage["output_tokens"] <= 4
+    # OpenAI's Responses API, not streamed: its usage counts input and output tokens, cached ones among the input.
+    responses = httpx.post(
+        stack.router + "/v1/responses",
+        headers=headers,
+        json={"model": MODEL, "input": "Once upon a time", "max_output_tokens": 3},
+        timeout=60,
+    )
+    assert responses.status_code == 200, responses.text
+    responses_usage = responses.json()["usage"]
+    assert 1 <= responses_usage["output_tokens"] <= 3
+    prompt = messages_usage["input_tokens"] + responses_usage["input_tokens"]
+    completion = messages_usage["output_tokens"] + responses_usage["output_tokens"]
+    expected = {"requests": 2, "prompt_tokens": prompt, "completion_tokens": completion}
+
+    def stored():
+        rows = stack.api("GET", "usage/", params={"key": "vllm-in-out", "model": MODEL}).json()["results"]
+        totals = {name: sum(r[name] for r in rows) for name in expected}
+        return totals if totals == expected else None
+
+    wait_until(stored, 20, 0.3, describe=lambda: stack.api("GET", "usage/", params={"key": "vllm-in-out"}).text)
+
+
 def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack):
     replica = str(stack.replica()["id"])
     # Not streamed: a fast stream keeps vLLM's API server so busy on 2 cores that /metrics answers late.

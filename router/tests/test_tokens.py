@@ -16,14 +16,19 @@ from hub.credentials import hash_secret
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.tokens import (
+    IN_OUT_SSE_CARRY_BYTES,
+    IN_OUT_USAGE_PATHS,
     JSON_TAIL_BYTES,
     WHOLE_DECODE_BYTES,
+    InOutJsonUsage,
+    InOutSseUsage,
     JsonUsage,
     SseUsage,
     TokenCounter,
     ask_for_usage,
     usage_in_json_tail,
     usage_of_whole_answer,
+    usage_reader,
 )
 from router.usage import UsageFlusher
 
@@ -200,6 +205,133 @@ def test_crlf_framed_events_are_read_too():
     reader = SseUsage(pass_usage=False)
     assert relay(reader, [CONTENT, usage, DONE]) == CONTENT + DONE
     assert reader.usage() == (4, 2)
+
+
+# -- Anthropic's Messages API and OpenAI's Responses API: input and output tokens, always sent ---------------
+
+
+def named_event(kind: str, payload) -> bytes:
+    return f"event: {kind}\n".encode() + sse(payload)
+
+
+ANTHROPIC_JSON = (
+    b'{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"text","text":"hi"}],"model":"m",'
+    b'"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":4},'
+    b'"kv_transfer_params":null}'
+)
+RESPONSES_USAGE = {
+    "input_tokens": 11,
+    "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0, "input_tokens_per_turn": [11]},
+    "output_tokens": 6,
+    "output_tokens_details": {"reasoning_tokens": 0, "output_tokens_per_turn": [6]},
+    "total_tokens": 17,
+}
+RESPONSES_JSON = json.dumps(
+    {"id": "r", "object": "response", "output": [], "usage": RESPONSES_USAGE, "user": None, "metrics": None}
+).encode()
+MESSAGE_START = named_event(
+    "message_start", {"type": "message_start", "message": {"id": "m", "content": [], "usage": {"input_tokens": 9}}}
+)
+TEXT_DELTA = named_event("content_block_delta", {"type": "content_block_delta", "delta": {"text": '"usage": {'}})
+MESSAGE_DELTA = named_event(
+    "message_delta",
+    {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"input_tokens": 9, "output_tokens": 4}},
+)
+MESSAGE_STOP = named_event("message_stop", {"type": "message_stop"})
+
+
+@pytest.mark.parametrize("padding", [0, WHOLE_DECODE_BYTES], ids=["short, decoded whole", "long, by its tail"])
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        (ANTHROPIC_JSON, (9, 4)),
+        # Anthropic's input_tokens leave the prompt's cached tokens out (llama.cpp, SGLang): they are prompt too.
+        (b'{"usage": {"cache_read_input_tokens": 5, "input_tokens": 4, "output_tokens": 3}}', (9, 3)),
+        (b'{"usage": {"input_tokens": 4, "cache_creation_input_tokens": 2, "cache_read_input_tokens": null}}', (6, 0)),
+        # A Responses usage: its input_tokens include the cached ones of its details.
+        (RESPONSES_JSON, (11, 6)),
+        (b'{"usage": {"input_tokens": -1, "output_tokens": 3}}', None),
+        (b'{"usage": {"input_tokens": "9", "output_tokens": 3}}', None),
+        (b'{"usage": {"total_tokens": 3}}', None),
+        (b'{"usage": null}', None),
+        # Token counting generates nothing and has no usage.
+        (b'{"input_tokens": 9, "context_management": {"original_input_tokens": 9}}', None),
+    ],
+)
+def test_an_in_out_answer_counts_input_and_output_tokens_short_or_long(answer, expected, padding):
+    body = answer[:1] + b" " * padding + answer[1:]
+    for path in IN_OUT_USAGE_PATHS:
+        assert usage_of_whole_answer("application/json", "", body, path) == expected
+        reader = usage_reader("application/json", "", True, path)
+        assert isinstance(reader, InOutJsonUsage) and reader.feed(body) == body
+        assert reader.usage() == expected
+    # OpenAI's chat shape is read as before, and an in/out usage is none of its.
+    assert usage_of_whole_answer("application/json", "", body, "/v1/chat/completions") is None
+    assert usage_of_whole_answer("application/json", "", body, "/v1/messages/count_tokens") is None
+
+
+def test_only_the_in_out_paths_get_the_in_out_readers():
+    assert {"/v1/messages", "/v1/responses", "/responses"} == IN_OUT_USAGE_PATHS
+    assert type(usage_reader("text/event-stream", "", False, "/v1/messages")) is InOutSseUsage
+    assert type(usage_reader("text/event-stream", "", False, "/v1/chat/completions")) is SseUsage
+    assert type(usage_reader("application/json", "", True, "/v1/completions")) is JsonUsage
+    assert usage_reader("text/event-stream", "gzip", True, "/v1/messages") is None
+
+
+def test_an_anthropic_stream_counts_the_last_input_and_output_and_passes_every_byte():
+    whole = MESSAGE_START + TEXT_DELTA + MESSAGE_DELTA + MESSAGE_STOP
+    reader = InOutSseUsage()
+    assert reader.drops is False
+    assert relay(reader, [whole]) == whole
+    assert reader.usage() == (9, 4)
+    for cut in range(1, len(whole)):
+        reader = InOutSseUsage()
+        assert relay(reader, [whole[:cut], whole[cut:]]) == whole, cut
+        assert reader.usage() == (9, 4), cut
+
+
+def test_a_message_delta_counting_the_output_alone_keeps_message_start_s_input():
+    # llama.cpp and SGLang: message_start counts the input (cached apart), message_delta the output alone.
+    start = named_event(
+        "message_start",
+        {"type": "message_start", "message": {"usage": {"cache_read_input_tokens": 5, "input_tokens": 4}}},
+    )
+    delta = named_event("message_delta", {"type": "message_delta", "usage": {"output_tokens": 3}})
+    reader = InOutSseUsage()
+    assert relay(reader, [start, TEXT_DELTA, delta, MESSAGE_STOP]) == start + TEXT_DELTA + delta + MESSAGE_STOP
+    assert reader.usage() == (9, 3)
+    # A stream cut before its message_delta has counted its input.
+    reader = InOutSseUsage()
+    relay(reader, [start, TEXT_DELTA])
+    assert reader.usage() == (9, 0)
+
+
+def test_a_responses_stream_counts_its_last_event_s_response_usage():
+    created = named_event("response.created", {"type": "response.created", "response": {"usage": None}})
+    completed = named_event(
+        "response.completed", {"type": "response.completed", "response": json.loads(RESPONSES_JSON)}
+    )
+    reader = InOutSseUsage()
+    assert relay(reader, [created, completed[:50], completed[50:]]) == created + completed
+    assert reader.usage() == (11, 6)
+
+
+@pytest.mark.parametrize("size", [IN_OUT_SSE_CARRY_BYTES // 2, IN_OUT_SSE_CARRY_BYTES * 2], ids=["held", "too long"])
+def test_a_responses_event_carrying_a_long_answer_before_its_usage_is_still_counted(size):
+    answer = {"output": [{"content": [{"text": "x" * size}]}], "usage": RESPONSES_USAGE, "user": None}
+    completed = named_event("response.completed", {"type": "response.completed", "response": answer})
+    reader = InOutSseUsage()
+    piece = 64 * 1024
+    assert relay(reader, [completed[at : at + piece] for at in range(0, len(completed), piece)]) == completed
+    assert reader.usage() == (11, 6)
+
+
+def test_malformed_in_out_usage_counts_nothing_and_passes():
+    bad = named_event("message_delta", {"type": "message_delta", "usage": {"output_tokens": -4}})
+    odd = named_event("error", {"type": "error", "message": "not an object", "usage": {"output_tokens": 1}})
+    reader = InOutSseUsage()
+    assert relay(reader, [MESSAGE_START, bad, odd]) == MESSAGE_START + bad + odd
+    assert reader.usage() == (9, 0)
 
 
 def test_counts_add_up_per_key_and_model_and_a_failed_answer_counts_only_last_use():
