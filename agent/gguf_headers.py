@@ -16,15 +16,16 @@ large read.
 
 from __future__ import annotations
 
+import importlib
 import mmap
 import os
 import struct
 from collections.abc import Mapping
 from fractions import Fraction
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
-
-import gguf
 
 from .weights_header_types import HeaderShape, WeightsHeader, WeightsHeaderError, merge_headers, product, shard_set
 
@@ -49,20 +50,32 @@ def _read_gguf_file(path: Path) -> WeightsHeader:
         raise WeightsHeaderError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-# Fixed sizes of GGUF scalar value types; strings and arrays carry their own lengths.
-_GGUF_SCALARS: dict[int, tuple[str, int]] = {
-    gguf.GGUFValueType.UINT8: ("<B", 1),
-    gguf.GGUFValueType.INT8: ("<b", 1),
-    gguf.GGUFValueType.UINT16: ("<H", 2),
-    gguf.GGUFValueType.INT16: ("<h", 2),
-    gguf.GGUFValueType.UINT32: ("<I", 4),
-    gguf.GGUFValueType.INT32: ("<i", 4),
-    gguf.GGUFValueType.FLOAT32: ("<f", 4),
-    gguf.GGUFValueType.BOOL: ("<?", 1),
-    gguf.GGUFValueType.UINT64: ("<Q", 8),
-    gguf.GGUFValueType.INT64: ("<q", 8),
-    gguf.GGUFValueType.FLOAT64: ("<d", 8),
-}
+@cache
+def _gguf() -> ModuleType:
+    """The `gguf` package, imported on first use: it brings numpy, a sixth of a second that every control-plane
+    process (each `manage.py` command) would pay at start-up though only a GGUF file needs it."""
+    return importlib.import_module("gguf")
+
+
+@cache
+def _scalars() -> dict[int, tuple[str, int]]:
+    """Fixed sizes of GGUF scalar value types; strings and arrays carry their own lengths."""
+    kind = _gguf().GGUFValueType
+    return {
+        kind.UINT8: ("<B", 1),
+        kind.INT8: ("<b", 1),
+        kind.UINT16: ("<H", 2),
+        kind.INT16: ("<h", 2),
+        kind.UINT32: ("<I", 4),
+        kind.INT32: ("<i", 4),
+        kind.FLOAT32: ("<f", 4),
+        kind.BOOL: ("<?", 1),
+        kind.UINT64: ("<Q", 8),
+        kind.INT64: ("<q", 8),
+        kind.FLOAT64: ("<d", 8),
+    }
+
+
 # Integer arrays worth keeping (per-layer head counts); longer ones (token types) are skipped.
 _GGUF_KEPT_ARRAY = 4096
 
@@ -85,11 +98,11 @@ class _GGUFWalk:
         return start
 
     def scalar(self, kind: int, what: str) -> Any:
-        fmt, n = _GGUF_SCALARS[kind]
+        fmt, n = _scalars()[kind]
         return struct.unpack_from(fmt, self.view, self.take(n, what))[0]
 
     def string(self, what: str) -> str:
-        n = self.scalar(gguf.GGUFValueType.UINT64, what)
+        n = self.scalar(_gguf().GGUFValueType.UINT64, what)
         start = self.take(n, what)
         try:
             return self.view[start : start + n].decode("utf-8")
@@ -98,7 +111,7 @@ class _GGUFWalk:
 
     def count(self, what: str, least_bytes_each: int) -> int:
         """A count read from the file, refused when that many items could not fit in what is left."""
-        n = self.scalar(gguf.GGUFValueType.UINT64, what)
+        n = self.scalar(_gguf().GGUFValueType.UINT64, what)
         if n * least_bytes_each > len(self.view) - self.pos:
             raise WeightsHeaderError(
                 f"{self.name}: {what} {n} cannot fit in the {len(self.view) - self.pos} bytes left"
@@ -106,17 +119,17 @@ class _GGUFWalk:
         return n
 
     def value(self, kind: int, what: str) -> Any:
-        if kind in _GGUF_SCALARS:
+        if kind in _scalars():
             return self.scalar(kind, what)
-        if kind == gguf.GGUFValueType.STRING:
+        if kind == _gguf().GGUFValueType.STRING:
             return self.string(what)
-        if kind != gguf.GGUFValueType.ARRAY:
+        if kind != _gguf().GGUFValueType.ARRAY:
             raise WeightsHeaderError(f"{self.name}: {what} has unknown value type {kind}")
-        item = self.scalar(gguf.GGUFValueType.UINT32, what)
-        least = _GGUF_SCALARS[item][1] if item in _GGUF_SCALARS else 8
+        item = self.scalar(_gguf().GGUFValueType.UINT32, what)
+        least = _scalars()[item][1] if item in _scalars() else 8
         n = self.count(f"{what} length", least)
-        if item in _GGUF_SCALARS:
-            if item == gguf.GGUFValueType.FLOAT32 or n > _GGUF_KEPT_ARRAY:
+        if item in _scalars():
+            if item == _gguf().GGUFValueType.FLOAT32 or n > _GGUF_KEPT_ARRAY:
                 self.take(n * least, what)
                 return None
             return tuple(self.scalar(item, what) for _ in range(n))
@@ -125,18 +138,18 @@ class _GGUFWalk:
         return None
 
     def header(self, path: str) -> WeightsHeader:
-        if struct.unpack_from("<I", self.view, self.take(4, "magic"))[0] != gguf.GGUF_MAGIC:
+        if struct.unpack_from("<I", self.view, self.take(4, "magic"))[0] != _gguf().GGUF_MAGIC:
             raise WeightsHeaderError(f"{self.name}: not a GGUF file (no GGUF magic)")
-        version = self.scalar(gguf.GGUFValueType.UINT32, "version")
+        version = self.scalar(_gguf().GGUFValueType.UINT32, "version")
         if version not in (2, 3):
             raise WeightsHeaderError(f"{self.name}: GGUF version {version} is not supported (2 or 3)")
         tensor_count = self.count("tensor count", 8 + 4 + 8 + 4 + 8)
         metadata = {}
         for _ in range(self.count("key/value count", 8 + 4)):
             key = self.string("metadata key")
-            metadata[key] = self.value(self.scalar(gguf.GGUFValueType.UINT32, key), key)
+            metadata[key] = self.value(self.scalar(_gguf().GGUFValueType.UINT32, key), key)
         infos = [self.tensor_info() for _ in range(tensor_count)]
-        alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+        alignment = metadata.get("general.alignment", _gguf().GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise WeightsHeaderError(f"{self.name}: general.alignment {alignment!r} is not a power of two")
         data_start = -(-self.pos // alignment) * alignment
@@ -145,15 +158,15 @@ class _GGUFWalk:
     def tensor_info(self) -> tuple[str, str, int, int, int]:
         """(name, ggml type name, elements, bytes, offset) of one tensor, its size from the type's blocks."""
         name = self.string("tensor name")
-        n_dims = self.scalar(gguf.GGUFValueType.UINT32, name)
+        n_dims = self.scalar(_gguf().GGUFValueType.UINT32, name)
         if not 1 <= n_dims <= GGUF_MAX_DIMS:
             raise WeightsHeaderError(f"{self.name}: tensor {name!r} has {n_dims} dimensions")
-        dims = [self.scalar(gguf.GGUFValueType.UINT64, name) for _ in range(n_dims)]
-        raw_type = self.scalar(gguf.GGUFValueType.UINT32, name)
-        offset = self.scalar(gguf.GGUFValueType.UINT64, name)
+        dims = [self.scalar(_gguf().GGUFValueType.UINT64, name) for _ in range(n_dims)]
+        raw_type = self.scalar(_gguf().GGUFValueType.UINT32, name)
+        offset = self.scalar(_gguf().GGUFValueType.UINT64, name)
         try:
-            ggml_type = gguf.GGMLQuantizationType(raw_type)
-            block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+            ggml_type = _gguf().GGMLQuantizationType(raw_type)
+            block, type_size = _gguf().GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise WeightsHeaderError(f"{self.name}: tensor {name!r} has unknown ggml type {raw_type}") from None
         if dims[0] % block:
@@ -186,7 +199,7 @@ class _GGUFWalk:
 def ggml_bits_per_weight(type_name: str) -> Fraction | None:
     """Bits per weight of a ggml type by name (Q4_K: 144 bytes per block of 256 = 4.5), None if not one."""
     try:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
+        block, type_size = _gguf().GGML_QUANT_SIZES[_gguf().GGMLQuantizationType[type_name.upper()]]
     except KeyError:
         return None
     return Fraction(type_size * 8, block)
@@ -202,20 +215,20 @@ def gguf_shape(metadata: Mapping[str, Any]) -> HeaderShape:
         value = metadata.get(key.format(arch=arch))
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
-    kv = metadata.get(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=arch))
+    kv = metadata.get(_gguf().Keys.Attention.HEAD_COUNT_KV.format(arch=arch))
     per_layer = tuple(kv) if isinstance(kv, tuple) and all(isinstance(h, int) for h in kv) else None
     return HeaderShape(
         architecture=arch,
-        layers=number(gguf.Keys.LLM.BLOCK_COUNT),
-        heads=number(gguf.Keys.Attention.HEAD_COUNT),
-        kv_heads=number(gguf.Keys.Attention.HEAD_COUNT_KV) if per_layer is None else max(per_layer, default=None),
+        layers=number(_gguf().Keys.LLM.BLOCK_COUNT),
+        heads=number(_gguf().Keys.Attention.HEAD_COUNT),
+        kv_heads=number(_gguf().Keys.Attention.HEAD_COUNT_KV) if per_layer is None else max(per_layer, default=None),
         kv_heads_per_layer=per_layer,
-        embedding=number(gguf.Keys.LLM.EMBEDDING_LENGTH),
-        context_length=number(gguf.Keys.LLM.CONTEXT_LENGTH),
-        key_length=number(gguf.Keys.Attention.KEY_LENGTH),
-        value_length=number(gguf.Keys.Attention.VALUE_LENGTH),
-        kv_lora_rank=number(gguf.Keys.Attention.KV_LORA_RANK),
-        rope_dimensions=number(gguf.Keys.Rope.DIMENSION_COUNT),
-        experts=number(gguf.Keys.LLM.EXPERT_COUNT),
-        sliding_window=number(gguf.Keys.Attention.SLIDING_WINDOW),
+        embedding=number(_gguf().Keys.LLM.EMBEDDING_LENGTH),
+        context_length=number(_gguf().Keys.LLM.CONTEXT_LENGTH),
+        key_length=number(_gguf().Keys.Attention.KEY_LENGTH),
+        value_length=number(_gguf().Keys.Attention.VALUE_LENGTH),
+        kv_lora_rank=number(_gguf().Keys.Attention.KV_LORA_RANK),
+        rope_dimensions=number(_gguf().Keys.Rope.DIMENSION_COUNT),
+        experts=number(_gguf().Keys.LLM.EXPERT_COUNT),
+        sliding_window=number(_gguf().Keys.Attention.SLIDING_WINDOW),
     )

@@ -21,8 +21,9 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .gguf_headers import GGUF_MAX_DIMS, ggml_bits_per_weight, gguf_shape, read_gguf
 from .weights_header_types import (
     SHARD_NAME,
     HeaderShape,
@@ -45,22 +46,6 @@ __all__ = [
     "read_gguf",
     "read_weights_headers",
 ]
-
-if TYPE_CHECKING:
-    from .gguf_headers import GGUF_MAX_DIMS, ggml_bits_per_weight, gguf_shape, read_gguf
-
-_GGUF_NAMES = frozenset({"GGUF_MAX_DIMS", "ggml_bits_per_weight", "gguf_shape", "read_gguf"})
-
-
-def __getattr__(name: str) -> Any:
-    # The GGUF reader is imported on first use: it brings the `gguf` package and numpy, a fifth of a second
-    # every control-plane process (each `manage.py` command) would otherwise pay at start-up for nothing.
-    if name in _GGUF_NAMES:
-        from . import gguf_headers
-
-        return getattr(gguf_headers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 SAFETENSORS_SUFFIX = ".safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -102,8 +87,6 @@ def read_weights_headers(path: str | os.PathLike[str]) -> WeightsHeader:
     if target.name.endswith(SAFETENSORS_SUFFIX):
         return merge_headers("safetensors", [_read_safetensors(p) for p in shard_set(target)])
     if target.name.endswith(GGUF_SUFFIX):
-        from .gguf_headers import read_gguf
-
         return read_gguf(target)
     raise WeightsHeaderError(f"{target}: not a .safetensors or .gguf file")
 
@@ -117,8 +100,6 @@ def _read_folder(folder: Path) -> WeightsHeader:
         return merge_headers("safetensors", [_read_safetensors(p) for p in shards])
     ggufs = sorted(p for p in folder.glob("*" + GGUF_SUFFIX) if _is_first_part(p))
     if len(ggufs) == 1:
-        from .gguf_headers import read_gguf
-
         return read_gguf(ggufs[0])
     if ggufs:
         raise WeightsHeaderError(f"{folder}: {len(ggufs)} GGUF models in one folder; name the file")

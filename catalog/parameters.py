@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
+from agent.weights_headers import ggml_bits_per_weight
+
 # Bits per element of the dtype names configs and operators use (torch_dtype, vLLM --dtype/--kv-cache-dtype).
 DTYPE_BITS: dict[str, int] = {
     "float32": 32,
@@ -43,9 +45,6 @@ def dtype_bits(name: str) -> Fraction:
     key = name.strip().lower().removeprefix("torch.")
     if key in DTYPE_BITS:
         return Fraction(DTYPE_BITS[key])
-    # Imported here: the ggml tables come with the `gguf` package and numpy, which only a ggml dtype needs.
-    from agent.gguf_headers import ggml_bits_per_weight
-
     bits = ggml_bits_per_weight(name.strip())
     if bits is None:
         raise ValueError(

@@ -3,8 +3,8 @@
 from django.contrib.admin import AdminSite
 from django.urls import path
 
-# The views are imported where a page is served, not with the site: Django makes the site at start-up in every
-# process, `manage.py` commands included, and the "Will it fit?" planner they bring is not needed there.
+from .views import dashboard_context, panels_view
+from .will_it_fit import will_it_fit_view
 
 
 class FleetAdminSite(AdminSite):
@@ -21,8 +21,6 @@ class FleetAdminSite(AdminSite):
     index_template = "dashboard/admin_index.html"
 
     def get_urls(self):
-        from .views import panels_view
-
         # admin_view: staff only, like every admin page (others are sent to the login page).
         return [
             path("panels/", self.admin_view(panels_view), name="dashboard_panels"),
@@ -31,11 +29,7 @@ class FleetAdminSite(AdminSite):
         ]
 
     def will_it_fit(self, request):
-        from .will_it_fit import will_it_fit_view
-
         return will_it_fit_view(request, self.each_context(request))
 
     def index(self, request, extra_context=None):
-        from .views import dashboard_context
-
         return super().index(request, extra_context={**dashboard_context(), **(extra_context or {})})

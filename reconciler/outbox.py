@@ -39,6 +39,7 @@ from agent.protocol import (
     WakeShard,
     to_builtins,
 )
+from hub.channel_layer import deliver_to_groups
 
 from .models import Lease, PendingCommand
 
@@ -76,10 +77,6 @@ def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exc
     not stop the rest. A node with no stream now is not an error: the command
     waits, pending, for the agent to connect.
     """
-
-    # Imported here: the channel layer brings channels-redis and the redis client, a fifth of a second of
-    # start-up that every process importing the reconciler (each `manage.py` command) would pay unsent.
-    from hub.channel_layer import deliver_to_groups
 
     async def deliver():
         items = [(node_group(node), {"type": "agent.command", "command": cmd}) for node, cmd in commands]

@@ -6,7 +6,7 @@ consumes (reconciler.campaign).
 
 import logging
 
-from llmgw_site.celery import app
+from celery import shared_task
 
 from .lease import get_leadership
 from .tick import tick as run_tick
@@ -14,7 +14,7 @@ from .tick import tick as run_tick
 log = logging.getLogger(__name__)
 
 
-@app.task(name="reconciler.tasks.tick", ignore_result=True)
+@shared_task(name="reconciler.tasks.tick", ignore_result=True)
 def tick() -> None:
     """Run one reconcile tick with this worker process's Leadership (the one its campaign holds).
 
