@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: browser demo test lint test-sqlite test-postgres migrate faults llama-server vllm vllm-or-skip
+.PHONY: browser demo test lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,24 @@ test-sqlite: $(VENV)/.installed
 test-postgres: $(VENV)/.installed
 	LLMGW_TEST_DATABASE_ONLY=1 DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
 
-test: lint browser llama-server vllm-or-skip test-sqlite test-postgres
+# `make test` runs the same tests as test-sqlite and test-postgres, in less time on a machine of two cores or
+# more: the two passes of the tests that start no `up` stack run side by side (each on a Redis database of
+# its own), then the end-to-end tests, which time real processes, run alone.
+test-sqlite-units: $(VENV)/.installed
+	REDIS_TEST_URL=redis://127.0.0.1:6379/15 $(PY) -m pytest -m "not e2e"
+
+test-postgres-units: $(VENV)/.installed
+	REDIS_TEST_URL=redis://127.0.0.1:6379/14 $(MAKE) --no-print-directory test-postgres
+
+test-e2e: $(VENV)/.installed
+	$(PY) -m pytest -m e2e
+
+test-units: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-sqlite-units test-postgres-units
+
+test: lint browser llama-server vllm-or-skip
+	$(MAKE) --no-print-directory test-units
+	$(MAKE) --no-print-directory test-e2e
 
 # The dashboard's browser test drives a real headless Chromium: find it, or install it where we may
 # (root with apt-get); elsewhere say loudly that the browser test will be skipped.
