@@ -40,28 +40,24 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.conf import settings
-from django.db.models import Count, Exists, OuterRef, Q
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from catalog.models import Model
-from inventory.choices import NodeState
-from inventory.models import GPU, Node, Weights, effective, gpu_in_service, human_size, report_warnings
+from inventory.models import Node, Weights, human_size, report_warnings
 from reconciler.adapters import HELD
 from reconciler.choices import WANTED_STATES, AdapterLoadState, Hold, ReplicaState
 from reconciler.idle import Idle
 from reconciler.liveness import partition_brake
-from reconciler.models import AdapterLoad, GPUAssignment, Lease, Replica, Shard
-from reconciler.placement import NodeCapacity
+from reconciler.models import AdapterLoad, Lease, Replica, Shard
 
 from .stoppable import what_can_i_stop
+from .summary_gpus import free_nodes, tally_gpus
 from .summary_types import (
-    GPU_STATES,
     AdapterCounts,
     AdapterLoading,
-    Capacity,
     ClusterSummary,
     FailedReason,
-    FreeNodes,
     Leader,
     ModelStatus,
     NodeCounts,
@@ -80,99 +76,12 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def gpu_state(gpu, now: datetime) -> str:
-    """The display state of one GPU row (a named row of `_gpu_rows`); see the module docstring."""
-    if gpu.node__state != NodeState.READY or not gpu.node__schedulable:
-        return "unavailable"
-    if not gpu_in_service(gpu.health, gpu.healthy_since, now):
-        return "unhealthy"
-    if gpu.assigned:
-        return "used"
-    return "free"
-
-
-def _gpu_rows():
-    # Used means an awake shard holds it; sleepers stacked on a GPU leave it free (DESIGN invariant 2).
-    held = GPUAssignment.objects.filter(gpu=OuterRef("pk"), awake=True)
-    # Named rows, not dicts: a big fleet has tens of thousands of GPUs, and a dict per row is most of their cost.
-    return (
-        GPU.objects.exclude(node__state=NodeState.LOST)
-        .annotate(assigned=Exists(held), node_fabric=effective("fabric", "node__"))
-        .values_list(
-            "node_id", "node__name", "node_fabric", "node__state", "node__schedulable",
-            "index", "gpu_class", "health", "healthy_since", "assigned",
-            named=True,
-        )
-    )  # fmt: skip
-
-
 def _leader(now: datetime) -> Leader | None:
     lease = Lease.objects.filter(name=settings.LLMGW_LEASE_NAME).first()
     if lease is None:
         return None
     # expires_at is by the database's clock; the difference is for display only.
     return Leader(lease.owner, lease.epoch, round(lease.expires_at - now.timestamp(), 3))
-
-
-@dataclass
-class _GPUTally:
-    """The GPU rows read once, counted every way the summary shows them."""
-
-    capacity: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # class -> state -> GPUs
-    per_node: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))  # node id -> state -> GPUs
-    # (node id, class) -> what the placer would see of it, for ready, schedulable nodes
-    placeable: dict[tuple[int, str], dict] = field(default_factory=dict)
-
-    def add(self, gpu, now: datetime) -> None:
-        state = gpu_state(gpu, now)
-        self.capacity[gpu.gpu_class][state] += 1
-        self.per_node[gpu.node_id][state] += 1
-        if gpu.node__state == NodeState.READY and gpu.node__schedulable:
-            entry = self.placeable.setdefault(
-                (gpu.node_id, gpu.gpu_class),
-                {"name": gpu.node__name, "fabric": gpu.node_fabric, "free": [], "total": 0},
-            )
-            entry["total"] += 1
-            if state == "free":
-                entry["free"].append(gpu.index)
-
-    def capacity_list(self) -> list[Capacity]:
-        return [
-            Capacity(gpu_class, sum(counts.values()), *(counts[state] for state in GPU_STATES))
-            for gpu_class, counts in sorted(self.capacity.items())
-        ]
-
-    def records(self) -> dict[str, list[NodeCapacity]]:
-        """Per GPU class, the placer's record of each ready, schedulable node: free GPUs by the placer's own rule
-        (`reconciler.capacity.free_capacity` reads the same), so status and placement agree."""
-        records: dict[str, list[NodeCapacity]] = defaultdict(list)
-        for (_node_id, gpu_class), entry in self.placeable.items():
-            free = tuple(sorted(entry["free"]))
-            records[gpu_class].append(NodeCapacity(entry["name"], entry["fabric"], "", gpu_class, free, entry["total"]))
-        return records
-
-
-def _free_nodes(records: dict[str, list[NodeCapacity]]) -> list[FreeNodes]:
-    # Every (fabric, class) with a ready, schedulable node is listed, even at 0,
-    # so a metric series drops to zero instead of vanishing. "Whole" is the
-    # placer's own rule (NodeCapacity.whole), so status and placement agree.
-    groups: dict[tuple[str, str], list[str]] = {}
-    for gpu_class, nodes in records.items():
-        for node in nodes:
-            names = groups.setdefault((node.fabric, gpu_class), [])
-            if node.whole:
-                names.append(node.name)
-    return [
-        FreeNodes(fabric, gpu_class, len(names), sorted(names)) for (fabric, gpu_class), names in sorted(groups.items())
-    ]
-
-
-def _gpus(now: datetime) -> _GPUTally:
-    """Every GPU not on a lost node, tallied. One query."""
-    tally = _GPUTally()
-    for gpu in _gpu_rows():
-        tally.add(gpu, now)
-    return tally
 
 
 def _weights_per_node() -> dict[int, list[NodeWeights]]:
@@ -375,7 +284,7 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     """
     now = now or timezone.now()
     leader = _leader(now)
-    gpus = _gpus(now)
+    gpus = tally_gpus(now)
     records, capacity = gpus.records(), gpus.capacity_list()
     nodes, node_list = _nodes(gpus.per_node)
     tally = _replicas(now)
@@ -395,7 +304,7 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
         leader=leader,
         partition_brake=brake,
         capacity=capacity,
-        free_nodes=_free_nodes(records),
+        free_nodes=free_nodes(records),
         nodes=nodes,
         replicas=tally.replica_counts(),
         models=models,

@@ -41,7 +41,7 @@ from .choice import cached_at, least_loaded
 from .ejection import EjectionPolicy, Failure, log_change
 from .limits import RateLimiter
 from .table import Endpoint, adapter_holders, endpoint_of, model_lookups
-from .tokens import TokenCounter
+from .token_counter import TokenCounter
 
 log = logging.getLogger(__name__)
 

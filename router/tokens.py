@@ -1,9 +1,7 @@
-"""Token accounting in the router: usage read from engines' answers, counted in memory per key and model.
+"""Token accounting in the router: the usage of engines' answers, read as they are relayed.
 
-Nothing here does I/O: a request adds to in-memory counters on the router's
-event loop, and the usage flusher (router.usage) hands them to the hub with
-its once-a-second report (DESIGN invariant 4), so the cost follows keys and
-models, never traffic.
+Nothing here does I/O or holds state beyond one answer; router.token_counter
+counts what is read per key and model (DESIGN invariant 4).
 
 * Non-streamed JSON answers: `usage` is the last `"usage": {...}` in the
   answer's last `JSON_TAIL_BYTES` (engines put it at the end), decoded alone —
@@ -46,13 +44,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
-
-from hub.contracts import TokenCount, TokenCounts
 
 # A usage object is read from the end of a JSON answer; it sits within the last few hundred bytes in
 # every engine we know (vLLM, SGLang, llama.cpp, TGI), so 64 KiB leaves room for trailing extras.
@@ -416,66 +410,6 @@ class InOutSseUsage(SseUsage):
                 before = self._found or (0, 0)
                 self._found = (before[0] if prompt is None else prompt, before[1] if output is None else output)
         return False
-
-
-class TokenCounter:
-    """Requests and tokens per (key digest, public model), and last use per key, since the last flush.
-
-    Used only on the router's event loop (the proxy counts, the flusher takes),
-    so it needs no lock. A key is its digest, `hub.credentials.hash_secret` of
-    the bearer token: what `ApiKey.key_hash` stores.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        # digest -> model -> [requests, prompt, completion]: list items, not TokenCount's attributes, which
-        # cost twice as much to add to on the path of every answer (a msgspec Struct's, measured).
-        self._counts: dict[str, dict[str, list[int]]] = {}
-        self._last_use: dict[str, float] = {}
-
-    def count(self, digest: str, model: str, usage: tuple[int, int] | None, served: bool) -> None:
-        """One answer relayed for `digest`: its last use always, a request and its tokens if `served` (2xx)."""
-        self._last_use[digest] = self._clock()
-        if not served:
-            return
-        per_key = self._counts.get(digest)
-        if per_key is None:
-            per_key = self._counts[digest] = {}
-        row = per_key.get(model)
-        if row is None:
-            row = per_key[model] = [0, 0, 0]
-        row[0] += 1
-        if usage is not None:
-            row[1] += usage[0]
-            row[2] += usage[1]
-
-    def take(self) -> tuple[TokenCounts, dict[str, float]]:
-        """Swap out the counts and last uses gathered since the last take."""
-        counts, self._counts = self._counts, {}
-        last_use, self._last_use = self._last_use, {}
-        return _typed(counts), last_use
-
-    def restore(self, counts: TokenCounts, last_use: dict[str, float]) -> None:
-        """Put back what a flush could not deliver: counts add up, the newer last use wins."""
-        for digest, models in counts.items():
-            per_key = self._counts.setdefault(digest, {})
-            for model, count in models.items():
-                row = per_key.setdefault(model, [0, 0, 0])
-                row[0] += count.requests
-                row[1] += count.prompt
-                row[2] += count.completion
-        for digest, ts in last_use.items():
-            if ts > self._last_use.get(digest, float("-inf")):
-                self._last_use[digest] = ts
-
-    def pending(self) -> tuple[TokenCounts, dict[str, float]]:
-        """A copy of what the next flush would take (for tests and /health)."""
-        return _typed(self._counts), dict(self._last_use)
-
-
-def _typed(counts: dict[str, dict[str, list[int]]]) -> TokenCounts:
-    """The counter's rows as the hub's contract has them (new objects: later counting never changes them)."""
-    return {digest: {model: TokenCount(*row) for model, row in models.items()} for digest, models in counts.items()}
 
 
 def usage_reader(

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agent.mock_engine import EXTRA_ENDPOINTS
-from router.app import PROXY_PATHS, create_app
+from router.app import create_app
 from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
 from router.config import RouterConfig
 from router.errors import RouterError
+from router.proxy_paths import PROXY_PATHS
 
 from .conftest import ALIAS, MODEL, ThreadedEngine, make_table
 from .test_proxy import assert_openai_error

@@ -15,6 +15,7 @@ from hub.contracts import TokenCount, hour_of
 from hub.credentials import hash_secret
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
+from router.token_counter import TokenCounter
 from router.tokens import (
     IN_OUT_SSE_CARRY_BYTES,
     IN_OUT_USAGE_PATHS,
@@ -24,7 +25,6 @@ from router.tokens import (
     InOutSseUsage,
     JsonUsage,
     SseUsage,
-    TokenCounter,
     ask_for_usage,
     usage_in_json_tail,
     usage_of_whole_answer,
