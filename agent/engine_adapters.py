@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import httpx
 
+from .engine_answers import json_field, shown
+
 DIALECTS = ("vllm", "sglang", "follower")
 # Loading from the hub downloads the adapter first.
 CALL_TIMEOUT_SECONDS = 600.0
-ANSWER_SHOWN = 300
 _ROUTES = {"vllm": "/v1/{verb}_lora_adapter", "sglang": "/{verb}_lora_adapter"}
 # The engine's words for "the goal is reached already", by dialect and verb: (status, words in its message).
 _ALREADY = {
@@ -65,7 +66,7 @@ class EngineAdapters:
         except httpx.HTTPError as exc:
             raise EngineAdapterError(f"POST {path} failed: {exc or type(exc).__name__}") from None
         if answer.status_code == 200:
-            if self.dialect == "sglang" and _json_field(answer, "success") is False:
+            if self.dialect == "sglang" and json_field(answer, "success") is False:
                 raise EngineAdapterError(f"POST {path} answered 200 but failed: {engine_words(answer)}")
             return True
         words = engine_words(answer)
@@ -78,19 +79,9 @@ class EngineAdapters:
 def engine_words(answer: httpx.Response) -> str:
     """What an engine said in its answer, cut to a length a status message can carry: vLLM's (OpenAI's) error
     message, SGLang's `error_message`, FastAPI's `detail`, or else the text as it came."""
-    error = _json_field(answer, "error")
+    error = json_field(answer, "error")
     words = error.get("message") if isinstance(error, dict) else None
     for field in ("error_message", "detail"):
         if not isinstance(words, str) or not words:
-            words = _json_field(answer, field)
-    text = words if isinstance(words, str) and words else answer.text
-    text = text.strip()
-    return text if len(text) <= ANSWER_SHOWN else text[:ANSWER_SHOWN] + "…"
-
-
-def _json_field(answer: httpx.Response, field: str) -> object:
-    try:
-        body = answer.json()
-    except ValueError:
-        return None
-    return body.get(field) if isinstance(body, dict) else None
+            words = json_field(answer, field)
+    return shown(words if isinstance(words, str) and words else answer.text)

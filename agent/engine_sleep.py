@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import httpx
 
+from .engine_answers import json_field, shown
+
 DIALECTS = ("vllm", "sglang", "follower")
 # The levels each dialect can sleep at.
 LEVELS: dict[str, tuple[int, ...]] = {"vllm": (1, 2), "sglang": (1,), "follower": (1, 2)}
 # Sleeping copies (level 1) or frees (level 2) every weight; waking reloads them: minutes for the largest models.
 CALL_TIMEOUT_SECONDS = 600.0
-ANSWER_SHOWN = 300
 
 
 class EngineSleepError(Exception):
@@ -97,8 +98,8 @@ class EngineSleep:
         await self._wake_up("weights", "sleeping")
         await self._call("POST", "/collective_rpc", json={"method": "reload_weights"})
         reset = await self._call("POST", "/reset_prefix_cache")
-        if _field(reset, "success") is not True:
-            raise EngineSleepError(f"POST /reset_prefix_cache answered {_shown(reset.text)!r}, not success true")
+        if json_field(reset, "success") is not True:
+            raise EngineSleepError(f"POST /reset_prefix_cache answered {shown(reset.text)!r}, not success true")
         await self._wake_up("kv_cache", "awake")
 
     async def _wake_up(self, tag: str | None, status: str) -> None:
@@ -107,9 +108,9 @@ class EngineSleep:
             answer, path = await self._call("POST", "/wake_up"), "POST /wake_up"
         else:
             answer, path = await self._call("POST", "/wake_up", params={"tags": tag}), f"POST /wake_up?tags={tag}"
-        if _field(answer, "status") != status:
+        if json_field(answer, "status") != status:
             paused = " (scheduling must stay paused until the weights are reloaded)" if status == "sleeping" else ""
-            raise EngineSleepError(f"{path} answered {_shown(answer.text)!r}, not status {status!r}{paused}")
+            raise EngineSleepError(f"{path} answered {shown(answer.text)!r}, not status {status!r}{paused}")
 
     async def is_sleeping(self) -> bool:
         """vLLM's own word on whether it sleeps (`GET /is_sleeping`)."""
@@ -119,7 +120,7 @@ class EngineSleep:
         except (ValueError, KeyError, TypeError):
             sleeping = None
         if not isinstance(sleeping, bool):
-            raise EngineSleepError(f"GET /is_sleeping answered {_shown(answer.text)!r}, not {{'is_sleeping': bool}}")
+            raise EngineSleepError(f"GET /is_sleeping answered {shown(answer.text)!r}, not {{'is_sleeping': bool}}")
         return sleeping
 
     async def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
@@ -129,20 +130,5 @@ class EngineSleep:
         except httpx.HTTPError as exc:
             raise EngineSleepError(f"{method} {path}{query} failed: {exc or type(exc).__name__}") from None
         if answer.status_code != 200:
-            raise EngineSleepError(f"{method} {path}{query} answered HTTP {answer.status_code}: {_shown(answer.text)}")
+            raise EngineSleepError(f"{method} {path}{query} answered HTTP {answer.status_code}: {shown(answer.text)}")
         return answer
-
-
-def _field(answer: httpx.Response, name: str) -> object:
-    """Field `name` of an engine's JSON object answer; None if the answer is not one or lacks it."""
-    try:
-        body = answer.json()
-    except ValueError:
-        return None
-    return body.get(name) if isinstance(body, dict) else None
-
-
-def _shown(text: str) -> str:
-    """An engine's answer, cut to a length a status message can carry."""
-    text = text.strip()
-    return text if len(text) <= ANSWER_SHOWN else text[:ANSWER_SHOWN] + "…"
