@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from . import protocol
-from .engine_adapters import EngineAdapterError, EngineAdapters
-from .protocol_adapters import AdapterState
-from .supervisor import Shard
+from agent import protocol
+from agent.engine_adapters import EngineAdapterError, EngineAdapters
+from agent.protocol_adapters import AdapterState
+from agent.supervisor import Shard
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import httpx
 
-from .engine_answers import json_field, shown
+from agent.engine_answers import json_field, shown
 
 DIALECTS = ("vllm", "sglang", "follower")
 # Loading from the hub downloads the adapter first.

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import httpx
 
-from .engine_answers import json_field, shown
+from agent.engine_answers import json_field, shown
 
 DIALECTS = ("vllm", "sglang", "follower")
 # The levels each dialect can sleep at.

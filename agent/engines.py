@@ -85,7 +85,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .vllm_command import DEFAULT_VLLM_COMMAND, model_arguments
+from agent.vllm_command import DEFAULT_VLLM_COMMAND, model_arguments
 
 ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 DEFAULT_LLAMA_SERVER = "llama-server"

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .weights_header_types import HeaderShape, WeightsHeader, WeightsHeaderError, merge_headers, product, shard_set
+from agent.weights_header_types import HeaderShape, WeightsHeader, WeightsHeaderError, merge_headers, product, shard_set
 
 # ggml keeps at most four dimensions per tensor (GGML_MAX_DIMS).
 GGUF_MAX_DIMS = 4

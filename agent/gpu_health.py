@@ -35,8 +35,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from .gpus import GPUInfo
-from .protocol import GPUHealth, GPUReport
+from agent.gpus import GPUInfo
+from agent.protocol import GPUHealth, GPUReport
 
 log = logging.getLogger(__name__)
 

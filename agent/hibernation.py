@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 
-from . import draining, protocol
-from .engine_load import EngineLoad
-from .engine_sleep import EngineSleep, EngineSleepError, level_problem
-from .supervisor import Shard
+from agent import draining, protocol
+from agent.engine_load import EngineLoad
+from agent.engine_sleep import EngineSleep, EngineSleepError, level_problem
+from agent.supervisor import Shard
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
 
-from .control_planes import address_problem
-from .protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
+from agent.control_planes import address_problem
+from agent.protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
 
 log = logging.getLogger(__name__)
 # websockets logs the handshake's headers and every frame at DEBUG: the node token, and start_shard's

@@ -44,14 +44,14 @@ import sys
 
 from aiohttp import web
 
-from .engine_env import GPU_MEMORY_ENV
-from .engines import VLLM_DEV_MODE_ENV
-from .mock_generation import CACHE_SLOTS, EXTRA_ENDPOINTS, MockEngine
-from .mock_lora import MockLoRA, runtime_updates_allowed
-from .mock_prefix_cache import MockPrefixCache
-from .mock_sleep import MockSleep
-from .mock_text import BadRequest, openai_error
-from .protocol import parse_port
+from agent.engine_env import GPU_MEMORY_ENV
+from agent.engines import VLLM_DEV_MODE_ENV
+from agent.mock_generation import CACHE_SLOTS, EXTRA_ENDPOINTS, MockEngine
+from agent.mock_lora import MockLoRA, runtime_updates_allowed
+from agent.mock_prefix_cache import MockPrefixCache
+from agent.mock_sleep import MockSleep
+from agent.mock_text import BadRequest, openai_error
+from agent.protocol import parse_port
 
 __all__ = ["CACHE_SLOTS", "EXTRA_ENDPOINTS", "MockEngine", "create_app", "main", "out_of_memory"]
 

@@ -15,10 +15,10 @@ import uuid
 
 from aiohttp import web
 
-from .mock_lora import MockLoRA
-from .mock_prefix_cache import MockPrefixCache
-from .mock_sleep import NO_WEIGHTS, MockSleep
-from .mock_text import BadRequest, content_text, embedding_vector, openai_error, words
+from agent.mock_lora import MockLoRA
+from agent.mock_prefix_cache import MockPrefixCache
+from agent.mock_sleep import NO_WEIGHTS, MockSleep
+from agent.mock_text import BadRequest, content_text, embedding_vector, openai_error, words
 
 EMBEDDING_DIMENSIONS = 16
 # Simulated KV-cache slots, so kv_cache_usage_perc moves with the running requests.

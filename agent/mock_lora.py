@@ -33,8 +33,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .engines import VLLM_RUNTIME_LORA_ENV
-from .mock_text import BadRequest
+from agent.engines import VLLM_RUNTIME_LORA_ENV
+from agent.mock_text import BadRequest
 
 VLLM_DEFAULT_MAX_LORAS = 1
 VLLM_DEFAULT_MAX_LORA_RANK = 16

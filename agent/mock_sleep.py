@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from .mock_text import BadRequest, openai_error
+from agent.mock_text import BadRequest, openai_error
 
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # sleep level 0, 1, 2
 # vLLM's memory pools that sleep and wake (vllm/v1/executor/abstract.py, SLEEP_TAGS).

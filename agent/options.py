@@ -11,12 +11,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import draining
-from .engine_load import POLL_TIMEOUT_SECONDS
-from .engines import DEFAULT_LLAMA_SERVER
-from .gpus import GPUInfo
-from .vllm_command import default_vllm_command
-from .weights_inventory import DEFAULT_SCAN_EVERY
+from agent import draining
+from agent.engine_load import POLL_TIMEOUT_SECONDS
+from agent.engines import DEFAULT_LLAMA_SERVER
+from agent.gpus import GPUInfo
+from agent.vllm_command import default_vllm_command
+from agent.weights_inventory import DEFAULT_SCAN_EVERY
 
 STOP_GRACE_SECONDS = 10.0
 

@@ -58,9 +58,16 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from .engine_env import env_problem
-from .protocol_adapters import ADAPTER_STATUS, LOAD_ADAPTER, UNLOAD_ADAPTER, AdapterStatus, LoadAdapter, UnloadAdapter
-from .protocol_parts import (
+from agent.engine_env import env_problem
+from agent.protocol_adapters import (
+    ADAPTER_STATUS,
+    LOAD_ADAPTER,
+    UNLOAD_ADAPTER,
+    AdapterStatus,
+    LoadAdapter,
+    UnloadAdapter,
+)
+from agent.protocol_parts import (
     PORT,
     PROTOCOL_VERSION,
     AdapterSlots,
@@ -75,10 +82,10 @@ from .protocol_parts import (
 )
 
 # The weights items live in their own module; they are part of the protocol, so both ends import them from here.
-from .protocol_weights import WeightsHeaderFacts as WeightsHeaderFacts
-from .protocol_weights import WeightsReport as WeightsReport
-from .protocol_weights import WeightsShape as WeightsShape
-from .protocol_weights import no_repeated_sources
+from agent.protocol_weights import WeightsHeaderFacts as WeightsHeaderFacts
+from agent.protocol_weights import WeightsReport as WeightsReport
+from agent.protocol_weights import WeightsShape as WeightsShape
+from agent.protocol_weights import no_repeated_sources
 
 HELLO = "hello"
 HEARTBEAT = "heartbeat"

@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from .protocol_parts import AdapterName, CommandId, _Message
+from agent.protocol_parts import AdapterName, CommandId, _Message
 
 LOAD_ADAPTER = "load_adapter"
 UNLOAD_ADAPTER = "unload_adapter"

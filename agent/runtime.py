@@ -35,18 +35,18 @@ from typing import TypeVar
 
 import msgspec
 
-from . import draining, engine_env, protocol
-from .adapters import Adapters
-from .engine_load import EngineLoad
-from .gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
-from .gpus import host_memory_mib
-from .hibernation import Hibernation
-from .link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
-from .options import AgentOptions
-from .starting import added_env, launch_for
-from .state import AgentState, Fence, StateError
-from .supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
-from .weights_inventory import WeightsInventory
+from agent import draining, engine_env, protocol
+from agent.adapters import Adapters
+from agent.engine_load import EngineLoad
+from agent.gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
+from agent.gpus import host_memory_mib
+from agent.hibernation import Hibernation
+from agent.link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
+from agent.options import AgentOptions
+from agent.starting import added_env, launch_for
+from agent.state import AgentState, Fence, StateError
+from agent.supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
+from agent.weights_inventory import WeightsInventory
 
 __all__ = ["Agent", "AgentOptions", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
 

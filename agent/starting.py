@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import engine_env, protocol
-from .engines import Launch, build_launch
-from .gpus import GPUInfo
-from .options import AgentOptions
+from agent import engine_env, protocol
+from agent.engines import Launch, build_launch
+from agent.gpus import GPUInfo
+from agent.options import AgentOptions
 
 
 def launch_for(cmd: protocol.StartShard, options: AgentOptions, gpus: Sequence[GPUInfo]) -> Launch:

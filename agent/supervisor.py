@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
-from . import protocol
-from .engines import Launch
+from agent import protocol
+from agent.engines import Launch
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .protocol_weights import MAX_DTYPES, MAX_LAYERS, WeightsHeaderFacts, WeightsShape
-from .weights_headers import HeaderShape, WeightsHeaderError, read_weights_headers
+from agent.protocol_weights import MAX_DTYPES, MAX_LAYERS, WeightsHeaderFacts, WeightsShape
+from agent.weights_headers import HeaderShape, WeightsHeaderError, read_weights_headers
 
 log = logging.getLogger(__name__)
 

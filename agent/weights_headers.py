@@ -23,8 +23,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .gguf_headers import GGUF_MAX_DIMS, ggml_bits_per_weight, gguf_shape, read_gguf
-from .weights_header_types import (
+from agent.gguf_headers import GGUF_MAX_DIMS, ggml_bits_per_weight, gguf_shape, read_gguf
+from agent.weights_header_types import (
     SHARD_NAME,
     HeaderShape,
     WeightsHeader,

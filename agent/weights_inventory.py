@@ -24,9 +24,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from . import weights
-from .protocol import RemoveWeights, WeightsReport, WeightsStatus, encode
-from .weights_facts import HeaderCache
+from agent import weights
+from agent.protocol import RemoveWeights, WeightsReport, WeightsStatus, encode
+from agent.weights_facts import HeaderCache
 
 log = logging.getLogger(__name__)
 

@@ -43,10 +43,9 @@ from django.db.models import Case, F, FloatField, Q, Value, When
 from agent.protocol import AdapterStatus, ShardHeartbeat
 from catalog.models import Adapter, Profile
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, Activation
-
-from .choices import AdapterLoadState, ReplicaState, ShardState
-from .models import AdapterLoad, AdapterStats, Shard
-from .outbox import Outbox
+from reconciler.choices import AdapterLoadState, ReplicaState, ShardState
+from reconciler.models import AdapterLoad, AdapterStats, Shard
+from reconciler.outbox import Outbox
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,9 @@ from django.utils import timezone
 
 from inventory.admin import NodeAdmin, ReadOnlyAdmin, ReadOnlyInline
 from inventory.models import Node
-
-from .drain import drain_nodes
-from .lifecycle import stop_replica
-from .models import GPUAssignment, Lease, Replica, Shard
+from reconciler.drain import drain_nodes
+from reconciler.lifecycle import stop_replica
+from reconciler.models import GPUAssignment, Lease, Replica, Shard
 
 
 class ShardInline(ReadOnlyInline):

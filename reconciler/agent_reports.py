@@ -22,13 +22,12 @@ from django.utils import timezone
 
 from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, ShardStatus
 from inventory.models import Node
-
-from .catalog_changes import publish_endpoint_table
-from .choices import ReplicaState, ShardState
-from .hibernate import sleep_report
-from .lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
-from .models import BusyPort, Replica, Shard
-from .outbox import Outbox
+from reconciler.catalog_changes import publish_endpoint_table
+from reconciler.choices import ReplicaState, ShardState
+from reconciler.hibernate import sleep_report
+from reconciler.lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
+from reconciler.models import BusyPort, Replica, Shard
+from reconciler.outbox import Outbox
 
 log = logging.getLogger(__name__)
 

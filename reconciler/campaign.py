@@ -29,7 +29,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 
-from .lease import Leadership, get_leadership
+from reconciler.lease import Leadership, get_leadership
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,8 @@ from django.db.models import Exists, OuterRef
 
 from inventory.choices import NodeState
 from inventory.models import GPU, Node, effective, gpu_in_service
-
-from .models import BusyPort, GPUAssignment, Shard
-from .placement import NodeCapacity, rendezvous_port
+from reconciler.models import BusyPort, GPUAssignment, Shard
+from reconciler.placement import NodeCapacity, rendezvous_port
 
 
 @dataclass

@@ -16,9 +16,8 @@ from django.db.models.signals import post_delete, post_save
 
 from catalog.models import Adapter, Alias, Model, Profile
 from hub import get_hub
-
-from .endpoints import build_endpoint_table
-from .signals import work_pending
+from reconciler.endpoints import build_endpoint_table
+from reconciler.signals import work_pending
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from datetime import datetime
 from django.conf import settings
 from django.db import transaction
 
-from .models import PendingCommand
-from .outbox import deliver, resend_due
+from reconciler.models import PendingCommand
+from reconciler.outbox import deliver, resend_due
 
 log = logging.getLogger(__name__)
 

@@ -40,13 +40,12 @@ from django.db.models import Exists, OuterRef
 
 from catalog.models import Alias, Profile
 from hub.contracts import Activation
-
-from .choices import AWAKE_STATES, WANTED_STATES, ReplicaState
-from .hibernate import SleepRequest, idle_sleepers, put_to_sleep
-from .idle import Idle
-from .lifecycle import StopRequest, stop_replicas
-from .models import ModelLoad, Replica, Shard
-from .replica_rows import FleetCensus, ReplicaRow
+from reconciler.choices import AWAKE_STATES, WANTED_STATES, ReplicaState
+from reconciler.hibernate import SleepRequest, idle_sleepers, put_to_sleep
+from reconciler.idle import Idle
+from reconciler.lifecycle import StopRequest, stop_replicas
+from reconciler.models import ModelLoad, Replica, Shard
+from reconciler.replica_rows import FleetCensus, ReplicaRow
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from inventory.models import Node
-
-from .choices import ReplicaState
-from .lifecycle import StopRequest, notify_work_pending, stop_replicas
-from .models import Replica
+from reconciler.choices import ReplicaState
+from reconciler.lifecycle import StopRequest, notify_work_pending, stop_replicas
+from reconciler.models import Replica
 
 log = logging.getLogger(__name__)
 

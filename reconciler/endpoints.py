@@ -11,9 +11,8 @@ from django.db.models.functions import Cast
 from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
-
-from .choices import AdapterLoadState, Hold, ReplicaState
-from .models import AdapterLoad, Replica, Shard
+from reconciler.choices import AdapterLoadState, Hold, ReplicaState
+from reconciler.models import AdapterLoad, Replica, Shard
 
 # The most of an engine's error line a table carries: it goes to every router on every change.
 FAILURE_LINE_CHARS = 300

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from .placement import NodeCapacity, Placement, Shape, place
+from reconciler.placement import NodeCapacity, Placement, Shape, place
 
 MAKING_ROOM = "making room: "
 """Text before a waiting replica's placement note while its victims drain (`Hold.MAKING_ROOM`)."""

@@ -21,8 +21,7 @@ from typing import Protocol
 from catalog.memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, judge
 from catalog.models import Profile
 from catalog.sizing import ReportedWeights, profile_memory
-
-from .placement import NodeCapacity
+from reconciler.placement import NodeCapacity
 
 
 class Records(Protocol):

@@ -18,10 +18,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from inventory.choices import GPUHealth
-
-from .lifecycle import fail_replicas, notify_work_pending
-from .models import GPUAssignment
-from .outbox import Outbox
+from reconciler.lifecycle import fail_replicas, notify_work_pending
+from reconciler.models import GPUAssignment
+from reconciler.outbox import Outbox
 
 
 def fail_replicas_on_unhealthy_gpus(node_id: int, node_name: str, gpu_ids: Iterable[int] | None = None) -> int:

@@ -44,14 +44,19 @@ from django.db.models import Exists, OuterRef, Q
 from catalog.choices import ENGINE_SLEEP_LEVELS, SleepLevel
 from catalog.models import Profile
 from catalog.sizing import profile_memory
-
-from .choices import AWAKE_STATES, ReplicaState, ShardState
-from .host_memory import choose_levels
-from .idle import Idle
-from .lifecycle import StopRequest, learn_time, notify_when_unpublished, stop_replicas, unpublish_grace_seconds
-from .models import GPUAssignment, Replica, Shard
-from .outbox import Outbox
-from .replica_rows import ReplicaRow
+from reconciler.choices import AWAKE_STATES, ReplicaState, ShardState
+from reconciler.host_memory import choose_levels
+from reconciler.idle import Idle
+from reconciler.lifecycle import (
+    StopRequest,
+    learn_time,
+    notify_when_unpublished,
+    stop_replicas,
+    unpublish_grace_seconds,
+)
+from reconciler.models import GPUAssignment, Replica, Shard
+from reconciler.outbox import Outbox
+from reconciler.replica_rows import ReplicaRow
 
 log = logging.getLogger(__name__)
 

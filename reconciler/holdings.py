@@ -13,10 +13,9 @@ from django.db.models import Sum
 
 from catalog.models import Profile
 from inventory.models import gpu_in_service
-
-from .choices import ReplicaState
-from .eviction import Holding
-from .models import GPUAssignment, Replica, Shard
+from reconciler.choices import ReplicaState
+from reconciler.eviction import Holding
+from reconciler.models import GPUAssignment, Replica, Shard
 
 
 def read_holdings(now: datetime) -> list[Holding]:

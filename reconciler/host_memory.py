@@ -21,9 +21,8 @@ from datetime import datetime
 from django.conf import settings
 
 from catalog.choices import ENGINE_SLEEP_LEVELS, SleepLevel
-
-from .choices import ReplicaState
-from .models import Shard
+from reconciler.choices import ReplicaState
+from reconciler.models import Shard
 
 MIB = 1 << 20
 

@@ -23,13 +23,12 @@ from django.utils import timezone
 
 from catalog.engine_flags import with_context
 from catalog.models import Profile
-
-from .choices import ReplicaState, ShardState
-from .models import GPUAssignment, Replica, Shard
-from .outbox import Outbox
-from .placement import rendezvous_port
-from .replica_rows import ReplicaRow
-from .signals import work_pending
+from reconciler.choices import ReplicaState, ShardState
+from reconciler.models import GPUAssignment, Replica, Shard
+from reconciler.outbox import Outbox
+from reconciler.placement import rendezvous_port
+from reconciler.replica_rows import ReplicaRow
+from reconciler.signals import work_pending
 
 log = logging.getLogger(__name__)
 

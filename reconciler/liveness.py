@@ -23,12 +23,11 @@ from django.db.models import BooleanField, ExpressionWrapper, Q
 
 from inventory.choices import NodeState
 from inventory.models import Node
-
-from .choices import ReplicaState, ShardState
-from .lease import Leadership
-from .lifecycle import fail_replicas
-from .models import Shard
-from .outbox import Outbox
+from reconciler.choices import ReplicaState, ShardState
+from reconciler.lease import Leadership
+from reconciler.lifecycle import fail_replicas
+from reconciler.models import Shard
+from reconciler.outbox import Outbox
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 from django.db import models
 from django.utils import timezone
 
-from .choices import AdapterLoadState, Hold, ReplicaState, ShardState
-from .idle import Idle
+from reconciler.choices import AdapterLoadState, Hold, ReplicaState, ShardState
+from reconciler.idle import Idle
 
 
 class ReplicaQuerySet(models.QuerySet):

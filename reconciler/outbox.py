@@ -40,8 +40,7 @@ from agent.protocol import (
     to_builtins,
 )
 from hub.channel_layer import deliver_to_groups
-
-from .models import Lease, PendingCommand
+from reconciler.models import Lease, PendingCommand
 
 log = logging.getLogger(__name__)
 

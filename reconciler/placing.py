@@ -27,16 +27,15 @@ from agent.weights import weights_key
 from catalog.models import Profile
 from catalog.sizing import ReportedWeights, reported_from_row
 from inventory.models import Weights
-
-from .capacity import CapacitySnapshot, free_capacity
-from .choices import Hold, ReplicaState, ShardState
-from .fit import MemoryCheck
-from .hibernate import sleep_level
-from .lifecycle import head_started, send_starts, start_fields
-from .models import GPUAssignment, PendingCommand, Replica, Shard
-from .outbox import Outbox
-from .placement import Placement, Shape, Unplaceable, on_node, pick_port, place
-from .room import PlacementNote, make_room
+from reconciler.capacity import CapacitySnapshot, free_capacity
+from reconciler.choices import Hold, ReplicaState, ShardState
+from reconciler.fit import MemoryCheck
+from reconciler.hibernate import sleep_level
+from reconciler.lifecycle import head_started, send_starts, start_fields
+from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
+from reconciler.outbox import Outbox
+from reconciler.placement import Placement, Shape, Unplaceable, on_node, pick_port, place
+from reconciler.room import PlacementNote, make_room
 
 
 @dataclass

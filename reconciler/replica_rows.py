@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar
 
-from .choices import ReplicaState
+from reconciler.choices import ReplicaState
 
 
 @dataclass(slots=True)

@@ -27,10 +27,9 @@ from django.conf import settings
 
 from catalog.models import Profile
 from inventory.models import gpu_in_service
-
-from .capacity import CapacitySnapshot
-from .choices import Hold, ReplicaState
-from .eviction import (
+from reconciler.capacity import CapacitySnapshot
+from reconciler.choices import Hold, ReplicaState
+from reconciler.eviction import (
     MAKING_ROOM,
     WAITING_FOR_NODES,
     Holding,
@@ -39,13 +38,13 @@ from .eviction import (
     stop_candidates,
     with_freed,
 )
-from .fit import MemoryCheck
-from .hibernate import SleepRequest, put_to_sleep
-from .holdings import read_holdings, sleep_levels, spare_replicas
-from .idle import Idle
-from .lifecycle import StopRequest, stop_replicas
-from .models import GPUAssignment, Replica
-from .placement import NodeCapacity, Placement, Shape, place
+from reconciler.fit import MemoryCheck
+from reconciler.hibernate import SleepRequest, put_to_sleep
+from reconciler.holdings import read_holdings, sleep_levels, spare_replicas
+from reconciler.idle import Idle
+from reconciler.lifecycle import StopRequest, stop_replicas
+from reconciler.models import GPUAssignment, Replica
+from reconciler.placement import NodeCapacity, Placement, Shape, place
 
 log = logging.getLogger(__name__)
 

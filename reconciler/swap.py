@@ -40,14 +40,14 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 
-from .choices import ReplicaState
-from .eviction import Holding, seconds_until_stoppable, stop_candidates
-from .hibernate import SleepRequest, asleep_replicas, put_to_sleep, wake_replicas
-from .holdings import read_holdings, sleep_levels, spare_replicas
-from .lifecycle import StopRequest, notify_work_due, stop_replicas, unpublish_grace_seconds
-from .models import GPUAssignment, Replica
-from .outbox import Outbox
-from .placing import room_now
+from reconciler.choices import ReplicaState
+from reconciler.eviction import Holding, seconds_until_stoppable, stop_candidates
+from reconciler.hibernate import SleepRequest, asleep_replicas, put_to_sleep, wake_replicas
+from reconciler.holdings import read_holdings, sleep_levels, spare_replicas
+from reconciler.lifecycle import StopRequest, notify_work_due, stop_replicas, unpublish_grace_seconds
+from reconciler.models import GPUAssignment, Replica
+from reconciler.outbox import Outbox
+from reconciler.placing import room_now
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import logging
 
 from celery import shared_task
 
-from .lease import get_leadership
-from .tick import tick as run_tick
+from reconciler.lease import get_leadership
+from reconciler.tick import tick as run_tick
 
 log = logging.getLogger(__name__)
 

@@ -20,25 +20,24 @@ from opentelemetry.trace import Tracer
 
 from hub import ControlPlaneHub, get_hub
 from hub.contracts import Activation, UsageSnapshot
+from reconciler.adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
+from reconciler.choices import ReplicaState
+from reconciler.commands import resend_unacknowledged
+from reconciler.demand import DemandOutcome, apply_demand
+from reconciler.drain import drain_replaced
+from reconciler.endpoints import build_endpoint_table
+from reconciler.hibernate import send_sleeps
+from reconciler.lease import Leadership, LeaseLost, get_leadership
+from reconciler.lifecycle import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
+from reconciler.liveness import check_liveness, fail_slow_starts, fleet_settling
+from reconciler.outbox import Outbox
+from reconciler.placing import PlacingOutcome, place_pending, resend_starts
+from reconciler.swap import wake_for_demand
+from reconciler.tokens import record_token_usage
+from reconciler.usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
+from reconciler.weights_sweep import sweep_due, sweep_unused_weights, swept
 from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
-
-from .adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
-from .choices import ReplicaState
-from .commands import resend_unacknowledged
-from .demand import DemandOutcome, apply_demand
-from .drain import drain_replaced
-from .endpoints import build_endpoint_table
-from .hibernate import send_sleeps
-from .lease import Leadership, LeaseLost, get_leadership
-from .lifecycle import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
-from .liveness import check_liveness, fail_slow_starts, fleet_settling
-from .outbox import Outbox
-from .placing import PlacingOutcome, place_pending, resend_starts
-from .swap import wake_for_demand
-from .tokens import record_token_usage
-from .usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
-from .weights_sweep import sweep_due, sweep_unused_weights, swept
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,7 @@ from django.conf import settings
 from django.db.models import F
 
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, RouterMark, UsageSnapshot
-
-from .models import Replica, UsageWatch
+from reconciler.models import Replica, UsageWatch
 
 log = logging.getLogger(__name__)
 

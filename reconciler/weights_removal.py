@@ -24,8 +24,7 @@ from django.db.models.signals import pre_delete
 from agent.weights import GGUF_ENGINES, weights_key
 from catalog.models import Adapter, Profile
 from inventory.models import Weights
-
-from .outbox import Outbox
+from reconciler.outbox import Outbox
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,10 @@ from django.db.models import CharField, Exists, OuterRef, Q, Value
 from django.db.models.functions import Concat
 
 from inventory.models import Weights
-
-from .lease import Leadership
-from .models import PendingCommand
-from .outbox import NODE_SHARD_ID, WEIGHTS_SUBJECT_PREFIX, Outbox
-from .weights_removal import keys_in_use
+from reconciler.lease import Leadership
+from reconciler.models import PendingCommand
+from reconciler.outbox import NODE_SHARD_ID, WEIGHTS_SUBJECT_PREFIX, Outbox
+from reconciler.weights_removal import keys_in_use
 
 log = logging.getLogger(__name__)
 

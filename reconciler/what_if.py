@@ -34,17 +34,16 @@ from agent.weights import weights_key
 from catalog.catalog_file import read_models
 from catalog.models import Model, Profile
 from catalog.sizing import class_memory_mib, shape_words
-
-from .capacity import CapacitySnapshot, free_capacity
-from .choices import ReplicaState
-from .eviction import Holding, plan_eviction, seconds_until_stoppable, stop_candidates, with_freed
-from .fit import MemoryCheck
-from .holdings import read_holdings, sleep_levels, spare_replicas
-from .models import Replica, UsageWatch
-from .placement import NodeCapacity, Placement, Shape, place
-from .placing import weights_on_disk
-from .usage import FLEET
-from .what_if_types import Figures, ModelAnswer, PlanAnswer, Problem, ProfileAnswer, Spot, Stop, Verdict
+from reconciler.capacity import CapacitySnapshot, free_capacity
+from reconciler.choices import ReplicaState
+from reconciler.eviction import Holding, plan_eviction, seconds_until_stoppable, stop_candidates, with_freed
+from reconciler.fit import MemoryCheck
+from reconciler.holdings import read_holdings, sleep_levels, spare_replicas
+from reconciler.models import Replica, UsageWatch
+from reconciler.placement import NodeCapacity, Placement, Shape, place
+from reconciler.placing import weights_on_disk
+from reconciler.usage import FLEET
+from reconciler.what_if_types import Figures, ModelAnswer, PlanAnswer, Problem, ProfileAnswer, Spot, Stop, Verdict
 
 BY_COUNT = "judged by GPU count alone"
 

@@ -20,8 +20,7 @@ from agent.gpu_health import (
     parse_fake_health,
     parse_health_csv,
 )
-
-from .fake_nvml import FakeNVML
+from agent.tests.fake_nvml import FakeNVML
 
 DATA = Path(__file__).parent / "data"
 

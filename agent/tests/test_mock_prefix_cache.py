@@ -8,9 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.mock_prefix_cache import BLOCK_TOKENS, MockPrefixCache
-
-from .test_mock_engine import MODEL
-from .test_mock_sleep import launch
+from agent.tests.test_mock_engine import MODEL
+from agent.tests.test_mock_sleep import launch
 
 
 def tokens(word: str, blocks: int, extra: int = 0) -> list[str]:
