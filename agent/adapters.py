@@ -1,9 +1,9 @@
-"""LoRA adapters on one node's shards: `load_adapter` and `unload_adapter` (agent/protocol_adapters.py) carried out.
+"""LoRA adapters on one node's shards: `load_adapter` and `unload_adapter` (nodewire/adapter_messages.py) carried out.
 
 Each is fenced by epoch and acknowledged at once like every command (agent/runtime.py); what cannot be done
 is refused in the ack, with the reason: a shard not running, one whose engine was started without adapter
 slots (or cannot load at run time: llama.cpp), and one not ready (starting, draining, going to sleep, asleep,
-waking). Then the agent asks the engine (agent/engine_adapters.py) and reports an `adapter_status`: `loaded`
+waking). Then the agent asks the engine (agent/engines/adapters.py) and reports an `adapter_status`: `loaded`
 with the seconds the load took, `unloaded`, or `failed` with the engine's own words.
 
 One shard's adapter commands run one at a time, in the order they came: on a full engine an unload must have
@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from agent import protocol
-from agent.engine_adapters import EngineAdapterError, EngineAdapters
-from agent.protocol_adapters import AdapterState
+from agent.engines.adapters import EngineAdapterError, EngineAdapters
 from agent.supervisor import Shard
+from nodewire import protocol
+from nodewire.adapter_messages import AdapterState
 
 log = logging.getLogger(__name__)
 

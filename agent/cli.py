@@ -27,14 +27,14 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from agent.control_planes import add_control_plane_option, address_problem
-from agent.engines import DEFAULT_LLAMA_SERVER
-from agent.gpu_health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
-from agent.gpus import GPUDiscoveryError, GPUInfo, discover_gpus
-from agent.protocol import NODE_NAME_PATTERN
+from agent.engines.launch import DEFAULT_LLAMA_SERVER
+from agent.engines.vllm_command import VLLM_COMMAND_ENV, vllm_command_from
+from agent.gpus.discovery import GPUDiscoveryError, GPUInfo, discover_gpus
+from agent.gpus.health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
 from agent.runtime import Agent, AgentOptions, AgentRejected
 from agent.state import STATE_DIR_ENV, StateError, default_state_dir
-from agent.vllm_command import VLLM_COMMAND_ENV, vllm_command_from
+from nodewire.control_planes import add_control_plane_option, address_problem
+from nodewire.protocol import NODE_NAME_PATTERN
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"

@@ -1,8 +1,8 @@
-"""Sleep and wake of one node's shards: `sleep_shard` and `wake_shard` (agent/protocol.py) carried out.
+"""Sleep and wake of one node's shards: `sleep_shard` and `wake_shard` (nodewire/protocol.py) carried out.
 
 A sleep is a drain that ends in sleep instead of a stop (DESIGN "Stopping is always a drain"): the control
 plane has unpublished the replica, the agent waits until the engine reports no requests in flight (or the
-timeout; agent/draining.py), then asks the engine to sleep and confirms it (agent/engine_sleep.py). A wake
+timeout; agent/draining.py), then asks the engine to sleep and confirms it (agent/engines/sleep.py). A wake
 asks the engine to wake, reloads what its sleep level discarded, and confirms it serves. Each reports a
 `shard_status` (`sleeping`, or `ready` with its port) with how long it took; one that fails reports
 `failed`, naming the call, and the engine is stopped, as a failed start is.
@@ -28,10 +28,11 @@ from typing import Any
 
 import httpx
 
-from agent import draining, protocol
-from agent.engine_load import EngineLoad
-from agent.engine_sleep import EngineSleep, EngineSleepError, level_problem
+from agent import draining
+from agent.engines.load import EngineLoad
+from agent.engines.sleep import EngineSleep, EngineSleepError, level_problem
 from agent.supervisor import Shard
+from nodewire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from collections.abc import Awaitable, Callable
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
 
-from agent.control_planes import address_problem
-from agent.protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
+from nodewire.control_planes import address_problem
+from nodewire.protocol import CLOSE_SUPERSEDED, CLOSE_UNAUTHORIZED
 
 log = logging.getLogger(__name__)
 # websockets logs the handshake's headers and every frame at DEBUG: the node token, and start_shard's
-# engine env with its secret values (agent/engine_env.py). Its lines for the link go here, kept at INFO.
+# engine env with its secret values (nodewire/engine_env.py). Its lines for the link go here, kept at INFO.
 _wire_log = logging.getLogger(f"{__name__}.wire")
 _wire_log.setLevel(logging.INFO)
 

@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent import draining
-from agent.engine_load import POLL_TIMEOUT_SECONDS
-from agent.engines import DEFAULT_LLAMA_SERVER
-from agent.gpus import GPUInfo
-from agent.vllm_command import default_vllm_command
-from agent.weights_inventory import DEFAULT_SCAN_EVERY
+from agent.engines.launch import DEFAULT_LLAMA_SERVER
+from agent.engines.load import POLL_TIMEOUT_SECONDS
+from agent.engines.vllm_command import default_vllm_command
+from agent.gpus.discovery import GPUInfo
+from agent.weights.inventory import DEFAULT_SCAN_EVERY
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -39,7 +39,7 @@ class AgentOptions:
     heartbeat_seconds: float = 5.0
     engine_python: str = sys.executable
     llama_server: str = DEFAULT_LLAMA_SERVER
-    # The argv that starts vLLM's OpenAI server, before its model (agent/vllm_command.py).
+    # The argv that starts vLLM's OpenAI server, before its model (agent/engines/vllm_command.py).
     vllm_command: Sequence[str] = field(default_factory=default_vllm_command)
     health_timeout: float = 600.0
     stop_grace_seconds: float = STOP_GRACE_SECONDS

@@ -3,18 +3,18 @@
 One `Agent` per node. Over its link (agent/link.py) it says `hello` (its GPUs
 and the shards it runs now), sends a `heartbeat` on an interval, and carries
 out `start_shard`, `stop_shard` and `drain_shard`, answering each with
-`shard_status` (messages in agent/protocol.py), `sleep_shard` and `wake_shard`
+`shard_status` (messages in nodewire/protocol.py), `sleep_shard` and `wake_shard`
 through agent/hibernation.py, and `load_adapter` and `unload_adapter` through
-agent/adapters.py. Each shard's engine is an EngineProcess (agent/supervisor.py) started from its launch (agent/engines.py).
+agent/adapters.py. Each shard's engine is an EngineProcess (agent/supervisor.py) started from its launch (agent/engines/launch.py).
 
 Each heartbeat carries the requests every serving engine holds, read from its
-/metrics just before (agent/engine_load.py, bounded so a slow engine cannot
+/metrics just before (agent/engines/load.py, bounded so a slow engine cannot
 hold the heartbeat back). A drain waits for those to reach zero, or for its
 timeout, before the engine is stopped (agent/draining.py).
 
 Each heartbeat also carries every GPU's health, read again just before
-(agent/gpu_health.py, bounded the same way). Hello and, when they change,
-heartbeats report the weights under the weights root (agent/weights_inventory.py);
+(agent/gpus/health.py, bounded the same way). Hello and, when they change,
+heartbeats report the weights under the weights root (agent/weights/inventory.py);
 `remove_weights` deletes one source's weights there, off the command path,
 and is answered with `weights_status`.
 Given a state directory (agent/state.py), the agent remembers the highest
@@ -35,18 +35,26 @@ from typing import TypeVar
 
 import msgspec
 
-from agent import draining, engine_env, protocol
+from agent import draining
 from agent.adapters import Adapters
-from agent.engine_load import EngineLoad
-from agent.gpu_health import GPUCondition, HealthMonitor, HealthReader, SimulatedHealth, gpu_health_reports, gpu_reports
-from agent.gpus import host_memory_mib
+from agent.engines.load import EngineLoad
+from agent.gpus.discovery import host_memory_mib
+from agent.gpus.health import (
+    GPUCondition,
+    HealthMonitor,
+    HealthReader,
+    SimulatedHealth,
+    gpu_health_reports,
+    gpu_reports,
+)
 from agent.hibernation import Hibernation
 from agent.link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
 from agent.options import AgentOptions
 from agent.starting import added_env, launch_for
 from agent.state import AgentState, Fence, StateError
 from agent.supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
-from agent.weights_inventory import WeightsInventory
+from agent.weights.inventory import WeightsInventory
+from nodewire import engine_env, protocol
 
 __all__ = ["Agent", "AgentOptions", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
 
@@ -295,7 +303,7 @@ class Agent:
                 cmd.shard_id, cmd.rank, cmd.node_count, cmd.head_address, cmd.rendezvous_port, cmd.port,
             )  # fmt: skip
         # Shell-quoted, so the line can be pasted into a shell to run the engine by hand (secrets masked:
-        # the log is no place for a token, agent/engine_env.py).
+        # the log is no place for a token, nodewire/engine_env.py).
         command_line = " ".join(filter(None, [engine_env.shown(added), shlex.join(launch.argv)]))
         log.info("shard %s: started %s (pid %s)", cmd.shard_id, command_line, engine.pid)
         await self._report(cmd.shard_id, "starting")
@@ -352,7 +360,7 @@ class Agent:
             reason = f"stopped at once: the engine was {_NOT_SERVING.get(shard.state, 'not serving yet')}"
         elif shard.launch.metrics_path is None:
             # Only a rank above 0 reports no load, and it holds no requests of its own: the control plane
-            # drains its head first and drains it only once the head has stopped (reconciler/lifecycle.py).
+            # drains its head first and drains it only once the head has stopped (reconciler/lifecycle/transitions.py).
             reason = "stopped at once: the engine reports no load to wait on"
         else:
             shard.state = "draining"

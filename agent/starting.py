@@ -1,4 +1,4 @@
-"""What a `start_shard` becomes on this node: the engine's launch (agent/engines.py) and the environment it adds.
+"""What a `start_shard` becomes on this node: the engine's launch (agent/engines/launch.py) and the environment it adds.
 
 Kept apart from agent/runtime.py, which carries the start out: these are pure functions of the command, the
 agent's options and the node's GPUs.
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agent import engine_env, protocol
-from agent.engines import Launch, build_launch
-from agent.gpus import GPUInfo
+from agent.engines.launch import Launch, build_launch
+from agent.gpus.discovery import GPUInfo
 from agent.options import AgentOptions
+from nodewire import engine_env, protocol
 
 
 def launch_for(cmd: protocol.StartShard, options: AgentOptions, gpus: Sequence[GPUInfo]) -> Launch:
@@ -50,8 +50,8 @@ def added_env(
     """The environment the agent adds to its own for the engine.
 
     The assigned GPUs (in launch.env) always win over a profile's environment (whose gate refuses the names
-    the agent sets, agent/engine_env.py). Hub downloads land in the weights root, where the weights inventory
-    looks (agent/weights.py).
+    the agent sets, nodewire/engine_env.py). Hub downloads land in the weights root, where the weights inventory
+    looks (nodewire/weights/disk.py).
     """
     weights_env = {"HF_HOME": options.weights_root} if options.weights_root else {}
     return {**weights_env, **cmd.env, **launch.env, **gpu_memory_env(cmd.gpu_indices, gpus)}

@@ -1,6 +1,6 @@
 """One engine subprocess, from launch to exit: what the agent needs to supervise an engine.
 
-An engine is started from an argv (agent/engines.py), never through a shell,
+An engine is started from an argv (agent/engines/launch.py), never through a shell,
 in its own process group so a stop reaches the workers it spawns. It outlives
 a dropped control-plane connection but not the agent: the kernel sends it
 SIGTERM when the agent dies, even by SIGKILL (Linux parent-death signal).
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
-from agent import protocol
-from agent.engines import Launch
+from agent.engines.launch import Launch
+from nodewire import protocol
 
 log = logging.getLogger(__name__)
 

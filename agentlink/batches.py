@@ -7,7 +7,7 @@ database work runs on few threads. Two things are batched per control-plane proc
   every LLMGW_LAST_SEEN_FLUSH_SECONDS, stamped with the time the batch began.
   So a node's `last_seen` is never later than its last heartbeat and at most two
   flush intervals older than it (the batch's age plus the wait for the write):
-  with the defaults about 2 s against the 20 s reconciler.liveness allows
+  with the defaults about 2 s against the 20 s reconciler.lifecycle.liveness allows
   before calling a node unreachable.
 * acks: gathered for ACK_FLUSH_SECONDS and deleted from the pending commands in
   one statement; a command is first re-sent after about a second, so 0.1 s

@@ -1,7 +1,7 @@
 """The WebSocket consumer that node agents connect to at /agent/ws.
 
 Thin: it authenticates the node (DESIGN invariant 8), validates each message
-with agent.protocol, hands it to one service function, and relays commands
+with nodewire.protocol, hands it to one service function, and relays commands
 that arrive on the node's channel-layer group (invariant 9).
 
 At fleet scale a steady heartbeat writes nothing: `last_seen` is batched
@@ -23,8 +23,8 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db import connections
 
-from agent import protocol
 from inventory.models import NodeCredential
+from nodewire import protocol
 from reconciler.outbox import node_group
 
 from . import services

@@ -1,6 +1,6 @@
 """What each agent message changes, one transaction per message (or per batch of hellos).
 
-Messages arrive validated by agent.protocol; these functions trust them.
+Messages arrive validated by nodewire.protocol; these functions trust them.
 """
 
 from collections.abc import Sequence
@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import AdapterStatus, Heartbeat, Hello, WeightsStatus
 from inventory.models import Node
 from inventory.services import record_heartbeat, record_weights_status, register_nodes
+from nodewire.protocol import AdapterStatus, Heartbeat, Hello, WeightsStatus
 from reconciler.adapters import reconcile_held, record_adapter_statuses
 from reconciler.agent_reports import (
     reconcile_reported_shards_of_nodes,
@@ -19,7 +19,7 @@ from reconciler.agent_reports import (
 )
 from reconciler.catalog_changes import publish_endpoint_table
 from reconciler.commands import send_pending_soon_to
-from reconciler.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
+from reconciler.lifecycle.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
 from reconciler.outbox import Outbox
 
 
@@ -66,7 +66,7 @@ def _distinct_rounds(hellos: Sequence[tuple[int, Hello]]) -> list[list[tuple[int
 def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: bool = True) -> None:
     """The node's GPUs' health and its shards' requests in flight are recorded, and orphans stopped.
 
-    A GPU that turned unhealthy fails the replica holding it (reconciler.gpu_faults).
+    A GPU that turned unhealthy fails the replica holding it (reconciler.lifecycle.gpu_faults).
     `mark_seen=False` leaves `last_seen` to the caller (agentlink.seen batches it).
     """
     turned_unhealthy = record_heartbeat(node_id, heartbeat, mark_seen=mark_seen)

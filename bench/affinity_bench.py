@@ -197,7 +197,7 @@ def start_mock_engines(count: int, args) -> list[tuple[subprocess.Popen, str]]:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # vLLM's reset route
     for _ in range(count):
         port = free_port()
-        command = [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL]
+        command = [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL]
         command += ["--prefix-cache-tokens", str(args.cache_tokens), "--uncached-token-ms", str(args.uncached_ms)]
         started.append((subprocess.Popen(command, cwd=ROOT, env=env), f"http://127.0.0.1:{port}"))
     return started

@@ -103,7 +103,7 @@ class AgentFleet:
     """N real agents (fake GPUs, no engines) on an event loop in a thread of their own."""
 
     def __init__(self, uri: str, tokens: dict[str, str], heartbeat: float) -> None:
-        from agent.gpus import parse_fake_gpus
+        from agent.gpus.discovery import parse_fake_gpus
         from agent.runtime import Agent, AgentOptions
 
         fleet = self

@@ -7,7 +7,7 @@ It EMPTIES the database named by DATABASE_URL (migrate, then delete), builds
 `--nodes` 8×H100 nodes full of known-idle 4-GPU replicas with the reconcile
 tick benchmark's builders (`tick_bench.build_nodes`, `tick_bench.full_fleet`:
 two replicas per node, 2,000 at 1,000 nodes), frees one replica's 4 GPUs on the
-last node, and times `reconciler.what_if.plan_request` (what `manage.py plan`
+last node, and times `reconciler.planner.what_if.plan_request` (what `manage.py plan`
 and `POST /api/v1/plan` call) `--runs` times for each case:
 
 * `fits`: a 4-GPU model (the freed GPUs);
@@ -104,7 +104,7 @@ def main() -> None:
     from django.test import Client
 
     from reconciler.models import Replica
-    from reconciler.what_if import plan_request
+    from reconciler.planner.what_if import plan_request
 
     settings.ALLOWED_HOSTS = ["*"]
     build(args.nodes)

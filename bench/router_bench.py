@@ -271,7 +271,7 @@ def main() -> None:
         "--engine",
         choices=["mock", "builtin"],
         default="mock" if has_mock else "builtin",
-        help="agent.mock_engine (default when present) or a minimal aiohttp engine",
+        help="mockengine.server (default when present) or a minimal aiohttp engine",
     )
     parser.add_argument("--serve-engine", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-router", type=int, help=argparse.SUPPRESS)
@@ -306,7 +306,7 @@ def main() -> None:
         "router": f"http://127.0.0.1:{router_port}",
     }
     if args.engine == "mock" or args.streams:
-        engine_cmd = [sys.executable, "-m", "agent.mock_engine", "--port", str(engine_port), "--model", MODEL]
+        engine_cmd = [sys.executable, "-m", "mockengine", "--port", str(engine_port), "--model", MODEL]
         if args.streams:
             engine_cmd += ["--token-delay-ms", str(args.token_delay_ms)]
     else:

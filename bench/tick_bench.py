@@ -87,7 +87,7 @@ def main() -> None:
     from hub import UsageReport, get_hub
     from inventory.models import GPU, Node
     from reconciler.choices import ReplicaState
-    from reconciler.lease import Leadership
+    from reconciler.leadership.lease import Leadership
     from reconciler.models import GPUAssignment, Lease, ModelLoad, PendingCommand, Replica, Shard, UsageWatch
     from reconciler.tick import tick
 

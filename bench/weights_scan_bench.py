@@ -4,7 +4,7 @@ Builds a root of hub cache entries (each a snapshot of sharded safetensors
 files, symlinks to blobs, an index and a config.json, as a download leaves it)
 and GGUF files, then times, in alternating rounds, three scans of it:
 
-* `plain`: the scan alone (agent/weights.py `scan`: listing and sizes);
+* `plain`: the scan alone (nodewire/weights/disk.py `scan`: listing and sizes);
 * `cold`: the scan with every header read (a fresh HeaderCache: the agent's
   first scan, or every weights path changed);
 * `warm`: the scan with the headers known (the steady state: a stat per
@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent import weights  # noqa: E402
-from agent.weights_facts import HeaderCache  # noqa: E402
+from agent.weights.facts import HeaderCache  # noqa: E402
+from nodewire.weights import disk  # noqa: E402
 from tests.tiny_gguf import write_tiny_llama  # noqa: E402
 
 TENSORS_PER_SHARD = 40  # a 70B checkpoint has ~720 tensors over 30 shards
@@ -90,14 +90,14 @@ def main() -> None:
         root = Path(tmp)
         build_root(root, args.entries, args.shards, args.ggufs)
         warm = HeaderCache()
-        for w in weights.scan(str(root)):
+        for w in disk.scan(str(root)):
             warm.facts(w.path)
 
         def plain() -> None:
-            weights.scan(str(root))
+            disk.scan(str(root))
 
         def with_headers(cache: HeaderCache) -> None:
-            for w in weights.scan(str(root)):
+            for w in disk.scan(str(root)):
                 cache.facts(w.path)
 
         times: dict[str, list[float]] = {"plain": [], "cold": [], "warm": []}

@@ -8,7 +8,7 @@ from django.core.exceptions import ValidationError
 from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
-from agent.engine_env import masked, shown
+from nodewire.engine_env import masked, shown
 
 from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Adapter, Alias, Model, Profile, name_clash
 from .rules import keep_stored_secrets

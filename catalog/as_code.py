@@ -5,7 +5,7 @@ updated in place, so it keeps its id, its learned start time and the replicas
 on it; rows beyond the file's list are deleted, and their replicas go with
 them by cascade (agents then stop the orphaned engines). Applying the same
 file twice changes nothing the second time. Secret engine env values are
-exported as the mask (agent/engine_env.py), and a mask applied keeps the
+exported as the mask (nodewire/engine_env.py), and a mask applied keeps the
 stored value (`catalog.rules.keep_stored_secrets`).
 """
 
@@ -19,7 +19,7 @@ import yaml
 from django.db import transaction
 from django.db.models import Count, Prefetch
 
-from agent.engine_env import masked
+from nodewire.engine_env import masked
 
 from .catalog_file import ADAPTER_KEYS, CatalogFileError, WantedModel, check_names, read_models
 from .models import PROFILE_FIELDS, Adapter, Alias, Model, Profile

@@ -1,6 +1,6 @@
 """What a profile's engine args tell the memory model (its memory fraction, context and KV dtype, with the
 bytes each KV cache dtype stores), the flag each engine takes for its context, and how each engine splits a
-replica over its GPUs (agent/engines.py)."""
+replica over its GPUs (agent/engines/launch.py)."""
 
 from __future__ import annotations
 
@@ -340,7 +340,7 @@ def kv_cache_bits(engine: str, kv_dtype: str, key_dim: int, value_dim: int) -> F
 
 
 def parallel_shape(engine: str, gpus_per_node: int, nodes_per_replica: int) -> tuple[int, int]:
-    """(tensor-parallel size, pipeline stages) of a profile as agent/engines.py starts it: vLLM runs tensor
+    """(tensor-parallel size, pipeline stages) of a profile as agent/engines/launch.py starts it: vLLM runs tensor
     parallel within a node and one pipeline stage per node; SGLang tensor parallel over every GPU; llama.cpp
     splits layers over its GPUs (like stages)."""
     if engine == "sglang":

@@ -17,7 +17,7 @@ what is left is KV cache, and if that cannot hold one sequence of
 
 Weights bytes, best source first (`estimate_weights`):
 
-1. the weights' own headers (agent/weights_headers.py): exact file bytes;
+1. the weights' own headers (nodewire/weights/headers.py): exact file bytes;
 2. a model folder's `config.json`: parameters counted from the architecture
    (`parameter_count`) × the dtype (`torch_dtype`, or `quantization_config`:
    AWQ/GPTQ pack linear weights at `bits` plus a 16-bit scale and a `bits`
@@ -44,7 +44,7 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Literal
 
-from agent.weights_headers import WeightsHeader
+from nodewire.weights.headers import WeightsHeader
 
 from .engine_flags import kv_cache_bits
 from .kv_cache import KVShape

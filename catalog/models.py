@@ -4,7 +4,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
-from agent.engine_env import MASK
+from nodewire.engine_env import MASK
 
 from .choices import Engine, SleepLevel, WeightsDtype
 from .rules import (

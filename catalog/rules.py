@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.validators import MaxValueValidator, MinValueValidator
 
-from agent.engine_env import MASK, env_problem, is_secret
+from nodewire.engine_env import MASK, env_problem, is_secret
 
 from .choices import ENGINE_SLEEP_LEVELS, Engine, SleepLevel
 from .engine_flags import refused_value
@@ -57,7 +57,7 @@ def engine_args_problem(value, engine: str = "") -> str | None:
 def engine_env_problem(value) -> str | None:
     """Why `value` is not an engine environment (names to string values), naming the variable; None if it is one.
 
-    The rule is the agent's (agent/engine_env.py), so a profile the catalog takes is one its agents start.
+    The rule is the agent's (nodewire/engine_env.py), so a profile the catalog takes is one its agents start.
     """
     return env_problem(value)
 

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from agent.protocol import WeightsHeaderFacts, WeightsShape
-from agent.weights import weights_key
-from agent.weights_headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
+from nodewire.protocol import WeightsHeaderFacts, WeightsShape
+from nodewire.weights.disk import weights_key
+from nodewire.weights.headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
 
 from .engine_flags import parallel_shape, read_memory_args, sets_context
 from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
@@ -268,7 +268,7 @@ class ReportedWeights:
     node: str
 
 
-# What agents report of their weights' headers, by weights key (agent.weights.weights_key). The inventory app
+# What agents report of their weights' headers, by weights key (nodewire.weights.disk.weights_key). The inventory app
 # registers its reader (one query for any number of keys); until then nothing is reported.
 ReportedReader = Callable[[Collection[str]], dict[str, ReportedWeights]]
 _reported_weights: list[ReportedReader] = [lambda keys: {}]

@@ -29,11 +29,11 @@ from django.conf import settings
 
 from catalog.models import Profile
 from reconciler.choices import ReplicaState
-from reconciler.eviction import Holding, stop_candidates, with_freed
-from reconciler.holdings import read_holdings, spare_replicas
-from reconciler.idle import Idle
+from reconciler.demand.idle import Idle
 from reconciler.models import Shard, UsageWatch
-from reconciler.placement import NodeCapacity, Placement, Shape, place
+from reconciler.placement.eviction import Holding, stop_candidates, with_freed
+from reconciler.placement.occupants import read_holdings, spare_replicas
+from reconciler.placement.search import NodeCapacity, Placement, Shape, place
 
 from .summary_types import IdleHeld, IdleHeldClass, Leader, StopCandidate, UsageState
 

@@ -47,8 +47,8 @@ from catalog.models import Model
 from inventory.models import Node, Weights, human_size, report_warnings
 from reconciler.adapters import HELD
 from reconciler.choices import WANTED_STATES, AdapterLoadState, Hold, ReplicaState
-from reconciler.idle import Idle
-from reconciler.liveness import partition_brake
+from reconciler.demand.idle import Idle
+from reconciler.lifecycle.liveness import partition_brake
 from reconciler.models import AdapterLoad, Lease, Replica, Shard
 
 from .stoppable import what_can_i_stop
@@ -200,7 +200,7 @@ class _ReplicaTally:
                 idle.json_seconds(),
                 idle.known,
                 row["sleeping_level"],
-                # A level-1 sleeper keeps its weights in host memory (reconciler.host_memory).
+                # A level-1 sleeper keeps its weights in host memory (reconciler.hibernate.host_memory).
                 row["weights_bytes"] if row["sleeping_level"] == 1 else None,
                 None if row["profile__wake_seconds"] is None else round(row["profile__wake_seconds"], 1),
                 loads[AdapterLoadState.LOADED],

@@ -12,7 +12,7 @@ from django.db.models import Exists, OuterRef
 from inventory.choices import NodeState
 from inventory.models import GPU, effective, gpu_in_service
 from reconciler.models import GPUAssignment
-from reconciler.placement import NodeCapacity
+from reconciler.placement.search import NodeCapacity
 
 from .summary_types import GPU_STATES, Capacity, FreeNodes
 
@@ -73,7 +73,7 @@ class GPUTally:
 
     def records(self) -> dict[str, list[NodeCapacity]]:
         """Per GPU class, the placer's record of each ready, schedulable node: free GPUs by the placer's own rule
-        (`reconciler.capacity.free_capacity` reads the same), so status and placement agree."""
+        (`reconciler.placement.capacity.free_capacity` reads the same), so status and placement agree."""
         records: dict[str, list[NodeCapacity]] = defaultdict(list)
         for (_node_id, gpu_class), entry in self.placeable.items():
             free = tuple(sorted(entry["free"]))

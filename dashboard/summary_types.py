@@ -9,7 +9,7 @@ shape a second time.
 
 Timestamps are ISO 8601 strings (the JSON form); a field's metadata gives
 its schema where the Python type alone would say less (a date-time, the
-meaning of -1). Unknown idleness stays one value type, `reconciler.idle.Idle`:
+meaning of -1). Unknown idleness stays one value type, `reconciler.demand.idle.Idle`:
 a replica's `idle` is read back from its JSON form, never recomputed.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Self
 
-from reconciler.idle import Idle
+from reconciler.demand.idle import Idle
 
 
 class _DateTime(Mapping[str, Any]):

@@ -1,7 +1,7 @@
 """The dashboard's "Will it fit?" page (/admin/plan/): pick a catalog model or paste catalog-format YAML, see the plan.
 
 Staff only (wrapped in `admin_view` by the site) and CSRF protected like every
-admin form. Thin: the form parses, `reconciler.what_if.plan_request` answers,
+admin form. Thin: the form parses, `reconciler.planner.what_if.plan_request` answers,
 the template shows the answer's own fields. Nothing is written.
 """
 
@@ -14,7 +14,7 @@ from django.views.decorators.http import require_http_methods
 
 from catalog.catalog_file import CatalogFileError, load_catalog_text
 from catalog.models import Model
-from reconciler.what_if import PlanInputError, plan_request
+from reconciler.planner.what_if import PlanInputError, plan_request
 
 YAML_HELP = "Catalog-format YAML: a `models:` list, or one model's entry (name, source, profiles)."
 

@@ -265,7 +265,7 @@ class UsageSource(Protocol):
         """Read marks and stamps, and TAKE the token counts and keys' last use (read and reset in one step).
 
         Only the leader's tick calls it: what it takes is stored by that tick
-        (reconciler.tokens) or given back with `restore_tokens`.
+        (reconciler.demand.tokens) or given back with `restore_tokens`.
         """
         ...
 

@@ -9,8 +9,8 @@ from django.db import models
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce, NullIf
 
-from agent.protocol import NODE_NAME_PATTERN
 from hub.credentials import new_secret, secret_matches
+from nodewire.protocol import NODE_NAME_PATTERN
 
 from .choices import GPUHealth, NodeState
 
@@ -170,7 +170,7 @@ class WeightsQuerySet(models.QuerySet):
 
 
 class Weights(models.Model):
-    """One source's weights on a node's disk, as its agent last reported them (agent/weights.py).
+    """One source's weights on a node's disk, as its agent last reported them (nodewire/weights/disk.py).
 
     Rows are written only when what the node reports changes, so `seen_at` is
     when this path, size and header were first reported.
@@ -180,13 +180,13 @@ class Weights(models.Model):
     source = models.CharField(max_length=500, help_text="Hub repository id, or GGUF path relative to the root.")
     path = models.CharField(max_length=1000)
     size_bytes = models.PositiveBigIntegerField("size (bytes)")
-    # What the weights' headers say (agent.protocol WeightsHeaderFacts as JSON: exact tensor bytes, bytes per
+    # What the weights' headers say (nodewire.protocol WeightsHeaderFacts as JSON: exact tensor bytes, bytes per
     # dtype, parameters, shape); null when the agent does not say. catalog/sizing.py sizes hub models by it.
     header = models.JSONField(
         null=True, blank=True, help_text="What the weights' headers say of their size and shape, as reported."
     )
     seen_at = models.DateTimeField()
-    # Set by the leader's sweep (reconciler.weights_sweep) when it first finds no profile using the weights,
+    # Set by the leader's sweep (reconciler.weights.sweep) when it first finds no profile using the weights,
     # cleared when one does again, and set anew when a removal is sent (one that did not take is tried again
     # a grace period later).
     unused_since = models.DateTimeField(

@@ -10,8 +10,8 @@ from django.db import transaction
 from django.utils import timezone
 from msgspec import UNSET
 
-from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus, to_builtins
 from hub.credentials import hash_secret
+from nodewire.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus, to_builtins
 
 from .choices import GPUHealth, NodeState
 from .models import GPU, Node, NodeCredential, Weights

@@ -1,14 +1,14 @@
 """The Celery app that runs reconcile ticks in distributed mode.
 
 Each worker campaigns for the lease and consumes the leader queue only while it
-holds it (reconciler.campaign); beat (RedBeat, see settings) sends the ticks there.
+holds it (reconciler.leadership.campaign); beat (RedBeat, see settings) sends the ticks there.
 """
 
 import os
 
 from celery import Celery
 
-from reconciler.campaign import LeaderQueueStep, LeaseCampaignStep
+from reconciler.leadership.campaign import LeaderQueueStep, LeaseCampaignStep
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 

@@ -9,7 +9,7 @@ import os
 
 from django.core.exceptions import ImproperlyConfigured
 
-from agent.protocol import parse_port
+from nodewire.protocol import parse_port
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

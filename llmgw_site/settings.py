@@ -232,7 +232,7 @@ LLMGW_LEASE_NAME = "reconciler"
 LLMGW_LEASE_TTL_SECONDS = setting("LLMGW_LEASE_TTL_SECONDS")
 LLMGW_HEARTBEAT_SECONDS = setting("LLMGW_HEARTBEAT_SECONDS")
 LLMGW_LLAMA_SERVER = setting("LLMGW_LLAMA_SERVER")
-# Blank: the agents' own default (agent/vllm_command.py), the cached CPU build or `vllm serve`.
+# Blank: the agents' own default (agent/engines/vllm_command.py), the cached CPU build or `vllm serve`.
 LLMGW_VLLM_COMMAND = setting("LLMGW_VLLM_COMMAND")
 # A node drain starts a replacement first; the old replica is drained once it is ready, or after this long.
 LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS = setting("LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS")
@@ -244,7 +244,7 @@ LLMGW_GPU_QUARANTINE_SECONDS = setting("LLMGW_GPU_QUARANTINE_SECONDS")
 LLMGW_START_RESEND_SECONDS = setting("LLMGW_START_RESEND_SECONDS")
 LLMGW_COMMAND_RESEND_SECONDS = setting("LLMGW_COMMAND_RESEND_SECONDS")
 LLMGW_COMMAND_RESEND_BATCH = setting("LLMGW_COMMAND_RESEND_BATCH")
-# Weights no profile uses are removed from the nodes' disks after a grace period (reconciler.weights_sweep).
+# Weights no profile uses are removed from the nodes' disks after a grace period (reconciler.weights.sweep).
 LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS = setting("LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS")
 LLMGW_WEIGHTS_SWEEP_SECONDS = setting("LLMGW_WEIGHTS_SWEEP_SECONDS")
 LLMGW_WEIGHTS_SWEEP_BATCH = setting("LLMGW_WEIGHTS_SWEEP_BATCH")
@@ -319,7 +319,7 @@ except TracingConfigError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
 # --- Celery (distributed mode) ------------------------------------------------
-# Ticks go to the leader queue, which only the lease holder consumes (reconciler.campaign).
+# Ticks go to the leader queue, which only the lease holder consumes (reconciler.leadership.campaign).
 LLMGW_LEADER_QUEUE = "reconcile-leader"
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True

@@ -40,9 +40,9 @@ from datetime import UTC, datetime, timedelta
 from django.conf import settings
 from django.db.models import Case, F, FloatField, Q, Value, When
 
-from agent.protocol import AdapterStatus, ShardHeartbeat
 from catalog.models import Adapter, Profile
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, Activation
+from nodewire.protocol import AdapterStatus, ShardHeartbeat
 from reconciler.choices import AdapterLoadState, ReplicaState, ShardState
 from reconciler.models import AdapterLoad, AdapterStats, Shard
 from reconciler.outbox import Outbox

@@ -3,7 +3,7 @@ read-only; and the node drain action, added to inventory's node admin here becau
 is the reconciler's (inventory sits below it in the stack).
 
 These rows belong to the leader's reconcile tick; the admin only looks, and asks
-for a replica to be stopped through reconciler.lifecycle.
+for a replica to be stopped through reconciler.lifecycle.transitions.
 """
 
 from django.contrib import admin, messages
@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from inventory.admin import NodeAdmin, ReadOnlyAdmin, ReadOnlyInline
 from inventory.models import Node
-from reconciler.drain import drain_nodes
-from reconciler.lifecycle import stop_replica
+from reconciler.lifecycle.drain import drain_nodes
+from reconciler.lifecycle.transitions import stop_replica
 from reconciler.models import GPUAssignment, Lease, Replica, Shard
 
 

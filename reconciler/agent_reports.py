@@ -20,12 +20,12 @@ from django.db import DatabaseError, transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from agent.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, ShardStatus
 from inventory.models import Node
+from nodewire.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, ShardStatus
 from reconciler.catalog_changes import publish_endpoint_table
 from reconciler.choices import ReplicaState, ShardState
-from reconciler.hibernate import sleep_report
-from reconciler.lifecycle import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
+from reconciler.hibernate.tier import sleep_report
+from reconciler.lifecycle.transitions import fail_replicas, mark_ready_if_whole, notify_work_pending, start_followers
 from reconciler.models import BusyPort, Replica, Shard
 from reconciler.outbox import Outbox
 

@@ -11,7 +11,8 @@ class ReconcilerConfig(AppConfig):
 
     def ready(self) -> None:
         # Imported here, as Django asks: the receivers import models, which are ready only now.
-        from reconciler import catalog_changes, weights_removal
+        from reconciler import catalog_changes
+        from reconciler.weights import removal as weights_removal
 
         catalog_changes.connect()
         weights_removal.connect()

@@ -106,7 +106,7 @@ def _models() -> dict[str, ModelEntry]:
             aliases[model_id].append(alias)
     notes = _Notes.read()
     holding = dict(notes.holding)
-    # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate),
+    # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate.tier),
     # unknown until one wake has been timed (a start time would overstate it many times over).
     for model_id, wake in notes.sleeping_only.items():
         if model_id in first_start:

@@ -4,7 +4,7 @@ from django.db import models
 from django.utils import timezone
 
 from reconciler.choices import AdapterLoadState, Hold, ReplicaState, ShardState
-from reconciler.idle import Idle
+from reconciler.demand.idle import Idle
 
 
 class ReplicaQuerySet(models.QuerySet):
@@ -52,7 +52,7 @@ class Replica(models.Model):
         help_text="Created for waiting requests: withdrawn if still unplaced after this (renewed while they wait).",
     )
     stopping_since = models.DateTimeField(null=True, blank=True)
-    # The hibernate tier (reconciler.hibernate): when it was asked to sleep, at which level, and why.
+    # The hibernate tier (reconciler.hibernate.tier): when it was asked to sleep, at which level, and why.
     sleeping_since = models.DateTimeField(null=True, blank=True)
     sleep_level = models.PositiveSmallIntegerField(
         null=True,
@@ -75,7 +75,7 @@ class Replica(models.Model):
         "(empty: on any of its model's profiles).",
     )
     stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
-    # Make-before-break node drain (reconciler.drain): this replica keeps serving until `replaced_by`
+    # Make-before-break node drain (reconciler.lifecycle.drain): this replica keeps serving until `replaced_by`
     # is ready, then is drained; at `drain_deadline` at the latest.
     replaced_by = models.ForeignKey(
         "self", null=True, blank=True, related_name="replacing", on_delete=models.SET_NULL, editable=False
@@ -242,7 +242,7 @@ class UsageWatch(models.Model):
 
 
 class Lease(models.Model):
-    """The leader lease row (DESIGN invariant 1). Written only by reconciler.lease.
+    """The leader lease row (DESIGN invariant 1). Written only by reconciler.leadership.lease.
 
     `expires_at` is seconds since the Unix epoch by the database's clock.
     """

@@ -27,7 +27,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import (
+from hub.channel_layer import deliver_to_groups
+from nodewire.protocol import (
     REMOVE_WEIGHTS,
     DrainShard,
     LoadAdapter,
@@ -39,7 +40,6 @@ from agent.protocol import (
     WakeShard,
     to_builtins,
 )
-from hub.channel_layer import deliver_to_groups
 from reconciler.models import Lease, PendingCommand
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
 """Celery tasks of the reconciler: the beat-driven tick (distributed mode), thin over reconciler.tick.
 
 Ticks are routed to the leader queue, which only the worker holding the lease
-consumes (reconciler.campaign).
+consumes (reconciler.leadership.campaign).
 """
 
 import logging
 
 from celery import shared_task
 
-from reconciler.lease import get_leadership
+from reconciler.leadership.lease import get_leadership
 from reconciler.tick import tick as run_tick
 
 log = logging.getLogger(__name__)

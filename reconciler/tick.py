@@ -23,19 +23,19 @@ from hub.contracts import Activation, UsageSnapshot
 from reconciler.adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
 from reconciler.choices import ReplicaState
 from reconciler.commands import resend_unacknowledged
-from reconciler.demand import DemandOutcome, apply_demand
-from reconciler.drain import drain_replaced
+from reconciler.demand.scaling import DemandOutcome, apply_demand
+from reconciler.demand.tokens import record_token_usage
+from reconciler.demand.usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
 from reconciler.endpoints import build_endpoint_table
-from reconciler.hibernate import send_sleeps
-from reconciler.lease import Leadership, LeaseLost, get_leadership
-from reconciler.lifecycle import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
-from reconciler.liveness import check_liveness, fail_slow_starts, fleet_settling
+from reconciler.hibernate.swap import wake_for_demand
+from reconciler.hibernate.tier import send_sleeps
+from reconciler.leadership.lease import Leadership, LeaseLost, get_leadership
+from reconciler.lifecycle.drain import drain_replaced
+from reconciler.lifecycle.liveness import check_liveness, fail_slow_starts, fleet_settling
+from reconciler.lifecycle.transitions import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
 from reconciler.outbox import Outbox
-from reconciler.placing import PlacingOutcome, place_pending, resend_starts
-from reconciler.swap import wake_for_demand
-from reconciler.tokens import record_token_usage
-from reconciler.usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
-from reconciler.weights_sweep import sweep_due, sweep_unused_weights, swept
+from reconciler.placement.placer import PlacingOutcome, place_pending, resend_starts
+from reconciler.weights.sweep import sweep_due, sweep_unused_weights, swept
 from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
 
@@ -117,7 +117,7 @@ def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: St
     readings = steps.run("read hub", _read_hub, hub)
 
     # Token counts the collection took from the hub: stored in their own transaction, before the fenced
-    # one, so a tick that loses the lease loses none of them (reconciler.tokens).
+    # one, so a tick that loses the lease loses none of them (reconciler.demand.tokens).
     steps.run("token usage", record_token_usage, readings.usage, hub)
 
     try:

@@ -21,7 +21,7 @@ so they count once. An engine that does not answer in time, answers anything
 but 200, or whose text does not parse has unknown load, which the balancer
 treats as no extra load and never as "full".
 
-This is the router's own parser, not `agent.engine_load`'s: the router imports
+This is the router's own parser, not `agent.engines.load`'s: the router imports
 only the hub and itself (tests/test_layers.py), and it reads different gauges.
 """
 

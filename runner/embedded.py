@@ -19,9 +19,9 @@ import sys
 import uvicorn
 from django.conf import settings
 
-from agent.gpus import parse_fake_gpus
+from agent.engines.vllm_command import vllm_command_from
+from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
-from agent.vllm_command import vllm_command_from
 from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-# The llama-cpp-python release whose vendored llama.cpp is built (and whose flags agent/engines.py uses).
+# The llama-cpp-python release whose vendored llama.cpp is built (and whose flags agent/engines/launch.py uses).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BINARY_NAME = "llama-server"
 CMAKE_FLAGS = (

@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from hub import ControlPlaneHub, InProcessHub
-from reconciler.lease import get_leadership
+from reconciler.leadership.lease import get_leadership
 from reconciler.signals import work_pending
 from reconciler.tick import tick
 

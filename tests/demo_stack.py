@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "sk-llmgw-e2e-test-key-0123456789"
 
 
-def engine_pids(var_dir: Path, program: bytes = b"agent.mock_engine") -> set[int]:
+def engine_pids(var_dir: Path, program: bytes = b"mockengine") -> set[int]:
     """Engine processes (the mock, or those with `program` as an argument) started for this test's `up`.
 
     They are found by their environment, which the agent passes on to them.

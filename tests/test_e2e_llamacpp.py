@@ -4,7 +4,7 @@ A tiny llama model with random weights (tests/tiny_gguf.py) is the catalog's
 only model, served by the llama.cpp engine. `up --demo --catalog FILE` runs
 with `LLMGW_LLAMA_SERVER` pointing at the binary `manage.py build_llama_server`
 cached; the router activates the model on a simulated node, whose agent starts
-`llama-server` from agent/engines.py's argv. Through the router, with the
+`llama-server` from agent/engines/launch.py's argv. Through the router, with the
 official `openai` SDK: the model list, a chat completion and a stream, each
 answered by llama.cpp itself (its build in `system_fingerprint`). The router's
 own /metrics then shows the load it parsed from llama.cpp's /metrics, and a

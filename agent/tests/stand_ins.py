@@ -14,10 +14,10 @@ import httpx
 from websockets.asyncio.server import serve as serve_async
 from websockets.sync.server import serve
 
-from agent import protocol
-from agent.gpus import parse_fake_gpus
+from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
 from conftest import free_port
+from nodewire import protocol
 
 
 class ThreadedControlPlane:

@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 
-from agent import protocol
 from agent.tests.stand_ins import ControlPlane, command, fresh_heartbeat, make_agent, run, start_command, start_ready
 from conftest import free_port
+from nodewire import protocol
 
 
 def slots(count: int) -> protocol.AdapterSlots:

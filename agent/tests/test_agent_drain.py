@@ -5,7 +5,6 @@ import json
 import stat
 import time
 
-from agent import protocol
 from agent.tests.stand_ins import (
     ControlPlane,
     command,
@@ -18,6 +17,7 @@ from agent.tests.stand_ins import (
     start_ready,
 )
 from conftest import free_port
+from nodewire import protocol
 
 
 async def start_slow(cp: ControlPlane, shard_id: int, token_delay_ms: int) -> int:

@@ -7,7 +7,6 @@ import time
 
 import httpx
 
-from agent import protocol
 from agent.tests.stand_ins import (
     ControlPlane,
     command,
@@ -20,6 +19,7 @@ from agent.tests.stand_ins import (
     start_ready,
 )
 from conftest import free_port
+from nodewire import protocol
 
 CHAT = {"model": "mock-small", "messages": [{"role": "user", "content": "are you awake"}]}
 

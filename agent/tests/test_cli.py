@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent import cli
+from agent.engines.vllm_command import VLLM_CPU_VERSION
 from agent.tests.stand_ins import BAD_ARGUMENTS, ThreadedControlPlane
-from agent.vllm_command import VLLM_CPU_VERSION
 
 PROJECT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE_PACKAGES = {"django", "llmgw_site", "catalog", "inventory", "reconciler", "router", "dashboard", "hub"}

@@ -1,4 +1,4 @@
-"""The adapter calls of each engine dialect (agent/engine_adapters.py), against a recording HTTP server on 127.0.0.1
+"""The adapter calls of each engine dialect (agent/engines/adapters.py), against a recording HTTP server on 127.0.0.1
 that answers as the engine would, by its source (the mock engine is driven in test_agent_adapters.py, the real
 vLLM's routes in tests/test_e2e_vllm.py)."""
 
@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from agent.engine_adapters import EngineAdapterError, EngineAdapters, engine_words
+from agent.engines.adapters import EngineAdapterError, EngineAdapters, engine_words
 from agent.tests.stand_ins import run
 from agent.tests.test_engine_sleep import Recorder, engine
 

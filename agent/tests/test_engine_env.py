@@ -2,8 +2,8 @@
 
 import pytest
 
-from agent.engine_env import MASK, MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem, is_secret, masked, shown
-from agent.engines import build_launch
+from agent.engines.launch import build_launch
+from nodewire.engine_env import MASK, MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem, is_secret, masked, shown
 
 
 @pytest.mark.parametrize(

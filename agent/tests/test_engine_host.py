@@ -6,12 +6,12 @@ import socket
 import httpx
 import pytest
 
-from agent import protocol
-from agent.engines import ENGINES, build_launch
-from agent.gpus import parse_fake_gpus
+from agent.engines.launch import ENGINES, build_launch
+from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
 from agent.tests.stand_ins import NODE, TOKEN, ControlPlane, run, start_command
 from conftest import free_port
+from nodewire import protocol
 
 
 def reachable(host: str, port: int) -> bool:

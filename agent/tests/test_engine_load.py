@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.engine_load import EngineLoad, requests_in_flight
-from agent.mock_engine import MockEngine
+from agent.engines.load import EngineLoad, requests_in_flight
 from agent.tests.stand_ins import run
+from mockengine.server import MockEngine
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,4 +1,4 @@
-"""The sleep and wake calls of each engine dialect (agent/engine_sleep.py), against a recording HTTP server on
+"""The sleep and wake calls of each engine dialect (agent/engines/sleep.py), against a recording HTTP server on
 127.0.0.1 that answers as the engine would, and against the mock engine served in-process (it is driven as a
 subprocess by the agent in test_agent_sleep.py, and the real vLLM in tests/test_e2e_vllm.py)."""
 
@@ -10,10 +10,10 @@ import httpx
 import pytest
 from aiohttp import web
 
-from agent.engine_sleep import EngineSleep, EngineSleepError, level_problem
-from agent.mock_engine import create_app
-from agent.mock_sleep import NO_WEIGHTS
+from agent.engines.sleep import EngineSleep, EngineSleepError, level_problem
 from agent.tests.stand_ins import run
+from mockengine.server import create_app
+from mockengine.sleep import NO_WEIGHTS
 
 VLLM_MEMORY = {"weights", "kv_cache"}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agent.engines import PROJECT_DIR, build_launch
+from agent.engines.launch import PROJECT_DIR, build_launch
 
 BASE = {
     "model": "llama-70b",
@@ -163,7 +163,7 @@ def test_llamacpp_runs_the_llama_server_binary_it_is_given():
 def test_mock_runs_the_bundled_engine_with_the_given_python_from_the_checkout():
     result = launch("mock", args=["--token-delay-ms", "5"])
     assert result.argv == [
-        "/opt/py/bin/python", "-m", "agent.mock_engine", "--host", "10.0.0.7", "--port", "20000",
+        "/opt/py/bin/python", "-m", "mockengine", "--host", "10.0.0.7", "--port", "20000",
         "--model", "llama-70b", "--token-delay-ms", "5",
     ]  # fmt: skip
     assert result.env == {"CUDA_VISIBLE_DEVICES": "0,1"}

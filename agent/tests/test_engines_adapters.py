@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from agent import protocol
-from agent.engines import build_launch
-from agent.gpus import parse_fake_gpus
-from agent.mock_engine import create_app, parse_args
-from agent.mock_lora import MockLoRA
+from agent.engines.launch import build_launch
+from agent.gpus.discovery import parse_fake_gpus
 from agent.options import AgentOptions
 from agent.starting import launch_for
 from agent.tests.test_engines import BASE
+from mockengine.lora import MockLoRA
+from mockengine.server import create_app, parse_args
+from nodewire import protocol
 
 START = {"type": "start_shard", "v": 1, "epoch": 1, "shard_id": 1, "engine": "vllm", "model": "m", "source": "m",
          "gpu_indices": [0], "port": 20000}  # fmt: skip

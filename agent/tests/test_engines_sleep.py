@@ -1,11 +1,11 @@
 """What makes each engine able to sleep (start_shard's sleep_mode): argv, environment and sleep dialect."""
 
-from agent import protocol
-from agent.engines import build_launch
-from agent.gpus import parse_fake_gpus
+from agent.engines.launch import build_launch
+from agent.gpus.discovery import parse_fake_gpus
 from agent.options import AgentOptions
 from agent.starting import launch_for
 from agent.tests.test_engines import BASE
+from nodewire import protocol
 
 
 def launch(engine, **overrides):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.gpu_health import (
+from agent.gpus.health import (
     HEALTHY,
     NVIDIA_SMI_HEALTH_QUERY,
     GPUCondition,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.gpus import GPUDiscoveryError, discover_gpus, gpu_class_for, parse_fake_gpus, parse_nvidia_smi
-from agent.protocol import to_builtins
+from agent.gpus.discovery import GPUDiscoveryError, discover_gpus, gpu_class_for, parse_fake_gpus, parse_nvidia_smi
+from nodewire.protocol import to_builtins
 
 DATA = Path(__file__).parent / "data"
 

@@ -5,11 +5,11 @@ from http import HTTPStatus
 
 import pytest
 
-from agent import protocol
 from agent.link import ControlPlaneLink
 from agent.runtime import AgentRejected, AgentSuperseded
 from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, process_gone, run, start_ready
 from conftest import free_port
+from nodewire import protocol
 
 
 @pytest.mark.parametrize("uri", ["http://cp/agent/ws", "ws://", "wss:///agent/ws", "cp:8000/agent/ws"])

@@ -20,7 +20,7 @@ MODEL = "mock-small"
 def start_engine(*extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL, *extra],
+        [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL, *extra],
         cwd=PROJECT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -223,7 +223,7 @@ def test_engine_exits_cleanly_on_sigterm_and_sigint(sig):
 )
 def test_bad_arguments_exit_non_zero_with_a_clear_message(argv, problem):
     result = subprocess.run(
-        [sys.executable, "-m", "agent.mock_engine", *argv], cwd=PROJECT, capture_output=True, text=True, timeout=10
+        [sys.executable, "-m", "mockengine", *argv], cwd=PROJECT, capture_output=True, text=True, timeout=10
     )
     assert result.returncode != 0 and problem in result.stderr
 
@@ -233,7 +233,7 @@ def test_port_already_taken_exits_non_zero_saying_so():
     try:
         port = base.rsplit(":", 1)[1]
         result = subprocess.run(
-            [sys.executable, "-m", "agent.mock_engine", "--port", port, "--model", "m"],
+            [sys.executable, "-m", "mockengine", "--port", port, "--model", "m"],
             cwd=PROJECT, capture_output=True, text=True, timeout=10,
         )  # fmt: skip
         assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
@@ -247,7 +247,7 @@ def test_health_is_held_back_while_the_hold_file_exists(tmp_path):
     hold.touch()
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL],
+        [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL],
         cwd=PROJECT,
         env={**os.environ, "LLMGW_MOCK_HOLD_FILE": str(hold)},
         stdout=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""The mock engine's LoRA adapters as vLLM serves them (agent/mock_lora.py), run as a real subprocess and spoken to
+"""The mock engine's LoRA adapters as vLLM serves them (mockengine/lora.py), run as a real subprocess and spoken to
 over HTTP on 127.0.0.1: the load and unload routes, their errors, /v1/models, requests by adapter name, the
 load time and vllm:lora_requests_info."""
 
@@ -23,7 +23,7 @@ def launch(*extra: str, runtime_updates: str = "true") -> tuple[subprocess.Popen
     port = free_port()
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": runtime_updates}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL, *extra],
+        [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL, *extra],
         cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""The mock engine's prefix cache (agent/mock_prefix_cache.py): blocks chained as vLLM's, LRU, vLLM's counters,
+"""The mock engine's prefix cache (mockengine/prefix_cache.py): blocks chained as vLLM's, LRU, vLLM's counters,
 and a first token that waits for the uncached part of the prompt."""
 
 import time
@@ -7,9 +7,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.mock_prefix_cache import BLOCK_TOKENS, MockPrefixCache
 from agent.tests.test_mock_engine import MODEL
 from agent.tests.test_mock_sleep import launch
+from mockengine.prefix_cache import BLOCK_TOKENS, MockPrefixCache
 
 
 def tokens(word: str, blocks: int, extra: int = 0) -> list[str]:

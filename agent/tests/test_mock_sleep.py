@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from agent.mock_sleep import NO_WEIGHTS
 from agent.tests.test_mock_engine import MODEL, PROJECT, sse_events
 from conftest import free_port, wait_until
+from mockengine.sleep import NO_WEIGHTS
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "are you awake"}]}
 
@@ -21,7 +21,7 @@ def launch(*extra: str, dev_mode: bool = True) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL, *extra],
+        [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL, *extra],
         cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -224,7 +224,7 @@ def test_without_vllms_development_mode_there_are_no_sleep_routes():
 )
 def test_bad_times_exit_non_zero_naming_the_problem(argv, problem):
     result = subprocess.run(
-        [sys.executable, "-m", "agent.mock_engine", "--port", "8000", "--model", "m", *argv],
+        [sys.executable, "-m", "mockengine", "--port", "8000", "--model", "m", *argv],
         cwd=PROJECT, capture_output=True, text=True, timeout=10,
     )  # fmt: skip
     assert result.returncode != 0 and problem in result.stderr

@@ -6,8 +6,8 @@ import re
 import msgspec
 import pytest
 
-from agent import protocol
-from agent.protocol import (
+from nodewire import protocol
+from nodewire.protocol import (
     DrainShard,
     Error,
     GPUHealth,

@@ -1,12 +1,12 @@
 """The LoRA part of the agent protocol: load_adapter, unload_adapter, adapter_status and heartbeat's
-`shards[].adapters` (agent/protocol_adapters.py), through both ends' gates."""
+`shards[].adapters` (nodewire/adapter_messages.py), through both ends' gates."""
 
 import json
 
 import pytest
 
-from agent import protocol
-from agent.protocol import AdapterStatus, LoadAdapter, UnloadAdapter
+from nodewire import protocol
+from nodewire.protocol import AdapterStatus, LoadAdapter, UnloadAdapter
 
 
 def frame(**fields) -> bytes:

@@ -1,12 +1,12 @@
 """The hibernate tier's part of the agent protocol: sleep_shard, wake_shard, start_shard's sleep_mode, and
-shard_status's `sleeping`, `seconds` and `sleep_level` (agent/protocol.py)."""
+shard_status's `sleeping`, `seconds` and `sleep_level` (nodewire/protocol.py)."""
 
 import json
 
 import pytest
 
-from agent import protocol
-from agent.protocol import ShardStatus, SleepShard, StartShard, WakeShard
+from nodewire import protocol
+from nodewire.protocol import ShardStatus, SleepShard, StartShard, WakeShard
 
 
 def command(**fields) -> bytes:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from agent import protocol
-from agent.protocol import GPUHealth, Heartbeat, Hello, ProtocolError, RemoveWeights, WeightsReport, WeightsStatus
+from nodewire import protocol
+from nodewire.protocol import GPUHealth, Heartbeat, Hello, ProtocolError, RemoveWeights, WeightsReport, WeightsStatus
 
 
 def test_messages_of_agents_without_health_reasons_or_weights_are_still_accepted():

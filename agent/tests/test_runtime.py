@@ -6,7 +6,6 @@ import logging
 import httpx
 import pytest
 
-from agent import protocol
 from agent.tests.stand_ins import (
     NODE,
     TOKEN,
@@ -21,6 +20,7 @@ from agent.tests.stand_ins import (
     start_ready,
 )
 from conftest import free_port
+from nodewire import protocol
 
 
 def test_agent_says_hello_then_starts_a_shard_reports_ready_and_stops_it():

@@ -4,9 +4,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from agent import protocol
 from agent.tests.stand_ins import TOKEN, ControlPlane, make_agent, run, start_command
 from conftest import free_port
+from nodewire import protocol
 
 SECRET = "hf_do_not_log_me_7731"
 STAND_IN = "websockets.server"  # the stand-in control plane's own log, not the agent's
@@ -47,7 +47,7 @@ def test_the_engine_process_gets_the_profiles_env_and_the_log_masks_secrets(capl
     started = [r.getMessage() for r in caplog.records if r.name == "agent.runtime" and "started" in r.getMessage()]
     assert len(started) == 1
     assert "VLLM_CPU_KVCACHE_SPACE=1 WITH_SPACE='a b' HF_TOKEN='***' CUDA_VISIBLE_DEVICES=0,1 " in started[0]
-    assert "-m agent.mock_engine" in started[0]
+    assert "-m mockengine" in started[0]
     logged = agent_log(caplog)
     assert "shard 5" in logged
     # Not even the end of it, nor the node's own credential from the handshake.

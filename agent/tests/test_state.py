@@ -9,9 +9,10 @@ import shutil
 
 import pytest
 
-from agent import cli, protocol
+from agent import cli
 from agent.state import STATE_FILE, AgentState, StateError, default_state_dir
 from agent.tests.stand_ins import NODE, ControlPlane, command, make_agent, run
+from nodewire import protocol
 
 
 @contextlib.asynccontextmanager

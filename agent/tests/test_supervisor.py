@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 
-from agent import protocol
 from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, run, start_command, start_ready
 from conftest import free_port
+from nodewire import protocol
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +74,7 @@ def test_engine_not_healthy_in_time_is_stopped_and_reported_failed():
 
 AGENT_SCRIPT = """
 import asyncio, sys
-from agent.gpus import parse_fake_gpus
+from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
 asyncio.run(Agent(AgentOptions([sys.argv[1]], "n", "t", parse_fake_gpus("1xL4-24GB", "n"), "127.0.0.1")).run())
 """

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.vllm_command import (
+from agent.engines.vllm_command import (
     VLLM_CPU_VERSION,
     cache_root,
     default_vllm_command,

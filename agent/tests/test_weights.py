@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from agent import weights
-from agent.protocol import RemoveWeights, WeightsReport
-from agent.weights import RefusedRemoval, removable_path, remove, scan, weights_key, weights_path
-from agent.weights_inventory import WeightsInventory
+from agent.weights.inventory import WeightsInventory
+from nodewire.protocol import RemoveWeights, WeightsReport
+from nodewire.weights import disk
+from nodewire.weights.disk import RefusedRemoval, removable_path, remove, scan, weights_key, weights_path
 
 
 @pytest.mark.parametrize(
@@ -37,13 +37,13 @@ def test_keys_are_what_a_node_reports():
     assert weights_key("vllm", " org/m ") == "org/m"
     assert weights_key("llamacpp", "./gguf//x.gguf") == "gguf/x.gguf"
     assert weights_key("vllm", "/data//llama/") == "/data/llama"
-    assert weights.repo_id_of(weights.cache_dir_name("org/name-v2")) == "org/name-v2"
-    assert weights.repo_id_of("datasets--org--d") is None
+    assert disk.repo_id_of(disk.cache_dir_name("org/name-v2")) == "org/name-v2"
+    assert disk.repo_id_of("datasets--org--d") is None
 
 
 def make_hf_cache(root, repo_id, blob_bytes=1000):
     """A Hugging Face cache entry: a blob, and a snapshot file that links to it."""
-    entry = root / "hub" / weights.cache_dir_name(repo_id)
+    entry = root / "hub" / disk.cache_dir_name(repo_id)
     (entry / "blobs").mkdir(parents=True)
     (entry / "blobs" / "abc123").write_bytes(b"x" * blob_bytes)
     (entry / "refs").mkdir()
@@ -59,8 +59,8 @@ def test_a_scan_finds_hub_entries_and_gguf_files_counting_each_byte_once(tmp_pat
     (tmp_path / "gguf" / "small.gguf").write_bytes(b"g" * 300)
     (tmp_path / "notes.txt").write_text("not weights")
     assert scan(str(tmp_path)) == [
-        weights.WeightsOnDisk("gguf/small.gguf", str(tmp_path / "gguf" / "small.gguf"), 300),
-        weights.WeightsOnDisk("org/m", str(entry), 1004),  # the blob and refs/main; the symlink adds nothing
+        disk.WeightsOnDisk("gguf/small.gguf", str(tmp_path / "gguf" / "small.gguf"), 300),
+        disk.WeightsOnDisk("org/m", str(entry), 1004),  # the blob and refs/main; the symlink adds nothing
     ]
 
 

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from agent.weights_headers import (
+from nodewire.weights.headers import (
     SAFETENSORS_INDEX,
     WeightsHeaderError,
     ggml_bits_per_weight,

@@ -6,11 +6,11 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 
-from agent import protocol
 from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
 from inventory.services import enrol_node
 from llmgw_site.asgi import application
+from nodewire import protocol
 from reconciler.models import Shard
 from reconciler.outbox import send_to_nodes
 from tests.fleet import make_model, make_replica

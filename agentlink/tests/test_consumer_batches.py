@@ -7,10 +7,10 @@ import pytest
 from channels.db import database_sync_to_async
 from django.utils import timezone
 
-from agent import protocol
 from agentlink.tests.test_consumer import connect, hello
 from inventory.choices import GPUHealth
 from inventory.models import GPU, Node
+from nodewire import protocol
 from reconciler.models import PendingCommand
 from reconciler.outbox import new_command_id, record_pending
 

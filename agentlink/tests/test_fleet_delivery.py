@@ -22,8 +22,7 @@ from django.utils import timezone
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from agent.gpus import parse_fake_gpus
-from agent.protocol import StopShard, to_builtins
+from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
 from conftest import free_port, wait_until
 from inventory.choices import NodeState
@@ -31,6 +30,7 @@ from inventory.models import Node
 from inventory.services import enrol_node
 from llmgw_site.asgi import application
 from llmgw_site.settings import channel_layers
+from nodewire.protocol import StopShard, to_builtins
 from reconciler.commands import acknowledge, resend_unacknowledged
 from reconciler.models import PendingCommand
 from reconciler.outbox import Outbox, new_command_id, record_pending

@@ -6,10 +6,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from agent.protocol import GPUHealth, Heartbeat, ShardHeartbeat
 from agentlink.services import on_heartbeat
 from inventory.models import Node
 from inventory.services import mark_nodes_seen
+from nodewire.protocol import GPUHealth, Heartbeat, ShardHeartbeat
 from reconciler.models import Shard
 from tests.fleet import make_model, make_node, make_replica
 

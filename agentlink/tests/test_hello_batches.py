@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from agent.gpus import parse_fake_gpus
-from agent.protocol import Hello, RunningShard
+from agent.gpus.discovery import parse_fake_gpus
 from agentlink.batches import GroupCommit
 from agentlink.services import on_hellos
 from inventory.models import GPU, Node
+from nodewire.protocol import Hello, RunningShard
 from reconciler.choices import ReplicaState
 from reconciler.models import PendingCommand, Replica, Shard
 from tests.fleet import make_model, make_node, make_replica

@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 
 from agent import cli
-from agent.gpus import parse_fake_gpus
+from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions, AgentRejected, AgentTLSError
 from agentlink.tests.pki import TestCA
 from conftest import free_port, wait_until

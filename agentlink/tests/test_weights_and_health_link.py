@@ -6,9 +6,9 @@ import asyncio
 import pytest
 from channels.db import database_sync_to_async
 
-from agent import protocol
 from agentlink.tests.test_consumer import connect, hello
 from inventory.models import Node, Weights
+from nodewire import protocol
 from reconciler.choices import ReplicaState
 from reconciler.models import PendingCommand, Replica
 from reconciler.outbox import Outbox

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from agent.tests.test_weights_headers import random_tensors, write_safetensors
-from agent.weights_headers import HeaderShape, read_weights_headers
 from catalog.engine_flags import MemoryArgs, kv_cache_bits, memory_args, parallel_shape, refused_value
 from catalog.kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from catalog.memory import (
@@ -32,6 +31,7 @@ from catalog.tests.test_memory_parameters import (
     QWEN_2_5_7B,
     dense,
 )
+from nodewire.weights.headers import HeaderShape, read_weights_headers
 from tests.tiny_gguf import write_tiny_llama
 
 LLAMA_3_1_70B = dense("llama", 8192, 28672, 80, 64, 8, 128256, tie_word_embeddings=False, torch_dtype="bfloat16")

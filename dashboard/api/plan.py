@@ -1,4 +1,4 @@
-"""POST /api/v1/plan: will these models fit? The planner's answer (reconciler.what_if), no writes.
+"""POST /api/v1/plan: will these models fit? The planner's answer (reconciler.planner.what_if), no writes.
 
 The body takes catalog-format model entries (`models`, the shape of a catalog
 file's `models:` list and of POST /api/v1/models) and/or catalog models by name
@@ -17,8 +17,8 @@ from rest_framework_dataclasses.serializers import DataclassSerializer
 from dashboard.api.fields import RefuseUnknownKeys, StrictCharField
 from dashboard.api.guards import RefuseNulMixin
 from dashboard.api.schema import PLAN_REFUSED
-from reconciler.what_if import PlanInputError, plan_request
-from reconciler.what_if_types import PlanAnswer
+from reconciler.planner.answer import PlanAnswer
+from reconciler.planner.what_if import PlanInputError, plan_request
 
 MAX_MODELS = 100
 """Models one request may plan (entries and names together): an answer, not a bulk job."""

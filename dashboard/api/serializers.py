@@ -4,14 +4,14 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agent.engine_env import MASK, masked
 from catalog.catalog_file import ADAPTER_KEYS, PROFILE_FIELDS
 from catalog.models import Adapter, Model, Profile
 from catalog.rules import MODEL_SIZE_FIELDS
 from inventory.models import GPU, Node
 from keys.models import ApiKey, TokenUsage
+from nodewire.engine_env import MASK, masked
 from reconciler.choices import AdapterLoadState
-from reconciler.idle import Idle
+from reconciler.demand.idle import Idle
 from reconciler.models import Replica
 
 ENV_HELP = (
@@ -22,7 +22,7 @@ ENV_HELP = (
 
 
 class MaskedEnvField(serializers.DictField):
-    """A profile's engine env as read: secret values masked (agent/engine_env.py)."""
+    """A profile's engine env as read: secret values masked (nodewire/engine_env.py)."""
 
     def __init__(self, **kwargs):
         super().__init__(child=serializers.CharField(), read_only=True, help_text=ENV_HELP, **kwargs)

@@ -11,11 +11,11 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agent.engine_env import MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem
 from catalog.catalog_file import ADAPTER_KEYS, PROFILE_FIELDS
 from catalog.models import Adapter, Model, Profile, public_name_validator
 from catalog.rules import INTEGER_MAX, MODEL_SIZE_FIELDS
 from keys.models import ApiKey
+from nodewire.engine_env import MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem
 
 from .fields import StrictCharField, StrictModelSerializer
 from .serializers import ENV_HELP
@@ -41,7 +41,7 @@ def public_names(**kwargs) -> serializers.ListField:
     }
 )
 class EnvField(serializers.Field):
-    """A profile's engine env as written, on the agent's own rule (agent/engine_env.py) and in its words."""
+    """A profile's engine env as written, on the agent's own rule (nodewire/engine_env.py) and in its words."""
 
     def __init__(self, **kwargs):
         super().__init__(required=False, help_text=ENV_WRITE_HELP, **kwargs)

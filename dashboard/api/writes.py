@@ -20,8 +20,8 @@ from catalog.models import Model, name_clash
 from catalog.sizing import fit_warnings, fleet_memory
 from inventory.models import Node
 from keys.models import ApiKey
-from reconciler.drain import drain_nodes
-from reconciler.lifecycle import stop_replica
+from reconciler.lifecycle.drain import drain_nodes
+from reconciler.lifecycle.transitions import stop_replica
 from reconciler.models import Replica
 
 from .write_serializers import ModelReplaceSerializer, ModelWriteSerializer, body_problems
@@ -85,7 +85,7 @@ def set_cordoned(node: Node, cordoned: bool) -> Node:
 
 
 def drain_node(node: Node) -> int:
-    """Cordon the node; its serving replicas are replaced elsewhere, then drained (`reconciler.drain`).
+    """Cordon the node; its serving replicas are replaced elsewhere, then drained (`reconciler.lifecycle.drain`).
 
     Returns how many replicas will be stopped.
     """
@@ -95,7 +95,7 @@ def drain_node(node: Node) -> int:
 
 
 def stop_one_replica(replica: Replica, reason: str) -> None:
-    """Stop one replica the way admin does (`reconciler.lifecycle.stop_replica`)."""
+    """Stop one replica the way admin does (`reconciler.lifecycle.transitions.stop_replica`)."""
     stop_replica(replica, reason)
 
 

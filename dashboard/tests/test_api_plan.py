@@ -14,7 +14,7 @@ from catalog.models import Model, Profile
 from dashboard.api.plan import PlanAnswerSerializer
 from inventory.models import GPU, Node
 from reconciler.models import GPUAssignment, Replica, Shard
-from reconciler.what_if import entries_from_data, plan
+from reconciler.planner.what_if import entries_from_data, plan
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 pytestmark = pytest.mark.django_db

@@ -7,14 +7,14 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from agent.protocol import GPUReport, Hello
 from dashboard.summary import cluster_summary
 from inventory.models import Node
 from inventory.services import enrol_node, register_nodes
-from reconciler.capacity import free_capacity
+from nodewire.protocol import GPUReport, Hello
 from reconciler.choices import ReplicaState, ShardState
-from reconciler.lifecycle import mark_ready_if_whole
+from reconciler.lifecycle.transitions import mark_ready_if_whole
 from reconciler.models import Shard
+from reconciler.placement.capacity import free_capacity
 from tests.fleet import H100, make_model, make_replica
 
 pytestmark = pytest.mark.django_db

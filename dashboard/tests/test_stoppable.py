@@ -8,8 +8,8 @@ from django.utils import timezone
 from catalog.models import Profile
 from dashboard.summary import cluster_summary
 from reconciler.choices import Hold, ReplicaState
-from reconciler.eviction import MAKING_ROOM
 from reconciler.models import Lease, Replica, Shard
+from reconciler.placement.eviction import MAKING_ROOM
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 pytestmark = pytest.mark.django_db

@@ -9,9 +9,9 @@ from django.utils import timezone
 from dashboard.summary import cluster_summary
 from inventory.choices import GPUHealth, NodeState
 from reconciler.choices import Hold, ReplicaState
-from reconciler.eviction import MAKING_ROOM
-from reconciler.idle import Idle
+from reconciler.demand.idle import Idle
 from reconciler.models import Lease, Replica
+from reconciler.placement.eviction import MAKING_ROOM
 from tests.fleet import make_model, make_node, make_replica, set_gpu
 
 pytestmark = pytest.mark.django_db

@@ -11,7 +11,7 @@ from dashboard.summary import cluster_summary
 from dashboard.summary_types import GPU_STATES, Capacity, ClusterSummary, NodeCounts, ReplicaCounts, ReplicaStatus
 from inventory.choices import NodeState
 from reconciler.choices import ReplicaState
-from reconciler.idle import UNKNOWN, Idle
+from reconciler.demand.idle import UNKNOWN, Idle
 from tests.fleet import make_model, make_node, make_replica
 
 

@@ -6,14 +6,14 @@ import json
 import pytest
 from django.utils import timezone
 
-from agent.protocol import WeightsHeaderFacts, WeightsReport, WeightsShape, to_builtins
 from agent.tests.test_weights_facts import hub_snapshot
-from agent.weights_inventory import WeightsInventory
+from agent.weights.inventory import WeightsInventory
 from catalog.memory import GIB
 from catalog.models import Model, Profile
 from catalog.sizing import fleet_memory, profile_memory, profile_verdict, verdict_lines
 from inventory.models import Node, Weights
 from inventory.services import record_weights
+from nodewire.protocol import WeightsHeaderFacts, WeightsReport, WeightsShape, to_builtins
 from tests.fleet import make_model
 
 pytestmark = pytest.mark.django_db

@@ -5,9 +5,9 @@ import logging
 import pytest
 from django.utils import timezone
 
-from agent.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus
 from inventory.models import Node, Weights, human_size
 from inventory.services import record_heartbeat, record_weights, record_weights_status, register_nodes
+from nodewire.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus
 
 pytestmark = pytest.mark.django_db
 

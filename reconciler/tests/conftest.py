@@ -9,11 +9,11 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
-from agent.protocol import ShardStatus
 from hub import UsageReport, get_hub
 from llmgw_site.celery import app as celery_app
+from nodewire.protocol import ShardStatus
 from reconciler.agent_reports import record_shard_statuses
-from reconciler.lease import Leadership
+from reconciler.leadership.lease import Leadership
 from reconciler.tick import tick
 from tests.fleet import watch_usage
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from agent import protocol
+from nodewire import protocol
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db

@@ -8,10 +8,10 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
-from agent.protocol import AdapterStatus, ShardHeartbeat
 from catalog.models import Adapter
 from hub import UsageReport, get_hub
 from hub.contracts import EndpointTable
+from nodewire.protocol import AdapterStatus, ShardHeartbeat
 from reconciler.adapters import _score, reconcile_held, record_adapter_stamps, record_adapter_statuses
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.endpoints import build_endpoint_table

@@ -5,7 +5,7 @@ import pytest
 
 from inventory.models import Node
 from reconciler.choices import ReplicaState
-from reconciler.drain import drain_nodes
+from reconciler.lifecycle.drain import drain_nodes
 from reconciler.models import Replica
 from tests.fleet import make_model, make_node, make_replica
 

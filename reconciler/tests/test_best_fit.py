@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.capacity import CapacitySnapshot, NodeGPUs
-from reconciler.placement import Placement, Shape, on_node, place
+from reconciler.placement.capacity import CapacitySnapshot, NodeGPUs
+from reconciler.placement.search import Placement, Shape, on_node, place
 
 CLASS = "H100-80GB"
 

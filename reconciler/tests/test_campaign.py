@@ -9,8 +9,8 @@ from celery.concurrency.solo import TaskPool as SoloPool
 from django.core.exceptions import ImproperlyConfigured
 
 from conftest import wait_until
-from reconciler.campaign import Campaign, LeaseCampaignStep
-from reconciler.lease import Leadership
+from reconciler.leadership.campaign import Campaign, LeaseCampaignStep
+from reconciler.leadership.lease import Leadership
 from reconciler.models import Lease
 
 pytestmark = pytest.mark.django_db

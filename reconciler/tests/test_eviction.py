@@ -1,7 +1,7 @@
-"""The one eviction order and the fewest victims, on plain data (reconciler.eviction)."""
+"""The one eviction order and the fewest victims, on plain data (reconciler.placement.eviction)."""
 
-from reconciler.eviction import Holding, plan_eviction, stop_candidates
-from reconciler.placement import NodeCapacity, Placement, Shape
+from reconciler.placement.eviction import Holding, plan_eviction, stop_candidates
+from reconciler.placement.search import NodeCapacity, Placement, Shape
 
 H100 = "H100-80GB"
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 from inventory.models import Node
 from reconciler.choices import ReplicaState
 from reconciler.commands import acknowledge
-from reconciler.lifecycle import backoff_seconds, fail_replicas
+from reconciler.lifecycle.transitions import backoff_seconds, fail_replicas
 from reconciler.models import BusyPort, GPUAssignment, PendingCommand, Replica, Shard
 from reconciler.outbox import Outbox
 from tests.fleet import make_model, make_node, make_replica

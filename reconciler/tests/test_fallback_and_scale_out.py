@@ -9,7 +9,7 @@ from django.utils import timezone
 from catalog.models import Profile
 from hub import get_hub
 from reconciler.choices import ReplicaState
-from reconciler.demand import apply_demand
+from reconciler.demand.scaling import apply_demand
 from reconciler.models import ModelLoad, Replica, Shard
 from tests.fleet import make_model, make_node, make_replica
 

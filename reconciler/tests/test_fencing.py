@@ -5,7 +5,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 
 from hub import get_hub
-from reconciler.lease import Leadership, try_acquire
+from reconciler.leadership.lease import Leadership, try_acquire
 from reconciler.models import Replica
 from reconciler.outbox import current_epoch
 from reconciler.tick import tick

@@ -5,10 +5,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from agent.protocol import GPUHealth, GPUReport, Heartbeat, Hello, RunningShard, ShardHeartbeat
 from agentlink.services import on_heartbeat, on_hellos
 from inventory.choices import GPUHealth as Health
 from inventory.models import GPU
+from nodewire.protocol import GPUHealth, GPUReport, Heartbeat, Hello, RunningShard, ShardHeartbeat
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica, Shard
 from tests.fleet import make_model, make_node, make_replica

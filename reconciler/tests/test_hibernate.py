@@ -17,8 +17,8 @@ from hub import get_hub
 from hub.contracts import EndpointTable
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.endpoints import build_endpoint_table
-from reconciler.hibernate import profile_sleep_level, sleep_level
-from reconciler.lifecycle import unpublish_grace_seconds
+from reconciler.hibernate.tier import profile_sleep_level, sleep_level
+from reconciler.lifecycle.transitions import unpublish_grace_seconds
 from reconciler.models import GPUAssignment, Replica, Shard
 from reconciler.outbox import Outbox
 from reconciler.signals import work_pending
@@ -456,7 +456,7 @@ def test_the_max_swap_wait_never_overrides_the_occupants_residency(run_tick, set
 
 def shard_report_asleep(replica):
     """What the head's `sleeping` report does (record_asleep), for tests that need no agent."""
-    from reconciler.hibernate import record_asleep
+    from reconciler.hibernate.tier import record_asleep
 
     record_asleep(Replica.objects.get(pk=replica.pk))
 
@@ -473,7 +473,7 @@ def test_status_shows_a_sleepers_level_host_memory_and_wake_time():
 
 
 def test_the_planner_says_which_victims_would_sleep_rather_than_stop(usage_known):
-    from reconciler.what_if import plan_request
+    from reconciler.planner.what_if import plan_request
 
     node = make_node("gpu-a")
     serving("sleepy", node, idle=3000)

@@ -5,8 +5,8 @@ import pytest
 from conftest import migrate_to
 from reconciler.choices import Hold, ReplicaState
 from reconciler.endpoints import build_endpoint_table
-from reconciler.eviction import MAKING_ROOM, WAITING_FOR_NODES
 from reconciler.models import Replica
+from reconciler.placement.eviction import MAKING_ROOM, WAITING_FOR_NODES
 from tests.fleet import make_model, make_replica
 
 pytestmark = pytest.mark.django_db

@@ -5,11 +5,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from agent.gpus import host_memory_mib
+from agent.gpus.discovery import host_memory_mib
 from catalog.choices import SleepLevel
 from inventory.models import Node
 from reconciler.choices import ReplicaState
-from reconciler.hibernate import SleepRequest, put_to_sleep
+from reconciler.hibernate.tier import SleepRequest, put_to_sleep
 from reconciler.models import Replica
 from tests.fleet import make_model, make_node, make_replica
 
@@ -99,8 +99,8 @@ def test_the_agent_reads_its_host_memory_from_meminfo(tmp_path):
 
 
 def test_a_hello_records_the_nodes_host_memory_and_an_older_agents_leaves_it_unknown():
-    from agent.protocol import Hello
     from inventory.services import register_nodes
+    from nodewire.protocol import Hello
 
     node = make_node("gpu-a")
     register_nodes([(node.pk, Hello(node="gpu-a", version="v", address="a", gpus=[], host_memory_mib=24000))])

@@ -2,7 +2,7 @@
 
 from datetime import UTC, datetime, timedelta
 
-from reconciler.idle import UNKNOWN, Idle
+from reconciler.demand.idle import UNKNOWN, Idle
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

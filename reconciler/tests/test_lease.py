@@ -12,7 +12,7 @@ import pytest
 from django.db import OperationalError, connection, connections, transaction
 
 from inventory.models import Node
-from reconciler.lease import (
+from reconciler.leadership.lease import (
     Leadership,
     LeaseLost,
     assert_still_leader,

@@ -19,7 +19,7 @@ from hub import get_hub
 from inventory.choices import NodeState
 from inventory.models import Node
 from reconciler import tick as tick_module
-from reconciler.lease import Leadership, _db_now, try_acquire
+from reconciler.leadership.lease import Leadership, _db_now, try_acquire
 from reconciler.models import Lease, Replica
 from reconciler.tick import tick
 from tests.fleet import make_model, make_node

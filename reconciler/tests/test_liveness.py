@@ -5,10 +5,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from agent.protocol import Heartbeat
 from inventory.choices import NodeState
 from inventory.models import Node
 from inventory.services import record_heartbeat
+from nodewire.protocol import Heartbeat
 from reconciler.choices import ReplicaState
 from reconciler.endpoints import build_endpoint_table
 from reconciler.models import GPUAssignment, Replica, Shard

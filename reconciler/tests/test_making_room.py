@@ -10,11 +10,11 @@ from django.utils import timezone
 from hub import get_hub
 from reconciler.choices import Hold, ReplicaState
 from reconciler.endpoints import build_endpoint_table
-from reconciler.eviction import MAKING_ROOM
-from reconciler.lifecycle import unpublish_grace_seconds
+from reconciler.lifecycle.transitions import unpublish_grace_seconds
 from reconciler.models import Replica, Shard, UsageWatch
 from reconciler.outbox import Outbox
-from reconciler.placing import place_pending
+from reconciler.placement.eviction import MAKING_ROOM
+from reconciler.placement.placer import place_pending
 from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("usage_known")]

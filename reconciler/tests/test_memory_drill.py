@@ -3,7 +3,7 @@
 Each model's true need per GPU is worked out here from its shape, independently
 of catalog/memory.py (weights ÷ GPUs + vLLM's overheads + the KV cache of one
 full-length sequence), and every placement the tick makes is checked with the
-mock engine's own rule (`agent.mock_engine.out_of_memory`, what the mock told
+mock engine's own rule (`mockengine.server.out_of_memory`, what the mock told
 that need does on the placed GPUs' reported memory). Every refusal for memory
 must name the numbers.
 """
@@ -15,9 +15,9 @@ import re
 
 import pytest
 
-from agent.mock_engine import out_of_memory
 from catalog.models import Model, Profile
 from inventory.models import GPU
+from mockengine.server import out_of_memory
 from reconciler.choices import ReplicaState
 from reconciler.models import GPUAssignment, Replica
 from tests.fleet import make_node

@@ -1,6 +1,6 @@
 """A replica spanning nodes starts in rank order: its head first, the other ranks once the head's engine runs.
 
-Rank 0 hosts the rendezvous the other ranks join (agent/engines.py); its
+Rank 0 hosts the rendezvous the other ranks join (agent/engines/launch.py); its
 rendezvous port, the one after its engine port, is reserved by the placer. The
 order is read from the shard rows, so a resend (or a new leader) keeps it.
 """
@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.commands import acknowledge
-from reconciler.lifecycle import stop_replica, unpublish_grace_seconds
+from reconciler.lifecycle.transitions import stop_replica, unpublish_grace_seconds
 from reconciler.models import PendingCommand, Replica, Shard
 from tests.fleet import make_model, make_node
 

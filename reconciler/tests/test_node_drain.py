@@ -7,9 +7,9 @@ import pytest
 from django.utils import timezone
 
 from reconciler.choices import ReplicaState
-from reconciler.drain import drain_nodes, drain_replaced
 from reconciler.endpoints import build_endpoint_table
-from reconciler.lifecycle import unpublish_grace_seconds
+from reconciler.lifecycle.drain import drain_nodes, drain_replaced
+from reconciler.lifecycle.transitions import unpublish_grace_seconds
 from reconciler.models import Replica, Shard
 from tests.fleet import make_model, make_node, make_replica
 

@@ -1,8 +1,8 @@
-"""Unit tests of reconciler.placement: pure functions, no database."""
+"""Unit tests of reconciler.placement.search: pure functions, no database."""
 
 import pytest
 
-from reconciler.placement import NodeCapacity, Placement, Shape, Unplaceable, pick_port, place
+from reconciler.placement.search import NodeCapacity, Placement, Shape, Unplaceable, pick_port, place
 
 H100 = "H100-80GB"
 
@@ -17,7 +17,7 @@ def test_single_node_best_fit_takes_the_node_with_fewest_free_gpus_that_still_fi
 
 
 def node_shard(name, indices):
-    from reconciler.placement import ShardPlacement
+    from reconciler.placement.search import ShardPlacement
 
     return ShardPlacement(name, f"10.0.0.{len(name)}", indices)
 

@@ -49,7 +49,7 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
             "gpu_indices": [0, 1],
             "port": 20000,
             "args": ["--max-model-len", "8192"],
-            "env": env,  # the profile's, secrets as they are: the engine needs them (agent/engine_env.py)
+            "env": env,  # the profile's, secrets as they are: the engine needs them (nodewire/engine_env.py)
             "host": "127.0.0.1",
             "rendezvous_port": 0,
             # A vLLM profile with no sleep level of its own sleeps at the best level (2: its size is unknown).
@@ -73,7 +73,7 @@ def test_multi_node_replica_gets_whole_nodes_on_one_fabric_and_starts_its_head_f
     assert shards == [("gpu-a", 0, 20000), ("gpu-b", 1, 20000)]
     (start,) = head_inbox()
     assert (start["rank"], start["node_count"], start["head_address"]) == (0, 2, "10.0.0.1")
-    # The head's rendezvous port is the one after its engine port (reconciler.placement.rendezvous_port).
+    # The head's rendezvous port is the one after its engine port (reconciler.placement.search.rendezvous_port).
     assert (start["port"], start["rendezvous_port"]) == (20000, 20001)
     assert inbox() == []  # rank 1 waits for its head's engine (reconciler/tests/test_multi_node_order.py)
 

@@ -14,8 +14,8 @@ from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from inventory.choices import NodeState
 from reconciler.choices import Hold, ReplicaState, ShardState
 from reconciler.endpoints import build_endpoint_table
-from reconciler.eviction import WAITING_FOR_NODES
 from reconciler.models import Replica, Shard
+from reconciler.placement.eviction import WAITING_FOR_NODES
 from reconciler.signals import work_pending
 from tests.fleet import make_model, make_node
 

@@ -73,7 +73,7 @@ def test_the_tick_reads_the_reports_in_the_one_weights_query_however_many_models
 
 
 def test_the_planner_sizes_hub_models_by_the_reported_headers_too():
-    from reconciler.what_if import plan_request
+    from reconciler.planner.what_if import plan_request
 
     l40s = make_node("l40s-a", gpus=4, gpu_class=L40S)
     make_node("h100-a", gpus=2, gpu_class=H100)

@@ -5,7 +5,7 @@ import logging
 import pytest
 from django.db import DatabaseError
 
-from agent.protocol import ShardStatus
+from nodewire.protocol import ShardStatus
 from reconciler import agent_reports
 from reconciler.agent_reports import record_shard_statuses
 from reconciler.choices import ReplicaState, ShardState

@@ -7,15 +7,15 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
-from agent.protocol import RunningShard
 from conftest import wait_until
 from hub import get_hub
 from inventory.models import Node
+from nodewire.protocol import RunningShard
 from reconciler.agent_reports import reconcile_reported_shards_of_nodes
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.commands import acknowledge, send_pending_soon_to
 from reconciler.endpoints import build_endpoint_table
-from reconciler.lifecycle import stop_replica, unpublish_grace_seconds
+from reconciler.lifecycle.transitions import stop_replica, unpublish_grace_seconds
 from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
 from reconciler.signals import work_pending
 from tests.fleet import make_model, make_node

@@ -14,7 +14,7 @@ from hub.contracts import TokenCount, UsageReport, UsageSnapshot
 from hub.credentials import hash_secret
 from keys.models import ApiKey, TokenUsage
 from keys.usage import UPSERT_BATCH, store_tokens
-from reconciler.tokens import record_token_usage
+from reconciler.demand.tokens import record_token_usage
 
 pytestmark = pytest.mark.django_db
 

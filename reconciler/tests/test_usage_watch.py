@@ -11,8 +11,8 @@ from conftest import free_port
 from hub import RedisHub
 from hub.contracts import EndpointTable, RouterMark, UsageSnapshot
 from reconciler.choices import ReplicaState
+from reconciler.demand.usage import FLEET, assess_usage
 from reconciler.models import Replica, UsageWatch
-from reconciler.usage import FLEET, assess_usage
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.usage import UsageFlusher

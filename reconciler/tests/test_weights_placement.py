@@ -8,7 +8,7 @@ from django.utils import timezone
 from catalog.models import Model, Profile
 from inventory.models import Weights
 from reconciler.models import Shard
-from reconciler.placement import NodeCapacity, Shape, place
+from reconciler.placement.search import NodeCapacity, Shape, place
 from tests.fleet import H100, make_model, make_node
 
 pytestmark = pytest.mark.django_db

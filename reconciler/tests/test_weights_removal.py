@@ -7,10 +7,10 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
-from agent.protocol import Hello
 from agentlink.services import on_hellos
 from catalog.models import Model, Profile
 from inventory.models import Weights
+from nodewire.protocol import Hello
 from reconciler.commands import acknowledge, resend_unacknowledged
 from reconciler.models import PendingCommand
 from reconciler.outbox import Outbox

@@ -7,14 +7,14 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from agent.protocol import WeightsStatus
 from catalog.models import Adapter, Model, Profile
 from inventory.models import Weights
 from inventory.services import record_weights_status
+from nodewire.protocol import WeightsStatus
 from reconciler.commands import acknowledge
 from reconciler.models import PendingCommand
 from reconciler.outbox import Outbox
-from reconciler.weights_sweep import sweep_unused_weights
+from reconciler.weights.sweep import sweep_unused_weights
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db

@@ -12,10 +12,10 @@ from catalog.models import Model, Profile
 from hub import get_hub
 from inventory.models import Node
 from reconciler.choices import ReplicaState
-from reconciler.fit import MemoryCheck
 from reconciler.models import Replica, Shard
-from reconciler.what_if import PlanInputError, entries_from_data, entries_from_names, plan
-from reconciler.what_if_types import Problem, Verdict
+from reconciler.placement.fit import MemoryCheck
+from reconciler.planner.answer import Problem, Verdict
+from reconciler.planner.what_if import PlanInputError, entries_from_data, entries_from_names, plan
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 pytestmark = pytest.mark.django_db

@@ -303,7 +303,7 @@ def start_engine():
 
 
 class EngineProcess:
-    """The bundled mock engine (`python -m agent.mock_engine`) as a real process, to be killed by signal."""
+    """The bundled mock engine (`python -m mockengine`) as a real process, to be killed by signal."""
 
     def __init__(self, port: int | None = None, token_delay_ms: float = 0.0, api_key: str | None = None):
         self.port = port or free_port()
@@ -316,7 +316,7 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineProcess:
-        argv = [sys.executable, "-m", "agent.mock_engine", "--port", str(self.port), "--model", MODEL]
+        argv = [sys.executable, "-m", "mockengine", "--port", str(self.port), "--model", MODEL]
         argv += ["--token-delay-ms", str(self.token_delay_ms)]
         env = {**os.environ, "VLLM_API_KEY": self.api_key or ""}
         self.process = subprocess.Popen(argv, cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from agent.mock_engine import CACHE_SLOTS
 from conftest import free_port, wait_until
+from mockengine.server import CACHE_SLOTS
 from router.balancer import Balancer
 from router.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
 
@@ -84,7 +84,7 @@ def test_missing_or_senseless_figures_are_unknown(text, expected):
 
 
 def test_the_mock_engines_metrics_are_read():
-    from agent.mock_engine import MockEngine
+    from mockengine.server import MockEngine
 
     engine = MockEngine(MODEL)
     engine.running = CACHE_SLOTS // 2
@@ -212,11 +212,11 @@ def chat(router, auth, prompt: str) -> str:
 
 
 class MockEngineProcess:
-    """`python -m agent.mock_engine` with a token delay, so requests to it stay running for a while."""
+    """`python -m mockengine` with a token delay, so requests to it stay running for a while."""
 
     def __init__(self, token_delay_ms: float):
         self.port = free_port()
-        argv = [sys.executable, "-m", "agent.mock_engine", "--port", str(self.port), "--model", MODEL]
+        argv = [sys.executable, "-m", "mockengine", "--port", str(self.port), "--model", MODEL]
         argv += ["--token-delay-ms", str(token_delay_ms)]
         self.process = subprocess.Popen(argv, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._answers, timeout=10, interval=0.05)

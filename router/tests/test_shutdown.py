@@ -41,7 +41,7 @@ def database_env(tmp_path) -> dict[str, str]:
 def slow_engine():
     """The bundled mock engine, 100 ms per token (a stream of ~10 tokens takes about a second)."""
     port = free_port()
-    argv = [sys.executable, "-m", "agent.mock_engine", "--port", str(port), "--model", MODEL, "--token-delay-ms", "100"]
+    argv = [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL, "--token-delay-ms", "100"]
     process = subprocess.Popen(argv, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 

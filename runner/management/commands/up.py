@@ -8,8 +8,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.http.request import validate_host
 
-from agent.protocol import parse_port
 from catalog.catalog_file import CatalogFileError
+from nodewire.protocol import parse_port
 from runner import embedded
 from runner.demo import CREDENTIALS_FILE, DemoCredentialsError, create_demo_fleet
 

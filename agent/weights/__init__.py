@@ -1,0 +1,1 @@
+"""The weights this node holds: what a scan finds and reports to the control plane."""

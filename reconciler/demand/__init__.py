@@ -1,0 +1,1 @@
+"""Demand: how many replicas each model wants, from activations, load, idleness and usage."""

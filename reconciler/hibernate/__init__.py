@@ -1,0 +1,1 @@
+"""The hibernate tier: sleeping replicas, swaps, and the host memory sleepers hold."""

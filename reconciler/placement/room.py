@@ -1,0 +1,251 @@
+"""Making room under pressure: stop idle replicas so a waiting one can be placed (DESIGN "One eviction order").
+
+Runs in the tick after placement, for the replicas no profile could take, in
+placement order. For each, on its profiles in order:
+
+1. if GPUs already being freed (replicas draining) would make it fit, it
+   waits for them — they are claimed for it, so the next waiting replica does
+   not count them again, and nothing more is stopped;
+2. otherwise `eviction.plan_eviction` picks the fewest candidates (the one
+   eviction order) whose GPUs make it fit; they are stopped (a drain), and
+   their GPUs are claimed for it.
+
+Either way its hold is `Hold.MAKING_ROOM` (its note, for operators, starts
+with `eviction.MAKING_ROOM`), so routers keep holding its requests instead of
+answering "cannot be started"; it is placed by a later tick once the GPUs are
+free. A constant number of queries.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from django.conf import settings
+
+from catalog.models import Profile
+from inventory.models import gpu_in_service
+from reconciler.choices import Hold, ReplicaState
+from reconciler.demand.idle import Idle
+from reconciler.hibernate.tier import SleepRequest, put_to_sleep
+from reconciler.lifecycle.transitions import StopRequest, stop_replicas
+from reconciler.models import GPUAssignment, Replica
+from reconciler.placement.capacity import CapacitySnapshot
+from reconciler.placement.eviction import (
+    MAKING_ROOM,
+    WAITING_FOR_NODES,
+    Holding,
+    plan_eviction,
+    seconds_until_stoppable,
+    stop_candidates,
+    with_freed,
+)
+from reconciler.placement.fit import MemoryCheck
+from reconciler.placement.occupants import read_holdings, sleep_levels, spare_replicas
+from reconciler.placement.search import NodeCapacity, Placement, Shape, place
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlacementNote:
+    """Why a pending replica is not placed: the text operators read, and whether routers hold its requests.
+
+    Written together to `Replica.placement_error` and `Replica.hold`; rules
+    read the hold, never the text.
+    """
+
+    text: str
+    hold: str = Hold.NONE
+
+    @classmethod
+    def making_room(cls, what: str) -> PlacementNote:
+        return cls(MAKING_ROOM + what, Hold.MAKING_ROOM)
+
+    @classmethod
+    def waiting_for_nodes(cls, reason: str) -> PlacementNote:
+        return cls(WAITING_FOR_NODES + reason, Hold.WAITING_FOR_NODES)
+
+
+def make_room(
+    waiting: list[tuple[Replica, list[Profile], str]],
+    capacity: CapacitySnapshot,
+    now: datetime,
+    memory: MemoryCheck,
+    *,
+    paused: str = "",
+) -> dict[int, PlacementNote]:
+    """Decide, for each waiting (replica, profiles it may use, why not), whether to wait or to stop victims.
+
+    `paused` says why nothing may be evicted this tick ("" when eviction may
+    act): then nothing is stopped, but a replica that eviction would make room
+    for still holds its requests instead of being refused — a usage store that
+    has just come back, or a control plane that has just started, is not a
+    reason to answer "cannot be started" for a model a tick later would place.
+    Returns the placement note (holding: making room) of each replica that now waits for room.
+    """
+    draining = _draining_gpus(now)
+    # Read only when some replica needs victims: while victims drain, waiting costs one query a tick.
+    holdings: list[Holding] | None = None
+    spare: dict[str, int] = {}
+    taken: set[int] = set()  # replicas chosen as victims this tick
+    notes: dict[int, PlacementNote] = {}
+    victims_all: list[StopRequest] = []
+    for replica, profiles, _reason in waiting:
+        model = replica.model.name
+        priority = replica.profile.priority
+        shapes = []
+        for profile in profiles:
+            shape = Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
+            # Nodes whose GPUs are too small for the profile are no use, however much is stopped on them.
+            records = memory.records(capacity, profile)
+            shapes.append((records, shape))
+            soon = _fits_with(records, draining, shape)
+            if soon is not None:
+                notes[replica.pk] = PlacementNote.making_room(f"waiting for GPUs being freed on {', '.join(soon)}")
+                break
+            if holdings is None:
+                holdings, spare = read_holdings(now), spare_replicas()
+            if paused:
+                continue
+            plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority))
+            if plan is None:
+                continue
+            victims, _placement = plan
+            stopping = _claim(victims, model, taken, spare, victims_all)
+            notes[replica.pk] = PlacementNote.making_room(f"stopping {stopping}")
+            log.info("making room for %s on %s: stopping %s", model, profile.gpu_class, stopping)
+            break
+        else:
+            # No profile can make room now: hold, don't refuse, if one will once time has passed.
+            for records, shape in shapes if holdings is not None else ():
+                note = _room_soon(holdings, spare, taken, model, priority, records, shape, paused)
+                if note is not None:
+                    notes[replica.pk] = note
+                    break
+    _sleep_or_stop(victims_all, now)
+    return notes
+
+
+def _claim(
+    victims: list[Holding], model: str, taken: set[int], spare: dict[str, int], requests: list[StopRequest]
+) -> str:
+    """Take `victims` for a replica of `model`: out of later replicas' candidates and of their models' spares,
+    and to be stopped (or put to sleep) for it. Returns them described, for its note."""
+    for victim in victims:
+        taken.add(victim.replica_id)
+        spare[victim.model] -= 1
+        # Its GPUs are this replica's once free: they are not in `draining`, so no one else counts them.
+        requests.append(StopRequest(_stub(victim), f"evicted for {model}: {_describe(victim)}"))
+    return ", ".join(_describe(v) for v in victims)
+
+
+def _candidates(
+    holdings: list[Holding], spare: dict[str, int], taken: set[int], model: str, priority: int, *, soon: bool = False
+) -> list[Holding]:
+    """The one eviction order's candidates for a replica of `model`: never its own model's replicas (stopping one
+    to start another would only churn), nor one already chosen this tick."""
+    return stop_candidates(
+        (h for h in holdings if h.replica_id not in taken and h.model != model),
+        spare,
+        min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
+        min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
+        max_priority=priority,
+        soon=soon,
+    )
+
+
+def _sleep_or_stop(victims: list[StopRequest], now: datetime) -> None:
+    """The one eviction order, extended: a victim whose engine can sleep sleeps (a swap back is seconds), the
+    rest are stopped. Either way its GPUs are free once its engine has drained."""
+    if not victims:
+        return
+    levels = sleep_levels([request.replica.pk for request in victims])
+    sleepers = [SleepRequest(r.replica.pk, levels[r.replica.pk], r.reason) for r in victims if levels.get(r.replica.pk)]
+    put_to_sleep(sleepers, now)
+    stop_replicas([r for r in victims if not levels.get(r.replica.pk)], now)
+
+
+def _room_soon(
+    holdings: list[Holding],
+    spare: dict[str, int],
+    taken: set[int],
+    model: str,
+    priority: int,
+    records: list[NodeCapacity],
+    shape: Shape,
+    paused: str,
+) -> PlacementNote | None:
+    """Hold, don't refuse: when replicas that will be evictable once time passes (not idle or resident long
+    enough yet, or finishing requests) or once eviction may act again (`paused`) would make room, the waiting
+    replica holds its requests until they are (nothing is stopped now; a later tick stops them by the usual
+    rules). None when not even that would do.
+
+    While paused, a replica whose idleness is unknown counts as one that may
+    become evictable: its routers' stamps may not have been collected yet (a
+    control plane that has just started). Once eviction may act, a replica
+    still of unknown idleness is not a candidate, and the waiting one is refused.
+    """
+    if paused:
+        known = {h.replica_id: h for h in holdings}
+        holdings = [h if h.idle_seconds is not None else replace(h, idle_seconds=0.0) for h in holdings]
+    plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority, soon=True))
+    if plan is None:
+        return None
+    victims, _placement = plan
+    if paused:
+        held = ", ".join(_describe(known[v.replica_id]) for v in victims)
+        return PlacementNote.making_room(f"nothing is evicted while {paused}; then {held} may make room")
+    wait = seconds_until_stoppable(
+        victims, min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
+    )
+    when = "once their requests finish" if wait is None else f"in about {Idle(wait)}"
+    return PlacementNote.making_room(f"waiting for {', '.join(_describe(v) for v in victims)} to be evictable {when}")
+
+
+def _stub(holding: Holding) -> Replica:
+    """Enough of a Replica row for `stop_replicas` (it reads the id and the state)."""
+    return Replica(pk=holding.replica_id, state=ReplicaState.READY)
+
+
+def _describe(holding: Holding) -> str:
+    idle = Idle(holding.idle_seconds)
+    return f"replica {holding.replica_id} of {holding.model} ({holding.gpu_count} GPUs, idle {idle})"
+
+
+def _draining_gpus(now: datetime) -> dict[tuple[str, str], set[int]]:
+    """In-service GPUs held by STOPPING replicas and by sleepers not yet asleep, per (node, class): free once their
+    engines have drained or gone to sleep. One query."""
+    draining: dict[tuple[str, str], set[int]] = defaultdict(set)
+    rows = GPUAssignment.objects.filter(
+        shard__replica__state__in=(ReplicaState.STOPPING, ReplicaState.SLEEPING), awake=True
+    ).values_list("shard__node__name", "gpu__gpu_class", "gpu__index", "gpu__health", "gpu__healthy_since")
+    for node, gpu_class, index, health, healthy_since in rows:
+        if gpu_in_service(health, healthy_since, now):
+            draining[(node, gpu_class)].add(index)
+    return draining
+
+
+def _fits_with(
+    records: list[NodeCapacity], draining: dict[tuple[str, str], set[int]], shape: Shape
+) -> list[str] | None:
+    """Nodes whose draining GPUs would make `shape` fit, claimed (removed from `draining`); None if they would not."""
+    pseudo = [
+        Holding(0, "", 0, None, 0.0, shape.gpu_class, {node: tuple(sorted(indices))})
+        for (node, gpu_class), indices in draining.items()
+        if gpu_class == shape.gpu_class and indices
+    ]
+    if not pseudo:
+        return None
+    result = place(with_freed(records, pseudo), shape)
+    if not isinstance(result, Placement):
+        return None
+    used = []
+    for shard in result.shards:
+        claimed = draining.get((shard.node, shape.gpu_class), set())
+        if claimed & set(shard.gpu_indices):
+            used.append(shard.node)
+            claimed.difference_update(shard.gpu_indices)
+    return used or None
