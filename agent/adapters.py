@@ -27,13 +27,13 @@ import httpx
 
 from agent.engines.adapters import EngineAdapterError, EngineAdapters
 from agent.supervisor import Shard
-from nodewire import protocol
+from nodewire import adapter_messages, protocol
 from nodewire.adapter_messages import AdapterState
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[bytes], Awaitable[bool]]
-AdapterCommand = protocol.LoadAdapter | protocol.UnloadAdapter
+AdapterCommand = adapter_messages.LoadAdapter | adapter_messages.UnloadAdapter
 
 
 class Adapters:
@@ -85,7 +85,7 @@ class Adapters:
         engine = EngineAdapters(self._client, f"http://{shard.launch.url_host}:{shard.port}", shard.launch.adapters)
         started = asyncio.get_running_loop().time()
         try:
-            if isinstance(cmd, protocol.LoadAdapter):
+            if isinstance(cmd, adapter_messages.LoadAdapter):
                 log.info("shard %s: loading adapter %s from %s", cmd.shard_id, cmd.name, cmd.source)
                 fresh = await engine.load(cmd.name, cmd.source)
             else:
@@ -93,7 +93,7 @@ class Adapters:
         except EngineAdapterError as exc:
             await self._status(cmd.shard_id, cmd.name, "failed", str(exc))
             return
-        if isinstance(cmd, protocol.LoadAdapter):
+        if isinstance(cmd, adapter_messages.LoadAdapter):
             shard.adapters.add(cmd.name)
             took = round(asyncio.get_running_loop().time() - started, 3)
             await self._status(cmd.shard_id, cmd.name, "loaded", "" if fresh else "the engine held it already", took)
@@ -106,7 +106,9 @@ class Adapters:
     ) -> None:
         took = f" in {seconds:g} s" if seconds is not None else ""
         log.info("shard %s: adapter %s %s%s%s", shard_id, name, state, took, f" ({message})" if message else "")
-        status = protocol.AdapterStatus(shard_id=shard_id, name=name, state=state, message=message, seconds=seconds)
+        status = adapter_messages.AdapterStatus(
+            shard_id=shard_id, name=name, state=state, message=message, seconds=seconds
+        )
         if not await self._send(protocol.encode(status)):
             log.debug("not connected; dropped adapter_status for adapter %s of shard %s", name, shard_id)
 

@@ -27,7 +27,7 @@ import httpx
 import msgspec
 
 from agent.engines.launch import Launch
-from nodewire import protocol
+from nodewire import parts, protocol
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +232,10 @@ class Shard:
     # The newest adapter command under way: each waits for the one before it (agent/adapters.py).
     adapter_task: asyncio.Task | None = None
 
-    def report(self) -> protocol.RunningShard:
-        return protocol.RunningShard(
-            shard_id=self.shard_id, replica_id=self.replica_id, state=self.state, port=self.port
-        )
+    def report(self) -> parts.RunningShard:
+        return parts.RunningShard(shard_id=self.shard_id, replica_id=self.replica_id, state=self.state, port=self.port)
 
-    def heartbeat(self, running: int | None) -> protocol.ShardHeartbeat:
+    def heartbeat(self, running: int | None) -> parts.ShardHeartbeat:
         """The shard as a heartbeat reports it, with `running` requests; its adapters when it takes any."""
         adapters = sorted(self.adapters) if self.launch.adapters is not None else msgspec.UNSET
-        return protocol.ShardHeartbeat(shard_id=self.shard_id, state=self.state, running=running, adapters=adapters)
+        return parts.ShardHeartbeat(shard_id=self.shard_id, state=self.state, running=running, adapters=adapters)

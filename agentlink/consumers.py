@@ -24,7 +24,7 @@ from django.conf import settings
 from django.db import connections
 
 from inventory.models import NodeCredential
-from nodewire import protocol
+from nodewire import adapter_messages, parts, protocol
 from reconciler.outbox import node_group
 
 from . import services
@@ -148,7 +148,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await hellos.submit((self.node_id, message))
                 # The hello recorded what a heartbeat reports: a first heartbeat saying the same costs no query.
                 self.last_heartbeat = protocol.Heartbeat(
-                    gpus=[protocol.GPUHealth(index=g.index, healthy=g.healthy, reason=g.reason) for g in message.gpus]
+                    gpus=[parts.GPUHealth(index=g.index, healthy=g.healthy, reason=g.reason) for g in message.gpus]
                 )
                 self.heartbeat_checked_at = time.monotonic()
             case protocol.Heartbeat():
@@ -159,7 +159,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 shard_statuses.add((self.node_id, self.node_name, message))
             case protocol.WeightsStatus():
                 await in_database(services.on_weights_status)(self.node_id, message)
-            case protocol.AdapterStatus():
+            case adapter_messages.AdapterStatus():
                 await in_database(services.on_adapter_status)(self.node_id, message)
             case protocol.Ack():
                 if message.refused:

@@ -10,7 +10,8 @@ from django.utils import timezone
 
 from inventory.models import Node
 from inventory.services import record_heartbeat, record_weights_status, register_nodes
-from nodewire.protocol import AdapterStatus, Heartbeat, Hello, WeightsStatus
+from nodewire.adapter_messages import AdapterStatus
+from nodewire.protocol import Heartbeat, Hello, WeightsStatus
 from reconciler.adapters import reconcile_held, record_adapter_statuses
 from reconciler.agent_reports import (
     reconcile_reported_shards_of_nodes,

@@ -13,7 +13,7 @@ DATABASE_URL), that many 8-GPU nodes, then:
   replicas at 1,000 nodes), idle for known times — and a queue of
   `--waiting` 8-GPU models asked for before every tick: the first tick evicts
   (two victims per waiting model), the steady ticks that follow re-read the
-  holdings while the victims drain (no agents answer here).
+  occupants while the victims drain (no agents answer here).
 
 `--adapters N` registers N LoRA adapters on the pressure fleet's first model (8
 slots per replica) with its first two replicas' slots full, recently used.

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from nodewire.protocol import WeightsHeaderFacts, WeightsShape
 from nodewire.weights.disk import weights_key
 from nodewire.weights.headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
+from nodewire.weights.messages import WeightsHeaderFacts, WeightsShape
 
 from .engine_flags import parallel_shape, read_memory_args, sets_context
 from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header

@@ -1,7 +1,7 @@
 """ "What can I stop" (DESIGN "What can I stop"): the summary's `stoppable`, `idle_held_gpus` and `usage`.
 
 The candidates are the reconciler's own (`eviction.stop_candidates` over
-`holdings.read_holdings`), so status never offers a replica the tick would
+`occupants.read_occupants`), so status never offers a replica the tick would
 refuse to stop: known-idle only, never one with running requests, never below
 a model's min replicas. Here they are only ranked for an operator (most
 GPU-seconds held while idle first) and explained: what stopping one frees, by
@@ -31,8 +31,8 @@ from catalog.models import Profile
 from reconciler.choices import ReplicaState
 from reconciler.demand.idle import Idle
 from reconciler.models import Shard, UsageWatch
-from reconciler.placement.eviction import Holding, stop_candidates, with_freed
-from reconciler.placement.occupants import read_holdings, spare_replicas
+from reconciler.placement.eviction import Occupant, stop_candidates, with_freed
+from reconciler.placement.occupants import read_occupants, spare_replicas
 from reconciler.placement.search import NodeCapacity, Placement, Shape, place
 
 from .summary_types import IdleHeld, IdleHeldClass, Leader, StopCandidate, UsageState
@@ -69,10 +69,10 @@ def usage_state(now: datetime, leader: Leader | None) -> UsageState:
     return UsageState(True, watch.known_since.isoformat(), "")
 
 
-def idle_held_gpus(holdings: Iterable[Holding], gpu_classes: Iterable[str]) -> IdleHeld:
+def idle_held_gpus(occupants: Iterable[Occupant], gpu_classes: Iterable[str]) -> IdleHeld:
     """GPUs held by replicas known idle for over an hour, per class (every class listed, 0 included) and in total."""
     per_class: dict[str, int] = dict.fromkeys(gpu_classes, 0)
-    for holding in holdings:
+    for holding in occupants:
         per_class.setdefault(holding.gpu_class, 0)
         if holding.idle_seconds is not None and holding.idle_seconds > IDLE_HELD_AFTER_SECONDS:
             per_class[holding.gpu_class] += holding.gpu_count
@@ -121,12 +121,12 @@ class _Fleet:
             if not any(isinstance(place(self.records.get(s.gpu_class, {}).values(), s), Placement) for s in shapes)
         }
 
-    def after_stopping(self, holding: Holding) -> list[NodeCapacity]:
+    def after_stopping(self, holding: Occupant) -> list[NodeCapacity]:
         """The holding's nodes as they would be once it stops (only schedulable ones have records)."""
         records = self.records.get(holding.gpu_class, {})
         return with_freed([records[name] for name in sorted(holding.gpus) if name in records], [holding])
 
-    def frees(self, holding: Holding, freed: list[NodeCapacity]) -> str:
+    def frees(self, holding: Occupant, freed: list[NodeCapacity]) -> str:
         """What stopping it frees: whole nodes per fabric where it makes them whole, else GPUs per node."""
         gpu_class = holding.gpu_class
         whole: dict[str, int] = defaultdict(int)
@@ -147,7 +147,7 @@ class _Fleet:
             phrases.append(f"{gpus} on {name} (not schedulable now)")
         return _join(phrases) if phrases else "nothing schedulable"
 
-    def unblocks(self, holding: Holding, freed: list[NodeCapacity]) -> list[str]:
+    def unblocks(self, holding: Occupant, freed: list[NodeCapacity]) -> list[str]:
         """Unplaceable models that would fit on any of their profiles once this replica alone stops.
 
         None of them fits now, so only the freed nodes can make a single-node
@@ -169,7 +169,7 @@ class _Fleet:
         )
 
 
-def _entry(holding: Holding, fleet: _Fleet) -> StopCandidate:
+def _entry(holding: Occupant, fleet: _Fleet) -> StopCandidate:
     freed = fleet.after_stopping(holding)
     return StopCandidate(
         replica=holding.replica_id,
@@ -197,16 +197,16 @@ def what_can_i_stop(
     `gpu_classes` are the fleet's classes (each listed in `idle_held_gpus`),
     `unplaceable` the models with a pending replica that found no room,
     `records` per class the placer's record of each ready, schedulable node.
-    Queries: 1 when usage is unknown; else up to 1 + 3 (holdings) + 2 (spare
+    Queries: 1 when usage is unknown; else up to 1 + 3 (occupants) + 2 (spare
     replicas) + 1 (sleepers) + 1 (profiles of unplaceable models).
     """
     usage = usage_state(now, leader)
     if not usage.known:
         return WhatCanIStop(usage, idle_held_gpus([], gpu_classes), [])
-    holdings = read_holdings(now)
-    held = idle_held_gpus(holdings, gpu_classes)
+    occupants = read_occupants(now)
+    held = idle_held_gpus(occupants, gpu_classes)
     candidates = stop_candidates(
-        holdings, spare_replicas(), min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=0
+        occupants, spare_replicas(), min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=0
     )
     sleepers = _sleepers(now)
     if not candidates:

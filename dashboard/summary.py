@@ -181,8 +181,8 @@ class _ReplicaTally:
         self.adapter_loads[model_name].update(loads)
         if state == ReplicaState.FAILED:
             self.failed[first_line(row["last_error"])][model_name] += 1
-        if state == ReplicaState.PENDING and row["placement_error"]:
-            self.unplaceable[(model_name, row["placement_error"], row["hold"])] += 1
+        if state == ReplicaState.PENDING and row["placement_note"]:
+            self.unplaceable[(model_name, row["placement_note"], row["hold"])] += 1
             if row["hold"] == Hold.NONE:
                 self.blocked.add(model_name)
         idle = Idle.since(row["last_used"], now)
@@ -243,7 +243,7 @@ def _replicas(now: datetime) -> _ReplicaTally:
     loads = _adapter_loads()
     tally = _ReplicaTally()
     rows = Replica.objects.order_by("id").values(
-        "id", "model__name", "profile_id", "state", "endpoint_url", "ready_at", "last_used", "placement_error",
+        "id", "model__name", "profile_id", "state", "endpoint_url", "ready_at", "last_used", "placement_note",
         "hold", "last_error", "sleeping_level", "weights_bytes", "profile__wake_seconds", "profile__max_adapters",
     )  # fmt: skip
     for row in rows:

@@ -11,7 +11,8 @@ from django.utils import timezone
 from msgspec import UNSET
 
 from hub.credentials import hash_secret
-from nodewire.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus, to_builtins
+from nodewire.protocol import Heartbeat, Hello, WeightsStatus, to_builtins
+from nodewire.weights.messages import WeightsReport
 
 from .choices import GPUHealth, NodeState
 from .models import GPU, Node, NodeCredential, Weights

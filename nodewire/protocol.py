@@ -80,12 +80,7 @@ from nodewire.parts import (
     _Message,
     _no_repeated_gpus,
 )
-
-# The weights items live in their own module; they are part of the protocol, so both ends import them from here.
-from nodewire.weights.messages import WeightsHeaderFacts as WeightsHeaderFacts
-from nodewire.weights.messages import WeightsReport as WeightsReport
-from nodewire.weights.messages import WeightsShape as WeightsShape
-from nodewire.weights.messages import no_repeated_sources
+from nodewire.weights.messages import WeightsReport, no_repeated_sources
 
 HELLO = "hello"
 HEARTBEAT = "heartbeat"

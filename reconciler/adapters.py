@@ -42,7 +42,8 @@ from django.db.models import Case, F, FloatField, Q, Value, When
 
 from catalog.models import Adapter, Profile
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, Activation
-from nodewire.protocol import AdapterStatus, ShardHeartbeat
+from nodewire.adapter_messages import AdapterStatus
+from nodewire.parts import ShardHeartbeat
 from reconciler.choices import AdapterLoadState, ReplicaState, ShardState
 from reconciler.models import AdapterLoad, AdapterStats, Shard
 from reconciler.outbox import Outbox

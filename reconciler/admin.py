@@ -49,7 +49,7 @@ class ReplicaAdmin(ReadOnlyAdmin):
 
     @admin.display(description="why stopping / waiting")
     def why(self, obj):
-        return obj.stop_reason or obj.placement_error or "-"
+        return obj.stop_reason or obj.placement_note or "-"
 
     @admin.display(description="idle for")
     def idle_for(self, obj):

@@ -21,7 +21,8 @@ from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from inventory.models import Node
-from nodewire.protocol import SHARD_REPORT_STATES, RunningShard, ShardHeartbeat, ShardStatus
+from nodewire.parts import RunningShard, ShardHeartbeat
+from nodewire.protocol import SHARD_REPORT_STATES, ShardStatus
 from reconciler.catalog_changes import publish_endpoint_table
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.hibernate.tier import sleep_report

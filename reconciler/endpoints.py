@@ -172,7 +172,7 @@ class _Notes:
             Replica.objects.filter(model__enabled=True, state__in=(ReplicaState.PENDING, ReplicaState.FAILED, *_SLEEPERS))
             .annotate(serving=Exists(serving), wanted=Exists(wanted))
             .values_list(
-                "id", "model_id", "model__name", "state", "placement_error", "hold", "pools", "profile__order",
+                "id", "model_id", "model__name", "state", "placement_note", "hold", "pools", "profile__order",
                 "profile__wake_seconds", "last_error", "serving", "wanted",
             ),
             key=lambda row: row[0],

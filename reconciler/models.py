@@ -29,8 +29,10 @@ class Replica(models.Model):
     profile = models.ForeignKey("catalog.Profile", related_name="replicas", on_delete=models.CASCADE)
     state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING)
     endpoint_url = models.CharField(max_length=255, blank=True)
-    placement_error = models.TextField(blank=True, help_text="Why the last placement attempt found no room.")
-    # Set with placement_error by the placer; queried by value, the text is for operators.
+    placement_note = models.TextField(
+        blank=True, help_text="Why the last placement attempt found no room, for operators."
+    )
+    # Set with placement_note by the placer; queried by value, the text is for operators.
     hold = models.CharField(
         max_length=20,
         choices=Hold.choices,

@@ -28,15 +28,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from hub.channel_layer import deliver_to_groups
+from nodewire.adapter_messages import LoadAdapter, UnloadAdapter
 from nodewire.protocol import (
     REMOVE_WEIGHTS,
     DrainShard,
-    LoadAdapter,
     RemoveWeights,
     SleepShard,
     StartShard,
     StopShard,
-    UnloadAdapter,
     WakeShard,
     to_builtins,
 )

@@ -1,12 +1,9 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
-Read the hub (usage snapshot with routers' marks, activations) → in one transaction: usage →
-liveness → slow starts → demand → swaps (sleepers woken) → retries → resends of starts never answered →
-placement → replaced replicas drained → adapters (idle ones unloaded, wanted ones loaded) → stops → sleeps →
-unused weights swept (every LLMGW_WEIGHTS_SWEEP_SECONDS) → commands recorded as pending → unacknowledged ones sent again →
-fence (lease still ours at this epoch, unexpired) → commit → send agent
-commands → publish endpoints if changed. A constant number of queries whatever the fleet size: each step reads
-its tables once, decides in memory and writes in bulk; a step demand's census finds nothing for is skipped.
+Read the hub → store token counts → in one fenced transaction, the steps of `STEPS` in that order → commit →
+send agent commands → tell the hub → publish endpoints if changed. A constant number of queries whatever the
+fleet size: each step reads its tables once, decides in memory and writes in bulk; a step demand's census
+finds nothing for is skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +37,33 @@ from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
 
 log = logging.getLogger(__name__)
+
+# The tick's steps in the order it runs them, each the name of its span (telemetry.Steps). This is the one list:
+# docs/design.md's "Reconcile tick" follows it, and reconciler/tests/test_tick_traces.py holds both to it.
+STEPS = (
+    "read hub",
+    "token usage",
+    # In the fenced transaction:
+    "usage",
+    "liveness",
+    "slow starts",
+    "adapter activations",
+    "demand",
+    "swaps",
+    "retries",
+    "forgive stable",
+    "resend starts",
+    "placement",
+    "drain replaced",
+    "adapter loads",
+    "adapters",
+    "stops",
+    "sleeps",
+    "weights sweep",
+    "resend unacknowledged",
+    # After commit:
+    "tell hub",
+)
 
 
 @dataclass
@@ -137,7 +161,7 @@ def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: St
 def _reconcile(
     readings: _HubReadings, leadership: Leadership, now: datetime, report: TickReport, steps: Steps
 ) -> tuple[UsageVerdict, list[str]]:
-    """The steps inside the fenced transaction, in the module docstring's order, counted in `report`.
+    """The steps inside the fenced transaction, in the order of `STEPS`, counted in `report`.
 
     Returns the usage verdict and the usage stamps to forget once the transaction has committed.
     """

@@ -67,7 +67,7 @@ def make_replica(profile, *, state=ReplicaState.READY, placement=(), last_used=N
         profile=profile,
         state=state,
         endpoint_url=endpoint,
-        placement_error=error,
+        placement_note=error,
         last_used=last_used,
         ready_at=timezone.now() if state == ReplicaState.READY else None,
     )

@@ -12,7 +12,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
-from nodewire.protocol import GPUReport
+from nodewire.parts import GPUReport
 
 NVIDIA_SMI_QUERY = ["--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
 

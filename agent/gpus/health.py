@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import msgspec
 
 from agent.gpus.discovery import GPUInfo
-from nodewire.protocol import GPUHealth, GPUReport
+from nodewire.parts import GPUHealth, GPUReport
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from websockets.sync.server import serve
 from agent.gpus.discovery import parse_fake_gpus
 from agent.runtime import Agent, AgentOptions
 from conftest import free_port
-from nodewire import protocol
+from nodewire import adapter_messages, protocol
 
 
 class ThreadedControlPlane:
@@ -148,8 +148,8 @@ def command(kind: str, epoch: int, **fields) -> dict:
         protocol.SLEEP_SHARD: protocol.SleepShard,
         protocol.WAKE_SHARD: protocol.WakeShard,
         protocol.REMOVE_WEIGHTS: protocol.RemoveWeights,
-        protocol.LOAD_ADAPTER: protocol.LoadAdapter,
-        protocol.UNLOAD_ADAPTER: protocol.UnloadAdapter,
+        adapter_messages.LOAD_ADAPTER: adapter_messages.LoadAdapter,
+        adapter_messages.UNLOAD_ADAPTER: adapter_messages.UnloadAdapter,
     }[kind]
     return protocol.to_builtins(struct(epoch=epoch, **fields))
 

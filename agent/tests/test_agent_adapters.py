@@ -8,19 +8,19 @@ import httpx
 
 from agent.tests.stand_ins import ControlPlane, command, fresh_heartbeat, make_agent, run, start_command, start_ready
 from conftest import free_port
-from nodewire import protocol
+from nodewire import adapter_messages, parts, protocol
 
 
-def slots(count: int) -> protocol.AdapterSlots:
-    return protocol.AdapterSlots(slots=count)
+def slots(count: int) -> parts.AdapterSlots:
+    return parts.AdapterSlots(slots=count)
 
 
 def load(cid: str, shard_id: int, name: str, source: str = "org/adapter", epoch: int = 1) -> dict:
-    return command(protocol.LOAD_ADAPTER, epoch, cid=cid, shard_id=shard_id, name=name, source=source)
+    return command(adapter_messages.LOAD_ADAPTER, epoch, cid=cid, shard_id=shard_id, name=name, source=source)
 
 
 def unload(cid: str, shard_id: int, name: str, epoch: int = 1) -> dict:
-    return command(protocol.UNLOAD_ADAPTER, epoch, cid=cid, shard_id=shard_id, name=name)
+    return command(adapter_messages.UNLOAD_ADAPTER, epoch, cid=cid, shard_id=shard_id, name=name)
 
 
 async def ack(cp: ControlPlane, cid: str) -> dict:
@@ -30,7 +30,7 @@ async def ack(cp: ControlPlane, cid: str) -> dict:
 
 
 async def status(cp: ControlPlane) -> dict:
-    return await cp.next(protocol.ADAPTER_STATUS)
+    return await cp.next(adapter_messages.ADAPTER_STATUS)
 
 
 async def agent_running(cp: ControlPlane) -> tuple:

@@ -17,21 +17,15 @@ from agent.tests.stand_ins import BAD_ARGUMENTS, ThreadedControlPlane
 
 PROJECT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE_PACKAGES = {"django", "llmgw_site", "catalog", "inventory", "reconciler", "router", "dashboard", "hub"}
-PROJECT_PACKAGES = CONTROL_PLANE_PACKAGES - {"django"} | {"agent"}
-AGENT_MODULES = [
-    "link",
-    "supervisor",
-    "runtime",
-    "protocol",
-    "engines",
-    "gpus",
-    "gpu_health",
-    "weights",
-    "weights_inventory",
-    "cli",
-    "mock_engine",
-    "__main__",
-]
+# What runs on a GPU node: the agent, what it shares with the control plane, and the mock engine it starts.
+NODE_PACKAGES = ("agent", "nodewire", "mockengine")
+AGENT_MODULES = sorted(
+    str(path.relative_to(PROJECT))
+    for package in NODE_PACKAGES
+    for path in (PROJECT / package).rglob("*.py")
+    if "tests" not in path.relative_to(PROJECT).parts
+)
+PROJECT_PACKAGES = CONTROL_PLANE_PACKAGES - {"django"} | set(NODE_PACKAGES)
 
 # Runs `python -m agent` and, at exit, names every control-plane module that was imported.
 WRAPPER = f"""
@@ -186,7 +180,7 @@ def test_rejected_credential_exits_non_zero_saying_so(capsys):
 
 @pytest.mark.parametrize("module", AGENT_MODULES)
 def test_agent_modules_import_nothing_from_the_control_plane_and_only_at_the_top(module):
-    tree = ast.parse((PROJECT / "agent" / f"{module}.py").read_text())
+    tree = ast.parse((PROJECT / module).read_text())
     top_level = set(tree.body)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -196,9 +190,9 @@ def test_agent_modules_import_nothing_from_the_control_plane_and_only_at_the_top
         else:
             continue
         packages = {name.split(".")[0] for name in names}
-        assert not packages & CONTROL_PLANE_PACKAGES, f"agent/{module}.py line {node.lineno} imports {names}"
+        assert not packages & CONTROL_PLANE_PACKAGES, f"{module} line {node.lineno} imports {names}"
         if packages & PROJECT_PACKAGES:
-            assert node in top_level, f"agent/{module}.py line {node.lineno} imports {names} inside a function"
+            assert node in top_level, f"{module} line {node.lineno} imports {names} inside a function"
 
 
 def test_llama_server_binary_comes_from_the_option_else_the_environment_else_path():

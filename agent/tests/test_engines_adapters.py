@@ -12,7 +12,7 @@ from agent.starting import launch_for
 from agent.tests.test_engines import BASE
 from mockengine.lora import MockLoRA
 from mockengine.server import create_app, parse_args
-from nodewire import protocol
+from nodewire import parts, protocol
 
 START = {"type": "start_shard", "v": 1, "epoch": 1, "shard_id": 1, "engine": "vllm", "model": "m", "source": "m",
          "gpu_indices": [0], "port": 20000}  # fmt: skip
@@ -69,7 +69,7 @@ def test_start_shard_adapters_are_optional_left_out_unless_set_and_checked():
     plain = protocol.decode_command(json.dumps(START))
     assert plain.adapters is protocol.UNSET and "adapters" not in protocol.to_builtins(plain)
     asked = protocol.decode_command(json.dumps({**START, "adapters": {"slots": 8, "max_rank": 32}}))
-    assert asked.adapters == protocol.AdapterSlots(slots=8, max_rank=32)
+    assert asked.adapters == parts.AdapterSlots(slots=8, max_rank=32)
     assert protocol.to_builtins(asked)["adapters"] == {"slots": 8, "max_rank": 32}
     with pytest.raises(protocol.ProtocolError, match=r"Expected `int` >= 1 - at `\$.adapters.slots`"):
         protocol.decode_command(json.dumps({**START, "adapters": {"slots": 0}}))

@@ -6,21 +6,9 @@ import re
 import msgspec
 import pytest
 
-from nodewire import protocol
-from nodewire.protocol import (
-    DrainShard,
-    Error,
-    GPUHealth,
-    GPUReport,
-    Heartbeat,
-    Hello,
-    ProtocolError,
-    RunningShard,
-    ShardHeartbeat,
-    ShardStatus,
-    StartShard,
-    StopShard,
-)
+from nodewire import parts, protocol
+from nodewire.parts import GPUHealth, GPUReport, RunningShard, ShardHeartbeat
+from nodewire.protocol import DrainShard, Error, Heartbeat, Hello, ProtocolError, ShardStatus, StartShard, StopShard
 
 HELLO = Hello(
     node="gpu-07",
@@ -358,7 +346,7 @@ def test_parse_port_refuses_naming_the_port(text, problem):
 
 
 def test_the_port_type_is_the_same_rule_as_parse_port():
-    ports = msgspec.json.Decoder(list[protocol.PORT])
+    ports = msgspec.json.Decoder(list[parts.PORT])
     assert ports.decode(b"[1, 65535]") == [1, 65535]
     for bad in (b"[0]", b"[65536]"):
         with pytest.raises(msgspec.ValidationError):

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from nodewire import protocol
-from nodewire.protocol import AdapterStatus, LoadAdapter, UnloadAdapter
+from nodewire import parts, protocol
+from nodewire.adapter_messages import AdapterStatus, LoadAdapter, UnloadAdapter
 
 
 def frame(**fields) -> bytes:
@@ -38,9 +38,9 @@ def test_a_heartbeat_carries_each_engines_adapters_only_where_it_takes_them():
     beat = protocol.Heartbeat(
         gpus=[],
         shards=[
-            protocol.ShardHeartbeat(shard_id=1, state="ready", running=0, adapters=["a", "b"]),
-            protocol.ShardHeartbeat(shard_id=2, state="ready", running=0, adapters=[]),
-            protocol.ShardHeartbeat(shard_id=3, state="ready", running=0),
+            parts.ShardHeartbeat(shard_id=1, state="ready", running=0, adapters=["a", "b"]),
+            parts.ShardHeartbeat(shard_id=2, state="ready", running=0, adapters=[]),
+            parts.ShardHeartbeat(shard_id=3, state="ready", running=0),
         ],
     )
     shards = protocol.to_builtins(protocol.decode_agent_message(protocol.encode(beat)))["shards"]

@@ -5,7 +5,9 @@ import json
 import pytest
 
 from nodewire import protocol
-from nodewire.protocol import GPUHealth, Heartbeat, Hello, ProtocolError, RemoveWeights, WeightsReport, WeightsStatus
+from nodewire.parts import GPUHealth
+from nodewire.protocol import Heartbeat, Hello, ProtocolError, RemoveWeights, WeightsStatus
+from nodewire.weights.messages import WeightsReport
 
 
 def test_messages_of_agents_without_health_reasons_or_weights_are_still_accepted():

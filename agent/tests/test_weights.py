@@ -6,9 +6,10 @@ import os
 import pytest
 
 from agent.weights.inventory import WeightsInventory
-from nodewire.protocol import RemoveWeights, WeightsReport
+from nodewire.protocol import RemoveWeights
 from nodewire.weights import disk
 from nodewire.weights.disk import RefusedRemoval, removable_path, remove, scan, weights_key, weights_path
+from nodewire.weights.messages import WeightsReport
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from agent.weights.facts import HeaderCache, config_shape, header_facts
 from agent.weights.inventory import WeightsInventory
 from nodewire import protocol
-from nodewire.protocol import Heartbeat, WeightsReport
+from nodewire.protocol import Heartbeat
+from nodewire.weights.messages import WeightsReport
 from tests.tiny_gguf import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(30)

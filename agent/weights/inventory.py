@@ -25,8 +25,9 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from agent.weights.facts import HeaderCache
-from nodewire.protocol import RemoveWeights, WeightsReport, WeightsStatus, encode
+from nodewire.protocol import RemoveWeights, WeightsStatus, encode
 from nodewire.weights import disk
+from nodewire.weights.messages import WeightsReport
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node
 from inventory.services import enrol_node
 from llmgw_site.asgi import application
-from nodewire import protocol
+from nodewire import parts, protocol
 from reconciler.models import Shard
 from reconciler.outbox import send_to_nodes
 from tests.fleet import make_model, make_replica
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 def hello(node="gpu-a", gpus=2, **extra):
     return {
         "type": "hello",
-        "v": protocol.PROTOCOL_VERSION,
+        "v": parts.PROTOCOL_VERSION,
         "node": node,
         "version": "test",
         "address": "10.0.0.5",

@@ -9,7 +9,8 @@ from django.utils import timezone
 from agentlink.services import on_heartbeat
 from inventory.models import Node
 from inventory.services import mark_nodes_seen
-from nodewire.protocol import GPUHealth, Heartbeat, ShardHeartbeat
+from nodewire.parts import GPUHealth, ShardHeartbeat
+from nodewire.protocol import Heartbeat
 from reconciler.models import Shard
 from tests.fleet import make_model, make_node, make_replica
 

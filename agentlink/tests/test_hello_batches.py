@@ -8,7 +8,8 @@ from agent.gpus.discovery import parse_fake_gpus
 from agentlink.batches import GroupCommit
 from agentlink.services import on_hellos
 from inventory.models import GPU, Node
-from nodewire.protocol import Hello, RunningShard
+from nodewire.parts import RunningShard
+from nodewire.protocol import Hello
 from reconciler.choices import ReplicaState
 from reconciler.models import PendingCommand, Replica, Shard
 from tests.fleet import make_model, make_node, make_replica

@@ -148,6 +148,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
     host_memory_bytes = serializers.SerializerMethodField()
     wake_seconds = serializers.FloatField(source="profile.wake_seconds", read_only=True, allow_null=True)
     adapters = serializers.SerializerMethodField()
+    # The field's name in the API since its first version; the column is `placement_note`.
+    placement_error = serializers.CharField(source="placement_note", read_only=True)
 
     class Meta:
         model = Replica

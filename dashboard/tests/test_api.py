@@ -120,7 +120,7 @@ def test_a_replica_shows_its_hold_by_value(staff_client):
     grow(1, "a")
     replica = Replica.objects.order_by("id").first()
     Replica.objects.filter(pk=replica.pk).update(
-        state=ReplicaState.PENDING, hold=Hold.MAKING_ROOM, placement_error="making room: stopping replica 9"
+        state=ReplicaState.PENDING, hold=Hold.MAKING_ROOM, placement_note="making room: stopping replica 9"
     )
     rows = {r["id"]: r for r in staff_client.get("/api/v1/replicas").json()["results"]}
     assert rows[replica.pk]["hold"] == "making_room"

@@ -10,7 +10,8 @@ from django.utils import timezone
 from dashboard.summary import cluster_summary
 from inventory.models import Node
 from inventory.services import enrol_node, register_nodes
-from nodewire.protocol import GPUReport, Hello
+from nodewire.parts import GPUReport
+from nodewire.protocol import Hello
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.lifecycle.transitions import mark_ready_if_whole
 from reconciler.models import Shard

@@ -256,7 +256,7 @@ def _grow(nodes: int):
 
 
 def test_what_can_i_stop_runs_the_same_number_of_queries_for_2_and_20_nodes(usage_known, django_assert_num_queries):
-    # 8 for the summary, then usage watch, holdings (3), spare replicas (2), sleepers (1), profiles (1): the free
+    # 8 for the summary, then usage watch, occupants (3), spare replicas (2), sleepers (1), profiles (1): the free
     # GPUs are the summary's own read.
     _grow(2)
     with django_assert_num_queries(16):

@@ -13,7 +13,8 @@ from catalog.models import Model, Profile
 from catalog.sizing import fleet_memory, profile_memory, profile_verdict, verdict_lines
 from inventory.models import Node, Weights
 from inventory.services import record_weights
-from nodewire.protocol import WeightsHeaderFacts, WeightsReport, WeightsShape, to_builtins
+from nodewire.protocol import to_builtins
+from nodewire.weights.messages import WeightsHeaderFacts, WeightsReport, WeightsShape
 from tests.fleet import make_model
 
 pytestmark = pytest.mark.django_db

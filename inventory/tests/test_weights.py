@@ -7,7 +7,8 @@ from django.utils import timezone
 
 from inventory.models import Node, Weights, human_size
 from inventory.services import record_heartbeat, record_weights, record_weights_status, register_nodes
-from nodewire.protocol import Heartbeat, Hello, WeightsReport, WeightsStatus
+from nodewire.protocol import Heartbeat, Hello, WeightsStatus
+from nodewire.weights.messages import WeightsReport
 
 pytestmark = pytest.mark.django_db
 

@@ -45,8 +45,8 @@ from reconciler.hibernate.tier import SleepRequest, asleep_replicas, put_to_slee
 from reconciler.lifecycle.transitions import StopRequest, notify_work_due, stop_replicas, unpublish_grace_seconds
 from reconciler.models import GPUAssignment, Replica
 from reconciler.outbox import Outbox
-from reconciler.placement.eviction import Holding, seconds_until_stoppable, stop_candidates
-from reconciler.placement.occupants import read_holdings, sleep_levels, spare_replicas
+from reconciler.placement.eviction import Occupant, seconds_until_stoppable, stop_candidates
+from reconciler.placement.occupants import read_occupants, sleep_levels, spare_replicas
 from reconciler.placement.placer import room_now
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class _Swaps:
         self.woken: list[int] = []
         self.taken: set[int] = set()  # GPUs a wake or an eviction of this tick has claimed
         self.victims: dict[int, tuple[str, int]] = {}  # occupant replica id -> (why, sleep level)
-        self._holdings: list[Holding] | None = None
+        self._occupants: list[Occupant] | None = None
         self._spare: dict[str, int] = {}
         self._levels: dict[int, int] = {}
         self.elsewhere: list[_Sleeper] = []  # swaps slower than a cold start: started elsewhere if there is room
@@ -189,12 +189,12 @@ class _Swaps:
         self.taken |= sleeper.gpus
         log.info("swapping %s in: evicting replicas %s", sleeper.model, sorted(serving))
 
-    def _evictable(self, sleeper: _Sleeper) -> list[Holding]:
-        if self._holdings is None:
-            self._holdings, self._spare = read_holdings(self.now), spare_replicas()
-            self._levels = sleep_levels([h.replica_id for h in self._holdings])
+    def _evictable(self, sleeper: _Sleeper) -> list[Occupant]:
+        if self._occupants is None:
+            self._occupants, self._spare = read_occupants(self.now), spare_replicas()
+            self._levels = sleep_levels([h.replica_id for h in self._occupants])
         overdue = sleeper.waited >= settings.LLMGW_MAX_SWAP_WAIT_SECONDS
-        others = [h for h in self._holdings if h.model != sleeper.model and h.replica_id not in self.victims]
+        others = [h for h in self._occupants if h.model != sleeper.model and h.replica_id not in self.victims]
         if overdue:
             # Waited too long: in use is no longer a reason, but residency, priority and min still are.
             others = [
@@ -212,8 +212,8 @@ class _Swaps:
 
     def _swap_wait(self, sleeper: _Sleeper, serving: set[int]) -> float | None:
         """Seconds until `serving`, the occupants of the sleeper's GPUs, may be swapped out; None: not by time."""
-        assert self._holdings is not None  # read by _evictable
-        occupants = [h for h in self._holdings if h.replica_id in serving]
+        assert self._occupants is not None  # read by _evictable
+        occupants = [h for h in self._occupants if h.replica_id in serving]
         one_day = stop_candidates(
             occupants,
             self._spare,

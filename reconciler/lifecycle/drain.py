@@ -85,7 +85,7 @@ def drain_replaced(now: datetime, no_room: set[int]) -> int:
         Replica.objects.filter(drain_deadline__isnull=False)
         .exclude(state=ReplicaState.STOPPING)
         .select_related("replaced_by")
-        .only("id", "state", "drain_deadline", "replaced_by__id", "replaced_by__state", "replaced_by__placement_error")
+        .only("id", "state", "drain_deadline", "replaced_by__id", "replaced_by__state", "replaced_by__placement_note")
     )
     requests: list[StopRequest] = []
     withdraw: list[int] = []
@@ -98,7 +98,7 @@ def drain_replaced(now: datetime, no_room: set[int]) -> int:
         elif new.state == ReplicaState.READY:
             why = f"replaced by replica {new.pk}"
         elif new.pk in no_room:
-            why = f"no room for a replacement ({new.placement_error})"
+            why = f"no room for a replacement ({new.placement_note})"
             withdraw.append(new.pk)
         elif now >= old.drain_deadline:
             late = settings.LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS

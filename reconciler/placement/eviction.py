@@ -1,6 +1,6 @@
 """The one eviction order, and the fewest victims that really make room (DESIGN "One eviction order").
 
-Pure functions over plain data, no ORM, like `placement`. A `Holding` is a
+Pure functions over plain data, no ORM, like `placement`. An `Occupant` is a
 READY replica as eviction sees it: who it is, how idle, and which in-service
 GPUs it holds on which nodes. `stop_candidates` applies the rules that make a
 replica stoppable at all; `plan_eviction` picks, for one waiting shape, the
@@ -36,7 +36,7 @@ WAITING_FOR_NODES = "waiting for nodes to report in: "
 
 
 @dataclass(frozen=True)
-class Holding:
+class Occupant:
     """A READY replica as eviction and "what can I stop" see it."""
 
     replica_id: int
@@ -62,32 +62,32 @@ class Holding:
 
 
 def stop_candidates(
-    holdings: Iterable[Holding],
+    occupants: Iterable[Occupant],
     spare: Mapping[str, int],
     *,
     min_idle: float,
     min_residency: float,
     max_priority: int | None = None,
     soon: bool = False,
-) -> list[Holding]:
-    """The holdings that may be stopped, in eviction order.
+) -> list[Occupant]:
+    """The occupants that may be stopped, in eviction order.
 
     `spare` is, per model, how many replicas it has above its min replicas;
     at most that many of a model's replicas are returned. `max_priority` is the
     waiting model's priority (None: any priority, for "what can I stop").
-    `soon`: the holdings that will be stoppable once time has passed — not yet
+    `soon`: the occupants that will be stoppable once time has passed — not yet
     idle or resident long enough, or still running requests — but never one
     whose idleness is unknown, of a higher priority, or needed for its min.
     """
     eligible = sorted(
         (
             h
-            for h in holdings
+            for h in occupants
             if h.idle_seconds is not None
             and (soon or (h.idle_seconds >= min_idle and h.ready_seconds >= min_residency and not h.running))
             and (max_priority is None or h.priority <= max_priority)
         ),
-        key=Holding.order_key,
+        key=Occupant.order_key,
     )
     left = dict(spare)
     chosen = []
@@ -98,7 +98,7 @@ def stop_candidates(
     return chosen
 
 
-def seconds_until_stoppable(victims: Iterable[Holding], *, min_idle: float, min_residency: float) -> float | None:
+def seconds_until_stoppable(victims: Iterable[Occupant], *, min_idle: float, min_residency: float) -> float | None:
     """How long until every one of `victims` is stoppable, if nothing uses them meanwhile; None when one is
     running requests (it is stoppable only once they are done, which no clock says)."""
     if any(v.running for v in victims):
@@ -108,7 +108,7 @@ def seconds_until_stoppable(victims: Iterable[Holding], *, min_idle: float, min_
     )
 
 
-def with_freed(capacity: Iterable[NodeCapacity], victims: Iterable[Holding]) -> list[NodeCapacity]:
+def with_freed(capacity: Iterable[NodeCapacity], victims: Iterable[Occupant]) -> list[NodeCapacity]:
     """`capacity` as it would be once `victims` have stopped (their GPUs free)."""
     freed: dict[tuple[str, str], set[int]] = defaultdict(set)
     for victim in victims:
@@ -125,8 +125,8 @@ def with_freed(capacity: Iterable[NodeCapacity], victims: Iterable[Holding]) -> 
 
 
 def plan_eviction(
-    capacity: Iterable[NodeCapacity], shape: Shape, candidates: list[Holding]
-) -> tuple[list[Holding], Placement] | None:
+    capacity: Iterable[NodeCapacity], shape: Shape, candidates: list[Occupant]
+) -> tuple[list[Occupant], Placement] | None:
     """The fewest `candidates` (already in eviction order) whose GPUs make `shape` fit, and where it would go.
 
     None when stopping candidates cannot make room. Single node: per node, the
@@ -136,13 +136,13 @@ def plan_eviction(
     """
     nodes = [c for c in capacity if c.gpu_class == shape.gpu_class]
     rank = {h.replica_id: i for i, h in enumerate(candidates)}
-    on_node: dict[str, list[Holding]] = defaultdict(list)
+    on_node: dict[str, list[Occupant]] = defaultdict(list)
     for holding in candidates:
         if holding.gpu_class == shape.gpu_class:
             for node_name in holding.gpus:
                 on_node[node_name].append(holding)
 
-    options: list[list[Holding]] = []
+    options: list[list[Occupant]] = []
     if shape.nodes_per_replica == 1:
         for node in nodes:
             victims = _victims_on_node(node, shape.gpus_per_node, on_node.get(node.name, []))
@@ -160,7 +160,7 @@ def plan_eviction(
     return None
 
 
-def _victims_on_node(node: NodeCapacity, need: int, holders: list[Holding]) -> list[Holding]:
+def _victims_on_node(node: NodeCapacity, need: int, holders: list[Occupant]) -> list[Occupant]:
     """The first holders (in order) whose GPUs on `node` bring its free count to `need`; [] if they cannot."""
     if node.total < need:
         return []
@@ -175,10 +175,10 @@ def _victims_on_node(node: NodeCapacity, need: int, holders: list[Holding]) -> l
 
 
 def _victims_for_fabrics(
-    nodes: list[NodeCapacity], shape: Shape, on_node: dict[str, list[Holding]]
-) -> list[list[Holding]]:
+    nodes: list[NodeCapacity], shape: Shape, on_node: dict[str, list[Occupant]]
+) -> list[list[Occupant]]:
     """Per fabric, the victims that free enough whole nodes (a node is usable only if every holder is a candidate)."""
-    by_fabric: dict[str, list[tuple[NodeCapacity, list[Holding]]]] = defaultdict(list)
+    by_fabric: dict[str, list[tuple[NodeCapacity, list[Occupant]]]] = defaultdict(list)
     for node in nodes:
         if not node.fabric or node.total < shape.gpus_per_node:
             continue
@@ -192,7 +192,7 @@ def _victims_for_fabrics(
         if len(members) < shape.nodes_per_replica:
             continue
         members.sort(key=lambda m: (len(m[1]), m[0].name))
-        victims: dict[int, Holding] = {}
+        victims: dict[int, Occupant] = {}
         for _node, holders in members[: shape.nodes_per_replica]:
             victims.update((h.replica_id, h) for h in holders)
         if victims:

@@ -1,4 +1,4 @@
-"""READY replicas as eviction sees them (`eviction.Holding`), read from the rows in a fixed number of queries.
+"""READY replicas as eviction sees them (`eviction.Occupant`), read from the rows in a fixed number of queries.
 
 Shared by the tick (eviction) and the cluster summary ("what can I stop"), so
 both rank the same replicas the same way.
@@ -15,10 +15,10 @@ from catalog.models import Profile
 from inventory.models import gpu_in_service
 from reconciler.choices import ReplicaState
 from reconciler.models import GPUAssignment, Replica, Shard
-from reconciler.placement.eviction import Holding
+from reconciler.placement.eviction import Occupant
 
 
-def read_holdings(now: datetime) -> list[Holding]:
+def read_occupants(now: datetime) -> list[Occupant]:
     """Every READY replica with its in-service GPUs per node, idle time and running requests. Three queries."""
     ready = Replica.objects.ready()
     rows = list(
@@ -41,10 +41,10 @@ def read_holdings(now: datetime) -> list[Holding]:
         .annotate(total=Sum("running"))
         .values_list("replica_id", "total")
     )
-    holdings = []
+    occupants = []
     for replica_id, model, priority, gpu_class, last_used, ready_at in rows:
-        holdings.append(
-            Holding(
+        occupants.append(
+            Occupant(
                 replica_id=replica_id,
                 model=model,
                 priority=priority,
@@ -55,7 +55,7 @@ def read_holdings(now: datetime) -> list[Holding]:
                 running=running.get(replica_id),
             )
         )
-    return holdings
+    return occupants
 
 
 def spare_replicas() -> dict[str, int]:

@@ -210,7 +210,7 @@ def _write_placed(placed: _Placed, moved: list[Replica], now: datetime, epoch: i
         state=ReplicaState.STARTING,
         started_at=now,
         epoch=epoch,
-        placement_error="",
+        placement_note="",
         hold=Hold.NONE,
         endpoint_url="",
         ready_at=None,
@@ -226,11 +226,11 @@ def _write_notes(notes: list[tuple[Replica, PlacementNote]]) -> None:
     """Each unplaced replica's note and hold, together; one UPDATE for those that changed."""
     changed = []
     for replica, note in notes:
-        if (replica.placement_error, replica.hold) != (note.text, note.hold):
-            replica.placement_error, replica.hold = note.text, note.hold
+        if (replica.placement_note, replica.hold) != (note.text, note.hold):
+            replica.placement_note, replica.hold = note.text, note.hold
             changed.append(replica)
     if changed:
-        Replica.objects.bulk_update(changed, ["placement_error", "hold"])
+        Replica.objects.bulk_update(changed, ["placement_note", "hold"])
 
 
 def _profiles_in(profiles: list[Profile], pools: list[str]) -> list[Profile]:

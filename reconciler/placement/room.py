@@ -36,14 +36,14 @@ from reconciler.placement.capacity import CapacitySnapshot
 from reconciler.placement.eviction import (
     MAKING_ROOM,
     WAITING_FOR_NODES,
-    Holding,
+    Occupant,
     plan_eviction,
     seconds_until_stoppable,
     stop_candidates,
     with_freed,
 )
 from reconciler.placement.fit import MemoryCheck
-from reconciler.placement.occupants import read_holdings, sleep_levels, spare_replicas
+from reconciler.placement.occupants import read_occupants, sleep_levels, spare_replicas
 from reconciler.placement.search import NodeCapacity, Placement, Shape, place
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 class PlacementNote:
     """Why a pending replica is not placed: the text operators read, and whether routers hold its requests.
 
-    Written together to `Replica.placement_error` and `Replica.hold`; rules
+    Written together to `Replica.placement_note` and `Replica.hold`; rules
     read the hold, never the text.
     """
 
@@ -88,7 +88,7 @@ def make_room(
     """
     draining = _draining_gpus(now)
     # Read only when some replica needs victims: while victims drain, waiting costs one query a tick.
-    holdings: list[Holding] | None = None
+    occupants: list[Occupant] | None = None
     spare: dict[str, int] = {}
     taken: set[int] = set()  # replicas chosen as victims this tick
     notes: dict[int, PlacementNote] = {}
@@ -106,11 +106,11 @@ def make_room(
             if soon is not None:
                 notes[replica.pk] = PlacementNote.making_room(f"waiting for GPUs being freed on {', '.join(soon)}")
                 break
-            if holdings is None:
-                holdings, spare = read_holdings(now), spare_replicas()
+            if occupants is None:
+                occupants, spare = read_occupants(now), spare_replicas()
             if paused:
                 continue
-            plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority))
+            plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, model, priority))
             if plan is None:
                 continue
             victims, _placement = plan
@@ -120,8 +120,8 @@ def make_room(
             break
         else:
             # No profile can make room now: hold, don't refuse, if one will once time has passed.
-            for records, shape in shapes if holdings is not None else ():
-                note = _room_soon(holdings, spare, taken, model, priority, records, shape, paused)
+            for records, shape in shapes if occupants is not None else ():
+                note = _room_soon(occupants, spare, taken, model, priority, records, shape, paused)
                 if note is not None:
                     notes[replica.pk] = note
                     break
@@ -130,7 +130,7 @@ def make_room(
 
 
 def _claim(
-    victims: list[Holding], model: str, taken: set[int], spare: dict[str, int], requests: list[StopRequest]
+    victims: list[Occupant], model: str, taken: set[int], spare: dict[str, int], requests: list[StopRequest]
 ) -> str:
     """Take `victims` for a replica of `model`: out of later replicas' candidates and of their models' spares,
     and to be stopped (or put to sleep) for it. Returns them described, for its note."""
@@ -143,12 +143,12 @@ def _claim(
 
 
 def _candidates(
-    holdings: list[Holding], spare: dict[str, int], taken: set[int], model: str, priority: int, *, soon: bool = False
-) -> list[Holding]:
+    occupants: list[Occupant], spare: dict[str, int], taken: set[int], model: str, priority: int, *, soon: bool = False
+) -> list[Occupant]:
     """The one eviction order's candidates for a replica of `model`: never its own model's replicas (stopping one
     to start another would only churn), nor one already chosen this tick."""
     return stop_candidates(
-        (h for h in holdings if h.replica_id not in taken and h.model != model),
+        (h for h in occupants if h.replica_id not in taken and h.model != model),
         spare,
         min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
         min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
@@ -169,7 +169,7 @@ def _sleep_or_stop(victims: list[StopRequest], now: datetime) -> None:
 
 
 def _room_soon(
-    holdings: list[Holding],
+    occupants: list[Occupant],
     spare: dict[str, int],
     taken: set[int],
     model: str,
@@ -189,9 +189,9 @@ def _room_soon(
     still of unknown idleness is not a candidate, and the waiting one is refused.
     """
     if paused:
-        known = {h.replica_id: h for h in holdings}
-        holdings = [h if h.idle_seconds is not None else replace(h, idle_seconds=0.0) for h in holdings]
-    plan = plan_eviction(records, shape, _candidates(holdings, spare, taken, model, priority, soon=True))
+        known = {h.replica_id: h for h in occupants}
+        occupants = [h if h.idle_seconds is not None else replace(h, idle_seconds=0.0) for h in occupants]
+    plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, model, priority, soon=True))
     if plan is None:
         return None
     victims, _placement = plan
@@ -205,12 +205,12 @@ def _room_soon(
     return PlacementNote.making_room(f"waiting for {', '.join(_describe(v) for v in victims)} to be evictable {when}")
 
 
-def _stub(holding: Holding) -> Replica:
+def _stub(holding: Occupant) -> Replica:
     """Enough of a Replica row for `stop_replicas` (it reads the id and the state)."""
     return Replica(pk=holding.replica_id, state=ReplicaState.READY)
 
 
-def _describe(holding: Holding) -> str:
+def _describe(holding: Occupant) -> str:
     idle = Idle(holding.idle_seconds)
     return f"replica {holding.replica_id} of {holding.model} ({holding.gpu_count} GPUs, idle {idle})"
 
@@ -233,7 +233,7 @@ def _fits_with(
 ) -> list[str] | None:
     """Nodes whose draining GPUs would make `shape` fit, claimed (removed from `draining`); None if they would not."""
     pseudo = [
-        Holding(0, "", 0, None, 0.0, shape.gpu_class, {node: tuple(sorted(indices))})
+        Occupant(0, "", 0, None, 0.0, shape.gpu_class, {node: tuple(sorted(indices))})
         for (node, gpu_class), indices in draining.items()
         if gpu_class == shape.gpu_class and indices
     ]

@@ -5,7 +5,7 @@ writing nothing: the free-capacity snapshot (`capacity.free_capacity`), the
 memory check (`fit.MemoryCheck`), the placer (`placement.place` on the nodes
 whose GPUs can hold the profile, preferring nodes with the weights on disk),
 and for room the one eviction order (`eviction.stop_candidates` over
-`holdings.read_holdings`, then `eviction.plan_eviction`) with the tick's own
+`occupants.read_occupants`, then `eviction.plan_eviction`) with the tick's own
 rules (`room.make_room`): never the model's own replicas, never busy, never
 below a model's min replicas, priority at most the model's first profile's
 (the profile its new replicas are made on), idle and resident long enough.
@@ -38,9 +38,9 @@ from reconciler.choices import ReplicaState
 from reconciler.demand.usage import FLEET
 from reconciler.models import Replica, UsageWatch
 from reconciler.placement.capacity import CapacitySnapshot, free_capacity
-from reconciler.placement.eviction import Holding, plan_eviction, seconds_until_stoppable, stop_candidates, with_freed
+from reconciler.placement.eviction import Occupant, plan_eviction, seconds_until_stoppable, stop_candidates, with_freed
 from reconciler.placement.fit import MemoryCheck
-from reconciler.placement.occupants import read_holdings, sleep_levels, spare_replicas
+from reconciler.placement.occupants import read_occupants, sleep_levels, spare_replicas
 from reconciler.placement.placer import weights_on_disk
 from reconciler.placement.search import NodeCapacity, Placement, Shape, place
 from reconciler.planner.answer import Figures, ModelAnswer, PlanAnswer, Problem, ProfileAnswer, Spot, Stop, Verdict
@@ -115,7 +115,7 @@ def plan(entries: list[PlanEntry], now: datetime) -> PlanAnswer:
 
     Queries: 1 (usage) + 3 (free capacity) + 1 (weights on disk), + 1 (replicas
     per profile) when catalog models are asked about, and when some model needs
-    room: 3 (holdings) + 2 (spare replicas).
+    room: 3 (occupants) + 2 (spare replicas).
     """
     watch = UsageWatch.objects.filter(name=FLEET).first()
     known = watch is not None and watch.known_since is not None
@@ -164,7 +164,7 @@ class _Fleet:
     def largest_memory_mib(self, gpu_class: str) -> int:
         return max((r.memory_mib for r in self.records(gpu_class)), default=0)
 
-    def free(self, victims: list[Holding]) -> None:
+    def free(self, victims: list[Occupant]) -> None:
         for gpu_class in {v.gpu_class for v in victims}:
             for record in with_freed(self.records(gpu_class), victims):
                 self._nodes[gpu_class][record.name] = record
@@ -184,7 +184,7 @@ class _Planner:
     ):
         self.fleet, self.holders, self.usage_known, self.now = fleet, holders, usage_known, now
         self.memory = memory
-        self.holdings: list[Holding] | None = None  # read once, when a model first needs room
+        self.occupants: list[Occupant] | None = None  # read once, when a model first needs room
         self.levels: dict[int, int] = {}  # the level each holding would sleep at (0: it would be stopped)
         self.spare: dict[str, int] = {}
         self.taken: set[int] = set()
@@ -268,13 +268,13 @@ class _Planner:
                 )
         return None
 
-    def _room(self, entry: PlanEntry, profile: Profile) -> tuple[list[Holding], Placement | None, str]:
+    def _room(self, entry: PlanEntry, profile: Profile) -> tuple[list[Occupant], Placement | None, str]:
         """The fewest candidates to stop for `profile`, as `room.make_room` picks them; else why none."""
         if not self.usage_known:
             return [], None, "usage is unknown, so nothing counts as idle and nothing would be stopped"
-        if self.holdings is None:
-            self.holdings, self.spare = read_holdings(self.now), spare_replicas()
-            self.levels = sleep_levels([h.replica_id for h in self.holdings])
+        if self.occupants is None:
+            self.occupants, self.spare = read_occupants(self.now), spare_replicas()
+            self.levels = sleep_levels([h.replica_id for h in self.occupants])
         records, shape = self.memory.records(self.fleet, profile), _shape(profile)
         candidates = self._candidates(entry, soon=False)
         found = plan_eviction(records, shape, candidates)
@@ -287,11 +287,11 @@ class _Planner:
             return [], None, f"stopping what may be stopped would not make room ({which})"
         return found[0], found[1], ""
 
-    def _candidates(self, entry: PlanEntry, *, soon: bool) -> list[Holding]:
-        assert self.holdings is not None
+    def _candidates(self, entry: PlanEntry, *, soon: bool) -> list[Occupant]:
+        assert self.occupants is not None
         return stop_candidates(
             # Never its own model's replicas: stopping one to start another would only churn.
-            (h for h in self.holdings if h.replica_id not in self.taken and h.model != entry.name),
+            (h for h in self.occupants if h.replica_id not in self.taken and h.model != entry.name),
             self.spare,
             min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
             min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
@@ -306,7 +306,7 @@ class _Planner:
         answers: dict[int, ProfileAnswer],
         verdict: Verdict,
         placement: Placement,
-        victims: list[Holding],
+        victims: list[Occupant],
     ) -> ModelAnswer:
         """Commit the answer to the plan's fleet (victims freed, GPUs taken) and describe it."""
         profile = entry.profiles[index]
@@ -334,7 +334,7 @@ class _Planner:
             **figures.figures(),
         )
 
-    def _stop(self, victim: Holding) -> Stop:
+    def _stop(self, victim: Occupant) -> Stop:
         """A victim and what it frees, on the fleet with this answer's victims freed (before its GPUs are taken)."""
         phrases = []
         for name, indices in sorted(victim.gpus.items()):

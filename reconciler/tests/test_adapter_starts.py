@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from nodewire import protocol
+from nodewire import parts, protocol
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
@@ -23,4 +23,4 @@ def test_a_profile_with_adapter_slots_starts_its_shards_with_lora_on(run_tick, a
     assert starts["llama"]["adapters"] == {"slots": 8, "max_rank": 32}
     assert "adapters" not in starts["qwen"]
     # What the agent decodes: the typed slots.
-    assert protocol.decode_command(json.dumps(starts["llama"])).adapters == protocol.AdapterSlots(slots=8, max_rank=32)
+    assert protocol.decode_command(json.dumps(starts["llama"])).adapters == parts.AdapterSlots(slots=8, max_rank=32)

@@ -11,7 +11,8 @@ from django.utils import timezone
 from catalog.models import Adapter
 from hub import UsageReport, get_hub
 from hub.contracts import EndpointTable
-from nodewire.protocol import AdapterStatus, ShardHeartbeat
+from nodewire.adapter_messages import AdapterStatus
+from nodewire.parts import ShardHeartbeat
 from reconciler.adapters import _score, reconcile_held, record_adapter_stamps, record_adapter_statuses
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.endpoints import build_endpoint_table

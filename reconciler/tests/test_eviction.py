@@ -1,6 +1,6 @@
 """The one eviction order and the fewest victims, on plain data (reconciler.placement.eviction)."""
 
-from reconciler.placement.eviction import Holding, plan_eviction, stop_candidates
+from reconciler.placement.eviction import Occupant, plan_eviction, stop_candidates
 from reconciler.placement.search import NodeCapacity, Placement, Shape
 
 H100 = "H100-80GB"
@@ -8,17 +8,17 @@ H100 = "H100-80GB"
 
 def holding(rid, model, *, node="gpu-a", gpus=(0, 1, 2, 3), idle=600.0, ready=3600.0, priority=0, running=None):
     nodes = node if isinstance(node, dict) else {node: tuple(gpus)}
-    return Holding(rid, model, priority, idle, ready, H100, nodes, running)
+    return Occupant(rid, model, priority, idle, ready, H100, nodes, running)
 
 
 def node(name, free=(), total=8, fabric="ib-a"):
     return NodeCapacity(name, fabric, "10.0.0.1", H100, tuple(free), total)
 
 
-def candidates(holdings, spare=None, **rules):
-    spare = spare if spare is not None else {h.model: 9 for h in holdings}
+def candidates(occupants, spare=None, **rules):
+    spare = spare if spare is not None else {h.model: 9 for h in occupants}
     rules = {"min_idle": 60, "min_residency": 300, **rules}
-    return stop_candidates(holdings, spare, **rules)
+    return stop_candidates(occupants, spare, **rules)
 
 
 def test_candidates_are_lowest_priority_first_then_least_recently_used():

@@ -46,7 +46,7 @@ def test_the_unplaceable_reason_covers_every_profile(run_tick):
 
     run_tick()
 
-    assert Replica.objects.get(model=model).placement_error == (
+    assert Replica.objects.get(model=model).placement_note == (
         "H100-80GB×8: needs 8×H100-80GB on one node; most free on one node: 4 (gpu-a); "
         "L40S-48GB×2: needs 2×L40S-48GB on one node; most free on one node: 1 (gpu-c)"
     )
@@ -60,7 +60,7 @@ def test_a_fallback_profile_at_its_own_max_takes_no_more(run_tick):
 
     states = sorted(Replica.objects.filter(model=model).values_list("state", flat=True))
     assert states == [ReplicaState.PENDING, ReplicaState.STARTING]
-    assert "L40S-48GB×2: at its max of 1" in Replica.objects.get(state=ReplicaState.PENDING).placement_error
+    assert "L40S-48GB×2: at its max of 1" in Replica.objects.get(state=ReplicaState.PENDING).placement_note
 
 
 def busy_model(target=4):

@@ -8,7 +8,8 @@ from django.utils import timezone
 from agentlink.services import on_heartbeat, on_hellos
 from inventory.choices import GPUHealth as Health
 from inventory.models import GPU
-from nodewire.protocol import GPUHealth, GPUReport, Heartbeat, Hello, RunningShard, ShardHeartbeat
+from nodewire.parts import GPUHealth, GPUReport, RunningShard, ShardHeartbeat
+from nodewire.protocol import Heartbeat, Hello
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica, Shard
 from tests.fleet import make_model, make_node, make_replica

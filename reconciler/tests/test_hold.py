@@ -45,7 +45,7 @@ def test_the_migration_reads_each_pending_replicas_hold_from_its_note_once():
     }
     ids = {
         name: old.get_model("reconciler", "Replica")
-        .objects.create(model=model, profile=profile, state=state, placement_error=note)
+        .objects.create(model=model, profile=profile, state=state, placement_note=note)
         .pk
         for name, (state, note) in rows.items()
     }

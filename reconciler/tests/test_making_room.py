@@ -63,7 +63,7 @@ def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newco
     waiting = Replica.objects.get(model__name="newcomer")
     assert (state_of(stale), state_of(recent)) == (ReplicaState.STOPPING, ReplicaState.READY)
     assert Replica.objects.get(pk=stale.pk).stop_reason.startswith("evicted for newcomer")
-    assert waiting.state == ReplicaState.PENDING and waiting.placement_error.startswith(MAKING_ROOM)
+    assert waiting.state == ReplicaState.PENDING and waiting.placement_note.startswith(MAKING_ROOM)
     assert waiting.hold == Hold.MAKING_ROOM
     # Routers keep holding its requests: the table does not call it unplaceable.
     assert build_endpoint_table().models["newcomer"].unplaceable is None
@@ -78,7 +78,7 @@ def test_the_least_recently_used_equal_priority_replica_is_evicted_and_the_newco
     run_tick(now=later)
     placed = Replica.objects.get(model__name="newcomer")
     assert placed.state == ReplicaState.STARTING
-    assert (placed.hold, placed.placement_error) == (Hold.NONE, "")
+    assert (placed.hold, placed.placement_note) == (Hold.NONE, "")
     assert Shard.objects.get(replica=placed).node == b
 
 
@@ -125,7 +125,7 @@ def test_with_nothing_evictable_the_reason_covers_the_fleet_and_nothing_is_stopp
     run_tick()
 
     assert state_of(kept) == ReplicaState.READY
-    reason = Replica.objects.get(model__name="newcomer").placement_error
+    reason = Replica.objects.get(model__name="newcomer").placement_note
     assert reason == "needs 8×H100-80GB on one node; most free on one node: 0"
     assert build_endpoint_table().models["newcomer"].unplaceable == reason
 
@@ -151,8 +151,8 @@ def test_a_replica_evictable_soon_holds_the_newcomers_requests_instead_of_refusi
     assert state_of(soon) == ReplicaState.READY  # nothing is stopped before the rules allow it
     waiting = Replica.objects.get(model__name="newcomer")
     assert waiting.hold == Hold.MAKING_ROOM, why
-    assert waiting.placement_error.startswith(f"{MAKING_ROOM}waiting for replica {soon.pk} of soon")
-    assert re.search(f"to be evictable {wait}$", waiting.placement_error), waiting.placement_error
+    assert waiting.placement_note.startswith(f"{MAKING_ROOM}waiting for replica {soon.pk} of soon")
+    assert re.search(f"to be evictable {wait}$", waiting.placement_note), waiting.placement_note
     assert build_endpoint_table().models["newcomer"].unplaceable is None  # routers hold its requests
 
 
@@ -169,8 +169,8 @@ def test_no_eviction_when_the_tick_may_not_act_on_idleness_but_the_newcomer_is_h
     assert re.fullmatch(
         re.escape(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (no router is reporting usage); ")
         + rf"then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) may make room",
-        waiting.placement_error,
-    ), waiting.placement_error
+        waiting.placement_note,
+    ), waiting.placement_note
     assert build_endpoint_table().models["newcomer"].unplaceable is None  # routers hold its requests
 
 
@@ -184,12 +184,12 @@ def test_while_eviction_is_paused_an_occupant_of_unknown_idleness_holds_the_newc
     place_pending(timezone.now(), 1, Outbox(1), eviction_paused="idleness is unknown (no router is reporting usage)")
     waiting.refresh_from_db()
     assert (waiting.hold, state_of(occupant)) == (Hold.MAKING_ROOM, ReplicaState.READY)
-    assert waiting.placement_error.endswith(f"then replica {occupant.pk} of unstamped (8 GPUs, idle -) may make room")
+    assert waiting.placement_note.endswith(f"then replica {occupant.pk} of unstamped (8 GPUs, idle -) may make room")
 
     place_pending(timezone.now(), 1, Outbox(1))
     waiting.refresh_from_db()
     assert (waiting.hold, state_of(occupant)) == (Hold.NONE, ReplicaState.READY)
-    assert build_endpoint_table().models["newcomer"].unplaceable == waiting.placement_error
+    assert build_endpoint_table().models["newcomer"].unplaceable == waiting.placement_note
 
 
 def test_a_tick_that_does_not_know_idleness_holds_a_newcomer_eviction_would_place(full_fleet, run_tick):
@@ -205,9 +205,9 @@ def test_a_tick_that_does_not_know_idleness_holds_a_newcomer_eviction_would_plac
     assert (state_of(recent), state_of(stale)) == (ReplicaState.READY, ReplicaState.READY)
     waiting = Replica.objects.get(model__name="newcomer")
     assert waiting.hold == Hold.MAKING_ROOM
-    assert waiting.placement_error.startswith(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (waiting")
+    assert waiting.placement_note.startswith(f"{MAKING_ROOM}nothing is evicted while idleness is unknown (waiting")
     assert re.search(
-        rf"; then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) may make room$", waiting.placement_error
+        rf"; then replica {stale.pk} of stale \(8 GPUs, idle 50m0\ds\) may make room$", waiting.placement_note
     )
     assert build_endpoint_table().models["newcomer"].unplaceable is None
 
@@ -223,7 +223,7 @@ def test_two_waiting_replicas_do_not_count_the_same_draining_gpus(full_fleet, ru
 
     # "first" waits for stale's GPUs; "second" needed victims of its own.
     assert state_of(recent) == ReplicaState.STOPPING
-    notes = dict(Replica.objects.filter(state=ReplicaState.PENDING).values_list("model__name", "placement_error"))
+    notes = dict(Replica.objects.filter(state=ReplicaState.PENDING).values_list("model__name", "placement_note"))
     assert notes["first"].startswith(MAKING_ROOM + "waiting for GPUs being freed on gpu-b")
     assert notes["second"].startswith(MAKING_ROOM + "stopping replica")
 

@@ -102,9 +102,9 @@ def test_100_random_placements_start_no_engine_out_of_memory(run_tick):
             for profile, need in entry["profiles"]:
                 if out_of_memory(need, [FLEET_MEMORY_MIB[profile.gpu_class]]) is not None:
                     refused_for_memory += 1
-                    said = re.findall(rf"needs (\d+\.\d) GiB per GPU; {profile.gpu_class} has", replica.placement_error)
+                    said = re.findall(rf"needs (\d+\.\d) GiB per GPU; {profile.gpu_class} has", replica.placement_note)
                     # The estimate rounds to 0.1 GiB; this need is the drill's own float.
-                    assert any(abs(float(x) - need) <= 0.051 for x in said), f"seed {seed}: {replica.placement_error!r}"
+                    assert any(abs(float(x) - need) <= 0.051 for x in said), f"seed {seed}: {replica.placement_note!r}"
         Model.objects.all().delete()  # the next round on an empty fleet: its replicas, shards and GPUs go too
     # The drill means something only if both happened.
     assert placed >= 20 and refused_for_memory >= 10, (seed, placed, refused_for_memory)

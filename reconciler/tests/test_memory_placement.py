@@ -33,7 +33,7 @@ def test_a_profile_no_node_can_hold_is_unplaceable_with_the_numbers(run_tick):
     replica = Replica.objects.get(model=model)
     assert replica.state == ReplicaState.PENDING
     # 140 GB of weights over 2 GPUs (65.2 GiB) + vLLM's 2.5 GiB + 1.2 GiB of KV for one 8192-token sequence.
-    assert replica.placement_error.startswith("needs 68.9 GiB per GPU; L40S-48GB has 44.2 GiB usable (weights 65.2")
+    assert replica.placement_note.startswith("needs 68.9 GiB per GPU; L40S-48GB has 44.2 GiB usable (weights 65.2")
     assert not Shard.objects.exists()
 
 
@@ -87,7 +87,7 @@ def test_no_room_is_made_for_a_profile_no_node_can_hold(run_tick):
     run_tick()
 
     assert Replica.objects.get(model=busy).state == ReplicaState.READY  # not evicted for nothing
-    assert Replica.objects.get(model=huge).placement_error.startswith("needs 68.9 GiB per GPU")
+    assert Replica.objects.get(model=huge).placement_note.startswith("needs 68.9 GiB per GPU")
 
 
 def _tick_queries(run_tick, now):
@@ -111,7 +111,7 @@ def test_the_memory_check_adds_no_query_whatever_the_fleet_size(run_tick):
         now = timezone.now()
         counts[size] = _tick_queries(run_tick, now)
         assert Replica.objects.filter(state=ReplicaState.STARTING).count() == size
-        errors = Replica.objects.values_list("placement_error", flat=True)
+        errors = Replica.objects.values_list("placement_note", flat=True)
         assert sum(error.startswith("needs 68.9 GiB") for error in errors) == size
     assert counts[2] == counts[12]
 

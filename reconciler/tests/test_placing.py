@@ -28,7 +28,7 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
     assert (result.leader, result.replicas_created, result.replicas_placed) == (True, 1, 1)
     assert replica.state == ReplicaState.STARTING
     assert replica.epoch == leader.epoch == 1
-    assert replica.started_at is not None and replica.placement_error == ""
+    assert replica.started_at is not None and replica.placement_note == ""
     shard = replica.shards.get()
     assert (shard.node, shard.rank, shard.port, shard.state) == (snug, 0, 20000, ShardState.ASSIGNED)
     assert sorted(shard.gpu_assignments.values_list("gpu__index", flat=True)) == [0, 1]
@@ -86,7 +86,7 @@ def test_unplaceable_replica_keeps_an_aggregate_explanation(run_tick):
 
     replica = Replica.objects.get(model=model)
     assert replica.state == ReplicaState.PENDING
-    assert replica.placement_error == "needs 4×H100-80GB on one node; most free on one node: 2 (gpu-a)"
+    assert replica.placement_note == "needs 4×H100-80GB on one node; most free on one node: 2 (gpu-a)"
     assert result.replicas_unplaceable == 1
 
 
@@ -99,7 +99,7 @@ def test_unhealthy_and_quarantined_gpus_are_not_free(run_tick, settings):
     model = make_model("llama", gpus_per_node=3)
 
     run_tick()
-    assert Replica.objects.get(model=model).placement_error.endswith(
+    assert Replica.objects.get(model=model).placement_note.endswith(
         "most free on one node: 2 (gpu-a); unhealthy or in quarantine: 2 on gpu-a"
     )
 
@@ -139,7 +139,7 @@ def test_cordoned_and_unready_nodes_get_no_shards(run_tick):
 
     assert Shard.objects.count() == 0
     # The reason names what is true of the nodes that have the class (one wording for ctl_status, dashboard, REST).
-    assert Replica.objects.get().placement_error == (
+    assert Replica.objects.get().placement_note == (
         "every node with GPU class H100-80GB is out of service (cordoned: gpu-a; enrolled but never connected: gpu-b)"
     )
 
@@ -151,7 +151,7 @@ def test_an_unplaceable_reason_names_the_gpus_out_of_service(run_tick):
 
     run_tick()
 
-    assert Replica.objects.get().placement_error == (
+    assert Replica.objects.get().placement_note == (
         "needs 1×H100-80GB on one node; most free on one node: 0; unhealthy or in quarantine: 2 on gpu-a"
     )
 
@@ -167,7 +167,7 @@ def test_an_unplaceable_reason_names_draining_unreachable_and_counts_what_it_doe
 
     run_tick()
 
-    assert Replica.objects.get(model__name="llama").placement_error == (
+    assert Replica.objects.get(model__name="llama").placement_note == (
         "every node with GPU class H100-80GB is out of service "
         "(draining: gpu-d; unreachable: gpu-u0, gpu-u1, gpu-u2 and 2 more)"
     )

@@ -74,8 +74,8 @@ def test_a_replica_bound_to_a_pool_with_no_room_there_stays_pending_though_anoth
 
     replica = Replica.objects.get(model=model)
     assert replica.state == ReplicaState.PENDING
-    assert replica.placement_error.startswith("in pool gold: ")
-    assert "H100" not in replica.placement_error  # the `default` profile, with room, was not tried
+    assert replica.placement_note.startswith("in pool gold: ")
+    assert "H100" not in replica.placement_note  # the `default` profile, with room, was not tried
     # Asked again while it waits: its demand is renewed, no second replica.
     ask("llama", ["gold"])
     assert run_tick().replicas_created == 0
@@ -96,8 +96,8 @@ def test_an_unbound_key_is_not_held_up_by_a_pools_lack_of_room_and_the_table_say
 def test_an_unbound_replicas_note_speaks_for_the_model_before_a_pool_bound_ones():
     model, default, gold = two_pools()
     # The bound one first in the order notes are read (its profile is the model's first).
-    Replica.objects.create(model=model, profile=default, pools=["default"], placement_error="in pool default: none")
-    Replica.objects.create(model=model, profile=gold, placement_error="no room anywhere")
+    Replica.objects.create(model=model, profile=default, pools=["default"], placement_note="in pool default: none")
+    Replica.objects.create(model=model, profile=gold, placement_note="no room anywhere")
     entry = build_endpoint_table().models["llama"]
     assert (entry.unplaceable, entry.unplaceable_pools) == ("no room anywhere", [])
 

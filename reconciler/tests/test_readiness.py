@@ -162,7 +162,7 @@ def test_a_new_leader_holds_requests_while_enrolled_nodes_have_not_reported_in(r
 
     run_tick()
 
-    note = Replica.objects.get().placement_error
+    note = Replica.objects.get().placement_note
     assert note.startswith(WAITING_FOR_NODES)
     assert Replica.objects.get().hold == Hold.WAITING_FOR_NODES
     assert build_endpoint_table().models["qwen"].unplaceable is None
@@ -182,4 +182,4 @@ def test_once_every_enrolled_node_has_reported_in_nothing_waits(run_tick, leader
 
     run_tick()
 
-    assert Replica.objects.get().placement_error == "no node has GPU class L40S-48GB"
+    assert Replica.objects.get().placement_note == "no node has GPU class L40S-48GB"

@@ -40,8 +40,8 @@ def test_placement_refuses_what_the_reported_headers_say_cannot_fit_and_names_th
 
     replica = Replica.objects.get(model=model)
     assert replica.state == ReplicaState.PENDING  # no H100 node: the L40S profile was refused by its size
-    assert "L40S-48GB×2: needs 69.5 GiB per GPU; L40S-48GB has 44.2 GiB usable" in replica.placement_error
-    assert "size from safetensors headers as node l40s-a reports them" in replica.placement_error
+    assert "L40S-48GB×2: needs 69.5 GiB per GPU; L40S-48GB has 44.2 GiB usable" in replica.placement_note
+    assert "size from safetensors headers as node l40s-a reports them" in replica.placement_note
     assert not Shard.objects.exists()
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 from django.db import transaction
 
-from nodewire.protocol import DrainShard, ShardHeartbeat, decode_command
+from nodewire.parts import ShardHeartbeat
+from nodewire.protocol import DrainShard, decode_command
 from reconciler.agent_reports import record_running
 from reconciler.models import Shard
 from reconciler.outbox import Outbox

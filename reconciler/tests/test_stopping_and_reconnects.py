@@ -10,7 +10,7 @@ from django.utils import timezone
 from conftest import wait_until
 from hub import get_hub
 from inventory.models import Node
-from nodewire.protocol import RunningShard
+from nodewire.parts import RunningShard
 from reconciler.agent_reports import reconcile_reported_shards_of_nodes
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.commands import acknowledge, send_pending_soon_to

@@ -47,7 +47,7 @@ def test_a_tick_runs_the_same_number_of_queries_for_2_and_20_nodes(run_tick, dja
         assert Replica.objects.filter(state=ReplicaState.STARTING).count() == size
         steady = tick_queries(run_tick, now)
         # The unplaceable pair is looked at for eviction every tick, even while idleness is unknown (to hold its
-        # requests if eviction would make room once it is known): holdings, spares and draining GPUs; and
+        # requests if eviction would make room once it is known): occupants, spares and draining GPUs; and
         # LoRA adapters: the asked names among them, the fleet's loads tended, the table's adapters.
         with django_assert_max_num_queries(35):
             run_tick()

@@ -232,7 +232,7 @@ def test_planning_writes_nothing_and_reads_a_fixed_number_of_queries(usage_known
         assert [a.verdict for a in answers][0] == Verdict.FITS_AFTER_STOPPING
         assert all(q["sql"].lstrip().upper().startswith("SELECT") for q in queries.captured_queries)
         counts.append(len(queries))
-    # usage, free capacity (3), weights, holdings (3), spare replicas (2), sleep levels
+    # usage, free capacity (3), weights, occupants (3), spare replicas (2), sleep levels
     assert counts == [11, 11]
 
 
@@ -330,4 +330,4 @@ def test_a_model_the_tick_would_hold_for_fits_after_stopping_a_replica_not_yet_e
     # As the tick does: it holds the newcomer's requests (nothing stopped yet, not refused).
     assert tick_stops(run_tick, "newcomer") == set()
     held = Replica.objects.get(model__name="newcomer")
-    assert held.state == ReplicaState.PENDING and held.hold == "making_room", held.placement_error
+    assert held.state == ReplicaState.PENDING and held.hold == "making_room", held.placement_note
