@@ -4,8 +4,8 @@ import asyncio
 import os
 
 from agent.tests.stand_ins import ControlPlane, checked, command, make_agent, run, start_ready
-from agent.tests.test_weights import make_hf_cache
 from nodewire import protocol
+from nodewire.tests.test_weights_disk import make_hf_cache
 
 
 def test_a_gpu_set_unhealthy_is_reported_with_its_reason_by_the_next_heartbeat():

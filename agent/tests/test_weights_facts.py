@@ -9,11 +9,11 @@ import gguf
 import numpy as np
 import pytest
 
-from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from agent.weights.facts import HeaderCache, config_shape, header_facts
 from agent.weights.inventory import WeightsInventory
 from nodewire import protocol
 from nodewire.protocol import Heartbeat
+from nodewire.tests.test_weights_headers import random_tensors, write_safetensors
 from nodewire.weights.messages import WeightsReport
 from tests.tiny_gguf import write_tiny_llama
 

@@ -5,7 +5,6 @@ import re
 import numpy as np
 import pytest
 
-from agent.tests.test_weights_headers import random_tensors, write_safetensors
 from catalog.engine_flags import MemoryArgs, kv_cache_bits, memory_args, parallel_shape, refused_value
 from catalog.kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
 from catalog.memory import (
@@ -31,6 +30,7 @@ from catalog.tests.test_memory_parameters import (
     QWEN_2_5_7B,
     dense,
 )
+from nodewire.tests.test_weights_headers import random_tensors, write_safetensors
 from nodewire.weights.headers import HeaderShape, read_weights_headers
 from tests.tiny_gguf import write_tiny_llama
 

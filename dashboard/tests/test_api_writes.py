@@ -115,7 +115,7 @@ def test_cordon_uncordon_and_drain_node(staff):
     assert response.status_code == 200 and response.json()["replicas_stopped"] == 1
     assert Node.objects.get(name="n1").schedulable is False
     replica.refresh_from_db()
-    # Make-before-break: it serves until a replacement elsewhere is ready (reconciler/tests/test_node_drain.py).
+    # Make-before-break: it serves until a replacement elsewhere is ready (reconciler/tests/lifecycle/test_node_drain.py).
     assert replica.state == ReplicaState.READY and replica.replaced_by is not None
     assert replica.stop_reason == f"node drained: serving until replica {replica.replaced_by_id} is ready"
     assert staff.post("/api/v1/nodes/nope/drain").status_code == 404

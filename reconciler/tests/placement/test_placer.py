@@ -75,7 +75,7 @@ def test_multi_node_replica_gets_whole_nodes_on_one_fabric_and_starts_its_head_f
     assert (start["rank"], start["node_count"], start["head_address"]) == (0, 2, "10.0.0.1")
     # The head's rendezvous port is the one after its engine port (reconciler.placement.search.rendezvous_port).
     assert (start["port"], start["rendezvous_port"]) == (20000, 20001)
-    assert inbox() == []  # rank 1 waits for its head's engine (reconciler/tests/test_multi_node_order.py)
+    assert inbox() == []  # rank 1 waits for its head's engine (reconciler/tests/placement/test_multi_node_order.py)
 
 
 def test_unplaceable_replica_keeps_an_aggregate_explanation(run_tick):

@@ -11,7 +11,7 @@ from agent.engines.load import EngineLoad, requests_in_flight
 from agent.tests.stand_ins import run
 from mockengine.server import MockEngine
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 @pytest.mark.parametrize(

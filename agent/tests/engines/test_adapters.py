@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from agent.engines.adapters import EngineAdapterError, EngineAdapters, engine_words
+from agent.tests.engines.test_sleep import Recorder, engine
 from agent.tests.stand_ins import run
-from agent.tests.test_engine_sleep import Recorder, engine
 
 VLLM_ALREADY = json.dumps({"error": {"message": "The lora adapter 'a' has already been loaded. If you want to load "
                                                 "the adapter in place, set 'load_inplace' to True.",

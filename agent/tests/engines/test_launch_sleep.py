@@ -4,7 +4,7 @@ from agent.engines.launch import build_launch
 from agent.gpus.discovery import parse_fake_gpus
 from agent.options import AgentOptions
 from agent.starting import launch_for
-from agent.tests.test_engines import BASE
+from agent.tests.engines.test_launch import BASE
 from nodewire import protocol
 
 

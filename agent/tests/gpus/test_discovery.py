@@ -8,7 +8,7 @@ import pytest
 from agent.gpus.discovery import GPUDiscoveryError, discover_gpus, gpu_class_for, parse_fake_gpus, parse_nvidia_smi
 from nodewire.protocol import to_builtins
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def test_fake_spec_gives_indexed_gpus_with_memory_from_the_class():

@@ -7,9 +7,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.tests.test_mock_engine import MODEL
-from agent.tests.test_mock_sleep import launch
 from mockengine.prefix_cache import BLOCK_TOKENS, MockPrefixCache
+from mockengine.tests.test_server import MODEL
+from mockengine.tests.test_sleep import launch
 
 
 def tokens(word: str, blocks: int, extra: int = 0) -> list[str]:

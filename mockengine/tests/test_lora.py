@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from agent.tests.test_mock_engine import MODEL, PROJECT
 from conftest import free_port, wait_until
+from mockengine.tests.test_server import MODEL, PROJECT
 
 LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"

@@ -55,7 +55,7 @@ def metrics(client) -> dict[str, float]:
         if line and not line.startswith("#"):
             name_labels, value = line.rsplit(" ", 1)
             name, labels = name_labels.split("{", 1)
-            if name == "vllm:engine_sleep_state":  # one sample per state: agent/tests/test_mock_sleep.py
+            if name == "vllm:engine_sleep_state":  # one sample per state: mockengine/tests/test_sleep.py
                 continue
             assert labels == f'engine="0",model_name="{MODEL}"}}'
             values[name] = float(value)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pynvml
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 class FakeNVML:

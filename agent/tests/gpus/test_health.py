@@ -20,9 +20,9 @@ from agent.gpus.health import (
     parse_fake_health,
     parse_health_csv,
 )
-from agent.tests.fake_nvml import FakeNVML
+from agent.tests.gpus.fake_nvml import FakeNVML
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def test_the_query_asks_nvidia_smi_for_the_documented_fields():

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from agent.tests.test_mock_engine import MODEL, PROJECT, sse_events
 from conftest import free_port, wait_until
 from mockengine.sleep import NO_WEIGHTS
+from mockengine.tests.test_server import MODEL, PROJECT, sse_events
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "are you awake"}]}
 

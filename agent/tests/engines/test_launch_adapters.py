@@ -9,7 +9,7 @@ from agent.engines.launch import build_launch
 from agent.gpus.discovery import parse_fake_gpus
 from agent.options import AgentOptions
 from agent.starting import launch_for
-from agent.tests.test_engines import BASE
+from agent.tests.engines.test_launch import BASE
 from mockengine.lora import MockLoRA
 from mockengine.server import create_app, parse_args
 from nodewire import parts, protocol

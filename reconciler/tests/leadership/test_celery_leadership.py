@@ -22,7 +22,7 @@ from reconciler.models import Lease
 from reconciler.tasks import tick
 from reconciler.tests.conftest import celery_broker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TICK = 0.3  # the processes' LLMGW_TICK_SECONDS
 
 

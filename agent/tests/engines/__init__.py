@@ -1,0 +1,1 @@
+"""Tests of the engines as the agent drives them."""

@@ -1,0 +1,1 @@
+"""Tests of the bundled mock engine, run as a real process."""

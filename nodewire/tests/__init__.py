@@ -1,0 +1,1 @@
+"""Tests of what both ends of the agent link share."""

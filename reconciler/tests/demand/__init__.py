@@ -1,0 +1,1 @@
+"""Tests of demand, usage and idleness."""

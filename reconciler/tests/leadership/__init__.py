@@ -1,0 +1,1 @@
+"""Tests of the lease and the campaign for it."""

@@ -1,0 +1,1 @@
+"""Tests of replicas' state changes, liveness, drains and failures."""

@@ -1,0 +1,1 @@
+"""Tests of placement, the eviction order and making room."""

@@ -1,0 +1,1 @@
+"""Tests of weights removal and the sweep."""
