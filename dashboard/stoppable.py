@@ -86,12 +86,12 @@ def _unplaceable_shapes(models: Iterable[str]) -> dict[str, list[Shape]]:
     shapes: dict[str, list[Shape]] = defaultdict(list)
     if not names:
         return shapes
-    for name, gpu_class, gpus_per_node, nodes_per_replica in (
+    for row in (
         Profile.objects.filter(model__name__in=names)
         .order_by("model__name", "order", "id")
-        .values_list("model__name", "gpu_class", "gpus_per_node", "nodes_per_replica")
+        .values_list("model__name", "gpu_class", "gpus_per_node", "nodes_per_replica", named=True)
     ):
-        shapes[name].append(Shape(gpu_class, gpus_per_node, nodes_per_replica))
+        shapes[row.model__name].append(Shape.of(row))
     return shapes
 
 

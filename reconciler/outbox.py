@@ -26,6 +26,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from msgspec import structs
 
 from hub.channel_layer import deliver_to_groups
 from nodewire.adapter_messages import LoadAdapter, UnloadAdapter
@@ -137,21 +138,25 @@ def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
 _Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights | LoadAdapter | UnloadAdapter
 
 
+# The epoch and command id a command is built with until it is sent: `send_on_commit` stamps both.
+UNSTAMPED = 0
+
+
 class Outbox:
     """Agent commands decided inside a transaction, sent after it commits."""
 
     def __init__(self, epoch: int | None = None, now: datetime | None = None):
         self.epoch = epoch
         self.now = now  # when the commands are decided (the tick's clock); None: the wall clock
-        self.commands: list[tuple[str, type[_Command], dict]] = []
+        self.commands: list[tuple[str, _Command]] = []  # (node name, command as yet unstamped)
 
-    def start(self, node_name: str, **fields) -> None:
-        """Queue a start_shard; `fields` are StartShard's fields but the epoch."""
-        self.commands.append((node_name, StartShard, fields))
+    def start(self, node_name: str, command: StartShard) -> None:
+        """Queue a start_shard, built unstamped (epoch `UNSTAMPED`, no command id)."""
+        self.commands.append((node_name, command))
 
     def stop(self, node_name: str, shard_id: int) -> None:
         """Queue a stop_shard: the engine is stopped now, whatever it is doing."""
-        self.commands.append((node_name, StopShard, {"shard_id": shard_id}))
+        self.commands.append((node_name, StopShard(epoch=UNSTAMPED, shard_id=shard_id)))
 
     def drain(self, node_name: str, shard_id: int, timeout_seconds: float) -> None:
         """Queue a drain_shard: the agent stops the engine once it holds no requests, or after the timeout.
@@ -165,7 +170,9 @@ class Outbox:
             or not timeout_seconds >= 0
         ):
             raise ValueError(f"drain timeout must be a number of seconds >= 0, got {timeout_seconds!r}")
-        self.commands.append((node_name, DrainShard, {"shard_id": shard_id, "timeout_seconds": float(timeout_seconds)}))
+        self.commands.append(
+            (node_name, DrainShard(epoch=UNSTAMPED, shard_id=shard_id, timeout_seconds=float(timeout_seconds)))
+        )
 
     def sleep(self, node_name: str, shard_id: int, level: int, timeout_seconds: float) -> None:
         """Queue a sleep_shard: once the engine holds no requests (or after the timeout), it sleeps at `level`.
@@ -174,24 +181,24 @@ class Outbox:
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        fields = {"shard_id": shard_id, "level": level, "timeout_seconds": float(timeout_seconds)}
-        self.commands.append((node_name, SleepShard, fields))
+        sleep = SleepShard(epoch=UNSTAMPED, shard_id=shard_id, level=level, timeout_seconds=float(timeout_seconds))
+        self.commands.append((node_name, sleep))
 
     def wake(self, node_name: str, shard_id: int) -> None:
         """Queue a wake_shard: the agent wakes the engine and reports the shard ready when it serves again."""
-        self.commands.append((node_name, WakeShard, {"shard_id": shard_id}))
+        self.commands.append((node_name, WakeShard(epoch=UNSTAMPED, shard_id=shard_id)))
 
     def remove_weights(self, node_name: str, source: str, path: str) -> None:
         """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""
-        self.commands.append((node_name, RemoveWeights, {"source": source, "path": path}))
+        self.commands.append((node_name, RemoveWeights(epoch=UNSTAMPED, source=source, path=path)))
 
     def load_adapter(self, node_name: str, shard_id: int, name: str, source: str) -> None:
         """Queue a load_adapter: the agent loads the LoRA adapter into the shard's engine and reports the outcome."""
-        self.commands.append((node_name, LoadAdapter, {"shard_id": shard_id, "name": name, "source": source}))
+        self.commands.append((node_name, LoadAdapter(epoch=UNSTAMPED, shard_id=shard_id, name=name, source=source)))
 
     def unload_adapter(self, node_name: str, shard_id: int, name: str) -> None:
         """Queue an unload_adapter: the agent unloads the LoRA adapter from the shard's engine and reports it."""
-        self.commands.append((node_name, UnloadAdapter, {"shard_id": shard_id, "name": name}))
+        self.commands.append((node_name, UnloadAdapter(epoch=UNSTAMPED, shard_id=shard_id, name=name)))
 
     def send_on_commit(self) -> None:
         """Stamp the commands with the epoch and hand them to the channel layer once the transaction commits."""
@@ -199,8 +206,8 @@ class Outbox:
             return
         epoch = current_epoch() if self.epoch is None else self.epoch
         built = [
-            (node, to_builtins(kind(epoch=epoch, cid=new_command_id(), **fields)))
-            for node, kind, fields in self.commands
+            (node, to_builtins(structs.replace(command, epoch=epoch, cid=new_command_id())))
+            for node, command in self.commands
         ]
         record_pending(built, self.now or timezone.now())
         transaction.on_commit(lambda: deliver(built))

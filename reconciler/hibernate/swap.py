@@ -45,7 +45,7 @@ from reconciler.hibernate.tier import SleepRequest, asleep_replicas, put_to_slee
 from reconciler.lifecycle.transitions import StopRequest, notify_work_due, stop_replicas, unpublish_grace_seconds
 from reconciler.models import GPUAssignment, Replica
 from reconciler.outbox import Outbox
-from reconciler.placement.eviction import Occupant, seconds_until_stoppable, stop_candidates
+from reconciler.placement.eviction import Occupant, others_than, seconds_until_stoppable, stop_candidates
 from reconciler.placement.occupants import read_occupants, sleep_levels, spare_replicas
 from reconciler.placement.placer import room_now
 
@@ -194,7 +194,7 @@ class _Swaps:
             self._occupants, self._spare = read_occupants(self.now), spare_replicas()
             self._levels = sleep_levels([h.replica_id for h in self._occupants])
         overdue = sleeper.waited >= settings.LLMGW_MAX_SWAP_WAIT_SECONDS
-        others = [h for h in self._occupants if h.model != sleeper.model and h.replica_id not in self.victims]
+        others = others_than(sleeper.model, self._occupants, self.victims)
         if overdue:
             # Waited too long: in use is no longer a reason, but residency, priority and min still are.
             others = [

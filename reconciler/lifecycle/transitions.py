@@ -20,13 +20,16 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, When
 from django.utils import timezone
+from msgspec import UNSET
 
 from catalog.engine_flags import with_context
 from catalog.models import Profile
+from nodewire.parts import AdapterSlots
+from nodewire.protocol import StartShard
 from reconciler.choices import ReplicaState, ShardState
 from reconciler.lifecycle.replica_rows import ReplicaRow
 from reconciler.models import GPUAssignment, Replica, Shard
-from reconciler.outbox import Outbox
+from reconciler.outbox import UNSTAMPED, Outbox
 from reconciler.placement.search import rendezvous_port
 from reconciler.signals import work_pending
 
@@ -231,45 +234,51 @@ def stop_shards(now: datetime, outbox: Outbox) -> tuple[int, int]:
     return len(due), deleted.get(Replica._meta.label, 0)
 
 
-def start_fields(
-    shard: Shard, replica: Replica, node_count: int, head_address: str, gpu_indices, host: str = "", head_port: int = 0
-) -> dict:
-    """The start_shard fields of nodewire.protocol for one shard.
+def start_command(
+    shard: Shard,
+    replica: Replica,
+    node_count: int,
+    head_address: str,
+    gpu_indices: Iterable[int],
+    host: str = "",
+    head_port: int = 0,
+) -> StartShard:
+    """The start_shard for one shard, unstamped (the outbox stamps the epoch and command id when it sends).
 
     `host` is the address of the shard's node that its endpoint is published on;
     the engine listens there only ("" lets the agent use its own --address).
     `head_port` is the engine port of rank 0, beside which a replica spanning
     nodes has its rendezvous port.
     """
-    return {
-        "shard_id": shard.pk,
-        "replica_id": replica.pk,
-        "rank": shard.rank,
-        "node_count": node_count,
-        "head_address": head_address,
-        "engine": replica.profile.engine,
-        "model": replica.model.name,
-        "source": replica.model.source,
-        "gpu_indices": sorted(gpu_indices),
-        "port": shard.port,
+    profile = replica.profile
+    return StartShard(
+        epoch=UNSTAMPED,
+        shard_id=shard.pk,
+        replica_id=replica.pk,
+        rank=shard.rank,
+        node_count=node_count,
+        head_address=head_address,
+        engine=profile.engine,
+        model=replica.model.name,
+        source=replica.model.source,
+        gpu_indices=sorted(gpu_indices),
+        port=shard.port,
         # The profile's max_model_len as the engine's own flag, unless its engine args set the context.
-        "args": with_context(
-            replica.profile.engine, list(replica.profile.engine_args or []), replica.profile.max_model_len
-        ),
-        "env": dict(replica.profile.env or {}),
-        "host": host,
-        "rendezvous_port": rendezvous_port(head_port) if node_count > 1 else 0,
+        args=with_context(profile.engine, list(profile.engine_args or []), profile.max_model_len),
+        env=dict(profile.env or {}),
+        host=host,
+        rendezvous_port=rendezvous_port(head_port) if node_count > 1 else 0,
         # Started able to sleep when the placer gave it a sleep level (reconciler.hibernate.tier); left out otherwise,
         # so a start that does not ask for it keeps the shape starts always had.
-        **({"sleep_mode": True} if replica.sleep_level else {}),
+        sleep_mode=True if replica.sleep_level else UNSET,
         # LoRA on for a profile that takes adapters; left out otherwise, for the same reason.
-        **({"adapters": adapter_slots(replica.profile)} if replica.profile.max_adapters else {}),
-    }
+        adapters=adapter_slots(profile) if profile.max_adapters else UNSET,
+    )
 
 
-def adapter_slots(profile: Profile) -> dict:
-    """A profile's adapter slots as start_shard's `adapters` (nodewire.protocol.AdapterSlots)."""
-    return {"slots": profile.max_adapters, "max_rank": profile.max_adapter_rank}
+def adapter_slots(profile: Profile) -> AdapterSlots:
+    """A profile's adapter slots, as start_shard carries them."""
+    return AdapterSlots(slots=profile.max_adapters, max_rank=profile.max_adapter_rank)
 
 
 def send_starts(shards: list[Shard], outbox: Outbox) -> int:
@@ -291,8 +300,10 @@ def send_starts(shards: list[Shard], outbox: Outbox) -> int:
         head = min(mates, key=lambda s: s.rank)
         head_address = head.node.effective_address or head.node.name
         own = shard.node.effective_address or shard.node.name
-        fields = start_fields(shard, shard.replica, len(mates), head_address, gpus[shard.pk], own, head.port)
-        outbox.start(shard.node.name, **fields)
+        outbox.start(
+            shard.node.name,
+            start_command(shard, shard.replica, len(mates), head_address, gpus[shard.pk], own, head.port),
+        )
     return len(shards)
 
 

@@ -23,7 +23,7 @@ earliest in that order.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from reconciler.placement.search import NodeCapacity, Placement, Shape, place
@@ -96,6 +96,12 @@ def stop_candidates(
             left[holding.model] -= 1
             chosen.append(holding)
     return chosen
+
+
+def others_than(model: str, occupants: Iterable[Occupant], taken: Collection[int]) -> list[Occupant]:
+    """The occupants eviction may consider to make room for a replica of `model`: never that model's own
+    replicas (stopping one to start another would only churn), nor one already taken (`taken`: replica ids)."""
+    return [h for h in occupants if h.model != model and h.replica_id not in taken]
 
 
 def seconds_until_stoppable(victims: Iterable[Occupant], *, min_idle: float, min_residency: float) -> float | None:

@@ -29,7 +29,7 @@ from inventory.models import Weights
 from nodewire.weights.disk import weights_key
 from reconciler.choices import Hold, ReplicaState, ShardState
 from reconciler.hibernate.tier import sleep_level
-from reconciler.lifecycle.transitions import head_started, send_starts, start_fields
+from reconciler.lifecycle.transitions import head_started, send_starts, start_command
 from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
 from reconciler.outbox import Outbox
 from reconciler.placement.capacity import CapacitySnapshot, free_capacity
@@ -105,10 +105,10 @@ def place_pending(
         head = shards[0]
         # Rank 0 only: the others start once its engine runs (lifecycle.start_followers).
         # The engine listens where mark_ready_if_whole publishes it: the effective address, else the node name.
-        fields = start_fields(
+        start = start_command(
             head.shard, replica, len(shards), head.address, head.indices, head.address, head.shard.port
         )
-        outbox.start(head.node_name, **fields)
+        outbox.start(head.node_name, start)
         outcome.starts_sent += 1
     outcome.placed = len(placed)
     return outcome
@@ -319,7 +319,7 @@ def _place_one(
     """Choose GPUs and ports for one replica on `profile` and take them from the snapshot, or say why not.
     Only nodes whose GPUs can hold the profile are candidates (DESIGN "Placement's memory check")."""
     gpu_class = profile.gpu_class
-    shape = Shape(gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
+    shape = Shape.of(profile)
     records = memory.records(capacity, profile)
     if not records:
         return Unplaceable(capacity.without_class(gpu_class))

@@ -37,6 +37,7 @@ from reconciler.placement.eviction import (
     MAKING_ROOM,
     WAITING_FOR_NODES,
     Occupant,
+    others_than,
     plan_eviction,
     seconds_until_stoppable,
     stop_candidates,
@@ -98,7 +99,7 @@ def make_room(
         priority = replica.profile.priority
         shapes = []
         for profile in profiles:
-            shape = Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
+            shape = Shape.of(profile)
             # Nodes whose GPUs are too small for the profile are no use, however much is stopped on them.
             records = memory.records(capacity, profile)
             shapes.append((records, shape))
@@ -145,10 +146,9 @@ def _claim(
 def _candidates(
     occupants: list[Occupant], spare: dict[str, int], taken: set[int], model: str, priority: int, *, soon: bool = False
 ) -> list[Occupant]:
-    """The one eviction order's candidates for a replica of `model`: never its own model's replicas (stopping one
-    to start another would only churn), nor one already chosen this tick."""
+    """The one eviction order's candidates for a replica of `model`, among those not chosen this tick."""
     return stop_candidates(
-        (h for h in occupants if h.replica_id not in taken and h.model != model),
+        others_than(model, occupants, taken),
         spare,
         min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
         min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,17 @@ class NodeCapacity:
         return self.total > 0 and len(self.free) == self.total
 
 
+class ProfileShape(Protocol):
+    """What a shape is read from: a catalog profile, or a row holding its three columns by name."""
+
+    @property
+    def gpu_class(self) -> str: ...
+    @property
+    def gpus_per_node(self) -> int: ...
+    @property
+    def nodes_per_replica(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Shape:
     """What one replica of a profile needs."""
@@ -56,6 +68,11 @@ class Shape:
             raise ValueError(f"gpus_per_node must be at least 1, got {self.gpus_per_node}")
         if self.nodes_per_replica < 1:
             raise ValueError(f"nodes_per_replica must be at least 1, got {self.nodes_per_replica}")
+
+    @classmethod
+    def of(cls, profile: ProfileShape) -> Shape:
+        """The shape of one replica of `profile`."""
+        return cls(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,14 @@ from reconciler.choices import ReplicaState
 from reconciler.demand.usage import FLEET
 from reconciler.models import Replica, UsageWatch
 from reconciler.placement.capacity import CapacitySnapshot, free_capacity
-from reconciler.placement.eviction import Occupant, plan_eviction, seconds_until_stoppable, stop_candidates, with_freed
+from reconciler.placement.eviction import (
+    Occupant,
+    others_than,
+    plan_eviction,
+    seconds_until_stoppable,
+    stop_candidates,
+    with_freed,
+)
 from reconciler.placement.fit import MemoryCheck
 from reconciler.placement.occupants import read_occupants, sleep_levels, spare_replicas
 from reconciler.placement.placer import weights_on_disk
@@ -200,7 +207,7 @@ class _Planner:
                 answers[i] = replace(answers[i], verdict=Verdict.DOES_NOT_FIT, problem=blocked[0], reason=blocked[1])
                 continue
             holders = self.holders.get(weights_key(profile.engine, profile.model.source), frozenset())
-            result = place(self.memory.records(self.fleet, profile), _shape(profile), holders)
+            result = place(self.memory.records(self.fleet, profile), Shape.of(profile), holders)
             if isinstance(result, Placement):
                 return self._chosen(entry, i, answers, Verdict.FITS, result, [])
             no_room[i] = result.reason
@@ -275,7 +282,7 @@ class _Planner:
         if self.occupants is None:
             self.occupants, self.spare = read_occupants(self.now), spare_replicas()
             self.levels = sleep_levels([h.replica_id for h in self.occupants])
-        records, shape = self.memory.records(self.fleet, profile), _shape(profile)
+        records, shape = self.memory.records(self.fleet, profile), Shape.of(profile)
         candidates = self._candidates(entry, soon=False)
         found = plan_eviction(records, shape, candidates)
         if found is None:
@@ -290,8 +297,7 @@ class _Planner:
     def _candidates(self, entry: PlanEntry, *, soon: bool) -> list[Occupant]:
         assert self.occupants is not None
         return stop_candidates(
-            # Never its own model's replicas: stopping one to start another would only churn.
-            (h for h in self.occupants if h.replica_id not in self.taken and h.model != entry.name),
+            others_than(entry.name, self.occupants, self.taken),
             self.spare,
             min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
             min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
@@ -363,7 +369,3 @@ class _Planner:
             sleeps=bool(self.levels.get(victim.replica_id)),
             after_seconds=None if after is None else round(after, 3),
         )
-
-
-def _shape(profile: Profile) -> Shape:
-    return Shape(profile.gpu_class, profile.gpus_per_node, profile.nodes_per_replica)

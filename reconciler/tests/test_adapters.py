@@ -252,7 +252,7 @@ def test_an_adapter_an_engine_holds_that_no_load_backs_is_unloaded(run_tick, age
     beat = [ShardHeartbeat(shard_id=head.pk, state="ready", adapters=["gone", "kept"])]
     reconcile_held(head.node_id, "gpu-0", beat, outbox)
 
-    assert [(kind.__name__, fields["name"]) for _, kind, fields in outbox.commands] == [("UnloadAdapter", "gone")]
+    assert [(type(command).__name__, command.name) for _, command in outbox.commands] == [("UnloadAdapter", "gone")]
 
 
 def test_the_loads_of_a_replica_that_failed_are_forgotten(run_tick):

@@ -37,7 +37,7 @@ def sweep(now, epoch=1):
     with transaction.atomic():
         sweep_unused_weights(now, outbox)
         outbox.send_on_commit()
-    return sorted((node, fields["source"]) for node, _, fields in outbox.commands)
+    return sorted((node, command.source) for node, command in outbox.commands)
 
 
 def test_unused_weights_are_removed_only_past_the_grace_period_and_used_ones_never(settings):
