@@ -27,7 +27,7 @@ It prints the median steady tick time and the query counts
 (TICK_BENCH_QUERIES=1 lists a steady tick's queries, TICK_BENCH_PROFILE=1
 profiles one, TICK_BENCH_PROFILE=placing the placing tick, TICK_BENCH_STEPS=1
 times each step of the placing tick and of the last steady tick). The query count must
-not grow with the fleet (CONVENTIONS: a tick runs a fixed number of queries).
+not grow with the fleet (DESIGN "Reconcile tick": a constant number of queries).
 """
 
 from __future__ import annotations

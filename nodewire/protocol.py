@@ -2,8 +2,8 @@
 
 Each message is a frozen msgspec Struct defined once here; both ends build
 with these types and check what they receive with the two gates below, so the
-receiving side trusts what the gate let through (CONVENTIONS, "typed
-structures defined once"). Every message carries `type` (its tag) and `v`.
+receiving side trusts what the gate let through. Every message carries
+`type` (its tag) and `v`.
 
 agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   hello         node, version, address, fabric, labels{}, gpus[], shards[], weights[],

@@ -173,15 +173,16 @@ class _Notes:
             .annotate(serving=Exists(serving), wanted=Exists(wanted))
             .values_list(
                 "id", "model_id", "model__name", "state", "placement_note", "hold", "pools", "profile__order",
-                "profile__wake_seconds", "last_error", "serving", "wanted",
+                "profile__wake_seconds", "last_error", "serving", "wanted", named=True,
             ),
-            key=lambda row: row[0],
+            key=lambda row: row.id,
         )  # fmt: skip
         notes = cls()
         # Pending replicas in placement order: a model's first profile speaks first.
-        for _pk, _model_id, name, _state, reason, hold, pools, *_ in sorted(
-            (r for r in rows if r[3] == ReplicaState.PENDING), key=lambda r: (r[2], r[7], r[0])
+        for row in sorted(
+            (r for r in rows if r.state == ReplicaState.PENDING), key=lambda r: (r.model__name, r.profile__order, r.id)
         ):
+            name, reason, hold, pools = row.model__name, row.placement_note, row.hold, row.pools
             if not reason and hold == Hold.NONE:
                 continue  # placed at its last attempt (no note) and holding nothing: nothing to say of it
             if hold == Hold.MAKING_ROOM:
@@ -189,12 +190,12 @@ class _Notes:
             elif hold == Hold.NONE and (name not in notes.unplaceable or (notes.unplaceable[name][1] and not pools)):
                 notes.unplaceable[name] = (reason, pools)
             # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
-        for _pk, model_id, _name, state, *_, wake, _error, serving_too, _wanted in rows:
-            if state in _SLEEPERS and not serving_too:
-                notes.sleeping_only.setdefault(model_id, wake)  # the oldest sleeper's
-        for _pk, _model_id, name, state, *_, error, _serving, wanted_too in reversed(rows):
-            if state == ReplicaState.FAILED and not wanted_too:
-                notes.failed.setdefault(name, failure_reason(error))  # the newest failure's
+        for row in rows:
+            if row.state in _SLEEPERS and not row.serving:
+                notes.sleeping_only.setdefault(row.model_id, row.profile__wake_seconds)  # the oldest sleeper's
+        for row in reversed(rows):
+            if row.state == ReplicaState.FAILED and not row.wanted:
+                notes.failed.setdefault(row.model__name, failure_reason(row.last_error))  # the newest failure's
         return notes
 
 
