@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from catalog.models import Adapter
 from dashboard.summary import cluster_summary
-from dashboard.tests.test_api import count_queries
-from dashboard.tests.test_api_writes import client_for
+from dashboard.tests.api.test_read import count_queries
+from dashboard.tests.api.test_writes import client_for
 from dashboard.tests.test_metrics import scrape
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.models import AdapterLoad, AdapterStats

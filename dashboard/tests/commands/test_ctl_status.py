@@ -91,7 +91,7 @@ def test_an_unmigrated_database_gets_a_clear_error_not_a_traceback(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "SECRET_KEY")} | {
         "LLMGW_VAR_DIR": str(tmp_path)
     }

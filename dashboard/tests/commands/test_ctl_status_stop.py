@@ -18,7 +18,7 @@ from reconciler.choices import Hold, ReplicaState
 from reconciler.models import Replica
 from tests.fleet import bulk_fleet, make_model, make_node, make_replica, watch_usage
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 L40S = "L40S-48GB"
 
 

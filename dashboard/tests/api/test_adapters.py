@@ -4,8 +4,8 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from catalog.models import Adapter
-from dashboard.tests.test_api import count_queries
-from dashboard.tests.test_api_writes import client_for
+from dashboard.tests.api.test_read import count_queries
+from dashboard.tests.api.test_writes import client_for
 
 pytestmark = pytest.mark.django_db
 

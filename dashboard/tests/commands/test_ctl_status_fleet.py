@@ -22,7 +22,7 @@ from tests.fleet import bulk_fleet, make_model, make_node, make_replica, set_gpu
 
 pytestmark = pytest.mark.django_db
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run(*args) -> str:

@@ -34,7 +34,7 @@ from tests.fleet import make_model, make_node, make_replica, watch_usage
 
 # The checks' settings are the CLI's (schemathesis.toml): only the model writes and the plan may refuse a
 # schema-valid body, for the catalog rules their 400 documents; here 25 examples per operation.
-CONFIG = tomllib.loads((Path(__file__).resolve().parents[2] / "schemathesis.toml").read_text())
+CONFIG = tomllib.loads((Path(__file__).resolve().parents[3] / "schemathesis.toml").read_text())
 
 
 @pytest.fixture

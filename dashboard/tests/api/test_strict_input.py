@@ -9,7 +9,7 @@ from django.contrib.auth import get_user_model
 
 from catalog.catalog_file import read_models
 from catalog.models import Model
-from dashboard.tests.test_api_writes import PROFILE, client_for
+from dashboard.tests.api.test_writes import PROFILE, client_for
 from keys.models import ApiKey
 from tests.fleet import make_model
 

@@ -5,7 +5,7 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from catalog.models import Profile
-from dashboard.tests.test_api_writes import PROFILE, catalog_rows, client_for
+from dashboard.tests.api.test_writes import PROFILE, catalog_rows, client_for
 
 pytestmark = pytest.mark.django_db
 

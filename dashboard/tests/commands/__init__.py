@@ -1,0 +1,1 @@
+"""Tests of the operators' commands: ctl_status, plan and the others."""
