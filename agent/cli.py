@@ -31,7 +31,9 @@ from agent.engines.launch import DEFAULT_LLAMA_SERVER
 from agent.engines.vllm_command import VLLM_COMMAND_ENV, vllm_command_from
 from agent.gpus.discovery import GPUDiscoveryError, GPUInfo, discover_gpus
 from agent.gpus.health import HEALTHY, HealthReader, SimulatedHealth, hardware_reader
-from agent.runtime import Agent, AgentOptions, AgentRejected
+from agent.link import AgentRejected
+from agent.options import AgentOptions
+from agent.runtime import Agent
 from agent.state import STATE_DIR_ENV, StateError, default_state_dir
 from nodewire.control_planes import add_control_plane_option, address_problem
 from nodewire.protocol import NODE_NAME_PATTERN

@@ -48,15 +48,15 @@ from agent.gpus.health import (
     gpu_reports,
 )
 from agent.hibernation import Hibernation
-from agent.link import AgentRejected, AgentSuperseded, AgentTLSError, ControlPlaneLink
+from agent.link import ControlPlaneLink
 from agent.options import AgentOptions
 from agent.starting import added_env, launch_for
-from agent.state import AgentState, Fence, StateError
+from agent.state import AgentState, Fence
 from agent.supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
 from agent.weights.inventory import WeightsInventory
 from nodewire import engine_env, protocol
 
-__all__ = ["Agent", "AgentOptions", "AgentRejected", "AgentSuperseded", "AgentTLSError", "StateError"]
+__all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
 

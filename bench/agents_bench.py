@@ -104,7 +104,8 @@ class AgentFleet:
 
     def __init__(self, uri: str, tokens: dict[str, str], heartbeat: float) -> None:
         from agent.gpus.discovery import parse_fake_gpus
-        from agent.runtime import Agent, AgentOptions
+        from agent.options import AgentOptions
+        from agent.runtime import Agent
 
         fleet = self
         self.received: dict[str, list[float]] = {name: [] for name in tokens}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from nodewire.weights.headers import HeaderShape
+from nodewire.weights.header_types import HeaderShape
 
 from .parameters import ConfigError, ConfigReader, bytes_of, family_of
 

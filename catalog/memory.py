@@ -44,7 +44,7 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Literal
 
-from nodewire.weights.headers import WeightsHeader
+from nodewire.weights.header_types import WeightsHeader
 
 from .engine_flags import kv_cache_bits
 from .kv_cache import KVShape

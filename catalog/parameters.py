@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
-from nodewire.weights.headers import ggml_bits_per_weight
+from nodewire.weights.gguf import ggml_bits_per_weight
 
 # Bits per element of the dtype names configs and operators use (torch_dtype, vLLM --dtype/--kv-cache-dtype).
 DTYPE_BITS: dict[str, int] = {

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from nodewire.weights.disk import weights_key
-from nodewire.weights.headers import HeaderShape, WeightsHeader, WeightsHeaderError, read_weights_headers
+from nodewire.weights.header_types import HeaderShape, WeightsHeader, WeightsHeaderError
+from nodewire.weights.headers import read_weights_headers
 from nodewire.weights.messages import WeightsHeaderFacts, WeightsShape
 
 from .engine_flags import parallel_shape, read_memory_args, sets_context

@@ -44,7 +44,7 @@ import sys
 
 from aiohttp import web
 
-from mockengine.generation import CACHE_SLOTS, EXTRA_ENDPOINTS, MockEngine
+from mockengine.generation import EXTRA_ENDPOINTS, MockEngine
 from mockengine.lora import MockLoRA, runtime_updates_allowed
 from mockengine.prefix_cache import MockPrefixCache
 from mockengine.sleep import MockSleep
@@ -52,7 +52,7 @@ from mockengine.text import BadRequest, openai_error
 from nodewire.engine_env import GPU_MEMORY_ENV, VLLM_DEV_MODE_ENV
 from nodewire.protocol import parse_port
 
-__all__ = ["CACHE_SLOTS", "EXTRA_ENDPOINTS", "MockEngine", "create_app", "main", "out_of_memory"]
+__all__ = ["create_app", "main", "out_of_memory"]
 
 HOLD_FILE_ENV = "LLMGW_MOCK_HOLD_FILE"
 # The share of each GPU the mock may use, vLLM's default gpu_memory_utilization (catalog/memory.py judges

@@ -21,7 +21,8 @@ from django.conf import settings
 
 from agent.engines.vllm_command import vllm_command_from
 from agent.gpus.discovery import parse_fake_gpus
-from agent.runtime import Agent, AgentOptions
+from agent.options import AgentOptions
+from agent.runtime import Agent
 from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app

@@ -15,7 +15,8 @@ from websockets.asyncio.server import serve as serve_async
 from websockets.sync.server import serve
 
 from agent.gpus.discovery import parse_fake_gpus
-from agent.runtime import Agent, AgentOptions
+from agent.options import AgentOptions
+from agent.runtime import Agent
 from conftest import free_port
 from nodewire import adapter_messages, protocol
 

@@ -5,8 +5,7 @@ from http import HTTPStatus
 
 import pytest
 
-from agent.link import ControlPlaneLink
-from agent.runtime import AgentRejected, AgentSuperseded
+from agent.link import AgentRejected, AgentSuperseded, ControlPlaneLink
 from agent.tests.stand_ins import ControlPlane, checked, health, make_agent, process_gone, run, start_ready
 from conftest import free_port
 from nodewire import protocol

@@ -30,7 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nodewire.weights.headers import HeaderShape, WeightsHeaderError, read_weights_headers
+from nodewire.weights.header_types import HeaderShape, WeightsHeaderError
+from nodewire.weights.headers import read_weights_headers
 from nodewire.weights.messages import MAX_DTYPES, MAX_LAYERS, WeightsHeaderFacts, WeightsShape
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from agent.gpus.discovery import parse_fake_gpus
-from agent.runtime import Agent, AgentOptions
+from agent.options import AgentOptions
+from agent.runtime import Agent
 from conftest import free_port, wait_until
 from inventory.choices import NodeState
 from inventory.models import Node

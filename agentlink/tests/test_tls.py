@@ -11,7 +11,9 @@ import uvicorn
 
 from agent import cli
 from agent.gpus.discovery import parse_fake_gpus
-from agent.runtime import Agent, AgentOptions, AgentRejected, AgentTLSError
+from agent.link import AgentRejected, AgentTLSError
+from agent.options import AgentOptions
+from agent.runtime import Agent
 from agentlink.tests.pki import TestCA
 from conftest import free_port, wait_until
 from inventory.choices import NodeState

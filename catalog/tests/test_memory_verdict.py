@@ -31,7 +31,8 @@ from catalog.tests.test_memory_parameters import (
     dense,
 )
 from nodewire.tests.test_weights_headers import random_tensors, write_safetensors
-from nodewire.weights.headers import HeaderShape, read_weights_headers
+from nodewire.weights.header_types import HeaderShape
+from nodewire.weights.headers import read_weights_headers
 from tests.tiny_gguf import write_tiny_llama
 
 LLAMA_3_1_70B = dense("llama", 8192, 28672, 80, 64, 8, 128256, tie_word_embeddings=False, torch_dtype="bfloat16")

@@ -8,13 +8,9 @@ import gguf
 import numpy as np
 import pytest
 
-from nodewire.weights.headers import (
-    SAFETENSORS_INDEX,
-    WeightsHeaderError,
-    ggml_bits_per_weight,
-    read_gguf,
-    read_weights_headers,
-)
+from nodewire.weights.gguf import ggml_bits_per_weight, read_gguf
+from nodewire.weights.header_types import WeightsHeaderError
+from nodewire.weights.headers import SAFETENSORS_INDEX, read_weights_headers
 from tests.tiny_gguf import write_tiny_llama
 
 # No file here is big: a read that hangs or loops is a failure, not a slow pass.

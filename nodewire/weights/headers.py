@@ -23,10 +23,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from nodewire.weights.gguf import GGUF_MAX_DIMS, ggml_bits_per_weight, gguf_shape, read_gguf
+from nodewire.weights.gguf import read_gguf
 from nodewire.weights.header_types import (
     SHARD_NAME,
-    HeaderShape,
     WeightsHeader,
     WeightsHeaderError,
     merge_headers,
@@ -34,18 +33,7 @@ from nodewire.weights.header_types import (
     shard_set,
 )
 
-__all__ = [
-    "GGUF_MAX_DIMS",
-    "GGUF_SUFFIX",
-    "SAFETENSORS_INDEX",
-    "HeaderShape",
-    "WeightsHeader",
-    "WeightsHeaderError",
-    "ggml_bits_per_weight",
-    "gguf_shape",
-    "read_gguf",
-    "read_weights_headers",
-]
+__all__ = ["GGUF_SUFFIX", "SAFETENSORS_INDEX", "read_weights_headers"]
 
 SAFETENSORS_SUFFIX = ".safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

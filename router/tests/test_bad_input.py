@@ -17,7 +17,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mockengine.server import EXTRA_ENDPOINTS
+from mockengine.generation import EXTRA_ENDPOINTS
 from router.app import create_app
 from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
 from router.config import RouterConfig

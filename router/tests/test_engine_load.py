@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from conftest import free_port, wait_until
-from mockengine.server import CACHE_SLOTS
+from mockengine.generation import CACHE_SLOTS
 from router.balancer import Balancer
 from router.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
 
@@ -84,7 +84,7 @@ def test_missing_or_senseless_figures_are_unknown(text, expected):
 
 
 def test_the_mock_engines_metrics_are_read():
-    from mockengine.server import MockEngine
+    from mockengine.generation import MockEngine
 
     engine = MockEngine(MODEL)
     engine.running = CACHE_SLOTS // 2

@@ -8,7 +8,8 @@ import pytest
 
 from agent.engines.launch import ENGINES, build_launch
 from agent.gpus.discovery import parse_fake_gpus
-from agent.runtime import Agent, AgentOptions
+from agent.options import AgentOptions
+from agent.runtime import Agent
 from agent.tests.stand_ins import NODE, TOKEN, ControlPlane, run, start_command
 from conftest import free_port
 from nodewire import protocol

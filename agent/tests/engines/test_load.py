@@ -9,7 +9,7 @@ from aiohttp import web
 
 from agent.engines.load import EngineLoad, requests_in_flight
 from agent.tests.stand_ins import run
-from mockengine.server import MockEngine
+from mockengine.generation import MockEngine
 
 DATA = Path(__file__).parents[1] / "data"
 

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from agent import cli
-from agent.runtime import AgentRejected
+from agent.link import AgentRejected
 
 
 class Command(BaseCommand):
