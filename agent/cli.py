@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from agent.engines.launch import DEFAULT_LLAMA_SERVER
 from agent.engines.vllm_command import VLLM_COMMAND_ENV, vllm_command_from
@@ -279,15 +279,29 @@ def _gpus_and_health(
     return gpus, health
 
 
-def _tls_files(options: Mapping[str, Any], control_planes: list[str]) -> dict[str, str | None]:
+class TLSFiles(TypedDict):
+    """The agent's TLS files, as AgentOptions takes them (None: not given)."""
+
+    ca_file: str | None
+    cert_file: str | None
+    key_file: str | None
+
+
+def _tls_files(options: Mapping[str, Any], control_planes: list[str]) -> TLSFiles:
     """--ca-file, --cert-file and --key-file (or their variables), each checked to be a readable file."""
-    files: dict[str, str | None] = {}
-    for option, env in (("ca_file", CA_FILE_ENV), ("cert_file", CERT_FILE_ENV), ("key_file", KEY_FILE_ENV)):
+
+    def readable(option: str, env: str) -> str | None:
         value = options.get(option) or os.environ.get(env, "").strip() or None
         flag = "--" + option.replace("_", "-")
         if value is not None and not os.access(value, os.R_OK):
             raise UsageError(f"{flag} {value!r} is not a readable file.")
-        files[option] = value
+        return value
+
+    files = TLSFiles(
+        ca_file=readable("ca_file", CA_FILE_ENV),
+        cert_file=readable("cert_file", CERT_FILE_ENV),
+        key_file=readable("key_file", KEY_FILE_ENV),
+    )
     if files["key_file"] and not files["cert_file"]:
         raise UsageError("--key-file needs --cert-file.")
     if any(files.values()) and not any(uri.startswith("wss://") for uri in control_planes):

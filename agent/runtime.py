@@ -198,9 +198,8 @@ class Agent:
         if isinstance(message, protocol.Error):
             log.error("control plane reported an error: %s", message.message)
             return
-        weights = isinstance(message, protocol.RemoveWeights)
-        subject = f"weights {message.source}" if weights else message.shard_id
-        if not self._fencing.admits(message.__struct_config__.tag, message.epoch, subject):
+        subject = f"weights {message.source}" if isinstance(message, protocol.RemoveWeights) else message.shard_id
+        if not self._fencing.admits(str(message.__struct_config__.tag), message.epoch, subject):
             await self._ack(message.cid, f"epoch {message.epoch} is older than epoch {self.highest_epoch} already seen")
             return
         if isinstance(message, protocol.SleepShard | protocol.WakeShard):
@@ -212,7 +211,7 @@ class Agent:
         # Answered before it is carried out: the control plane stops re-sending it now, and a re-sent
         # copy is answered again (a start for a shard already running is not started twice).
         await self._ack(message.cid)
-        if weights:
+        if isinstance(message, protocol.RemoveWeights):
             self._weights.start_removal(message, self._link.send)
         elif isinstance(message, protocol.StartShard):
             await self._start_shard(message)

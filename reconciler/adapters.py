@@ -169,7 +169,8 @@ def _ready_slots(base_ids: set[int]) -> dict[int, list[_Slot]]:
         "pk",
         "node__name",
     ):
-        slots[replica_id] = _Slot(replica_id, max_adapters, target, shard_id, node_name, [])
+        # max_adapters > 0 by the filter, so never None here.
+        slots[replica_id] = _Slot(replica_id, max_adapters or 0, target, shard_id, node_name, [])
         by_base[model_id].append(slots[replica_id])
     for load in AdapterLoad.objects.filter(replica_id__in=slots, state__in=HELD).select_related("adapter"):
         slots[load.replica_id].held.append(load)

@@ -168,15 +168,15 @@ class _Notes:
     def read(cls) -> _Notes:
         serving = Replica.objects.filter(model=OuterRef("model"), state__in=_SERVING)
         wanted = Replica.objects.filter(model=OuterRef("model"), state__in=(*_SERVING, *_SLEEPERS))
-        rows = sorted(
+        found = (
             Replica.objects.filter(model__enabled=True, state__in=(ReplicaState.PENDING, ReplicaState.FAILED, *_SLEEPERS))
             .annotate(serving=Exists(serving), wanted=Exists(wanted))
             .values_list(
                 "id", "model_id", "model__name", "state", "placement_note", "hold", "pools", "profile__order",
                 "profile__wake_seconds", "last_error", "serving", "wanted", named=True,
-            ),
-            key=lambda row: row.id,
+            )
         )  # fmt: skip
+        rows = sorted(found, key=lambda row: row.id)
         notes = cls()
         # Pending replicas in placement order: a model's first profile speaks first.
         for row in sorted(

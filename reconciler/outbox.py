@@ -19,6 +19,7 @@ import logging
 import random
 import secrets
 from datetime import datetime, timedelta
+from typing import Literal, cast
 
 from asgiref.sync import async_to_sync
 from channels.exceptions import ChannelFull
@@ -181,7 +182,9 @@ class Outbox:
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        sleep = SleepShard(epoch=UNSTAMPED, shard_id=shard_id, level=level, timeout_seconds=float(timeout_seconds))
+        sleep = SleepShard(
+            epoch=UNSTAMPED, shard_id=shard_id, level=cast(Literal[1, 2], level), timeout_seconds=float(timeout_seconds)
+        )
         self.commands.append((node_name, sleep))
 
     def wake(self, node_name: str, shard_id: int) -> None:

@@ -95,12 +95,13 @@ def header_facts(path: str) -> WeightsHeaderFacts | None:
 def config_shape(config_path: Path) -> HeaderShape | None:
     """The shape facts of a config.json (None if there is none, or it is not a JSON object)."""
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        document = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
+    if not isinstance(document, dict):
         return None
-    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text_config = document.get("text_config")
+    config: dict[str, Any] = text_config if isinstance(text_config, dict) else document
     model_type = config.get("model_type")
     facts: dict[str, Any] = {name: _first_positive(config, keys) for name, keys in _CONFIG_KEYS.items()}
     window = _first_positive(config, ("sliding_window",))

@@ -50,7 +50,7 @@ from reconciler.models import ModelLoad, Replica, Shard
 log = logging.getLogger(__name__)
 
 # When a model has too many replicas, stop the ones holding least first.
-_STOP_ORDER = {
+_STOP_ORDER: dict[str, int] = {
     ReplicaState.FAILED: 0,
     ReplicaState.SLEEPING: 1,
     ReplicaState.PENDING: 2,
@@ -231,15 +231,15 @@ def _swaps_under_way(models: dict[int, _ModelDemand], now: datetime, outcome: De
     since = now - timedelta(seconds=settings.LLMGW_ACTIVATION_LINGER_SECONDS)
     stale: list[int] = []
     for demand in models.values():
-        stamped = [r for r in demand.sleepers() if r.wanted_since is not None]
+        stamped = [r.wanted_since for r in demand.sleepers() if r.wanted_since is not None]
         model_id = demand.primary.model_id
         if not stamped or model_id in outcome.wake:
             continue
-        if not demand.awake() and any(r.wanted_since >= since for r in stamped):
+        if not demand.awake() and any(wanted_since >= since for wanted_since in stamped):
             # The routers asked a moment ago and are holding requests: waking need not wait for their next ask.
             outcome.wake.add(model_id)
         else:
-            stale.extend(r.pk for r in stamped)
+            stale.extend(r.pk for r in demand.sleepers() if r.wanted_since is not None)
     if stale:
         Replica.objects.filter(pk__in=stale).update(wanted_since=None)
 
@@ -261,7 +261,8 @@ def _idle_beyond_timeout(
     above min, and SLEEPING ones whatever min (a sleeper serves nothing; its sleeping time counts as idle)."""
     spare = len([r for r in wanted if r.state in AWAKE_STATES]) - demand.primary.min_replicas
     profiles = {p.pk: p for p in demand.profiles}
-    idle, sleeping = [], []
+    idle: list[tuple[float, ReplicaRow, float]] = []  # (idle seconds, replica, its timeout)
+    sleeping: list[tuple[float, ReplicaRow, float]] = []
     for replica in wanted:
         timeout = idle_timeout(profiles[replica.profile_id])
         if replica.state not in (ReplicaState.READY, ReplicaState.SLEEPING) or timeout is None or replica.pk in busy:
@@ -314,7 +315,14 @@ def _scale_out(
         elif load.busy_since is None:
             load.busy_since = now
         coming = [r for r in wanted if r.state in (ReplicaState.PENDING, ReplicaState.STARTING)]
-        if over and not coming and now - load.busy_since >= after and len(wanted) < primary.max_replicas:
+        busy_since = load.busy_since
+        if (
+            over
+            and not coming
+            and busy_since is not None
+            and now - busy_since >= after
+            and len(wanted) < primary.max_replicas
+        ):
             to_create.append(Replica(model_id=model_id, profile=primary, demand_until=linger))
             load.busy_since = now  # the next replica waits for the load to last again
             scaled += 1

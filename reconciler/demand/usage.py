@@ -46,7 +46,7 @@ def collect_usage(stamps: dict[str, float]) -> tuple[int, list[str]]:
             continue
         if replica_id not in known:
             forget.append(key)
-        elif known[replica_id] is None or stamp > known[replica_id]:
+        elif (last := known[replica_id]) is None or stamp > last:
             changed.append(Replica(pk=replica_id, last_used=stamp))
     if changed:
         Replica.objects.bulk_update(changed, ["last_used"])

@@ -43,7 +43,7 @@ class HostBudget:
     sleepers: dict[int, list[_Sleeper]] = field(default_factory=lambda: defaultdict(list))
 
     def fits(self, nodes: list[int], share: int) -> bool:
-        return all(self.budget.get(n) is not None and self.held[n] + share <= self.budget[n] for n in nodes)
+        return all((budget := self.budget.get(n)) is not None and self.held[n] + share <= budget for n in nodes)
 
     def take(self, replica_id: int, nodes: list[int], share: int) -> None:
         for node in nodes:
@@ -54,13 +54,16 @@ class HostBudget:
         """The least recently used level-1 sleepers whose stop makes `share` fit on every node of `nodes`, taken
         out of the budget; None when stopping them all would not do. Never one whose last use is unknown
         (DESIGN invariant 3), nor one this very call has just put to sleep."""
-        if any(self.budget.get(n) is None or share > self.budget[n] for n in nodes):  # type: ignore[operator]
+        budgets = {n: self.budget.get(n) for n in nodes}
+        known = {n: b for n, b in budgets.items() if b is not None}
+        if len(known) < len(budgets) or any(share > b for b in known.values()):
             return None
         victims: dict[int, _Sleeper] = {}
         for node in nodes:
             on_node = self.sleepers[node]
-            room = self.budget[node] - self.held[node] + sum(s.share for s in on_node if s.replica_id in victims)  # type: ignore[operator]
-            for sleeper in sorted((s for s in on_node if s.last_used is not None), key=lambda s: s.last_used):
+            room = known[node] - self.held[node] + sum(s.share for s in on_node if s.replica_id in victims)
+            used = [(s.last_used, s) for s in on_node if s.last_used is not None]
+            for _, sleeper in sorted(used, key=lambda pair: pair[0]):
                 if room >= share:
                     break
                 if sleeper.replica_id not in victims:

@@ -100,7 +100,7 @@ def drain_replaced(now: datetime, no_room: set[int]) -> int:
         elif new.pk in no_room:
             why = f"no room for a replacement ({new.placement_note})"
             withdraw.append(new.pk)
-        elif now >= old.drain_deadline:
+        elif old.drain_deadline is not None and now >= old.drain_deadline:  # the query's filter: never None
             late = settings.LLMGW_DRAIN_REPLACEMENT_WAIT_SECONDS
             why = f"replica {new.pk} was not ready within {late:g} s"
         else:

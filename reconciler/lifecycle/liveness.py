@@ -147,7 +147,7 @@ def _stuck(now: datetime) -> Q:
 def fail_slow_starts(now: datetime, outbox: Outbox, stuck: dict[str, set[int]]) -> int:
     """Fail the replicas `check_liveness` found stuck on the way (`_stuck`); returns how many failed."""
     timeout = settings.LLMGW_SHARD_START_TIMEOUT_SECONDS
-    why = {
+    why: dict[str, str] = {
         ReplicaState.STARTING: f"not ready within {timeout:g} s of placement",
         ReplicaState.WAKING: f"not awake within {timeout:g} s of its wake",
         ReplicaState.SLEEPING: "its engine did not go to sleep in time",

@@ -251,6 +251,7 @@ def start_command(
     nodes has its rendezvous port.
     """
     profile = replica.profile
+    slots = profile.max_adapters
     return StartShard(
         epoch=UNSTAMPED,
         shard_id=shard.pk,
@@ -272,13 +273,8 @@ def start_command(
         # so a start that does not ask for it keeps the shape starts always had.
         sleep_mode=True if replica.sleep_level else UNSET,
         # LoRA on for a profile that takes adapters; left out otherwise, for the same reason.
-        adapters=adapter_slots(profile) if profile.max_adapters else UNSET,
+        adapters=AdapterSlots(slots=slots, max_rank=profile.max_adapter_rank) if slots else UNSET,
     )
-
-
-def adapter_slots(profile: Profile) -> AdapterSlots:
-    """A profile's adapter slots, as start_shard carries them."""
-    return AdapterSlots(slots=profile.max_adapters, max_rank=profile.max_adapter_rank)
 
 
 def send_starts(shards: list[Shard], outbox: Outbox) -> int:

@@ -189,7 +189,7 @@ def free_capacity(now: datetime) -> CapacitySnapshot:
 
 
 # How an unusable node's state reads in a reason, in the order reasons list them.
-_STATE_WORDS = {
+_STATE_WORDS: dict[str, str] = {
     NodeState.UNREACHABLE: "unreachable",
     NodeState.LOST: "lost",
     NodeState.NEW: "enrolled but never connected",

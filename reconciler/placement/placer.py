@@ -265,17 +265,15 @@ def _running_per_profile(profiles: dict[int, list[Profile]], leaving: int | None
     `leaving`. One query."""
     ids = [p.pk for ps in profiles.values() for p in ps]
     counts: dict[int, int] = defaultdict(int)
-    rows = (
+    placed = (
         Replica.objects.filter(profile_id__in=ids)
         .exclude(state__in=(ReplicaState.PENDING, ReplicaState.STOPPING))
         # A replica a node drain is replacing makes way for its replacement (reconciler.lifecycle.drain).
         .filter(drain_deadline__isnull=True)
-        .exclude(pk=leaving)
-        .values("profile_id")
-        .annotate(n=Count("id"))
-        .values_list("profile_id", "n")
     )
-    for profile_id, n in rows:
+    if leaving is not None:
+        placed = placed.exclude(pk=leaving)
+    for profile_id, n in placed.values("profile_id").annotate(n=Count("id")).values_list("profile_id", "n"):
         counts[profile_id] = n
     return counts
 
@@ -337,22 +335,22 @@ def _place_one(
     port_range = settings.LLMGW_ENGINE_PORT_RANGE
     # The head of a replica spanning nodes takes its rendezvous port too, the one after its own.
     spans = [2 if rank == 0 and len(result.shards) > 1 else 1 for rank in range(len(result.shards))]
-    ports = []
+    ports: list[int] = []
     # Ports chosen for this replica's earlier shards: nodes sharing an address share one port space.
     chosen: dict[str, set[int]] = defaultdict(set)
-    for shard, span in zip(result.shards, spans, strict=True):
-        address = capacity.node(gpu_class, shard.node).address
+    for shard_place, span in zip(result.shards, spans, strict=True):
+        address = capacity.node(gpu_class, shard_place.node).address
         port = pick_port(capacity.ports[address] | chosen[address], port_range, span)
         if port is None:
-            return Unplaceable(f"no free engine port on {shard.node} in {port_range[0]}-{port_range[1]}")
+            return Unplaceable(f"no free engine port on {shard_place.node} in {port_range[0]}-{port_range[1]}")
         chosen[address].update(range(port, port + span))
         ports.append(port)
-    shards = []
+    shards: list[_NewShard] = []
     for rank, (shard_place, port) in enumerate(zip(result.shards, ports, strict=True)):
         node = capacity.node(gpu_class, shard_place.node)
         gpu_ids = capacity.take(gpu_class, shard_place.node, shard_place.gpu_indices, port, spans[rank])
-        shard = Shard(replica=replica, node_id=node.node_id, rank=rank, port=port, state=ShardState.ASSIGNED)
-        shards.append(_NewShard(shard, node.name, node.address, gpu_ids, shard_place.gpu_indices))
+        row = Shard(replica=replica, node_id=node.node_id, rank=rank, port=port, state=ShardState.ASSIGNED)
+        shards.append(_NewShard(row, node.name, node.address, gpu_ids, shard_place.gpu_indices))
     return shards
 
 

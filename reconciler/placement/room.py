@@ -121,7 +121,9 @@ def make_room(
             break
         else:
             # No profile can make room now: hold, don't refuse, if one will once time has passed.
-            for records, shape in shapes if occupants is not None else ():
+            for records, shape in shapes:
+                if occupants is None:
+                    break
                 note = _room_soon(occupants, spare, taken, model, priority, records, shape, paused)
                 if note is not None:
                     notes[replica.pk] = note

@@ -34,7 +34,7 @@ def profile_deleting(sender, instance: Profile, **_kwargs) -> None:
     key = weights_key(instance.engine, instance.model.source)
     pending = _pending_callback()
     if pending is not None:
-        pending.keys.add(key)  # type: ignore[attr-defined]
+        pending.keys.add(key)
         return
 
     def remove_unused() -> None:
