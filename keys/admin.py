@@ -36,11 +36,12 @@ class CommaListField(forms.CharField):
             return ", ".join(value)
         return value
 
-    def to_python(self, value: Any) -> list[str]:
+    # A list where Django's CharField gives a string: the form's clean step and the model field want the list.
+    def to_python(self, value: Any) -> list[str]:  # type: ignore[override]
         return parse_names(super().to_python(value) or "")
 
 
-class ApiKeyForm(forms.ModelForm):
+class ApiKeyForm(forms.ModelForm[ApiKey]):
     """The key's editable fields, with scopes as comma lists checked against the catalog."""
 
     allowed_models = CommaListField(
@@ -70,7 +71,7 @@ class ApiKeyForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     """API keys: scopes, expiry and limits editable; last use read-only; revoke and restore in bulk."""
 
     form = ApiKeyForm
@@ -94,10 +95,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def models_shown(self, obj: ApiKey) -> str:
         return ", ".join(obj.allowed_models) or "all"
 
-    def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> tuple[str, ...]:
         if obj is None:
-            return ["name", *self.SCOPE_FIELDS]
-        return ["name", "prefix", "active", *self.SCOPE_FIELDS, "last_used_at", "created_at"]
+            return ("name", *self.SCOPE_FIELDS)
+        return ("name", "prefix", "active", *self.SCOPE_FIELDS, "last_used_at", "created_at")
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         return [] if obj is None else ["prefix", "last_used_at", "created_at"]
@@ -132,7 +133,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(TokenUsage)
-class TokenUsageAdmin(admin.ModelAdmin):
+class TokenUsageAdmin(admin.ModelAdmin[TokenUsage]):
     """Tokens per key, model and hour, as the control plane stored them from the routers' counts: read-only."""
 
     list_display = ["hour", "key_name", "model", "requests", "prompt_tokens", "completion_tokens"]

@@ -9,7 +9,7 @@ from hub.credentials import hash_secret, new_secret
 KEY_PREFIX = "sk-llmgw-"
 
 
-class ApiKeyQuerySet(models.QuerySet):
+class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
     """Queries over API keys."""
 
     def active(self) -> "ApiKeyQuerySet":

@@ -12,11 +12,15 @@ import shlex
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
 from telemetry import TracingConfigError, exporter_name
 
 from .config import setting
+
+# Django's generic classes (ModelAdmin[Model], QuerySet[Model]) subscriptable at run time, as their types are written.
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(setting("LLMGW_VAR_DIR", str(BASE_DIR / "var")))

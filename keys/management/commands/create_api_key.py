@@ -83,7 +83,7 @@ class Command(BaseCommand):
         if not name:
             raise CommandError("the key name must not be empty")
         max_length = ApiKey._meta.get_field("name").max_length
-        if len(name) > max_length:
+        if max_length is not None and len(name) > max_length:
             raise CommandError(f"the key name is {len(name)} characters long; at most {max_length} are allowed")
         fields = {
             "allowed_models": self._models(models),
