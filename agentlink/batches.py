@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -67,7 +68,7 @@ class Batch:
         self.distinct = distinct
         self._items: list = []
         self._waiting: set = set()
-        self._since = None
+        self._since: datetime | None = None
         self._task: asyncio.Task | None = None
 
     def add(self, item) -> None:

@@ -1,6 +1,7 @@
 """Catalog admin: models with their aliases, profiles and adapters inline, validated before anything is saved."""
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
@@ -95,7 +96,14 @@ class ProfileForm(forms.ModelForm):
         return env
 
 
-class EnvShownMasked:
+# The mixin's base as the type checker sees it: it is only ever mixed into a ModelAdmin.
+if TYPE_CHECKING:
+    _AdminBase = admin.ModelAdmin[Any]
+else:
+    _AdminBase = object
+
+
+class EnvShownMasked(_AdminBase):
     """For ModelAdmins showing profiles: to a user who may view but not change them, the engine env is
     shown masked (a read-only JSON field would print every value)."""
 
@@ -107,8 +115,11 @@ class EnvShownMasked:
         fields = super().get_fields(request, obj)
         if not self._env_read_only(request, obj):
             return fields
-        swap = {"env": "masked_env"}
-        return [tuple(swap.get(f, f) for f in row) if isinstance(row, tuple) else swap.get(row, row) for row in fields]
+
+        def swap(name: str) -> str:
+            return "masked_env" if name == "env" else name
+
+        return [swap(row) if isinstance(row, str) else tuple(swap(f) for f in row) for row in fields]
 
     def get_readonly_fields(self, request, obj=None):
         fields = list(super().get_readonly_fields(request, obj))

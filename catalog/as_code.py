@@ -165,7 +165,8 @@ def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
     for model in unlisted:
         if prune:
             rows = list(model.profiles.all())
-            gone = f"{_count(len(rows), 'profile')}, {_count(sum(p.replica_count for p in rows), 'replica')} go with it"
+            replicas = sum(p.replica_count for p in rows)  # type: ignore[attr-defined]  # annotated by the query above
+            gone = f"{_count(len(rows), 'profile')}, {_count(replicas, 'replica')} go with it"
             plans.append(ModelPlan(model.name, Verdict.DELETED, [gone], existing=model))
         else:
             plans.append(ModelPlan(model.name, Verdict.NOT_IN_FILE, ["kept; --prune deletes"], existing=model))
@@ -255,7 +256,8 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
             plan.details.append(f"profiles[{i}] added")
     for i, row in enumerate(rows[len(wanted.profiles) :], start=len(wanted.profiles)):
         plan.profiles_deleted.append(row)
-        plan.details.append(f"profiles[{i}] deleted ({_count(row.replica_count, 'replica')} with it)")
+        replicas = row.replica_count  # type: ignore[attr-defined]  # annotated by the profiles' query
+        plan.details.append(f"profiles[{i}] deleted ({_count(replicas, 'replica')} with it)")
     _plan_adapters(plan, wanted, model)
     if plan.details:
         plan.verdict = Verdict.CHANGED

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models as db
+from django.db.models.fields.reverse_related import ForeignObjectRel
 
 from .models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
 from .rules import MODEL_SIZE_FIELDS, adapter_problems, alias_is_own_name, name_taken, size_problems
@@ -144,8 +145,10 @@ def check_names(
                 problems.append(f"{model.label}: aliases[{i}]: {clash}")
         for j, adapter in enumerate(model.adapters):
             where = f"{model.label}: adapters[{j}]"
-            names = [("name", adapter["name"])] + [(f"aliases[{i}]", a) for i, a in enumerate(adapter["aliases"])]
-            for key, name in names:
+            adapter_names: list[tuple[str, Any]] = [("name", adapter["name"])] + [
+                (f"aliases[{i}]", a) for i, a in enumerate(adapter["aliases"])
+            ]
+            for key, name in adapter_names:
                 # An alias equal to its own adapter's name was named when the adapter was read.
                 if key == "name" or name != adapter["name"]:
                     clash = claim(name, adapter["name"], key != "name", f"{where}.{key}", "adapter")
@@ -247,11 +250,7 @@ def _read_profile(entry: Any, label: str, problems: list[str]) -> dict[str, Any]
         return {}
     _unknown_keys(entry, PROFILE_FIELDS, label, problems)
     values = {key: entry[key] for key in PROFILE_FIELDS if key in entry}
-    missing = {
-        name
-        for name in PROFILE_FIELDS
-        if name not in entry and not (Profile._meta.get_field(name).has_default() or Profile._meta.get_field(name).null)
-    }
+    missing = {name for name in PROFILE_FIELDS if name not in entry and not _optional(Profile._meta.get_field(name))}
     problems.extend(f"{label}.{name}: missing (required)" for name in sorted(missing))
     at = _located(label, ".")
     bad = _type_problems(Profile, values, at, problems) | missing
@@ -356,3 +355,8 @@ def _kind(value: Any) -> str:
     if isinstance(value, int | float):
         return f"a number ({value!r})"
     return _KINDS.get(type(value), type(value).__name__)
+
+
+def _optional(field: db.Field[Any, Any] | ForeignObjectRel) -> bool:
+    """Whether a profile field may be left out of a catalog file: it has a default or takes NULL."""
+    return isinstance(field, db.Field) and (field.has_default() or field.null)

@@ -309,20 +309,21 @@ class Profile(models.Model):
             errors["max_replicas"] = f"Max replicas ({self.max_replicas}) is below min replicas ({self.min_replicas})."
         if self.engine == Engine.LLAMACPP and (self.nodes_per_replica or 1) > 1:
             errors["nodes_per_replica"] = "llama.cpp replicas run on one node; set nodes per replica to 1."
-        problem = sleep_problem(self.engine, self.sleep_level, self.sleep_after_seconds)
-        if problem is not None:
-            errors[problem[0]] = problem[1]
-        problem = adapters_problem(self.engine, self.max_adapters, self.max_adapter_rank)
-        if problem is not None:
-            errors[problem[0]] = problem[1]
+        # (field, problem) pairs: each rule names the field it is about.
+        for field_problem in (
+            sleep_problem(self.engine, self.sleep_level, self.sleep_after_seconds),
+            adapters_problem(self.engine, self.max_adapters, self.max_adapter_rank),
+        ):
+            if field_problem is not None:
+                errors[field_problem[0]] = field_problem[1]
         if self.gpus_per_node and self.gpus_per_node > 16:
             errors["gpus_per_node"] = "No node carries more than 16 GPUs; check GPUs per node."
         adapters = [(a.name, a.known_rank) for a in self.model.adapters.all()] if self.model_id else []
         if adapters and (self.max_adapters is None or self.max_adapter_rank is not None):
             others = self.model.profiles.exclude(pk=self.pk).filter(max_adapters__isnull=False).exists()
-            problem = adapters_kept_problem(self.max_adapters, self.max_adapter_rank, adapters, others)
-            if problem is not None:
-                errors.setdefault(*problem)
+            kept = adapters_kept_problem(self.max_adapters, self.max_adapter_rank, adapters, others)
+            if kept is not None:
+                errors.setdefault(*kept)
         if errors:
             raise ValidationError(errors)
 

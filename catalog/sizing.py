@@ -117,7 +117,7 @@ def _kv_shape(facts: SourceFacts, model: Model, reported: ReportedWeights | None
             return kv_shape_from_config(facts.config)
         except ConfigError:
             pass
-    for header in (facts.header, reported and reported.header):
+    for header in (facts.header, reported.header if reported is not None else None):
         if header is not None and header.shape is not None:
             shape = kv_shape_from_header(header.shape)
             if shape is not None:
@@ -150,7 +150,7 @@ def profile_memory(profile: Profile, reported: Mapping[str, ReportedWeights] | N
         parameters_billions=model.parameters_billions,
         dtype=model.dtype or None,
         engine=profile.engine,
-        reported=node_says and node_says.header,
+        reported=node_says.header if node_says is not None else None,
         reported_by=node_says.node if node_says else "",
     )
     # Engine args that set the context win over the profile's max_model_len (with_context), "the model's own"

@@ -12,6 +12,7 @@ invariant 3).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Sum
 from django.utils import timezone
@@ -117,7 +118,7 @@ def usage_by_model(now: datetime) -> dict:
         .annotate(requests=Sum("requests"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
         .order_by("model")
     )
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"model": t["model"], "requests": t["requests"] or 0, "tokens": (t["prompt"] or 0) + (t["completion"] or 0)}
         for t in totals
     ]

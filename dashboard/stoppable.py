@@ -233,6 +233,7 @@ def _sleepers(now: datetime) -> list[StopCandidate]:
         if replica_id in found:
             found[replica_id].nodes.append(node)
             continue
+        assert last_used is not None  # the query's filter
         idle = max(0.0, (now - last_used).total_seconds())
         held = f"{weights / (1 << 30):.1f} GiB of host memory" if level == 1 and weights else "no host memory"
         found[replica_id] = StopCandidate(

@@ -36,8 +36,10 @@ count on the models' query, and the loads by replica and state.
 """
 
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Q
@@ -170,7 +172,7 @@ class _ReplicaTally:
     adapter_loads: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # model -> state -> loads
     adapter_slots: Counter = field(default_factory=Counter)  # model -> max_adapters over its ready replicas
 
-    def add(self, row: dict, nodes: list[str], gpus: int, loads: Counter, now: datetime) -> None:
+    def add(self, row: Mapping[str, Any], nodes: list[str], gpus: int, loads: Counter, now: datetime) -> None:
         state, model_name = row["state"], row["model__name"]
         self.counts[state] += 1
         if state in WANTED_STATES:

@@ -28,7 +28,8 @@ class WillItFitForm(forms.Form):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         names = Model.objects.order_by("name").values_list("name", flat=True)
-        self.fields["model"].choices = [("", "-"), *((name, name) for name in names)]
+        # A ChoiceField, declared above; the form's fields are typed as plain fields.
+        self.fields["model"].choices = [("", "-"), *((name, name) for name in names)]  # type: ignore[attr-defined]
         self.fields["entry"].help_text = YAML_HELP
 
     def clean_entry(self):
@@ -43,7 +44,7 @@ class WillItFitForm(forms.Form):
         return {"models": [data]} if isinstance(data, dict) and "models" not in data else data
 
     def clean(self):
-        cleaned = super().clean()
+        cleaned = super().clean() or {}
         if not self.errors and not cleaned.get("model") and cleaned.get("entry") is None:
             raise forms.ValidationError("Pick a catalog model or paste a catalog-format YAML entry.")
         return cleaned

@@ -14,7 +14,7 @@ from catalog.admin import set_gpu_class_source
 from .choices import NodeState
 from .models import GPU, Node, NodeCredential, Weights, human_size
 
-GPU_FIELDS = ["index", "uuid", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since"]
+GPU_FIELDS = ("index", "uuid", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since")
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

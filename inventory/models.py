@@ -204,7 +204,7 @@ class Weights(models.Model):
         return f"{self.source} on {self.node.name}"
 
 
-class NodeCredentialQuerySet(models.QuerySet):
+class NodeCredentialQuerySet(models.QuerySet["NodeCredential"]):
     def verify(self, node_name: str, token: str):
         """The credential for `node_name` if `token` matches it, else None."""
         cred = self.filter(node__name=node_name).select_related("node").first()

@@ -224,9 +224,11 @@ def record_weights_of_nodes(reports: Sequence[tuple[int, list[WeightsReport]]], 
     delete. Returns (created, updated, deleted).
     """
     existing: dict[int, dict[str, Weights]] = {node_id: {} for node_id, _ in reports}
-    for row in Weights.objects.filter(node_id__in=list(existing)):
-        existing[row.node_id][row.source] = row
-    to_create, to_update, to_delete = [], [], []
+    for stored in Weights.objects.filter(node_id__in=list(existing)):
+        existing[stored.node_id][stored.source] = stored
+    to_create: list[Weights] = []
+    to_update: list[Weights] = []
+    to_delete: list[int] = []
     for node_id, reported in reports:
         rows = existing[node_id]
         for item in reported:

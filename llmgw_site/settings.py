@@ -135,7 +135,7 @@ if DATABASE_URL:
         raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from None
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
-    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": VAR_DIR / "llmgw.sqlite3"}}
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(VAR_DIR / "llmgw.sqlite3")}}
 
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The ticker, the agent consumer and admin write from different threads:

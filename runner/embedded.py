@@ -113,8 +113,8 @@ async def serve(host: str, port: int, router_port: int, fleet: DemoFleet | None 
 
     stop.set()
     await shut_down(agents, ticker, [control, router], tasks)
-    if failure is not None:
-        raise failure.exception()
+    if failure is not None and (exception := failure.exception()) is not None:
+        raise exception
 
 
 def start_agents(fleet: DemoFleet, host: str, port: int, tasks: list[asyncio.Task]) -> list[Agent]:

@@ -30,7 +30,8 @@ def kind_of(value: Any) -> str:
         return f"a string ({value[:40]!r})"
     if isinstance(value, int | float):
         return f"a number ({value!r})"
-    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    kinds: dict[type, str] = {list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _refuse(field: serializers.Field, expected: str, data: Any):

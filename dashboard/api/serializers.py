@@ -1,5 +1,7 @@
 """Serializers for the REST API; related rows come from the viewsets' prefetches. Writes are checked in `writes`."""
 
+from typing import Any, cast
+
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -56,7 +58,9 @@ class AdapterSerializer(serializers.ModelSerializer):
 class ModelSerializer(serializers.ModelSerializer):
     """A catalog model with its alias names, its profiles in placement order and its adapters by name."""
 
-    aliases = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+    aliases: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        many=True, read_only=True, slug_field="name"
+    )
     profiles = ProfileSerializer(many=True, read_only=True)
     adapters = AdapterSerializer(many=True, read_only=True)
 
@@ -140,7 +144,7 @@ class ReplicaAdaptersSerializer(serializers.Serializer):
 class ReplicaSerializer(serializers.ModelSerializer):
     """A replica with its nodes and idle time; unknown idle is -1 with idle_known false (DESIGN invariant 3)."""
 
-    model = serializers.SlugRelatedField(read_only=True, slug_field="name")
+    model: serializers.SlugRelatedField[Model] = serializers.SlugRelatedField(read_only=True, slug_field="name")
     nodes = serializers.SerializerMethodField()
     gpus = serializers.SerializerMethodField()
     idle_seconds = serializers.SerializerMethodField()
@@ -184,7 +188,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
     def _now(self):
         # One "now" per response, so replicas in a list are comparable.
-        return self.context.setdefault("now", timezone.now())
+        context = cast(dict[str, Any], self.context)  # a dict DRF builds per response
+        return context.setdefault("now", timezone.now())
 
     def _shards(self, obj):
         return sorted(obj.shards.all(), key=lambda shard: shard.rank)

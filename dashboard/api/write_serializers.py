@@ -90,7 +90,7 @@ class ModelWriteSerializer(StrictModelSerializer):
     class Meta:
         model = Model
         fields = ["name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters"]
-        extra_kwargs = {
+        extra_kwargs: dict[str, dict[str, Any]] = {
             "name": {"validators": [public_name_validator], "help_text": "Public name; cannot change after creation."}
         }
 
@@ -99,7 +99,7 @@ class ModelReplaceSerializer(ModelWriteSerializer):
     """A model as replaced by PUT (or changed by PATCH): `name` may be left out, and is the model's own if given."""
 
     class Meta(ModelWriteSerializer.Meta):
-        extra_kwargs = {
+        extra_kwargs: dict[str, dict[str, Any]] = {
             "name": {
                 "validators": [public_name_validator],
                 "required": False,

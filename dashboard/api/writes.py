@@ -42,7 +42,8 @@ def _apply_one(entry: Any) -> Model:
         raise bad_request([_FILE_LABEL.sub("", message) or message for message in exc.messages]) from None
     model = Model.objects.prefetch_related("aliases", "profiles", "adapters").get(name=entry["name"])
     # Warnings, not refusals (the estimate may be off): the answer carries them beside the model.
-    model.warnings = fit_warnings(list(model.profiles.all()), fleet_memory())
+    # Carried to the serializer beside the model, not a column of it.
+    model.warnings = fit_warnings(list(model.profiles.all()), fleet_memory())  # type: ignore[attr-defined]
     return model
 
 
