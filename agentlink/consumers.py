@@ -23,13 +23,12 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db import connections
 
+from agentlink import services
+from agentlink.batches import acks, hellos, seen_nodes, shard_statuses
+from agentlink.tls import client_common_name, has_tls_extension
 from inventory.models import NodeCredential
 from nodewire import adapter_messages, parts, protocol
 from reconciler.outbox import node_group
-
-from . import services
-from .batches import acks, hellos, seen_nodes, shard_statuses
-from .tls import client_common_name, has_tls_extension
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,10 @@ from django.core.exceptions import ValidationError
 from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
+from catalog.models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Adapter, Alias, Model, Profile, name_clash
+from catalog.rules import keep_stored_secrets
+from catalog.sizing import fit_warnings, fleet_memory, profile_verdict
 from nodewire.engine_env import masked, shown
-
-from .models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Adapter, Alias, Model, Profile, name_clash
-from .rules import keep_stored_secrets
-from .sizing import fit_warnings, fleet_memory, profile_verdict
 
 # The GPU classes nodes report. The catalog sits below inventory in the stack, so inventory's admin
 # plugs its query in here (set_gpu_class_source) rather than the catalog importing it.

@@ -19,12 +19,11 @@ import yaml
 from django.db import transaction
 from django.db.models import Count, Prefetch
 
+from catalog.catalog_file import ADAPTER_KEYS, CatalogFileError, WantedModel, check_names, read_models
+from catalog.models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from catalog.rules import MODEL_SIZE_FIELDS, keep_stored_secrets
+from catalog.sizing import fit_warnings, fleet_memory, verdict_lines
 from nodewire.engine_env import masked
-
-from .catalog_file import ADAPTER_KEYS, CatalogFileError, WantedModel, check_names, read_models
-from .models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
-from .rules import MODEL_SIZE_FIELDS, keep_stored_secrets
-from .sizing import fit_warnings, fleet_memory, verdict_lines
 
 __all__ = ["CatalogFileError", "ModelPlan", "Plan", "Verdict", "apply_catalog", "dump_catalog", "export_catalog"]
 

@@ -23,8 +23,8 @@ from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models as db
 from django.db.models.fields.reverse_related import ForeignObjectRel
 
-from .models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
-from .rules import MODEL_SIZE_FIELDS, adapter_problems, alias_is_own_name, name_taken, size_problems
+from catalog.models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from catalog.rules import MODEL_SIZE_FIELDS, adapter_problems, alias_is_own_name, name_taken, size_problems
 
 MODEL_KEYS = ("name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters")
 ADAPTER_KEYS = ("name", "source", "enabled", "rank", "aliases")

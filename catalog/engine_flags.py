@@ -12,7 +12,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from .parameters import dtype_bits
+from catalog.parameters import dtype_bits
 
 
 @dataclass(frozen=True)

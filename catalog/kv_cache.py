@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from catalog.parameters import ConfigError, ConfigReader, bytes_of, family_of
 from nodewire.weights.header_types import HeaderShape
-
-from .parameters import ConfigError, ConfigReader, bytes_of, family_of
 
 
 @dataclass(frozen=True)

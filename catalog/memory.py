@@ -44,11 +44,10 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Literal
 
+from catalog.engine_flags import kv_cache_bits
+from catalog.kv_cache import KVShape
+from catalog.parameters import DTYPE_BITS, ConfigError, bytes_of, dtype_bits, parameter_count
 from nodewire.weights.header_types import WeightsHeader
-
-from .engine_flags import kv_cache_bits
-from .kv_cache import KVShape
-from .parameters import DTYPE_BITS, ConfigError, bytes_of, dtype_bits, parameter_count
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -4,10 +4,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
-from nodewire.engine_env import MASK
-
-from .choices import Engine, SleepLevel, WeightsDtype
-from .rules import (
+from catalog.choices import Engine, SleepLevel, WeightsDtype
+from catalog.rules import (
     INTEGER_MAX,
     SMALLINT_MAX,
     adapter_problems,
@@ -22,6 +20,7 @@ from .rules import (
     size_problems,
     sleep_problem,
 )
+from nodewire.engine_env import MASK
 
 public_name_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$",

@@ -9,10 +9,9 @@ from typing import Any
 
 from django.core.validators import MaxValueValidator, MinValueValidator
 
+from catalog.choices import ENGINE_SLEEP_LEVELS, Engine, SleepLevel
+from catalog.engine_flags import refused_value
 from nodewire.engine_env import MASK, env_problem, is_secret
-
-from .choices import ENGINE_SLEEP_LEVELS, Engine, SleepLevel
-from .engine_flags import refused_value
 
 # The column ranges PostgreSQL enforces, checked on every path (admin, catalog files, REST) and on
 # SQLite too, whose integers are unbounded: a priority of 99999999 is refused, not saved.

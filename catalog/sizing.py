@@ -34,18 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from catalog.engine_flags import parallel_shape, read_memory_args, sets_context
+from catalog.kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
+from catalog.memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, estimate_weights, judge, served_context
+from catalog.parameters import ConfigError
 from nodewire.weights.disk import weights_key
 from nodewire.weights.header_types import HeaderShape, WeightsHeader, WeightsHeaderError
 from nodewire.weights.headers import read_weights_headers
 from nodewire.weights.messages import WeightsHeaderFacts, WeightsShape
 
-from .engine_flags import parallel_shape, read_memory_args, sets_context
-from .kv_cache import KVShape, kv_shape_from_config, kv_shape_from_header
-from .memory import MIB, Fit, GPUMemory, MemoryVerdict, ProfileMemory, estimate_weights, judge, served_context
-from .parameters import ConfigError
-
 if TYPE_CHECKING:
-    from .models import Model, Profile
+    from catalog.models import Model, Profile
 
 CONFIG_JSON = "config.json"
 

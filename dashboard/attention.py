@@ -1,6 +1,6 @@
 """What an operator should look at, read off the cluster summary: the rule behind `ctl_status --check`."""
 
-from .summary_types import ClusterSummary
+from dashboard.summary_types import ClusterSummary
 
 
 def needs_attention(s: ClusterSummary) -> list[str]:

@@ -18,10 +18,9 @@ from django_prometheus.exports import ExportToDjangoView
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dashboard.summary import cluster_summary
+from dashboard.summary_types import GPU_STATES, ClusterSummary, ReplicaStatus
 from keys.models import TokenUsage
-
-from .summary import cluster_summary
-from .summary_types import GPU_STATES, ClusterSummary, ReplicaStatus
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,10 @@ from typing import Any
 from django.db.models import Sum
 from django.utils import timezone
 
+from dashboard.summary_types import ClusterSummary
 from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
-
-from .summary_types import ClusterSummary
 
 SHORT_ID_LENGTH = 8
 JUST_NOW_SECONDS = 5

@@ -3,8 +3,8 @@
 from django.contrib.admin import AdminSite
 from django.urls import path
 
-from .views import dashboard_context, panels_view
-from .will_it_fit import will_it_fit_view
+from dashboard.views import dashboard_context, panels_view
+from dashboard.will_it_fit import will_it_fit_view
 
 
 class FleetAdminSite(AdminSite):

@@ -28,14 +28,13 @@ from datetime import datetime
 from django.conf import settings
 
 from catalog.models import Profile
+from dashboard.summary_types import IdleHeld, IdleHeldClass, Leader, StopCandidate, UsageState
 from reconciler.choices import ReplicaState
 from reconciler.demand.idle import Idle
 from reconciler.models import Shard, UsageWatch
 from reconciler.placement.eviction import Occupant, stop_candidates, with_freed
 from reconciler.placement.occupants import read_occupants, spare_replicas
 from reconciler.placement.search import NodeCapacity, Placement, Shape, place
-
-from .summary_types import IdleHeld, IdleHeldClass, Leader, StopCandidate, UsageState
 
 USAGE_WATCH_NAME = "fleet"
 IDLE_HELD_AFTER_SECONDS = 3600.0

@@ -46,16 +46,9 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from catalog.models import Model
-from inventory.models import Node, Weights, human_size, report_warnings
-from reconciler.adapters import HELD
-from reconciler.choices import WANTED_STATES, AdapterLoadState, Hold, ReplicaState
-from reconciler.demand.idle import Idle
-from reconciler.lifecycle.liveness import partition_brake
-from reconciler.models import AdapterLoad, Lease, Replica, Shard
-
-from .stoppable import what_can_i_stop
-from .summary_gpus import free_nodes, tally_gpus
-from .summary_types import (
+from dashboard.stoppable import what_can_i_stop
+from dashboard.summary_gpus import free_nodes, tally_gpus
+from dashboard.summary_types import (
     AdapterCounts,
     AdapterLoading,
     ClusterSummary,
@@ -70,6 +63,12 @@ from .summary_types import (
     ReplicaStatus,
     Unplaceable,
 )
+from inventory.models import Node, Weights, human_size, report_warnings
+from reconciler.adapters import HELD
+from reconciler.choices import WANTED_STATES, AdapterLoadState, Hold, ReplicaState
+from reconciler.demand.idle import Idle
+from reconciler.lifecycle.liveness import partition_brake
+from reconciler.models import AdapterLoad, Lease, Replica, Shard
 
 NO_ERROR = "(no error recorded)"
 

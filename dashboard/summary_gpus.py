@@ -9,12 +9,11 @@ from datetime import datetime
 
 from django.db.models import Exists, OuterRef
 
+from dashboard.summary_types import GPU_STATES, Capacity, FreeNodes
 from inventory.choices import NodeState
 from inventory.models import GPU, effective, gpu_in_service
 from reconciler.models import GPUAssignment
 from reconciler.placement.search import NodeCapacity
-
-from .summary_types import GPU_STATES, Capacity, FreeNodes
 
 
 def gpu_state(gpu, now: datetime) -> str:

@@ -6,11 +6,10 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
+from dashboard.panels import humanize_ago, humanize_duration, panel_extras
+from dashboard.summary import cluster_summary
+from dashboard.summary_types import ClusterSummary
 from reconciler.choices import ReplicaState
-
-from .panels import humanize_ago, humanize_duration, panel_extras
-from .summary import cluster_summary
-from .summary_types import ClusterSummary
 
 REFRESH_SECONDS = 5
 """How often the page's fetch loop asks for fresh panels."""

@@ -13,10 +13,10 @@ import threading
 
 from django.conf import settings
 
-from .contracts import ControlPlaneHub, EndpointTable, RouterHub, UsageReport
-from .fingerprint import fingerprint
-from .memory import InProcessHub
-from .redis_hub import RedisHub
+from hub.contracts import ControlPlaneHub, EndpointTable, RouterHub, UsageReport
+from hub.fingerprint import fingerprint
+from hub.memory import InProcessHub
+from hub.redis_hub import RedisHub
 
 __all__ = [
     "ControlPlaneHub",

@@ -6,7 +6,7 @@ import hashlib
 
 import msgspec
 
-from .contracts import EndpointTable
+from hub.contracts import EndpointTable
 
 
 def fingerprint(table: EndpointTable) -> str:

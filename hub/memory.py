@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from .contracts import (
+from hub.contracts import (
     Activation,
     EndpointTable,
     RouterMark,
@@ -24,7 +24,7 @@ from .contracts import (
     checked,
     hour_of,
 )
-from .fingerprint import fingerprinted
+from hub.fingerprint import fingerprinted
 
 
 class InProcessHub:

@@ -27,7 +27,7 @@ import msgspec
 import redis
 import redis.asyncio
 
-from .contracts import (
+from hub.contracts import (
     Activation,
     EndpointTable,
     RouterMark,
@@ -40,7 +40,7 @@ from .contracts import (
     encode_activation,
     hour_of,
 )
-from .fingerprint import fingerprinted
+from hub.fingerprint import fingerprinted
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,8 @@ from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
 from catalog.admin import set_gpu_class_source
-
-from .choices import NodeState
-from .models import GPU, Node, NodeCredential, Weights, human_size
+from inventory.choices import NodeState
+from inventory.models import GPU, Node, NodeCredential, Weights, human_size
 
 GPU_FIELDS = ("index", "uuid", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since")
 

@@ -16,7 +16,7 @@ class InventoryConfig(AppConfig):
         # The catalog judges profiles on the GPU memory agents report (catalog.sizing); it sits below the
         # inventory, so the inventory hands it the reader. The model is imported here, as Django asks:
         # models are ready only now.
-        from .models import GPU, Weights
+        from inventory.models import GPU, Weights
 
         def reported() -> dict[str, int]:
             rows = GPU.objects.filter(memory_mb__gt=0).values("gpu_class").annotate(mib=Max("memory_mb"))

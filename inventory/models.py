@@ -10,9 +10,8 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce, NullIf
 
 from hub.credentials import new_secret, secret_matches
+from inventory.choices import GPUHealth, NodeState
 from nodewire.protocol import NODE_NAME_PATTERN
-
-from .choices import GPUHealth, NodeState
 
 TOKEN_PREFIX = "llmgw-node-"
 

@@ -11,11 +11,10 @@ from django.utils import timezone
 from msgspec import UNSET
 
 from hub.credentials import hash_secret
+from inventory.choices import GPUHealth, NodeState
+from inventory.models import GPU, Node, NodeCredential, Weights
 from nodewire.protocol import Heartbeat, Hello, WeightsStatus, to_builtins
 from nodewire.weights.messages import WeightsReport
-
-from .choices import GPUHealth, NodeState
-from .models import GPU, Node, NodeCredential, Weights
 
 log = logging.getLogger(__name__)
 

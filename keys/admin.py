@@ -12,9 +12,9 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from .changes import set_keys_active
-from .models import ApiKey, TokenUsage
-from .scopes import parse_names, unknown_models, unknown_models_message
+from keys.changes import set_keys_active
+from keys.models import ApiKey, TokenUsage
+from keys.scopes import parse_names, unknown_models, unknown_models_message
 
 PUSHED = "refused by every router within a second"
 

@@ -13,8 +13,8 @@ class KeysConfig(AppConfig):
 
     def ready(self) -> None:
         # Imported here: Django wants models loaded before receivers that name them.
-        from .changes import key_deleted, key_saved
-        from .models import ApiKey
+        from keys.changes import key_deleted, key_saved
+        from keys.models import ApiKey
 
         post_save.connect(key_saved, sender=ApiKey, dispatch_uid="keys.key_saved")
         post_delete.connect(key_deleted, sender=ApiKey, dispatch_uid="keys.key_deleted")

@@ -17,8 +17,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from hub import get_hub
-
-from .models import ApiKey
+from keys.models import ApiKey
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,7 @@ from django.db.models import Case, DateTimeField, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
 from hub.contracts import TokenCounts
-
-from .models import ApiKey, TokenUsage
+from keys.models import ApiKey, TokenUsage
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .env import env_bool, env_float, env_int, env_list, env_port, env_port_range, env_str
+from llmgw_site.env import env_bool, env_float, env_int, env_list, env_port, env_port_range, env_str
 
 
 @dataclass(frozen=True)

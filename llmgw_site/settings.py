@@ -15,9 +15,8 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
+from llmgw_site.config import setting
 from telemetry import TracingConfigError, exporter_name
-
-from .config import setting
 
 # Django's generic classes (ModelAdmin[Model], QuerySet[Model]) subscriptable at run time, as their types are written.
 django_stubs_ext.monkeypatch()

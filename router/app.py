@@ -22,18 +22,17 @@ from typing import Any
 
 from hub import get_hub
 from hub.contracts import RouterHub
-
-from .affinity import Prefix, prefix_affinity
-from .asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
-from .body import decode_object, echo, requested_model
-from .config import RouterConfig
-from .errors import RouterError, method_not_allowed, shutting_down
-from .keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
-from .metrics import UNKNOWN_MODEL, metrics_token_ok
-from .proxy import Forwarding
-from .proxy_paths import PROXY_PATHS
-from .state import RouterState
-from .token_store import TokenStore
+from router.affinity import Prefix, prefix_affinity
+from router.asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
+from router.body import decode_object, echo, requested_model
+from router.config import RouterConfig
+from router.errors import RouterError, method_not_allowed, shutting_down
+from router.keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
+from router.metrics import UNKNOWN_MODEL, metrics_token_ok
+from router.proxy import Forwarding
+from router.proxy_paths import PROXY_PATHS
+from router.state import RouterState
+from router.token_store import TokenStore
 
 log = logging.getLogger(__name__)
 

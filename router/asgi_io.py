@@ -10,7 +10,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .errors import RouterError
+from router.errors import RouterError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -35,13 +35,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, AdapterEntry, EndpointTable
-
-from .affinity import Prefix, PrefixMemory
-from .choice import cached_at, least_loaded
-from .ejection import EjectionPolicy, Failure, log_change
-from .limits import RateLimiter
-from .table import Endpoint, adapter_holders, endpoint_of, model_lookups
-from .token_counter import TokenCounter
+from router.affinity import Prefix, PrefixMemory
+from router.choice import cached_at, least_loaded
+from router.ejection import EjectionPolicy, Failure, log_change
+from router.limits import RateLimiter
+from router.table import Endpoint, adapter_holders, endpoint_of, model_lookups
+from router.token_counter import TokenCounter
 
 log = logging.getLogger(__name__)
 

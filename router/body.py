@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import RouterError
+from router.errors import RouterError
 
 # Far deeper than any real request (tool schemas nest a few dozen levels at most), and far below
 # the recursion limit of the C parser, so json.loads never raises RecursionError.

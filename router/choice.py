@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .affinity import Prefix, PrefixMemory
-from .table import Endpoint
+from router.affinity import Prefix, PrefixMemory
+from router.table import Endpoint
 
 _INFINITY = float("inf")
 

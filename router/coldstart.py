@@ -32,14 +32,13 @@ import math
 from collections.abc import Iterable
 
 from hub.contracts import ActivationQueue
-
-from .affinity import Prefix
-from .asgi_io import Send
-from .background import BackgroundTasks
-from .balancer import Balancer
-from .errors import RouterError
-from .metrics import COLD_START, RouterMetrics
-from .table import Endpoint
+from router.affinity import Prefix
+from router.asgi_io import Send
+from router.background import BackgroundTasks
+from router.balancer import Balancer
+from router.errors import RouterError
+from router.metrics import COLD_START, RouterMetrics
+from router.table import Endpoint
 
 log = logging.getLogger(__name__)
 

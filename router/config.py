@@ -16,10 +16,9 @@ from typing import Any
 from django.conf import settings
 from opentelemetry.trace import Tracer
 
+from router.ejection import EjectionPolicy
 from telemetry import ROUTER
 from telemetry import tracer as traces_tracer
-
-from .ejection import EjectionPolicy
 
 
 @dataclass(frozen=True, slots=True)

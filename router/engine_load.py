@@ -39,9 +39,9 @@ import aiohttp
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from .background import raise_if_cancelling
-from .balancer import Balancer
-from .table import Endpoint
+from router.background import raise_if_cancelling
+from router.balancer import Balancer
+from router.table import Endpoint
 
 log = logging.getLogger(__name__)
 

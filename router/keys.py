@@ -43,8 +43,7 @@ from django.db import DEFAULT_DB_ALIAS, Error, InterfaceError, OperationalError,
 
 from hub.credentials import hash_secret
 from keys.models import ApiKey
-
-from .background import raise_if_cancelling
+from router.background import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 

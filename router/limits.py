@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import RouterError
+from router.errors import RouterError
 
 WINDOW_SECONDS = 60
 

@@ -32,18 +32,18 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import ClientResponse
 
-from .affinity import Prefix
-from .asgi_io import Scope, Send
-from .balancer import Balancer
-from .coldstart import ColdStart
-from .config import RouterConfig
-from .ejection import Failure
-from .errors import RouterError
-from .inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
-from .metrics import RouterMetrics
-from .table import Endpoint
-from .tokens import IN_OUT_USAGE_PATHS, ask_for_usage, usage_of_whole_answer
-from .wire import (
+from router.affinity import Prefix
+from router.asgi_io import Scope, Send
+from router.balancer import Balancer
+from router.coldstart import ColdStart
+from router.config import RouterConfig
+from router.ejection import Failure
+from router.errors import RouterError
+from router.inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
+from router.metrics import RouterMetrics
+from router.table import Endpoint
+from router.tokens import IN_OUT_USAGE_PATHS, ask_for_usage, usage_of_whole_answer
+from router.wire import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
     WHOLE_BODY_LIMIT,

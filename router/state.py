@@ -16,20 +16,19 @@ from collections.abc import Callable
 
 from hub.contracts import RouterHub
 from hub.gc_tuning import tune_gc
-
-from .background import BackgroundTasks, raise_if_cancelling
-from .balancer import Balancer
-from .coldstart import ColdStart
-from .config import RouterConfig
-from .engine_load import EngineLoadPoller
-from .inflight import InFlight
-from .keys import ApiKeyCache
-from .metrics import RouterMetrics
-from .proxy import Proxy
-from .table import TableError, decode_table
-from .token_store import TokenStore
-from .tracing import TracedBalancer, TracingProxy
-from .usage import UsageFlusher
+from router.background import BackgroundTasks, raise_if_cancelling
+from router.balancer import Balancer
+from router.coldstart import ColdStart
+from router.config import RouterConfig
+from router.engine_load import EngineLoadPoller
+from router.inflight import InFlight
+from router.keys import ApiKeyCache
+from router.metrics import RouterMetrics
+from router.proxy import Proxy
+from router.table import TableError, decode_table
+from router.token_store import TokenStore
+from router.tracing import TracedBalancer, TracingProxy
+from router.usage import UsageFlusher
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,9 @@ from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from hub.fingerprint import fingerprinted
 from hub.memory import InProcessHub
 from hub.redis_hub import RedisHub
-
-from .app import RouterApp, create_app
-from .config import RouterConfig
-from .token_store import STORE_SECONDS, TokenStore
+from router.app import RouterApp, create_app
+from router.config import RouterConfig
+from router.token_store import STORE_SECONDS, TokenStore
 
 # How `manage.py router` hands the table to its uvicorn workers (router.standalone reads it): not a setting.
 TABLE_VARIABLE = "LLMGW_ROUTER_STATIC_TABLE"

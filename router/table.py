@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, ModelEntry
-
-from .ejection import ReplicaHealth
+from router.ejection import ReplicaHealth
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ from django.db import close_old_connections, connections
 
 from hub.contracts import TokenSource
 from keys.usage import store_tokens
-
-from .background import raise_if_cancelling
+from router.background import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from collections.abc import Iterable
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .affinity import Prefix
-from .balancer import Balancer
-from .coldstart import ColdStart
-from .config import RouterConfig
-from .errors import RouterError
-from .metrics import RouterMetrics
-from .proxy import Forwarding, Proxy
-from .table import Endpoint
+from router.affinity import Prefix
+from router.balancer import Balancer
+from router.coldstart import ColdStart
+from router.config import RouterConfig
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.proxy import Forwarding, Proxy
+from router.table import Endpoint
 
 PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_HEADERS = (b"traceparent", b"tracestate")

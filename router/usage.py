@@ -17,10 +17,9 @@ import secrets
 import socket
 
 from hub.contracts import UsageExchange, UsageReport
-
-from .background import raise_if_cancelling
-from .balancer import Balancer
-from .metrics import RouterMetrics
+from router.background import raise_if_cancelling
+from router.balancer import Balancer
+from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import ClientResponse
 
-from .asgi_io import Scope
-from .errors import error_body
-from .inflight import NEXT_CHUNK
-from .table import Endpoint
-from .tokens import JsonUsage, SseUsage, usage_reader
+from router.asgi_io import Scope
+from router.errors import error_body
+from router.inflight import NEXT_CHUNK
+from router.table import Endpoint
+from router.tokens import JsonUsage, SseUsage, usage_reader
 
 if TYPE_CHECKING:
-    from .proxy import Forwarding
+    from router.proxy import Forwarding
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
 PASSED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-length", b"content-encoding", b"cache-control"})

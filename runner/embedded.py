@@ -27,9 +27,8 @@ from agentlink.tls import TLSWebSocketProtocol
 from hub import get_hub
 from router.app import create_app
 from router.serving import server_options
-
-from .demo import DemoFleet
-from .ticker import Ticker
+from runner.demo import DemoFleet
+from runner.ticker import Ticker
 
 log = logging.getLogger("llmgw.up")
 

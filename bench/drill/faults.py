@@ -19,15 +19,14 @@ from django.db import connection
 
 from catalog.choices import Engine
 from catalog.models import Model, Profile
+from drill.checks import invariants
+from drill.load import Load
+from drill.monitor import LeaseMonitor
+from drill.stack import Proc, Stack, wait_for
 from inventory.choices import NodeState
 from inventory.models import Node
 from reconciler.choices import ReplicaState
 from reconciler.models import BusyPort, Replica, Shard
-
-from .checks import invariants
-from .load import Load
-from .monitor import LeaseMonitor
-from .stack import Proc, Stack, wait_for
 
 
 @dataclass

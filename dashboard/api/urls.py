@@ -6,8 +6,8 @@ from django.urls import re_path
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
 from rest_framework.routers import APIRootView, DefaultRouter
 
-from .plan import PlanView
-from .views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
+from dashboard.api.plan import PlanView
+from dashboard.api.views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
 
 
 class RootView(APIRootView):

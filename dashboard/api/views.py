@@ -13,18 +13,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from catalog.models import Model
-from dashboard.summary import cluster_summary
-from inventory.models import Node
-from keys.models import ApiKey, TokenUsage
-from reconciler.adapters import HELD
-from reconciler.choices import ReplicaState
-from reconciler.models import AdapterLoad, Replica
-
-from . import writes
-from .fields import parse_date_or_time
-from .guards import RefuseNulMixin
-from .schema import MODEL_WRITE_REFUSED
-from .serializers import (
+from dashboard.api import writes
+from dashboard.api.fields import parse_date_or_time
+from dashboard.api.guards import RefuseNulMixin
+from dashboard.api.schema import MODEL_WRITE_REFUSED
+from dashboard.api.serializers import (
     ApiKeySerializer,
     DrainedSerializer,
     ModelSerializer,
@@ -34,8 +27,14 @@ from .serializers import (
     ReplicaSerializer,
     TokenUsageSerializer,
 )
-from .status import StatusSerializer
-from .write_serializers import ApiKeyWriteSerializer, ModelReplaceSerializer, ModelWriteSerializer
+from dashboard.api.status import StatusSerializer
+from dashboard.api.write_serializers import ApiKeyWriteSerializer, ModelReplaceSerializer, ModelWriteSerializer
+from dashboard.summary import cluster_summary
+from inventory.models import Node
+from keys.models import ApiKey, TokenUsage
+from reconciler.adapters import HELD
+from reconciler.choices import ReplicaState
+from reconciler.models import AdapterLoad, Replica
 
 
 class StatusView(APIView):

@@ -14,11 +14,10 @@ from rest_framework import serializers
 from catalog.catalog_file import ADAPTER_KEYS, PROFILE_FIELDS
 from catalog.models import Adapter, Model, Profile, public_name_validator
 from catalog.rules import INTEGER_MAX, MODEL_SIZE_FIELDS
+from dashboard.api.fields import StrictCharField, StrictModelSerializer
+from dashboard.api.serializers import ENV_HELP
 from keys.models import ApiKey
 from nodewire.engine_env import MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem
-
-from .fields import StrictCharField, StrictModelSerializer
-from .serializers import ENV_HELP
 
 ENV_WRITE_HELP = (
     f"{ENV_HELP} Names: letters, digits and _, not starting with a digit, at most 128 characters, "

@@ -18,13 +18,12 @@ from rest_framework.exceptions import ValidationError
 from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
 from catalog.models import Model, name_clash
 from catalog.sizing import fit_warnings, fleet_memory
+from dashboard.api.write_serializers import ModelReplaceSerializer, ModelWriteSerializer, body_problems
 from inventory.models import Node
 from keys.models import ApiKey
 from reconciler.lifecycle.drain import drain_nodes
 from reconciler.lifecycle.transitions import stop_replica
 from reconciler.models import Replica
-
-from .write_serializers import ModelReplaceSerializer, ModelWriteSerializer, body_problems
 
 # Messages from the catalog file reader start with where the entry is in the file; here there is one entry.
 _FILE_LABEL = re.compile(r'^models\[0\](?: "[^"]*")?: ')

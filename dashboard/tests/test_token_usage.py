@@ -10,9 +10,8 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from dashboard.metrics import tokens_family
+from dashboard.tests.test_metrics import scrape
 from keys.models import ApiKey, TokenUsage
-
-from .test_metrics import scrape
 
 pytestmark = pytest.mark.django_db
 

@@ -10,8 +10,7 @@ import redis
 from hub import InProcessHub, RedisHub
 from hub.contracts import TokenCounts, UsageReport, hour_of
 from hub.redis_hub import TOKENS_KEY
-
-from .test_hubs import FakeClock
+from hub.tests.test_hubs import FakeClock
 
 T0 = 1_800_000_000.0  # on an hour boundary
 assert hour_of(T0) == T0

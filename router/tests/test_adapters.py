@@ -16,9 +16,8 @@ from hub.credentials import hash_secret
 from keys.models import ApiKey
 from router.balancer import ADAPTER_LOAD, Balancer
 from router.table import decode_table
-
-from .conftest import ALIAS, MODEL, in_flight_by_model, pending_stamps
-from .test_proxy import CountingHub, assert_openai_error, chat, metric
+from router.tests.conftest import ALIAS, MODEL, in_flight_by_model, pending_stamps
+from router.tests.test_proxy import CountingHub, assert_openai_error, chat, metric
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -9,8 +9,7 @@ import pytest
 
 from router.affinity import BLOCK_BYTES, MAX_BLOCKS, PrefixMemory, prefix_affinity
 from router.balancer import Balancer
-
-from .conftest import MODEL, PROJECT, make_table
+from router.tests.conftest import MODEL, PROJECT, make_table
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 REPLICAS = ("http://a:1", "http://b:1", "http://c:1", "http://d:1")

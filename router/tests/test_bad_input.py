@@ -23,9 +23,8 @@ from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.proxy_paths import PROXY_PATHS
-
-from .conftest import ALIAS, MODEL, ThreadedEngine, make_table
-from .test_proxy import assert_openai_error
+from router.tests.conftest import ALIAS, MODEL, ThreadedEngine, make_table
+from router.tests.test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -7,8 +7,16 @@ import pytest
 from router.balancer import Balancer, EjectionPolicy, Failure
 from router.metrics import RouterMetrics
 from router.table import TableError, decode_table
-
-from .conftest import ALIAS, MODEL, Clock, in_flight_by_model, make_table, pending_stamps, table_of, table_rows
+from router.tests.conftest import (
+    ALIAS,
+    MODEL,
+    Clock,
+    in_flight_by_model,
+    make_table,
+    pending_stamps,
+    table_of,
+    table_rows,
+)
 
 
 def balancer_with(*endpoints, clock=None):

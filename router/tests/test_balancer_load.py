@@ -4,8 +4,7 @@ import pytest
 
 from router.balancer import Balancer
 from router.config import RouterConfig
-
-from .conftest import MODEL, make_table
+from router.tests.conftest import MODEL, make_table
 
 
 def balancer_with(*endpoints, **options):

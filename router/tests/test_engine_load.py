@@ -20,8 +20,7 @@ from conftest import free_port, wait_until
 from mockengine.generation import CACHE_SLOTS
 from router.balancer import Balancer
 from router.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
-
-from .conftest import MODEL, PROJECT, ThreadedEngine, make_table
+from router.tests.conftest import MODEL, PROJECT, ThreadedEngine, make_table
 
 # -- parsing -----------------------------------------------------------------------------------
 

@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from conftest import wait_until
-
-from .conftest import ALIAS, MODEL, make_table
-from .test_proxy import assert_openai_error, chat
+from router.tests.conftest import ALIAS, MODEL, make_table
+from router.tests.test_proxy import assert_openai_error, chat
 
 REASON = "engine exited with code 2: mock_engine: error: unrecognized arguments: --no-such-flag"
 

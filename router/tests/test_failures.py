@@ -18,9 +18,8 @@ import pytest
 from aiohttp import web
 
 from conftest import wait_until
-
-from .conftest import MODEL, ThreadedEngine, make_table
-from .test_proxy import assert_openai_error, chat, metric, run_concurrently, stream_lines
+from router.tests.conftest import MODEL, ThreadedEngine, make_table
+from router.tests.test_proxy import assert_openai_error, chat, metric, run_concurrently, stream_lines
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -12,9 +12,8 @@ from django.db import OperationalError
 from hub.credentials import hash_secret
 from keys.models import ApiKey
 from router.keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
-
-from .conftest import Clock, make_table
-from .conftest import chat_with_key as chat
+from router.tests.conftest import Clock, make_table
+from router.tests.conftest import chat_with_key as chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

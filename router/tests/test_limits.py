@@ -10,8 +10,7 @@ from hub import InProcessHub, RedisHub, get_hub
 from keys.models import ApiKey
 from router.errors import RouterError
 from router.limits import RateLimiter
-
-from .conftest import MODEL, chat_with_key, make_table
+from router.tests.conftest import MODEL, chat_with_key, make_table
 
 MINUTE = 1_800_000_000.0  # the start of some minute
 

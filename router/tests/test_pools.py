@@ -10,10 +10,9 @@ from conftest import wait_until
 from hub.contracts import Activation, AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 from keys.models import ApiKey
 from router.balancer import Balancer
-
-from .conftest import MODEL, make_table
-from .conftest import chat_with_key as chat
-from .test_proxy import assert_openai_error
+from router.tests.conftest import MODEL, make_table
+from router.tests.conftest import chat_with_key as chat
+from router.tests.test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

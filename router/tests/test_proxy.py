@@ -16,8 +16,7 @@ from hub.contracts import Activation
 from keys.models import ApiKey
 from router.balancer import EjectionPolicy
 from router.inflight import DISCONNECT_WATCH_DELAY
-
-from .conftest import ALIAS, MODEL, make_table
+from router.tests.conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

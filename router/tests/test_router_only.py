@@ -22,10 +22,9 @@ from router.static_table import (
     create_router_only_app,
     parse_endpoint_options,
 )
+from router.tests.conftest import MODEL, FakeEngine, RouterServer
+from router.tests.test_engine_load import MetricsEngine, poll
 from router.token_store import TokenStore
-
-from .conftest import MODEL, FakeEngine, RouterServer
-from .test_engine_load import MetricsEngine, poll
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 

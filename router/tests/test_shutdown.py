@@ -16,8 +16,7 @@ from django.db import connection
 
 from conftest import REDIS_TEST_URL, free_port, wait_until
 from hub import RedisHub
-
-from .conftest import MODEL, PROJECT, make_table
+from router.tests.conftest import MODEL, PROJECT, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -9,9 +9,8 @@ import pytest
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from router.balancer import Balancer
 from router.table import TableError, decode_table
-
-from .conftest import ALIAS, MODEL, make_table, table_rows
-from .test_proxy import chat
+from router.tests.conftest import ALIAS, MODEL, make_table, table_rows
+from router.tests.test_proxy import chat
 
 GOOD = {"replica_id": "1", "model": MODEL, "url": "http://a:1", "priority": 0, "weight": 1, "pool": "default"}
 

@@ -8,10 +8,9 @@ import httpx
 import pytest
 
 from conftest import wait_until
-
-from .conftest import MODEL, make_table
-from .test_metrics import samples
-from .test_proxy import chat, stream_lines
+from router.tests.conftest import MODEL, make_table
+from router.tests.test_metrics import samples
+from router.tests.test_proxy import chat, stream_lines
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

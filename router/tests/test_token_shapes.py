@@ -14,8 +14,7 @@ from aiohttp import web
 
 from hub.credentials import hash_secret
 from keys.models import ApiKey
-
-from .conftest import MODEL, ThreadedEngine, make_table
+from router.tests.conftest import MODEL, ThreadedEngine, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

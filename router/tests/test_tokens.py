@@ -15,6 +15,8 @@ from hub.contracts import TokenCount, hour_of
 from hub.credentials import hash_secret
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
+from router.tests.conftest import MODEL, ThreadedEngine, make_table
+from router.tests.test_usage import UnreachableRedisHub
 from router.token_counter import TokenCounter
 from router.tokens import (
     IN_OUT_SSE_CARRY_BYTES,
@@ -31,9 +33,6 @@ from router.tokens import (
     usage_reader,
 )
 from router.usage import UsageFlusher
-
-from .conftest import MODEL, ThreadedEngine, make_table
-from .test_usage import UnreachableRedisHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -14,9 +14,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from conftest import wait_until
 from router.balancer import Balancer
 from router.proxy import Proxy
-
-from .conftest import MODEL, FakeEngine, make_table
-from .test_proxy import CountingHub
+from router.tests.conftest import MODEL, FakeEngine, make_table
+from router.tests.test_proxy import CountingHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

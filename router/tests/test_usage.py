@@ -15,10 +15,9 @@ from hub.contracts import UsageReport
 from hub.redis_hub import USAGE_KEY
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
+from router.tests.conftest import MODEL, make_table, pending_stamps
+from router.tests.test_proxy import CountingHub, chat, run_concurrently
 from router.usage import UsageFlusher, new_router_id
-
-from .conftest import MODEL, make_table, pending_stamps
-from .test_proxy import CountingHub, chat, run_concurrently
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
