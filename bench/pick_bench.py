@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgspec  # noqa: E402
 
 from hub.contracts import EndpointTable  # noqa: E402
-from router.balancer import Balancer  # noqa: E402
+from router.picking.balancer import Balancer  # noqa: E402
 
 MODEL = "bench-model"
 

@@ -171,7 +171,7 @@ class EndpointSink(Protocol):
 class EndpointSource(Protocol):
     """The router's side of the endpoint table: the published table as JSON, for the router to decode.
 
-    Encoded, whichever hub: routers decode it row by row (router.table), so one
+    Encoded, whichever hub: routers decode it row by row (router.endpoints.table), so one
     malformed row costs that row, never the table.
     """
 

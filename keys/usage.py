@@ -2,7 +2,7 @@
 
 Whoever took the counts from the hub stores them here: the control plane's
 tick (reconciler.demand.tokens), or in router-only mode the router's own token store
-(router.token_store). A fixed number of queries: one read of the keys, one
+(router.accounting.store). A fixed number of queries: one read of the keys, one
 upsert per `UPSERT_BATCH` rows, one update. The upsert adds in the database
 (`INSERT … ON CONFLICT DO UPDATE SET n = n + excluded.n`, the same statement on
 SQLite and PostgreSQL), so two processes storing what each took at once still add up.

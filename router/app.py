@@ -22,17 +22,17 @@ from typing import Any
 
 from hub import get_hub
 from hub.contracts import RouterHub
-from router.affinity import Prefix, prefix_affinity
-from router.asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
-from router.body import decode_object, echo, requested_model
+from router.accounting.store import TokenStore
 from router.config import RouterConfig
 from router.errors import RouterError, method_not_allowed, shutting_down
-from router.keys import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
+from router.forwarding.asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
+from router.forwarding.body import decode_object, echo, requested_model
+from router.forwarding.paths import PROXY_PATHS
+from router.forwarding.proxy import Forwarding
+from router.key_cache import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from router.metrics import UNKNOWN_MODEL, metrics_token_ok
-from router.proxy import Forwarding
-from router.proxy_paths import PROXY_PATHS
+from router.picking.affinity import Prefix, prefix_affinity
 from router.state import RouterState
-from router.token_store import TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +220,9 @@ class RouterApp:
             traffic.answered(model, exc.status)
             raise
 
-        # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.tokens. The client may
+        # Tokens are counted per key digest (what ApiKey.key_hash stores), see router.accounting.usage_reader. The client may
         # go away while we wait for a replica or stream: the sweep of requests in flight then cancels this
-        # task, so the upstream request stops with it (router.inflight).
+        # task, so the upstream request stops with it (router.forwarding.inflight).
         exchange = self._in_flight.begin(key.digest, receive)
         traffic.in_flight += 1
         try:
@@ -260,7 +260,7 @@ class RouterApp:
             balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
 
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, Prefix | None]:
-        """(public model name, body for the engine, whether it streams, prompt prefix: router.affinity), or a
+        """(public model name, body for the engine, whether it streams, prompt prefix: router.picking.affinity), or a
         RouterError naming the problem. The public name is a LoRA adapter's when the request names one (or its
         alias)."""
         payload = decode_object(body)
@@ -272,7 +272,7 @@ class RouterApp:
             # Engines serve under the public name only.
             payload["model"] = public
             body = json.dumps(payload).encode()
-        # A prefix only matters where there is a choice of replicas (router.affinity): not hashed otherwise.
+        # A prefix only matters where there is a choice of replicas (router.picking.affinity): not hashed otherwise.
         affinity = prefix_affinity(payload) if self._balancer.has_choice(public) else None
         return public, body, payload.get("stream") is True, affinity
 

@@ -1,7 +1,7 @@
 """The router's background tasks: started beside requests, cancelled together at shutdown.
 
 The endpoint watcher, the backstop poller, the usage flusher, the engine load
-poller (router.engine_load) and activation requests run here. Their loops call
+poller (router.picking.engine_load) and activation requests run here. Their loops call
 `raise_if_cancelling()` after a failure they log, so a cancellation is never
 mistaken for a store error.
 """

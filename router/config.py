@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from opentelemetry.trace import Tracer
 
-from router.ejection import EjectionPolicy
+from router.picking.ejection import EjectionPolicy
 from telemetry import ROUTER
 from telemetry import tracer as traces_tracer
 
@@ -32,7 +32,7 @@ class RouterConfig:
     stream held that way hears a keep-alive (0: it is not answered until a
     replica is ready). `ejection` says when failing replicas are ejected.
     `router_id` names this router's usage reports and watch mark (None: a new
-    id per process, `router.usage.new_router_id`). `tracer`: where its spans
+    id per process, `router.accounting.flusher.new_router_id`). `tracer`: where its spans
     go when traces are on (telemetry/, from the OTEL_* environment), else None.
     """
 

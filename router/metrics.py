@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from router.balancer import Balancer
+from router.picking.balancer import Balancer
 
 UNKNOWN_MODEL = "-"
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -33,7 +33,7 @@ FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30,
 INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
 # Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`
-# (for a LoRA adapter whose base runs, its load: router.balancer.ADAPTER_LOAD).
+# (for a LoRA adapter whose base runs, its load: router.picking.balancer.ADAPTER_LOAD).
 COLD_START = "cold_start"
 
 

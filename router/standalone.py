@@ -16,6 +16,6 @@ django.setup()
 
 from django.conf import settings  # noqa: E402  (needs django.setup() first)
 
-from router.static_table import TABLE_VARIABLE, create_router_only_app, decode_table_variable  # noqa: E402
+from router.endpoints.static import TABLE_VARIABLE, create_router_only_app, decode_table_variable  # noqa: E402
 
 application = create_router_only_app(decode_table_variable(os.environ[TABLE_VARIABLE]), settings.REDIS_URL or "")

@@ -16,19 +16,19 @@ from collections.abc import Callable
 
 from hub.contracts import RouterHub
 from hub.gc_tuning import tune_gc
+from router.accounting.flusher import UsageFlusher
+from router.accounting.store import TokenStore
 from router.background import BackgroundTasks, raise_if_cancelling
-from router.balancer import Balancer
-from router.coldstart import ColdStart
 from router.config import RouterConfig
-from router.engine_load import EngineLoadPoller
-from router.inflight import InFlight
-from router.keys import ApiKeyCache
+from router.endpoints.table import TableError, decode_table
+from router.forwarding.coldstart import ColdStart
+from router.forwarding.inflight import InFlight
+from router.forwarding.proxy import Proxy
+from router.forwarding.tracing import TracedBalancer, TracingProxy
+from router.key_cache import ApiKeyCache
 from router.metrics import RouterMetrics
-from router.proxy import Proxy
-from router.table import TableError, decode_table
-from router.token_store import TokenStore
-from router.tracing import TracedBalancer, TracingProxy
-from router.usage import UsageFlusher
+from router.picking.balancer import Balancer
+from router.picking.engine_load import EngineLoadPoller
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ class RouterState:
         token_store: TokenStore | None = None,
     ):
         """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand).
-        `token_store`: router-only mode stores token usage itself (router.token_store); None in a fleet."""
+        `token_store`: router-only mode stores token usage itself (router.accounting.store); None in a fleet."""
         self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
-        # With traces on, the same parts with spans (router.tracing); without, not a line of it runs.
+        # With traces on, the same parts with spans (router.forwarding.tracing); without, not a line of it runs.
         tracer = config.tracer
         self.balancer = (Balancer if tracer is None else TracedBalancer)(
             clock,

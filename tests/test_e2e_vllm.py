@@ -364,7 +364,7 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     wait_until(router_saw_the_queue_and_the_cache_in_use, 30, 0.1, describe=lambda: f"router read {seen}")
     assert waiting.result(120).choices[0].finish_reason == "length"
     assert long.result(180).usage.completion_tokens == 2 * LONG
-    # The names the router and the agent read (router/engine_load.py, agent/engines/load.py), as vLLM serves
+    # The names the router and the agent read (router/picking/engine_load.py, agent/engines/load.py), as vLLM serves
     # them: the KV gauge under its new name only, each gauge per engine core (the router sums label sets).
     families = {f.name: f for f in text_string_to_metric_families(engine_metrics(stack))}
     read = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")

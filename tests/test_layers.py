@@ -36,6 +36,7 @@ RUNNER_USES_OF_AGENT = {
     "agent.runtime",
     "agent.options",
     "agent.cli",
+    "agent.link",
     "agent.engines.vllm_command",
 }
 PROJECT = set(LAYERS) | set(ALONE)
@@ -129,15 +130,15 @@ def test_the_layer_check_catches_a_violation():
     assert allowed("catalog.memory", "nodewire.weights.headers")
     assert not allowed("catalog.memory", "agent.runtime")
     assert not allowed("dashboard.summary", "router.app")
-    assert not allowed("reconciler.demand.tokens", "router.keys")
+    assert not allowed("reconciler.demand.tokens", "router.key_cache")
     assert allowed("reconciler.demand.tokens", "keys.models")
     assert allowed("dashboard.metrics", "keys.models")
     assert allowed("keys.scopes", "catalog.models")
     assert not allowed("keys.models", "reconciler.models")
     assert not allowed("catalog.models", "keys.models")
-    assert allowed("router.keys", "keys.models")
-    assert not allowed("router.keys", "catalog.models")
-    assert not allowed("keys.changes", "router.keys")
+    assert allowed("router.key_cache", "keys.models")
+    assert not allowed("router.key_cache", "catalog.models")
+    assert not allowed("keys.changes", "router.key_cache")
     assert allowed("runner.embedded", "router.app")
     assert allowed("runner.management.commands.agent", "agent.cli")
     assert allowed("agent.runtime", "nodewire.protocol")

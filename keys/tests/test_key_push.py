@@ -15,7 +15,7 @@ from hub.credentials import hash_secret
 from hub.redis_hub import KEY_CHANGES_CHANNEL
 from keys.changes import set_keys_active
 from keys.models import ApiKey
-from router.keys import ApiKeyCache, KeyInfo
+from router.key_cache import ApiKeyCache, KeyInfo
 from router.tests.conftest import chat_with_key, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)

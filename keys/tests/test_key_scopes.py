@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from keys.models import ApiKey
-from router.keys import KeyInfo
+from router.key_cache import KeyInfo
 from router.tests.conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)

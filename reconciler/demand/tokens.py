@@ -1,6 +1,6 @@
 """Token usage per API key, model and hour, stored from what the tick took from the hub.
 
-Routers count requests and tokens per key digest and model (router.tokens);
+Routers count requests and tokens per key digest and model (router.accounting.usage_reader);
 the hub adds their counts up per hour until the tick takes them in one step
 (`collect_usage`). This module hands what was taken to `keys.usage.store_tokens`
 (which adds it to `keys.models.TokenUsage` in a fixed number of queries, so two

@@ -97,7 +97,7 @@ def make_room(
     for replica, profiles, _reason in waiting:
         model = replica.model.name
         priority = replica.profile.priority
-        shapes = []
+        shapes: list[tuple[list[NodeCapacity], Shape]] = []
         for profile in profiles:
             shape = Shape.of(profile)
             # Nodes whose GPUs are too small for the profile are no use, however much is stopped on them.
@@ -121,13 +121,9 @@ def make_room(
             break
         else:
             # No profile can make room now: hold, don't refuse, if one will once time has passed.
-            for records, shape in shapes:
-                if occupants is None:
-                    break
-                note = _room_soon(occupants, spare, taken, model, priority, records, shape, paused)
-                if note is not None:
-                    notes[replica.pk] = note
-                    break
+            note = _first_room_soon(occupants, spare, taken, model, priority, shapes, paused)
+            if note is not None:
+                notes[replica.pk] = note
     _sleep_or_stop(victims_all, now)
     return notes
 
@@ -168,6 +164,26 @@ def _sleep_or_stop(victims: list[StopRequest], now: datetime) -> None:
     sleepers = [SleepRequest(r.replica.pk, levels[r.replica.pk], r.reason) for r in victims if levels.get(r.replica.pk)]
     put_to_sleep(sleepers, now)
     stop_replicas([r for r in victims if not levels.get(r.replica.pk)], now)
+
+
+def _first_room_soon(
+    occupants: list[Occupant] | None,
+    spare: dict[str, int],
+    taken: set[int],
+    model: str,
+    priority: int,
+    shapes: list[tuple[list[NodeCapacity], Shape]],
+    paused: str,
+) -> PlacementNote | None:
+    """The hold note of the first profile that will have room once time has passed (None: none will, or the
+    occupants were never read, no replica having needed victims)."""
+    if occupants is None:
+        return None
+    for records, shape in shapes:
+        note = _room_soon(occupants, spare, taken, model, priority, records, shape, paused)
+        if note is not None:
+            return note
+    return None
 
 
 def _room_soon(

@@ -14,8 +14,8 @@ from conftest import wait_until
 from hub.contracts import Activation, AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 from hub.credentials import hash_secret
 from keys.models import ApiKey
-from router.balancer import ADAPTER_LOAD, Balancer
-from router.table import decode_table
+from router.endpoints.table import decode_table
+from router.picking.balancer import ADAPTER_LOAD, Balancer
 from router.tests.conftest import ALIAS, MODEL, in_flight_by_model, pending_stamps
 from router.tests.test_proxy import CountingHub, assert_openai_error, chat, metric
 
@@ -57,7 +57,7 @@ def test_a_malformed_adapter_entry_is_left_out_and_logged_and_the_rest_is_served
         "adapters": {"broken": entry, ADAPTER: {"base": MODEL, "aliases": [ADAPTER_ALIAS], "replicas": ["1"]}},
         "fingerprint": "f",
     }
-    with caplog.at_level(logging.WARNING, logger="router.table"):
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.table"):
         decoded = decode_table(json.dumps(table).encode())
     assert decoded.adapters == {ADAPTER: AdapterEntry(MODEL, [ADAPTER_ALIAS], ["1"])}
     assert decoded.endpoints == [EndpointRow("1", MODEL, "http://a:1")]

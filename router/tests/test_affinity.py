@@ -1,4 +1,4 @@
-"""Prefix affinity (router.affinity, router.choice): prompts as chained block hashes, and each turn of a
+"""Prefix affinity (router.picking.affinity, router.picking.choice): prompts as chained block hashes, and each turn of a
 conversation sent where its earlier turns' KV cache is, within the load slack (no I/O)."""
 
 import os
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from router.affinity import BLOCK_BYTES, MAX_BLOCKS, PrefixMemory, prefix_affinity
-from router.balancer import Balancer
+from router.picking.affinity import BLOCK_BYTES, MAX_BLOCKS, PrefixMemory, prefix_affinity
+from router.picking.balancer import Balancer
 from router.tests.conftest import MODEL, PROJECT, make_table
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -177,8 +177,8 @@ def test_every_router_prefers_the_same_replica_for_a_conversation():
     script = (
         "import msgspec\n"
         "from hub.contracts import EndpointTable\n"
-        "from router.affinity import prefix_affinity\n"
-        "from router.balancer import Balancer\n"
+        "from router.picking.affinity import prefix_affinity\n"
+        "from router.picking.balancer import Balancer\n"
         "b = Balancer()\n"
         "b.apply_table(msgspec.convert({'models': {'m': {}}, 'endpoints': [\n"
         "    {'replica_id': str(i), 'model': 'm', 'url': f'http://h:{i}'} for i in range(1, 9)]}, EndpointTable))\n"

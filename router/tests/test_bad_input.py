@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from mockengine.generation import EXTRA_ENDPOINTS
 from router.app import create_app
-from router.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
 from router.config import RouterConfig
 from router.errors import RouterError
-from router.proxy_paths import PROXY_PATHS
+from router.forwarding.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
+from router.forwarding.paths import PROXY_PATHS
 from router.tests.conftest import ALIAS, MODEL, ThreadedEngine, make_table
 from router.tests.test_proxy import assert_openai_error
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from router.balancer import Balancer, EjectionPolicy, Failure
+from router.endpoints.table import TableError, decode_table
 from router.metrics import RouterMetrics
-from router.table import TableError, decode_table
+from router.picking.balancer import Balancer, EjectionPolicy, Failure
 from router.tests.conftest import (
     ALIAS,
     MODEL,

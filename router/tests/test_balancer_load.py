@@ -2,8 +2,8 @@
 
 import pytest
 
-from router.balancer import Balancer
 from router.config import RouterConfig
+from router.picking.balancer import Balancer
 from router.tests.conftest import MODEL, make_table
 
 

@@ -12,7 +12,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from conftest import free_port, wait_until
-from router.static_table import NO_CONTROL_PLANE
+from router.endpoints.static import NO_CONTROL_PLANE
 from router.tests.conftest import MODEL, PROJECT
 
 IMPORTED = "sk-old-gateway-0123456789abcdef"

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from conftest import free_port, wait_until
 from mockengine.generation import CACHE_SLOTS
-from router.balancer import Balancer
-from router.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
+from router.picking.balancer import Balancer
+from router.picking.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
 from router.tests.conftest import MODEL, PROJECT, ThreadedEngine, make_table
 
 # -- parsing -----------------------------------------------------------------------------------

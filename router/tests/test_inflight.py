@@ -7,7 +7,14 @@ import asyncio
 import pytest
 
 from router.background import BackgroundTasks
-from router.inflight import DISCONNECT_WATCH_DELAY, FIRST_BYTE, MIN_SWEEP_SECONDS, NEXT_CHUNK, SWEEP_SECONDS, InFlight
+from router.forwarding.inflight import (
+    DISCONNECT_WATCH_DELAY,
+    FIRST_BYTE,
+    MIN_SWEEP_SECONDS,
+    NEXT_CHUNK,
+    SWEEP_SECONDS,
+    InFlight,
+)
 
 
 class Client:

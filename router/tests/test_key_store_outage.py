@@ -12,7 +12,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from hub.credentials import hash_secret
 from keys.models import KEY_PREFIX, ApiKey
-from router.keys import ApiKeyCache, find_active_key
+from router.key_cache import ApiKeyCache, find_active_key
 from router.tests.conftest import Clock, make_table
 from router.tests.conftest import chat_with_key as chat
 

@@ -11,7 +11,7 @@ from django.db import OperationalError
 
 from hub.credentials import hash_secret
 from keys.models import ApiKey
-from router.keys import ApiKeyCache, KeyInfo, KeyStoreUnreachable
+from router.key_cache import ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from router.tests.conftest import Clock, make_table
 from router.tests.conftest import chat_with_key as chat
 

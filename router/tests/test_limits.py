@@ -8,8 +8,8 @@ import pytest
 from conftest import wait_until
 from hub import InProcessHub, RedisHub, get_hub
 from keys.models import ApiKey
+from router.accounting.limits import RateLimiter
 from router.errors import RouterError
-from router.limits import RateLimiter
 from router.tests.conftest import MODEL, chat_with_key, make_table
 
 MINUTE = 1_800_000_000.0  # the start of some minute

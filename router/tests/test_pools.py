@@ -9,7 +9,7 @@ import pytest
 from conftest import wait_until
 from hub.contracts import Activation, AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 from keys.models import ApiKey
-from router.balancer import Balancer
+from router.picking.balancer import Balancer
 from router.tests.conftest import MODEL, make_table
 from router.tests.conftest import chat_with_key as chat
 from router.tests.test_proxy import assert_openai_error

@@ -14,8 +14,8 @@ import pytest
 from conftest import free_port, wait_until
 from hub.contracts import Activation
 from keys.models import ApiKey
-from router.balancer import EjectionPolicy
-from router.inflight import DISCONNECT_WATCH_DELAY
+from router.forwarding.inflight import DISCONNECT_WATCH_DELAY
+from router.picking.balancer import EjectionPolicy
 from router.tests.conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -13,18 +13,18 @@ from conftest import wait_until
 from hub import InProcessHub, RedisHub
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry, UsageReport
 from keys.models import ApiKey, TokenUsage
-from router.balancer import Balancer
+from router.accounting.store import TokenStore
 from router.config import RouterConfig
-from router.static_table import (
+from router.endpoints.static import (
     SharedStaticHub,
     StaticHub,
     build_table,
     create_router_only_app,
     parse_endpoint_options,
 )
+from router.picking.balancer import Balancer
 from router.tests.conftest import MODEL, FakeEngine, RouterServer
 from router.tests.test_engine_load import MetricsEngine, poll
-from router.token_store import TokenStore
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -210,6 +210,6 @@ def test_an_unreachable_hub_is_said_once_not_every_round(caplog):
         finally:
             await store.close()
 
-    with caplog.at_level("INFO", logger="router.token_store"):
+    with caplog.at_level("INFO", logger="router.accounting.store"):
         assert asyncio.run(rounds()) == [0, 0, 0]
     assert caplog.text.count("could not take token usage from the hub") == 1

@@ -10,8 +10,8 @@ import yaml
 
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from hub.fingerprint import fingerprint
-from router.endpoints_file import load_endpoints_file, parse_endpoints_document
-from router.static_table import (
+from router.endpoints.file import load_endpoints_file, parse_endpoints_document
+from router.endpoints.static import (
     NO_CONTROL_PLANE,
     TABLE_VARIABLE,
     EndpointSpecError,
@@ -21,7 +21,7 @@ from router.static_table import (
     encode_table,
     parse_endpoint_options,
 )
-from router.table import decode_table, endpoint_of
+from router.endpoints.table import decode_table, endpoint_of
 
 
 def table_of(endpoints=(), aliases=()) -> EndpointTable:

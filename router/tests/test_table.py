@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
-from router.balancer import Balancer
-from router.table import TableError, decode_table
+from router.endpoints.table import TableError, decode_table
+from router.picking.balancer import Balancer
 from router.tests.conftest import ALIAS, MODEL, make_table, table_rows
 from router.tests.test_proxy import chat
 
@@ -32,7 +32,7 @@ def encoded(table: dict) -> bytes:
     ],
 )
 def test_a_malformed_endpoint_row_is_skipped_and_logged_with_what_is_wrong(caplog, row, problem):
-    with caplog.at_level(logging.WARNING, logger="router.table"):
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.table"):
         table = decode_table(
             encoded({"models": {MODEL: {"aliases": []}}, "endpoints": [row, GOOD], "fingerprint": "f"})
         )
@@ -53,7 +53,7 @@ def test_a_malformed_endpoint_row_is_skipped_and_logged_with_what_is_wrong(caplo
     ],
 )
 def test_a_malformed_model_entry_keeps_its_name_and_sound_aliases_and_loses_its_notes(caplog, entry, kept):
-    with caplog.at_level(logging.WARNING, logger="router.table"):
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.table"):
         table = decode_table(encoded({"models": {MODEL: entry, "qwen": {"aliases": ["q"]}}, "endpoints": [GOOD]}))
     assert table.models == {MODEL: kept, "qwen": ModelEntry(aliases=["q"])}
     assert len(table.endpoints) == 1

@@ -13,12 +13,9 @@ from conftest import free_port, wait_until
 from hub import InProcessHub
 from hub.contracts import TokenCount, hour_of
 from hub.credentials import hash_secret
-from router.balancer import Balancer
-from router.metrics import RouterMetrics
-from router.tests.conftest import MODEL, ThreadedEngine, make_table
-from router.tests.test_usage import UnreachableRedisHub
-from router.token_counter import TokenCounter
-from router.tokens import (
+from router.accounting.counter import TokenCounter
+from router.accounting.flusher import UsageFlusher
+from router.accounting.usage_reader import (
     IN_OUT_SSE_CARRY_BYTES,
     IN_OUT_USAGE_PATHS,
     JSON_TAIL_BYTES,
@@ -32,7 +29,10 @@ from router.tokens import (
     usage_of_whole_answer,
     usage_reader,
 )
-from router.usage import UsageFlusher
+from router.metrics import RouterMetrics
+from router.picking.balancer import Balancer
+from router.tests.conftest import MODEL, ThreadedEngine, make_table
+from router.tests.test_usage import UnreachableRedisHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

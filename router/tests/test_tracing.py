@@ -1,4 +1,4 @@
-"""Traces through the router (router.tracing): a client's trace context continues through the request, its
+"""Traces through the router (router.forwarding.tracing): a client's trace context continues through the request, its
 hold, its picks and the upstream exchange to the engine; with traces off, none of that code runs and the
 client's trace context reaches the engine unchanged."""
 
@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from conftest import wait_until
-from router.balancer import Balancer
-from router.proxy import Proxy
+from router.forwarding.proxy import Proxy
+from router.picking.balancer import Balancer
 from router.tests.conftest import MODEL, FakeEngine, make_table
 from router.tests.test_proxy import CountingHub
 

@@ -13,11 +13,11 @@ from conftest import free_port, wait_until
 from hub import InProcessHub, RedisHub, get_hub
 from hub.contracts import UsageReport
 from hub.redis_hub import USAGE_KEY
-from router.balancer import Balancer
+from router.accounting.flusher import UsageFlusher, new_router_id
 from router.metrics import RouterMetrics
+from router.picking.balancer import Balancer
 from router.tests.conftest import MODEL, make_table, pending_stamps
 from router.tests.test_proxy import CountingHub, chat, run_concurrently
-from router.usage import UsageFlusher, new_router_id
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

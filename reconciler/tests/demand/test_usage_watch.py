@@ -13,9 +13,9 @@ from hub.contracts import EndpointTable, RouterMark, UsageSnapshot
 from reconciler.choices import ReplicaState
 from reconciler.demand.usage import FLEET, assess_usage
 from reconciler.models import Replica, UsageWatch
-from router.balancer import Balancer
+from router.accounting.flusher import UsageFlusher
 from router.metrics import RouterMetrics
-from router.usage import UsageFlusher
+from router.picking.balancer import Balancer
 from tests.fleet import make_model, ready_replicas
 
 pytestmark = pytest.mark.django_db

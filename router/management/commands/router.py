@@ -9,9 +9,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from uvicorn.importer import import_from_string
 
 from hub.contracts import EndpointTable
-from router.endpoints_file import load_endpoints_file
-from router.serving import GracefulServer, server_config, server_options
-from router.static_table import (
+from router.endpoints.file import load_endpoints_file
+from router.endpoints.static import (
     TABLE_VARIABLE,
     EndpointSpecError,
     StaticTableSpec,
@@ -20,6 +19,7 @@ from router.static_table import (
     encode_table,
     parse_endpoint_options,
 )
+from router.serving import GracefulServer, server_config, server_options
 
 HUB_APP = "router.asgi:application"
 STATIC_APP = "router.standalone:application"

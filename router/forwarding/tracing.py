@@ -4,7 +4,7 @@ the upstream exchange. The engine's own spans become children of the exchange's:
 
 RouterState builds these classes instead of Balancer and Proxy only when traces are on, so a router without
 them runs none of this code (without them, a client's `traceparent` and `tracestate` still reach the engine
-unchanged: router.wire).
+unchanged: router.forwarding.headers).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from collections.abc import Iterable
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from router.affinity import Prefix
-from router.balancer import Balancer
-from router.coldstart import ColdStart
 from router.config import RouterConfig
+from router.endpoints.table import Endpoint
 from router.errors import RouterError
+from router.forwarding.coldstart import ColdStart
+from router.forwarding.proxy import Forwarding, Proxy
 from router.metrics import RouterMetrics
-from router.proxy import Forwarding, Proxy
-from router.table import Endpoint
+from router.picking.affinity import Prefix
+from router.picking.balancer import Balancer
 
 PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_HEADERS = (b"traceparent", b"tracestate")

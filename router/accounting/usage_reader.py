@@ -1,6 +1,6 @@
 """Token accounting in the router: the usage of engines' answers, read as they are relayed.
 
-Nothing here does I/O or holds state beyond one answer; router.token_counter
+Nothing here does I/O or holds state beyond one answer; router.accounting.counter
 counts what is read per key and model (DESIGN invariant 4).
 
 * Non-streamed JSON answers: `usage` is the last `"usage": {...}` in the
@@ -417,7 +417,7 @@ def usage_reader(
 ) -> JsonUsage | SseUsage | None:
     """What reads the usage of an answer of this type to `path` as it is relayed; None when it cannot be read.
 
-    Engines are asked for identity (router/wire.py); a body one compressed all the same is relayed unread.
+    Engines are asked for identity (router/forwarding/headers.py); a body one compressed all the same is relayed unread.
     """
     if content_encoding and content_encoding != "identity":
         return None

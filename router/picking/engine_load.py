@@ -40,8 +40,8 @@ from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.background import raise_if_cancelling
-from router.balancer import Balancer
-from router.table import Endpoint
+from router.endpoints.table import Endpoint
+from router.picking.balancer import Balancer
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""Which of a model's replicas a request may go to (router.balancer picks among them): the least loaded at the
-top priority, and the one holding the KV cache of the request's prompt prefix (router.affinity)."""
+"""Which of a model's replicas a request may go to (router.picking.balancer picks among them): the least loaded at the
+top priority, and the one holding the KV cache of the request's prompt prefix (router.picking.affinity)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.affinity import Prefix, PrefixMemory
-from router.table import Endpoint
+from router.endpoints.table import Endpoint
+from router.picking.affinity import Prefix, PrefixMemory
 
 _INFINITY = float("inf")
 

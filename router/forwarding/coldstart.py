@@ -32,13 +32,13 @@ import math
 from collections.abc import Iterable
 
 from hub.contracts import ActivationQueue
-from router.affinity import Prefix
-from router.asgi_io import Send
 from router.background import BackgroundTasks
-from router.balancer import Balancer
+from router.endpoints.table import Endpoint
 from router.errors import RouterError
+from router.forwarding.asgi_io import Send
 from router.metrics import COLD_START, RouterMetrics
-from router.table import Endpoint
+from router.picking.affinity import Prefix
+from router.picking.balancer import Balancer
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ is read before anything is sent, so its failure is still a 502/504 in
 OpenAI's shape; only a large or unbounded non-SSE body can still be cut.
 
 Each answer's token usage is read as it is relayed and counted per key and
-model (router.tokens); a LoRA adapter's under the adapter's own name.
+model (router.accounting.usage_reader); a LoRA adapter's under the adapter's own name.
 """
 
 from __future__ import annotations
@@ -32,28 +32,33 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import ClientResponse
 
-from router.affinity import Prefix
-from router.asgi_io import Scope, Send
-from router.balancer import Balancer
-from router.coldstart import ColdStart
+from router.accounting.usage_reader import (
+    IN_OUT_USAGE_PATHS,
+    JsonUsage,
+    SseUsage,
+    ask_for_usage,
+    usage_of_whole_answer,
+    usage_reader,
+)
 from router.config import RouterConfig
-from router.ejection import Failure
+from router.endpoints.table import Endpoint
 from router.errors import RouterError
-from router.inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
-from router.metrics import RouterMetrics
-from router.table import Endpoint
-from router.tokens import IN_OUT_USAGE_PATHS, ask_for_usage, usage_of_whole_answer
-from router.wire import (
+from router.forwarding.asgi_io import Scope, Send
+from router.forwarding.coldstart import ColdStart
+from router.forwarding.headers import (
     RETRIABLE_STATUSES,
     SSE_HEADERS,
     WHOLE_BODY_LIMIT,
-    answer_usage_reader,
-    begin_body,
     break_message,
     response_headers,
     sse_error_event,
     upstream_headers,
 )
+from router.forwarding.inflight import FIRST_BYTE, NEXT_CHUNK, Exchange
+from router.metrics import RouterMetrics
+from router.picking.affinity import Prefix
+from router.picking.balancer import Balancer
+from router.picking.ejection import Failure
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +100,7 @@ class Proxy:
         self.first_byte_timeout = config.first_byte_timeout
         self.idle_timeout = config.idle_timeout
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending. aiohttp keeps
-        # the connect deadline; the first byte's and the next chunk's are the sweep's (router.inflight).
+        # the connect deadline; the first byte's and the next chunk's are the sweep's (router.forwarding.inflight).
         self.timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout, sock_read=None)
         self.session: aiohttp.ClientSession | None = None
 
@@ -126,7 +131,7 @@ class Proxy:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
         if request.streaming and request.path not in IN_OUT_USAGE_PATHS:
             # An OpenAI stream's tokens come only in a usage chunk the engine sends when asked; Anthropic's and
-            # the Responses API's streams always carry theirs (router.tokens).
+            # the Responses API's streams always carry theirs (router.accounting.usage_reader).
             request.body, request.pass_usage = ask_for_usage(request.body)
         try:
             endpoint = self.balancer.pick(request.model, (), request.affinity, request.pools)
@@ -165,7 +170,7 @@ class Proxy:
         error: aiohttp.ClientError
         while True:
             request.tried.append(endpoint)
-            # The engine owes the first byte from now (router.inflight); a retry has a deadline of its own.
+            # The engine owes the first byte from now (router.forwarding.inflight); a retry has a deadline of its own.
             exchange.wait(FIRST_BYTE)
             try:
                 started = time.perf_counter()
@@ -208,7 +213,7 @@ class Proxy:
             await self._relay_stream(request, endpoint, response, content_type, streamed)
 
     def _upstream_headers(self, request: Forwarding) -> dict[str, str]:
-        """The request headers every attempt of `request` sends its engine (router.tracing adds its trace)."""
+        """The request headers every attempt of `request` sends its engine (router.forwarding.tracing adds its trace)."""
         return upstream_headers(request.scope)
 
     def _first_byte_overdue(self, request: Forwarding, endpoint: Endpoint) -> RouterError:
@@ -289,7 +294,7 @@ class Proxy:
         usage: tuple[int, int] | None,
     ) -> None:
         """The answer is over (in any way): give back its connection and replica, and count it against its
-        key (router.tokens): its last use, a request and tokens if `served`, its tokens against its limits."""
+        key (router.accounting.usage_reader): its last use, a request and tokens if `served`, its tokens against its limits."""
         exchange = request.exchange
         if exchange.complete:
             response.release()
@@ -394,3 +399,24 @@ class Proxy:
         if streamed:
             request.exchange.status = status
             await request.send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
+
+
+def answer_usage_reader(
+    request: Forwarding, response: ClientResponse, content_type: str
+) -> JsonUsage | SseUsage | None:
+    """What reads the usage of a served answer whose key records tokens; None when nothing is recorded."""
+    if request.exchange.key is None:
+        return None
+    return usage_reader(content_type, response.headers.get("Content-Encoding", ""), request.pass_usage, request.path)
+
+
+async def begin_body(
+    request: Forwarding, endpoint: Endpoint, response: ClientResponse, reader: JsonUsage | SseUsage | None
+) -> None:
+    """Send an answer's status and headers, unless a hold sent them already; from now the engine's silence is timed."""
+    if not request.headers_sent:
+        # A body that may lose its usage event cannot keep the engine's length.
+        headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
+        await request.send({"type": "http.response.start", "status": response.status, "headers": headers})
+    request.exchange.status = response.status
+    request.exchange.wait(NEXT_CHUNK)

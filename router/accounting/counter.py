@@ -1,7 +1,7 @@
 """Requests and tokens counted in memory per key and model, and last use per key, between usage flushes.
 
-router.tokens reads the usage of an answer; this counts it. Nothing here does I/O: the proxy counts on the
-router's event loop and the usage flusher (router.usage) takes the counts once a second (DESIGN invariant 4).
+router.accounting.usage_reader reads the usage of an answer; this counts it. Nothing here does I/O: the proxy counts on the
+router's event loop and the usage flusher (router.accounting.flusher) takes the counts once a second (DESIGN invariant 4).
 """
 
 from __future__ import annotations

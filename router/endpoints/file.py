@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from router.static_table import EndpointSpec, EndpointSpecError, StaticTableSpec, http_url_problem
+from router.endpoints.static import EndpointSpec, EndpointSpecError, StaticTableSpec, http_url_problem
 
 MODEL_KEYS = {"aliases", "endpoints"}
 ENDPOINT_KEYS = {"url", "api_key", "api_key_env", "weight", "priority", "pool"}

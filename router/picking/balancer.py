@@ -7,15 +7,15 @@ one step of the loop (DESIGN invariant 4), so recording use costs a dict write
 per request and nothing else; counting the model's requests in flight and
 their peak (for scale-out on load) is two more dict updates in the same step.
 
-Outlier ejection (router.ejection) keeps requests away from a replica that
+Outlier ejection (router.picking.ejection) keeps requests away from a replica that
 keeps failing, in the balancer's own structures: the proxy reports how each
 attempt ended, a success on a healthy replica costs two attribute reads, and
 the clock is read only when a replica is ejected.
 
-The engines' own load (router.engine_load polls it off the request path) is
+The engines' own load (router.picking.engine_load polls it off the request path) is
 cached on each endpoint: its waiting requests add to the load, and a replica
 whose KV cache is nearly full is passed over while another is not. A request
-may carry its prompt's Prefix (router.affinity): it prefers the replica its
+may carry its prompt's Prefix (router.picking.affinity): it prefers the replica its
 longest remembered prefix was last sent to, else its conversation key's
 (rendezvous hashing over the candidates), while that replica's load stays
 within a slack of the least loaded, so the engine reuses the prefix's KV
@@ -35,12 +35,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from hub.contracts import ADAPTER_STAMP_SEPARATOR, AdapterEntry, EndpointTable
-from router.affinity import Prefix, PrefixMemory
-from router.choice import cached_at, least_loaded
-from router.ejection import EjectionPolicy, Failure, log_change
-from router.limits import RateLimiter
-from router.table import Endpoint, adapter_holders, endpoint_of, model_lookups
-from router.token_counter import TokenCounter
+from router.accounting.counter import TokenCounter
+from router.accounting.limits import RateLimiter
+from router.endpoints.table import Endpoint, adapter_holders, endpoint_of, model_lookups
+from router.picking.affinity import Prefix, PrefixMemory
+from router.picking.choice import cached_at, least_loaded
+from router.picking.ejection import EjectionPolicy, Failure, log_change
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,14 @@ class Balancer:
         self.fingerprint: str | None = None
         self.generation = 0  # tables installed so far: what was derived from one table is stale after it
         # Requests and tokens per key and model: kept here, beside the stamps, because the usage flusher
-        # takes both together (router.tokens); the proxy counts into it when an answer ends.
+        # takes both together (router.accounting.usage_reader); the proxy counts into it when an answer ends.
         self.tokens = TokenCounter(clock)
         # Limited keys' allowances: the app admits from them, the proxy adds tokens, the flusher syncs them.
         self.limits = RateLimiter(clock)
 
     # -- the table --------------------------------------------------------------
     def apply_table(self, table: EndpointTable) -> bool:
-        """Install a published table (router.table decoded it); return False when it is the one already installed."""
+        """Install a published table (router.endpoints.table decoded it); return False when it is the one already installed."""
         fingerprint = table.fingerprint or None
         if fingerprint is not None and fingerprint == self.fingerprint:
             return False

@@ -4,12 +4,12 @@
 serves these models in front of engines someone already runs. A model given
 several URLs has several endpoint rows, balanced, ejected and retried as a
 fleet's replicas are. An endpoint may carry its engine's own API key
-(`EndpointRow.api_key`, from the file form only: router.endpoints_file), sent
+(`EndpointRow.api_key`, from the file form only: router.endpoints.file), sent
 to that engine alone. Nothing starts or stops replicas: the hubs here hold the
 table fixed and ignore activation requests. Usage reports, rate-limit counts
 and key changes go to Redis when REDIS_URL is set (`SharedStaticHub`, so every
 worker and router process shares one limit), else stay in this process
-(`StaticHub`); either way the app's `TokenStore` (router.token_store) takes the
+(`StaticHub`); either way the app's `TokenStore` (router.accounting.store) takes the
 token counts from the hub and stores them.
 """
 
@@ -26,9 +26,9 @@ from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from hub.fingerprint import fingerprinted
 from hub.memory import InProcessHub
 from hub.redis_hub import RedisHub
+from router.accounting.store import STORE_SECONDS, TokenStore
 from router.app import RouterApp, create_app
 from router.config import RouterConfig
-from router.token_store import STORE_SECONDS, TokenStore
 
 # How `manage.py router` hands the table to its uvicorn workers (router.standalone reads it): not a setting.
 TABLE_VARIABLE = "LLMGW_ROUTER_STATIC_TABLE"
@@ -197,6 +197,6 @@ def create_router_only_app(
     store_seconds: float = STORE_SECONDS,
 ) -> RouterApp:
     """A router app serving `table` with no control plane: its hub shared in Redis when `redis_url` is given,
-    else in this process; either way storing its token usage itself (router.token_store)."""
+    else in this process; either way storing its token usage itself (router.accounting.store)."""
     hub = SharedStaticHub(table, redis_url) if redis_url else StaticHub(table)
     return create_app(hub, config, token_store=TokenStore(hub, store_seconds))

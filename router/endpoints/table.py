@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, ModelEntry
-from router.ejection import ReplicaHealth
+from router.picking.ejection import ReplicaHealth
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Endpoint:
     pool: str = "default"
     outstanding: int = field(default=0, compare=False)
     health: ReplicaHealth = field(default_factory=ReplicaHealth, compare=False, repr=False)
-    # The engine's own load, last polled (router.engine_load): None while unknown.
+    # The engine's own load, last polled (router.picking.engine_load): None while unknown.
     engine_waiting: float | None = field(default=None, compare=False)
     kv_usage: float | None = field(default=None, compare=False)
     # What the pick reads: unknown load counts as no extra load and never as full.

@@ -10,7 +10,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-log = logging.getLogger("router.balancer")
+log = logging.getLogger("router.picking.balancer")
 
 
 class Failure(enum.Enum):

@@ -1,22 +1,15 @@
-"""What goes on the wire around a proxied request: the headers an engine gets and the client gets back,
-and what a client is told of an answer that broke off (the error event that ends a broken stream)."""
+"""The HTTP around a proxied request: the headers an engine gets and the client gets back, and what a client
+is told of an answer that broke off (the error event that ends a broken stream)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import aiohttp
-from aiohttp import ClientResponse
 
-from router.asgi_io import Scope
+from router.endpoints.table import Endpoint
 from router.errors import error_body
-from router.inflight import NEXT_CHUNK
-from router.table import Endpoint
-from router.tokens import JsonUsage, SseUsage, usage_reader
-
-if TYPE_CHECKING:
-    from router.proxy import Forwarding
+from router.forwarding.asgi_io import Scope
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
 PASSED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-length", b"content-encoding", b"cache-control"})
@@ -74,28 +67,7 @@ def upstream_headers(scope: Scope) -> dict[str, str]:
         elif name == b"x-request-id":
             headers["X-Request-Id"] = value.decode("latin-1")
         elif name in (b"traceparent", b"tracestate"):
-            # W3C trace context: the engine's spans join the client's trace (router.tracing, when on, names
+            # W3C trace context: the engine's spans join the client's trace (router.forwarding.tracing, when on, names
             # the router's own span as the parent instead).
             headers[name.decode()] = value.decode("latin-1")
     return headers
-
-
-def answer_usage_reader(
-    request: Forwarding, response: ClientResponse, content_type: str
-) -> JsonUsage | SseUsage | None:
-    """What reads the usage of a served answer whose key records tokens; None when nothing is recorded."""
-    if request.exchange.key is None:
-        return None
-    return usage_reader(content_type, response.headers.get("Content-Encoding", ""), request.pass_usage, request.path)
-
-
-async def begin_body(
-    request: Forwarding, endpoint: Endpoint, response: ClientResponse, reader: JsonUsage | SseUsage | None
-) -> None:
-    """Send an answer's status and headers, unless a hold sent them already; from now the engine's silence is timed."""
-    if not request.headers_sent:
-        # A body that may lose its usage event cannot keep the engine's length.
-        headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
-        await request.send({"type": "http.response.start", "status": response.status, "headers": headers})
-    request.exchange.status = response.status
-    request.exchange.wait(NEXT_CHUNK)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.asgi_io import Receive, until_disconnect
 from router.background import BackgroundTasks
+from router.forwarding.asgi_io import Receive, until_disconnect
 
 # How long a request runs before the router starts watching for its client's disconnect (seconds).
 DISCONNECT_WATCH_DELAY = 0.2

@@ -4,7 +4,7 @@ Requests only stamp the balancer's in-memory maps (in the same step as the
 pick); this flusher swaps the maps out once per `flush_seconds` and
 hands them to the hub as one `UsageReport` — last-use stamps, per-model
 in-flight peaks, requests and tokens per API key and model with each key's
-last use (router.tokens), and this router's watch mark renewed — so the cost
+last use (router.accounting.usage_reader), and this router's watch mark renewed — so the cost
 follows time, replicas, keys and models, never traffic.
 """
 
@@ -18,8 +18,8 @@ import socket
 
 from hub.contracts import UsageExchange, UsageReport
 from router.background import raise_if_cancelling
-from router.balancer import Balancer
 from router.metrics import RouterMetrics
+from router.picking.balancer import Balancer
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class UsageFlusher:
         return True
 
     async def _sync_limits(self, always: bool = False) -> None:
-        """Hand the hub what limited keys used here; take back their totals over every router (router.limits)."""
+        """Hand the hub what limited keys used here; take back their totals over every router (router.accounting.limits)."""
         limits = self.balancer.limits
         if not limits.limited_keys() and not always:
             return
