@@ -23,6 +23,7 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) manage.py makemigrations --check --dry-run
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir var/site
 
 test-sqlite: $(VENV)/.installed
 	$(PY) -m pytest

@@ -12,7 +12,7 @@ an alias each), 16 of them loaded (8 per replica):
   in-process hub holding that table, and `--requests` sequential GET /v1/models over HTTP on 127.0.0.1 with
   a key that may use everything; prints p50/p99/max.
 
-The database is DATABASE_URL's (PostgreSQL for the figures in bench/README.md), else a SQLite file in a
+The database is DATABASE_URL's (PostgreSQL for the figures in docs/benchmarks.md), else a SQLite file in a
 temporary folder.
 """
 

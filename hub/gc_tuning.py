@@ -13,7 +13,7 @@ def tune_gc() -> None:
     Each request allocates thousands of short-lived objects, so with CPython's
     default thresholds (700) the collector runs every few requests and, every
     so often, walks the whole heap: measured at 64 connections, that doubled
-    the router's p99 (bench/README.md). A control plane holding a thousand agent
+    the router's p99 (docs/benchmarks.md). A control plane holding a thousand agent
     streams stalled a tick's burst of commands the same way, for up to 0.2 s.
     Objects alive at start-up (modules, settings, the app) are frozen out of
     collections, and the youngest generation is collected every 100,000

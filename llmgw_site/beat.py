@@ -1,7 +1,7 @@
 """The beat scheduler: RedBeat, which keeps the schedule and a lock in Redis so every control-plane
 host can run a beat and exactly one sends ticks — made to survive Redis losing its data or going away.
 
-A Redis restarted without persistence (as README runs it) comes back empty: the holder's lock is
+A Redis restarted without persistence (as docs/running.md runs it) comes back empty: the holder's lock is
 gone (RedBeat would crash on its next extend) and so is the schedule (a beat holding the lock would
 find nothing to send, so no tick would ever run again). Before each of its loops this scheduler
 takes the lock again if it lost it (waiting while another beat holds it) and installs the schedule

@@ -2,7 +2,7 @@
 
 `settings.py` reads each one through `setting(NAME)`, which picks the strict
 `env_*` reader for its type (a bad value stops start-up naming the variable),
-and `manage.py settings_table` prints the README's Configuration table from
+and `manage.py settings_table` prints the Configuration table of docs/configuration.md from
 the same entries, so the documentation cannot drift from what is read (a test
 compares them, and checks settings.py reads nothing around the registry).
 """
@@ -17,7 +17,7 @@ from llmgw_site.env import env_bool, env_float, env_int, env_list, env_port, env
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable: its reader type, default, meaning, and how the README shows the default."""
+    """One environment variable: its reader type, default, meaning, and how docs/configuration.md shows the default."""
 
     name: str
     kind: str  # str, bool, float, int, port, port_range, list
@@ -350,7 +350,7 @@ def setting(name: str, default: Any = _UNSET) -> Any:
 
 
 def shown_default(entry: Setting) -> str:
-    """The default as the README shows it."""
+    """The default as docs/configuration.md shows it."""
     if entry.shown_default is not None:
         return entry.shown_default
     value = entry.default
@@ -366,7 +366,7 @@ def shown_default(entry: Setting) -> str:
 
 
 def markdown_table() -> str:
-    """The README's Configuration table, one row per registered setting."""
+    """The Configuration table of docs/configuration.md, one row per registered setting."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     lines += [f"| `{e.name}` | {shown_default(e)} | {e.help} |" for e in SETTINGS]
     return "\n".join(lines) + "\n"

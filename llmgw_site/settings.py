@@ -1,5 +1,5 @@
 """Django settings for llmgw, all taken from the environment through the registry in
-`llmgw_site.config` (the README's Configuration table is printed from it).
+`llmgw_site.config` (the Configuration table of docs/configuration.md is printed from it).
 
 Unset DATABASE_URL means SQLite in var/; unset REDIS_URL means embedded mode,
 with in-process channel layer, endpoint list, usage store and activation queue.

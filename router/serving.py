@@ -35,7 +35,7 @@ def server_options(grace: float) -> dict[str, Any]:
         "http": "httptools",
         "lifespan": "on",
         # The router reads no client address, so the proxy-headers middleware is pure cost; the access
-        # log costs per request too (bench/README.md), and warnings are all the router logs by default.
+        # log costs per request too (docs/benchmarks.md), and warnings are all the router logs by default.
         "proxy_headers": False,
         "access_log": False,
         "log_level": "warning",

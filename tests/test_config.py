@@ -1,4 +1,5 @@
-"""The settings registry: settings.py reads every variable through it, and the README's table is printed from it."""
+"""The settings registry: settings.py reads every variable through it, and docs/configuration.md's table is printed
+from it."""
 
 import ast
 import json
@@ -42,12 +43,14 @@ def test_settings_py_reads_the_environment_only_through_the_registry():
     assert len(read) == len(set(read)), "each variable is read once"
 
 
-def test_the_readme_configuration_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_pages_table_is_the_generated_one():
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     table = markdown_table()
-    assert table in readme, "README.md is out of date: paste `python manage.py settings_table` under Configuration"
+    assert table in readme, (
+        "docs/configuration.md is out of date: paste `python manage.py settings_table` under Configuration"
+    )
     start = readme.index("| variable | default | meaning |")
-    assert readme[start:].split("\n\n", 1)[0] + "\n" == table, "README.md has rows the registry does not"
+    assert readme[start:].split("\n\n", 1)[0] + "\n" == table, "docs/configuration.md has rows the registry does not"
 
 
 def test_settings_table_command_prints_every_setting_with_its_default():

@@ -1,6 +1,6 @@
 """The REST API against its own schema from outside: schemathesis's CLI, every check, against `up --demo`.
 
-The run README's REST API section gives by hand: a staff token made with
+The run docs/api.md's REST API section gives by hand: a staff token made with
 `manage.py create_api_token` on the demo's database, then `st run` on
 /api/v1/schema with the settings of schemathesis.toml (deterministic, 30
 examples per operation; only the model writes and the plan may refuse a

@@ -1,7 +1,7 @@
 """A short subset of the fault drill, run by `make test`: the distributed stack on private PostgreSQL
 and Redis, load through both routers, then an agent killed, a control plane stopped and a port taken.
 
-The whole drill is `make faults`; its table is in bench/README.md.
+The whole drill is `make faults`; its table is in docs/benchmarks.md.
 """
 
 import subprocess

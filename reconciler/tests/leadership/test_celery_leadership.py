@@ -61,7 +61,7 @@ class Process:
 
 
 class Celery:
-    """Starts `celery worker` and `celery beat` processes with the commands README gives; kills them all at the end."""
+    """Starts `celery worker` and `celery beat` processes with the commands docs/running.md gives; kills them all at the end."""
 
     def __init__(self, log_dir: Path, redis_url: str, ttl: float, tick: float = TICK):
         self.log_dir = log_dir
