@@ -85,7 +85,7 @@ SETTINGS: tuple[Setting, ...] = (
         "str",
         "",
         "what agents run to start vLLM's OpenAI server, split as a shell would: `vllm serve`, or "
-        "`/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server` (see [A real vLLM](#a-real-vllm-on-a-laptop))",
+        "`/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server` (see [A real vLLM](engines.md#a-real-vllm-on-a-laptop))",
         shown="the CPU build `make vllm` cached, else `vllm serve`",
     ),
     _s("LLMGW_UNREACHABLE_AFTER_SECONDS", "float", 20.0, "a node silent this long is unreachable", 1.0),
