@@ -16,6 +16,7 @@ from typing import Any
 from django.conf import settings
 from opentelemetry.trace import Tracer
 
+from router.forwarding.coldstart import MIN_WAITERS
 from router.picking.ejection import EjectionPolicy
 from telemetry import ROUTER
 from telemetry import tracer as traces_tracer
@@ -59,8 +60,10 @@ class RouterConfig:
         for name in ("poll_seconds", "flush_seconds", "connect_timeout", "first_byte_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
-        if self.max_waiters < 0 or self.retry_after < 0 or self.max_body_bytes < 0 or self.keepalive_seconds < 0:
-            raise ValueError("max_waiters, retry_after, max_body_bytes and keepalive_seconds must be >= 0")
+        if self.max_waiters < MIN_WAITERS:
+            raise ValueError(f"max_waiters must be >= {MIN_WAITERS}, not {self.max_waiters!r}")
+        if self.retry_after < 0 or self.max_body_bytes < 0 or self.keepalive_seconds < 0:
+            raise ValueError("retry_after, max_body_bytes and keepalive_seconds must be >= 0")
         if self.router_id is not None and not self.router_id:
             raise ValueError("router_id must be a non-empty string (or None for a new one per process)")
 

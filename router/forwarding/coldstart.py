@@ -47,6 +47,11 @@ ACTIVATION_INTERVAL = 1.0
 KEEPALIVE_COMMENT = b": waiting for a replica of this model to start\n\n"
 
 
+# A model's first request must be able to wait for its start: a bound below one would refuse every cold start.
+# LLMGW_MAX_WAITERS_PER_MODEL's minimum in the settings registry is this number too.
+MIN_WAITERS = 1
+
+
 class ColdStart:
     """Asks the control plane to start models and holds requests until a replica is published."""
 
@@ -62,8 +67,8 @@ class ColdStart:
         keepalive_seconds: float,
         max_waiters: int = 1000,
     ):
-        if max_waiters < 1:
-            raise ValueError("max_waiters must be >= 1")
+        if max_waiters < MIN_WAITERS:
+            raise ValueError(f"max_waiters must be >= {MIN_WAITERS}, not {max_waiters!r}")
         self.hub = hub
         self.balancer = balancer
         self.metrics = metrics

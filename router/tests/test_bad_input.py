@@ -311,3 +311,11 @@ def test_bad_bodies_are_named_as_before(body, message):
     with pytest.raises(RouterError) as caught:
         decode_object(body)
     assert caught.value.message == message
+
+
+@pytest.mark.parametrize("max_waiters", [0, -1])
+def test_a_router_that_could_hold_no_cold_start_request_is_refused_as_its_cold_start_refuses_it(max_waiters):
+    # One rule for the bound on waiters (coldstart.MIN_WAITERS): the router's configuration refuses what its
+    # cold start would, instead of taking 0 and failing later.
+    with pytest.raises(ValueError, match="max_waiters must be >= 1"):
+        RouterConfig.from_settings(max_waiters=max_waiters)
