@@ -130,7 +130,7 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "",
         router.app.prefix_affinity = lambda payload: None  # the router as if prompts had no prefix
     hub = InProcessHub()
     entry = ModelEntry(pools=["default"]) if "pools" in features else ModelEntry()
-    rows = [EndpointRow(str(i), MODEL, url) for i, url in enumerate(upstream.split(","), 1)]
+    rows = [EndpointRow(replica_id=str(i), model=MODEL, url=url) for i, url in enumerate(upstream.split(","), 1)]
     hub.publish_endpoints(EndpointTable(models={MODEL: entry}, endpoints=rows))
     # Served as production serves it: the router's one server configuration.
     GracefulServer(server_config(create_app(hub), port=port, grace=settings.LLMGW_SHUTDOWN_GRACE_SECONDS)).run()

@@ -45,7 +45,7 @@ Holding = Literal["wake", "making_room"]
 """Why routers hold a model's requests, when the control plane knows better than "a cold start"."""
 
 
-class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+class ModelEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """One enabled model as routers know it: its aliases, and why requests for it cannot wait, if they cannot."""
 
     aliases: list[str] = []
@@ -67,7 +67,7 @@ class ModelEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     (a table from before pools were published, or a static one), so no key is refused for its pools."""
 
 
-class EndpointRow(msgspec.Struct, frozen=True):
+class EndpointRow(msgspec.Struct, kw_only=True, frozen=True):
     """One READY replica routers may send a model's requests to.
 
     `api_key`: the bearer key its engine was started with (`--api-key`), sent to it and to no other; only
@@ -91,7 +91,7 @@ class EndpointRow(msgspec.Struct, frozen=True):
         )
 
 
-class AdapterEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+class AdapterEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """One enabled LoRA adapter as routers know it: the model it rides on, its aliases, the replicas holding it.
 
     A request naming it goes to one of `replicas` (ready replicas of `base`, in the table's endpoints, whose
@@ -110,7 +110,7 @@ ADAPTER_STAMP_SEPARATOR = "/"
 """Usage stamps of adapters are keyed `"<replica id>/<adapter public name>"` beside the replicas' own ids."""
 
 
-class EndpointTable(msgspec.Struct, frozen=True, omit_defaults=True):
+class EndpointTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """What the tick publishes and routers serve from (DESIGN invariant 7): models by public name, endpoints,
     LoRA adapters by public name.
 
@@ -123,7 +123,7 @@ class EndpointTable(msgspec.Struct, frozen=True, omit_defaults=True):
     fingerprint: str = ""
 
 
-class TokenCount(msgspec.Struct, array_like=True):
+class TokenCount(msgspec.Struct, kw_only=True, array_like=True):
     """Requests and tokens of one key on one model; `[requests, prompt, completion]` on the wire. Counters."""
 
     requests: NonNegative
@@ -155,7 +155,7 @@ def add_token_counts(into: TokenCounts, counts: TokenCounts) -> None:
         for model, count in models.items():
             total = per_key.get(model)
             if total is None:
-                per_key[model] = TokenCount(count.requests, count.prompt, count.completion)
+                per_key[model] = TokenCount(requests=count.requests, prompt=count.prompt, completion=count.completion)
             else:
                 total.add(count)
 
@@ -182,7 +182,7 @@ class EndpointSource(Protocol):
         ...
 
 
-class UsageReport(msgspec.Struct, frozen=True):
+class UsageReport(msgspec.Struct, kw_only=True, frozen=True):
     """One router's flush: what it saw since its previous flush, and its watch mark renewed for `ttl` seconds.
 
     The hubs take it only through `checked`, which refuses a malformed one naming the field.
@@ -211,7 +211,7 @@ def checked(report: UsageReport) -> UsageReport:
     return msgspec.convert(msgspec.to_builtins(report), UsageReport)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RouterMark:
     """One router's watch mark, as the tick reads it (times are Unix seconds)."""
 
@@ -228,7 +228,7 @@ class RouterMark:
         return now - self.renewed > self.ttl
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UsageSnapshot:
     """What the tick collects: every router's mark, read before the stamps.
 
@@ -280,7 +280,7 @@ class UsageSource(Protocol):
         ...
 
 
-class Activation(msgspec.Struct, frozen=True, omit_defaults=True):
+class Activation(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """A router's ask for a model to be started: its public name, and the pools a replica must be in to serve
     the key that asked (sorted; empty: any pool, any profile)."""
 
@@ -290,7 +290,7 @@ class Activation(msgspec.Struct, frozen=True, omit_defaults=True):
     @classmethod
     def of(cls, model: str, pools: Iterable[str] = ()) -> Activation:
         """The activation of `model` for a key bound to `pools` (in any order, repeats allowed)."""
-        return cls(model, tuple(sorted(set(pools))))
+        return cls(model=model, pools=tuple(sorted(set(pools))))
 
 
 _decode_activation = msgspec.json.Decoder(Activation).decode
@@ -311,7 +311,7 @@ def decode_activation(raw: bytes | str) -> Activation | None:
     try:
         if data.startswith(b"{"):
             return _decode_activation(data)
-        return Activation(msgspec.convert(data.decode(), Name))
+        return Activation(model=msgspec.convert(data.decode(), Name))
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         log.warning("skipping a malformed activation (%s): %r", exc, data[:200])
         return None

@@ -70,7 +70,9 @@ class InProcessHub:
         with self._lock:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
-            return UsageSnapshot(dict(self._stamps), list(self._marks.values()), tokens, keys)
+            return UsageSnapshot(
+                stamps=dict(self._stamps), routers=list(self._marks.values()), tokens=tokens, keys=keys
+            )
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
         with self._lock:
@@ -141,7 +143,9 @@ class InProcessHub:
             previous = self._marks.get(report.router)
             # A lapse is a gap in what this router told us: its watch starts again now.
             since = previous.since if previous is not None and not previous.lapsed(now) else now
-            self._marks[report.router] = RouterMark(report.router, since, now, report.ttl, dict(report.in_flight))
+            self._marks[report.router] = RouterMark(
+                router=report.router, since=since, renewed=now, ttl=report.ttl, in_flight=dict(report.in_flight)
+            )
 
     async def leave(self, router: str) -> None:
         with self._lock:

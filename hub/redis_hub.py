@@ -97,7 +97,11 @@ def _parse_token_fields(raw: dict[bytes, bytes]) -> dict[int, TokenCounts]:
             if kind not in TOKEN_KINDS:
                 raise ValueError(kind)
             amount = int(value)
-            count = tokens.setdefault(int(hour), {}).setdefault(digest, {}).setdefault(model, TokenCount(0, 0, 0))
+            count = (
+                tokens.setdefault(int(hour), {})
+                .setdefault(digest, {})
+                .setdefault(model, TokenCount(requests=0, prompt=0, completion=0))
+            )
             setattr(count, kind, getattr(count, kind) + amount)
         except ValueError:
             log.warning("dropping a malformed token counter %r=%r", field_name, value)
@@ -122,7 +126,7 @@ def _parse_mark(router: str, raw: bytes) -> RouterMark:
         mark = _decode_mark(raw)
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed watch mark of router {router!r}: {raw!r} ({exc})") from None
-    return RouterMark(router, mark.since, mark.renewed, mark.ttl, mark.in_flight)
+    return RouterMark(router=router, since=mark.since, renewed=mark.renewed, ttl=mark.ttl, in_flight=mark.in_flight)
 
 
 class _Fingerprint(msgspec.Struct):

@@ -70,7 +70,7 @@ def split_activations(activations: set[Activation]) -> tuple[set[Activation], se
     if not found:
         return activations, set()
     base_of = {name: base for _, name, base in found}
-    models = {Activation(base_of.get(a.model, a.model), a.pools) for a in activations}
+    models = {Activation(model=base_of.get(a.model, a.model), pools=a.pools) for a in activations}
     return models, {pk for pk, _, _ in found}
 
 

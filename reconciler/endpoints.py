@@ -141,7 +141,10 @@ def _endpoints() -> list[EndpointRow]:
         .order_by("id")
         .values_list("id", "model__name", "endpoint_url", "profile__priority", "profile__weight", "profile__pool")
     )
-    return [EndpointRow(str(pk), model, url, priority, weight, pool) for pk, model, url, priority, weight, pool in rows]
+    return [
+        EndpointRow(replica_id=str(pk), model=model, url=url, priority=priority, weight=weight, pool=pool)
+        for pk, model, url, priority, weight, pool in rows
+    ]
 
 
 @dataclass

@@ -26,7 +26,7 @@ def clocked_hub(request):
 
 def report(router, tokens=None, keys=None):
     """A report of `tokens` given as {digest: {model: [requests, prompt, completion]}}."""
-    return UsageReport(router, tokens=msgspec.convert(tokens or {}, TokenCounts), keys=keys or {})
+    return UsageReport(router=router, tokens=msgspec.convert(tokens or {}, TokenCounts), keys=keys or {})
 
 
 def plain(tokens):
@@ -120,14 +120,14 @@ def nothing_stored(hub):
 def test_a_malformed_token_report_is_refused_naming_the_field_and_nothing_stored(clocked_hub, tokens):
     hub, _ = clocked_hub
     with pytest.raises(ValueError, match=r"`\$\.tokens"):
-        asyncio.run(hub.report_usage(UsageReport("a", {"1": 5.0}, tokens=tokens)))
+        asyncio.run(hub.report_usage(UsageReport(router="a", stamps={"1": 5.0}, tokens=tokens)))
     assert nothing_stored(hub)
 
 
 def test_a_malformed_key_last_use_is_refused_naming_the_field_and_nothing_stored(clocked_hub):
     hub, _ = clocked_hub
     with pytest.raises(ValueError, match=r"at `\$\.keys"):
-        asyncio.run(hub.report_usage(UsageReport("a", {"1": 5.0}, keys={"k": float("nan")})))
+        asyncio.run(hub.report_usage(UsageReport(router="a", stamps={"1": 5.0}, keys={"k": float("nan")})))
     assert nothing_stored(hub)
 
 

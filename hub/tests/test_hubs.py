@@ -14,6 +14,7 @@ from hub.contracts import (
     EndpointTable,
     ModelEntry,
     RouterMark,
+    TokenCount,
     UsageReport,
     UsageSnapshot,
     decode_activation,
@@ -59,7 +60,9 @@ def test_an_endpoint_table_is_published_only_when_it_changes(hub):
     """DESIGN invariant 7."""
     assert hub.publish_endpoints(TABLE) is True
     assert hub.publish_endpoints(msgspec.structs.replace(TABLE)) is False
-    changed = msgspec.structs.replace(TABLE, endpoints=[EndpointRow("1", "llama", "http://127.0.0.1:1")])
+    changed = msgspec.structs.replace(
+        TABLE, endpoints=[EndpointRow(replica_id="1", model="llama", url="http://127.0.0.1:1")]
+    )
     assert hub.publish_endpoints(changed) is True
     published = msgspec.json.decode(run(hub.read_endpoints()), type=EndpointTable)
     assert published.fingerprint == fingerprint(changed)
@@ -96,7 +99,7 @@ def test_activations_are_drained_once_however_often_asked(hub):
         await asyncio.gather(*(hub.request_activation("llama") for _ in range(5)), hub.request_activation("qwen"))
 
     run(ask())
-    assert hub.drain_activations() == {Activation("llama"), Activation("qwen")}
+    assert hub.drain_activations() == {Activation(model="llama"), Activation(model="qwen")}
     assert hub.drain_activations() == set()
 
 
@@ -109,9 +112,9 @@ def test_an_activation_carries_the_asking_keys_pools_and_one_per_model_and_pools
 
     run(ask())
     assert hub.drain_activations() == {
-        Activation("llama", ("gold", "silver")),
-        Activation("llama", ("gold",)),
-        Activation("llama"),
+        Activation(model="llama", pools=("gold", "silver")),
+        Activation(model="llama", pools=("gold",)),
+        Activation(model="llama"),
     }
     assert hub.drain_activations() == set()
 
@@ -128,20 +131,23 @@ def test_a_malformed_activation_is_skipped_and_logged_and_the_others_are_drained
     redis.Redis.from_url(redis_url).sadd(
         ACTIVATIONS_KEY, b"llama", b'{"model":"qwen","pools":["gold"]}', b'{"model":"qwen","pools":[""]}', b"{nope", b""
     )
-    assert RedisHub(redis_url).drain_activations() == {Activation("llama"), Activation("qwen", ("gold",))}
+    assert RedisHub(redis_url).drain_activations() == {
+        Activation(model="llama"),
+        Activation(model="qwen", pools=("gold",)),
+    }
     assert caplog.text.count("skipping a malformed activation") == 3
 
 
 def test_an_activation_is_decoded_as_it_was_encoded():
-    for activation in (Activation("llama"), Activation("org/model:v1", ("a", "b"))):
+    for activation in (Activation(model="llama"), Activation(model="org/model:v1", pools=("a", "b"))):
         assert decode_activation(encode_activation(activation)) == activation
-    assert Activation.of("m", ["b", "a", "b"]) == Activation("m", ("a", "b"))
+    assert Activation.of("m", ["b", "a", "b"]) == Activation(model="m", pools=("a", "b"))
 
 
 def test_usage_keeps_the_newest_stamp_and_forgets_on_request(hub):
     """DESIGN invariant 4: newest wins, whatever order routers flush in."""
-    run(hub.report_usage(UsageReport("a", {"1": 200.0, "2": 50.0})))
-    run(hub.report_usage(UsageReport("b", {"1": 100.0, "2": 60.0})))
+    run(hub.report_usage(UsageReport(router="a", stamps={"1": 200.0, "2": 50.0})))
+    run(hub.report_usage(UsageReport(router="b", stamps={"1": 100.0, "2": 60.0})))
     assert hub.collect_usage().stamps == {"1": 200.0, "2": 60.0}
     hub.forget_usage(["2"])
     assert hub.collect_usage().stamps == {"1": 200.0}
@@ -155,36 +161,36 @@ def test_each_router_has_its_own_mark_kept_while_renewed_and_restarted_after_a_l
     hub, clock = clocked_hub
     assert hub.collect_usage() == UsageSnapshot(stamps={}, routers=[])
     start = clock.now
-    run(hub.report_usage(UsageReport("a", ttl=1.0)))
+    run(hub.report_usage(UsageReport(router="a", ttl=1.0)))
     clock.now += 0.5
-    run(hub.report_usage(UsageReport("b", ttl=1.0)))
+    run(hub.report_usage(UsageReport(router="b", ttl=1.0)))
     clock.now += 0.4
-    run(hub.report_usage(UsageReport("a", ttl=1.0)))
-    assert marks(hub)["a"] == RouterMark("a", since=start, renewed=start + 0.9, ttl=1.0)
+    run(hub.report_usage(UsageReport(router="a", ttl=1.0)))
+    assert marks(hub)["a"] == RouterMark(router="a", since=start, renewed=start + 0.9, ttl=1.0)
     clock.now += 0.9
-    run(hub.report_usage(UsageReport("a", ttl=1.0)))
+    run(hub.report_usage(UsageReport(router="a", ttl=1.0)))
     assert marks(hub)["a"].since == start  # renewed within its ttl: the same unbroken watch
     assert marks(hub)["b"].lapsed(clock.now)  # b went quiet; a renewing does not hide it
     clock.now += 1.5
-    run(hub.report_usage(UsageReport("a", ttl=1.0)))
-    run(hub.report_usage(UsageReport("b", ttl=1.0)))
+    run(hub.report_usage(UsageReport(router="a", ttl=1.0)))
+    run(hub.report_usage(UsageReport(router="b", ttl=1.0)))
     # a's last flush was 1.5 s ago, past its 1 s ttl: what it did in the gap is unknown, its watch restarts.
-    assert marks(hub)["a"] == RouterMark("a", since=clock.now, renewed=clock.now, ttl=1.0)
+    assert marks(hub)["a"] == RouterMark(router="a", since=clock.now, renewed=clock.now, ttl=1.0)
     assert marks(hub)["b"].since == clock.now
 
 
 def test_a_mark_carries_the_routers_last_in_flight_peaks(clocked_hub):
     hub, _ = clocked_hub
-    run(hub.report_usage(UsageReport("a", in_flight={"llama": 3, "qwen": 1})))
-    run(hub.report_usage(UsageReport("b", in_flight={"llama": 2})))
-    run(hub.report_usage(UsageReport("a", in_flight={"llama": 4})))
+    run(hub.report_usage(UsageReport(router="a", in_flight={"llama": 3, "qwen": 1})))
+    run(hub.report_usage(UsageReport(router="b", in_flight={"llama": 2})))
+    run(hub.report_usage(UsageReport(router="a", in_flight={"llama": 4})))
     assert {name: mark.in_flight for name, mark in marks(hub).items()} == {"a": {"llama": 4}, "b": {"llama": 2}}
 
 
 def test_a_router_leaving_or_forgotten_loses_its_mark_and_the_stamps_stay(clocked_hub):
     hub, _ = clocked_hub
     for router in ("a", "b", "c"):
-        run(hub.report_usage(UsageReport(router, {router: 1.0})))
+        run(hub.report_usage(UsageReport(router=router, stamps={router: 1.0})))
     run(hub.leave("a"))
     hub.forget_routers(["b", "never-seen"])
     hub.forget_routers([])
@@ -214,7 +220,7 @@ def test_redis_writes_the_stamps_before_the_mark_in_one_transaction(redis_url):
     client = redis.Redis.from_url(redis_url)
     with client.monitor() as monitor:
         hub = RedisHub(redis_url)
-        run(hub.report_usage(UsageReport("a", {"1": 10.0}, {"llama": 1})))
+        run(hub.report_usage(UsageReport(router="a", stamps={"1": 10.0}, in_flight={"llama": 1})))
         commands = []
         while not commands or commands[-1] != "EXEC":
             command = monitor.next_command()["command"].split()[0].upper()
@@ -228,7 +234,7 @@ def test_redis_writes_the_stamps_before_the_mark_in_one_transaction(redis_url):
 def test_redis_collects_marks_then_stamps_and_takes_tokens_in_one_transaction(redis_url):
     client = redis.Redis.from_url(redis_url)
     hub = RedisHub(redis_url)
-    run(hub.report_usage(UsageReport("a", {"1": 10.0})))
+    run(hub.report_usage(UsageReport(router="a", stamps={"1": 10.0})))
     with client.monitor() as monitor:
         snapshot = hub.collect_usage()
         commands = []
@@ -246,9 +252,9 @@ def test_redis_skips_a_malformed_mark_and_reads_the_others(redis_url):
     client = redis.Redis.from_url(redis_url)
     client.hset(ROUTERS_KEY, "broken", "not json")
     hub = RedisHub(redis_url)
-    run(hub.report_usage(UsageReport("a")))
+    run(hub.report_usage(UsageReport(router="a")))
     assert list(marks(hub)) == ["a"]
-    run(hub.report_usage(UsageReport("broken")))  # its next report rewrites it
+    run(hub.report_usage(UsageReport(router="broken")))  # its next report rewrites it
     assert sorted(marks(hub)) == ["a", "broken"]
     client.close()
 
@@ -259,7 +265,9 @@ def test_concurrent_reports_of_many_routers_each_keep_their_own_mark(redis_url):
 
     async def flush_all():
         for _ in range(5):
-            await asyncio.gather(*(hub.report_usage(UsageReport(f"r{i}", {str(i): float(i)})) for i in range(20)))
+            await asyncio.gather(
+                *(hub.report_usage(UsageReport(router=f"r{i}", stamps={str(i): float(i)})) for i in range(20))
+            )
 
     run(flush_all())
     assert sorted(marks(hub)) == sorted(f"r{i}" for i in range(20))
@@ -271,7 +279,7 @@ def test_an_activation_request_calls_the_in_process_listeners():
     hub.on_activation(lambda: calls.append("woken"))
     run(hub.request_activation("llama"))
     assert calls == ["woken"]
-    assert hub.drain_activations() == {Activation("llama")}
+    assert hub.drain_activations() == {Activation(model="llama")}
 
 
 def test_key_changes_reach_every_watcher_published_after_it_subscribed(hub):
@@ -302,3 +310,13 @@ def test_redis_ignores_a_malformed_key_change_and_passes_the_next(redis_url):
             return await heard
 
     assert run(scenario()) == ["abc"]
+
+
+def test_the_hub_contracts_are_built_by_field_name_so_their_order_is_no_part_of_the_wire():
+    # A positional construction would tie every writer to the fields' order; the encoding stays as it was.
+    counts, row = (1, 2, 3), ("1", "m", "http://h:1")
+    with pytest.raises(TypeError):
+        TokenCount(*counts)
+    with pytest.raises(TypeError):
+        EndpointRow(*row)
+    assert msgspec.json.encode(TokenCount(requests=1, prompt=2, completion=3)) == b"[1,2,3]"

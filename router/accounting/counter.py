@@ -69,4 +69,7 @@ class TokenCounter:
 
 def _typed(counts: dict[str, dict[str, list[int]]]) -> TokenCounts:
     """The counter's rows as the hub's contract has them (new objects: later counting never changes them)."""
-    return {digest: {model: TokenCount(*row) for model, row in models.items()} for digest, models in counts.items()}
+    return {
+        digest: {model: TokenCount(requests=row[0], prompt=row[1], completion=row[2]) for model, row in models.items()}
+        for digest, models in counts.items()
+    }

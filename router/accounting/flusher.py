@@ -74,7 +74,16 @@ class UsageFlusher:
         counter = self.balancer.tokens
         tokens, keys = counter.take()
         try:
-            await self.hub.report_usage(UsageReport(self.router_id, stamps, in_flight, self.watch_ttl, tokens, keys))
+            await self.hub.report_usage(
+                UsageReport(
+                    router=self.router_id,
+                    stamps=stamps,
+                    in_flight=in_flight,
+                    ttl=self.watch_ttl,
+                    tokens=tokens,
+                    keys=keys,
+                )
+            )
         except asyncio.CancelledError:
             self.balancer.restore_stamps(stamps)
             counter.restore(tokens, keys)

@@ -108,7 +108,15 @@ def build_table(spec: StaticTableSpec) -> EndpointTable:
         seen[each.model, each.url] = each.where
         key = msgspec.UNSET if each.api_key is None else each.api_key
         rows.append(
-            EndpointRow(f"static-{len(rows) + 1}", each.model, each.url, each.priority, each.weight, each.pool, key)
+            EndpointRow(
+                replica_id=f"static-{len(rows) + 1}",
+                model=each.model,
+                url=each.url,
+                priority=each.priority,
+                weight=each.weight,
+                pool=each.pool,
+                api_key=key,
+            )
         )
     aliases: dict[str, list[str]] = {row.model: [] for row in rows}
     given: dict[str, str] = {}
@@ -122,7 +130,7 @@ def build_table(spec: StaticTableSpec) -> EndpointTable:
         given[alias] = where
         aliases[model].append(alias)
     models = {name: ModelEntry(aliases=names, unplaceable=NO_CONTROL_PLANE) for name, names in aliases.items()}
-    return EndpointTable(models, rows)
+    return EndpointTable(models=models, endpoints=rows)
 
 
 def describe_table(table: EndpointTable) -> str:

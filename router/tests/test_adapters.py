@@ -31,7 +31,7 @@ def lora_table(urls=(), holders=(), *, adapter=None, models=None, fingerprint=""
     entry = {"base": MODEL, "aliases": [ADAPTER_ALIAS], "replicas": list(holders), **(adapter or {})}
     return EndpointTable(
         models=models or {MODEL: ModelEntry(aliases=[ALIAS]), OTHER: ModelEntry()},
-        endpoints=[EndpointRow(str(i + 1), MODEL, url) for i, url in enumerate(urls)],
+        endpoints=[EndpointRow(replica_id=str(i + 1), model=MODEL, url=url) for i, url in enumerate(urls)],
         adapters={ADAPTER: AdapterEntry(**entry)},
         fingerprint=fingerprint,
     )
@@ -59,8 +59,8 @@ def test_a_malformed_adapter_entry_is_left_out_and_logged_and_the_rest_is_served
     }
     with caplog.at_level(logging.WARNING, logger="router.endpoints.table"):
         decoded = decode_table(json.dumps(table).encode())
-    assert decoded.adapters == {ADAPTER: AdapterEntry(MODEL, [ADAPTER_ALIAS], ["1"])}
-    assert decoded.endpoints == [EndpointRow("1", MODEL, "http://a:1")]
+    assert decoded.adapters == {ADAPTER: AdapterEntry(base=MODEL, aliases=[ADAPTER_ALIAS], replicas=["1"])}
+    assert decoded.endpoints == [EndpointRow(replica_id="1", model=MODEL, url="http://a:1")]
     (record,) = caplog.records
     assert "'broken'" in record.message and problem in record.message
 
@@ -70,7 +70,10 @@ def test_names_and_aliases_resolve_to_the_adapter_and_only_listed_replicas_of_it
     table = lora_table(["http://a:1", "http://b:1"], ["2", "7", "9"])
     table = msgspec.structs.replace(
         table,
-        endpoints=[*table.endpoints, EndpointRow("9", OTHER, "http://c:1")],  # listed, but a replica of another model
+        endpoints=[
+            *table.endpoints,
+            EndpointRow(replica_id="9", model=OTHER, url="http://c:1"),
+        ],  # listed, but a replica of another model
         adapters={**table.adapters, "orphan": AdapterEntry(base="gone", replicas=["1"])},
     )
     balancer.apply_table(table)
@@ -170,7 +173,7 @@ def test_an_adapter_held_nowhere_is_held_asks_for_its_activation_and_is_served_o
     def publish_when_asked():
         wait_until(lambda: counting.activations)
         assert router.state.cold_start.waiting(ADAPTER) == 1
-        assert hub.drain_activations() == {Activation(ADAPTER)}
+        assert hub.drain_activations() == {Activation(model=ADAPTER)}
         hub.publish_endpoints(lora_table([engine.url], ["1"]))
 
     publisher = threading.Thread(target=publish_when_asked)
@@ -190,7 +193,7 @@ def test_an_adapter_past_the_hold_is_503_with_retry_after_like_a_models_cold_sta
     error = assert_openai_error(response, 503, "model_starting", f"`{ADAPTER}` (an adapter of `{MODEL}`)")
     assert error["type"] == "server_error"
     assert response.headers["retry-after"] == "300"  # its idle base's learned start, less the wait
-    assert hub.drain_activations() == {Activation(ADAPTER)}
+    assert hub.drain_activations() == {Activation(model=ADAPTER)}
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ def test_a_key_bound_to_a_pool_of_the_model_is_held_asks_in_its_pools_and_is_ser
     response = chat(router, pool_key("silver", "gold"))
     publisher.join()
     assert response.status_code == 200, response.text
-    assert asked == {Activation(MODEL, ("gold", "silver"))}
+    assert asked == {Activation(model=MODEL, pools=("gold", "silver"))}
     assert len(mine.requests) == 1 and other.requests == []
 
 
@@ -72,7 +72,7 @@ def test_a_table_naming_no_pools_for_a_model_refuses_no_key_for_its_pools(start_
     hub.publish_endpoints(make_table())
     router = start_router(activation_timeout=0.3)
     assert_openai_error(chat(router, pool_key("gold")), 503, "model_starting", MODEL)
-    assert hub.drain_activations() == {Activation(MODEL, ("gold",))}
+    assert hub.drain_activations() == {Activation(model=MODEL, pools=("gold",))}
 
 
 def test_an_adapter_is_in_its_bases_pools():
@@ -80,7 +80,7 @@ def test_an_adapter_is_in_its_bases_pools():
     balancer.apply_table(
         EndpointTable(
             models={"base": ModelEntry(pools=["gold"]), "bare": ModelEntry()},
-            endpoints=[EndpointRow("1", "base", "http://a:1", pool="gold")],
+            endpoints=[EndpointRow(replica_id="1", model="base", url="http://a:1", pool="gold")],
             adapters={"tuned": AdapterEntry(base="base")},
         )
     )

@@ -268,7 +268,7 @@ def test_unreachable_only_replica_holds_the_request_like_a_cold_start_then_503(s
     response = chat(router, auth)
     assert time.monotonic() - started >= 0.5
     assert_openai_error(response, 503, "model_starting", MODEL)
-    assert hub.drain_activations() == {Activation(MODEL)}
+    assert hub.drain_activations() == {Activation(model=MODEL)}
     assert router.state.balancer.in_flight() == 0
     # The only replica is never ejected: the next request tries it again.
     assert httpx.get(f"{router.url}/health").json()["ejected"] == []
@@ -343,7 +343,7 @@ def test_a_request_to_a_model_whose_only_replica_died_waits_for_the_replacement(
     replacement = start_engine("replacement")
 
     def replace_when_asked():
-        wait_until(lambda: hub.drain_activations() == {Activation(MODEL)}, timeout=5)
+        wait_until(lambda: hub.drain_activations() == {Activation(model=MODEL)}, timeout=5)
         hub.publish_endpoints(make_table([{"url": replacement.url, "replica_id": "2"}]))
 
     replacer = threading.Thread(target=replace_when_asked)
@@ -366,7 +366,7 @@ def test_a_request_whose_every_replica_died_with_their_node_waits_for_a_replacem
     replacement = start_engine("replacement")
 
     def replace_when_asked():
-        wait_until(lambda: hub.drain_activations() == {Activation(MODEL)}, timeout=5)
+        wait_until(lambda: hub.drain_activations() == {Activation(model=MODEL)}, timeout=5)
         hub.publish_endpoints(make_table([{"url": replacement.url, "replica_id": "1"}]))
 
     replacer = threading.Thread(target=replace_when_asked)
@@ -475,7 +475,7 @@ def test_many_waiters_share_one_activation_and_succeed_when_a_replica_is_publish
 
     def publish_when_asked():
         wait_until(lambda: counting.activations)
-        assert hub.drain_activations() == {Activation(MODEL)}
+        assert hub.drain_activations() == {Activation(model=MODEL)}
         hub.publish_endpoints(make_table([engine.url]))
 
     publisher = threading.Thread(target=publish_when_asked)
@@ -494,7 +494,7 @@ def test_past_the_activation_bound_the_answer_is_503_with_retry_after(start_rout
     error = assert_openai_error(response, 503, "model_starting", MODEL)
     assert error["type"] == "server_error"
     assert response.headers["retry-after"] == "7"
-    assert hub.drain_activations() == {Activation(MODEL)}
+    assert hub.drain_activations() == {Activation(model=MODEL)}
 
 
 def test_retry_after_carries_the_learned_start_time_less_the_wait(start_router, hub, auth):
@@ -517,7 +517,7 @@ def test_a_model_the_control_plane_cannot_place_is_503_at_once_with_the_reason(s
     assert response.headers["retry-after"] == "7"
     # Still asked (capacity may free up), in the background: the answer may come first.
     asked: set[Activation] = set()
-    wait_until(lambda: asked.update(hub.drain_activations()) or asked == {Activation(MODEL)})
+    wait_until(lambda: asked.update(hub.drain_activations()) or asked == {Activation(model=MODEL)})
 
 
 def stream_lines(router, headers, model=MODEL, timeout=10, on_line=None):
@@ -546,7 +546,7 @@ def test_a_streaming_request_waiting_for_a_cold_start_gets_keepalives_then_the_a
     def publish_after_two_keepalives(lines):
         # Counted as the client receives them, so the test waits on events, not on the clock.
         if sum(line.startswith(":") for line in lines) == 2 and lines[-1].startswith(":"):
-            wait_until(lambda: hub.drain_activations() == {Activation(MODEL)})
+            wait_until(lambda: hub.drain_activations() == {Activation(model=MODEL)})
             hub.publish_endpoints(make_table([engine.url]))
 
     status, lines = stream_lines(router, auth, on_line=publish_after_two_keepalives)

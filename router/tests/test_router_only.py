@@ -56,7 +56,7 @@ def keyed_engine():
 
 
 def static_table(*rows: EndpointRow) -> EndpointTable:
-    return EndpointTable({MODEL: ModelEntry()}, list(rows))
+    return EndpointTable(models={MODEL: ModelEntry()}, endpoints=list(rows))
 
 
 def prompt(i: int) -> dict:
@@ -71,8 +71,8 @@ def test_each_attempt_sends_its_own_endpoints_key_and_never_the_clients(start_ro
     first, second = keyed_engine("first", status=503), keyed_engine("second")
     # `first` has the higher priority, so it is tried first; its 503 sends the request on to `second`.
     table = static_table(
-        EndpointRow("a", MODEL, first.url, 1, api_key="sk-engine-a"),
-        EndpointRow("b", MODEL, second.url, 0, api_key="sk-engine-b"),
+        EndpointRow(replica_id="a", model=MODEL, url=first.url, priority=1, api_key="sk-engine-a"),
+        EndpointRow(replica_id="b", model=MODEL, url=second.url, priority=0, api_key="sk-engine-b"),
     )
     router = start_router(StaticHub(table))
     answer = post(router, auth)
@@ -83,7 +83,7 @@ def test_each_attempt_sends_its_own_endpoints_key_and_never_the_clients(start_ro
 
 def test_an_endpoint_without_a_key_gets_no_authorization_at_all(start_router, auth, keyed_engine):
     engine = keyed_engine("open")
-    router = start_router(StaticHub(static_table(EndpointRow("a", MODEL, engine.url))))
+    router = start_router(StaticHub(static_table(EndpointRow(replica_id="a", model=MODEL, url=engine.url))))
     assert post(router, auth).status_code == 200
     assert engine.authorizations == [None]
 
@@ -105,7 +105,10 @@ def test_an_engines_load_is_read_with_its_own_key():
         engine.report(4, 0.25)
         balancer = Balancer()
         balancer.apply_table(
-            static_table(EndpointRow("k", MODEL, engine.url, api_key="sk-engine"), EndpointRow("n", MODEL, engine.url))
+            static_table(
+                EndpointRow(replica_id="k", model=MODEL, url=engine.url, api_key="sk-engine"),
+                EndpointRow(replica_id="n", model=MODEL, url=engine.url),
+            )
         )
         poll(balancer)
         readings = {e.replica_id: e.engine_waiting for e in balancer.endpoints(MODEL)}
@@ -181,10 +184,10 @@ def test_a_router_gone_silent_is_forgotten_so_the_others_shares_grow_back(redis_
     hub = SharedStaticHub(static_table(), redis_url)
     hub._clock = lambda: clock[0]
     for router in ("alive", "killed"):
-        report = UsageReport(router, ttl=3.0)
+        report = UsageReport(router=router, ttl=3.0)
         asyncio.run(hub.report_usage(report))
     clock[0] += 100.0
-    asyncio.run(hub.report_usage(UsageReport("alive", ttl=3.0)))
+    asyncio.run(hub.report_usage(UsageReport(router="alive", ttl=3.0)))
     store = TokenStore(hub, forget_seconds=60.0, clock=lambda: clock[0])
     store._store()
     assert [mark.router for mark in hub.router_marks()] == ["alive"]

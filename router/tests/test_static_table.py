@@ -53,9 +53,9 @@ def test_a_model_given_several_urls_gets_one_row_each_and_its_aliases():
         ["llama=http://10.0.0.5:8000/", "qwen=https://10.0.0.6", "llama=http://10.0.0.7:8000"], ["l3=llama"]
     )
     assert table.endpoints == [
-        EndpointRow("static-1", "llama", "http://10.0.0.5:8000"),
-        EndpointRow("static-2", "qwen", "https://10.0.0.6"),
-        EndpointRow("static-3", "llama", "http://10.0.0.7:8000"),
+        EndpointRow(replica_id="static-1", model="llama", url="http://10.0.0.5:8000"),
+        EndpointRow(replica_id="static-2", model="qwen", url="https://10.0.0.6"),
+        EndpointRow(replica_id="static-3", model="llama", url="http://10.0.0.7:8000"),
     ]
     assert table.models == {
         "llama": ModelEntry(aliases=["l3"], unplaceable=NO_CONTROL_PLANE),
@@ -71,11 +71,11 @@ def test_a_worker_refuses_a_handed_table_it_cannot_read_naming_the_variable(text
 
 
 def test_a_row_without_a_key_is_the_same_bytes_as_before_keys_existed():
-    row = EndpointRow("7", "m", "http://h:1", 2, 3, "big")
+    row = EndpointRow(replica_id="7", model="m", url="http://h:1", priority=2, weight=3, pool="big")
     assert msgspec.json.encode(row) == (
         b'{"replica_id":"7","model":"m","url":"http://h:1","priority":2,"weight":3,"pool":"big"}'
     )
-    table = EndpointTable({"m": ModelEntry()}, [row])
+    table = EndpointTable(models={"m": ModelEntry()}, endpoints=[row])
     # The digest a fleet's table had before: its bytes are unchanged, so is its fingerprint.
     before = b'{"endpoints":[{"model":"m","pool":"big","priority":2,"replica_id":"7","url":"http://h:1","weight":3}],'
     assert fingerprint(table) == hashlib.sha256(before + b'"models":{"m":{}}}').hexdigest()
@@ -85,10 +85,10 @@ def test_a_row_without_a_key_is_the_same_bytes_as_before_keys_existed():
 
 
 def test_the_router_builds_an_endpoints_header_once_from_its_key_and_none_without():
-    keyed = endpoint_of(EndpointRow("1", "m", "http://h:1", api_key="sk-engine"))
+    keyed = endpoint_of(EndpointRow(replica_id="1", model="m", url="http://h:1", api_key="sk-engine"))
     assert keyed.authorization == {"Authorization": "Bearer sk-engine"}
     assert "sk-engine" not in repr(keyed)
-    assert endpoint_of(EndpointRow("2", "m", "http://h:2")).authorization is None
+    assert endpoint_of(EndpointRow(replica_id="2", model="m", url="http://h:2")).authorization is None
     # A key that could not travel in a header is refused with its row, not sent.
     bad = (
         b'{"models": {"m": {}}, "endpoints": [{"replica_id": "1", "model": "m", "url": "http://h", "api_key": "a b"}]}'
@@ -122,11 +122,19 @@ def test_the_file_form_gives_urls_keys_weights_and_aliases(tmp_path):
     table = build_table(spec)
     model = "llama-3.1-8b-instruct"
     assert table.endpoints == [
-        EndpointRow("static-1", model, "http://10.0.0.5:8000", api_key="sk-engine-a"),
-        EndpointRow("static-2", model, "https://10.0.0.6:8000", 1, 2, "big", "sk-engine-b"),
-        EndpointRow("static-3", model, "http://10.0.0.7:8000"),
-        EndpointRow("static-4", "qwen", "http://10.0.0.8:8000"),
-        EndpointRow("static-5", "qwen", "http://10.0.0.9:8000"),
+        EndpointRow(replica_id="static-1", model=model, url="http://10.0.0.5:8000", api_key="sk-engine-a"),
+        EndpointRow(
+            replica_id="static-2",
+            model=model,
+            url="https://10.0.0.6:8000",
+            priority=1,
+            weight=2,
+            pool="big",
+            api_key="sk-engine-b",
+        ),
+        EndpointRow(replica_id="static-3", model=model, url="http://10.0.0.7:8000"),
+        EndpointRow(replica_id="static-4", model="qwen", url="http://10.0.0.8:8000"),
+        EndpointRow(replica_id="static-5", model="qwen", url="http://10.0.0.9:8000"),
     ]
     assert table.models[model].aliases == ["llama3", "llama"] and table.models["qwen"].aliases == ["q"]
     banner = describe_table(table)

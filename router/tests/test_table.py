@@ -36,7 +36,7 @@ def test_a_malformed_endpoint_row_is_skipped_and_logged_with_what_is_wrong(caplo
         table = decode_table(
             encoded({"models": {MODEL: {"aliases": []}}, "endpoints": [row, GOOD], "fingerprint": "f"})
         )
-    assert table.endpoints == [EndpointRow("1", MODEL, "http://a:1")]
+    assert table.endpoints == [EndpointRow(replica_id="1", model=MODEL, url="http://a:1")]
     assert table.fingerprint == "f"
     (record,) = caplog.records
     assert "skipping an endpoint" in record.message and problem in record.message
@@ -65,7 +65,9 @@ def test_fields_the_router_does_not_know_are_ignored():
     """A newer control plane may add fields: an older router still serves what it knows of the table."""
     rows = table_rows([{"url": "http://a:1", "gpu": "H100"}], models={MODEL: {"aliases": [], "adapters": ["x"]}})
     table = decode_table(encoded({**rows, "cluster": "eu"}))
-    assert table == EndpointTable({MODEL: ModelEntry()}, [EndpointRow("1", MODEL, "http://a:1")])
+    assert table == EndpointTable(
+        models={MODEL: ModelEntry()}, endpoints=[EndpointRow(replica_id="1", model=MODEL, url="http://a:1")]
+    )
 
 
 @pytest.mark.parametrize("data", [b'["endpoints"]', b"not json", b'{"endpoints": 3}', b'{"models": []}'])
@@ -76,7 +78,9 @@ def test_what_is_not_a_table_at_all_is_refused_by_name(data):
 
 def test_a_decoded_table_is_what_the_control_plane_built():
     built = make_table(["http://a:1/", {"url": "https://b:2", "priority": 3, "weight": 2, "pool": "batch"}])
-    built = msgspec.structs.replace(built, models={MODEL: ModelEntry([ALIAS], "no room", None, 12.5)})
+    built = msgspec.structs.replace(
+        built, models={MODEL: ModelEntry(aliases=[ALIAS], unplaceable="no room", failed=None, start_seconds=12.5)}
+    )
     assert decode_table(msgspec.json.encode(built)) == built
 
 
@@ -90,7 +94,7 @@ def test_the_balancer_serves_the_sound_rows_of_a_table_with_a_bad_one():
 def test_a_router_serves_a_published_table_whose_other_row_is_bad(start_router, hub, auth, start_engine):
     engine = start_engine()
     # Built, not decoded: nothing stops a buggy control plane from publishing this row.
-    bad = EndpointRow("2", MODEL, "ftp://nowhere", weight=0)
+    bad = EndpointRow(replica_id="2", model=MODEL, url="ftp://nowhere", weight=0)
     hub.publish_endpoints(
         msgspec.structs.replace(make_table([engine.url]), endpoints=[bad, *make_table([engine.url]).endpoints])
     )

@@ -341,7 +341,9 @@ def test_counts_add_up_per_key_and_model_and_a_failed_answer_counts_only_last_us
     counter.count("k1", "n", (1, 0), served=True)
     counter.count("k2", "m", (9, 9), served=False)
     counts, last_use = counter.take()
-    assert counts == {"k1": {"m": TokenCount(2, 3, 4), "n": TokenCount(1, 1, 0)}}
+    assert counts == {
+        "k1": {"m": TokenCount(requests=2, prompt=3, completion=4), "n": TokenCount(requests=1, prompt=1, completion=0)}
+    }
     assert last_use == {"k1": 12.0, "k2": 13.0}
     assert counter.take() == ({}, {})
 
@@ -349,8 +351,8 @@ def test_counts_add_up_per_key_and_model_and_a_failed_answer_counts_only_last_us
 def test_restored_counts_add_to_new_ones_and_the_newer_last_use_wins():
     counter = TokenCounter(clock=lambda: 50.0)
     counter.count("k", "m", (1, 1), served=True)
-    counter.restore({"k": {"m": TokenCount(2, 5, 6)}}, {"k": 40.0})
-    assert counter.take() == ({"k": {"m": TokenCount(3, 6, 7)}}, {"k": 50.0})
+    counter.restore({"k": {"m": TokenCount(requests=2, prompt=5, completion=6)}}, {"k": 40.0})
+    assert counter.take() == ({"k": {"m": TokenCount(requests=3, prompt=6, completion=7)}}, {"k": 50.0})
 
 
 # -- through the router, against the bundled mock engine -------------------------------------------
@@ -484,13 +486,15 @@ def test_a_failed_flush_keeps_the_counts_for_the_next(tmp_path):
     down = UnreachableRedisHub(make_table())
     flusher = UsageFlusher(down, balancer, RouterMetrics(balancer), flush_seconds=1, router_id="r")
     assert asyncio.run(flusher.flush()) is False
-    assert balancer.tokens.pending()[0] == {"k": {MODEL: TokenCount(1, 3, 4)}}
+    assert balancer.tokens.pending()[0] == {"k": {MODEL: TokenCount(requests=1, prompt=3, completion=4)}}
     balancer.tokens.count("k", MODEL, (1, 1), served=True)
     working = InProcessHub()
     flusher.hub = working
     assert asyncio.run(flusher.flush()) is True
     assert balancer.tokens.pending() == ({}, {})
-    assert list(working.collect_usage().tokens.values()) == [{"k": {MODEL: TokenCount(2, 4, 5)}}]
+    assert list(working.collect_usage().tokens.values()) == [
+        {"k": {MODEL: TokenCount(requests=2, prompt=4, completion=5)}}
+    ]
 
 
 @pytest.mark.parametrize(

@@ -172,7 +172,7 @@ def test_one_flush_is_one_report_of_stamps_peaks_and_this_routers_mark():
     run(flusher.flush())
     assert hub.reports[-1].in_flight == {MODEL: 1}  # the window started with `second` still in flight
     run(flusher.flush())
-    assert hub.reports[-1] == UsageReport("r1", {}, {}, 3.0)
+    assert hub.reports[-1] == UsageReport(router="r1", stamps={}, in_flight={}, ttl=3.0)
 
 
 def test_a_failed_flush_keeps_the_stamps_and_drops_the_peaks():

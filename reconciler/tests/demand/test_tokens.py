@@ -24,7 +24,10 @@ H1 = H0 + 3600
 
 def counted(tokens):
     """{digest: {model: [requests, prompt, completion]}} as the TokenCounts routers send (unchecked, as a bug could)."""
-    return {digest: {model: TokenCount(*row) for model, row in models.items()} for digest, models in tokens.items()}
+    return {
+        digest: {model: TokenCount(requests=row[0], prompt=row[1], completion=row[2]) for model, row in models.items()}
+        for digest, models in tokens.items()
+    }
 
 
 def store(tokens, keys):
@@ -108,7 +111,9 @@ def test_counts_the_database_refuses_go_back_to_the_hub():
     _, digest = new_key("alice")
     hub = InProcessHub()
     # A negative count breaks the rows' CHECK constraint: a real refusal by the database.
-    snapshot = UsageSnapshot({}, [], {H0: counted({digest: {"m": [1, -5, 0]}})}, {digest: H0 + 1.0})
+    snapshot = UsageSnapshot(
+        stamps={}, routers=[], tokens={H0: counted({digest: {"m": [1, -5, 0]}})}, keys={digest: H0 + 1.0}
+    )
     assert record_token_usage(snapshot, hub) == 0
     assert TokenUsage.objects.count() == 0
     given_back = hub.collect_usage()
@@ -123,8 +128,12 @@ def test_two_routers_report_and_ticks_store_each_count_once(backend, request, ru
     hub = InProcessHub() if backend == "in-process" else RedisHub(request.getfixturevalue("redis_url"))
 
     async def routers():
-        await hub.report_usage(UsageReport("a", tokens=counted({digest: {"llama": [2, 10, 20]}}), keys={digest: 100.0}))
-        await hub.report_usage(UsageReport("b", tokens=counted({digest: {"llama": [1, 1, 1]}}), keys={digest: 200.0}))
+        await hub.report_usage(
+            UsageReport(router="a", tokens=counted({digest: {"llama": [2, 10, 20]}}), keys={digest: 100.0})
+        )
+        await hub.report_usage(
+            UsageReport(router="b", tokens=counted({digest: {"llama": [1, 1, 1]}}), keys={digest: 200.0})
+        )
 
     asyncio.run(routers())
     run_tick(hub=hub)

@@ -21,7 +21,7 @@ def test_usage_stamps_move_into_last_used_and_unknown_stays_unknown(run_tick):
     used, unused = Replica.objects.order_by("id")
     stamp = datetime(2030, 1, 1, tzinfo=UTC)
     hub = get_hub()
-    report = UsageReport("router-a", {str(used.pk): stamp.timestamp(), "999999": stamp.timestamp()})
+    report = UsageReport(router="router-a", stamps={str(used.pk): stamp.timestamp(), "999999": stamp.timestamp()})
     async_to_sync(hub.report_usage)(report)
 
     result = run_tick()
@@ -55,7 +55,7 @@ def test_a_replica_never_used_while_watched_is_idle_since_it_became_ready(run_ti
     clock = FakeClock()
     hub = InProcessHub(clock=clock)
     start = clock.now
-    async_to_sync(hub.report_usage)(UsageReport("router-a", ttl=60))
+    async_to_sync(hub.report_usage)(UsageReport(router="router-a", ttl=60))
     before_watch, after_watch, long_unused = ready_replicas(model, [None, None, None])
     Replica.objects.filter(pk=before_watch.pk).update(ready_at=clock.at(-5))
     Replica.objects.filter(pk=after_watch.pk).update(ready_at=clock.at(3))
@@ -67,7 +67,7 @@ def test_a_replica_never_used_while_watched_is_idle_since_it_became_ready(run_ti
 
     for step in (48, 12):  # renewed within its ttl: one unbroken watch
         clock.now += step
-        async_to_sync(hub.report_usage)(UsageReport("router-a", ttl=60))
+        async_to_sync(hub.report_usage)(UsageReport(router="router-a", ttl=60))
     result = run_tick(now=clock.at(), hub=hub)
 
     assert (result.usage_known, result.usage_unknown_reason) == (True, "")
@@ -81,7 +81,7 @@ def test_a_replica_never_used_while_watched_is_idle_since_it_became_ready(run_ti
     # Unused past the idle timeout while watched throughout, it is stoppable like any known-idle replica.
     while clock.now < start + 1200:
         clock.now += 50
-        async_to_sync(hub.report_usage)(UsageReport("router-a", ttl=60))
+        async_to_sync(hub.report_usage)(UsageReport(router="router-a", ttl=60))
     result = run_tick(now=clock.at(), hub=hub)
     assert result.usage_known is True
     assert result.replicas_idle_stopped == 1

@@ -28,7 +28,7 @@ def at(seconds: float) -> datetime:
 
 
 def mark(router, *, since=NOW - 100, renewed=NOW - 1, ttl=3.0, in_flight=None):
-    return RouterMark(router, since, renewed, ttl, in_flight or {})
+    return RouterMark(router=router, since=since, renewed=renewed, ttl=ttl, in_flight=in_flight or {})
 
 
 def snapshot(*marks):

@@ -120,8 +120,11 @@ def test_an_activation_in_pools_the_model_has_no_profile_in_starts_nothing(run_t
 def test_an_adapters_activation_asks_for_its_base_in_the_same_pools():
     model, _, _ = two_pools()
     adapter = Adapter.objects.create(name="tuned", base=model, source="org/tuned")
-    asked = {Activation("tuned", ("gold",)), Activation("qwen")}
-    assert split_activations(asked) == ({Activation("llama", ("gold",)), Activation("qwen")}, {adapter.pk})
+    asked = {Activation(model="tuned", pools=("gold",)), Activation(model="qwen")}
+    assert split_activations(asked) == (
+        {Activation(model="llama", pools=("gold",)), Activation(model="qwen")},
+        {adapter.pk},
+    )
 
 
 def test_the_endpoint_table_lists_each_models_pools():
