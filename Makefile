@@ -32,16 +32,18 @@ test-sqlite: $(VENV)/.installed
 # the rest ran already in the SQLite pass and would run the same. The e2e tests run `up` on a SQLite file of
 # their own whatever DATABASE_URL says, so they are left out too.
 test-postgres: $(VENV)/.installed
-	LLMGW_TEST_DATABASE_ONLY=1 DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e"
+	LLMGW_TEST_DATABASE_ONLY=1 DATABASE_URL=$(PG_TEST_URL) SECRET_KEY=test-only $(PY) -m pytest -m "not e2e" $(PYTEST_WORKERS)
 
 # `make test` runs the same tests as test-sqlite and test-postgres, in less time on a machine of two cores or
-# more: the two passes of the tests that start no `up` stack run side by side (each on a Redis database of
-# its own), then the end-to-end tests, which time real processes, run alone.
+# more: the two passes of the tests that start no `up` stack run side by side, each in $(UNIT_WORKERS) pytest-xdist
+# workers (the tests wait on processes and sockets as much as they compute), every worker on a Redis database
+# and a test database of its own (conftest.py); then the end-to-end tests, which time real processes, run alone.
+UNIT_WORKERS ?= 2
 test-sqlite-units: $(VENV)/.installed
-	REDIS_TEST_URL=redis://127.0.0.1:6379/15 $(PY) -m pytest -m "not e2e"
+	REDIS_TEST_URL=redis://127.0.0.1:6379/15 $(PY) -m pytest -m "not e2e" -n $(UNIT_WORKERS)
 
 test-postgres-units: $(VENV)/.installed
-	REDIS_TEST_URL=redis://127.0.0.1:6379/14 $(MAKE) --no-print-directory test-postgres
+	REDIS_TEST_URL=redis://127.0.0.1:6379/14 $(MAKE) --no-print-directory test-postgres PYTEST_WORKERS="-n $(UNIT_WORKERS)"
 
 test-e2e: $(VENV)/.installed
 	$(PY) -m pytest -m e2e

@@ -6,7 +6,23 @@ import time
 
 import pytest
 
-REDIS_TEST_URL = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/15")
+
+def redis_url_for_worker(url: str, worker: str) -> str:
+    """The Redis database a pytest-xdist worker's tests may flush: `url`'s for the first worker (gw0), and two
+    below it for each next one, so two passes side by side on neighbouring databases (15 and 14) never share
+    one: gw1 of the pass on 15 flushes 13, gw1 of the pass on 14 flushes 12."""
+    base, _, db = url.rpartition("/")
+    index = int(worker.removeprefix("gw") or 0)
+    if not index:
+        return url
+    if not db.isdigit() or int(db) - 2 * index < 0:
+        raise ValueError(f"REDIS_TEST_URL {url!r} leaves no database for xdist worker {worker}")
+    return f"{base}/{int(db) - 2 * index}"
+
+
+REDIS_TEST_URL = redis_url_for_worker(
+    os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/15"), os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+)
 
 
 def free_port() -> int:
