@@ -1,4 +1,4 @@
-"""Micro-benchmark of the balancer's pick + release, the per-request part of replica choice.
+"""Micro-benchmark of the picker's pick + release, the per-request part of replica choice.
 
     .venv/bin/python bench/pick_bench.py [--replicas 4,64] [--rounds 200000]
 
@@ -22,25 +22,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgspec  # noqa: E402
 
 from hub.contracts import EndpointTable  # noqa: E402
-from router.picking.balancer import Balancer  # noqa: E402
+from router.accounting.ledger import Ledger  # noqa: E402
+from router.endpoints.routes import RouteTable  # noqa: E402
+from router.picking.picker import Picker  # noqa: E402
 
 MODEL = "bench-model"
 
 
-def balancer_with(replicas: int) -> Balancer:
-    balancer = Balancer()
+def picker_with(replicas: int) -> Picker:
+    routes = RouteTable()
+    picker = Picker(routes, Ledger(routes))
     endpoints = [
         {"replica_id": str(i), "model": MODEL, "url": f"http://127.0.0.1:{20000 + i}", "pool": "default"}
         for i in range(replicas)
     ]
-    balancer.apply_table(msgspec.convert({"models": {MODEL: {}}, "endpoints": endpoints}, EndpointTable))
-    return balancer
+    picker.routes.apply_table(msgspec.convert({"models": {MODEL: {}}, "endpoints": endpoints}, EndpointTable))
+    return picker
 
 
-def run(balancer: Balancer, rounds: int, **kwargs) -> float:
+def run(picker: Picker, rounds: int, **kwargs) -> float:
     keys = kwargs.pop("affinity_keys", None)
-    held = [balancer.pick(MODEL, **kwargs) for _ in range(3)]  # uneven loads, as under traffic
-    pick, release = balancer.pick, balancer.release
+    held = [picker.pick(MODEL, **kwargs) for _ in range(3)]  # uneven loads, as under traffic
+    pick, release = picker.pick, picker.release
     started = time.perf_counter_ns()
     if keys is None:
         for _ in range(rounds):
@@ -51,7 +54,7 @@ def run(balancer: Balancer, rounds: int, **kwargs) -> float:
             release(pick(MODEL, affinity=keys[i % n], **kwargs))  # type: ignore[arg-type]
     elapsed = time.perf_counter_ns() - started
     for endpoint in held:
-        balancer.release(endpoint)  # type: ignore[arg-type]
+        picker.release(endpoint)  # type: ignore[arg-type]
     return elapsed / rounds
 
 
@@ -60,19 +63,19 @@ def main() -> None:
     parser.add_argument("--replicas", default="4,64")
     parser.add_argument("--rounds", type=int, default=200_000)
     args = parser.parse_args()
-    has_affinity = "affinity" in inspect.signature(Balancer.pick).parameters
+    has_affinity = "affinity" in inspect.signature(Picker.pick).parameters
     print("| replicas | variant | ns per pick + release |")
     print("|---:|---|---:|")
     for n in (int(x) for x in args.replicas.split(",")):
-        balancer = balancer_with(n)
-        print(f"| {n} | plain | {run(balancer, args.rounds):.0f} |")
+        picker = picker_with(n)
+        print(f"| {n} | plain | {run(picker, args.rounds):.0f} |")
         if not has_affinity:
             continue
-        for i, endpoint in enumerate(balancer.endpoints(MODEL)):
-            balancer.record_engine_load(endpoint, i % 3, 0.99 if i % 4 == 0 else 0.5)
-        print(f"| {n} | engine load known | {run(balancer, args.rounds):.0f} |")
+        for i, endpoint in enumerate(picker.routes.endpoints(MODEL)):
+            picker.record_engine_load(endpoint, i % 3, 0.99 if i % 4 == 0 else 0.5)
+        print(f"| {n} | engine load known | {run(picker, args.rounds):.0f} |")
         keys = [hash(f"prefix {i}") for i in range(64)]
-        print(f"| {n} | engine load + affinity | {run(balancer, args.rounds, affinity_keys=keys):.0f} |")
+        print(f"| {n} | engine load + affinity | {run(picker, args.rounds, affinity_keys=keys):.0f} |")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -360,12 +360,24 @@ class KeyChangeSource(Protocol):
         ...
 
 
+class LimitCount(NamedTuple):
+    """A rate-limited key's requests and tokens in one minute: what a router admitted since its last exchange,
+    or the totals over every router."""
+
+    requests: int
+    tokens: int
+
+
+LimitCounts = dict[str, LimitCount]
+"""API-key digest -> its counts in one minute."""
+
+
 class RateLimitCounters(Protocol):
     """Per-minute request and token counts of rate-limited keys, added up over every router."""
 
-    async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
-        """Add this router's {key digest: [requests, tokens]} to `minute`'s counts; return those keys' totals
-        over every router and how many routers report usage (for each one's share)."""
+    async def sync_limits(self, minute: int, deltas: LimitCounts) -> tuple[LimitCounts, int]:
+        """Add this router's counts per key digest to `minute`'s; return those keys' totals over every router
+        and how many routers report usage (for each one's share)."""
         ...
 
 

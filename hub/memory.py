@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from hub.contracts import (
     Activation,
     EndpointTable,
+    LimitCount,
+    LimitCounts,
     RouterMark,
     TokenCounts,
     UsageReport,
@@ -180,15 +182,15 @@ class InProcessHub:
             with self._lock:
                 self._key_watchers.remove(entry)
 
-    async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+    async def sync_limits(self, minute: int, deltas: LimitCounts) -> tuple[LimitCounts, int]:
         with self._lock:
             # Older minutes limit nothing any more.
             for old in [k for k in self._limits if k[0] < minute]:
                 del self._limits[old]
-            totals: dict[str, list[int]] = {}
+            totals: LimitCounts = {}
             for digest, (requests, tokens) in deltas.items():
                 counts = self._limits.setdefault((minute, digest), [0, 0])
                 counts[0] += requests
                 counts[1] += tokens
-                totals[digest] = list(counts)
+                totals[digest] = LimitCount(counts[0], counts[1])
             return totals, max(1, len(self._marks))

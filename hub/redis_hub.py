@@ -30,6 +30,8 @@ import redis.asyncio
 from hub.contracts import (
     Activation,
     EndpointTable,
+    LimitCount,
+    LimitCounts,
     RouterMark,
     TokenCount,
     TokenCounts,
@@ -328,17 +330,17 @@ class RedisHub:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
-    async def sync_limits(self, minute: int, deltas: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+    async def sync_limits(self, minute: int, deltas: LimitCounts) -> tuple[LimitCounts, int]:
         key = LIMITS_KEY.format(minute=minute)
         digests = sorted(deltas)
         pipe = self._aio().pipeline(transaction=True)
         for digest in digests:
-            requests, tokens = deltas[digest]
-            pipe.hincrby(key, f"requests {digest}", int(requests))
-            pipe.hincrby(key, f"tokens {digest}", int(tokens))
+            counts = deltas[digest]
+            pipe.hincrby(key, f"requests {digest}", counts.requests)
+            pipe.hincrby(key, f"tokens {digest}", counts.tokens)
         # Two minutes: long enough for every router's last exchange of the minute, then gone by itself.
         pipe.expire(key, 120)
         pipe.hlen(ROUTERS_KEY)
         replies = await pipe.execute()
-        totals = {digest: [int(replies[2 * i]), int(replies[2 * i + 1])] for i, digest in enumerate(digests)}
+        totals = {digest: LimitCount(int(replies[2 * i]), int(replies[2 * i + 1])) for i, digest in enumerate(digests)}
         return totals, max(1, int(replies[-1]))

@@ -27,8 +27,8 @@ from router.config import RouterConfig
 from router.errors import RouterError, method_not_allowed, shutting_down
 from router.forwarding.asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
 from router.forwarding.body import decode_object, echo, requested_model
+from router.forwarding.exchange import Forwarding
 from router.forwarding.paths import PROXY_PATHS
-from router.forwarding.proxy import Forwarding
 from router.key_cache import NOT_CACHED, ApiKeyCache, KeyInfo, KeyStoreUnreachable
 from router.metrics import UNKNOWN_MODEL, metrics_token_ok
 from router.picking.affinity import Prefix, prefix_affinity
@@ -51,14 +51,15 @@ class RouterApp:
         # Keys expire at an instant of the wall clock (UTC), the same on every router.
         self._wall_clock = state.clock
         # The parts every request touches, bound once rather than looked up through `state` per request.
-        self._balancer = state.balancer
+        self._routes = state.routes
+        self._limits = state.ledger.limits
         self._keys = state.keys
         self._metrics = state.metrics
         self._proxy = state.proxy
         self._max_body_bytes = state.config.max_body_bytes
         self._metrics_token = state.config.metrics_token
         self._in_flight = state.in_flight
-        # /v1/models bodies by key scope, for the table installed `_listed_for` (the balancer's generation).
+        # /v1/models bodies by key scope, for the table installed `_listed_for` (the route table's generation).
         self._model_lists: dict[frozenset[str], bytes] = {}
         self._listed_for = -1
 
@@ -128,7 +129,7 @@ class RouterApp:
     def _model_list_body(self, key: KeyInfo) -> bytes:
         """/v1/models as sent, built once per table and key scope: with thousands of adapters, building and
         encoding the list is most of the answer's cost, and it changes only with the table."""
-        generation = self._balancer.generation
+        generation = self._routes.generation
         if generation != self._listed_for:
             self._model_lists.clear()
             self._listed_for = generation
@@ -141,12 +142,12 @@ class RouterApp:
 
     def _model_list(self, key: KeyInfo) -> dict[str, Any]:
         """Every model the key may use, under its name and each alias; then its LoRA adapters, likewise."""
-        resolve = self._balancer.resolve
+        resolve = self._routes.resolve
         data: list[dict[str, Any]] = []
-        for public, aliases in sorted(self._balancer.catalog().items()):
+        for public, aliases in sorted(self._routes.catalog().items()):
             if key.allows(public, resolve):
                 data.extend(_model_object(name, public) for name in (public, *aliases))
-        for public, adapter in sorted(self._balancer.adapters().items()):
+        for public, adapter in sorted(self._routes.adapters().items()):
             if key.allows(public, resolve):
                 data.extend(_model_object(name, public, adapter.base) for name in (public, *adapter.aliases))
         return {"object": "list", "data": data}
@@ -154,20 +155,20 @@ class RouterApp:
     def _model(self, key: KeyInfo, name: str) -> dict[str, Any]:
         """One model or adapter by name or alias (the SDK's `models.retrieve`); one outside the key's scope is
         not shown."""
-        public = self._balancer.resolve(name)
-        if public is None or not key.allows(public, self._balancer.resolve):
+        public = self._routes.resolve(name)
+        if public is None or not key.allows(public, self._routes.resolve):
             raise RouterError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
-        return _model_object(name, public, self._balancer.base_of(public))
+        return _model_object(name, public, self._routes.base_of(public))
 
     def _health(self) -> dict[str, Any]:
-        balancer = self._balancer
+        state, routes = self.state, self._routes
         return {
             "status": "ok",
-            "models": len(balancer.catalog()),
-            "endpoints": len(balancer.endpoints()),
-            "in_flight": balancer.in_flight(),
-            "ejected": sorted(e.replica_id for e in balancer.ejected()),
-            "table": balancer.fingerprint,
+            "models": len(routes.catalog()),
+            "endpoints": len(routes.by_replica),
+            "in_flight": state.ledger.in_flight(),
+            "ejected": sorted(e.replica_id for e in state.picker.ejected()),
+            "table": routes.fingerprint,
         }
 
     def _cached_key(self, scope: Scope) -> KeyInfo | None:
@@ -251,13 +252,13 @@ class RouterApp:
         """Nothing if `key` may send a request for `model` now; else a RouterError: 403 for a model outside its
         scope or with no profile in its pools (no replica could ever serve it, so it is not held), 429 past its
         rate limits. Set and dict lookups only."""
-        balancer, allowed = self._balancer, key.allowed_models
-        if allowed and model not in allowed and not key.allows(model, balancer.resolve):
+        routes, allowed = self._routes, key.allowed_models
+        if allowed and model not in allowed and not key.allows(model, routes.resolve):
             raise model_not_allowed(key, model)
-        if key.allowed_pools and not balancer.serves_pools(model, key.allowed_pools):
+        if key.allowed_pools and not routes.serves_pools(model, key.allowed_pools):
             raise model_not_in_pools(key, model)
         if key.rpm is not None or key.tpm is not None:
-            balancer.limits.admit(key.digest, key.name, key.rpm, key.tpm)
+            self._limits.admit(key.digest, key.name, key.rpm, key.tpm)
 
     def _parse(self, body: bytes) -> tuple[str, bytes, bool, Prefix | None]:
         """(public model name, body for the engine, whether it streams, prompt prefix: router.picking.affinity), or a
@@ -265,7 +266,7 @@ class RouterApp:
         alias)."""
         payload = decode_object(body)
         requested = requested_model(payload)
-        public = self._balancer.resolve(requested)
+        public = self._routes.resolve(requested)
         if public is None:
             raise RouterError(404, f"The model `{echo(requested)}` does not exist.", "model_not_found", param="model")
         if public != requested:
@@ -273,7 +274,7 @@ class RouterApp:
             payload["model"] = public
             body = json.dumps(payload).encode()
         # A prefix only matters where there is a choice of replicas (router.picking.affinity): not hashed otherwise.
-        affinity = prefix_affinity(payload) if self._balancer.has_choice(public) else None
+        affinity = prefix_affinity(payload) if self._routes.has_choice(public) else None
         return public, body, payload.get("stream") is True, affinity
 
 

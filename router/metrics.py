@@ -4,7 +4,7 @@ A registry per app (not the process-wide default) lets the embedded `up`
 command and tests run several routers in one process without clashes.
 Labels only ever carry published model names, never what a client typed, so
 a client cannot blow up the label cardinality. Ejection figures and the
-engines' polled load are read from the balancer when scraped, so requests pay
+engines' polled load are read from the picker and the route table when scraped, so requests pay
 nothing for them; what requests themselves add (answers by status, requests in
 flight, upstream latency, a stream's time to first token and the gaps between
 its chunks, how long held requests waited) is kept in plain numbers (`Traffic`,
@@ -24,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from router.picking.balancer import Balancer
+from router.endpoints.routes import RouteTable
+from router.picking.picker import Picker
 
 UNKNOWN_MODEL = "-"
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -33,7 +34,7 @@ FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30,
 INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
 # Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`
-# (for a LoRA adapter whose base runs, its load: router.picking.balancer.ADAPTER_LOAD).
+# (for a LoRA adapter whose base runs, its load: router.endpoints.routes.ADAPTER_LOAD).
 COLD_START = "cold_start"
 
 
@@ -56,7 +57,7 @@ class RouterMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, balancer: Balancer | None = None) -> None:
+    def __init__(self, routes: RouteTable | None = None, picker: Picker | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # Answers, requests in flight, latencies and holds: counted by requests, so kept plain.
         self.traffic = Traffic()
@@ -78,9 +79,9 @@ class RouterMetrics:
             "Last-use flushes the usage store refused (stamps kept for the next).",
             registry=self.registry,
         )
-        if balancer is not None:
-            self.registry.register(EjectionCollector(balancer))
-            self.registry.register(EngineLoadCollector(balancer))
+        if routes is not None and picker is not None:
+            self.registry.register(EjectionCollector(routes, picker))
+            self.registry.register(EngineLoadCollector(routes))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -200,23 +201,24 @@ class Traffic(Collector):
 
 
 class EjectionCollector(Collector):
-    """Outlier ejection as the balancer counts it: ejections so far and replicas ejected now, per model."""
+    """Outlier ejection as the picker counts it: ejections so far and replicas ejected now, per model."""
 
-    def __init__(self, balancer: Balancer) -> None:
-        self.balancer = balancer
+    def __init__(self, routes: RouteTable, picker: Picker) -> None:
+        self.routes = routes
+        self.picker = picker
 
     def collect(self) -> Iterator[Metric]:
-        balancer = self.balancer
+        picker = self.picker
         ejections = CounterMetricFamily(
             "llmgw_router_ejections",
             "Replicas ejected after consecutive failures (or a failed probe), by model.",
             labels=["model"],
         )
-        for model, count in sorted(balancer.ejection_counts().items()):
+        for model, count in sorted(picker.ejection_counts().items()):
             ejections.add_metric([model], count)
         yield ejections
-        now = dict.fromkeys(balancer.catalog(), 0)
-        for endpoint in balancer.ejected():
+        now = dict.fromkeys(self.routes.catalog(), 0)
+        for endpoint in picker.ejected():
             now[endpoint.model] = now.get(endpoint.model, 0) + 1
         ejected = GaugeMetricFamily(
             "llmgw_router_ejected_replicas",
@@ -231,8 +233,8 @@ class EjectionCollector(Collector):
 class EngineLoadCollector(Collector):
     """The engines' own load as this router last polled it, per replica; replicas whose figure is unknown are left out."""
 
-    def __init__(self, balancer: Balancer) -> None:
-        self.balancer = balancer
+    def __init__(self, routes: RouteTable) -> None:
+        self.routes = routes
 
     def collect(self) -> Iterator[Metric]:
         waiting = GaugeMetricFamily(
@@ -245,7 +247,7 @@ class EngineLoadCollector(Collector):
             "The engine's KV cache usage (1 = full), as last polled from its /metrics.",
             labels=["model", "replica"],
         )
-        for endpoint in sorted(self.balancer.endpoints(), key=lambda e: (e.model, e.replica_id)):
+        for endpoint in sorted(self.routes.endpoints(), key=lambda e: (e.model, e.replica_id)):
             labels = [endpoint.model, endpoint.replica_id]
             if endpoint.engine_waiting is not None:
                 waiting.add_metric(labels, endpoint.engine_waiting)

@@ -1,7 +1,7 @@
 """What one router app keeps in memory, and its lifecycle.
 
-RouterState holds the router's parts (balancer, API-key cache, metrics,
-usage flusher, cold start, proxy, background tasks), starts and stops them
+RouterState holds the router's parts (route table, ledger, picker, API-key
+cache, metrics, usage flusher, cold start, proxy, background tasks), starts and stops them
 with the ASGI lifespan, and keeps the endpoint table in sync with the hub:
 pushed through `watch_endpoints()`, re-read every `config.poll_seconds` as a
 backstop (DESIGN invariant 7).
@@ -17,24 +17,26 @@ from collections.abc import Callable
 from hub.contracts import RouterHub
 from hub.gc_tuning import tune_gc
 from router.accounting.flusher import UsageFlusher
+from router.accounting.ledger import Ledger
 from router.accounting.store import TokenStore
 from router.background import BackgroundTasks, raise_if_cancelling
 from router.config import RouterConfig
+from router.endpoints.routes import RouteTable
 from router.endpoints.table import TableError, decode_table
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.inflight import InFlight
 from router.forwarding.proxy import Proxy
-from router.forwarding.tracing import TracedBalancer, TracingProxy
+from router.forwarding.tracing import TracedPicker, TracingHooks
 from router.key_cache import ApiKeyCache
 from router.metrics import RouterMetrics
-from router.picking.balancer import Balancer
 from router.picking.engine_load import EngineLoadPoller
+from router.picking.picker import Picker
 
 log = logging.getLogger(__name__)
 
 
 class RouterState:
-    """Everything one router app keeps in memory: table, balancer, key cache, metrics, session, tasks."""
+    """Everything one router app keeps in memory: route table, ledger, picker, key cache, metrics, session, tasks."""
 
     def __init__(
         self,
@@ -48,24 +50,29 @@ class RouterState:
         """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand).
         `token_store`: router-only mode stores token usage itself (router.accounting.store); None in a fleet."""
         self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
-        # With traces on, the same parts with spans (router.forwarding.tracing); without, not a line of it runs.
+        self.routes = RouteTable()
+        self.ledger = Ledger(self.routes, clock)
+        # With traces on, picks are spans and the proxy's steps run inside spans (router.forwarding.tracing);
+        # without, not a line of it runs.
         tracer = config.tracer
-        self.balancer = (Balancer if tracer is None else TracedBalancer)(
-            clock,
+        self.picker = (Picker if tracer is None else TracedPicker)(
+            self.routes,
+            self.ledger,
             ejection=config.ejection,
             kv_full_fraction=config.kv_full_fraction,
             affinity_slack=config.affinity_slack,
         )
-        if isinstance(self.balancer, TracedBalancer):
-            self.balancer.tracer = tracer
-        self.engine_load = EngineLoadPoller(self.balancer)
+        if isinstance(self.picker, TracedPicker):
+            self.picker.tracer = tracer
+        self.engine_load = EngineLoadPoller(self.routes, self.picker)
         self.keys = key_cache or ApiKeyCache()
-        self.metrics = RouterMetrics(self.balancer)
+        self.metrics = RouterMetrics(self.routes, self.picker)
         self.tasks = BackgroundTasks()
-        self.usage = UsageFlusher(hub, self.balancer, self.metrics, config.flush_seconds, config.router_id)
+        self.usage = UsageFlusher(hub, self.ledger, self.metrics, config.flush_seconds, config.router_id)
         self.cold_start = ColdStart(
             hub,
-            self.balancer,
+            self.routes,
+            self.picker,
             self.metrics,
             self.tasks,
             activation_timeout=config.activation_timeout,
@@ -73,11 +80,8 @@ class RouterState:
             keepalive_seconds=config.keepalive_seconds,
             max_waiters=config.max_waiters,
         )
-        self.proxy = (
-            Proxy(self.balancer, self.metrics, self.cold_start, config)
-            if tracer is None
-            else TracingProxy(self.balancer, self.metrics, self.cold_start, config, tracer)
-        )
+        hooks = None if tracer is None else TracingHooks(tracer, self.routes)
+        self.proxy = Proxy(self.picker, self.ledger, self.metrics, self.cold_start, config, hooks)
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
         self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False
@@ -114,7 +118,7 @@ class RouterState:
         """Refuse new requests from now on (503 shutting_down); those in flight carry on."""
         if not self.draining:
             self.draining = True
-            log.info("router draining: new requests are refused while %d in flight finish", self.balancer.in_flight())
+            log.info("router draining: new requests are refused while %d in flight finish", self.ledger.in_flight())
 
     async def stop(self) -> None:
         """Cancel the background tasks, flush the last usage and leave (briefly), and close the session."""
@@ -135,16 +139,16 @@ class RouterState:
         """Install a table as the hub hands it over (on the router's loop); wake requests waiting for a replica
         if it changed."""
         try:
-            changed = self.balancer.apply_table(decode_table(table))
+            changed = self.routes.apply_table(decode_table(table))
         except TableError as exc:
             log.error("ignoring a malformed endpoint table: %s", exc)
             return False
         if changed:
             log.info(
                 "endpoint table: %d models, %d adapters, %d ready endpoints",
-                len(self.balancer.catalog()),
-                len(self.balancer.adapters()),
-                len(self.balancer.endpoints()),
+                len(self.routes.catalog()),
+                len(self.routes.adapters()),
+                len(self.routes.by_replica),
             )
             self.cold_start.table_changed()
         return changed

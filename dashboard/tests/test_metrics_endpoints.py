@@ -13,7 +13,7 @@ from hub import InProcessHub
 from reconciler.choices import ReplicaState
 from reconciler.models import Lease
 from router.app import create_app
-from router.metrics import RouterMetrics, metrics_token_ok
+from router.metrics import metrics_token_ok
 from router.tests.conftest import RouterServer
 from tests.fleet import make_model, make_node, make_replica
 
@@ -106,13 +106,13 @@ def test_every_metric_the_grafana_dashboard_queries_is_exposed(client, settings)
     queried = {name for expr in exprs for name in re.findall(r"\b(llmgw_[a-z0-9_]+)\b", expr)}
     assert len(queried) >= 15
     exposed = exposed_names(client.get("/metrics").content.decode())
-    exposed |= exposed_names(RouterMetrics(create_app(InProcessHub()).state.balancer).render().decode())
+    exposed |= exposed_names(create_app(InProcessHub()).state.metrics.render().decode())
     assert sorted(queried - exposed) == []
 
 
 def test_metric_names_follow_prometheus_conventions():
     """Counters end in _total, seconds are the time unit, and no gauge pretends to be a counter."""
-    text = RouterMetrics(create_app(InProcessHub()).state.balancer).render().decode()
+    text = create_app(InProcessHub()).state.metrics.render().decode()
     for family in text_string_to_metric_families(text):
         assert family.name.startswith("llmgw_router_")
         assert not re.search(r"_(ms|milliseconds|minutes)$", family.name)

@@ -1,7 +1,7 @@
 """Usage leaves the router here: one report to the hub per interval (DESIGN invariant 4).
 
-Requests only stamp the balancer's in-memory maps (in the same step as the
-pick); this flusher swaps the maps out once per `flush_seconds` and
+Requests only stamp the ledger's in-memory maps (router.accounting.ledger, in the
+same step as the pick); this flusher swaps the maps out once per `flush_seconds` and
 hands them to the hub as one `UsageReport` — last-use stamps, per-model
 in-flight peaks, requests and tokens per API key and model with each key's
 last use (router.accounting.usage_reader), and this router's watch mark renewed — so the cost
@@ -17,9 +17,9 @@ import secrets
 import socket
 
 from hub.contracts import UsageExchange, UsageReport
+from router.accounting.ledger import Ledger
 from router.background import raise_if_cancelling
 from router.metrics import RouterMetrics
-from router.picking.balancer import Balancer
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,12 @@ def new_router_id() -> str:
 
 
 class UsageFlusher:
-    """Moves the balancer's stamps and in-flight peaks to the hub and keeps this router's watch mark alive."""
+    """Moves the ledger's stamps and in-flight peaks to the hub and keeps this router's watch mark alive."""
 
     def __init__(
         self,
         hub: UsageExchange,
-        balancer: Balancer,
+        ledger: Ledger,
         metrics: RouterMetrics,
         flush_seconds: float,
         router_id: str | None = None,
@@ -45,7 +45,7 @@ class UsageFlusher:
         if router_id is not None and not router_id:
             raise ValueError("router_id must be a non-empty string")
         self.hub = hub
-        self.balancer = balancer
+        self.ledger = ledger
         self.metrics = metrics
         self.flush_seconds = flush_seconds
         self.router_id = router_id or new_router_id()
@@ -70,8 +70,8 @@ class UsageFlusher:
         a failed report are dropped: the next window starts at what is in
         flight then, and a past burst must not read as present load.
         """
-        stamps, in_flight = self.balancer.take_usage()
-        counter = self.balancer.tokens
+        stamps, in_flight = self.ledger.take_usage()
+        counter = self.ledger.tokens
         tokens, keys = counter.take()
         try:
             await self.hub.report_usage(
@@ -85,12 +85,12 @@ class UsageFlusher:
                 )
             )
         except asyncio.CancelledError:
-            self.balancer.restore_stamps(stamps)
+            self.ledger.restore_stamps(stamps)
             counter.restore(tokens, keys)
             raise
         except Exception as exc:  # Redis down must never fail a request (DESIGN invariant 4)
             # Token counts are kept like stamps: the hub adds them up whenever they arrive.
-            self.balancer.restore_stamps(stamps)
+            self.ledger.restore_stamps(stamps)
             counter.restore(tokens, keys)
             self.metrics.usage_flush_failures.inc()
             if not self._failing:
@@ -106,7 +106,7 @@ class UsageFlusher:
 
     async def _sync_limits(self, always: bool = False) -> None:
         """Hand the hub what limited keys used here; take back their totals over every router (router.accounting.limits)."""
-        limits = self.balancer.limits
+        limits = self.ledger.limits
         if not limits.limited_keys() and not always:
             return
         minute, deltas = limits.take()

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hub.contracts import LimitCount, LimitCounts
 from router.errors import RouterError
 
 WINDOW_SECONDS = 60
@@ -75,22 +76,22 @@ class RateLimiter:
             state.spent += tokens
             state.tokens += tokens
 
-    def take(self) -> tuple[int, dict[str, list[int]]]:
-        """(this minute, {digest: [requests, tokens]} admitted here since the last exchange), for the hub."""
+    def take(self) -> tuple[int, LimitCounts]:
+        """(this minute, the counts per key digest admitted here since the last exchange), for the hub."""
         minute = int(self._clock() // WINDOW_SECONDS)
-        deltas = {}
+        deltas: LimitCounts = {}
         for digest, state in list(self._keys.items()):
             if state.minute != minute:
                 del self._keys[digest]  # an old minute's counts no longer limit anything
                 continue
-            deltas[digest] = [state.requests, state.tokens]
+            deltas[digest] = LimitCount(state.requests, state.tokens)
             # Handed on: the hub's totals will count them from now on.
             state.total_requests += state.requests
             state.total_tokens += state.tokens
             state.requests = state.tokens = 0
         return minute, deltas
 
-    def restore(self, minute: int, deltas: dict[str, list[int]]) -> None:
+    def restore(self, minute: int, deltas: LimitCounts) -> None:
         """Put back counts the hub did not take, so they are handed on at the next exchange."""
         for digest, (requests, tokens) in deltas.items():
             state = self._keys.get(digest)
@@ -100,7 +101,7 @@ class RateLimiter:
                 state.total_requests -= requests
                 state.total_tokens -= tokens
 
-    def apply(self, minute: int, totals: dict[str, list[int]], routers: int) -> None:
+    def apply(self, minute: int, totals: LimitCounts, routers: int) -> None:
         """The hub's answer: each key's totals over every router this minute, and how many routers report."""
         self.routers = max(1, routers)
         for digest, (requests, tokens) in totals.items():

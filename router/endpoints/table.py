@@ -3,7 +3,7 @@ names and notes.
 
 The control plane publishes `hub.contracts.EndpointTable` as JSON; `decode_table`
 decodes it row by row with msgspec, leaving out what is malformed rather than
-failing the whole table, and the balancer turns it into its structures.
+failing the whole table, and the route table (router.endpoints.routes) turns it into its lookups.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _excerpt(raw: msgspec.Raw) -> str:
 
 @dataclass(slots=True)
 class ModelLookups:
-    """What the balancer looks up by name in the table's `models` and `adapters`: each dict keyed by public name
+    """What the route table looks up by name in the table's `models` and `adapters`: each dict keyed by public name
     (`names` by public name or alias, of models and adapters alike), a model left out of a dict where its entry
     says nothing of it."""
 
@@ -145,7 +145,7 @@ class ModelLookups:
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
-    """The balancer's lookups from the table's `models` and `adapters`.
+    """The route table's lookups from the table's `models` and `adapters`.
 
     The catalog keeps names of models, adapters and their aliases apart; should a table clash all the same, a
     public name wins over an alias and a model over an adapter. An adapter whose base is not a model of the
@@ -188,7 +188,7 @@ def adapter_holders(adapters: dict[str, AdapterEntry], by_replica: dict[str, End
 
 
 def endpoint_of(row: EndpointRow) -> Endpoint:
-    """The balancer's Endpoint for a published row."""
+    """The router's Endpoint for a published row."""
     endpoint = Endpoint(row.replica_id, row.model, row.url.rstrip("/"), row.priority, row.weight, row.pool)
     if row.api_key is not msgspec.UNSET:
         endpoint.authorization = {"Authorization": f"Bearer {row.api_key}"}

@@ -33,12 +33,13 @@ from collections.abc import Iterable
 
 from hub.contracts import ActivationQueue
 from router.background import BackgroundTasks
+from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
 from router.errors import RouterError
 from router.forwarding.asgi_io import Send
 from router.metrics import COLD_START, RouterMetrics
 from router.picking.affinity import Prefix
-from router.picking.balancer import Balancer
+from router.picking.picker import Picker
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class ColdStart:
     def __init__(
         self,
         hub: ActivationQueue,
-        balancer: Balancer,
+        routes: RouteTable,
+        picker: Picker,
         metrics: RouterMetrics,
         tasks: BackgroundTasks,
         *,
@@ -70,7 +72,8 @@ class ColdStart:
         if max_waiters < MIN_WAITERS:
             raise ValueError(f"max_waiters must be >= {MIN_WAITERS}, not {max_waiters!r}")
         self.hub = hub
-        self.balancer = balancer
+        self.routes = routes
+        self.picker = picker
         self.metrics = metrics
         self.tasks = tasks
         self.activation_timeout = activation_timeout
@@ -117,13 +120,13 @@ class ColdStart:
         affinity: Prefix | None = None,
         pools: frozenset[str] | None = None,
     ) -> Endpoint | None:
-        """Pick a replica of `model` (not one of `exclude`; `affinity` and `pools` as for Balancer.pick),
+        """Pick a replica of `model` (not one of `exclude`; `affinity` and `pools` as for Picker.pick),
         asking for an activation and waiting (bounded) if it has none.
 
         Waiters sleep on an event set by each applied table, and re-ask for the
         activation at most once a second in case the first ask was lost.
         """
-        endpoint = self.balancer.pick(model, exclude, affinity, pools)
+        endpoint = self.picker.pick(model, exclude, affinity, pools)
         if endpoint is not None:
             return endpoint
         waiting = self._waiting.get(model, 0)
@@ -157,16 +160,16 @@ class ColdStart:
         reason, waited = COLD_START, False
         try:
             while True:
-                endpoint = self.balancer.pick(model, exclude, affinity, pools)
+                endpoint = self.picker.pick(model, exclude, affinity, pools)
                 if endpoint is not None:
                     return endpoint
-                if self.balancer.resolve(model) is None:
+                if self.routes.resolve(model) is None:
                     raise RouterError(
                         404, f"The model `{model}` was removed while waiting for it.", "model_not_found", param="model"
                     )
                 self._ask_activation(model, pools or frozenset())
                 self._raise_if_hopeless(model, pools)
-                reason = self.balancer.holding(model) or reason
+                reason = self.routes.holding(model) or reason
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return None
@@ -183,7 +186,7 @@ class ColdStart:
     def _raise_if_hopeless(self, model: str, pools: frozenset[str] | None) -> None:
         """A RouterError if waiting for `model` (for a key bound to `pools`) would only hold the client until the
         deadline: the control plane cannot place it, or its only replica failed."""
-        reason = self.balancer.unplaceable(model, pools)
+        reason = self.routes.unplaceable(model, pools)
         if reason is not None:
             raise RouterError(
                 503,
@@ -192,7 +195,7 @@ class ColdStart:
                 type_="server_error",
                 headers=[(b"retry-after", str(self.retry_after).encode())],
             )
-        failure = self.balancer.start_failure(model)
+        failure = self.routes.start_failure(model)
         if failure is not None:
             # The engine exited: nothing will be ready before the control plane's backoff ends.
             raise RouterError(
@@ -206,7 +209,7 @@ class ColdStart:
 
     def _named(self, model: str) -> str:
         """`model` for a message: an adapter's with its base, whose replicas it waits for."""
-        base = self.balancer.base_of(model)
+        base = self.routes.base_of(model)
         return f"`{model}`" if base is None else f"`{model}` (an adapter of `{base}`)"
 
     async def wait_with_keepalives(
@@ -227,7 +230,7 @@ class ColdStart:
     def starting_error(self, model: str) -> RouterError:
         """503 for a model still starting past the wait, with Retry-After as the learned ETA if known."""
         retry_after = self.retry_after
-        learned = self.balancer.start_seconds(model)
+        learned = self.routes.start_seconds(model)
         if learned is not None:
             # The ETA: what a start usually takes, less what this request already waited.
             retry_after = max(1, math.ceil(learned - self.activation_timeout))

@@ -2,26 +2,25 @@
 the upstream exchange. The engine's own spans become children of the exchange's: the router sends it a W3C
 `traceparent` naming that span, and a client's `traceparent` makes the request's span a child of the client's.
 
-RouterState builds these classes instead of Balancer and Proxy only when traces are on, so a router without
-them runs none of this code (without them, a client's `traceparent` and `tracestate` still reach the engine
-unchanged: router.forwarding.headers).
+RouterState builds TracingHooks and a TracedPicker only when traces are on, so a router without them runs none
+of this code (without them, a client's `traceparent` and `tracestate` still reach the engine unchanged:
+router.forwarding.headers). The hooks wrap the steps the proxy hands them (ForwardingHooks); the picker's span
+wraps its public `pick`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from router.config import RouterConfig
+from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
 from router.errors import RouterError
-from router.forwarding.coldstart import ColdStart
-from router.forwarding.proxy import Forwarding, Proxy
-from router.metrics import RouterMetrics
+from router.forwarding.exchange import Forwarding
 from router.picking.affinity import Prefix
-from router.picking.balancer import Balancer
+from router.picking.picker import Picker
 
 PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_HEADERS = (b"traceparent", b"tracestate")
@@ -29,8 +28,8 @@ MODEL = "llmgw.model"
 REPLICA = "llmgw.replica"
 
 
-class TracedBalancer(Balancer):
-    """A Balancer whose every pick is a span (a child of the request's, or of its hold's); give it its `tracer`."""
+class TracedPicker(Picker):
+    """A Picker whose every pick is a span (a child of the request's, or of its hold's); give it its `tracer`."""
 
     tracer: Tracer | None = None
 
@@ -50,16 +49,15 @@ class TracedBalancer(Balancer):
             return endpoint
 
 
-class TracingProxy(Proxy):
-    """A Proxy whose requests, holds and upstream exchanges are spans, and whose engines hear of them."""
+class TracingHooks:
+    """The proxy's ForwardingHooks with traces: requests, holds and upstream exchanges are spans, and the engines
+    hear of them."""
 
-    def __init__(
-        self, balancer: Balancer, metrics: RouterMetrics, cold_start: ColdStart, config: RouterConfig, tracer: Tracer
-    ):
-        super().__init__(balancer, metrics, cold_start, config)
+    def __init__(self, tracer: Tracer, routes: RouteTable) -> None:
         self.tracer = tracer
+        self.routes = routes
 
-    async def forward(self, request: Forwarding) -> None:
+    async def forward(self, request: Forwarding, step: Callable[[Forwarding], Awaitable[None]]) -> None:
         carrier = {n.decode("latin-1"): v.decode("latin-1") for n, v in request.scope["headers"] if n in TRACE_HEADERS}
         attributes = {"http.request.method": "POST", "url.path": request.path, MODEL: request.model}
         with self.tracer.start_as_current_span(
@@ -67,7 +65,7 @@ class TracingProxy(Proxy):
         ) as span:
             status = 0  # until known; an exception that is not an answer is recorded by the span itself
             try:
-                await super().forward(request)
+                await step(request)
                 status = request.exchange.status or 0
             except RouterError as exc:
                 status = exc.status
@@ -80,24 +78,24 @@ class TracingProxy(Proxy):
                 if request.tried:
                     span.set_attribute(REPLICA, request.tried[-1].replica_id)
 
-    async def _wait_for_replica(self, request: Forwarding) -> Endpoint:
+    async def hold(self, request: Forwarding, step: Callable[[Forwarding], Awaitable[Endpoint]]) -> Endpoint:
         with self.tracer.start_as_current_span("hold", attributes={MODEL: request.model}) as span:
-            span.set_attribute("llmgw.hold.reason", self.balancer.holding(request.model) or "cold_start")
-            endpoint = await super()._wait_for_replica(request)
+            span.set_attribute("llmgw.hold.reason", self.routes.holding(request.model) or "cold_start")
+            endpoint = await step(request)
             span.set_attribute(REPLICA, endpoint.replica_id)
             return endpoint
 
-    async def _send_upstream(self, request: Forwarding, endpoint: Endpoint) -> None:
+    async def send(
+        self, request: Forwarding, endpoint: Endpoint, step: Callable[[Forwarding, Endpoint], Awaitable[None]]
+    ) -> None:
         attributes = {MODEL: request.model, REPLICA: endpoint.replica_id, "server.address": endpoint.url}
         with self.tracer.start_as_current_span("upstream", kind=SpanKind.CLIENT, attributes=attributes) as span:
             try:
-                await super()._send_upstream(request, endpoint)
+                await step(request, endpoint)
             finally:
                 # A retry moves the exchange to another replica.
                 span.set_attribute(REPLICA, request.tried[-1].replica_id)
                 span.set_attribute("llmgw.attempts", len(request.tried))
 
-    def _upstream_headers(self, request: Forwarding) -> dict[str, str]:
-        headers = super()._upstream_headers(request)
+    def upstream_headers(self, headers: dict[str, str]) -> None:
         PROPAGATOR.inject(headers)  # the upstream span, current here, is the engine's parent
-        return headers

@@ -1,1 +1,1 @@
-"""Picking a replica: the balancer over the endpoint table, the choice among replicas, outlier ejection, prefix affinity and engines' own load."""
+"""Picking a replica: the picker over the route table, the choice among replicas, outlier ejection, prefix affinity and engines' own load."""

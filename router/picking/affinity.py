@@ -9,7 +9,7 @@ requests, processes and routers (a CRC, not hash(): str hashes change with each 
 
 A `Prefix` is that chain and the length of the conversation's opening: its messages up to the first that is
 not a system message, or a completion prompt's first block. The chain's value there, the conversation key, is
-the same for every turn of a conversation. The balancer (router.picking.balancer) remembers which replica each block
+the same for every turn of a conversation. The picker (router.picking.picker) remembers which replica each block
 was last sent to, and sends a request to the replica that had its longest remembered prefix at least as long
 as its opening, else to its conversation key's replica by rendezvous hashing (the same on every router),
 while that replica's load stays within the slack of the least loaded. Anything without a prompt (embeddings, a body the engine will refuse) has no prefix and is

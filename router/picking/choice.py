@@ -1,4 +1,4 @@
-"""Which of a model's replicas a request may go to (router.picking.balancer picks among them): the least loaded at the
+"""Which of a model's replicas a request may go to (router.picking.picker picks among them): the least loaded at the
 top priority, and the one holding the KV cache of the request's prompt prefix (router.picking.affinity)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Outlier ejection: when a failing replica stops getting requests, for how long, and how it comes back.
 
 The rules are `EjectionPolicy`; each replica's state is a `ReplicaHealth` the
-balancer keeps on its `Endpoint` and changes on the router's event loop.
+picker keeps on its `Endpoint` and changes on the router's event loop.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-log = logging.getLogger("router.picking.balancer")
+log = logging.getLogger("router.picking.picker")
 
 
 class Failure(enum.Enum):

@@ -2,7 +2,7 @@
 
 A poller (one per router, one shared aiohttp session, every replica read at
 once with a short timeout) runs every `LLMGW_ENGINE_POLL_SECONDS` beside the
-router's other background tasks and writes what it read onto the balancer's
+router's other background tasks and writes what it read onto the picker's
 endpoints; the pick only reads those cached numbers (DESIGN invariant 4).
 
 | engine    | waiting requests             | KV cache usage (0-1)                                         |
@@ -18,7 +18,7 @@ for the waiting count (vLLM's data-parallel engine cores, SGLang's data-parallel
 ranks) and average for KV usage (one full rank of several is not a full
 replica); the ranks of one tensor-parallel group (`tp_rank`) report one batch,
 so they count once. An engine that does not answer in time, answers anything
-but 200, or whose text does not parse has unknown load, which the balancer
+but 200, or whose text does not parse has unknown load, which the picker
 treats as no extra load and never as "full".
 
 This is the router's own parser, not `agent.engines.load`'s: the router imports
@@ -40,8 +40,9 @@ from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.background import raise_if_cancelling
+from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
-from router.picking.balancer import Balancer
+from router.picking.picker import Picker
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +108,17 @@ def _first_present(names: tuple[str, ...], groups: dict[str, Any], bad: set[str]
 
 
 class EngineLoadPoller:
-    """Reads every published replica's /metrics every `poll_seconds` and records it on the balancer.
+    """Reads every published replica's /metrics every `poll_seconds` and records it for the picker.
 
     `run()` is a background task: it opens its session, polls until
     cancelled, and closes the session on the way out.
     """
 
-    def __init__(self, balancer: Balancer, poll_seconds: float | None = None, timeout: float | None = None):
-        self.balancer = balancer
+    def __init__(
+        self, routes: RouteTable, picker: Picker, poll_seconds: float | None = None, timeout: float | None = None
+    ):
+        self.routes = routes
+        self.picker = picker
         if poll_seconds is None:
             poll_seconds = float(settings.LLMGW_ENGINE_POLL_SECONDS)
         self.poll_seconds = poll_seconds
@@ -157,11 +161,11 @@ class EngineLoadPoller:
 
     async def poll_once(self, endpoints: Iterable[Endpoint] | None = None) -> None:
         """Read every replica (or those given) at once and record each reading on its endpoint."""
-        targets = list(self.balancer.endpoints() if endpoints is None else endpoints)
+        targets = list(self.routes.endpoints() if endpoints is None else endpoints)
         if not targets:
             return
         readings = await asyncio.gather(*(self.read(e.url, e.authorization) for e in targets))
-        record = self.balancer.record_engine_load
+        record = self.picker.record_engine_load
         for endpoint, reading in zip(targets, readings, strict=True):
             record(endpoint, reading.waiting, reading.kv_usage)
 

@@ -30,8 +30,11 @@ from conftest import free_port, wait_until
 from hub import InProcessHub
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from keys.models import ApiKey
+from router.accounting.ledger import Ledger
 from router.app import create_app
 from router.config import RouterConfig
+from router.endpoints.routes import RouteTable
+from router.picking.picker import Picker
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3-8b"
@@ -76,14 +79,20 @@ class Clock:
         return self.now
 
 
-def pending_stamps(balancer) -> dict[str, float]:
-    """The last-use stamps the balancer's next take would hand over, left in place."""
-    return dict(balancer._stamps)
+def new_picker(clock=None, **options) -> Picker:
+    """A picker over an empty route table and a ledger, wired as RouterState wires them; `clock` stamps last use."""
+    routes = RouteTable()
+    return Picker(routes, Ledger(routes, clock or time.time), **options)
 
 
-def in_flight_by_model(balancer) -> dict[str, int]:
-    """Public model name -> requests in flight through the balancer now (models with none left out)."""
-    return {model: count for model, count in balancer._in_flight.items() if count}
+def pending_stamps(picker: Picker) -> dict[str, float]:
+    """The last-use stamps the ledger's next take would hand over, left in place."""
+    return picker.ledger.waiting_stamps()
+
+
+def in_flight_by_model(picker: Picker) -> dict[str, int]:
+    """Public model name -> requests in flight through the picker now (models with none left out)."""
+    return {model: count for model, count in picker.ledger._in_flight.items() if count}
 
 
 def chat_with_key(router, key):

@@ -14,9 +14,9 @@ from conftest import wait_until
 from hub.contracts import Activation, AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 from hub.credentials import hash_secret
 from keys.models import ApiKey
+from router.endpoints.routes import ADAPTER_LOAD
 from router.endpoints.table import decode_table
-from router.picking.balancer import ADAPTER_LOAD, Balancer
-from router.tests.conftest import ALIAS, MODEL, in_flight_by_model, pending_stamps
+from router.tests.conftest import ALIAS, MODEL, in_flight_by_model, new_picker, pending_stamps
 from router.tests.test_proxy import CountingHub, assert_openai_error, chat, metric
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -66,7 +66,7 @@ def test_a_malformed_adapter_entry_is_left_out_and_logged_and_the_rest_is_served
 
 
 def test_names_and_aliases_resolve_to_the_adapter_and_only_listed_replicas_of_its_base_hold_it():
-    balancer = Balancer()
+    picker = new_picker()
     table = lora_table(["http://a:1", "http://b:1"], ["2", "7", "9"])
     table = msgspec.structs.replace(
         table,
@@ -76,52 +76,52 @@ def test_names_and_aliases_resolve_to_the_adapter_and_only_listed_replicas_of_it
         ],  # listed, but a replica of another model
         adapters={**table.adapters, "orphan": AdapterEntry(base="gone", replicas=["1"])},
     )
-    balancer.apply_table(table)
-    assert balancer.resolve(ADAPTER) == balancer.resolve(ADAPTER_ALIAS) == ADAPTER
-    assert balancer.resolve("orphan") is None  # its base is no model of the table: nothing could serve it
-    assert balancer.base_of(ADAPTER) == MODEL and balancer.base_of(MODEL) is None
-    assert [e.replica_id for e in balancer.endpoints(ADAPTER)] == ["2"]
-    assert [e.replica_id for e in balancer.endpoints(MODEL)] == ["1", "2"]
+    picker.routes.apply_table(table)
+    assert picker.routes.resolve(ADAPTER) == picker.routes.resolve(ADAPTER_ALIAS) == ADAPTER
+    assert picker.routes.resolve("orphan") is None  # its base is no model of the table: nothing could serve it
+    assert picker.routes.base_of(ADAPTER) == MODEL and picker.routes.base_of(MODEL) is None
+    assert [e.replica_id for e in picker.routes.endpoints(ADAPTER)] == ["2"]
+    assert [e.replica_id for e in picker.routes.endpoints(MODEL)] == ["1", "2"]
 
 
 def test_an_adapter_is_picked_only_among_its_holders_stamped_per_replica_and_counted_under_its_base():
     now = [1000.0]
-    balancer = Balancer(lambda: now[0])
-    balancer.apply_table(lora_table(["http://a:1", "http://b:1", "http://c:1"], ["2", "3"]))
-    picked = [balancer.pick(ADAPTER) for _ in range(4)]
+    picker = new_picker(lambda: now[0])
+    picker.routes.apply_table(lora_table(["http://a:1", "http://b:1", "http://c:1"], ["2", "3"]))
+    picked = [picker.pick(ADAPTER) for _ in range(4)]
     assert sorted(e.replica_id for e in picked) == ["2", "2", "3", "3"]  # least outstanding among the holders
-    assert pending_stamps(balancer) == {"2": 1000.0, "2/sql-lora": 1000.0, "3": 1000.0, "3/sql-lora": 1000.0}
-    assert in_flight_by_model(balancer) == {MODEL: 4, ADAPTER: 4}  # the base's load, and the adapter's own
-    model_request = balancer.pick(MODEL)
+    assert pending_stamps(picker) == {"2": 1000.0, "2/sql-lora": 1000.0, "3": 1000.0, "3/sql-lora": 1000.0}
+    assert in_flight_by_model(picker) == {MODEL: 4, ADAPTER: 4}  # the base's load, and the adapter's own
+    model_request = picker.pick(MODEL)
     assert model_request is not None and model_request.replica_id == "1"  # the model's own pick counts the load
-    assert in_flight_by_model(balancer) == {MODEL: 5, ADAPTER: 4}
+    assert in_flight_by_model(picker) == {MODEL: 5, ADAPTER: 4}
     for endpoint in picked[1:]:
-        balancer.release(endpoint, None, ADAPTER)
-    balancer.release(model_request, None, MODEL)
-    balancer.take_usage()
+        picker.release(endpoint, None, ADAPTER)
+    picker.release(model_request, None, MODEL)
+    picker.ledger.take_usage()
     now[0] = 2000.0
     # One adapter request still runs on its replica: both its replica and its adapter there stay in use.
-    stamps, peaks = balancer.take_usage()
+    stamps, peaks = picker.ledger.take_usage()
     assert stamps == {picked[0].replica_id: 2000.0, f"{picked[0].replica_id}/{ADAPTER}": 2000.0}
     assert peaks == {MODEL: 1, ADAPTER: 1}
-    balancer.release(picked[0], None, ADAPTER)
-    assert balancer.take_usage() == ({}, {MODEL: 1, ADAPTER: 1})
-    assert balancer.take_usage() == ({}, {})
+    picker.release(picked[0], None, ADAPTER)
+    assert picker.ledger.take_usage() == ({}, {MODEL: 1, ADAPTER: 1})
+    assert picker.ledger.take_usage() == ({}, {})
 
 
 def test_an_adapter_on_a_running_base_is_held_for_its_load_not_refused_for_its_base():
-    balancer = Balancer()
+    picker = new_picker()
     models = {MODEL: ModelEntry(unplaceable="no second GPU", start_seconds=90.0, holding="making_room")}
-    balancer.apply_table(lora_table(["http://a:1"], [], models=models))
+    picker.routes.apply_table(lora_table(["http://a:1"], [], models=models))
     # The base runs: loading the adapter on it is all it takes, whatever the base's scale-out notes say.
-    assert balancer.unplaceable(ADAPTER) is None and balancer.start_seconds(ADAPTER) is None
-    assert balancer.holding(ADAPTER) == ADAPTER_LOAD
+    assert picker.routes.unplaceable(ADAPTER) is None and picker.routes.start_seconds(ADAPTER) is None
+    assert picker.routes.holding(ADAPTER) == ADAPTER_LOAD
     # No replica of the base: the base's notes answer for the adapter, until its load is under way.
-    balancer.apply_table(lora_table([], [], models=models))
-    assert balancer.unplaceable(ADAPTER) == "no second GPU" and balancer.start_seconds(ADAPTER) == 90.0
-    assert balancer.holding(ADAPTER) == "making_room"
-    balancer.apply_table(lora_table([], [], adapter={"loading": True}, models=models))
-    assert balancer.holding(ADAPTER) == ADAPTER_LOAD
+    picker.routes.apply_table(lora_table([], [], models=models))
+    assert picker.routes.unplaceable(ADAPTER) == "no second GPU" and picker.routes.start_seconds(ADAPTER) == 90.0
+    assert picker.routes.holding(ADAPTER) == "making_room"
+    picker.routes.apply_table(lora_table([], [], adapter={"loading": True}, models=models))
+    assert picker.routes.holding(ADAPTER) == ADAPTER_LOAD
 
 
 # -- over HTTP -------------------------------------------------------------------------------------
@@ -250,6 +250,6 @@ def test_the_model_list_is_built_once_per_table_and_scope_and_follows_a_new_tabl
 
     extra = {"ft-2": AdapterEntry(base=MODEL)}
     hub.publish_endpoints(msgspec.structs.replace(lora_table(), adapters={**lora_table().adapters, **extra}))
-    wait_until(lambda: router.app.state.balancer.resolve("ft-2") == "ft-2")
+    wait_until(lambda: router.app.state.routes.resolve("ft-2") == "ft-2")
     ids = [m["id"] for m in httpx.get(f"{router.url}/v1/models", headers=auth).json()["data"]]
     assert "ft-2" in ids and "ft-2" not in [m["id"] for m in first.json()["data"]]

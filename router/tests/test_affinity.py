@@ -8,17 +8,16 @@ import sys
 import pytest
 
 from router.picking.affinity import BLOCK_BYTES, MAX_BLOCKS, PrefixMemory, prefix_affinity
-from router.picking.balancer import Balancer
-from router.tests.conftest import MODEL, PROJECT, make_table
+from router.tests.conftest import MODEL, PROJECT, make_table, new_picker
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 REPLICAS = ("http://a:1", "http://b:1", "http://c:1", "http://d:1")
 
 
-def balancer_with(*endpoints, **options):
-    balancer = Balancer(**options)
-    balancer.apply_table(make_table(endpoints))
-    return balancer
+def picker_with(*endpoints, **options):
+    picker = new_picker(**options)
+    picker.routes.apply_table(make_table(endpoints))
+    return picker
 
 
 def conversation(number: int, turns: int) -> list[list[dict]]:
@@ -34,9 +33,9 @@ def conversation(number: int, turns: int) -> list[list[dict]]:
     return asked
 
 
-def pick_and_release(balancer, messages):
-    endpoint = balancer.pick(MODEL, affinity=prefix_affinity({"messages": messages}))
-    balancer.release(endpoint)
+def pick_and_release(picker, messages):
+    endpoint = picker.pick(MODEL, affinity=prefix_affinity({"messages": messages}))
+    picker.release(endpoint)
     return endpoint.url
 
 
@@ -114,62 +113,62 @@ def test_requests_without_prompt_text_have_no_prefix(payload):
 
 
 def test_every_turn_of_a_conversation_goes_where_its_first_went():
-    balancer = balancer_with(*REPLICAS)
+    picker = picker_with(*REPLICAS)
     chats = [conversation(n, 4) for n in range(24)]
     landed: dict[int, set[str]] = {n: set() for n in range(24)}
     for turn in range(4):  # interleaved, as conversations are
         for n, chat in enumerate(chats):
-            landed[n].add(pick_and_release(balancer, chat[turn]))
+            landed[n].add(pick_and_release(picker, chat[turn]))
     assert all(len(replicas) == 1 for replicas in landed.values())
     # ... and the conversations spread over the replicas.
     assert len(set().union(*landed.values())) == 4
 
 
 def test_a_turn_follows_the_replica_its_last_turn_went_to_when_the_slack_moved_it():
-    balancer = balancer_with("http://a:1", "http://b:1", affinity_slack=0)
+    picker = picker_with("http://a:1", "http://b:1", affinity_slack=0)
     first, second, third = conversation(7, 3)
-    home = balancer.pick(MODEL, affinity=prefix_affinity({"messages": first}))
-    balancer.release(home)
-    other = next(e for e in balancer.endpoints(MODEL) if e is not home)
+    home = picker.pick(MODEL, affinity=prefix_affinity({"messages": first}))
+    picker.release(home)
+    other = next(e for e in picker.routes.endpoints(MODEL) if e is not home)
     # Home is busy: the second turn goes to the other replica, and now its cache is the longest there ...
-    busy = balancer.pick(MODEL, [other])
+    busy = picker.pick(MODEL, [other])
     assert busy is home
-    assert balancer.pick(MODEL, affinity=prefix_affinity({"messages": second})) is other
-    balancer.release(other)
-    balancer.release(busy)
+    assert picker.pick(MODEL, affinity=prefix_affinity({"messages": second})) is other
+    picker.release(other)
+    picker.release(busy)
     # ... so the third turn follows it there, although its conversation key still prefers home.
-    assert balancer.pick(MODEL, affinity=prefix_affinity({"messages": third})) is other
+    assert picker.pick(MODEL, affinity=prefix_affinity({"messages": third})) is other
 
 
 def test_affinity_holds_within_the_slack_and_moves_beyond_it():
-    balancer = balancer_with("http://a:1", "http://b:1", affinity_slack=2)
+    picker = picker_with("http://a:1", "http://b:1", affinity_slack=2)
     prefix = prefix_affinity({"prompt": "shared system prompt"})
-    first = balancer.pick(MODEL, affinity=prefix)
-    other = next(e for e in balancer.endpoints(MODEL) if e is not first)
+    first = picker.pick(MODEL, affinity=prefix)
+    other = next(e for e in picker.routes.endpoints(MODEL) if e is not first)
     # The preferred replica keeps the prefix while it is at most 2 requests busier than the other ...
-    assert balancer.pick(MODEL, affinity=prefix) is first
-    assert balancer.pick(MODEL, affinity=prefix) is first
+    assert picker.pick(MODEL, affinity=prefix) is first
+    assert picker.pick(MODEL, affinity=prefix) is first
     assert (first.outstanding, other.outstanding) == (3, 0)
     # ... and beyond that the request goes to the least loaded.
-    assert balancer.pick(MODEL, affinity=prefix) is other
+    assert picker.pick(MODEL, affinity=prefix) is other
     # The engine's own queue counts toward the slack too (the prefix now last went to `other`).
     for _ in range(3):
-        balancer.release(first)
-    balancer.release(other)
-    balancer.record_engine_load(other, 2, None)  # 2 waiting vs nothing: within the slack
-    assert balancer.pick(MODEL, affinity=prefix) is other
-    balancer.release(other)
-    balancer.record_engine_load(other, 3, None)  # 3 vs nothing: beyond it
-    assert balancer.pick(MODEL, affinity=prefix) is first
+        picker.release(first)
+    picker.release(other)
+    picker.record_engine_load(other, 2, None)  # 2 waiting vs nothing: within the slack
+    assert picker.pick(MODEL, affinity=prefix) is other
+    picker.release(other)
+    picker.record_engine_load(other, 3, None)  # 3 vs nothing: beyond it
+    assert picker.pick(MODEL, affinity=prefix) is first
 
 
 def test_affinity_never_sends_a_request_to_a_kv_full_replica():
-    balancer = balancer_with("http://a:1", "http://b:1")
+    picker = picker_with("http://a:1", "http://b:1")
     prefix = prefix_affinity({"prompt": "shared system prompt"})
-    preferred = balancer.pick(MODEL, affinity=prefix)
-    balancer.release(preferred)
-    balancer.record_engine_load(preferred, 0, 0.99)
-    assert balancer.pick(MODEL, affinity=prefix) is not preferred
+    preferred = picker.pick(MODEL, affinity=prefix)
+    picker.release(preferred)
+    picker.record_engine_load(preferred, 0, 0.99)
+    assert picker.pick(MODEL, affinity=prefix) is not preferred
 
 
 def test_every_router_prefers_the_same_replica_for_a_conversation():
@@ -178,9 +177,12 @@ def test_every_router_prefers_the_same_replica_for_a_conversation():
         "import msgspec\n"
         "from hub.contracts import EndpointTable\n"
         "from router.picking.affinity import prefix_affinity\n"
-        "from router.picking.balancer import Balancer\n"
-        "b = Balancer()\n"
-        "b.apply_table(msgspec.convert({'models': {'m': {}}, 'endpoints': [\n"
+        "from router.accounting.ledger import Ledger\n"
+        "from router.endpoints.routes import RouteTable\n"
+        "from router.picking.picker import Picker\n"
+        "routes = RouteTable()\n"
+        "b = Picker(routes, Ledger(routes))\n"
+        "b.routes.apply_table(msgspec.convert({'models': {'m': {}}, 'endpoints': [\n"
         "    {'replica_id': str(i), 'model': 'm', 'url': f'http://h:{i}'} for i in range(1, 9)]}, EndpointTable))\n"
         "keys = [prefix_affinity({'messages': [{'role': 'user', 'content': f'prompt {i}'}]}) for i in range(20)]\n"
         "print(keys, [b.pick('m', affinity=k).replica_id for k in keys])\n"
@@ -211,15 +213,18 @@ def test_the_memory_is_bounded_and_found_from_a_prompts_end():
 
 
 def test_a_model_gone_from_the_table_is_forgotten():
-    balancer = balancer_with(*REPLICAS[:2])
-    pick_and_release(balancer, conversation(1, 1)[0])
-    assert balancer.prefixes.last_replica(MODEL, prefix_affinity({"messages": conversation(1, 1)[0]})) is not None
-    balancer.apply_table(make_table([], models={"other": {}}, fingerprint="gone"))
-    assert balancer.prefixes.last_replica(MODEL, prefix_affinity({"messages": conversation(1, 1)[0]})) is None
+    picker = picker_with(*REPLICAS[:2])
+    pick_and_release(picker, conversation(1, 1)[0])
+    assert picker.prefixes.last_replica(MODEL, prefix_affinity({"messages": conversation(1, 1)[0]})) is not None
+    others = [{"url": f"http://o:{i}", "model": "other"} for i in (1, 2)]
+    picker.routes.apply_table(make_table(others, models={"other": {}}, fingerprint="gone"))
+    # Forgotten by the next pick that remembers a prefix, whichever model it is for.
+    picker.release(picker.pick("other", affinity=prefix_affinity({"messages": conversation(2, 1)[0]})))
+    assert picker.prefixes.last_replica(MODEL, prefix_affinity({"messages": conversation(1, 1)[0]})) is None
 
 
 def test_a_prefix_is_only_worth_hashing_where_there_is_a_choice_of_replicas():
-    balancer = balancer_with(*REPLICAS[:1])
-    assert not balancer.has_choice(MODEL) and not balancer.has_choice("unknown")
-    balancer.apply_table(make_table(REPLICAS[:2], fingerprint="two"))
-    assert balancer.has_choice(MODEL)
+    picker = picker_with(*REPLICAS[:1])
+    assert not picker.routes.has_choice(MODEL) and not picker.routes.has_choice("unknown")
+    picker.routes.apply_table(make_table(REPLICAS[:2], fingerprint="two"))
+    assert picker.routes.has_choice(MODEL)

@@ -18,9 +18,9 @@ from aiohttp import web
 
 from conftest import free_port, wait_until
 from mockengine.generation import CACHE_SLOTS
-from router.picking.balancer import Balancer
 from router.picking.engine_load import UNKNOWN, EngineLoadPoller, EngineReading, parse_engine_load
-from router.tests.conftest import MODEL, PROJECT, ThreadedEngine, make_table
+from router.picking.picker import Picker
+from router.tests.conftest import MODEL, PROJECT, ThreadedEngine, make_table, new_picker
 
 # -- parsing -----------------------------------------------------------------------------------
 
@@ -141,11 +141,11 @@ def metrics_engine():
         engine.stop()
 
 
-def poll(balancer: Balancer, timeout: float = 0.5) -> None:
-    """One round of the poller over every endpoint of `balancer`."""
+def poll(picker: Picker, timeout: float = 0.5) -> None:
+    """One round of the poller over every endpoint of `picker`."""
 
     async def once():
-        poller = EngineLoadPoller(balancer, poll_seconds=1.0, timeout=timeout)
+        poller = EngineLoadPoller(picker.routes, picker, poll_seconds=1.0, timeout=timeout)
         poller.open()
         try:
             await poller.poll_once()
@@ -164,12 +164,12 @@ def test_poller_records_each_engines_load_and_unknown_for_those_that_fail(metric
     slow.delay = 2.0
     garbage.metrics = "<html>teapot</html>"
     refused = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    balancer = Balancer()
-    balancer.apply_table(make_table([e.url for e in (good, broken, slow, garbage)] + [refused]))
-    endpoints = balancer.endpoints(MODEL)
+    picker = new_picker()
+    picker.routes.apply_table(make_table([e.url for e in (good, broken, slow, garbage)] + [refused]))
+    endpoints = picker.routes.endpoints(MODEL)
     for endpoint in endpoints:
-        balancer.record_engine_load(endpoint, 1, 0.1)  # a previous reading, to be replaced
-    poll(balancer, timeout=0.3)
+        picker.record_engine_load(endpoint, 1, 0.1)  # a previous reading, to be replaced
+    poll(picker, timeout=0.3)
     figures = [(e.engine_waiting, e.kv_usage, e.queued, e.kv_full) for e in endpoints]
     assert figures == [(2.0, 0.5, 2.0, False)] + [(None, None, 0.0, False)] * 4
 
@@ -183,11 +183,11 @@ def test_waiting_requests_reported_by_an_engine_steer_requests_through_the_route
     b.report(waiting=0, kv_usage=0.1)
     hub.publish_endpoints(make_table([a.url, b.url]))
     router = start_router()
-    wait_until(lambda: [e.engine_waiting for e in router.state.balancer.endpoints(MODEL)] == [10, 0])
+    wait_until(lambda: [e.engine_waiting for e in router.state.routes.endpoints(MODEL)] == [10, 0])
     assert {chat(router, auth, f"question {i}") for i in range(6)} == {"2"}
     a.report(waiting=0, kv_usage=0.1)
     b.report(waiting=10, kv_usage=0.1)
-    wait_until(lambda: [e.engine_waiting for e in router.state.balancer.endpoints(MODEL)] == [0, 10])
+    wait_until(lambda: [e.engine_waiting for e in router.state.routes.endpoints(MODEL)] == [0, 10])
     assert {chat(router, auth, f"question {i}") for i in range(6)} == {"1"}
     metrics = httpx.get(f"{router.url}/metrics").text
     assert f'llmgw_router_engine_waiting_requests{{model="{MODEL}",replica="2"}} 10.0' in metrics
@@ -304,18 +304,18 @@ def test_a_replica_whose_kv_cache_is_full_is_skipped_until_it_drains(settings, s
     busy, idle = mock_engine(token_delay_ms=500), mock_engine()
     hub.publish_endpoints(make_table([busy.url, idle.url]))
     router = start_router()
-    balancer = router.state.balancer
+    picker = router.state.picker
     # Streams sent to the engine directly (another router's, say): only its /metrics tells this router.
     held = HeldStreams(busy.url, CACHE_SLOTS // 4)
     try:
         wait_until(lambda: busy.running() == CACHE_SLOTS // 4, timeout=5)
-        wait_until(lambda: balancer.endpoints(MODEL)[0].kv_full, timeout=3)
+        wait_until(lambda: picker.routes.endpoints(MODEL)[0].kv_full, timeout=3)
         assert {chat(router, auth, f"question {i}") for i in range(8)} == {"2"}
         metrics = httpx.get(f"{router.url}/metrics").text
         assert f'llmgw_router_engine_kv_cache_usage_ratio{{model="{MODEL}",replica="1"}} 0.25' in metrics
     finally:
         held.close()
-    wait_until(lambda: not balancer.endpoints(MODEL)[0].kv_full, timeout=5)
+    wait_until(lambda: not picker.routes.endpoints(MODEL)[0].kv_full, timeout=5)
     # New conversations (the ones above stay where their cache now is): both replicas again.
     assert {chat(router, auth, f"another question {i}") for i in range(8)} == {"1", "2"}
 
@@ -332,12 +332,12 @@ def test_prefix_affinity_sticks_within_the_slack_and_moves_beyond_it(settings, s
     held = HeldStreams(router.url, 3, auth, prompt=shared)
     try:
         # Three in flight on the preferred replica, none on the other: beyond the slack of 2, so it moves.
-        wait_until(lambda: router.state.balancer.in_flight() == 3, timeout=5)
-        assert [e.outstanding for e in router.state.balancer.endpoints(MODEL) if e.replica_id == first] == [3]
+        wait_until(lambda: router.state.ledger.in_flight() == 3, timeout=5)
+        assert [e.outstanding for e in router.state.routes.endpoints(MODEL) if e.replica_id == first] == [3]
         moved = chat(router, auth, shared)
         assert moved != first
     finally:
         held.close()
-    wait_until(lambda: router.state.balancer.in_flight() == 0, timeout=5)
+    wait_until(lambda: router.state.ledger.in_flight() == 0, timeout=5)
     # Idle again: the prefix stays where it was last sent, whose cache holds it too.
     assert chat(router, auth, shared) == moved

@@ -150,7 +150,7 @@ def test_no_first_byte_within_its_deadline_is_504_naming_that_deadline(start_rou
     assert error["type"] == "server_error"
     assert time.monotonic() - started < 1.5
     assert slow.requests == 1  # not sent again: the engine may be working on it
-    wait_until(lambda: router.state.balancer.in_flight() == 0)
+    wait_until(lambda: router.state.ledger.in_flight() == 0)
 
 
 def test_a_first_byte_slower_than_the_idle_deadline_is_still_waited_for(start_router, hub, auth, broken_engine):
@@ -180,7 +180,7 @@ def test_a_stream_silent_past_the_idle_deadline_ends_with_an_error_event_and_don
     assert "LLMGW_UPSTREAM_IDLE_SECONDS" in error["message"]
     assert lines[-1] == "data: [DONE]"
     assert stalled.done.wait(3)  # the upstream connection was closed
-    wait_until(lambda: router.state.balancer.in_flight() == 0)
+    wait_until(lambda: router.state.ledger.in_flight() == 0)
 
 
 def test_the_openai_sdk_raises_on_a_stream_whose_engine_dies_and_does_not_hang(
@@ -226,7 +226,7 @@ def test_a_whole_answer_cut_short_is_502_in_openai_shape(start_router, hub, auth
     response = chat(router, auth)
     error = assert_openai_error(response, 502, "upstream_failed", "failed in the middle of its answer")
     assert error["type"] == "server_error"
-    wait_until(lambda: router.state.balancer.in_flight() == 0)
+    wait_until(lambda: router.state.ledger.in_flight() == 0)
 
 
 def test_a_whole_answer_that_stalls_midway_is_504_naming_the_idle_deadline(start_router, hub, auth, broken_engine):

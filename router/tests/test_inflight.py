@@ -7,14 +7,8 @@ import asyncio
 import pytest
 
 from router.background import BackgroundTasks
-from router.forwarding.inflight import (
-    DISCONNECT_WATCH_DELAY,
-    FIRST_BYTE,
-    MIN_SWEEP_SECONDS,
-    NEXT_CHUNK,
-    SWEEP_SECONDS,
-    InFlight,
-)
+from router.forwarding.exchange import DISCONNECT_WATCH_DELAY, FIRST_BYTE, NEXT_CHUNK, Exchange
+from router.forwarding.inflight import MIN_SWEEP_SECONDS, SWEEP_SECONDS, InFlight
 
 
 class Client:
@@ -85,14 +79,17 @@ def test_a_client_that_leaves_cancels_its_request_which_tells_that_cancellation_
     assert run(scenario) == (True, None, 0)
 
 
-@pytest.mark.parametrize("phase, deadline", [(FIRST_BYTE, 0.3), (NEXT_CHUNK, 0.5)])
-def test_an_engine_overdue_is_cancelled_within_two_sweeps_of_its_deadline_and_not_before(phase, deadline):
+@pytest.mark.parametrize(
+    "start, phase, deadline",
+    [(Exchange.start_first_byte_deadline, FIRST_BYTE, 0.3), (Exchange.start_next_chunk_deadline, NEXT_CHUNK, 0.5)],
+)
+def test_an_engine_overdue_is_cancelled_within_two_sweeps_of_its_deadline_and_not_before(start, phase, deadline):
     async def scenario(in_flight, tasks):
         loop = asyncio.get_running_loop()
 
         async def request():
             exchange = in_flight.begin("k", Client().receive)
-            exchange.phase = phase
+            start(exchange)
             began = loop.time()
             try:
                 await asyncio.sleep(10)
@@ -113,17 +110,17 @@ def test_an_engine_overdue_is_cancelled_within_two_sweeps_of_its_deadline_and_no
 def test_each_wait_has_its_own_deadline_and_time_spent_sending_to_the_client_does_not_count():
     async def scenario(in_flight, tasks):
         exchange = in_flight.begin("k", Client().receive)
-        exchange.phase = FIRST_BYTE
+        exchange.start_first_byte_deadline()
         await asyncio.sleep(0.2)  # the first attempt fails after 0.2 s: the second one is sent
-        exchange.phase, exchange.since = FIRST_BYTE, None
+        exchange.start_first_byte_deadline()
         await asyncio.sleep(0.2)  # 0.4 s since the first send, 0.2 s since the second: not overdue
         in_time = [exchange.overdue]
-        exchange.phase, exchange.since = NEXT_CHUNK, None  # the answer began
+        exchange.start_next_chunk_deadline()  # the answer began
         for _ in range(3):  # chunks 0.3 s apart: each within the idle deadline of the one before
             await asyncio.sleep(0.3)
-            exchange.since = None
+            exchange.start_next_chunk_deadline()
         in_time.append(exchange.overdue)
-        exchange.phase = None  # sending to a client slower than the idle deadline
+        exchange.stop_deadline()  # sending to a client slower than the idle deadline
         await asyncio.sleep(0.8)
         in_time.append(exchange.overdue)
         in_flight.end(exchange)

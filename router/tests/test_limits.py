@@ -7,6 +7,7 @@ import pytest
 
 from conftest import wait_until
 from hub import InProcessHub, RedisHub, get_hub
+from hub.contracts import LimitCount
 from keys.models import ApiKey
 from router.accounting.limits import RateLimiter
 from router.errors import RouterError
@@ -111,15 +112,16 @@ def test_hubs_add_up_every_routers_counts_per_minute(kind, request):
     hub = RedisHub(request.getfixturevalue("redis_url")) if kind == "redis" else InProcessHub()
 
     async def exchange():
-        first = await hub.sync_limits(7, {"k": [2, 10]})
-        second = await hub.sync_limits(7, {"k": [3, 0], "other": [1, 1]})
-        next_minute = await hub.sync_limits(8, {"k": [1, 0]})
+        first = await hub.sync_limits(7, {"k": LimitCount(requests=2, tokens=10)})
+        second = await hub.sync_limits(7, {"k": LimitCount(3, 0), "other": LimitCount(1, 1)})
+        next_minute = await hub.sync_limits(8, {"k": LimitCount(1, 0)})
         return first, second, next_minute
 
     first, second, next_minute = asyncio.run(exchange())
-    assert first == ({"k": [2, 10]}, 1)
-    assert second == ({"k": [5, 10], "other": [1, 1]}, 1)
-    assert next_minute[0] == {"k": [1, 0]}
+    assert first == ({"k": LimitCount(requests=2, tokens=10)}, 1)
+    assert second == ({"k": LimitCount(5, 10), "other": LimitCount(1, 1)}, 1)
+    assert next_minute[0] == {"k": LimitCount(1, 0)}
+    assert all(type(counts) is LimitCount for counts in second[0].values())
 
 
 @pytest.mark.django_db(transaction=True)
@@ -134,7 +136,7 @@ def test_two_routers_share_one_rpm_within_the_stated_overshoot(kind, request, st
         hubs = [get_hub(), get_hub()]
     get_hub().publish_endpoints(make_table([start_engine().url]))
     routers = [start_router(hub, flush_seconds=0.05, clock=clock) for hub in hubs]
-    wait_until(lambda: all(router.state.balancer.endpoints(MODEL) for router in routers))  # both have the table
+    wait_until(lambda: all(router.state.routes.endpoints(MODEL) for router in routers))  # both have the table
     rpm = 10
     _, key = ApiKey.issue("shared", rpm=rpm)
 

@@ -9,8 +9,7 @@ import pytest
 from conftest import wait_until
 from hub.contracts import Activation, AdapterEntry, EndpointRow, EndpointTable, ModelEntry
 from keys.models import ApiKey
-from router.picking.balancer import Balancer
-from router.tests.conftest import MODEL, make_table
+from router.tests.conftest import MODEL, make_table, new_picker
 from router.tests.conftest import chat_with_key as chat
 from router.tests.test_proxy import assert_openai_error
 
@@ -76,8 +75,8 @@ def test_a_table_naming_no_pools_for_a_model_refuses_no_key_for_its_pools(start_
 
 
 def test_an_adapter_is_in_its_bases_pools():
-    balancer = Balancer()
-    balancer.apply_table(
+    picker = new_picker()
+    picker.routes.apply_table(
         EndpointTable(
             models={"base": ModelEntry(pools=["gold"]), "bare": ModelEntry()},
             endpoints=[EndpointRow(replica_id="1", model="base", url="http://a:1", pool="gold")],
@@ -85,7 +84,7 @@ def test_an_adapter_is_in_its_bases_pools():
         )
     )
     gold, silver = frozenset({"gold"}), frozenset({"silver", "x"})
-    assert balancer.serves_pools("base", gold) and balancer.serves_pools("tuned", gold)
-    assert not balancer.serves_pools("base", silver) and not balancer.serves_pools("tuned", silver)
-    assert balancer.serves_pools("base", frozenset())  # an unbound key
-    assert balancer.serves_pools("bare", silver)  # pools not published: nothing refused
+    assert picker.routes.serves_pools("base", gold) and picker.routes.serves_pools("tuned", gold)
+    assert not picker.routes.serves_pools("base", silver) and not picker.routes.serves_pools("tuned", silver)
+    assert picker.routes.serves_pools("base", frozenset())  # an unbound key
+    assert picker.routes.serves_pools("bare", silver)  # pools not published: nothing refused

@@ -14,8 +14,8 @@ import pytest
 from conftest import free_port, wait_until
 from hub.contracts import Activation
 from keys.models import ApiKey
-from router.forwarding.inflight import DISCONNECT_WATCH_DELAY
-from router.picking.balancer import EjectionPolicy
+from router.forwarding.exchange import DISCONNECT_WATCH_DELAY
+from router.picking.ejection import EjectionPolicy
 from router.tests.conftest import ALIAS, MODEL, make_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -269,7 +269,7 @@ def test_unreachable_only_replica_holds_the_request_like_a_cold_start_then_503(s
     assert time.monotonic() - started >= 0.5
     assert_openai_error(response, 503, "model_starting", MODEL)
     assert hub.drain_activations() == {Activation(model=MODEL)}
-    assert router.state.balancer.in_flight() == 0
+    assert router.state.ledger.in_flight() == 0
     # The only replica is never ejected: the next request tries it again.
     assert httpx.get(f"{router.url}/health").json()["ejected"] == []
 
@@ -293,7 +293,7 @@ def test_only_replica_dropping_connections_is_502_in_openai_shape(start_router, 
         hub.publish_endpoints(make_table([f"http://127.0.0.1:{listener.getsockname()[1]}"]))
         router = start_router()
         assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
-        assert router.state.balancer.in_flight() == 0
+        assert router.state.ledger.in_flight() == 0
         assert_openai_error(chat(router, auth), 502, "upstream_unavailable", MODEL)
         assert httpx.get(f"{router.url}/health").json()["ejected"] == []
     finally:
@@ -418,7 +418,7 @@ def test_a_client_leaving_before_or_after_the_disconnect_watch_starts_cuts_the_s
             body = {"model": MODEL, "messages": [], "stream": True}
             async with session.post(f"{router.url}/v1/chat/completions", json=body, headers=auth) as response:
                 await response.content.readline()
-                assert router.state.balancer.in_flight() == 1
+                assert router.state.ledger.in_flight() == 1
                 await asyncio.sleep(stay_seconds)
             # Leaving the block without reading to the end closes the connection.
 
@@ -588,7 +588,7 @@ def test_an_engine_error_after_a_cold_start_travels_in_the_stream(start_router, 
     assert status == 200
     error = json.loads(lines[-1].removeprefix("data: "))["error"]
     assert error["code"] == "upstream_error" and "500" in error["message"]
-    assert router.state.balancer.in_flight() == 0
+    assert router.state.ledger.in_flight() == 0
 
 
 def test_engine_silent_past_the_read_deadline_is_504_in_openai_shape(start_router, hub, auth, start_engine):
@@ -596,4 +596,4 @@ def test_engine_silent_past_the_read_deadline_is_504_in_openai_shape(start_route
     hub.publish_endpoints(make_table([slow.url]))
     router = start_router(first_byte_timeout=0.2)
     assert_openai_error(chat(router, auth), 504, "upstream_timeout", "did not answer in time")
-    wait_until(lambda: router.state.balancer.in_flight() == 0)
+    wait_until(lambda: router.state.ledger.in_flight() == 0)

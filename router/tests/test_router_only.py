@@ -22,8 +22,7 @@ from router.endpoints.static import (
     create_router_only_app,
     parse_endpoint_options,
 )
-from router.picking.balancer import Balancer
-from router.tests.conftest import MODEL, FakeEngine, RouterServer
+from router.tests.conftest import MODEL, FakeEngine, RouterServer, new_picker
 from router.tests.test_engine_load import MetricsEngine, poll
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -103,15 +102,15 @@ def test_an_engines_load_is_read_with_its_own_key():
     engine = GuardedMetricsEngine("guarded").start()
     try:
         engine.report(4, 0.25)
-        balancer = Balancer()
-        balancer.apply_table(
+        picker = new_picker()
+        picker.routes.apply_table(
             static_table(
                 EndpointRow(replica_id="k", model=MODEL, url=engine.url, api_key="sk-engine"),
                 EndpointRow(replica_id="n", model=MODEL, url=engine.url),
             )
         )
-        poll(balancer)
-        readings = {e.replica_id: e.engine_waiting for e in balancer.endpoints(MODEL)}
+        poll(picker)
+        readings = {e.replica_id: e.engine_waiting for e in picker.routes.endpoints(MODEL)}
         assert readings == {"k": 4.0, "n": None}  # without the key: 401, so unknown
     finally:
         engine.stop()
@@ -130,7 +129,7 @@ def test_two_engines_of_one_model_are_both_used_and_a_killed_one_is_ejected_and_
     answers = [post(router, auth, prompt(i)) for i in range(6)]
     assert [a.status_code for a in answers] == [200] * 6
     assert {a.headers["x-llmgw-replica"] for a in answers} == {"static-2"}
-    assert [e.replica_id for e in router.state.balancer.ejected()] == ["static-1"]
+    assert [e.replica_id for e in router.state.picker.ejected()] == ["static-1"]
 
 
 def router_only(table, redis_url="", store_seconds=0.2) -> RouterServer:
@@ -150,7 +149,7 @@ def test_routers_sharing_redis_share_one_limit_and_store_each_token_once(transac
     routers = [router_only(table, redis_url), router_only(table, redis_url)]
     try:
         # Each learns there are two of them once both have reported (the share: ceil(4 / 2) = 2 each).
-        wait_until(lambda: all(r.state.balancer.limits.routers == 2 for r in routers), timeout=5)
+        wait_until(lambda: all(r.state.ledger.limits.routers == 2 for r in routers), timeout=5)
         first = [post(routers[0], auth).status_code for _ in range(3)]
         assert first == [200, 200, 429]
         wait_until(lambda: stored() == [("shared", MODEL, 2, 2, 6)], timeout=5)

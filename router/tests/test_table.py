@@ -8,8 +8,7 @@ import pytest
 
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry
 from router.endpoints.table import TableError, decode_table
-from router.picking.balancer import Balancer
-from router.tests.conftest import ALIAS, MODEL, make_table, table_rows
+from router.tests.conftest import ALIAS, MODEL, make_table, new_picker, table_rows
 from router.tests.test_proxy import chat
 
 GOOD = {"replica_id": "1", "model": MODEL, "url": "http://a:1", "priority": 0, "weight": 1, "pool": "default"}
@@ -85,10 +84,10 @@ def test_a_decoded_table_is_what_the_control_plane_built():
 
 
 def test_the_balancer_serves_the_sound_rows_of_a_table_with_a_bad_one():
-    balancer = Balancer()
-    balancer.apply_table(decode_table(encoded({**table_rows(["http://a:1"]), "endpoints": [GOOD, {"url": 1}]})))
-    assert [e.replica_id for e in balancer.endpoints(MODEL)] == ["1"]
-    assert balancer.resolve(ALIAS) == MODEL
+    picker = new_picker()
+    picker.routes.apply_table(decode_table(encoded({**table_rows(["http://a:1"]), "endpoints": [GOOD, {"url": 1}]})))
+    assert [e.replica_id for e in picker.routes.endpoints(MODEL)] == ["1"]
+    assert picker.routes.resolve(ALIAS) == MODEL
 
 
 def test_a_router_serves_a_published_table_whose_other_row_is_bad(start_router, hub, auth, start_engine):
@@ -100,7 +99,7 @@ def test_a_router_serves_a_published_table_whose_other_row_is_bad(start_router, 
     )
     router = start_router()
     assert chat(router, auth).status_code == 200
-    assert [e.replica_id for e in router.state.balancer.endpoints(MODEL)] == ["1"]
+    assert [e.replica_id for e in router.state.routes.endpoints(MODEL)] == ["1"]
 
 
 def test_a_router_keeps_its_table_when_handed_something_that_is_not_one(start_router, hub, auth, start_engine, caplog):

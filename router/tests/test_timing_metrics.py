@@ -105,13 +105,13 @@ def test_a_held_request_is_timed_by_the_last_reason_the_table_gave(start_router,
     router = start_router(activation_timeout=5)
     first, *later = said
     hub.publish_endpoints(make_table(models={MODEL: {"aliases": [], "holding": first}}))
-    wait_until(lambda: router.state.balancer.holding(MODEL) == first)
+    wait_until(lambda: router.state.routes.holding(MODEL) == first)
     thread, result = held_request(router, auth, streaming=False)
     wait_until(lambda: router.state.cold_start.waiting(MODEL) == 1)
     for holding in later:
         hub.publish_endpoints(make_table(models={MODEL: {"aliases": [], "holding": holding}}))
         # The waiter wakes on this table before the router can apply the next one (one loop, in order).
-        wait_until(lambda holding=holding: router.state.balancer.holding(MODEL) == holding)
+        wait_until(lambda holding=holding: router.state.routes.holding(MODEL) == holding)
     hub.publish_endpoints(make_table([engine.url]))
     thread.join(10)
     assert result["status"] == 200

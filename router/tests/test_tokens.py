@@ -30,8 +30,7 @@ from router.accounting.usage_reader import (
     usage_reader,
 )
 from router.metrics import RouterMetrics
-from router.picking.balancer import Balancer
-from router.tests.conftest import MODEL, ThreadedEngine, make_table
+from router.tests.conftest import MODEL, ThreadedEngine, make_table, new_picker
 from router.tests.test_usage import UnreachableRedisHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -379,7 +378,7 @@ def mock_router(start_router, hub, engine_process):
 
 def pending(router, api_key) -> list:
     """[requests, prompt, completion] counted for `api_key`'s model, not yet flushed."""
-    counts, last_use = router.state.balancer.tokens.pending()
+    counts, last_use = router.state.ledger.tokens.pending()
     assert hash_secret(api_key) in last_use
     return msgspec.to_builtins(counts[hash_secret(api_key)][MODEL])
 
@@ -472,7 +471,7 @@ def test_tokens_reach_the_hub_with_the_usage_report_and_add_up_across_flushes(
         )
         assert response.status_code == 200
         # Flushed: each flush adds to the hub's counters, which only the tick takes.
-        wait_until(lambda: router.state.balancer.tokens.pending() == ({}, {}))
+        wait_until(lambda: router.state.ledger.tokens.pending() == ({}, {}))
     snapshot = hub.collect_usage()
     digest = hash_secret(api_key)
     # The fake engine's answers carry 1 prompt and 3 completion tokens.
@@ -481,17 +480,17 @@ def test_tokens_reach_the_hub_with_the_usage_report_and_add_up_across_flushes(
 
 
 def test_a_failed_flush_keeps_the_counts_for_the_next(tmp_path):
-    balancer = Balancer()
-    balancer.tokens.count("k", MODEL, (3, 4), served=True)
+    picker = new_picker()
+    picker.ledger.tokens.count("k", MODEL, (3, 4), served=True)
     down = UnreachableRedisHub(make_table())
-    flusher = UsageFlusher(down, balancer, RouterMetrics(balancer), flush_seconds=1, router_id="r")
+    flusher = UsageFlusher(down, picker.ledger, RouterMetrics(), flush_seconds=1, router_id="r")
     assert asyncio.run(flusher.flush()) is False
-    assert balancer.tokens.pending()[0] == {"k": {MODEL: TokenCount(requests=1, prompt=3, completion=4)}}
-    balancer.tokens.count("k", MODEL, (1, 1), served=True)
+    assert picker.ledger.tokens.pending()[0] == {"k": {MODEL: TokenCount(requests=1, prompt=3, completion=4)}}
+    picker.ledger.tokens.count("k", MODEL, (1, 1), served=True)
     working = InProcessHub()
     flusher.hub = working
     assert asyncio.run(flusher.flush()) is True
-    assert balancer.tokens.pending() == ({}, {})
+    assert picker.ledger.tokens.pending() == ({}, {})
     assert list(working.collect_usage().tokens.values()) == [
         {"k": {MODEL: TokenCount(requests=2, prompt=4, completion=5)}}
     ]

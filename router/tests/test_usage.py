@@ -15,8 +15,7 @@ from hub.contracts import UsageReport
 from hub.redis_hub import USAGE_KEY
 from router.accounting.flusher import UsageFlusher, new_router_id
 from router.metrics import RouterMetrics
-from router.picking.balancer import Balancer
-from router.tests.conftest import MODEL, make_table, pending_stamps
+from router.tests.conftest import MODEL, make_table, new_picker, pending_stamps
 from router.tests.test_proxy import CountingHub, chat, run_concurrently
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -75,7 +74,7 @@ def test_unreachable_redis_does_not_fail_requests_and_stamps_wait_for_the_next_f
         assert chat(router, auth).status_code == 200
     registry = router.state.metrics.registry
     wait_until(lambda: (registry.get_sample_value("llmgw_router_usage_flush_failures_total") or 0) >= 2)
-    assert list(pending_stamps(router.state.balancer)) == ["1"]
+    assert list(pending_stamps(router.state.picker)) == ["1"]
     assert chat(router, auth).status_code == 200
 
 
@@ -107,7 +106,7 @@ def test_stamps_land_in_the_redis_zset_and_never_move_back(redis_settings, start
     wait_until(lambda: client.zscore(USAGE_KEY, "2") > 5.0, timeout=1.5)
     assert before <= client.zscore(USAGE_KEY, "2") <= after
     assert client.zscore(USAGE_KEY, "1") == future
-    assert pending_stamps(router.state.balancer) == {}
+    assert pending_stamps(router.state.picker) == {}
     client.close()
 
 
@@ -116,10 +115,10 @@ def test_router_follows_tables_published_through_redis(redis_settings, start_rou
     hub = get_hub()
     hub.publish_endpoints(make_table())
     router = start_router(None, activation_timeout=3)
-    assert router.state.balancer.endpoints() == []
+    assert router.state.routes.endpoints() == []
     engine = start_engine("pushed")
     hub.publish_endpoints(make_table([engine.url]))
-    wait_until(lambda: router.state.balancer.endpoints(MODEL), timeout=2)
+    wait_until(lambda: router.state.routes.endpoints(MODEL), timeout=2)
     assert chat(router, auth).json()["choices"][0]["message"]["content"] == "hello from pushed"
 
 
@@ -151,24 +150,25 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def flusher_on(hub, balancer=None, router_id="r1"):
-    balancer = balancer or Balancer()
-    balancer.apply_table(make_table(["http://a:1", "http://b:1"]))
-    return UsageFlusher(hub, balancer, RouterMetrics(balancer), flush_seconds=1.0, router_id=router_id)
+def flusher_on(hub, router_id="r1"):
+    """A usage flusher and the picker whose ledger it flushes, over a table of two replicas."""
+    picker = new_picker()
+    picker.routes.apply_table(make_table(["http://a:1", "http://b:1"]))
+    return UsageFlusher(hub, picker.ledger, RouterMetrics(), flush_seconds=1.0, router_id=router_id), picker
 
 
 def test_one_flush_is_one_report_of_stamps_peaks_and_this_routers_mark():
     hub = CountingHub(InProcessHub())
-    flusher = flusher_on(hub)
-    first, second = flusher.balancer.pick(MODEL), flusher.balancer.pick(MODEL)
-    flusher.balancer.release(first)
+    flusher, picker = flusher_on(hub)
+    first, second = picker.pick(MODEL), picker.pick(MODEL)
+    picker.release(first)
     assert run(flusher.flush()) is True
     (report,) = hub.reports
     assert (report.router, report.in_flight, report.ttl) == ("r1", {MODEL: 2}, 3.0)
     assert set(report.stamps) == {first.replica_id, second.replica_id}
     (mark,) = hub.collect_usage().routers
     assert (mark.router, mark.in_flight) == ("r1", {MODEL: 2})
-    flusher.balancer.release(second)
+    picker.release(second)
     run(flusher.flush())
     assert hub.reports[-1].in_flight == {MODEL: 1}  # the window started with `second` still in flight
     run(flusher.flush())
@@ -177,22 +177,22 @@ def test_one_flush_is_one_report_of_stamps_peaks_and_this_routers_mark():
 
 def test_a_failed_flush_keeps_the_stamps_and_drops_the_peaks():
     hub = RedisHub(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens: every report fails
-    flusher = flusher_on(hub)
-    flusher.balancer.release(flusher.balancer.pick(MODEL))
-    stamps = pending_stamps(flusher.balancer)
+    flusher, picker = flusher_on(hub)
+    picker.release(picker.pick(MODEL))
+    stamps = pending_stamps(picker)
     assert run(flusher.flush()) is False
-    assert pending_stamps(flusher.balancer) == stamps
-    assert flusher.balancer.take_usage() == (stamps, {})
+    assert pending_stamps(picker) == stamps
+    assert picker.ledger.take_usage() == (stamps, {})
     assert flusher.metrics.registry.get_sample_value("llmgw_router_usage_flush_failures_total") == 1
 
 
 def test_clean_shutdown_flushes_once_more_and_withdraws_the_mark():
     hub = InProcessHub()
-    staying, leaving = flusher_on(hub, router_id="staying"), flusher_on(hub, router_id="leaving")
+    (staying, _), (leaving, picker) = flusher_on(hub, router_id="staying"), flusher_on(hub, router_id="leaving")
     run(staying.flush())
     run(leaving.flush())
-    used = leaving.balancer.pick(MODEL)
-    leaving.balancer.release(used)
+    used = picker.pick(MODEL)
+    picker.release(used)
     assert run(leaving.close()) is True
     snapshot = hub.collect_usage()
     assert [mark.router for mark in snapshot.routers] == ["staying"]
@@ -202,7 +202,7 @@ def test_clean_shutdown_flushes_once_more_and_withdraws_the_mark():
 def test_a_router_that_cannot_flush_at_shutdown_does_not_leave():
     """Leaving with stamps undelivered would turn "unknown" into "unused": the mark is left to lapse."""
     hub = UnreachableRedisHub(make_table())
-    flusher = flusher_on(hub)
+    flusher, _ = flusher_on(hub)
     assert run(flusher.close()) is False
 
 

@@ -15,7 +15,7 @@ from reconciler.demand.usage import FLEET, assess_usage
 from reconciler.models import Replica, UsageWatch
 from router.accounting.flusher import UsageFlusher
 from router.metrics import RouterMetrics
-from router.picking.balancer import Balancer
+from router.tests.conftest import new_picker
 from tests.fleet import make_model, ready_replicas
 
 pytestmark = pytest.mark.django_db
@@ -143,21 +143,21 @@ class FakeClock:
 
 
 def router_on(hub, router_id, replicas, model):
-    balancer = Balancer(clock=hub._clock)
+    picker = new_picker(clock=hub._clock)
     table = {
         "models": {model.name: {"aliases": []}},
         "endpoints": [{"replica_id": str(r.pk), "model": model.name, "url": "http://127.0.0.1:1"} for r in replicas],
     }
-    balancer.apply_table(msgspec.convert(table, EndpointTable))
-    return UsageFlusher(hub, balancer, RouterMetrics(balancer), flush_seconds=1.0, router_id=router_id)
+    picker.routes.apply_table(msgspec.convert(table, EndpointTable))
+    return UsageFlusher(hub, picker.ledger, RouterMetrics(), flush_seconds=1.0, router_id=router_id), picker
 
 
 def flush(*flushers):
     return [asyncio.run(flusher.flush()) for flusher in flushers]
 
 
-def use(flusher, model):
-    flusher.balancer.release(flusher.balancer.pick(model.name))
+def use(picker, model):
+    picker.release(picker.pick(model.name))
 
 
 @pytest.fixture
@@ -173,7 +173,10 @@ def redis_fleet(redis_url):
 
 def test_two_routers_one_unable_to_flush_make_idleness_unknown(run_tick, redis_fleet):
     clock, model, replicas, live, dead = redis_fleet
-    working, failing = router_on(live, "router-a", replicas, model), router_on(live, "router-b", replicas, model)
+    (working, _), (failing, failing_picker) = (
+        router_on(live, "router-a", replicas, model),
+        router_on(live, "router-b", replicas, model),
+    )
     assert flush(working, failing) == [True, True]
     run_tick(now=at(clock.now), hub=live)
     clock.now += 3
@@ -181,7 +184,7 @@ def test_two_routers_one_unable_to_flush_make_idleness_unknown(run_tick, redis_f
     assert run_tick(now=at(clock.now), hub=live).usage_known is True
 
     failing.hub = dead  # router-b loses Redis; router-a keeps renewing its own mark
-    use(failing, model)
+    use(failing_picker, model)
     for _ in range(5):
         clock.now += 1
         assert flush(working, failing) == [True, False]
@@ -189,7 +192,7 @@ def test_two_routers_one_unable_to_flush_make_idleness_unknown(run_tick, redis_f
     assert report.usage_known is False
     assert report.usage_unknown_reason == "router router-b has not reported usage for 5 s"
     assert report.usage_idle_since_ready == 0
-    assert failing.balancer._stamps  # what it used waits in its memory, not lost
+    assert failing.ledger.waiting_stamps()  # what it used waits in its memory, not lost
 
     failing.hub = live  # back: its held stamps land, then the fleet is known again after a mark lifetime
     clock.now += 1
@@ -209,9 +212,12 @@ def test_a_redis_outage_leaves_idleness_unknown_during_it_and_for_the_grace_afte
     the stamps the tick last saw go stale, but idleness is unknown until the routers' memory has landed."""
     settings.LLMGW_ROUTER_FORGET_SECONDS = 300
     clock, model, replicas, live, dead = redis_fleet
-    first, second = router_on(live, "router-a", replicas, model), router_on(live, "router-b", replicas, model)
-    use(second, model)
-    use(second, model)  # both replicas have a known last use before the outage
+    (first, _), (second, second_picker) = (
+        router_on(live, "router-a", replicas, model),
+        router_on(live, "router-b", replicas, model),
+    )
+    use(second_picker, model)
+    use(second_picker, model)  # both replicas have a known last use before the outage
     flush(first, second)
     run_tick(now=at(clock.now), hub=live)
     clock.now += 3
@@ -225,7 +231,7 @@ def test_a_redis_outage_leaves_idleness_unknown_during_it_and_for_the_grace_afte
     first.hub = second.hub = dead
     for _ in range(outage // 20):
         clock.now += 20
-        use(second, model)  # used during the outage: only router-b's memory knows
+        use(second_picker, model)  # used during the outage: only router-b's memory knows
         flush(first, second)
         during = run_tick(now=at(clock.now), hub=dead)
         assert during.usage_known is False

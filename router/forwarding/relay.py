@@ -1,0 +1,207 @@
+"""Relaying an engine's answer to the client, once its response has begun, and counting what it served.
+
+A whole answer of known, bounded length is read before anything is sent, so
+its failure is still a 502/504 in OpenAI's shape. Anything else is relayed
+chunk by chunk as the engine sends it: read a chunk, account for it (its
+usage, its timing), send it. A stream (SSE) that breaks ends with an OpenAI
+error event, which the OpenAI SDKs raise as an APIError; only a large or
+unbounded non-SSE body can still be cut. Nothing here is retried: bytes may
+have reached the client.
+
+Each answer's token usage is read as it is relayed (router.accounting.usage_reader)
+and counted per key and model in the ledger when the answer ends, in any way;
+a LoRA adapter's under the adapter's own name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from bisect import bisect_left
+
+import aiohttp
+from aiohttp import ClientResponse
+
+from router.accounting.ledger import Ledger
+from router.accounting.usage_reader import JsonUsage, SseUsage, usage_of_whole_answer, usage_reader
+from router.endpoints.table import Endpoint
+from router.errors import RouterError
+from router.forwarding.exchange import Forwarding
+from router.forwarding.headers import break_message, response_headers, sse_error_event
+from router.metrics import Histogram, RouterMetrics
+from router.picking.picker import Picker
+
+log = logging.getLogger(__name__)
+
+
+class StreamAccount:
+    """What a relayed answer accounts for as its chunks pass: usage (the reader may hold part of a chunk back)
+    and, for a stream, the gaps between chunks and when the first came.
+
+    A chunk costs a clock read, a bisect and two additions: the histogram's
+    series is taken once per answer (router.metrics.Histogram); an answer that
+    is not a stream counts into a blank series kept nowhere.
+    """
+
+    __slots__ = ("reader", "first", "last", "_timing", "_gaps", "_bounds")
+
+    def __init__(self, reader: JsonUsage | SseUsage | None, inter_token: Histogram, model: str, streamed: bool):
+        self.reader = reader
+        self.first = self.last = 0.0  # time.perf_counter of the first and the last chunk relayed (0: none yet)
+        self._timing = inter_token.series(model) if streamed else inter_token.blank()
+        self._gaps, self._bounds = self._timing[0], inter_token.bounds
+
+    def chunk(self, chunk: bytes) -> bytes:
+        """Account for `chunk` as read from the engine; what of it to send now (empty: nothing yet)."""
+        if self.reader is not None:
+            chunk = self.reader.feed(chunk)
+            if not chunk:
+                return chunk
+        now = time.perf_counter()
+        if self.last:
+            gap = now - self.last
+            self._gaps[bisect_left(self._bounds, gap)] += 1
+            self._timing[1] += gap
+        else:
+            self.first = now
+        self.last = now
+        return chunk
+
+    def rest(self) -> bytes:
+        """What the usage reader held back, to send once the engine is done."""
+        return self.reader.finish() if self.reader is not None else b""
+
+    def usage(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens the answer reported; None when not read or not reported."""
+        return self.reader.usage() if self.reader is not None else None
+
+
+class Relay:
+    """Relays begun answers (whole or chunk by chunk) and, when each ends, gives its replica back and counts it."""
+
+    def __init__(self, picker: Picker, ledger: Ledger, metrics: RouterMetrics, idle_timeout: float) -> None:
+        self.picker = picker
+        self.ledger = ledger
+        self.metrics = metrics
+        self.idle_timeout = idle_timeout
+
+    async def whole(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str) -> None:
+        """Read a whole answer of bounded length, then send it in one piece (so a break is still an error
+        status), reading its usage on the way."""
+        exchange = request.exchange
+        # Served: a 2xx relayed without breaking off (a client that leaves does not make it unserved).
+        served = 200 <= response.status < 300
+        usage = None
+        try:
+            try:
+                body = await response.read()  # the next chunk's deadline runs since the answer began
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                if not exchange.engine_failed(exc):
+                    raise
+                served = False
+                # Nothing was sent yet: the client still gets an error status.
+                status, message = break_message(endpoint, exc, self.idle_timeout)
+                log.warning("%s (%r)", message, exc)
+                raise RouterError(status, message, "upstream_failed", type_="server_error") from None
+            exchange.stop_deadline()  # all read
+            if served and exchange.key is not None:
+                # A whole JSON answer: its usage is read here; nothing of it is dropped.
+                encoding = response.headers.get("Content-Encoding", "")
+                usage = usage_of_whole_answer(content_type, encoding, body, request.path)
+            send, status = request.send, response.status
+            headers = response_headers(response, endpoint)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            exchange.status = status
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            exchange.complete = True
+        finally:
+            self._finish(request, endpoint, response, served, usage)
+
+    async def stream(
+        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool
+    ) -> None:
+        """Relay an answer chunk by chunk as the engine sends it; a break ends a stream (`streamed`: SSE) with an
+        error event and cuts any other body."""
+        send, exchange = request.send, request.exchange
+        served = 200 <= response.status < 300
+        reader = self._usage_reader(request, response, content_type) if served else None
+        account = StreamAccount(reader, self.metrics.traffic.inter_token, request.model, streamed)
+        try:
+            await self._begin_body(request, endpoint, response, reader)
+            try:
+                async for chunk in response.content.iter_any():
+                    chunk = account.chunk(chunk)
+                    if chunk:
+                        exchange.stop_deadline()  # while sending: a slow client's time is not the engine's silence
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    exchange.start_next_chunk_deadline()
+                exchange.stop_deadline()
+                if rest := account.rest():
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+                if not exchange.engine_failed(exc):
+                    raise
+                served = False
+                await self._end_broken(request, endpoint, exc, streamed)
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            exchange.complete = True
+        finally:
+            self._finish(request, endpoint, response, served, account.usage())
+            if streamed and account.first:
+                self.metrics.traffic.first_token.observe(request.model, account.first - request.received)
+
+    @staticmethod
+    def _usage_reader(request: Forwarding, response: ClientResponse, content_type: str) -> JsonUsage | SseUsage | None:
+        """What reads the usage of a served answer whose key records tokens; None when nothing is recorded."""
+        if request.exchange.key is None:
+            return None
+        encoding = response.headers.get("Content-Encoding", "")
+        return usage_reader(content_type, encoding, request.pass_usage, request.path)
+
+    @staticmethod
+    async def _begin_body(
+        request: Forwarding, endpoint: Endpoint, response: ClientResponse, reader: JsonUsage | SseUsage | None
+    ) -> None:
+        """Send an answer's status and headers, unless a hold sent them already; from now the engine's silence is
+        timed."""
+        if not request.headers_sent:
+            # A body that may lose its usage event cannot keep the engine's length.
+            headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
+            await request.send({"type": "http.response.start", "status": response.status, "headers": headers})
+        request.exchange.status = response.status
+        request.exchange.start_next_chunk_deadline()
+
+    async def _end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
+        """An answer broke off after it began: a stream (`streamed`) ends with an error event; any other body
+        is left cut (too late for a status, and a body of known length cannot be ended early)."""
+        status, message = break_message(endpoint, exc, self.idle_timeout)
+        log.warning("%s (%r)", message, exc)
+        if streamed:
+            request.exchange.status = status
+            await request.send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
+
+    def _finish(
+        self,
+        request: Forwarding,
+        endpoint: Endpoint,
+        response: ClientResponse,
+        served: bool,
+        usage: tuple[int, int] | None,
+    ) -> None:
+        """The answer is over (in any way): give back its connection and replica, and count it against its
+        key: a request and tokens if `served`, its tokens against its rate limits."""
+        exchange = request.exchange
+        if exchange.complete:
+            response.release()
+        else:
+            # Closing (not pooling) the connection is what makes the engine stop generating.
+            response.close()
+        model = request.model  # an adapter's own name, not its base's
+        self.picker.release(endpoint, None, model)
+        key = exchange.key
+        if key is not None:
+            self.ledger.tokens.count(key, model, usage, served)
+            if usage is not None:
+                self.ledger.limits.spent_tokens(key, usage[0] + usage[1])
