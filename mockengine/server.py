@@ -8,7 +8,7 @@ It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
 EXTRA_ENDPOINTS, so a router's proxying of them can be tested), and exposes `/health` and a vLLM-style
 `/metrics` (the gauge names and labels of vLLM 0.32.0, checked against the real server in
-tests/test_e2e_vllm.py), so the router's balancing and usage accounting work against it as
+tests/e2e/engines/test_vllm.py), so the router's balancing and usage accounting work against it as
 they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
 

@@ -38,8 +38,25 @@ def prefixed(held: dict[str, list[str]]) -> list[str]:
     return found
 
 
+def test_folders_held() -> dict[str, list[str]]:
+    """Test folder -> the test modules and helpers it holds directly (conftest.py and __init__.py aside)."""
+    held: dict[str, list[str]] = {}
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        parts = path.relative_to(ROOT).parts
+        if parts[0] in (".venv", "bench") or "tests" not in parts or path.name in ("__init__.py", "conftest.py"):
+            continue
+        held.setdefault("/".join(parts[:-1]), []).append(path.stem)
+    return held
+
+
 def test_no_package_holds_more_modules_than_a_reader_surveys():
     assert crowded(packages()) == []
+
+
+def test_no_test_folder_holds_more_modules_than_a_reader_surveys():
+    folders = test_folders_held()
+    assert {"tests", "tests/e2e", "router/tests", "router/tests/forwarding"} <= set(folders)
+    assert crowded(folders) == []
 
 
 def test_no_module_is_longer_than_its_purpose_needs():

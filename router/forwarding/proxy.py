@@ -84,6 +84,8 @@ class Proxy:
         # the connect deadline; the first byte's and the next chunk's are the sweep's (router.forwarding.inflight).
         self.timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout, sock_read=None)
         self.session: aiohttp.ClientSession | None = None
+        # Chosen once here, not per request: a router without hooks runs no line of theirs, nor a call more.
+        self.forward: Callable[[Forwarding], Awaitable[None]] = self._forward if hooks is None else self._hooked
 
     def open(self) -> None:
         """Open the upstream session (on the router's loop)."""
@@ -106,31 +108,31 @@ class Proxy:
             await self.session.close()
             self.session = None
 
-    async def forward(self, request: Forwarding) -> None:
-        """Answer `request` from a replica of its model; a RouterError if none can (before the response began)."""
+    async def _hooked(self, request: Forwarding) -> None:
+        assert self.hooks is not None  # chosen as `forward` only with hooks
+        await self.hooks.forward(request, self._forward)
+
+    async def _forward(self, request: Forwarding) -> None:
+        """`forward`: answer `request` from a replica of its model; a RouterError if none can (before the response
+        began)."""
         if self.session is None:
             raise RouterError(503, "The router is not started.", "router_not_started", type_="server_error")
         if request.streaming and request.path not in IN_OUT_USAGE_PATHS:
             # An OpenAI stream's tokens come only in a usage chunk the engine sends when asked; Anthropic's and
             # the Responses API's streams always carry theirs (router.accounting.usage_reader).
             request.body, request.pass_usage = ask_for_usage(request.body)
-        if self.hooks is None:
-            await self._forward(request)
-        else:
-            await self.hooks.forward(request, self._forward)
-
-    async def _forward(self, request: Forwarding) -> None:
+        hooks = self.hooks
         try:
             endpoint = self.picker.pick(request.model, (), request.affinity, request.pools)
             if endpoint is None:
-                if self.hooks is None:
+                if hooks is None:
                     endpoint = await self._wait_for_replica(request)
                 else:
-                    endpoint = await self.hooks.hold(request, self._wait_for_replica)
-            if self.hooks is None:
+                    endpoint = await hooks.hold(request, self._wait_for_replica)
+            if hooks is None:
                 await self._send_upstream(request, endpoint)
             else:
-                await self.hooks.send(request, endpoint, self._send_upstream)
+                await hooks.send(request, endpoint, self._send_upstream)
         except RouterError as exc:
             if not request.headers_sent:
                 raise
@@ -155,21 +157,8 @@ class Proxy:
         return endpoint
 
     async def _send_upstream(self, request: Forwarding, endpoint: Endpoint) -> None:
-        """Send the request to `endpoint` (once more to another replica if it fails before answering); relay it."""
-        response, endpoint = await self._response(request, endpoint)
-        if request.headers_sent and response.status != 200:
-            await self._raise_engine_error(request, endpoint, response)
-        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
-        content_type = response.headers.get("Content-Type", "")
-        streamed = request.headers_sent or content_type.startswith("text/event-stream")
-        if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
-            await self.relay.whole(request, endpoint, response, content_type)
-        else:
-            await self.relay.stream(request, endpoint, response, content_type, streamed)
-
-    async def _response(self, request: Forwarding, endpoint: Endpoint) -> tuple[ClientResponse, Endpoint]:
-        """The engine's response to `request` and the replica that gave it, after at most one retry on another
-        replica for a failure before the response began (or a 502/503 answer); a RouterError if none answered."""
+        """Send the request to `endpoint` (once more to another replica if it fails before its response begins, or
+        answers 502/503); relay the answer."""
         session, picker, exchange = self.session, self.picker, request.exchange
         assert session is not None  # forward() refuses to start without one
         headers = upstream_headers(request.scope)
@@ -203,13 +192,22 @@ class Proxy:
                 exchange.start_next_chunk_deadline()  # the answer has begun: the rest of it is owed from now
                 if response.status < 500:
                     picker.succeeded(endpoint)
-                    return response, endpoint
+                    break
                 retry = self._retry_on_error(request, endpoint, response)
                 if retry is None:
-                    return response, endpoint
+                    break
                 endpoint = retry
                 continue
             endpoint = await self._replacement(request, endpoint, failure, error)
+        if request.headers_sent and response.status != 200:
+            await self._raise_engine_error(request, endpoint, response)
+        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
+        content_type = response.headers.get("Content-Type", "")
+        streamed = request.headers_sent or content_type.startswith("text/event-stream")
+        if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
+            await self.relay.whole(request, endpoint, response, content_type)
+        else:
+            await self.relay.stream(request, endpoint, response, content_type, streamed)
 
     def _first_byte_overdue(self, request: Forwarding, endpoint: Endpoint) -> RouterError:
         return RouterError(

@@ -29,52 +29,10 @@ from router.endpoints.table import Endpoint
 from router.errors import RouterError
 from router.forwarding.exchange import Forwarding
 from router.forwarding.headers import break_message, response_headers, sse_error_event
-from router.metrics import Histogram, RouterMetrics
+from router.metrics import RouterMetrics
 from router.picking.picker import Picker
 
 log = logging.getLogger(__name__)
-
-
-class StreamAccount:
-    """What a relayed answer accounts for as its chunks pass: usage (the reader may hold part of a chunk back)
-    and, for a stream, the gaps between chunks and when the first came.
-
-    A chunk costs a clock read, a bisect and two additions: the histogram's
-    series is taken once per answer (router.metrics.Histogram); an answer that
-    is not a stream counts into a blank series kept nowhere.
-    """
-
-    __slots__ = ("reader", "first", "last", "_timing", "_gaps", "_bounds")
-
-    def __init__(self, reader: JsonUsage | SseUsage | None, inter_token: Histogram, model: str, streamed: bool):
-        self.reader = reader
-        self.first = self.last = 0.0  # time.perf_counter of the first and the last chunk relayed (0: none yet)
-        self._timing = inter_token.series(model) if streamed else inter_token.blank()
-        self._gaps, self._bounds = self._timing[0], inter_token.bounds
-
-    def chunk(self, chunk: bytes) -> bytes:
-        """Account for `chunk` as read from the engine; what of it to send now (empty: nothing yet)."""
-        if self.reader is not None:
-            chunk = self.reader.feed(chunk)
-            if not chunk:
-                return chunk
-        now = time.perf_counter()
-        if self.last:
-            gap = now - self.last
-            self._gaps[bisect_left(self._bounds, gap)] += 1
-            self._timing[1] += gap
-        else:
-            self.first = now
-        self.last = now
-        return chunk
-
-    def rest(self) -> bytes:
-        """What the usage reader held back, to send once the engine is done."""
-        return self.reader.finish() if self.reader is not None else b""
-
-    def usage(self) -> tuple[int, int] | None:
-        """(prompt, completion) tokens the answer reported; None when not read or not reported."""
-        return self.reader.usage() if self.reader is not None else None
 
 
 class Relay:
@@ -121,23 +79,41 @@ class Relay:
     async def stream(
         self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool
     ) -> None:
-        """Relay an answer chunk by chunk as the engine sends it; a break ends a stream (`streamed`: SSE) with an
-        error event and cuts any other body."""
-        send, exchange = request.send, request.exchange
+        """Relay an answer chunk by chunk as the engine sends it: read a chunk, account for it, send it. A break
+        ends a stream (`streamed`: SSE) with an error event and cuts any other body.
+
+        Accounting for a chunk is its usage (the reader may hold part of it back until an event is whole) and,
+        for a stream, the gap since the last chunk, counted straight into the model's inter-token series
+        (router.metrics.Histogram): a Python call costs about as much as the rest of a chunk's accounting, and
+        an answer has one chunk per token. A body that is not a stream counts into a blank series kept nowhere."""
+        send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
         reader = self._usage_reader(request, response, content_type) if served else None
-        account = StreamAccount(reader, self.metrics.traffic.inter_token, request.model, streamed)
+        inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
+        timing = inter_token.series(request.model) if streamed else inter_token.blank()
+        gaps, bounds = timing[0], inter_token.bounds
         try:
             await self._begin_body(request, endpoint, response, reader)
             try:
                 async for chunk in response.content.iter_any():
-                    chunk = account.chunk(chunk)
-                    if chunk:
-                        exchange.stop_deadline()  # while sending: a slow client's time is not the engine's silence
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    # Account for it: its usage, then its gap since the last chunk sent.
+                    if reader is not None and not (chunk := reader.feed(chunk)):
+                        exchange.start_next_chunk_deadline()  # held back: the engine sent something all the same
+                        continue
+                    now = clock()
+                    if last:
+                        gap = now - last
+                        gaps[bisect_left(bounds, gap)] += 1
+                        timing[1] += gap
+                    else:
+                        first = now
+                    last = now
+                    # Send it: the time a slow client takes is not the engine's silence.
+                    exchange.stop_deadline()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     exchange.start_next_chunk_deadline()
                 exchange.stop_deadline()
-                if rest := account.rest():
+                if reader is not None and (rest := reader.finish()):
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
                 if not exchange.engine_failed(exc):
@@ -148,9 +124,9 @@ class Relay:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             exchange.complete = True
         finally:
-            self._finish(request, endpoint, response, served, account.usage())
-            if streamed and account.first:
-                self.metrics.traffic.first_token.observe(request.model, account.first - request.received)
+            self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None)
+            if streamed and first:
+                traffic.first_token.observe(request.model, first - request.received)
 
     @staticmethod
     def _usage_reader(request: Forwarding, response: ClientResponse, content_type: str) -> JsonUsage | SseUsage | None:

@@ -13,7 +13,7 @@ endpoints; the pick only reads those cached numbers (DESIGN invariant 4).
 
 The bundled mock engine exposes vLLM 0.32's names. llama.cpp's current server
 publishes no KV cache gauge at all, so its replicas' KV usage is unknown
-(tests/test_e2e_llamacpp.py runs one). Several label sets add up
+(tests/e2e/engines/test_llamacpp.py runs one). Several label sets add up
 for the waiting count (vLLM's data-parallel engine cores, SGLang's data-parallel
 ranks) and average for KV usage (one full rank of several is not a full
 replica); the ranks of one tensor-parallel group (`tp_rank`) report one batch,

@@ -17,7 +17,7 @@ from keys.models import ApiKey
 from router.endpoints.routes import ADAPTER_LOAD
 from router.endpoints.table import decode_table
 from router.tests.conftest import ALIAS, MODEL, in_flight_by_model, new_picker, pending_stamps
-from router.tests.test_proxy import CountingHub, assert_openai_error, chat, metric
+from router.tests.forwarding.test_proxy import CountingHub, assert_openai_error, chat, metric
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

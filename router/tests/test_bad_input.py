@@ -24,7 +24,7 @@ from router.errors import RouterError
 from router.forwarding.body import MAX_JSON_DEPTH, decode_object, nesting_depth_exceeds
 from router.forwarding.paths import PROXY_PATHS
 from router.tests.conftest import ALIAS, MODEL, ThreadedEngine, make_table
-from router.tests.test_proxy import assert_openai_error
+from router.tests.forwarding.test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.demo_stack import API_KEY, demo_stack
+from tests.e2e.demo_stack import API_KEY, demo_stack
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """The adapter calls of each engine dialect (agent/engines/adapters.py), against a recording HTTP server on 127.0.0.1
 that answers as the engine would, by its source (the mock engine is driven in test_agent_adapters.py, the real
-vLLM's routes in tests/test_e2e_vllm.py)."""
+vLLM's routes in tests/e2e/engines/test_vllm.py)."""
 
 import json
 

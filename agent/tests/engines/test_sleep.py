@@ -1,6 +1,6 @@
 """The sleep and wake calls of each engine dialect (agent/engines/sleep.py), against a recording HTTP server on
 127.0.0.1 that answers as the engine would, and against the mock engine served in-process (it is driven as a
-subprocess by the agent in test_agent_sleep.py, and the real vLLM in tests/test_e2e_vllm.py)."""
+subprocess by the agent in test_agent_sleep.py, and the real vLLM in tests/e2e/engines/test_vllm.py)."""
 
 import asyncio
 import contextlib

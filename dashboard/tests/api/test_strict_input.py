@@ -1,6 +1,6 @@
 """The REST API takes a value only as its schema types it, and the schema states what the API refuses.
 
-schemathesis checks the same in general (test_api_schemathesis, tests/test_e2e_schemathesis);
+schemathesis checks the same in general (test_api_schemathesis, tests/e2e/test_schemathesis);
 these name the cases it once found and the rules the schema states.
 """
 

@@ -1,0 +1,1 @@
+"""End-to-end tests: the real processes (`up`, agents, engines, routers) started as an operator starts them."""
