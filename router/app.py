@@ -2,7 +2,7 @@
 
 No Django request cycle runs here; Django is used only for settings and, on an
 API-key cache miss, the ORM. This module routes each request (the OpenAI proxy
-paths, /v1/models, /health, /metrics), checks its key and model, and hands it
+paths, /v1/models, /health, the /healthz and /readyz probes, /metrics), checks its key and model, and hands it
 to the proxy; `router.state` holds what the app keeps in memory and runs its
 lifecycle.
 
@@ -37,6 +37,8 @@ from router.state import RouterState
 log = logging.getLogger(__name__)
 
 MODEL_PATH_PREFIX = "/v1/models/"
+# Liveness and readiness, outside auth, the access log and the metrics (router.app's _probe).
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 # The most /v1/models bodies kept at once (one per key scope seen since the table last changed).
 MODEL_LISTS_KEPT = 256
 # nginx's convention for "the client closed the request"; only ever a metric label.
@@ -44,7 +46,8 @@ CLIENT_CLOSED = 499
 
 
 class RouterApp:
-    """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /v1/models/{id}, /health, /metrics."""
+    """The ASGI callable. Routes: the OpenAI proxy paths, /v1/models, /v1/models/{id}, /health, /healthz, /readyz,
+    /metrics."""
 
     def __init__(self, state: RouterState):
         self.state = state
@@ -70,7 +73,8 @@ class RouterApp:
             return
         path, method = scope["path"], scope["method"]
         try:
-            if self.state.draining and path != "/metrics":
+            # Probes are answered while draining too: that is when a balancer needs to know.
+            if self.state.draining and path != "/metrics" and path not in PROBE_PATHS:
                 raise shutting_down()
             if path in PROXY_PATHS:
                 if method != "POST":
@@ -86,6 +90,8 @@ class RouterApp:
                     raise method_not_allowed(method, path, b"GET")
                 key = await self._authorize(scope)
                 await send_json(send, 200, self._model(key, path[len(MODEL_PATH_PREFIX) :]))
+            elif path in PROBE_PATHS:
+                await self._probe(path, send)
             elif path == "/health":
                 await send_json(send, 200, self._health())
             elif path == "/metrics":
@@ -159,6 +165,22 @@ class RouterApp:
         if public is None or not key.allows(public, self._routes.resolve):
             raise RouterError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
         return _model_object(name, public, self._routes.base_of(public))
+
+    async def _probe(self, path: str, send: Send) -> None:
+        """/healthz: the process answers. /readyz: it can route: an endpoint table installed and not draining.
+        Neither reads anything but memory, so a kubelet or a balancer may poll them every second."""
+        if path == "/healthz":
+            await send_bytes(send, 200, b'{"status":"alive"}', JSON_CONTENT_TYPE)
+            return
+        state = self.state
+        if state.draining:
+            problem = "the router is shutting down"
+        elif not self._routes.generation:
+            problem = "no endpoint table received yet"
+        else:
+            await send_bytes(send, 200, b'{"status":"ready"}', JSON_CONTENT_TYPE)
+            return
+        await send_json(send, 503, {"status": "not_ready", "reason": problem})
 
     def _health(self) -> dict[str, Any]:
         state, routes = self.state, self._routes
