@@ -4,13 +4,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: browser demo test lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
+.PHONY: browser demo dist test lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
+
+# The wheel and sdist: every app with its templates, static files and migrations, the mock engine, the Grafana
+# dashboard; `llmgw` is its command. twine checks what an index would be shown.
+dist: $(VENV)/.installed
+	rm -rf dist build
+	$(PY) -m build --outdir dist
+	$(PY) -m twine check --strict dist/*
 
 migrate: $(VENV)/.installed
 	$(PY) manage.py migrate --noinput

@@ -343,10 +343,10 @@ async def run_until_signalled(agent: Agent) -> None:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m agent`; returns the exit code."""
+def main(argv: list[str] | None = None, prog: str = "python -m agent") -> int:
+    """Entry point of `python -m agent` and `llmgw agent`; returns the exit code (2: bad arguments)."""
     parser = argparse.ArgumentParser(
-        prog="python -m agent",
+        prog=prog,
         description="Run the node agent: connect to the control plane and start or stop engine shards "
         "on this node's GPUs.",
     )
@@ -357,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging()
         print(describe(agent), flush=True)
         asyncio.run(run_until_signalled(agent))
-    except (UsageError, AgentRejected) as exc:
+    except UsageError as exc:  # a bad command line: exit 2, as argparse does for the rest
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except AgentRejected as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
     print(f"agent for node {agent.node} stopped", flush=True)

@@ -73,7 +73,7 @@ def start_stack(workdir: Path, catalog_text: str) -> tuple[subprocess.Popen, str
     (workdir / "catalog.yaml").write_text(catalog_text)
     router_port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
-        "LLMGW_VAR_DIR": str(workdir),
+        "LLMGW_HOME": str(workdir),
         "LLMGW_DEMO_API_KEY": KEY,
         "LLMGW_DEMO_ADMIN_PASSWORD": "bench-admin-password",
         "LLMGW_PORT": str(free_port()),

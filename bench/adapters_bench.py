@@ -34,7 +34,7 @@ KEY = "sk-llmgw-bench-0123456789abcdef"
 
 
 def setup_django(workdir: str) -> None:
-    os.environ.setdefault("LLMGW_VAR_DIR", workdir)
+    os.environ.setdefault("LLMGW_HOME", workdir)
     os.environ.setdefault("SECRET_KEY", "bench-only")
     os.environ.setdefault("LOG_LEVEL", "WARNING")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
@@ -183,7 +183,7 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "LLMGW_VAR_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "LLMGW_HOME")}
     cmd = [
         sys.executable,
         __file__,

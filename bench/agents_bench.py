@@ -164,7 +164,7 @@ def main() -> None:
         "DATABASE_URL": args.database,
         "REDIS_URL": args.redis,
         "SECRET_KEY": "bench-only",
-        "LLMGW_VAR_DIR": tempfile.mkdtemp(prefix="llmgw-agents-bench-"),
+        "LLMGW_HOME": tempfile.mkdtemp(prefix="llmgw-agents-bench-"),
         "DJANGO_SETTINGS_MODULE": "llmgw_site.settings",
         "LOG_LEVEL": "WARNING",
     }

@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
-    os.environ.setdefault("LLMGW_VAR_DIR", tempfile.mkdtemp(prefix="llmgw-plan-bench-"))
+    os.environ.setdefault("LLMGW_HOME", tempfile.mkdtemp(prefix="llmgw-plan-bench-"))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
     import django
 

@@ -92,7 +92,7 @@ def serve_router(port: int, upstream: str, workdir: str, key_features: str = "",
         {
             "DATABASE_URL": f"sqlite:///{workdir}/bench.sqlite3",
             "SECRET_KEY": "bench-only",
-            "LLMGW_VAR_DIR": workdir,
+            "LLMGW_HOME": workdir,
             "LOG_LEVEL": "WARNING",
             "DJANGO_SETTINGS_MODULE": "llmgw_site.settings",
         }

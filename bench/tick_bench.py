@@ -69,7 +69,7 @@ def main() -> None:
         return
     sizes = [int(n) for n in args.nodes.split(",")]
 
-    os.environ.setdefault("LLMGW_VAR_DIR", tempfile.mkdtemp(prefix="llmgw-tick-bench-"))
+    os.environ.setdefault("LLMGW_HOME", tempfile.mkdtemp(prefix="llmgw-tick-bench-"))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
     from datetime import timedelta
 
@@ -354,7 +354,7 @@ def compare(rev: str, rounds: int, nodes: str, ticks: int) -> None:
 
 def _run_side(root: Path, suffix: str, size: str, ticks: int, tmp: Path) -> tuple[float, int, float, int]:
     """One run of the bench in `root` on its own database; (placing ms, queries, steady ms, queries)."""
-    env = dict(os.environ, LLMGW_VAR_DIR=tempfile.mkdtemp(dir=tmp), SECRET_KEY=os.environ.get("SECRET_KEY", "bench"))
+    env = dict(os.environ, LLMGW_HOME=tempfile.mkdtemp(dir=tmp), SECRET_KEY=os.environ.get("SECRET_KEY", "bench"))
     if os.environ.get("DATABASE_URL"):
         env["DATABASE_URL"] = _side_database(os.environ["DATABASE_URL"], suffix)
     command = [sys.executable, str(root / "bench" / "tick_bench.py"), "--nodes", size, "--ticks", str(ticks)]

@@ -32,13 +32,23 @@ def _s(name, kind, default, help, minimum=None, shown=None) -> Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _s("DATABASE_URL", "str", None, "database (PostgreSQL for a fleet)", shown="SQLite at `var/llmgw.sqlite3`"),
+    _s("DATABASE_URL", "str", None, "database (PostgreSQL for a fleet)", shown="SQLite at `$LLMGW_HOME/llmgw.sqlite3`"),
     _s("REDIS_URL", "str", None, "channel layer, endpoint list, usage, activations, Celery broker; unset = embedded"),
     _s(
-        "SECRET_KEY", "str", None, "required with `DATABASE_URL`", shown="random, kept in `var/` without `DATABASE_URL`"
+        "SECRET_KEY",
+        "str",
+        None,
+        "required with `DATABASE_URL`",
+        shown="random, kept in `$LLMGW_HOME` without `DATABASE_URL`",
     ),
     _s("DEBUG", "bool", False, "Django debug mode"),
-    _s("LLMGW_VAR_DIR", "str", None, "where embedded mode keeps its SQLite file and secret key", shown="`var/`"),
+    _s(
+        "LLMGW_HOME",
+        "str",
+        None,
+        "where llmgw keeps its state: the SQLite file and secret key of embedded mode, the demo's credentials",
+        shown="`var/` in a source checkout, else the user's data folder (`~/.local/share/llmgw`)",
+    ),
     _s("LLMGW_HOST", "str", "127.0.0.1", "where `up` listens (`--host`); also an allowed `Host` header"),
     _s(
         "ALLOWED_HOSTS",

@@ -1,7 +1,7 @@
 """Django settings for llmgw, all taken from the environment through the registry in
 `llmgw_site.config` (the Configuration table of docs/configuration.md is printed from it).
 
-Unset DATABASE_URL means SQLite in var/; unset REDIS_URL means embedded mode,
+Unset DATABASE_URL means SQLite in LLMGW_HOME; unset REDIS_URL means embedded mode,
 with in-process channel layer, endpoint list, usage store and activation queue.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
+from platformdirs import user_data_dir
 
 from llmgw_site.config import setting
 from telemetry import TracingConfigError, exporter_name
@@ -22,7 +23,10 @@ from telemetry import TracingConfigError, exporter_name
 django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(setting("LLMGW_VAR_DIR", str(BASE_DIR / "var")))
+# State (the SQLite file, the secret key, the demo's credentials) lives in LLMGW_HOME: by default `var/` in a source
+# checkout, and the user's data folder (e.g. ~/.local/share/llmgw) for an installed package, never site-packages.
+_DEFAULT_HOME = BASE_DIR / "var" if (BASE_DIR / "manage.py").exists() else Path(user_data_dir("llmgw", appauthor=False))
+VAR_DIR = Path(setting("LLMGW_HOME") or _DEFAULT_HOME)
 
 DEBUG = setting("DEBUG")
 DATABASE_URL = setting("DATABASE_URL")

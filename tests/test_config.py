@@ -103,7 +103,7 @@ def deployed_settings(**env) -> dict:
         "from django.conf import settings as s; "
         "print(json.dumps([s.ALLOWED_HOSTS, s.CSRF_TRUSTED_ORIGINS, s.LLMGW_METRICS_TOKEN]))"
     )
-    env = clean | {"LLMGW_VAR_DIR": os.environ.get("LLMGW_VAR_DIR", str(ROOT / "var"))} | env
+    env = clean | {"LLMGW_HOME": os.environ.get("LLMGW_HOME", str(ROOT / "var"))} | env
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     hosts, origins, token = json.loads(result.stdout)

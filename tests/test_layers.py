@@ -19,6 +19,7 @@ LAYERS = {
     "agentlink": 3,
     "runner": 4,
     "llmgw_site": 5,
+    "llmgw": 6,  # the `llmgw` command: it names every process, the agent's included (llmgw.cli: by string)
 }
 # Packages that stand alone: what each may import besides itself.
 ALONE = {

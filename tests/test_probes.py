@@ -22,7 +22,7 @@ def serve_control_plane(tmp_path, **env):
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "llmgw_site.asgi:application", "--port", str(port), "--lifespan", "off"],
         cwd=ROOT,
-        env={**os.environ, "LLMGW_VAR_DIR": str(tmp_path), "SECRET_KEY": "test-only", **env},
+        env={**os.environ, "LLMGW_HOME": str(tmp_path), "SECRET_KEY": "test-only", **env},
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -110,7 +110,7 @@ def test_the_host_up_listens_on_is_an_allowed_host():
         ],
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_") and k != "ALLOWED_HOSTS"}
-        | {"LLMGW_HOST": "10.1.2.3", "LLMGW_VAR_DIR": os.environ.get("LLMGW_VAR_DIR", str(ROOT / "var"))},
+        | {"LLMGW_HOST": "10.1.2.3", "LLMGW_HOME": os.environ.get("LLMGW_HOME", str(ROOT / "var"))},
         capture_output=True,
         text=True,
         timeout=60,

@@ -38,7 +38,7 @@ def prefixed(held: dict[str, list[str]]) -> list[str]:
     return found
 
 
-def test_folders_held() -> dict[str, list[str]]:
+def folders_with_tests() -> dict[str, list[str]]:
     """Test folder -> the test modules and helpers it holds directly (conftest.py and __init__.py aside)."""
     held: dict[str, list[str]] = {}
     for path in sorted(ROOT.glob("*/**/*.py")):
@@ -54,7 +54,7 @@ def test_no_package_holds_more_modules_than_a_reader_surveys():
 
 
 def test_no_test_folder_holds_more_modules_than_a_reader_surveys():
-    folders = test_folders_held()
+    folders = folders_with_tests()
     assert {"tests", "tests/e2e", "router/tests", "router/tests/forwarding"} <= set(folders)
     assert crowded(folders) == []
 

@@ -50,7 +50,7 @@ def plain_agent(args, var_dir: Path, **env) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", WRAPPER, *args],
         cwd=PROJECT,
-        env={**os.environ, "LLMGW_VAR_DIR": str(var_dir), **env},
+        env={**os.environ, "LLMGW_HOME": str(var_dir), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -72,7 +72,7 @@ def test_plain_entry_point_imports_no_django_and_creates_no_var_dir(args, tmp_pa
     if args == ["--help"]:
         assert process.returncode == 0 and "--control-plane URL" in out
     else:
-        assert process.returncode == 1 and "Node name 'bad name!'" in err
+        assert process.returncode == 2 and "Node name 'bad name!'" in err
 
 
 def test_plain_entry_point_runs_the_agent_and_stops_on_sigterm_without_django(tmp_path):
@@ -96,9 +96,9 @@ def test_plain_entry_point_runs_the_agent_and_stops_on_sigterm_without_django(tm
 def test_bad_arguments_exit_non_zero_naming_the_problem(args, problem, capsys):
     if "--fake-gpus" not in args:
         args = [*args, "--fake-gpus", "1xL4-24GB"]  # so no test depends on this machine's nvidia-smi
-    assert cli.main(args) == 1
+    assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert problem in err and err.startswith("python -m agent: error: ")
+    assert problem in err and err.startswith("usage: python -m agent") and "\npython -m agent: error: " in err
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_bad_arguments_exit_non_zero_naming_the_problem(args, problem, capsys):
 def test_bad_heartbeat_from_the_environment_is_refused_naming_the_variable(value, problem, monkeypatch, capsys):
     monkeypatch.setenv("LLMGW_HEARTBEAT_SECONDS", value)
     args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t", "--fake-gpus", "1xL4-24GB"]
-    assert cli.main(args) == 1
+    assert cli.main(args) == 2
     assert problem in capsys.readouterr().err
 
 
@@ -140,19 +140,19 @@ def test_the_weights_root_comes_from_the_option_or_the_environment_and_must_be_a
     (tmp_path / "w").mkdir()
     assert cli.weights_root_from("w", {}) == str(tmp_path / "w")  # made absolute: engines run elsewhere
     args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t", "--fake-gpus", "1xL4-24GB"]
-    assert cli.main([*args, "--weights-root", str(tmp_path / "missing")]) == 1
+    assert cli.main([*args, "--weights-root", str(tmp_path / "missing")]) == 2
     assert f"--weights-root='{tmp_path / 'missing'}' is not an existing folder." in capsys.readouterr().err
-    assert cli.main([*args, "--weights-root", ""]) == 1
+    assert cli.main([*args, "--weights-root", ""]) == 2
     assert "--weights-root is empty" in capsys.readouterr().err
     monkeypatch.setenv("LLMGW_WEIGHTS_ROOT", str(tmp_path / "notes.txt"))
     (tmp_path / "notes.txt").write_text("a file, not a folder")
-    assert cli.main(args) == 1
+    assert cli.main(args) == 2
     assert "LLMGW_WEIGHTS_ROOT=" in capsys.readouterr().err
 
 
 def test_fake_gpu_health_goes_with_fake_gpus_only(tmp_path, capsys):
     args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "n1", "--token", "t"]
-    assert cli.main([*args, "--fake-gpu-health", str(tmp_path / "h.json")]) == 1
+    assert cli.main([*args, "--fake-gpu-health", str(tmp_path / "h.json")]) == 2
     assert "--fake-gpu-health goes with --fake-gpus" in capsys.readouterr().err
     options = {
         "control_planes": args[1:2],

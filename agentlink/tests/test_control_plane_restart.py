@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 def _env(var_dir: Path) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")}
-    return clean | {"LLMGW_VAR_DIR": str(var_dir), "PYTHONUNBUFFERED": "1", "LLMGW_HEARTBEAT_SECONDS": "0.5"}
+    return clean | {"LLMGW_HOME": str(var_dir), "PYTHONUNBUFFERED": "1", "LLMGW_HEARTBEAT_SECONDS": "0.5"}
 
 
 def _control_plane(port: int, env: dict, log: Path) -> subprocess.Popen:

@@ -41,7 +41,7 @@ def engine_ports(var_dir: Path) -> dict[int, int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if b"mockengine" in argv and f"LLMGW_VAR_DIR={var_dir}".encode() in environ:
+        if b"mockengine" in argv and f"LLMGW_HOME={var_dir}".encode() in environ:
             port = argv[argv.index(b"--port") + 1]
             engines[int(port)] = int(entry.name)
     return engines

@@ -183,7 +183,7 @@ class Stack:
                 "DATABASE_URL": url,
                 "REDIS_URL": self.redis_url,
                 "SECRET_KEY": "fault-drill-only",
-                "LLMGW_VAR_DIR": str(self.workdir / "var"),
+                "LLMGW_HOME": str(self.workdir / "var"),
                 "PYTHONUNBUFFERED": "1",
                 "LOG_LEVEL": "INFO",
             }

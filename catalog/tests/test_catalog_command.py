@@ -93,7 +93,7 @@ def test_a_bad_file_exits_non_zero_from_the_shell(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: [qwen]\n")
     # A file of the wrong shape is refused before the database is read (this one has no tables).
-    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"LLMGW_VAR_DIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"LLMGW_HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "manage.py", "catalog", "apply", str(bad)],
         cwd=ROOT,

@@ -17,7 +17,7 @@ from router.metrics import metrics_token_ok
 from router.tests.conftest import RouterServer
 from tests.fleet import make_model, make_node, make_replica
 
-GRAFANA = Path(__file__).resolve().parents[2] / "docs" / "grafana-llmgw.json"
+GRAFANA = Path(__file__).resolve().parents[2] / "dashboard" / "grafana" / "llmgw.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
 PROMQL_WORDS = {"le"}
 

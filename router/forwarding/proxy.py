@@ -157,8 +157,7 @@ class Proxy:
         return endpoint
 
     async def _send_upstream(self, request: Forwarding, endpoint: Endpoint) -> None:
-        """Send the request to `endpoint` (once more to another replica if it fails before its response begins, or
-        answers 502/503); relay the answer."""
+        """Send the request to `endpoint` (again to another replica if it fails before answering); relay the answer."""
         session, picker, exchange = self.session, self.picker, request.exchange
         assert session is not None  # forward() refuses to start without one
         headers = upstream_headers(request.scope)
@@ -201,8 +200,7 @@ class Proxy:
             endpoint = await self._replacement(request, endpoint, failure, error)
         if request.headers_sent and response.status != 200:
             await self._raise_engine_error(request, endpoint, response)
-        # The header as sent, not `response.content_type`: that parses its parameters, which nothing here needs.
-        content_type = response.headers.get("Content-Type", "")
+        content_type = response.headers.get("Content-Type", "")  # as sent: `response.content_type` parses it
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
         if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
             await self.relay.whole(request, endpoint, response, content_type)

@@ -10,7 +10,12 @@ have reached the client.
 
 Each answer's token usage is read as it is relayed (router.accounting.usage_reader)
 and counted per key and model in the ledger when the answer ends, in any way;
-a LoRA adapter's under the adapter's own name.
+a LoRA adapter's under the adapter's own name. A stream's chunk is accounted
+for inline: its usage (the reader may hold part of it back until an event is
+whole), then the gap since the last chunk, counted straight into the model's
+inter-token series (router.metrics.Histogram). A Python call costs about as
+much as the rest of a chunk's accounting (measured: docs/benchmarks.md), and
+an answer has a chunk per token.
 """
 
 from __future__ import annotations
@@ -80,12 +85,8 @@ class Relay:
         self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool
     ) -> None:
         """Relay an answer chunk by chunk as the engine sends it: read a chunk, account for it, send it. A break
-        ends a stream (`streamed`: SSE) with an error event and cuts any other body.
-
-        Accounting for a chunk is its usage (the reader may hold part of it back until an event is whole) and,
-        for a stream, the gap since the last chunk, counted straight into the model's inter-token series
-        (router.metrics.Histogram): a Python call costs about as much as the rest of a chunk's accounting, and
-        an answer has one chunk per token. A body that is not a stream counts into a blank series kept nowhere."""
+        ends a stream (`streamed`: SSE) with an error event and cuts any other body. Accounting is inline (see the
+        module docstring); a body that is not a stream counts its gaps into a blank series kept nowhere."""
         send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
         reader = self._usage_reader(request, response, content_type) if served else None

@@ -41,7 +41,7 @@ def test_router_refuses_bad_workers_and_ports(args, problem):
 
 def test_router_only_mode_serves_engines_on_a_fixed_table_with_no_control_plane(tmp_path, engine_process):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env["LLMGW_VAR_DIR"] = str(tmp_path)  # a SQLite key store of its own
+    env["LLMGW_HOME"] = str(tmp_path)  # a SQLite key store of its own
     manage = [sys.executable, "manage.py"]
 
     def run(*args):
@@ -105,7 +105,7 @@ models:
 
 def test_router_only_mode_from_a_file_fronts_engines_with_keys_of_their_own(tmp_path, engine_process):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env["LLMGW_VAR_DIR"] = str(tmp_path)
+    env["LLMGW_HOME"] = str(tmp_path)
     env["ENGINE_ONE_KEY"] = "sk-engine-one"
     manage = [sys.executable, "manage.py"]
     assert subprocess.run([*manage, "migrate", "--verbosity", "0"], cwd=PROJECT, env=env).returncode == 0

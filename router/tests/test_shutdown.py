@@ -31,9 +31,9 @@ def database_env(tmp_path) -> dict[str, str]:
         source.backup(target)
         source.close()
         target.close()
-        return {"LLMGW_VAR_DIR": str(var_dir)}
+        return {"LLMGW_HOME": str(var_dir)}
     url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    return {"DATABASE_URL": url, "LLMGW_VAR_DIR": str(tmp_path)}
+    return {"DATABASE_URL": url, "LLMGW_HOME": str(tmp_path)}
 
 
 @pytest.fixture

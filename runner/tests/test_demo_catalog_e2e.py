@@ -31,7 +31,7 @@ def test_up_demo_with_a_catalog_file_serves_that_catalog(tmp_path):
     (tmp_path / "my.yaml").write_text(CATALOG)
     port, router_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
-        "LLMGW_VAR_DIR": str(tmp_path),
+        "LLMGW_HOME": str(tmp_path),
         "LLMGW_DEMO_API_KEY": API_KEY,
         "LLMGW_PORT": str(port),
         "LLMGW_ROUTER_PORT": str(router_port),

@@ -34,7 +34,7 @@ def engine_pids(var_dir: Path, program: bytes = b"mockengine") -> set[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if program in cmdline and f"LLMGW_VAR_DIR={var_dir}".encode() in environ:
+        if program in cmdline and f"LLMGW_HOME={var_dir}".encode() in environ:
             pids.add(int(entry.name))
     return pids
 
@@ -44,7 +44,7 @@ def demo_stack(var_dir: Path, *args: str, env: dict[str, str] | None = None) -> 
     """Run `up --demo *args` on a SQLite file in `var_dir` until the router serves; kill it afterwards."""
     port, router_port = free_port(), free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
-        "LLMGW_VAR_DIR": str(var_dir),
+        "LLMGW_HOME": str(var_dir),
         "LLMGW_DEMO_API_KEY": API_KEY,
         "LLMGW_DEMO_ADMIN_PASSWORD": "e2e-admin-password",
         "LLMGW_PORT": str(port),

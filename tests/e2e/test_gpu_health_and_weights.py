@@ -47,7 +47,7 @@ def ready_on(env) -> list[str] | None:
 def test_weights_first_placement_a_gpu_fault_moves_the_replica_and_deleting_the_model_frees_the_disk(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
-        "LLMGW_VAR_DIR": str(tmp_path),
+        "LLMGW_HOME": str(tmp_path),
         "LLMGW_PORT": str(port),
         "LLMGW_ROUTER_PORT": str(free_port()),
         "LLMGW_TICK_SECONDS": "0.3",

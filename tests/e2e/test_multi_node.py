@@ -61,7 +61,7 @@ class Stack:
         self.port, router_port = free_port(), free_port()
         base = random.randrange(21000, 29000, 100)  # engine ports of its own
         self.env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
-            "LLMGW_VAR_DIR": str(tmp),
+            "LLMGW_HOME": str(tmp),
             "LLMGW_PORT": str(self.port),
             "LLMGW_ROUTER_PORT": str(router_port),
             "LLMGW_TICK_SECONDS": "0.3",

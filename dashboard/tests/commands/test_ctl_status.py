@@ -93,7 +93,7 @@ def test_an_unmigrated_database_gets_a_clear_error_not_a_traceback(tmp_path):
 
     root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "SECRET_KEY")} | {
-        "LLMGW_VAR_DIR": str(tmp_path)
+        "LLMGW_HOME": str(tmp_path)
     }
     result = subprocess.run(
         [sys.executable, "manage.py", "ctl_status"], cwd=root, env=env, capture_output=True, text=True, timeout=60

@@ -199,7 +199,7 @@ def test_only_the_five_most_frequent_failure_reasons_print_unless_all(healthy):
 def test_watch_in_a_real_process_ends_quietly_on_ctrl_c(tmp_path):
     """A real `ctl_status --watch 1` on its own SQLite file: two frames, then SIGINT exits 0 without a traceback."""
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "SECRET_KEY", "REDIS_URL")}
-    env |= {"LLMGW_VAR_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env |= {"LLMGW_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=120)
     process = subprocess.Popen(

@@ -73,7 +73,7 @@ class Celery:
             "REDIS_URL": redis_url,
             "LLMGW_TICK_SECONDS": str(tick),
             "LLMGW_LEASE_TTL_SECONDS": str(ttl),
-            "LLMGW_VAR_DIR": str(log_dir),
+            "LLMGW_HOME": str(log_dir),
             "PYTHONPATH": str(ROOT),
             "LOG_LEVEL": "INFO",
         }
