@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: browser demo dist test lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
+.PHONY: browser demo dist image image-base test lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,29 @@ dist: $(VENV)/.installed
 	$(PY) -m build --outdir dist
 	$(PY) -m twine check --strict dist/*
 
+# The container image (Containerfile): the wheel and every dependency's, built here and installed in the image
+# without an index. IMAGE_BASE is any Debian-based image with Python 3.11; `make image-base` makes one from
+# Debian's packages (mmdebstrap) for a machine that reaches no registry, cached in ~/.cache/llmgw.
+CONTAINER ?= podman
+IMAGE ?= localhost/llmgw:latest
+IMAGE_BASE ?= localhost/llmgw-base:bookworm
+IMAGE_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/llmgw/image
+image: dist
+	rm -rf var/image && mkdir -p var/image/wheels
+	sed 's/\[[^]]*\]//' requirements.txt | grep -v '^[-#]' > var/image/constraints.txt
+	$(PY) -m pip wheel --quiet --wheel-dir var/image/wheels --constraint var/image/constraints.txt "$$(ls dist/llmgw-*.whl)[server]"
+	# Wheels are resolved for this Python; an image's older 3.11 (Debian's 3.11.2) also needs what redis asks of it.
+	$(PY) -m pip wheel --quiet --wheel-dir var/image/wheels async-timeout==5.0.1
+	cp Containerfile var/image/
+	$(CONTAINER) build $(if $(filter podman,$(CONTAINER)),--format docker) --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) var/image
+
+image-base:
+	@$(CONTAINER) image exists $(IMAGE_BASE) 2>/dev/null || { \
+	  mkdir -p $(IMAGE_CACHE) && \
+	  { [ -s $(IMAGE_CACHE)/rootfs.tar ] || mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+	      bookworm $(IMAGE_CACHE)/rootfs.tar; } && \
+	  $(CONTAINER) import $(IMAGE_CACHE)/rootfs.tar $(IMAGE_BASE); }
+
 migrate: $(VENV)/.installed
 	$(PY) manage.py migrate --noinput
 
@@ -31,6 +54,7 @@ lint: $(VENV)/.installed
 	$(PY) -m mypy
 	$(PY) manage.py makemigrations --check --dry-run
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir var/site
+	deploy/check.sh $(VENV)/bin/kubernetes-validate
 
 test-sqlite: $(VENV)/.installed
 	$(PY) -m pytest
@@ -58,7 +82,7 @@ test-e2e: $(VENV)/.installed
 test-units: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-sqlite-units test-postgres-units
 
-test: lint browser llama-server vllm-or-skip
+test: lint dist browser llama-server vllm-or-skip
 	$(MAKE) --no-print-directory test-units
 	$(MAKE) --no-print-directory test-e2e
 

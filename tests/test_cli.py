@@ -10,6 +10,7 @@ from django.core.management import get_commands
 
 from keys.models import ApiKey
 from llmgw.cli import SUBCOMMANDS, main, parser
+from llmgw.healthcheck import role_and_port
 from tests.test_layers import ROOT
 
 
@@ -95,3 +96,22 @@ def test_keys_are_created_listed_and_revoked_by_prefix(capsys):
     assert ApiKey.objects.get(pk=key.pk).active  # nothing half done
     assert main(["keys", "revoke", key.prefix]) == 0
     assert not ApiKey.objects.get(pk=key.pk).active
+
+
+@pytest.mark.parametrize(
+    "argv, found",
+    [
+        (["/opt/llmgw/bin/python3", "/opt/llmgw/bin/llmgw", "server", "--host", "0.0.0.0"], ("server", 8000)),
+        (["llmgw", "router", "--port", "9090"], ("router", 9090)),
+        (["llmgw", "router", "--port=9091"], ("router", 9091)),
+        (["llmgw", "up", "--demo"], ("up", 8000)),
+        (["llmgw", "worker"], ("worker", None)),
+        (["llmgw", "agent", "--node", "n1", "--port", "1"], ("agent", None)),
+        (["sh", "-c", "sleep 1"], ("", None)),
+    ],
+)
+def test_the_images_healthcheck_probes_what_the_containers_command_serves(argv, found, monkeypatch):
+    monkeypatch.delenv("LLMGW_PORT", raising=False)
+    assert role_and_port(argv) == found
+    monkeypatch.setenv("LLMGW_PORT", "8100")
+    assert role_and_port(["llmgw", "up"]) == ("up", 8100)
