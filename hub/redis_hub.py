@@ -47,6 +47,8 @@ from hub.fingerprint import fingerprinted
 log = logging.getLogger(__name__)
 
 ENDPOINTS_KEY = "llmgw:endpoints"
+# Pub/sub channels belong to the whole Redis server, not to a database: each name ends in the database's number
+# (`channel_of`), so fleets on two databases of one server never hear each other's tables and key changes.
 ENDPOINTS_CHANNEL = "llmgw:endpoints"
 USAGE_KEY = "llmgw:usage:last_used"
 ROUTERS_KEY = "llmgw:routers"
@@ -145,6 +147,11 @@ def _fingerprint_of(stored: bytes | str) -> str | None:
         return None
 
 
+def channel_of(name: str, database: int) -> str:
+    """The pub/sub channel `name` of the fleet whose keys are in `database` (see ENDPOINTS_CHANNEL)."""
+    return f"{name}:{database}"
+
+
 class RedisHub:
     """Distributed backends in Redis; the control plane's calls are synchronous, the router's async."""
 
@@ -152,6 +159,9 @@ class RedisHub:
         self.url = url
         self._clock = clock
         self._sync = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        database = int(self._sync.connection_pool.connection_kwargs.get("db") or 0)
+        self.endpoints_channel = channel_of(ENDPOINTS_CHANNEL, database)
+        self.key_changes_channel = channel_of(KEY_CHANGES_CHANNEL, database)
         # Keyed by the loop object itself (weakly): an id() can be reused by a later loop.
         self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, redis.asyncio.Redis] = (
             weakref.WeakKeyDictionary()
@@ -174,7 +184,7 @@ class RedisHub:
             return False
         pipe = self._sync.pipeline(transaction=True)
         pipe.set(ENDPOINTS_KEY, payload)
-        pipe.publish(ENDPOINTS_CHANNEL, payload)
+        pipe.publish(self.endpoints_channel, payload)
         pipe.execute()
         return True
 
@@ -259,7 +269,7 @@ class RedisHub:
         while True:
             pubsub = self._aio().pubsub()
             try:
-                await pubsub.subscribe(ENDPOINTS_CHANNEL)
+                await pubsub.subscribe(self.endpoints_channel)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         yield message["data"]
@@ -302,14 +312,14 @@ class RedisHub:
     # -- key changes ----------------------------------------------------------
     def publish_key_changes(self, digests: list[str]) -> None:
         if digests:
-            self._sync.publish(KEY_CHANGES_CHANNEL, json.dumps(list(digests)))
+            self._sync.publish(self.key_changes_channel, json.dumps(list(digests)))
 
     async def watch_key_changes(self) -> AsyncIterator[list[str]]:
         """Yield each batch of changed key hashes published on the channel, reconnecting after failures."""
         while True:
             pubsub = self._aio().pubsub()
             try:
-                await pubsub.subscribe(KEY_CHANGES_CHANNEL)
+                await pubsub.subscribe(self.key_changes_channel)
                 async for message in pubsub.listen():
                     if message.get("type") != "message":
                         continue

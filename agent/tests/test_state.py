@@ -102,7 +102,7 @@ def test_state_directory_of_another_node_is_refused(tmp_path):
 def test_agent_command_refuses_a_state_directory_of_another_node(tmp_path, capsys):
     AgentState.open(tmp_path, "gpu-1")
     args = ["--control-plane", "ws://127.0.0.1:9/agent/ws", "--node", "gpu-2", "--token", "t"]
-    assert cli.main([*args, "--fake-gpus", "1xL4-24GB", "--state-dir", str(tmp_path)]) == 1
+    assert cli.main([*args, "--fake-gpus", "1xL4-24GB", "--state-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "belongs to node “gpu-1”, not “gpu-2”" in err and "--state-dir" in err
 

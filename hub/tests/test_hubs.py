@@ -1,6 +1,7 @@
 """The hub's contract, run against both backends: in-process and the real Redis."""
 
 import asyncio
+import contextlib
 import re
 
 import msgspec
@@ -20,7 +21,7 @@ from hub.contracts import (
     decode_activation,
     encode_activation,
 )
-from hub.redis_hub import ACTIVATIONS_KEY, KEY_CHANGES_CHANNEL, ROUTERS_KEY
+from hub.redis_hub import ACTIVATIONS_KEY, ROUTERS_KEY
 
 
 @pytest.fixture(params=["in-process", "redis"])
@@ -92,6 +93,36 @@ def test_a_published_table_reaches_a_watching_router(hub):
     received = msgspec.json.decode(run(watch_one()), type=EndpointTable)
     assert received.models == TABLE.models
     assert received.fingerprint == fingerprint(TABLE)
+
+
+def test_fleets_on_two_databases_of_one_redis_never_hear_each_others_tables_or_key_changes(redis_url):
+    """Pub/sub belongs to the whole server: a fleet on another database must not receive this one's messages."""
+    base, _, db = redis_url.rpartition("/")
+    here, there = RedisHub(redis_url), RedisHub(f"{base}/{(int(db) + 1) % 16}")
+    assert here.endpoints_channel != there.endpoints_channel
+    assert here.key_changes_channel != there.key_changes_channel
+
+    async def listen():
+        tables, changes = here.watch_endpoints(), here.watch_key_changes()
+        table, change = asyncio.ensure_future(anext(tables)), asyncio.ensure_future(anext(changes))
+        await asyncio.sleep(0.2)  # both subscribed
+        await asyncio.to_thread(there.publish_endpoints, EndpointTable(models={"elsewhere": ModelEntry()}))
+        await asyncio.to_thread(there.publish_key_changes, ["elsewhere"])
+        await asyncio.sleep(0.5)
+        heard_nothing = not table.done() and not change.done()
+        await asyncio.to_thread(here.publish_key_changes, ["here"])
+        async with asyncio.timeout(2):
+            heard = await change
+        table.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await table
+        await changes.aclose()
+        return heard_nothing, heard
+
+    try:
+        assert run(listen()) == (True, ["here"])
+    finally:
+        there._sync.delete("llmgw:endpoints")
 
 
 def test_activations_are_drained_once_however_often_asked(hub):
@@ -303,8 +334,8 @@ def test_redis_ignores_a_malformed_key_change_and_passes_the_next(redis_url):
         heard = asyncio.ensure_future(anext(changes))
         await asyncio.sleep(0.2)
         publisher = redis.Redis.from_url(redis_url)
-        publisher.publish(KEY_CHANGES_CHANNEL, b"not json")
-        publisher.publish(KEY_CHANGES_CHANNEL, b'{"not": "a list"}')
+        publisher.publish(hub.key_changes_channel, b"not json")
+        publisher.publish(hub.key_changes_channel, b'{"not": "a list"}')
         hub.publish_key_changes(["abc"])
         async with asyncio.timeout(2):
             return await heard

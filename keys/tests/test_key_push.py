@@ -12,7 +12,6 @@ from django.utils import timezone
 from conftest import wait_until
 from hub import RedisHub, get_hub
 from hub.credentials import hash_secret
-from hub.redis_hub import KEY_CHANGES_CHANNEL
 from keys.changes import set_keys_active
 from keys.models import ApiKey
 from router.key_cache import ApiKeyCache, KeyInfo
@@ -30,7 +29,7 @@ def two_routers(request, start_router, start_engine):
         listeners = redis.Redis.from_url(url)
 
         def subscribed():
-            return listeners.pubsub_numsub(KEY_CHANGES_CHANNEL)[0][1] >= 2
+            return listeners.pubsub_numsub(hubs[0].key_changes_channel)[0][1] >= 2
     else:
         hubs = [get_hub(), get_hub()]  # embedded: the routers share the process's hub with the control plane
 
