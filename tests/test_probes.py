@@ -53,6 +53,11 @@ def control_plane(tmp_path):
         process.wait(10)
 
 
+def requests_counted(metrics: str, name: str) -> float:
+    (line,) = [line for line in metrics.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[1])
+
+
 def dead_url(scheme: str) -> str:
     return (
         f"{scheme}://postgres@127.0.0.1:{free_port()}/llmgw"
@@ -62,12 +67,21 @@ def dead_url(scheme: str) -> str:
 
 
 def test_the_control_plane_is_ready_with_its_database_and_redis(control_plane, redis_url, tmp_path):
-    url = control_plane(REDIS_URL=redis_url, DATABASE_URL="postgres://postgres@127.0.0.1:5432/postgres")
+    url = control_plane(
+        REDIS_URL=redis_url, DATABASE_URL="postgres://postgres@127.0.0.1:5432/postgres", LLMGW_METRICS_TOKEN=""
+    )
     ready = httpx.get(f"{url}/readyz")
     assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
     assert httpx.get(f"{url}/healthz").json() == {"status": "alive"}
     # Outside auth and sessions: no cookie set, no redirect to a login page.
     assert "set-cookie" not in ready.headers
+    # Left out of the request metrics: between two scrapes only the first scrape itself is counted.
+    counted = "django_http_requests_before_middlewares_total"
+    before = requests_counted(httpx.get(f"{url}/metrics").text, counted)
+    for _ in range(3):
+        httpx.get(f"{url}/readyz")
+        httpx.get(f"{url}/healthz")
+    assert requests_counted(httpx.get(f"{url}/metrics").text, counted) == before + 1
     # Left out of the access log, unlike any other request.
     httpx.get(f"{url}/api/v1/nodes")
     log = (tmp_path / "control-plane.log").read_text()

@@ -266,7 +266,13 @@ def test_no_generated_request_is_a_500_or_logs_a_traceback(
     if status >= 400 and b"x-llmgw-replica" not in answer_headers:
         # The router's own answer (not an engine's, relayed): OpenAI's error shape.
         assert set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
-    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not [r for r in caplog.records if r.exc_info or (r.levelno >= logging.ERROR and not leftover(r))]
+
+
+def leftover(record: logging.LogRecord) -> bool:
+    """asyncio's note of a pending task garbage-collected now: another test's server, not this request (a task of
+    this request that failed would carry its exception)."""
+    return record.name == "asyncio" and record.getMessage().startswith("Task was destroyed but it is pending")
 
 
 # -- the fast decoder changes no answer ------------------------------------------------------------

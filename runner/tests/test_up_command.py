@@ -36,5 +36,6 @@ def test_a_host_outside_allowed_hosts_is_refused_with_the_fix(settings):
     """Settings are never patched at run time: `up --host` names the variable to set instead."""
     settings.ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
     with pytest.raises(CommandError, match="host 10.9.8.7 is not in ALLOWED_HOSTS .*LLMGW_HOST=10.9.8.7"):
-        call_command("up", "--host", "10.9.8.7", "--port", str(free_port()), "--router-port", str(free_port()))
+        # Refused before anything listens: the ports need only differ (two free_port() calls may not).
+        call_command("up", "--host", "10.9.8.7", "--port", "18001", "--router-port", "18002")
     assert settings.ALLOWED_HOSTS == ["127.0.0.1", "localhost"]
