@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/test
 
-.PHONY: browser demo dist image image-base test lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
+.PHONY: browser demo dist image image-base test test-packaging lint test-sqlite test-postgres test-sqlite-units test-postgres-units test-units test-e2e migrate faults llama-server vllm vllm-or-skip
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,13 +77,18 @@ test-postgres-units: $(VENV)/.installed
 	REDIS_TEST_URL=redis://127.0.0.1:6379/14 $(MAKE) --no-print-directory test-postgres PYTEST_WORKERS="-n $(UNIT_WORKERS)"
 
 test-e2e: $(VENV)/.installed
-	$(PY) -m pytest -m e2e
+	$(PY) -m pytest -m "e2e and not packaging"
+
+# The wheel in fresh virtual environments and the image's compose fleet: minutes spent waiting on pip and podman,
+# so `make test` runs them beside the two unit passes rather than after.
+test-packaging: $(VENV)/.installed
+	$(PY) -m pytest -m packaging
 
 test-units: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-sqlite-units test-postgres-units
 
 test: lint dist browser llama-server vllm-or-skip
-	$(MAKE) --no-print-directory test-units
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-sqlite-units test-postgres-units test-packaging
 	$(MAKE) --no-print-directory test-e2e
 
 # The dashboard's browser test drives a real headless Chromium: find it, or install it where we may

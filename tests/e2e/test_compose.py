@@ -22,7 +22,7 @@ import pytest
 from conftest import free_port
 
 # Building the image and starting eleven containers on two cores takes minutes.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.packaging, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent / "compose"

@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port
 
 # Building a wheel and installing the server stack into a new virtual environment takes a minute or two.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.packaging, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-llmgw-package-test-key-0123456789"
