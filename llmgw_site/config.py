@@ -49,6 +49,7 @@ SETTINGS: tuple[Setting, ...] = (
         "where llmgw keeps its state: the SQLite file and secret key of embedded mode, the demo's credentials",
         shown="`var/` in a source checkout, else the user's data folder (`~/.local/share/llmgw`)",
     ),
+    _s("LLMGW_VAR_DIR", "str", None, "the old name of `LLMGW_HOME`: set, it stops the start, naming the new one"),
     _s("LLMGW_HOST", "str", "127.0.0.1", "where `up` listens (`--host`); also an allowed `Host` header"),
     _s(
         "ALLOWED_HOSTS",

@@ -27,6 +27,11 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 # checkout, and the user's data folder (e.g. ~/.local/share/llmgw) for an installed package, never site-packages.
 _DEFAULT_HOME = BASE_DIR / "var" if (BASE_DIR / "manage.py").exists() else Path(user_data_dir("llmgw", appauthor=False))
 VAR_DIR = Path(setting("LLMGW_HOME") or _DEFAULT_HOME)
+if (_old_home := setting("LLMGW_VAR_DIR")) is not None:
+    # Ignoring it would start embedded mode on a new, empty SQLite file elsewhere: the fleet would seem gone.
+    raise ImproperlyConfigured(
+        f"LLMGW_VAR_DIR was renamed LLMGW_HOME: set LLMGW_HOME={_old_home} and unset LLMGW_VAR_DIR"
+    )
 
 DEBUG = setting("DEBUG")
 DATABASE_URL = setting("DATABASE_URL")

@@ -161,3 +161,9 @@ def test_kept_database_connections_are_checked_before_reuse():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["60", "True"]
+
+
+def test_the_old_name_of_llmgw_home_stops_the_start_naming_the_new_one():
+    result = django_setup(LLMGW_VAR_DIR="/srv/llmgw")
+    assert result.returncode != 0
+    assert "LLMGW_VAR_DIR was renamed LLMGW_HOME: set LLMGW_HOME=/srv/llmgw and unset LLMGW_VAR_DIR" in result.stderr
