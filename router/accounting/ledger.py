@@ -102,7 +102,7 @@ class Ledger:
                 self._stamps[replica_id] = ts
 
     def waiting_stamps(self) -> dict[str, float]:
-        """The stamps not yet flushed (a copy), for /health and tests."""
+        """The stamps not yet flushed (a copy), to look at without taking them."""
         return dict(self._stamps)
 
     def in_flight(self) -> int:
