@@ -19,7 +19,14 @@ import yaml
 from django.db import transaction
 from django.db.models import Count, Prefetch
 
-from catalog.catalog_file import ADAPTER_KEYS, CatalogFileError, WantedModel, check_names, read_models
+from catalog.catalog_file import (
+    ADAPTER_KEYS,
+    MODEL_SWITCHES,
+    CatalogFileError,
+    WantedModel,
+    check_names,
+    read_models,
+)
 from catalog.models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
 from catalog.rules import MODEL_SIZE_FIELDS, keep_stored_secrets
 from catalog.sizing import fit_warnings, fleet_memory, verdict_lines
@@ -86,7 +93,7 @@ def wanted_profiles(part: ModelPlan) -> list[Profile]:
     wanted = part.wanted
     if wanted is None:
         return []
-    model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.size)
+    model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.own_fields())
     return [Profile(model=model, order=i, **fields) for i, fields in enumerate(wanted.profiles) if fields]
 
 
@@ -111,6 +118,8 @@ def export_catalog() -> dict[str, Any]:
                 "name": model.name,
                 "source": model.source,
                 "enabled": model.enabled,
+                # Only when off, so a file without it reads as before.
+                **({} if model.continue_streams else {"continue_streams": False}),
                 # Size fields only when given, so a file without them reads as before.
                 **{name: getattr(model, name) for name in MODEL_SIZE_FIELDS if getattr(model, name) not in (None, "")},
                 "aliases": [alias.name for alias in model.aliases.all()],
@@ -226,7 +235,7 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
             plan.details.append(f"adapters {', '.join(a['name'] for a in wanted.adapters)}")
         return plan
     plan = ModelPlan(wanted.name, Verdict.LEFT_ALONE, wanted=wanted, existing=model)
-    plan.model_fields = [f for f in ("source", "enabled") if getattr(model, f) != getattr(wanted, f)]
+    plan.model_fields = [f for f in MODEL_SWITCHES if getattr(model, f) != getattr(wanted, f)]
     plan.model_fields += [f for f in MODEL_SIZE_FIELDS if getattr(model, f) != wanted.size[f]]
     if plan.model_fields:
         plan.details.append(", ".join(plan.model_fields))
@@ -308,7 +317,7 @@ def _carry_out(plan: Plan) -> None:
             continue
         model = part.existing
         if model is None:
-            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.size)
+            model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.own_fields())
             model.save()
         elif part.model_fields:
             for name in part.model_fields:

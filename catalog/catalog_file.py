@@ -1,7 +1,7 @@
 """The catalog file: YAML text in, the models it asks for out, every problem named at once.
 
 Shape: a mapping with one key, `models:`, a list; each model has `name`,
-`source`, `enabled`, optionally its size (`parameters_billions`, `dtype`,
+`source`, `enabled`, optionally `continue_streams` (default true) and its size (`parameters_billions`, `dtype`,
 `layers`, `kv_heads`, `head_dim`), `aliases` (a list of names), `profiles` (a list whose
 order is the profile order; each profile uses the Profile model's field
 names) and `adapters` (LoRA adapters on it: `name`, `source`, `enabled`,
@@ -26,7 +26,9 @@ from django.db.models.fields.reverse_related import ForeignObjectRel
 from catalog.models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
 from catalog.rules import MODEL_SIZE_FIELDS, adapter_problems, alias_is_own_name, name_taken, size_problems
 
-MODEL_KEYS = ("name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters")
+# The model's fields a file may change besides its size (catalog.as_code compares them one by one).
+MODEL_SWITCHES = ("source", "enabled", "continue_streams")
+MODEL_KEYS = ("name", "source", "enabled", "continue_streams", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters")
 ADAPTER_KEYS = ("name", "source", "enabled", "rank", "aliases")
 REQUIRED_MODEL_KEYS = ("name", "source", "profiles")
 NOT_IN_FILE = {
@@ -58,6 +60,11 @@ class WantedModel:
     profiles: list[dict[str, Any]] = field(default_factory=list)
     size: dict[str, Any] = field(default_factory=dict)  # MODEL_SIZE_FIELDS, each None/"" when not given
     adapters: list[dict[str, Any]] = field(default_factory=list)  # ADAPTER_KEYS, validated
+    continue_streams: bool = True
+
+    def own_fields(self) -> dict[str, Any]:
+        """The model's own fields besides its name, source and `enabled`: its size and its switches."""
+        return {**self.size, "continue_streams": self.continue_streams}
 
     @property
     def label(self) -> str:
@@ -166,7 +173,9 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     for key in REQUIRED_MODEL_KEYS:
         if key not in entry:
             problems.append(f"{label}: {key}: missing (required)")
-    values = {key: entry[key] for key in ("name", "source", "enabled", *MODEL_SIZE_FIELDS) if key in entry}
+    values = {
+        key: entry[key] for key in ("name", "source", "enabled", "continue_streams", *MODEL_SIZE_FIELDS) if key in entry
+    }
     at = _located(label, ": ")
     bad = _type_problems(Model, values, at, problems) | {key for key in REQUIRED_MODEL_KEYS if key not in entry}
     instance = Model(**{k: v for k, v in values.items() if k not in bad})
@@ -189,7 +198,9 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
         return None
     # Returned even with problems (the caller raises), so its names are checked against the rest.
     size = {name: getattr(instance, name) for name in MODEL_SIZE_FIELDS}
-    return WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles, size, adapters)
+    wanted = WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles, size, adapters)
+    wanted.continue_streams = instance.continue_streams
+    return wanted
 
 
 def _read_adapters(

@@ -76,6 +76,13 @@ class Model(models.Model):
         max_length=500, help_text="Where the engine loads weights from: a hub repository id or a local path."
     )
     enabled = models.BooleanField(default=True)
+    continue_streams = models.BooleanField(
+        "continue broken streams",
+        default=True,
+        db_default=True,  # rows written by code that predates it (a rolling upgrade) keep the default
+        help_text="When a replica breaks off a streamed answer (its engine died, its node was lost), routers ask "
+        "another replica for the rest, so the client's stream goes on (LLMGW_STREAM_MIGRATIONS times at most).",
+    )
     parameters_billions = models.FloatField(
         "parameters (billions)",
         null=True,

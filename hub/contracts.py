@@ -65,6 +65,12 @@ class ModelEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     pools: list[str] = []
     """The pools of its profiles, sorted: a key bound to none of them is refused at once. Empty: not known
     (a table from before pools were published, or a static one), so no key is refused for its pools."""
+    continue_streams: bool = True
+    """Whether routers continue its streams on another replica when their engine breaks off (the catalog's
+    switch; router.forwarding.continuation)."""
+    token_ids: bool = False
+    """Whether every engine of its profiles accepts vLLM's `return_token_ids` and token-id prompts, so a broken
+    stream is continued token for token rather than from its text."""
 
 
 class EndpointRow(msgspec.Struct, kw_only=True, frozen=True):

@@ -216,6 +216,13 @@ SETTINGS: tuple[Setting, ...] = (
         1,
     ),
     _s(
+        "LLMGW_STREAM_MIGRATIONS",
+        "int",
+        2,
+        "times a router continues one stream on another replica when its engine breaks off (0: never)",
+        0,
+    ),
+    _s(
         "LLMGW_SHUTDOWN_GRACE_SECONDS",
         "float",
         30.0,

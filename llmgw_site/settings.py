@@ -281,6 +281,7 @@ LLMGW_UPSTREAM_FIRST_BYTE_SECONDS = setting("LLMGW_UPSTREAM_FIRST_BYTE_SECONDS")
 LLMGW_UPSTREAM_IDLE_SECONDS = setting("LLMGW_UPSTREAM_IDLE_SECONDS")
 # Requests one router holds per model while it starts; beyond, 503 with Retry-After.
 LLMGW_MAX_WAITERS_PER_MODEL = setting("LLMGW_MAX_WAITERS_PER_MODEL")
+LLMGW_STREAM_MIGRATIONS = setting("LLMGW_STREAM_MIGRATIONS")
 # On SIGTERM the router lets in-flight requests finish this long before it exits.
 LLMGW_SHUTDOWN_GRACE_SECONDS = setting("LLMGW_SHUTDOWN_GRACE_SECONDS")
 

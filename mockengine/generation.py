@@ -4,17 +4,46 @@ What it answers is described in mockengine/server.py, which serves it; when it m
 mockengine/sleep.py (loading, asleep): each generation waits for that first, one run before a level-2 sleep's
 weights were reloaded answers NO_WEIGHTS words, and one that a sleep catches in flight ends with finish reason
 `abort`, as vLLM's sleep (mode abort) ends it.
+
+By default an answer is "mock reply from <served>: <echo of the prompt>"; with `greedy` it is what greedy decoding
+of a language model would give (mockengine/greedy.py), and a request may ask for vLLM's `return_token_ids`. The
+shapes of those ids are vLLM 0.32.0's, as read in its installed source (vllm/entrypoints/openai/chat_completion/
+protocol.py and serving.py, completion/protocol.py and serving.py; chunks dumped with exclude_unset):
+
+* chat, streamed: `prompt_token_ids` at the top of the first chunk (the role's) only; each token chunk's choice
+  has `token_ids` (its delta's ids);
+* chat, whole: `prompt_token_ids` at the top, the choice's `token_ids` all of the answer's;
+* completion, streamed: the first chunk's choice has `prompt_token_ids` (later ones `null`, as vLLM's explicit
+  None serializes), each choice `token_ids`;
+* completion, whole: the choice has both `prompt_token_ids` and `token_ids`.
+
+vLLM puts the finish reason on the last token's chunk; the mock, in both modes, sends a finish chunk of its own
+after the tokens, whose `token_ids` is then empty. With `exit_after_tokens` the process dies, as a crashed engine,
+right after sending that many answer tokens in all (MockEngine._count_sent).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
 import uuid
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
+from mockengine.greedy import (
+    CONTEXT_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    chat_context,
+    next_words,
+    prompt_ids,
+    return_token_ids,
+    token_id,
+    token_texts,
+)
 from mockengine.lora import MockLoRA
 from mockengine.prefix_cache import MockPrefixCache
 from mockengine.sleep import NO_WEIGHTS, MockSleep
@@ -26,10 +55,63 @@ CACHE_SLOTS = 32
 ECHO_WORDS = 12
 # Other JSON endpoints of vLLM and OpenAI that name a model: answered with a receipt naming the path.
 EXTRA_ENDPOINTS = ("/v1/responses", "/v1/rerank", "/rerank", "/v1/score", "/score", "/tokenize", "/detokenize")
+# The `object` of an answer, by kind and whether it is streamed.
+RESPONSE_OBJECTS = {
+    ("chat", False): "chat.completion",
+    ("chat", True): "chat.completion.chunk",
+    ("completion", False): "text_completion",
+    ("completion", True): "text_completion",
+}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answer to give: each token's text as streamed, its finish reason, and its prompt as usage counts it
+    and as the prefix cache sees it; in greedy mode also the ids, and whether the request wants them back."""
+
+    texts: list[str]
+    finish: str
+    prompt_tokens: int
+    cache_tokens: list[str]
+    ids: list[int] | None = None
+    prompt_ids: list[int] | None = None
+    return_ids: bool = False
+
+    def cut(self, produced: int) -> Answer:
+        """The answer as far as it got when a sleep aborted it."""
+        ids = None if self.ids is None else self.ids[:produced]
+        return replace(self, texts=self.texts[:produced], finish="abort", ids=ids)
+
+    def without_weights(self) -> Answer:
+        """Every word NO_WEIGHTS, spaced as before: an answer computed before discarded weights were reloaded."""
+        texts = [(" " if text.startswith(" ") else "") + NO_WEIGHTS for text in self.texts]
+        ids = None if self.ids is None else [token_id(NO_WEIGHTS)] * len(self.ids)
+        return replace(self, texts=texts, ids=ids)
+
+
+def _stream_choice(kind: str, text: str, finish_reason: str | None = None, role: bool = False) -> dict:
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _with_stream_ids(kind: str, answer: Answer, choice: dict, index: int) -> dict:
+    """`choice`, the chunk of token `index` (the finish chunk: index len(texts)), with the ids vLLM puts there
+    when the request asked for them."""
+    if answer.return_ids:
+        if kind == "completion":
+            choice["prompt_token_ids"] = answer.prompt_ids if index == 0 else None
+        choice["token_ids"] = (answer.ids or [])[index : index + 1]
+    return choice
 
 
 class MockEngine:
-    """Request handling and the counters behind /metrics for one served model."""
+    """Request handling and the counters behind /metrics for one served model.
+
+    `greedy`: answer as greedy decoding would (mockengine/greedy.py). `exit_after_tokens`: die, as a crashed
+    engine, once that many answer tokens were sent in all.
+    """
 
     def __init__(
         self,
@@ -38,12 +120,18 @@ class MockEngine:
         sleep: MockSleep | None = None,
         lora: MockLoRA | None = None,
         prefix_cache: MockPrefixCache | None = None,
+        greedy: bool = False,
+        exit_after_tokens: int | None = None,
     ):
         self.model = model
         self.sleep = sleep or MockSleep()
         self.lora = lora or MockLoRA()
         self.prefix_cache = prefix_cache or MockPrefixCache()
         self.token_delay = token_delay_ms / 1000.0
+        self.greedy = greedy
+        self.exit_after_tokens = exit_after_tokens
+        # Answer tokens sent over all answers, streamed or not: what --exit-after-tokens counts.
+        self.tokens_sent = 0
         self.running = 0
         self.waiting = 0
         self.prompt_tokens_total = 0
@@ -106,103 +194,149 @@ class MockEngine:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    async def _generate(self, request, body, kind: str, prompt_text: str, prompt: list[str], prompt_tokens: int):
-        """Shared path of chat and text completions, streaming or not; `prompt`: its tokens as the prefix cache
-        sees them, `prompt_tokens` as its usage counts them."""
-        stream, include_usage = self._stream_flags(body)
+    def _default_answer(self, body: dict, prompt_text: str, cache_tokens: list[str], prompt_tokens: int) -> Answer:
+        """The default answer: "mock reply from <served>: <echo of the prompt>", a word a token."""
         max_tokens = self._max_tokens(body)
         # The model or a LoRA adapter: answers name it, as vLLM's do.
-        served = body["model"]
-        tokens = self.reply_tokens(prompt_text, max_tokens, served)
+        tokens = self.reply_tokens(prompt_text, max_tokens, body["model"])
         finish = "length" if max_tokens is not None and len(tokens) == max_tokens else "stop"
-        ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
+        return Answer(token_texts(tokens, bare_first=True), finish, prompt_tokens, cache_tokens)
+
+    def _greedy_answer(self, body: dict, context: list[int], bare_first: bool, chat: bool) -> Answer:
+        """The answer greedy decoding gives after `context` (mockengine/greedy.py): always its limit long."""
+        limit = self._max_tokens(body)
+        if limit is None:
+            named = "max_tokens" in body or "max_completion_tokens" in body
+            # As vLLM: a chat, or a completion whose limit is an explicit null, runs to the end of the context.
+            limit = CONTEXT_TOKENS - len(context) if chat or named else DEFAULT_MAX_TOKENS
+            if limit < 1:
+                raise BadRequest(
+                    f"the prompt's {len(context)} tokens leave no room for an answer in the model's "
+                    f"{CONTEXT_TOKENS}-token context",
+                    "messages" if chat else "prompt",
+                )
+        produced = next_words(context, limit)
+        return Answer(
+            texts=token_texts(produced, bare_first),
+            finish="length",
+            prompt_tokens=len(context),
+            # The prefix cache keys blocks by token: here an id (as text) is one.
+            cache_tokens=[str(token) for token in context],
+            ids=[token_id(word) for word in produced],
+            prompt_ids=context,
+            return_ids=return_token_ids(body),
+        )
+
+    async def _generate(self, request: web.Request, body: dict, kind: str, answer: Answer) -> web.StreamResponse:
+        """Shared path of chat and text completions, streaming or not."""
+        stream, include_usage = self._stream_flags(body)
+        served = body["model"]
+        head = {
+            "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+            "object": RESPONSE_OBJECTS[kind, stream],
+            "created": int(time.time()),
+            "model": served,
+        }
         # Held, uncounted, while loading or asleep (mockengine/sleep.py).
         generation = await self.sleep.hold()
         if self.sleep.weights_discarded:
-            tokens = [NO_WEIGHTS] * len(tokens)  # run before the reload a level-2 sleep needs (mock_sleep.py)
-        self.prompt_tokens_total += prompt_tokens
+            answer = answer.without_weights()  # run before the reload a level-2 sleep needs (mockengine/sleep.py)
+        self.prompt_tokens_total += answer.prompt_tokens
         self.running += 1
         # Requests per adapter, for vllm:lora_requests_info (the model itself is no adapter: adds 0).
         self.lora.running[served] += served != self.model
         try:
-            await self.prefix_cache.prefill(prompt)
-            if not stream:
-                for produced in range(len(tokens)):
-                    if self.token_delay:
-                        await asyncio.sleep(self.token_delay)
-                    if self.sleep.aborted(generation):
-                        tokens, finish = tokens[:produced], "abort"
-                        break
-                self.generation_tokens_total += len(tokens)
-                text = " ".join(tokens)
-                if kind == "chat":
-                    choice = {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
-                    obj = "chat.completion"
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-                    obj = "text_completion"
-                return web.json_response(
-                    {
-                        "id": ident,
-                        "object": obj,
-                        "created": created,
-                        "model": served,
-                        "choices": [choice],
-                        "usage": self._usage(prompt_tokens, len(tokens)),
-                    }
-                )
-            answer = (kind, ident, created, tokens, finish, prompt_tokens, include_usage, generation)
-            return await self._stream(request, served, *answer)
+            await self.prefix_cache.prefill(answer.cache_tokens)
+            if stream:
+                return await self._stream(request, kind, head, answer, include_usage, generation)
+            return await self._complete(kind, head, answer, generation)
         finally:
             self.running -= 1
             self.lora.running[served] -= served != self.model
             self.requests_total += 1
 
+    async def _complete(self, kind: str, head: dict, answer: Answer, generation: int) -> web.Response:
+        """The whole answer in one response."""
+        for produced in range(len(answer.texts)):
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            if self.sleep.aborted(generation):
+                answer = answer.cut(produced)
+                break
+            await self._count_sent(None)
+        self.generation_tokens_total += len(answer.texts)
+        text = "".join(answer.texts)
+        choice: dict = {"index": 0, "text": text, "logprobs": None, "finish_reason": answer.finish}
+        if kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": answer.finish,
+            }
+        payload = {**head, "choices": [choice], "usage": self._usage(answer.prompt_tokens, len(answer.texts))}
+        if answer.return_ids:
+            # As vLLM 0.32 answers: the prompt's ids at the top of a chat answer, in a completion's choice; the
+            # choice's own ids in both (module docstring).
+            (payload if kind == "chat" else choice)["prompt_token_ids"] = answer.prompt_ids
+            choice["token_ids"] = answer.ids
+        return web.json_response(payload)
+
     async def _stream(
-        self, request, served, kind, ident, created, tokens, finish, prompt_tokens, include_usage, generation
-    ):
+        self, request: web.Request, kind: str, head: dict, answer: Answer, include_usage: bool, generation: int
+    ) -> web.StreamResponse:
+        """The answer as server-sent events: (chat: a role chunk), a chunk a token, a finish chunk, (usage)."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
         )
         await response.prepare(request)
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        async def send(choices: list, usage=None):
-            chunk = {"id": ident, "object": obj, "created": created, "model": served, "choices": choices}
+        async def send(choices: list, usage: dict | None = None, top: dict | None = None) -> None:
+            chunk = {**head, "choices": choices}
             if include_usage:
                 chunk["usage"] = usage
+            chunk.update(top or {})
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
-        def choice(text: str, finish_reason=None, role: bool = False):
-            if kind == "chat":
-                delta = {"role": "assistant", "content": text} if role else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
         if kind == "chat":
-            await send([choice("", role=True)])
-        for i, token in enumerate(tokens):
+            # vLLM sends a chat prompt's ids once, at the top of its first chunk: the role's.
+            top = {"prompt_token_ids": answer.prompt_ids} if answer.return_ids else None
+            await send([_stream_choice(kind, "", role=True)], top=top)
+        for i, text in enumerate(answer.texts):
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
             if self.sleep.aborted(generation):
                 # Cut by a sleep: vLLM ends the stream, saying so in its finish reason.
-                tokens, finish = tokens[:i], "abort"
+                answer = answer.cut(i)
                 break
             # Counted as produced, so /metrics moves while a stream is in flight.
             self.generation_tokens_total += 1
-            await send([choice(token if i == 0 else " " + token)])
-        await send([choice("", finish_reason=finish)])
+            await send([_with_stream_ids(kind, answer, _stream_choice(kind, text), i)])
+            await self._count_sent(request)
+        finish = _stream_choice(kind, "", finish_reason=answer.finish)
+        await send([_with_stream_ids(kind, answer, finish, len(answer.texts))])
         if include_usage:
-            await send([], usage=self._usage(prompt_tokens, len(tokens)))
+            await send([], usage=self._usage(answer.prompt_tokens, len(answer.texts)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _count_sent(self, request: web.Request | None) -> None:
+        """Count one answer token sent; the one that reaches `--exit-after-tokens` ends the process at once, as
+        an engine crashing mid-answer would: no finish chunk, no [DONE], its sockets closed by the kernel."""
+        self.tokens_sent += 1
+        if self.exit_after_tokens is None or self.tokens_sent < self.exit_after_tokens:
+            return
+        transport = request.transport if request is not None else None
+        # Only what is still in this process's buffer would be lost: the kernel delivers what it holds.
+        for _ in range(100):
+            if transport is None or not transport.get_write_buffer_size():
+                break
+            await asyncio.sleep(0.01)
+        print(
+            f"mock engine: exiting after {self.tokens_sent} tokens (--exit-after-tokens)", file=sys.stderr, flush=True
+        )
+        os._exit(1)
 
     # -- routes -------------------------------------------------------------------
     async def chat_completions(self, request: web.Request):
@@ -221,19 +355,32 @@ class MockEngine:
             prompt += [f"<{message['role']}>", *words(text)]
             if message["role"] == "user":
                 last_user = text
-        return await self._generate(request, body, "chat", last_user, prompt, len(prompt) - len(messages))
+        if self.greedy:
+            context, continued = chat_context(messages, body)
+            answer = self._greedy_answer(body, context, bare_first=not continued, chat=True)
+        else:
+            answer = self._default_answer(body, last_user, prompt, len(prompt) - len(messages))
+        return await self._generate(request, body, "chat", answer)
 
     async def completions(self, request: web.Request):
         body = await self._body(request)
         if (wrong := self._wrong_model(body)) is not None:
             return wrong
         prompt = body.get("prompt")
+        # Greedy mode takes a prompt of token ids too, as vLLM does.
+        ids = prompt_ids(prompt) if self.greedy else None
+        if ids is not None:
+            return await self._generate(request, body, "completion", self._greedy_answer(body, ids, False, chat=False))
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompt = " ".join(prompt)
         if not isinstance(prompt, str):
             raise BadRequest("field “prompt” must be a string or a list of strings", "prompt")
         tokens = words(prompt)
-        return await self._generate(request, body, "completion", prompt, tokens, len(tokens))
+        if self.greedy:
+            answer = self._greedy_answer(body, [token_id(token) for token in tokens], bare_first=False, chat=False)
+        else:
+            answer = self._default_answer(body, prompt, tokens, len(tokens))
+        return await self._generate(request, body, "completion", answer)
 
     async def embeddings(self, request: web.Request):
         body = await self._body(request)

@@ -3,6 +3,7 @@
     python -m mockengine --port 20001 --model demo-small [--host 127.0.0.1] [--token-delay-ms 20]
         [--memory-gib-per-gpu 30] [--load-seconds 20] [--wake-seconds 1]
         [--enable-lora [--max-loras 8] [--max-lora-rank 16] [--lora-load-seconds 2]] [--api-key KEY]
+        [--greedy] [--exit-after-tokens N]
 
 It answers chat completions, completions (plain and SSE streaming, with usage),
 embeddings and the model list (and acknowledges vLLM's other JSON endpoints,
@@ -11,6 +12,13 @@ EXTRA_ENDPOINTS, so a router's proxying of them can be tested), and exposes `/he
 tests/e2e/engines/test_vllm.py), so the router's balancing and usage accounting work against it as
 they would against vLLM. Replies are deterministic and name the model that
 answered; a token is a word.
+
+With `--greedy` it answers instead as greedy decoding of a real language model would (mockengine/greedy.py):
+`max_tokens` pseudo-words (16 without it) that depend only on the context, so a request continuing a context with
+part of an answer (prompt token ids, or a chat's `continue_final_message`) gets exactly the rest of it; it then
+honours vLLM's `return_token_ids`. `--exit-after-tokens N` makes it die as a crashed engine would (exit 1 at once,
+no finish chunk nor [DONE]) right after sending its N-th answer token, counted over all its answers: what a
+router's stream continuation is tested against.
 
 It models what a CPU cannot show of vLLM (mockengine/sleep.py): a cold start (`--load-seconds`), and,
 with VLLM_SERVER_DEV_MODE=1 as vLLM, its sleep routes, the held requests of a sleeping engine, a wake whole
@@ -48,7 +56,7 @@ from mockengine.generation import EXTRA_ENDPOINTS, MockEngine
 from mockengine.lora import MockLoRA, runtime_updates_allowed
 from mockengine.prefix_cache import MockPrefixCache
 from mockengine.sleep import MockSleep
-from mockengine.text import BadRequest, openai_error
+from mockengine.text import ENGINE, BadRequest, openai_error
 from nodewire.engine_env import GPU_MEMORY_ENV, VLLM_DEV_MODE_ENV
 from nodewire.protocol import parse_port
 
@@ -89,7 +97,7 @@ async def health(request: web.Request):
     hold = os.environ.get(HOLD_FILE_ENV)
     if hold and os.path.exists(hold):
         return web.Response(status=503, text=f"held back while {hold} exists\n")
-    if not request.app["engine"].sleep.loaded:
+    if not request.app[ENGINE].sleep.loaded:
         return web.Response(status=503, text="loading\n")
     return web.Response(text="ok\n")
 
@@ -135,17 +143,20 @@ def create_app(
     runtime_lora: bool = False,
     prefix_cache: MockPrefixCache | None = None,
     api_key: str | None = None,
+    greedy: bool = False,
+    exit_after_tokens: int | None = None,
 ) -> web.Application:
     """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (mockengine/sleep.py).
 
     `lora` holds its LoRA adapters (mockengine/lora.py); `runtime_lora` adds vLLM's routes that load and
-    unload them. `api_key`: as vLLM's `--api-key`, its API routes want it as a bearer token.
+    unload them. `api_key`: as vLLM's `--api-key`, its API routes want it as a bearer token. `greedy` and
+    `exit_after_tokens`: `--greedy` and `--exit-after-tokens` (module docstring).
     """
     sleep = MockSleep(load_seconds, wake_seconds)
     lora = lora or MockLoRA()
-    engine = MockEngine(model, token_delay_ms, sleep, lora, prefix_cache)
+    engine = MockEngine(model, token_delay_ms, sleep, lora, prefix_cache, greedy, exit_after_tokens)
     app = web.Application(middlewares=[errors_in_openai_shape] + ([bearer_guard(api_key)] if api_key else []))
-    app["engine"] = engine
+    app[ENGINE] = engine
     if runtime_lora:
         lora.add_routes(app)
     app.on_startup.append(sleep.load)
@@ -229,7 +240,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--uncached-token-ms", type=_delay, default=0.0, help="time to first token per prompt token not cached"
     )
+    _add_continuation_arguments(parser)
     return parser.parse_args(argv)
+
+
+def _add_continuation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that test a router's stream continuation: answers that can be continued, and a crash."""
+    parser.add_argument(
+        "--greedy", action="store_true", help="answer as greedy decoding of a language model (mockengine/greedy.py)"
+    )
+    parser.add_argument(
+        "--exit-after-tokens",
+        type=_whole_number(1),
+        default=None,
+        metavar="N",
+        help="die as a crashed engine (exit 1) right after sending the N-th answer token, over all answers",
+    )
 
 
 def _whole_number(minimum: int):
@@ -289,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime_updates_allowed(),
         cache,
         args.api_key,
+        args.greedy,
+        args.exit_after_tokens,
     )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

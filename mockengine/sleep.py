@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from mockengine.text import BadRequest, openai_error
+from mockengine.text import ENGINE, BadRequest, openai_error
 
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # sleep level 0, 1, 2
 # vLLM's memory pools that sleep and wake (vllm/v1/executor/abstract.py, SLEEP_TAGS).
@@ -121,7 +121,7 @@ class MockSleep:
             # New requests are held from now on; those in flight finish first.
             self._paused = True
             self._update()
-            while request.app["engine"].running:
+            while request.app[ENGINE].running:
                 await asyncio.sleep(0.01)
             self._paused = False
         if "weights" not in self.asleep:
@@ -165,7 +165,7 @@ class MockSleep:
         return web.json_response({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request):
-        success = request.app["engine"].running == 0
+        success = request.app[ENGINE].running == 0
         if success and self.on_reset_prefix_cache is not None:
             self.on_reset_prefix_cache()
         return web.json_response({"success": success})

@@ -7,6 +7,9 @@ import math
 
 from aiohttp import web
 
+# Where the app keeps its MockEngine (mockengine/generation.py), for handlers outside it (health, sleep).
+ENGINE: web.AppKey = web.AppKey("engine")
+
 
 def openai_error(status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
     """An error response in OpenAI's shape."""

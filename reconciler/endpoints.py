@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from django.db.models import Exists, OuterRef, TextField
 from django.db.models.functions import Cast
 
+from catalog.choices import Engine
 from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
@@ -16,6 +17,9 @@ from reconciler.models import AdapterLoad, Replica, Shard
 
 # The most of an engine's error line a table carries: it goes to every router on every change.
 FAILURE_LINE_CHARS = 300
+# Engines that give token ids (vLLM's `return_token_ids`) and take token-id prompts, so a broken stream of a model
+# served only by them is continued token for token (router.forwarding.continuation). The mock answers as vLLM does.
+TOKEN_ID_ENGINES = frozenset({Engine.VLLM, Engine.MOCK})
 # A trailing line that says nothing of the failure: pydantic's pointer under each validation error, which is
 # how vLLM's configuration checks end (e.g. a --max-model-len above what the model allows).
 _POINTER_PREFIX = "For further information visit https://errors.pydantic.dev/"
@@ -92,14 +96,19 @@ def _models() -> dict[str, ModelEntry]:
     first_start: dict[int, float | None] = {}
     pools: dict[int, set[str]] = {}  # routers refuse at once a key bound to none of a model's pools
     names: dict[int, str] = {}
-    for model_id, name, start_seconds, pool in (
+    continued: set[int] = set()  # models whose broken streams routers continue
+    engines: dict[int, set[str]] = {}  # and whether they may ask for token ids depends on every engine of theirs
+    for model_id, name, start_seconds, pool, continues, engine in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
-        .values_list("model_id", "model__name", "start_seconds", "pool")
+        .values_list("model_id", "model__name", "start_seconds", "pool", "model__continue_streams", "engine")
     ):
         names[model_id] = name
         first_start.setdefault(model_id, start_seconds)
         pools.setdefault(model_id, set()).add(pool)
+        engines.setdefault(model_id, set()).add(engine)
+        if continues:
+            continued.add(model_id)
     aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
     for model_id, alias in Alias.objects.filter(model__enabled=True).values_list("model_id", "name"):
         if model_id in aliases:
@@ -125,6 +134,8 @@ def _models() -> dict[str, ModelEntry]:
             start_seconds=None if start is None else round(start, 1),
             holding=holding.get(name),
             pools=sorted(pools[model_id]),
+            continue_streams=model_id in continued,
+            token_ids=engines[model_id] <= TOKEN_ID_ENGINES,
         )
     return models
 

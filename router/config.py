@@ -31,7 +31,9 @@ class RouterConfig:
     after that; nothing bounds a whole stream. `max_waiters` bounds the
     requests held per model while it starts, `keepalive_seconds` how often a
     stream held that way hears a keep-alive (0: it is not answered until a
-    replica is ready). `ejection` says when failing replicas are ejected.
+    replica is ready). `stream_migrations`: how many times one stream whose
+    engine broke off is continued on another replica (0: never). `ejection`
+    says when failing replicas are ejected.
     `router_id` names this router's usage reports and watch mark (None: a new
     id per process, `router.accounting.flusher.new_router_id`). `tracer`: where its spans
     go when traces are on (telemetry/, from the OTEL_* environment), else None.
@@ -50,6 +52,7 @@ class RouterConfig:
     retry_after: int = 10
     max_body_bytes: int = 64 * 1024 * 1024
     keepalive_seconds: float = 10.0
+    stream_migrations: int = 2
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     router_id: str | None = None
     tracer: Tracer | None = None
@@ -62,8 +65,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
         if self.max_waiters < MIN_WAITERS:
             raise ValueError(f"max_waiters must be >= {MIN_WAITERS}, not {self.max_waiters!r}")
-        if self.retry_after < 0 or self.max_body_bytes < 0 or self.keepalive_seconds < 0:
-            raise ValueError("retry_after, max_body_bytes and keepalive_seconds must be >= 0")
+        if self.retry_after < 0 or self.max_body_bytes < 0 or self.keepalive_seconds < 0 or self.stream_migrations < 0:
+            raise ValueError("retry_after, max_body_bytes, keepalive_seconds and stream_migrations must be >= 0")
         if self.router_id is not None and not self.router_id:
             raise ValueError("router_id must be a non-empty string (or None for a new one per process)")
 
@@ -82,6 +85,7 @@ class RouterConfig:
                 "first_byte_timeout": float(settings.LLMGW_UPSTREAM_FIRST_BYTE_SECONDS),
                 "idle_timeout": float(settings.LLMGW_UPSTREAM_IDLE_SECONDS),
                 "max_waiters": int(settings.LLMGW_MAX_WAITERS_PER_MODEL),
+                "stream_migrations": int(settings.LLMGW_STREAM_MIGRATIONS),
                 "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
                 "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
                 "metrics_token": settings.LLMGW_METRICS_TOKEN or "",

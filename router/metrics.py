@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import Histogram as LabelledHistogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -32,6 +33,8 @@ UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 # A first token may wait for a cold start (20-600 s), a next one tens of milliseconds.
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+# What a continued stream's client waits between the last chunk of the broken leg and the first of the next.
+CONTINUATION_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
 # Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`
 # (for a LoRA adapter whose base runs, its load: router.endpoints.routes.ADAPTER_LOAD).
@@ -77,6 +80,28 @@ class RouterMetrics:
         self.usage_flush_failures = Counter(
             "llmgw_router_usage_flush_failures",
             "Last-use flushes the usage store refused (stamps kept for the next).",
+            registry=self.registry,
+        )
+        # Streams whose engine broke off (router.forwarding.resume): few, so labelled children are cheap enough.
+        self.continuations = Counter(
+            "llmgw_router_stream_continuations",
+            "Streams whose engine broke off after the answer began, by why (reason) and what became of them "
+            "(outcome: continued on another replica, or why not).",
+            ["model", "reason", "outcome"],
+            registry=self.registry,
+        )
+        self.continuation_gap = LabelledHistogram(
+            "llmgw_router_stream_continuation_gap_seconds",
+            "The pause a continued stream's client saw: from the engine's break to the next replica's first chunk.",
+            ["model"],
+            buckets=CONTINUATION_GAP_BUCKETS,
+            registry=self.registry,
+        )
+        self.reprocessed_prompt_tokens = Counter(
+            "llmgw_router_continuation_prompt_tokens",
+            "Prompt tokens engines read again to continue streams (the original prompt and what was already "
+            "generated): the cost of continuations, not counted as any client's usage.",
+            ["model"],
             registry=self.registry,
         )
         if routes is not None and picker is not None:

@@ -119,6 +119,16 @@ def test_apply_is_idempotent_and_says_created_then_left_alone():
     assert snapshot() == before
 
 
+def test_the_stream_continuation_switch_is_applied_and_exported_only_when_off():
+    apply_catalog(catalog(model("qwen-7b", continue_streams=False)))
+    assert Model.objects.get().continue_streams is False
+    assert export_catalog()["models"][0]["continue_streams"] is False
+    plan = apply_catalog(catalog(model("qwen-7b")))  # left out: on, as by default
+    assert plan.models[0].line() == "changed      qwen-7b: continue_streams"
+    assert Model.objects.get().continue_streams is True
+    assert "continue_streams" not in export_catalog()["models"][0]
+
+
 def test_a_change_names_the_fields_aliases_and_profiles_it_touches(fleet_catalog):
     data = export_catalog()
     llama = data["models"][0]

@@ -71,6 +71,7 @@ class ModelSerializer(serializers.ModelSerializer):
             "name",
             "source",
             "enabled",
+            "continue_streams",
             *MODEL_SIZE_FIELDS,
             "aliases",
             "profiles",

@@ -88,7 +88,16 @@ class ModelWriteSerializer(StrictModelSerializer):
 
     class Meta:
         model = Model
-        fields = ["name", "source", "enabled", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters"]
+        fields = [
+            "name",
+            "source",
+            "enabled",
+            "continue_streams",
+            *MODEL_SIZE_FIELDS,
+            "aliases",
+            "profiles",
+            "adapters",
+        ]
         extra_kwargs: dict[str, dict[str, Any]] = {
             "name": {"validators": [public_name_validator], "help_text": "Public name; cannot change after creation."}
         }

@@ -34,6 +34,8 @@ class RouteTable:
         self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
         self._pools: dict[str, frozenset[str]] = {}  # public name -> its profiles' pools, when published
         self._adapters: dict[str, AdapterEntry] = {}  # public adapter name -> its entry
+        self._no_continuation: set[str] = set()  # public names whose broken streams are not continued
+        self._token_ids: set[str] = set()  # public names whose engines give and take token ids
         self.by_model: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self.by_replica: dict[str, Endpoint] = {}
         self.fingerprint: str | None = None
@@ -68,6 +70,7 @@ class RouteTable:
         self._names, self._catalog, self._unplaceable = lookups.names, catalog, lookups.unplaceable
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
         self._holding, self._pools = lookups.holding, lookups.pools
+        self._no_continuation, self._token_ids = lookups.no_continuation, lookups.token_ids
         self.by_model, self.by_replica = by_model, by_replica
         self.fingerprint = fingerprint
         self.generation += 1
@@ -104,6 +107,18 @@ class RouteTable:
         """Whether `model` (an adapter: its base) has a profile in `pools` (empty: any); unknown pools refuse none."""
         have = self._pools.get(self._adapters[model].base if model in self._adapters else model)
         return not pools or have is None or not have.isdisjoint(pools)
+
+    def continues(self, model: str) -> bool:
+        """Whether a broken stream of `model` (an adapter: of its base) is continued on another replica."""
+        return self._base(model) not in self._no_continuation
+
+    def gives_token_ids(self, model: str) -> bool:
+        """Whether `model`'s engines (an adapter's: its base's) give token ids and take token-id prompts."""
+        return self._base(model) in self._token_ids
+
+    def _base(self, model: str) -> str:
+        adapter = self._adapters.get(model)
+        return model if adapter is None else adapter.base
 
     # -- the control plane's notes, for requests held --------------------------------
     # Whose notes speak for a hold of `model`'s requests: its own; an adapter's, its base's while the base has no

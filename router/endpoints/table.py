@@ -142,6 +142,8 @@ class ModelLookups:
     start_seconds: dict[str, float] = field(default_factory=dict)
     holding: dict[str, str] = field(default_factory=dict)
     pools: dict[str, frozenset[str]] = field(default_factory=dict)  # a model's profiles' pools, when published
+    no_continuation: set[str] = field(default_factory=set)  # models whose broken streams are not continued
+    token_ids: set[str] = field(default_factory=set)  # models whose engines all give and take token ids
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
@@ -164,6 +166,10 @@ def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntr
             found.holding[public] = entry.holding
         if entry.pools:
             found.pools[public] = frozenset(entry.pools)
+        if not entry.continue_streams:
+            found.no_continuation.add(public)
+        if entry.token_ids:
+            found.token_ids.add(public)
         found.names[public] = public
     for public, adapter in (adapters or {}).items():
         if adapter.base in models and public not in found.names:

@@ -213,10 +213,15 @@ class ColdStart:
         return f"`{model}`" if base is None else f"`{model}` (an adapter of `{base}`)"
 
     async def wait_with_keepalives(
-        self, send: Send, model: str, affinity: Prefix | None = None, pools: frozenset[str] | None = None
+        self,
+        send: Send,
+        model: str,
+        affinity: Prefix | None = None,
+        pools: frozenset[str] | None = None,
+        exclude: Iterable[Endpoint] = (),
     ) -> Endpoint:
         """Wait for a replica like wait_for_endpoint, sending an SSE comment every keepalive interval."""
-        waiter = asyncio.ensure_future(self.wait_for_endpoint(model, (), affinity, pools))
+        waiter = asyncio.ensure_future(self.wait_for_endpoint(model, exclude, affinity, pools))
         try:
             while not (await asyncio.wait({waiter}, timeout=self.keepalive_seconds))[0]:
                 await send({"type": "http.response.body", "body": KEEPALIVE_COMMENT, "more_body": True})

@@ -20,6 +20,7 @@ from typing import Any
 
 from router.endpoints.table import Endpoint
 from router.forwarding.asgi_io import Receive, Scope, Send, until_disconnect
+from router.forwarding.continuation import Transcript
 from router.picking.affinity import Prefix
 
 # How long a request runs before the router starts watching for its client's disconnect (seconds).
@@ -147,3 +148,5 @@ class Forwarding:
     held: bool = False  # held once already for a replacement replica (Proxy._replacement)
     received: float = 0.0
     tried: list[Endpoint] = field(default_factory=list)
+    transcript: Transcript | None = None  # a stream that may be continued elsewhere if its engine breaks off
+    resent: int = 0  # times its whole answer broke off before it was sent, and the request went to another replica

@@ -19,6 +19,8 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 # A non-streamed answer up to this size is read whole before it is relayed, so a break is still an error status.
 WHOLE_BODY_LIMIT = 4 * 1024 * 1024
 SSE_DONE = b"data: [DONE]\n\n"
+# The error code of an answer an engine broke off after it began.
+UPSTREAM_FAILED = "upstream_failed"
 
 
 def sse_error_event(message: str, code: str) -> bytes:

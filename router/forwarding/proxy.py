@@ -34,9 +34,25 @@ from router.config import RouterConfig
 from router.endpoints.table import Endpoint
 from router.errors import RouterError
 from router.forwarding.coldstart import ColdStart
+from router.forwarding.continuation import (
+    CHAT_PATHS,
+    CONTINUABLE_PATHS,
+    LOST,
+    NO_REPLICA,
+    RESENT,
+    Transcript,
+    ask_for_token_ids,
+)
 from router.forwarding.exchange import Forwarding
-from router.forwarding.headers import RETRIABLE_STATUSES, SSE_HEADERS, WHOLE_BODY_LIMIT, upstream_headers
+from router.forwarding.headers import (
+    RETRIABLE_STATUSES,
+    SSE_HEADERS,
+    UPSTREAM_FAILED,
+    WHOLE_BODY_LIMIT,
+    upstream_headers,
+)
 from router.forwarding.relay import Relay
+from router.forwarding.resume import Resumer
 from router.metrics import RouterMetrics
 from router.picking.ejection import Failure
 from router.picking.picker import Picker
@@ -80,6 +96,10 @@ class Proxy:
         self.hooks = hooks
         self.first_byte_timeout = config.first_byte_timeout
         self.relay = Relay(picker, ledger, metrics, config.idle_timeout)
+        self.routes = picker.routes
+        self.migrations = config.stream_migrations
+        send_leg = self._send_upstream if hooks is None else self._hooked_send
+        self.resumer = Resumer(picker, self.routes, cold_start, self.relay, metrics, self.migrations, send_leg)
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending. aiohttp keeps
         # the connect deadline; the first byte's and the next chunk's are the sweep's (router.forwarding.inflight).
         self.timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout, sock_read=None)
@@ -112,6 +132,10 @@ class Proxy:
         assert self.hooks is not None  # chosen as `forward` only with hooks
         await self.hooks.forward(request, self._forward)
 
+    async def _hooked_send(self, request: Forwarding, endpoint: Endpoint) -> None:
+        assert self.hooks is not None  # chosen as a continuation's `send_leg` only with hooks
+        await self.hooks.send(request, endpoint, self._send_upstream)
+
     async def _forward(self, request: Forwarding) -> None:
         """`forward`: answer `request` from a replica of its model; a RouterError if none can (before the response
         began)."""
@@ -121,6 +145,8 @@ class Proxy:
             # An OpenAI stream's tokens come only in a usage chunk the engine sends when asked; Anthropic's and
             # the Responses API's streams always carry theirs (router.accounting.usage_reader).
             request.body, request.pass_usage = ask_for_usage(request.body)
+            if self.migrations and request.path in CONTINUABLE_PATHS and self.routes.continues(request.model):
+                self._keep_transcript(request)
         hooks = self.hooks
         try:
             endpoint = self.picker.pick(request.model, (), request.affinity, request.pools)
@@ -133,6 +159,8 @@ class Proxy:
                 await self._send_upstream(request, endpoint)
             else:
                 await hooks.send(request, endpoint, self._send_upstream)
+            if request.transcript is not None and request.transcript.broken is not None:
+                await self.resumer.resume(request)
         except RouterError as exc:
             if not request.headers_sent:
                 raise
@@ -140,6 +168,15 @@ class Proxy:
             request.exchange.status = exc.status
             event = b"data: " + exc.body() + b"\n\n"
             await request.send({"type": "http.response.body", "body": event, "more_body": False})
+
+    def _keep_transcript(self, request: Forwarding) -> None:
+        """Keep what `request`'s stream relays, so another replica can continue it; ask its engines for token ids
+        where they give them (router.forwarding.continuation), unless the client asked for them or not itself."""
+        client_ids = b"return_token_ids" in request.body
+        asked_ids = not client_ids and self.routes.gives_token_ids(request.model)
+        if asked_ids:
+            request.body = ask_for_token_ids(request.body)
+        request.transcript = Transcript(request.path in CHAT_PATHS, client_ids, asked_ids)
 
     async def _wait_for_replica(self, request: Forwarding) -> Endpoint:
         """A replica of the request's model once one is ready (a cold start), or a RouterError.
@@ -203,9 +240,27 @@ class Proxy:
         content_type = response.headers.get("Content-Type", "")  # as sent: `response.content_type` parses it
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
         if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
-            await self.relay.whole(request, endpoint, response, content_type)
+            try:
+                await self.relay.whole(request, endpoint, response, content_type)
+            except RouterError as exc:
+                if exc.code != UPSTREAM_FAILED or (nxt := await self._resend_whole(request, endpoint)) is None:
+                    raise
+                await self._send_upstream(request, nxt)
         else:
             await self.relay.stream(request, endpoint, response, content_type, streamed)
+
+    async def _resend_whole(self, request: Forwarding, endpoint: Endpoint) -> Endpoint | None:
+        """The replica to send again a request whose whole answer broke off before any of it reached the client
+        (nothing was sent, so another replica answers it afresh), or None: not within the request's limit
+        (LLMGW_STREAM_MIGRATIONS), its model's switch, or the replicas ready now."""
+        model = request.model
+        if request.resent >= self.migrations or not self.routes.continues(model):
+            return None
+        nxt = self.picker.pick(model, request.tried, request.affinity, request.pools)
+        outcome = RESENT if nxt is not None else NO_REPLICA
+        self.metrics.continuations.labels(model, LOST, outcome).inc()
+        request.resent += 1
+        return nxt
 
     def _first_byte_overdue(self, request: Forwarding, endpoint: Endpoint) -> RouterError:
         return RouterError(

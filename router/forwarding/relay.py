@@ -33,7 +33,7 @@ from router.accounting.usage_reader import JsonUsage, SseUsage, usage_of_whole_a
 from router.endpoints.table import Endpoint
 from router.errors import RouterError
 from router.forwarding.exchange import Forwarding
-from router.forwarding.headers import break_message, response_headers, sse_error_event
+from router.forwarding.headers import UPSTREAM_FAILED, break_message, response_headers, sse_error_event
 from router.metrics import RouterMetrics
 from router.picking.picker import Picker
 
@@ -66,7 +66,7 @@ class Relay:
                 # Nothing was sent yet: the client still gets an error status.
                 status, message = break_message(endpoint, exc, self.idle_timeout)
                 log.warning("%s (%r)", message, exc)
-                raise RouterError(status, message, "upstream_failed", type_="server_error") from None
+                raise RouterError(status, message, UPSTREAM_FAILED, type_="server_error") from None
             exchange.stop_deadline()  # all read
             if served and exchange.key is not None:
                 # A whole JSON answer: its usage is read here; nothing of it is dropped.
@@ -90,6 +90,7 @@ class Relay:
         send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
         reader = self._usage_reader(request, response, content_type) if served else None
+        counted = True  # the answer is counted when this leg ends: not when another replica continues it
         inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
         timing = inter_token.series(request.model) if streamed else inter_token.blank()
         gaps, bounds = timing[0], inter_token.bounds
@@ -120,18 +121,21 @@ class Relay:
                 if not exchange.engine_failed(exc):
                     raise
                 served = False
-                await self._end_broken(request, endpoint, exc, streamed)
+                counted = await self._broke(request, endpoint, exc, streamed, reader is not None)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             exchange.complete = True
         finally:
-            self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None)
-            if streamed and first:
+            self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None, counted)
+            if streamed and first and (request.transcript is None or not request.transcript.migrations):
                 traffic.first_token.observe(request.model, first - request.received)
 
     @staticmethod
     def _usage_reader(request: Forwarding, response: ClientResponse, content_type: str) -> JsonUsage | SseUsage | None:
-        """What reads the usage of a served answer whose key records tokens; None when nothing is recorded."""
+        """What reads the usage of a served answer whose key records tokens, or keeps a stream that may be
+        continued; None when nothing is recorded."""
+        if request.transcript is not None:
+            return request.transcript.reader(request.pass_usage)
         if request.exchange.key is None:
             return None
         encoding = response.headers.get("Content-Encoding", "")
@@ -141,23 +145,40 @@ class Relay:
     async def _begin_body(
         request: Forwarding, endpoint: Endpoint, response: ClientResponse, reader: JsonUsage | SseUsage | None
     ) -> None:
-        """Send an answer's status and headers, unless a hold sent them already; from now the engine's silence is
-        timed."""
+        """Send an answer's status and headers, unless a hold or an earlier leg of the stream sent them already;
+        from now the engine's silence is timed."""
         if not request.headers_sent:
             # A body that may lose its usage event cannot keep the engine's length.
             headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
             await request.send({"type": "http.response.start", "status": response.status, "headers": headers})
+            request.headers_sent = True
         request.exchange.status = response.status
         request.exchange.start_next_chunk_deadline()
 
-    async def _end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
+    async def _broke(
+        self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool, read: bool
+    ) -> bool:
+        """An answer broke off after it began: whether it is counted now. A continuable stream whose events were
+        `read` is the proxy's to continue (router.forwarding.resume), and its last leg counts it; any other ends."""
+        if request.transcript is not None and read:
+            request.transcript.broken = (endpoint, exc)
+            return False
+        await self.end_broken(request, endpoint, exc, streamed)
+        return True
+
+    async def end_broken(self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool) -> None:
         """An answer broke off after it began: a stream (`streamed`) ends with an error event; any other body
         is left cut (too late for a status, and a body of known length cannot be ended early)."""
         status, message = break_message(endpoint, exc, self.idle_timeout)
         log.warning("%s (%r)", message, exc)
         if streamed:
             request.exchange.status = status
-            await request.send({"type": "http.response.body", "body": sse_error_event(message, "upstream_failed")})
+            await request.send({"type": "http.response.body", "body": sse_error_event(message, UPSTREAM_FAILED)})
+
+    def count_unserved(self, request: Forwarding, served: bool = False) -> None:
+        """Count a stream whose legs counted nothing (router.forwarding.resume ended it): a request, tokens unknown."""
+        if request.exchange.key is not None:
+            self.ledger.tokens.count(request.exchange.key, request.model, None, served)
 
     def _finish(
         self,
@@ -166,9 +187,11 @@ class Relay:
         response: ClientResponse,
         served: bool,
         usage: tuple[int, int] | None,
+        counted: bool = True,
     ) -> None:
         """The answer is over (in any way): give back its connection and replica, and count it against its
-        key: a request and tokens if `served`, its tokens against its rate limits."""
+        key: a request and tokens if `served`, its tokens against its rate limits (unless not `counted`: it goes
+        on on another replica, whose leg counts the whole request)."""
         exchange = request.exchange
         if exchange.complete:
             response.release()
@@ -178,7 +201,7 @@ class Relay:
         model = request.model  # an adapter's own name, not its base's
         self.picker.release(endpoint, None, model)
         key = exchange.key
-        if key is not None:
+        if key is not None and counted:
             self.ledger.tokens.count(key, model, usage, served)
             if usage is not None:
                 self.ledger.limits.spent_tokens(key, usage[0] + usage[1])

@@ -12,6 +12,7 @@ from agent.starting import launch_for
 from agent.tests.engines.test_launch import BASE
 from mockengine.lora import MockLoRA
 from mockengine.server import create_app, parse_args
+from mockengine.text import ENGINE
 from nodewire import parts, protocol
 
 START = {"type": "start_shard", "v": 1, "epoch": 1, "shard_id": 1, "engine": "vllm", "model": "m", "source": "m",
@@ -107,7 +108,7 @@ def test_the_mock_engine_parses_vllms_lora_flags_and_its_load_time(capsys):
     assert (plain.enable_lora, plain.max_loras, plain.lora_load_seconds) == (False, None, 1.5)
     # vLLM's defaults: one slot, rank 16.
     assert (MockLoRA(True).max_loras, MockLoRA(True).max_rank) == (1, 16)
-    assert create_app("m", lora=MockLoRA(True, 8))["engine"].lora.max_loras == 8
+    assert create_app("m", lora=MockLoRA(True, 8))[ENGINE].lora.max_loras == 8
     with pytest.raises(SystemExit):
         parse_args(["--port", "20000", "--model", "m", "--max-loras", "0"])
     assert "argument --max-loras: expected a positive integer, got 0" in capsys.readouterr().err

@@ -53,7 +53,9 @@ def test_ready_report_makes_the_replica_ready_and_the_next_tick_publishes_it(
     assert woken, "a replica turning ready must wake the ticker"
     assert run_tick().published is True
     table = published(hub)
-    assert table.models == {"llama": ModelEntry(aliases=["llama-latest"], start_seconds=42.0, pools=["gold"])}
+    assert table.models == {
+        "llama": ModelEntry(aliases=["llama-latest"], start_seconds=42.0, pools=["gold"], token_ids=True)
+    }
     assert table.endpoints == [
         EndpointRow(
             replica_id=str(replica.pk), model="llama", url="http://127.0.0.1:20000", priority=5, weight=3, pool="gold"
@@ -71,13 +73,28 @@ def test_an_unchanged_endpoint_table_is_published_once(run_tick):
     assert async_to_sync(get_hub().read_endpoints)() is first
 
 
+def test_the_table_says_which_models_streams_are_continued_and_by_token_ids():
+    make_model("vllm-only", min_replicas=0, engine="vllm")
+    make_model("off", min_replicas=0, engine="mock")
+    Model.objects.filter(name="off").update(continue_streams=False)
+    mixed = make_model("mixed", min_replicas=0, engine="vllm")
+    mixed.profiles.create(gpu_class="L40S-48GB", engine="llamacpp", order=1)
+    models = build_endpoint_table().models
+    assert (models["vllm-only"].continue_streams, models["vllm-only"].token_ids) == (True, True)
+    assert (models["off"].continue_streams, models["off"].token_ids) == (False, True)
+    # One engine that gives no token ids: its replicas' streams are continued from their text.
+    assert (models["mixed"].continue_streams, models["mixed"].token_ids) == (True, False)
+
+
 def test_endpoint_table_lists_enabled_models_with_profiles_in_eight_queries(django_assert_max_num_queries):
     make_model("llama", min_replicas=0)
     make_model("off", min_replicas=0, enabled=False)
     Model.objects.create(name="bare", source="org/bare")
     with django_assert_max_num_queries(8):  # the seventh and eighth: adapters, none here
         table = build_endpoint_table()
-    assert table == EndpointTable(models={"llama": ModelEntry(aliases=[], pools=["default"])}, endpoints=[])
+    assert table == EndpointTable(
+        models={"llama": ModelEntry(aliases=[], pools=["default"], token_ids=True)}, endpoints=[]
+    )
 
 
 def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
@@ -86,7 +103,7 @@ def test_endpoint_table_says_why_a_wanted_model_cannot_be_placed(run_tick):
     run_tick()
 
     assert build_endpoint_table().models["llama"] == ModelEntry(
-        aliases=[], unplaceable="no node has GPU class H100-80GB", pools=["default"]
+        aliases=[], unplaceable="no node has GPU class H100-80GB", pools=["default"], token_ids=True
     )
 
 
@@ -138,7 +155,7 @@ def test_a_catalog_change_is_published_when_it_commits_not_at_the_next_tick(djan
         model = make_model("new-model")
         Alias.objects.create(model=model, name="newest")
     table = published(hub)
-    assert table.models["new-model"] == ModelEntry(aliases=["newest"], pools=["default"])
+    assert table.models["new-model"] == ModelEntry(aliases=["newest"], pools=["default"], token_ids=True)
 
     with django_capture_on_commit_callbacks(execute=True):
         Model.objects.filter(pk=model.pk).delete()

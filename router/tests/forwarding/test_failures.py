@@ -188,7 +188,8 @@ def test_the_openai_sdk_raises_on_a_stream_whose_engine_dies_and_does_not_hang(
 ):
     dying = broken_engine("die")
     hub.publish_endpoints(make_table([dying.url]))
-    router = start_router()
+    # Not continued (router.tests.forwarding.test_continuation): a continuation would wait for another replica.
+    router = start_router(stream_migrations=0)
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=api_key, max_retries=0, timeout=5)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
     received = []
@@ -227,6 +228,29 @@ def test_a_whole_answer_cut_short_is_502_in_openai_shape(start_router, hub, auth
     error = assert_openai_error(response, 502, "upstream_failed", "failed in the middle of its answer")
     assert error["type"] == "server_error"
     wait_until(lambda: router.state.ledger.in_flight() == 0)
+
+
+@pytest.mark.parametrize("mode", ["short", "short_stall"])
+def test_a_whole_answer_cut_before_it_was_sent_is_asked_of_another_replica(
+    start_router, hub, auth, broken_engine, start_engine, mode
+):
+    broken, live = broken_engine(mode), start_engine("live")
+    hub.publish_endpoints(make_table([{"url": broken.url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    router = start_router(idle_timeout=0.3)
+    response = chat(router, auth)
+    assert response.status_code == 200 and response.json()["object"] == "chat.completion"
+    assert (broken.requests, response.headers["x-llmgw-replica"]) == (1, "2")
+    labels = f'model="{MODEL}",outcome="resent_whole",reason="engine_lost"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+
+
+def test_a_whole_answer_is_not_asked_again_when_continuations_are_off(
+    start_router, hub, auth, broken_engine, start_engine
+):
+    broken, live = broken_engine("short"), start_engine("live")
+    hub.publish_endpoints(make_table([{"url": broken.url, "priority": 1}, {"url": live.url, "priority": 0}]))
+    router = start_router(stream_migrations=0)
+    assert chat(router, auth).status_code == 502
 
 
 def test_a_whole_answer_that_stalls_midway_is_504_naming_the_idle_deadline(start_router, hub, auth, broken_engine):

@@ -1,0 +1,423 @@
+"""Continuing a stream whose engine broke off: the rest of the answer comes from another replica, in the same stream.
+
+A chat or text completion streamed through the router (CONTINUABLE_PATHS) keeps
+a transcript: the bytes of every whole event relayed to the client (one list
+append per chunk; nothing is parsed while the answer flows). When the engine
+breaks off after the answer began (a reset or closed connection, silence past
+the next-chunk deadline), the transcript is read once and the request is sent
+to another ready replica of the same model, asking only for the rest:
+
+* **token-exact** where the first replica gave token ids (vLLM's
+  `return_token_ids`, which the router asks for where the model's engines
+  accept it): a text completion whose prompt is the original prompt's token
+  ids and the generated ones. The engine resumes from exactly the state it
+  would have reached: at temperature 0 the rest is the same tokens.
+* **text** otherwise: a chat completion with the text so far as a final
+  assistant message (`continue_final_message`), or a completion whose prompt
+  is the prompt and the text so far. A tokenizer may split the text
+  differently from how it was generated, so the rest may differ slightly.
+
+Either way the request keeps its sampling settings and stop conditions, with
+`max_tokens` less what was produced. The continuation's events are rewritten
+before they reach the client (`Splice`): its id, `created` and model as the
+first replica's, no second role delta, token ids only if the client asked, and
+one usage chunk counting the client's prompt once and every leg's completion
+tokens. A request is continued at most `LLMGW_STREAM_MIGRATIONS` times.
+
+Continuing would change the answer where the engine constrained it or the
+client reads more than text: `n` > 1, guided decoding (`response_format` with
+a schema, vLLM's structured outputs), `logprobs`, an echoed prompt, a tool call
+or reasoning already begun. Such a stream ends as before: an error event,
+counted with the refusal's name as its outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.accounting.usage_reader import SseUsage
+from router.endpoints.table import Endpoint
+
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+COMPLETION_PATH = "/v1/completions"
+CONTINUABLE_PATHS = CHAT_PATHS | {COMPLETION_PATH}
+
+# Why a stream broke (the `reason` label of llmgw_router_stream_continuations_total).
+LOST = "engine_lost"  # the connection reset or closed
+SILENT = "engine_silent"  # no next chunk within LLMGW_UPSTREAM_IDLE_SECONDS
+# How it ended (`outcome`): continued, or why not.
+CONTINUED = "continued"
+RESENT = "resent_whole"  # a whole (not streamed) answer that broke before any of it was sent: asked for again
+NO_REPLICA = "no_replica"
+LIMIT = "limit"
+DISABLED = "disabled"
+
+# A completion's default length when the request names none (OpenAI's and vLLM's).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+# The fields of a request that say how to sample and when to stop: every leg sends them as the client did.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "priority",
+    "user",
+)
+# Guided decoding: the constraint's state is the engine's, and is not re-entered by a continuation.
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+# Token ids the router asked for and the client did not: taken out of each event relayed (vLLM puts them last).
+_TOKEN_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|null)')
+_RETURN_TOKEN_IDS = b',"return_token_ids":true}'
+
+
+@dataclass(slots=True)
+class Answer:
+    """What the client has been sent of one answer (choice 0), read from the transcript and kept up to date
+    by every later leg: enough to ask another replica for the rest and to stitch it on."""
+
+    ident: str | None = None
+    created: int | None = None
+    model: str | None = None
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] | None = field(default_factory=list)  # None once a content event came without them
+    prompt_ids: list[int] | None = None
+    chunks: int = 0  # events with content: the tokens produced, where the engine sends one per event
+    finish: str | None = None
+    tool_call: bool = False
+    reasoning: bool = False
+
+    @property
+    def produced(self) -> int:
+        """Tokens produced so far: counted by id where every event had them, else one per content event."""
+        return len(self.token_ids) if self.token_ids else self.chunks
+
+    def read(self, payload: dict[str, Any]) -> None:
+        """Take in one event of the stream (as the client got it)."""
+        if self.ident is None:
+            self.ident, self.created, self.model = payload.get("id"), payload.get("created"), payload.get("model")
+        if isinstance(ids := payload.get("prompt_token_ids"), list):
+            self.prompt_ids = ids
+        for choice in payload.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                if isinstance(ids := choice.get("prompt_token_ids"), list):
+                    self.prompt_ids = ids
+                self.read_choice(choice)
+
+    def read_choice(self, choice: dict[str, Any]) -> None:
+        """Take in one choice of an event: its text, token ids, finish reason, and whether it began a tool call
+        or reasoning (a continuation leg's own prompt ids are not the client's, so they are not read here)."""
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            text = delta.get("content")
+            self.tool_call |= bool(delta.get("tool_calls") or delta.get("function_call"))
+            self.reasoning |= bool(delta.get("reasoning_content") or delta.get("reasoning"))
+        else:
+            text = choice.get("text")
+        if isinstance(text, str) and text:
+            self.text.append(text)
+            self.chunks += 1
+            ids = choice.get("token_ids")
+            if self.token_ids is not None:
+                if isinstance(ids, list):
+                    self.token_ids.extend(ids)
+                else:
+                    self.token_ids = None
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+
+    def exact(self) -> bool:
+        """Whether the rest can be asked for by token ids (every event gave its ids, and the prompt's)."""
+        return self.prompt_ids is not None and bool(self.token_ids)
+
+
+def events(raw: bytes) -> Iterator[bytes]:
+    """The data of each event in `raw` (whole SSE events), comments and other fields left out."""
+    for event in _EVENT_END.split(raw):
+        lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+        if lines:
+            yield b"\n".join(lines)
+
+
+def read_answer(raw: bytes) -> Answer:
+    """What the client was sent in `raw`, the relayed bytes of a stream's first leg."""
+    answer = Answer()
+    for data in events(raw):
+        if data == b"[DONE]":
+            continue
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            continue
+        if isinstance(payload, dict):
+            answer.read(payload)
+    return answer
+
+
+def refusal(path: str, payload: dict[str, Any], answer: Answer) -> str | None:
+    """Why continuing this answer would change it (an outcome label), or None if it may be continued."""
+    if any(isinstance(payload.get(name), int) and payload[name] > 1 for name in ("n", "best_of")):
+        return "n"
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return "guided"
+    if any(payload.get(name) is not None for name in _GUIDED_FIELDS):
+        return "guided"
+    if payload.get("logprobs") or payload.get("top_logprobs") or payload.get("prompt_logprobs"):
+        return "logprobs"
+    if answer.tool_call:
+        return "tool_call"
+    if answer.reasoning:
+        return "reasoning"
+    if path == COMPLETION_PATH and (payload.get("echo") or payload.get("suffix") or not _one_prompt(payload)):
+        return "echo_or_prompts"
+    return None
+
+
+def _one_prompt(payload: dict[str, Any]) -> bool:
+    """Whether a completion request has one prompt, as text or token ids (not a batch of prompts)."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and (
+        all(isinstance(p, int) for p in prompt) or (len(prompt) == 1 and isinstance(prompt[0], str))
+    )
+
+
+def remaining_tokens(path: str, payload: dict[str, Any], produced: int) -> int | None:
+    """What is left of the request's token budget (None: no limit was set, so none is sent)."""
+    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    if limit is None and path == COMPLETION_PATH:
+        limit = COMPLETION_DEFAULT_MAX_TOKENS
+    if not isinstance(limit, int):
+        return None
+    return limit - produced
+
+
+def continuation(path: str, payload: dict[str, Any], answer: Answer, exact: bool) -> tuple[str, dict[str, Any]]:
+    """(path, body) asking a replica for the rest of `answer` to the request `payload` sent to `path`."""
+    left = remaining_tokens(path, payload, answer.produced)
+    body: dict[str, Any] = {name: payload[name] for name in SAMPLING_FIELDS if name in payload}
+    body.update(model=payload["model"], stream=True, stream_options={"include_usage": True})
+    if exact:
+        assert answer.prompt_ids is not None and answer.token_ids  # exact() said so
+        # A chat without a limit may run to the model's context: vLLM takes an explicit null as that.
+        body.update(prompt=answer.prompt_ids + answer.token_ids, max_tokens=left, return_token_ids=True)
+        return COMPLETION_PATH, body
+    text = "".join(answer.text)
+    if path in CHAT_PATHS:
+        messages = [*payload["messages"], {"role": "assistant", "content": text}]
+        for name in ("tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs"):
+            if name in payload:
+                body[name] = payload[name]
+        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+        if left is not None:
+            body["max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"] = left
+        return path, body
+    prompt = payload["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    body.update(prompt=prompt + text if isinstance(prompt, str) else prompt, max_tokens=left)
+    return path, body
+
+
+def ask_for_token_ids(body: bytes) -> bytes:
+    """A streamed request's body (a JSON object, already checked) also asking for token ids."""
+    end = body.rstrip()
+    return end[:-1] + _RETURN_TOKEN_IDS if end.endswith(b"}") else body
+
+
+class Transcript:
+    """One continuable stream: what its first leg relayed, why it broke, how many times it was continued.
+
+    `kept` holds the first leg's whole events as relayed; later legs keep the
+    answer itself up to date instead (`Splice`). `broken` is set by the relay
+    when the engine broke off: the replica and the error, for the proxy to
+    continue from (or to end the stream with).
+    """
+
+    __slots__ = (
+        "chat",
+        "kept",
+        "answer",
+        "broken",
+        "migrations",
+        "client_ids",
+        "strip_ids",
+        "reprocessed",
+        "path",
+        "payload",
+        "broke_at",
+        "gap",
+    )
+
+    def __init__(self, chat: bool, client_ids: bool, asked_ids: bool) -> None:
+        self.chat = chat  # the client asked for a chat completion (a token-exact leg is a text completion)
+        self.kept: list[bytes] = []
+        self.answer: Answer | None = None
+        self.broken: tuple[Endpoint, BaseException] | None = None
+        self.migrations = 0
+        self.client_ids = client_ids  # the client asked for token ids itself: they stay in what it gets
+        self.strip_ids = asked_ids and not client_ids
+        self.reprocessed = 0  # prompt tokens the continuations made engines read again (not the client's usage)
+        self.path = ""  # the client's path and request, as first sent: read at the first break
+        self.payload: dict[str, Any] = {}
+        self.broke_at = 0.0  # when the last break was seen (time.perf_counter)
+        self.gap: float | None = None  # from it to the next leg's first chunk relayed, once relayed
+
+    def read(self) -> Answer:
+        """The answer so far, read from the first leg's events once."""
+        if self.answer is None:
+            self.answer = read_answer(b"".join(self.kept))
+            self.kept = []
+        return self.answer
+
+    def reader(self, pass_usage: bool) -> SseUsage:
+        """What reads the next leg as it is relayed: the first keeps its events; a later one is spliced in."""
+        if self.answer is None:
+            return KeptSseUsage(pass_usage, self)
+        return Splice(pass_usage, self)
+
+
+class KeptSseUsage(SseUsage):
+    """The usage reader of a continuable stream's first leg, keeping each whole event it relays."""
+
+    __slots__ = ("_transcript",)
+
+    def __init__(self, pass_usage: bool, transcript: Transcript) -> None:
+        super().__init__(pass_usage)
+        self._transcript = transcript
+
+    def feed(self, chunk: bytes) -> bytes:
+        chunk = super().feed(chunk)
+        if chunk:
+            transcript = self._transcript
+            transcript.kept.append(chunk)
+            if transcript.strip_ids and b"token_ids" in chunk:
+                chunk = _TOKEN_IDS.sub(b"", chunk)
+        return chunk
+
+    def finish(self) -> bytes:
+        rest = super().finish()
+        if rest:
+            self._transcript.kept.append(rest)
+        return rest
+
+
+class Splice(SseUsage):
+    """The reader of a continuation leg: rewrites each event so the client's stream reads as one answer.
+
+    Events carry the first leg's id, `created` and model; a chat's role delta
+    is not sent twice; a text completion answering a chat (token-exact) becomes
+    chat deltas; the usage chunk counts the client's prompt once and the
+    completion tokens of every leg. The answer is updated as events pass, for
+    a further continuation.
+    """
+
+    __slots__ = ("_transcript", "_chat", "_before")
+
+    def __init__(self, pass_usage: bool, transcript: Transcript) -> None:
+        super().__init__(pass_usage)
+        self._transcript = transcript
+        self._chat = transcript.chat
+        answer = transcript.answer
+        assert answer is not None  # a splice follows a first leg, read
+        self._before = answer.produced
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._carry:
+            chunk = self._carry + chunk
+            self._carry = b""
+        end = chunk.rfind(b"\n\n") + 2  # 1 when no event ends in it: all of it waits for the rest
+        self._carry, chunk = chunk[end:] if end > 1 else chunk, chunk[:end] if end > 1 else b""
+        return b"".join(self._event(data) for data in events(chunk)) if chunk else b""
+
+    def finish(self) -> bytes:
+        rest, self._carry = self._carry, b""
+        return b"".join(self._event(data) for data in events(rest)) if rest else b""
+
+    def _event(self, data: bytes) -> bytes:
+        if data == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return b"data: " + data + b"\n\n"
+        if not isinstance(payload, dict) or "choices" not in payload:
+            return b"data: " + data + b"\n\n"  # an error event, say: passed on as the engine sent it
+        answer = self._transcript.answer
+        assert answer is not None
+        choices = [out for choice in payload["choices"] if (out := self._choice(choice, answer)) is not None]
+        transcript = self._transcript
+        if choices and transcript.gap is None:
+            transcript.gap = time.perf_counter() - transcript.broke_at
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            usage = self._usage(usage, answer)
+            if not choices and not self._pass_usage:
+                return b""
+        elif not choices:
+            return b""
+        event: dict[str, Any] = {
+            "id": answer.ident,
+            "object": "chat.completion.chunk" if self._chat else "text_completion",
+        }
+        event.update(created=answer.created, model=answer.model, choices=choices)
+        if usage is not None and self._pass_usage:
+            event["usage"] = usage
+        return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
+    def _choice(self, choice: Any, answer: Answer) -> dict[str, Any] | None:
+        """The client's form of one choice of a continuation event, or None for one it must not get."""
+        if not isinstance(choice, dict):
+            return None
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        finish = choice.get("finish_reason")
+        answer.read_choice(choice)
+        if not text and not finish:
+            return None  # a role delta, or an empty one: the client has had its start
+        out: dict[str, Any] = {"index": 0}
+        if self._chat:
+            out["delta"] = {"content": text} if text else {}
+        else:
+            out["text"] = text or ""
+        out.update(logprobs=None, finish_reason=finish)
+        if self._transcript.client_ids and isinstance(choice.get("token_ids"), list):
+            out["token_ids"] = choice["token_ids"]
+        return out
+
+    def _usage(self, usage: dict[str, Any], answer: Answer) -> dict[str, Any] | None:
+        """The whole request's usage from this leg's: the client's prompt once, every leg's completion."""
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            return None
+        before = self._before
+        self._transcript.reprocessed += prompt
+        # This leg's prompt is the client's and what came before (by ids, or re-tokenized from the text).
+        client_prompt = len(answer.prompt_ids) if answer.prompt_ids is not None else max(0, prompt - before)
+        total = {"prompt_tokens": client_prompt, "completion_tokens": before + completion}
+        total["total_tokens"] = client_prompt + before + completion
+        self._found = (client_prompt, before + completion)
+        return total

@@ -1,0 +1,142 @@
+"""Streams that survive their engine: the bundled mock engine in greedy mode (each token a function of the context)
+dies after a few tokens, and the router continues the answer on another replica. The client's stream is compared
+byte for byte with the uninterrupted answer of the same request."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from router.tests.conftest import MODEL, make_table
+from router.tests.forwarding.test_proxy import metric
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+GREEDY = ("--greedy",)
+# The first replica dies after this many tokens, well inside every answer below.
+CUT_AFTER = 7
+
+
+def request_body(path: str, **extra) -> dict:
+    body = {"model": MODEL, "stream": True, "max_tokens": 24, "temperature": 0, **extra}
+    if path == CHAT:
+        return {"messages": [{"role": "user", "content": "tell me a story"}], **body}
+    return {"prompt": "Once upon a time", **body}
+
+
+def events_of(url: str, path: str, body: dict, headers=None) -> list:
+    """The decoded events of a stream (the string "[DONE]" for its end)."""
+    events = []
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=20) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def text_of(events: list, path: str) -> str:
+    parts = []
+    for event in events:
+        for choice in event["choices"] if isinstance(event, dict) else ():
+            parts.append((choice["delta"].get("content") or "") if path == CHAT else choice["text"])
+    return "".join(parts)
+
+
+@pytest.fixture
+def fleet(start_router, hub, engine_process):
+    """(router, dying replica, healthy replica): the dying one has the higher priority, so it takes the stream."""
+
+    def start(token_ids: bool, **router_options):
+        dying = engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", str(CUT_AFTER)))
+        healthy = engine_process(token_delay_ms=2, args=GREEDY)
+        models = {MODEL: {"token_ids": token_ids}}
+        rows = [{"url": dying.url, "priority": 1}, {"url": healthy.url, "priority": 0}]
+        hub.publish_endpoints(make_table(rows, models))
+        return start_router(**router_options), dying, healthy
+
+    return start
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("token_ids", [True, False], ids=["token-exact", "text"])
+def test_a_stream_whose_engine_dies_is_continued_on_another_replica_byte_for_byte(fleet, auth, path, token_ids):
+    router, dying, healthy = fleet(token_ids, flush_seconds=3600)
+    body = request_body(path, stream_options={"include_usage": True})
+    uninterrupted = events_of(healthy.url, path, body)
+
+    events = events_of(router.url, path, body, auth)
+
+    assert dying.process.wait(5) == 1  # it did die mid-answer
+    assert text_of(events, path) == text_of(uninterrupted, path)
+    answers = [e for e in events if isinstance(e, dict)]
+    assert len({(e["id"], e["created"], e["model"]) for e in answers}) == 1  # one answer, as the first leg named it
+    if path == CHAT:
+        assert sum("role" in e["choices"][0]["delta"] for e in answers if e["choices"]) == 1
+    finishes = [c["finish_reason"] for e in answers for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    usage = [e["usage"] for e in answers if e.get("usage")]
+    assert usage == [uninterrupted[-2]["usage"]]  # the client's prompt once, every token of both legs
+    assert events[-1] == "[DONE]" and not any("error" in e for e in answers)
+    assert "token_ids" not in json.dumps(events)  # asked for by the router, not the client
+    labels = f'model="{MODEL}",outcome="continued",reason="engine_lost"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+    # Counted once for the key, with the client's usage; what the continuation re-read is a figure apart.
+    (counts,) = router.state.ledger.tokens.pending()[0].values()
+    prompt, completion = usage[0]["prompt_tokens"], usage[0]["completion_tokens"]
+    assert counts[MODEL].requests == 1 and (counts[MODEL].prompt, counts[MODEL].completion) == (prompt, completion)
+    reread = metric(router, f'llmgw_router_continuation_prompt_tokens_total{{model="{MODEL}"}}')
+    assert reread == prompt + CUT_AFTER if token_ids else reread > prompt
+
+
+def test_the_client_without_usage_gets_none_and_token_ids_it_asked_for_stay(fleet, auth):
+    router, _, healthy = fleet(True)
+    body = request_body(CHAT, return_token_ids=True)
+    uninterrupted = events_of(healthy.url, CHAT, body)
+    events = events_of(router.url, CHAT, body, auth)
+    assert text_of(events, CHAT) == text_of(uninterrupted, CHAT)
+    assert not any(isinstance(e, dict) and e.get("usage") for e in events)
+    assert ids_of(events) == ids_of(uninterrupted) and len(ids_of(events)) == 24
+
+
+def ids_of(events: list) -> list[int]:
+    return [i for e in events if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids") or ()]
+
+
+def test_a_guided_stream_cut_midway_ends_with_an_error_event_and_is_counted(fleet, auth):
+    router, _, _ = fleet(True)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    events = events_of(router.url, CHAT, request_body(CHAT, response_format=schema), auth)
+    assert events[-2]["error"]["code"] == "upstream_failed" and events[-1] == "[DONE]"
+    assert len(text_of(events[:-2], CHAT).split()) == CUT_AFTER  # what was sent stays: nothing is made up
+    labels = f'model="{MODEL}",outcome="guided",reason="engine_lost"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+
+
+def test_a_stream_is_continued_at_most_the_configured_number_of_times(start_router, hub, engine_process, auth):
+    dying = [engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", str(n))) for n in (5, 4)]
+    rows = [{"url": engine.url, "priority": 2 - i} for i, engine in enumerate(dying)]
+    hub.publish_endpoints(make_table([*rows, {"url": engine_process(args=GREEDY).url, "priority": 0}]))
+    router = start_router(stream_migrations=1)
+    events = events_of(router.url, COMPLETIONS, request_body(COMPLETIONS), auth)
+    # The first replica gave 5 tokens, the second 4 more, then the limit of one continuation ended it.
+    assert len(text_of(events[:-2], COMPLETIONS).split()) == 9
+    assert events[-2]["error"]["code"] == "upstream_failed"
+    for outcome in ("continued", "limit"):
+        labels = f'model="{MODEL}",outcome="{outcome}",reason="engine_lost"'
+        assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+
+
+def test_a_model_switched_off_in_the_catalog_is_not_continued(start_router, hub, engine_process, auth):
+    dying = engine_process(args=(*GREEDY, "--exit-after-tokens", "3"))
+    healthy = engine_process(args=GREEDY)
+    rows = [{"url": dying.url, "priority": 1}, {"url": healthy.url, "priority": 0}]
+    hub.publish_endpoints(make_table(rows, {MODEL: {"continue_streams": False}}))
+    router = start_router()
+    events = events_of(router.url, CHAT, request_body(CHAT), auth)
+    assert events[-2]["error"]["code"] == "upstream_failed"
+    assert len(text_of(events[:-2], CHAT).split()) == 3
