@@ -12,7 +12,15 @@ event loop reads and installs it, so it takes no lock.
 from __future__ import annotations
 
 from hub.contracts import AdapterEntry, EndpointTable
-from router.endpoints.table import Endpoint, adapter_holders, endpoint_of, model_lookups
+from router.endpoints.table import (
+    STREAMS_BY_IDS,
+    STREAMS_BY_TEXT,
+    STREAMS_OFF,
+    Endpoint,
+    adapter_holders,
+    endpoint_of,
+    model_lookups,
+)
 
 # Why a request for an adapter is held while a running replica of its base is to load it (a hold's reason label).
 ADAPTER_LOAD = "adapter_load"
@@ -34,8 +42,9 @@ class RouteTable:
         self._holding: dict[str, str] = {}  # public name -> why its requests are held, when not a start
         self._pools: dict[str, frozenset[str]] = {}  # public name -> its profiles' pools, when published
         self._adapters: dict[str, AdapterEntry] = {}  # public adapter name -> its entry
-        self._no_continuation: set[str] = set()  # public names whose broken streams are not continued
-        self._token_ids: set[str] = set()  # public names whose engines give and take token ids
+        # Public name -> how its broken streams are continued, where not by text (router.endpoints.table): read on
+        # every stream's way, as `streams.get(model, STREAMS_BY_TEXT)`.
+        self.streams: dict[str, int] = {}
         self.by_model: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self.by_replica: dict[str, Endpoint] = {}
         self.fingerprint: str | None = None
@@ -70,7 +79,7 @@ class RouteTable:
         self._names, self._catalog, self._unplaceable = lookups.names, catalog, lookups.unplaceable
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
         self._holding, self._pools = lookups.holding, lookups.pools
-        self._no_continuation, self._token_ids = lookups.no_continuation, lookups.token_ids
+        self.streams = lookups.streams
         self.by_model, self.by_replica = by_model, by_replica
         self.fingerprint = fingerprint
         self.generation += 1
@@ -109,16 +118,12 @@ class RouteTable:
         return not pools or have is None or not have.isdisjoint(pools)
 
     def continues(self, model: str) -> bool:
-        """Whether a broken stream of `model` (an adapter: of its base) is continued on another replica."""
-        return self._base(model) not in self._no_continuation
+        """Whether a broken answer of `model` (an adapter: of its base) is continued on another replica."""
+        return self.streams.get(model, STREAMS_BY_TEXT) != STREAMS_OFF
 
     def gives_token_ids(self, model: str) -> bool:
         """Whether `model`'s engines (an adapter's: its base's) give token ids and take token-id prompts."""
-        return self._base(model) in self._token_ids
-
-    def _base(self, model: str) -> str:
-        adapter = self._adapters.get(model)
-        return model if adapter is None else adapter.base
+        return self.streams.get(model) == STREAMS_BY_IDS
 
     # -- the control plane's notes, for requests held --------------------------------
     # Whose notes speak for a hold of `model`'s requests: its own; an adapter's, its base's while the base has no

@@ -128,6 +128,11 @@ def _excerpt(raw: msgspec.Raw) -> str:
     return bytes(raw)[:200].decode(errors="replace")
 
 
+# How a model's broken streams are continued (router.forwarding.continuation): not at all, from the text sent so far
+# (the default), or by token ids (its engines give and take them).
+STREAMS_OFF, STREAMS_BY_TEXT, STREAMS_BY_IDS = 0, 1, 2
+
+
 @dataclass(slots=True)
 class ModelLookups:
     """What the route table looks up by name in the table's `models` and `adapters`: each dict keyed by public name
@@ -142,8 +147,9 @@ class ModelLookups:
     start_seconds: dict[str, float] = field(default_factory=dict)
     holding: dict[str, str] = field(default_factory=dict)
     pools: dict[str, frozenset[str]] = field(default_factory=dict)  # a model's profiles' pools, when published
-    no_continuation: set[str] = field(default_factory=set)  # models whose broken streams are not continued
-    token_ids: set[str] = field(default_factory=set)  # models whose engines all give and take token ids
+    # How a broken stream is continued (STREAMS_OFF, STREAMS_BY_IDS), for the names whose way is not the default
+    # (STREAMS_BY_TEXT); an adapter's is its base's.
+    streams: dict[str, int] = field(default_factory=dict)
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
@@ -166,15 +172,15 @@ def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntr
             found.holding[public] = entry.holding
         if entry.pools:
             found.pools[public] = frozenset(entry.pools)
-        if not entry.continue_streams:
-            found.no_continuation.add(public)
-        if entry.token_ids:
-            found.token_ids.add(public)
+        if not entry.continue_streams or entry.token_ids:
+            found.streams[public] = STREAMS_BY_IDS if entry.continue_streams else STREAMS_OFF
         found.names[public] = public
     for public, adapter in (adapters or {}).items():
         if adapter.base in models and public not in found.names:
             found.adapters[public] = adapter
             found.names[public] = public
+            if adapter.base in found.streams:
+                found.streams[public] = found.streams[adapter.base]
     aliases = [(public, entry.aliases) for public, entry in models.items()]
     aliases += [(public, adapter.aliases) for public, adapter in found.adapters.items()]
     for public, names in aliases:

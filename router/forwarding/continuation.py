@@ -257,34 +257,21 @@ class Transcript:
     continue from (or to end the stream with).
     """
 
-    __slots__ = (
-        "chat",
-        "kept",
-        "answer",
-        "broken",
-        "migrations",
-        "client_ids",
-        "strip_ids",
-        "reprocessed",
-        "path",
-        "payload",
-        "broke_at",
-        "gap",
-    )
+    # Defaults on the class: a stream that never breaks sets only what __init__ does.
+    answer: Answer | None = None
+    broken: tuple[Endpoint, BaseException] | None = None
+    migrations = 0
+    reprocessed = 0  # prompt tokens the continuations made engines read again (not the client's usage)
+    path = ""  # the client's path and request, as first sent: read at the first break
+    payload: dict[str, Any] = {}  # noqa: RUF012  (replaced, never changed in place)
+    broke_at = 0.0  # when the last break was seen (time.perf_counter)
+    gap: float | None = None  # from it to the next leg's first chunk relayed, once relayed
 
     def __init__(self, chat: bool, client_ids: bool, asked_ids: bool) -> None:
         self.chat = chat  # the client asked for a chat completion (a token-exact leg is a text completion)
         self.kept: list[bytes] = []
-        self.answer: Answer | None = None
-        self.broken: tuple[Endpoint, BaseException] | None = None
-        self.migrations = 0
         self.client_ids = client_ids  # the client asked for token ids itself: they stay in what it gets
         self.strip_ids = asked_ids and not client_ids
-        self.reprocessed = 0  # prompt tokens the continuations made engines read again (not the client's usage)
-        self.path = ""  # the client's path and request, as first sent: read at the first break
-        self.payload: dict[str, Any] = {}
-        self.broke_at = 0.0  # when the last break was seen (time.perf_counter)
-        self.gap: float | None = None  # from it to the next leg's first chunk relayed, once relayed
 
     def read(self) -> Answer:
         """The answer so far, read from the first leg's events once."""
@@ -294,14 +281,21 @@ class Transcript:
         return self.answer
 
     def reader(self, pass_usage: bool) -> SseUsage:
-        """What reads the next leg as it is relayed: the first keeps its events; a later one is spliced in."""
-        if self.answer is None:
-            return KeptSseUsage(pass_usage, self)
-        return Splice(pass_usage, self)
+        """What reads the next leg as it is relayed: the first reads usage (the relay keeps what it sends, or this
+        reader keeps the events before it strips the router's token ids from them); a later one is spliced in."""
+        if self.answer is not None:
+            return Splice(pass_usage, self)
+        return KeptSseUsage(pass_usage, self) if self.strip_ids else SseUsage(pass_usage)
+
+    def keeps(self) -> list[bytes] | None:
+        """Where the relay keeps what it sends of this leg; None where its reader keeps it, or a later leg's
+        answer is kept up to date instead."""
+        return self.kept if self.answer is None and not self.strip_ids else None
 
 
 class KeptSseUsage(SseUsage):
-    """The usage reader of a continuable stream's first leg, keeping each whole event it relays."""
+    """The usage reader of a continuable stream's first leg whose token ids the router asked for: keeps each whole
+    event as the engine sent it, and relays it without them."""
 
     __slots__ = ("_transcript",)
 

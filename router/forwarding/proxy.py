@@ -31,7 +31,7 @@ from aiohttp import ClientResponse
 from router.accounting.ledger import Ledger
 from router.accounting.usage_reader import IN_OUT_USAGE_PATHS, ask_for_usage
 from router.config import RouterConfig
-from router.endpoints.table import Endpoint
+from router.endpoints.table import STREAMS_BY_IDS, STREAMS_BY_TEXT, Endpoint
 from router.errors import RouterError
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import (
@@ -145,8 +145,9 @@ class Proxy:
             # An OpenAI stream's tokens come only in a usage chunk the engine sends when asked; Anthropic's and
             # the Responses API's streams always carry theirs (router.accounting.usage_reader).
             request.body, request.pass_usage = ask_for_usage(request.body)
-            if self.migrations and request.path in CONTINUABLE_PATHS and self.routes.continues(request.model):
-                self._keep_transcript(request)
+            continuable = self.migrations and request.path in CONTINUABLE_PATHS
+            if continuable and (way := self.routes.streams.get(request.model, STREAMS_BY_TEXT)):  # not STREAMS_OFF
+                self._keep_transcript(request, way == STREAMS_BY_IDS)
         hooks = self.hooks
         try:
             endpoint = self.picker.pick(request.model, (), request.affinity, request.pools)
@@ -169,11 +170,12 @@ class Proxy:
             event = b"data: " + exc.body() + b"\n\n"
             await request.send({"type": "http.response.body", "body": event, "more_body": False})
 
-    def _keep_transcript(self, request: Forwarding) -> None:
+    def _keep_transcript(self, request: Forwarding, by_ids: bool) -> None:
         """Keep what `request`'s stream relays, so another replica can continue it; ask its engines for token ids
-        where they give them (router.forwarding.continuation), unless the client asked for them or not itself."""
+        where they give them (`by_ids`: router.forwarding.continuation), unless the client asked for them or not
+        itself."""
         client_ids = b"return_token_ids" in request.body
-        asked_ids = not client_ids and self.routes.gives_token_ids(request.model)
+        asked_ids = by_ids and not client_ids
         if asked_ids:
             request.body = ask_for_token_ids(request.body)
         request.transcript = Transcript(request.path in CHAT_PATHS, client_ids, asked_ids)
@@ -237,6 +239,11 @@ class Proxy:
             endpoint = await self._replacement(request, endpoint, failure, error)
         if request.headers_sent and response.status != 200:
             await self._raise_engine_error(request, endpoint, response)
+        await self._relay(request, endpoint, response)
+
+    async def _relay(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> None:
+        """Relay the answer that began (router.forwarding.relay): a whole one of bounded length read first (and asked
+        of another replica if it broke before any of it was sent), anything else as it comes."""
         content_type = response.headers.get("Content-Type", "")  # as sent: `response.content_type` parses it
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
         if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:

@@ -89,7 +89,7 @@ class Relay:
         module docstring); a body that is not a stream counts its gaps into a blank series kept nowhere."""
         send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
-        reader = self._usage_reader(request, response, content_type) if served else None
+        reader, kept = self._readers(request, response, content_type) if served else (None, None)
         counted = True  # the answer is counted when this leg ends: not when another replica continues it
         inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
         timing = inter_token.series(request.model) if streamed else inter_token.blank()
@@ -102,6 +102,8 @@ class Relay:
                     if reader is not None and not (chunk := reader.feed(chunk)):
                         exchange.start_next_chunk_deadline()  # held back: the engine sent something all the same
                         continue
+                    if kept is not None:
+                        kept.append(chunk)
                     now = clock()
                     if last:
                         gap = now - last
@@ -115,7 +117,7 @@ class Relay:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     exchange.start_next_chunk_deadline()
                 exchange.stop_deadline()
-                if reader is not None and (rest := reader.finish()):
+                if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
                 if not exchange.engine_failed(exc):
@@ -130,12 +132,21 @@ class Relay:
             if streamed and first and (request.transcript is None or not request.transcript.migrations):
                 traffic.first_token.observe(request.model, first - request.received)
 
+    @classmethod
+    def _readers(
+        cls, request: Forwarding, response: ClientResponse, content_type: str
+    ) -> tuple[JsonUsage | SseUsage | None, list[bytes] | None]:
+        """(what reads a served answer's usage, where what it sends is kept): a stream that may be continued on
+        another replica is read and kept (router.forwarding.continuation); another answer is read where its key
+        records tokens, and kept nowhere."""
+        transcript = request.transcript
+        if transcript is not None:
+            return transcript.reader(request.pass_usage), transcript.keeps()
+        return cls._usage_reader(request, response, content_type), None
+
     @staticmethod
     def _usage_reader(request: Forwarding, response: ClientResponse, content_type: str) -> JsonUsage | SseUsage | None:
-        """What reads the usage of a served answer whose key records tokens, or keeps a stream that may be
-        continued; None when nothing is recorded."""
-        if request.transcript is not None:
-            return request.transcript.reader(request.pass_usage)
+        """What reads the usage of a served answer whose key records tokens; None when nothing is recorded."""
         if request.exchange.key is None:
             return None
         encoding = response.headers.get("Content-Encoding", "")
