@@ -8,7 +8,11 @@ import json
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from conftest import wait_until
 from router.tests.conftest import MODEL, make_table
 from router.tests.forwarding.test_proxy import metric
 
@@ -140,3 +144,16 @@ def test_a_model_switched_off_in_the_catalog_is_not_continued(start_router, hub,
     events = events_of(router.url, CHAT, request_body(CHAT), auth)
     assert events[-2]["error"]["code"] == "upstream_failed"
     assert len(text_of(events[:-2], CHAT).split()) == 3
+
+
+def test_each_leg_of_a_continued_stream_is_an_upstream_span_of_its_own(fleet, auth):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    router, _, _ = fleet(True, tracer=provider.get_tracer("router-tests"))
+    events_of(router.url, CHAT, request_body(CHAT), auth)
+    request = wait_until(lambda: [s for s in exporter.get_finished_spans() if s.name.startswith("POST ")])[0]
+    legs = [s for s in exporter.get_finished_spans() if s.name == "upstream"]
+    assert [leg.attributes["llmgw.replica"] for leg in legs] == ["1", "2"]
+    assert all(leg.parent.span_id == request.context.span_id for leg in legs)
+    provider.shutdown()
