@@ -10,6 +10,8 @@
             api_key: sk-engine-b          # or given literally (the file is then a secret)
             weight: 2                     # optional, as a fleet replica's: weight (>= 1), priority, pool
           - http://10.0.0.7:8000          # a bare URL: an endpoint with no key and the defaults
+        streams: token_ids                # a broken stream goes on elsewhere: by token ids (vLLM engines only),
+                                          # from its text (the default: `text`), or not at all (`off`)
 
 Everything is checked before the router starts; an error names its place in
 the file (`models.llama.endpoints[1].url: …`), and unknown keys are refused.
@@ -27,9 +29,9 @@ from typing import Any
 
 import yaml
 
-from router.endpoints.static import EndpointSpec, EndpointSpecError, StaticTableSpec, http_url_problem
+from router.endpoints.static import STREAM_WAYS, EndpointSpec, EndpointSpecError, StaticTableSpec, http_url_problem
 
-MODEL_KEYS = {"aliases", "endpoints"}
+MODEL_KEYS = {"aliases", "endpoints", "streams"}
 ENDPOINT_KEYS = {"url", "api_key", "api_key_env", "weight", "priority", "pool"}
 # What an Authorization header can carry as it is: visible ASCII (hub.contracts.UpstreamKey).
 _HEADER_SAFE = re.compile(r"[!-~]+")
@@ -84,6 +86,10 @@ def _model(name: str, entry: Any, environ: Mapping[str, str]) -> StaticTableSpec
         if not isinstance(alias, str) or not alias.strip():
             raise EndpointSpecError(f"{where}.aliases[{i}]: {alias!r} is not a name")
         spec.aliases.append((alias.strip(), name, f"{where}.aliases[{i}]"))
+    if "streams" in fields:
+        if fields["streams"] not in STREAM_WAYS:
+            raise EndpointSpecError(f"{where}.streams: {fields['streams']!r} is not one of {', '.join(STREAM_WAYS)}")
+        spec.streams[name] = fields["streams"]
     return spec
 
 

@@ -36,6 +36,11 @@ TABLE_VARIABLE = "LLMGW_ROUTER_STATIC_TABLE"
 NO_CONTROL_PLANE = "this router serves a fixed endpoint table (manage.py router --endpoint) and starts no replicas"
 
 
+# How a model's broken streams may be continued (router.forwarding.continuation): not at all, from the text sent so
+# far, or by token ids (every engine of the model is a vLLM, which gives and takes them).
+STREAM_WAYS = ("off", "text", "token_ids")
+
+
 class EndpointSpecError(ValueError):
     """An endpoint, alias or endpoints file that cannot be served, naming the value or the place in the file."""
 
@@ -59,10 +64,13 @@ class StaticTableSpec:
 
     endpoints: list[EndpointSpec] = field(default_factory=list)
     aliases: list[tuple[str, str, str]] = field(default_factory=list)  # (alias, model, where)
+    # Model -> how its broken streams are continued (STREAM_WAYS), where the file says; else from their text.
+    streams: dict[str, str] = field(default_factory=dict)
 
     def extend(self, other: StaticTableSpec) -> None:
         self.endpoints += other.endpoints
         self.aliases += other.aliases
+        self.streams.update(other.streams)
 
 
 def http_url_problem(url: str) -> str | None:
@@ -129,7 +137,12 @@ def build_table(spec: StaticTableSpec) -> EndpointTable:
             raise EndpointSpecError(f"{where}: model {model!r} has no endpoint")
         given[alias] = where
         aliases[model].append(alias)
-    models = {name: ModelEntry(aliases=names, unplaceable=NO_CONTROL_PLANE) for name, names in aliases.items()}
+    models = {}
+    for name, names in aliases.items():
+        way = spec.streams.get(name, "text")
+        models[name] = ModelEntry(
+            aliases=names, unplaceable=NO_CONTROL_PLANE, continue_streams=way != "off", token_ids=way == "token_ids"
+        )
     return EndpointTable(models=models, endpoints=rows)
 
 

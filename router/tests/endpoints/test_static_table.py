@@ -144,6 +144,14 @@ def test_the_file_form_gives_urls_keys_weights_and_aliases(tmp_path):
     )
 
 
+def test_the_file_says_per_model_how_broken_streams_are_continued():
+    document = "models: {a: {endpoints: ['http://a']}, b: {endpoints: ['http://b'], streams: token_ids}, "
+    document += "c: {endpoints: ['http://c'], streams: 'off'}}"
+    models = build_table(parse_endpoints_document(yaml.safe_load(document), {})).models
+    ways = {name: (entry.continue_streams, entry.token_ids) for name, entry in models.items()}
+    assert ways == {"a": (True, False), "b": (True, True), "c": (False, False)}
+
+
 @pytest.mark.parametrize(
     ("document", "problem"),
     [
@@ -151,7 +159,14 @@ def test_the_file_form_gives_urls_keys_weights_and_aliases(tmp_path):
         ("model: {}", "the file: unknown key model (allowed: models)"),
         ("models: {}", "models: no model given"),
         ("models: {m: {endpoints: []}}", "models.m.endpoints: expected a list of at least one endpoint"),
-        ("models: {m: {endpoints: [x], extra: 1}}", "models.m: unknown key extra (allowed: aliases, endpoints)"),
+        (
+            "models: {m: {endpoints: [x], extra: 1}}",
+            "models.m: unknown key extra (allowed: aliases, endpoints, streams)",
+        ),
+        (
+            "models: {m: {endpoints: ['http://a'], streams: tokens}}",
+            "models.m.streams: 'tokens' is not one of off, text, token_ids",
+        ),
         (
             "models: {m: {endpoints: [{url: 'http://a'}, {url: 'ftp://b'}]}}",
             "models.m.endpoints[1].url: 'ftp://b' is not",
