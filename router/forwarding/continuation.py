@@ -88,7 +88,8 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 # Token ids the router asked for and the client did not: taken out of each event relayed (vLLM puts them last).
-_TOKEN_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|null)')
+# vLLM also adds an empty `prompt_text` to a chat stream's first event when asked for ids.
+_TOKEN_IDS = re.compile(rb',\s*"(?:(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|null)|prompt_text"\s*:\s*null)')
 _RETURN_TOKEN_IDS = b',"return_token_ids":true}'
 
 
@@ -104,14 +105,16 @@ class Answer:
     token_ids: list[int] | None = field(default_factory=list)  # None once a content event came without them
     prompt_ids: list[int] | None = None
     chunks: int = 0  # events with content: the tokens produced, where the engine sends one per event
+    shown: int = 0  # of `token_ids`, those up to the last whose text was sent (the rest are held back)
     finish: str | None = None
     tool_call: bool = False
     reasoning: bool = False
 
     @property
     def produced(self) -> int:
-        """Tokens produced so far: counted by id where every event had them, else one per content event."""
-        return len(self.token_ids) if self.token_ids else self.chunks
+        """Tokens produced so far whose text the client has: counted by id where every event had them (the last
+        ones whose text the engine still held back are made again), else one per content event."""
+        return self.shown if self.token_ids is not None else self.chunks
 
     def read(self, payload: dict[str, Any]) -> None:
         """Take in one event of the stream (as the client got it)."""
@@ -135,21 +138,30 @@ class Answer:
             self.reasoning |= bool(delta.get("reasoning_content") or delta.get("reasoning"))
         else:
             text = choice.get("text")
+        ids = choice.get("token_ids")
+        # Even with no text: a detokenizer holds back the bytes of a character not yet whole, not its tokens.
+        if isinstance(ids, list) and self.token_ids is not None:
+            self.token_ids.extend(ids)
         if isinstance(text, str) and text:
             self.text.append(text)
             self.chunks += 1
-            ids = choice.get("token_ids")
-            if self.token_ids is not None:
-                if isinstance(ids, list):
-                    self.token_ids.extend(ids)
-                else:
-                    self.token_ids = None
+            if not isinstance(ids, list):
+                self.token_ids = None  # text whose tokens are unknown: the rest can only follow the text
+            elif self.token_ids is not None:
+                self.shown = len(self.token_ids)
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
 
     def exact(self) -> bool:
         """Whether the rest can be asked for by token ids (every event gave its ids, and the prompt's)."""
-        return self.prompt_ids is not None and bool(self.token_ids)
+        return self.prompt_ids is not None and self.token_ids is not None
+
+    def shown_ids(self) -> list[int]:
+        """The generated ids whose text the client has. A detokenizer holds back the first tokens of a character
+        made of several; a fresh one, primed with them as a prompt, would not make it whole from the rest, so the
+        continuation makes them again (at temperature 0, the same ones) and sends their text."""
+        assert self.token_ids is not None
+        return self.token_ids[: self.shown]
 
 
 def events(raw: bytes) -> Iterator[bytes]:
@@ -221,17 +233,21 @@ def continuation(path: str, payload: dict[str, Any], answer: Answer, exact: bool
     body: dict[str, Any] = {name: payload[name] for name in SAMPLING_FIELDS if name in payload}
     body.update(model=payload["model"], stream=True, stream_options={"include_usage": True})
     if exact:
-        assert answer.prompt_ids is not None and answer.token_ids  # exact() said so
+        assert answer.prompt_ids is not None  # exact() said so
         # A chat without a limit may run to the model's context: vLLM takes an explicit null as that.
-        body.update(prompt=answer.prompt_ids + answer.token_ids, max_tokens=left, return_token_ids=True)
+        body.update(prompt=answer.prompt_ids + answer.shown_ids(), max_tokens=left, return_token_ids=True)
         return COMPLETION_PATH, body
     text = "".join(answer.text)
     if path in CHAT_PATHS:
-        messages = [*payload["messages"], {"role": "assistant", "content": text}]
+        # No text yet (a detokenizer may hold back a character's first tokens): the request asked again.
+        final = [{"role": "assistant", "content": text}] if text else []
+        messages = [*payload["messages"], *final]
         for name in ("tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs"):
             if name in payload:
                 body[name] = payload[name]
-        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+        body["messages"] = messages
+        if text:
+            body.update(continue_final_message=True, add_generation_prompt=False)
         if left is not None:
             body["max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"] = left
         return path, body
@@ -329,7 +345,7 @@ class Splice(SseUsage):
     a further continuation.
     """
 
-    __slots__ = ("_transcript", "_chat", "_before")
+    __slots__ = ("_transcript", "_chat", "_before", "_repeated")
 
     def __init__(self, pass_usage: bool, transcript: Transcript) -> None:
         super().__init__(pass_usage)
@@ -338,6 +354,12 @@ class Splice(SseUsage):
         answer = transcript.answer
         assert answer is not None  # a splice follows a first leg, read
         self._before = answer.produced
+        # The tokens whose text was held back are made again by this leg: their ids, already sent to a client
+        # that asked for ids, are not sent twice, and the answer goes on from the last token shown.
+        self._repeated = 0
+        if answer.token_ids is not None:
+            self._repeated = len(answer.token_ids) - answer.shown
+            del answer.token_ids[answer.shown :]
 
     def feed(self, chunk: bytes) -> bytes:
         if self._carry:
@@ -390,7 +412,8 @@ class Splice(SseUsage):
         text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         finish = choice.get("finish_reason")
         answer.read_choice(choice)
-        if not text and not finish:
+        ids = self._client_ids(choice.get("token_ids")) if self._transcript.client_ids else None
+        if not text and not finish and not ids:
             return None  # a role delta, or an empty one: the client has had its start
         out: dict[str, Any] = {"index": 0}
         if self._chat:
@@ -398,9 +421,17 @@ class Splice(SseUsage):
         else:
             out["text"] = text or ""
         out.update(logprobs=None, finish_reason=finish)
-        if self._transcript.client_ids and isinstance(choice.get("token_ids"), list):
-            out["token_ids"] = choice["token_ids"]
+        if isinstance(ids, list):
+            out["token_ids"] = ids
         return out
+
+    def _client_ids(self, ids: Any) -> list[int] | None:
+        """The ids of a choice the client is still owed: those it had already, made again, are left out."""
+        if not isinstance(ids, list) or not self._repeated:
+            return ids if isinstance(ids, list) else None
+        skipped = min(self._repeated, len(ids))
+        self._repeated -= skipped
+        return ids[skipped:]
 
     def _usage(self, usage: dict[str, Any], answer: Answer) -> dict[str, Any] | None:
         """The whole request's usage from this leg's: the client's prompt once, every leg's completion."""

@@ -209,3 +209,40 @@ def test_the_first_leg_keeps_whole_events_and_strips_ids_the_router_asked_for():
     sent = reader.feed(whole[:20]) + reader.feed(whole[20:])
     assert sent and b"token_ids" not in sent and json.loads(sent[6:])["choices"][0]["delta"] == {"content": "a"}
     assert b"".join(transcript.kept) == whole  # kept as the engine sent it, ids and all
+
+
+def test_the_ids_of_an_event_with_no_text_yet_are_kept_for_a_token_exact_continuation():
+    # A detokenizer holds back the first bytes of a character made of several tokens: an event with ids, no text.
+    raw = chat_chunk(role=True, prompt_ids=[1]) + chat_chunk("", ids=[200]) + chat_chunk("é", ids=[201])
+    answer = read_answer(raw)
+    assert answer.token_ids == [200, 201] and answer.text == ["é"] and answer.produced == 2 and answer.exact()
+
+
+def test_a_chat_with_no_text_yet_is_asked_again_rather_than_continued_from_an_empty_message():
+    answer = read_answer(chat_chunk(role=True) + chat_chunk(""))
+    payload = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    path, body = continuation(CHAT, payload, answer, exact=False)
+    assert body["messages"] == payload["messages"] and "continue_final_message" not in body
+
+
+def test_vllms_empty_prompt_text_goes_with_the_ids_the_router_asked_for():
+    transcript = Transcript(chat=True, client_ids=False, asked_ids=True)
+    first = event({"id": "c", "choices": [], "prompt_token_ids": [1, 2], "prompt_text": None})
+    assert json.loads(transcript.reader(pass_usage=True).feed(first)[6:]) == {"id": "c", "choices": []}
+
+
+def test_tokens_whose_text_was_held_back_are_made_again_not_continued_from():
+    raw = chat_chunk(role=True, prompt_ids=[1]) + chat_chunk("a", ids=[7]) + chat_chunk("", ids=[200])
+    answer = read_answer(raw)
+    assert answer.token_ids == [7, 200] and answer.produced == 1 and answer.exact()
+    _, body = continuation(CHAT, {"model": "m", "messages": [], "max_tokens": 5}, answer, exact=True)
+    assert (body["prompt"], body["max_tokens"]) == ([1, 7], 4)
+
+
+def test_a_client_that_asked_for_ids_gets_the_ids_made_again_only_once():
+    first = completion_chunk(" a", ids=[7], prompt_ids=[1]) + completion_chunk("", ids=[200])
+    transcript, reader = splice(first, chat=False, client_ids=True)
+    events = parsed(reader.feed(completion_chunk(" é", ids=[200, 201]) + completion_chunk(" b", ids=[9])))
+    assert [e["choices"][0]["token_ids"] for e in events] == [[201], [9]]
+    assert [e["choices"][0]["text"] for e in events] == [" é", " b"]
+    assert transcript.answer.token_ids == [7, 200, 201, 9]
