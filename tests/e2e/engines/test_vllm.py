@@ -43,6 +43,7 @@ from catalog.parameters import dtype_bits
 from catalog.sizing import profile_memory
 from conftest import wait_until
 from tests.e2e.demo_stack import API_KEY, ROOT, demo_stack, engine_pids
+from tests.e2e.engines.cutter import Cutter, start_router, streamed_text
 from tests.e2e.engines.vllm_stack import tiny_model, vllm_install
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_engine, pytest.mark.timeout(600)]
@@ -370,6 +371,27 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     read = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
     assert set(read) <= set(families) and "vllm:gpu_cache_usage_perc" not in families
     assert all(s.labels.get("engine") == "0" for name in read for s in families[name].samples)
+
+
+def test_a_stream_cut_midway_is_continued_token_for_token_on_another_endpoint(stack, tmp_path):
+    """Router-only mode knows the engine twice: behind a cutter that ends the answer after 9 events (as its death
+    would), and directly. The stream goes on from the second by token ids, the same text and tokens as the
+    uninterrupted answer (bench/stream_exactness.py measures twenty such streams each way)."""
+    engine = int(engine_url(stack).rsplit(":", 1)[1])
+    cutter = Cutter(engine, [9])
+    router, url, key = start_router(tmp_path, MODEL, "token_ids", cutter.port, engine)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "stream": True, "max_tokens": 24}
+        body |= {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        reference = streamed_text(engine_url(stack), body)
+        continued = streamed_text(url, body, key)
+        assert continued == reference and len(reference[1]) == 24 and not reference[2]
+        families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text)
+        counted = [s for f in families for s in f.samples if s.name == "llmgw_router_stream_continuations_total"]
+        assert [(s.labels["outcome"], s.value) for s in counted] == [("continued", 1.0)]
+    finally:
+        router.terminate()
+        router.wait(10)
 
 
 def engine_url(stack) -> str:
