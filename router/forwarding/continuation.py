@@ -33,12 +33,13 @@ counted with the refusal's name as its outcome.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from router.accounting.usage_reader import SseUsage
 from router.endpoints.table import Endpoint
@@ -93,14 +94,51 @@ _TOKEN_IDS = re.compile(rb',\s*"(?:(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|nu
 _RETURN_TOKEN_IDS = b',"return_token_ids":true}'
 
 
+class _Delta(msgspec.Struct):
+    """A chat event's delta as a continuation reads it (every other field skipped, not decoded)."""
+
+    content: str | None = None
+    tool_calls: object = None
+    function_call: object = None
+    reasoning_content: object = None
+    reasoning: object = None
+
+
+class _Choice(msgspec.Struct):
+    """One choice of a chat or text completion event: a chat's delta or a completion's text, and vLLM's ids."""
+
+    index: int = 0
+    delta: _Delta | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+
+
+class _Event(msgspec.Struct):
+    """An event of a chat or text completion stream as a continuation reads it; `choices` None: not one of its
+    answer's events (an error event, say)."""
+
+    id: object = None
+    created: object = None
+    model: object = None
+    prompt_token_ids: list[int] | None = None
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | None = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
+_encode = msgspec.json.Encoder().encode
+
+
 @dataclass(slots=True)
 class Answer:
     """What the client has been sent of one answer (choice 0), read from the transcript and kept up to date
     by every later leg: enough to ask another replica for the rest and to stitch it on."""
 
-    ident: str | None = None
-    created: int | None = None
-    model: str | None = None
+    ident: object = None
+    created: object = None
+    model: object = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] | None = field(default_factory=list)  # None once a content event came without them
     prompt_ids: list[int] | None = None
@@ -116,41 +154,41 @@ class Answer:
         ones whose text the engine still held back are made again), else one per content event."""
         return self.shown if self.token_ids is not None else self.chunks
 
-    def read(self, payload: dict[str, Any]) -> None:
+    def read(self, event: _Event) -> None:
         """Take in one event of the stream (as the client got it)."""
         if self.ident is None:
-            self.ident, self.created, self.model = payload.get("id"), payload.get("created"), payload.get("model")
-        if isinstance(ids := payload.get("prompt_token_ids"), list):
-            self.prompt_ids = ids
-        for choice in payload.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                if isinstance(ids := choice.get("prompt_token_ids"), list):
-                    self.prompt_ids = ids
+            self.ident, self.created, self.model = event.id, event.created, event.model
+        if event.prompt_token_ids is not None:
+            self.prompt_ids = event.prompt_token_ids
+        for choice in event.choices or ():
+            if choice.index == 0:
+                if choice.prompt_token_ids is not None:
+                    self.prompt_ids = choice.prompt_token_ids
                 self.read_choice(choice)
 
-    def read_choice(self, choice: dict[str, Any]) -> None:
+    def read_choice(self, choice: _Choice) -> None:
         """Take in one choice of an event: its text, token ids, finish reason, and whether it began a tool call
         or reasoning (a continuation leg's own prompt ids are not the client's, so they are not read here)."""
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            text = delta.get("content")
-            self.tool_call |= bool(delta.get("tool_calls") or delta.get("function_call"))
-            self.reasoning |= bool(delta.get("reasoning_content") or delta.get("reasoning"))
+        delta = choice.delta
+        if delta is not None:
+            text = delta.content
+            self.tool_call |= bool(delta.tool_calls or delta.function_call)
+            self.reasoning |= bool(delta.reasoning_content or delta.reasoning)
         else:
-            text = choice.get("text")
-        ids = choice.get("token_ids")
+            text = choice.text
+        ids = choice.token_ids
         # Even with no text: a detokenizer holds back the bytes of a character not yet whole, not its tokens.
-        if isinstance(ids, list) and self.token_ids is not None:
+        if ids is not None and self.token_ids is not None:
             self.token_ids.extend(ids)
-        if isinstance(text, str) and text:
+        if text:
             self.text.append(text)
             self.chunks += 1
-            if not isinstance(ids, list):
+            if ids is None:
                 self.token_ids = None  # text whose tokens are unknown: the rest can only follow the text
             elif self.token_ids is not None:
                 self.shown = len(self.token_ids)
-        if choice.get("finish_reason"):
-            self.finish = choice["finish_reason"]
+        if choice.finish_reason:
+            self.finish = choice.finish_reason
 
     def exact(self) -> bool:
         """Whether the rest can be asked for by token ids (every event gave its ids, and the prompt's)."""
@@ -179,11 +217,9 @@ def read_answer(raw: bytes) -> Answer:
         if data == b"[DONE]":
             continue
         try:
-            payload = json.loads(data)
-        except ValueError:
+            answer.read(_decode_event(data))
+        except msgspec.DecodeError:  # an event the engine did not make, or made wrong: it has no text to keep
             continue
-        if isinstance(payload, dict):
-            answer.read(payload)
     return answer
 
 
@@ -282,6 +318,7 @@ class Transcript:
     payload: dict[str, Any] = {}  # noqa: RUF012  (replaced, never changed in place)
     broke_at = 0.0  # when the last break was seen (time.perf_counter)
     gap: float | None = None  # from it to the next leg's first chunk relayed, once relayed
+    refused: tuple[Endpoint, ...] = ()  # replicas that failed a leg before answering, since the stream last moved on
 
     def __init__(self, chat: bool, client_ids: bool, asked_ids: bool) -> None:
         self.chat = chat  # the client asked for a chat completion (a token-exact leg is a text completion)
@@ -377,19 +414,19 @@ class Splice(SseUsage):
         if data == b"[DONE]":
             return b"data: [DONE]\n\n"
         try:
-            payload = json.loads(data)
-        except ValueError:
-            return b"data: " + data + b"\n\n"
-        if not isinstance(payload, dict) or "choices" not in payload:
+            payload = _decode_event(data)
+        except msgspec.DecodeError:
+            payload = None
+        if payload is None or payload.choices is None:
             return b"data: " + data + b"\n\n"  # an error event, say: passed on as the engine sent it
         answer = self._transcript.answer
         assert answer is not None
-        choices = [out for choice in payload["choices"] if (out := self._choice(choice, answer)) is not None]
+        choices = [out for choice in payload.choices if (out := self._choice(choice, answer)) is not None]
         transcript = self._transcript
         if choices and transcript.gap is None:
             transcript.gap = time.perf_counter() - transcript.broke_at
-        usage = payload.get("usage")
-        if isinstance(usage, dict):
+        usage = payload.usage
+        if usage is not None:
             usage = self._usage(usage, answer)
             if not choices and not self._pass_usage:
                 return b""
@@ -402,17 +439,14 @@ class Splice(SseUsage):
         event.update(created=answer.created, model=answer.model, choices=choices)
         if usage is not None and self._pass_usage:
             event["usage"] = usage
-        return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+        return b"data: " + _encode(event) + b"\n\n"
 
-    def _choice(self, choice: Any, answer: Answer) -> dict[str, Any] | None:
+    def _choice(self, choice: _Choice, answer: Answer) -> dict[str, Any] | None:
         """The client's form of one choice of a continuation event, or None for one it must not get."""
-        if not isinstance(choice, dict):
-            return None
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        finish = choice.get("finish_reason")
+        text = choice.delta.content if choice.delta is not None else choice.text
+        finish = choice.finish_reason
         answer.read_choice(choice)
-        ids = self._client_ids(choice.get("token_ids")) if self._transcript.client_ids else None
+        ids = self._client_ids(choice.token_ids) if self._transcript.client_ids else None
         if not text and not finish and not ids:
             return None  # a role delta, or an empty one: the client has had its start
         out: dict[str, Any] = {"index": 0}
@@ -421,14 +455,14 @@ class Splice(SseUsage):
         else:
             out["text"] = text or ""
         out.update(logprobs=None, finish_reason=finish)
-        if isinstance(ids, list):
+        if ids is not None:
             out["token_ids"] = ids
         return out
 
-    def _client_ids(self, ids: Any) -> list[int] | None:
+    def _client_ids(self, ids: list[int] | None) -> list[int] | None:
         """The ids of a choice the client is still owed: those it had already, made again, are left out."""
-        if not isinstance(ids, list) or not self._repeated:
-            return ids if isinstance(ids, list) else None
+        if ids is None or not self._repeated:
+            return ids
         skipped = min(self._repeated, len(ids))
         self._repeated -= skipped
         return ids[skipped:]

@@ -101,7 +101,7 @@ class Resumer:
         why = refusal(path, payload, answer)
         if why is None and transcript.migrations >= self.limit:
             why = LIMIT
-        nxt = None if why is not None else await self._replica(request)
+        nxt = None if why is not None else await self._replica(request, (*transcript.refused, endpoint))
         if nxt is None:
             await self.relay.end_broken(request, endpoint, exc, streamed=True)
             self.relay.count_unserved(request)
@@ -114,9 +114,11 @@ class Resumer:
         transcript.migrations += 1
         return CONTINUED, nxt
 
-    async def _replica(self, request: Forwarding) -> Endpoint | None:
-        """A ready replica of the model other than those tried, waiting for one as for a cold start; None if none."""
-        model, tried = request.model, request.tried
+    async def _replica(self, request: Forwarding, tried: tuple[Endpoint, ...]) -> Endpoint | None:
+        """A ready replica of the model but those `tried` (the one that broke, and any that refused since the
+        stream last moved on), waiting for one as for a cold start; None if none. One that broke earlier may serve
+        again: at the same address, it is an engine started again there."""
+        model = request.model
         endpoint = self.picker.pick(model, tried, request.affinity, request.pools)
         if endpoint is not None:
             return endpoint
@@ -132,13 +134,19 @@ class Resumer:
 
     async def _run_leg(self, request: Forwarding, transcript: Transcript, endpoint: Endpoint) -> None:
         """Send and relay the leg `_next_leg` prepared to `endpoint`; a failure before it answered is another
-        break. (The exchange adds `endpoint` to the request's tried replicas, which later picks exclude.)"""
+        break, not counted against the request's limit (nothing of it was relayed: a replica dead but not yet
+        unpublished, say). Such a replica is not asked again until the stream moves on, so those tries end when
+        the replicas do."""
         try:
             await self.send_leg(request, endpoint)
         except RouterError as exc:
             if exc.status < 500:
                 raise  # the replica refused the continuation itself: another would too
             transcript.broken = (endpoint, exc)
+            transcript.migrations -= 1
+            transcript.refused += (endpoint,)
+        else:
+            transcript.refused = ()
         if transcript.gap is not None:
             self.metrics.continuation_gap.labels(request.model).observe(transcript.gap)
             transcript.gap = None

@@ -77,22 +77,28 @@ def _nth(data: bytes, needle: bytes, n: int) -> int:
 
 
 def start_router(workdir: Path, model: str, way: str, cutter: int, engine: int) -> tuple[subprocess.Popen, str, str]:
-    """Router-only mode (a database of its own in `workdir`) serving `model` from the engine behind the cutter
-    (first) and the engine itself, continuing broken streams `way`; (process, URL, a client key)."""
+    """Router-only mode serving `model` from the engine behind the cutter (first: the higher priority) and the
+    engine itself, continuing broken streams `way`; (process, URL, a client key)."""
+    rows = [{"url": f"http://127.0.0.1:{cutter}", "priority": 1}, f"http://127.0.0.1:{engine}"]
+    return router_only(workdir, model, way, rows)
+
+
+def router_only(workdir: Path, model: str, way: str, endpoints: list) -> tuple[subprocess.Popen, str, str]:
+    """Router-only mode (`manage.py router --endpoints`, a database of its own in `workdir`) serving `model` from
+    `endpoints` (rows of the endpoints file), continuing broken streams `way`; (process, URL, a client key)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "LLMGW_HOME": str(workdir), "SECRET_KEY": "bench-only", "LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "LLMGW_HOME": str(workdir), "SECRET_KEY": "test-only", "LOG_LEVEL": "WARNING"}
     env.pop("DATABASE_URL", None)
     env.pop("REDIS_URL", None)
     manage = [sys.executable, "manage.py"]
     subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=env, check=True)
     key = subprocess.run(
-        [*manage, "keys", "create", f"exactness-{way}"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+        [*manage, "keys", "create", f"streams-{way}"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
     ).stdout.strip()
-    endpoints = workdir / "endpoints.yaml"
-    rows = [{"url": f"http://127.0.0.1:{cutter}", "priority": 1}, f"http://127.0.0.1:{engine}"]
-    endpoints.write_text(json.dumps({"models": {model: {"endpoints": rows, "streams": way}}}))
+    table = workdir / "endpoints.yaml"
+    table.write_text(json.dumps({"models": {model: {"endpoints": endpoints, "streams": way}}}))
     port = free_port()
-    argv = [*manage, "router", "--port", str(port), "--endpoints", str(endpoints)]
+    argv = [*manage, "router", "--port", str(port), "--endpoints", str(table)]
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
