@@ -307,3 +307,21 @@ def test_the_health_of_a_draining_router_is_503_and_new_requests_are_refused(sta
     assert response.headers["connection"] == "close"
     assert httpx.get(f"{router.url}/health").status_code == 503
     assert httpx.get(f"{router.url}/metrics").status_code == 200
+
+
+def test_a_stream_silent_past_the_idle_deadline_goes_on_from_another_replica(
+    start_router, hub, auth, broken_engine, engine_process
+):
+    stalled, greedy = broken_engine("stall"), engine_process(args=("--greedy",))
+    hub.publish_endpoints(make_table([{"url": stalled.url, "priority": 1}, {"url": greedy.url, "priority": 0}]))
+    router = start_router(idle_timeout=0.3)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 6}
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", headers=auth, json=body, timeout=10) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    # The stalled replica said "Hello" (no token ids): the rest follows that text, five tokens more.
+    texts = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+    assert texts[0] == "Hello" and len([t for t in texts[1:] if t]) == 5
+    assert not any("error" in e for e in events)
+    labels = f'model="{MODEL}",outcome="continued",reason="engine_silent"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+    assert stalled.done.wait(3)  # its connection was closed
