@@ -40,6 +40,7 @@ from router.forwarding.continuation import (
     LOST,
     NO_REPLICA,
     RESENT,
+    SILENT,
     Transcript,
     ask_for_token_ids,
 )
@@ -250,22 +251,22 @@ class Proxy:
             try:
                 await self.relay.whole(request, endpoint, response, content_type)
             except RouterError as exc:
-                if exc.code != UPSTREAM_FAILED or (nxt := await self._resend_whole(request, endpoint)) is None:
+                if exc.code != UPSTREAM_FAILED or (nxt := self._resend_whole(request, exc)) is None:
                     raise
                 await self._send_upstream(request, nxt)
         else:
             await self.relay.stream(request, endpoint, response, content_type, streamed)
 
-    async def _resend_whole(self, request: Forwarding, endpoint: Endpoint) -> Endpoint | None:
-        """The replica to send again a request whose whole answer broke off before any of it reached the client
-        (nothing was sent, so another replica answers it afresh), or None: not within the request's limit
-        (LLMGW_STREAM_MIGRATIONS), its model's switch, or the replicas ready now."""
+    def _resend_whole(self, request: Forwarding, broke: RouterError) -> Endpoint | None:
+        """The replica to send again a request whose whole answer broke off (`broke`: 502 lost, 504 silent) before
+        any of it reached the client (nothing was sent, so another replica answers it afresh), or None: not within
+        the request's limit (LLMGW_STREAM_MIGRATIONS), its model's switch, or the replicas ready now."""
         model = request.model
         if request.resent >= self.migrations or not self.routes.continues(model):
             return None
         nxt = self.picker.pick(model, request.tried, request.affinity, request.pools)
         outcome = RESENT if nxt is not None else NO_REPLICA
-        self.metrics.continuations.labels(model, LOST, outcome).inc()
+        self.metrics.continuations.labels(model, SILENT if broke.status == 504 else LOST, outcome).inc()
         request.resent += 1
         return nxt
 

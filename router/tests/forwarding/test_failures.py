@@ -240,7 +240,8 @@ def test_a_whole_answer_cut_before_it_was_sent_is_asked_of_another_replica(
     response = chat(router, auth)
     assert response.status_code == 200 and response.json()["object"] == "chat.completion"
     assert (broken.requests, response.headers["x-llmgw-replica"]) == (1, "2")
-    labels = f'model="{MODEL}",outcome="resent_whole",reason="engine_lost"'
+    reason = "engine_lost" if mode == "short" else "engine_silent"
+    labels = f'model="{MODEL}",outcome="resent_whole",reason="{reason}"'
     assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
 
 
