@@ -319,6 +319,7 @@ class Transcript:
     broke_at = 0.0  # when the last break was seen (time.perf_counter)
     gap: float | None = None  # from it to the next leg's first chunk relayed, once relayed
     refused: tuple[Endpoint, ...] = ()  # replicas that failed a leg before answering, since the stream last moved on
+    counted = False  # the request was counted against its key (by its last leg, or when it was ended)
 
     def __init__(self, chat: bool, client_ids: bool, asked_ids: bool) -> None:
         self.chat = chat  # the client asked for a chat completion (a token-exact leg is a text completion)

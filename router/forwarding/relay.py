@@ -188,6 +188,8 @@ class Relay:
 
     def count_unserved(self, request: Forwarding, served: bool = False) -> None:
         """Count a stream whose legs counted nothing (router.forwarding.resume ended it): a request, tokens unknown."""
+        if request.transcript is not None:
+            request.transcript.counted = True
         if request.exchange.key is not None:
             self.ledger.tokens.count(request.exchange.key, request.model, None, served)
 
@@ -212,6 +214,8 @@ class Relay:
         model = request.model  # an adapter's own name, not its base's
         self.picker.release(endpoint, None, model)
         key = exchange.key
+        if counted and request.transcript is not None:
+            request.transcript.counted = True
         if key is not None and counted:
             self.ledger.tokens.count(key, model, usage, served)
             if usage is not None:

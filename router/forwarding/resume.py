@@ -48,6 +48,15 @@ log = logging.getLogger(__name__)
 FINISHED = "finished"
 
 
+def _reason(exc: BaseException) -> str:
+    """Why a leg broke, as the metric says it: the engine lost, or silent past a deadline (the sweep's cancellation,
+    or a leg that got no first byte in time)."""
+    silent = isinstance(exc, TimeoutError | asyncio.CancelledError) or (
+        isinstance(exc, RouterError) and exc.status == 504
+    )
+    return SILENT if silent else LOST
+
+
 class Resumer:
     """Continues broken streams on other replicas (at most `limit` times each), or ends them with an error event.
 
@@ -74,16 +83,22 @@ class Resumer:
         assert transcript is not None
         if not transcript.path:
             transcript.path, transcript.payload = request.path, json.loads(request.body)
-        while (broken := transcript.broken) is not None:
-            transcript.broken = None
-            endpoint, exc = broken
-            transcript.broke_at, transcript.gap = time.perf_counter(), None
-            reason = SILENT if isinstance(exc, TimeoutError | asyncio.CancelledError) else LOST
-            outcome, nxt = await self._next_leg(request, transcript, endpoint, exc)
-            self.metrics.continuations.labels(request.model, reason, outcome).inc()
-            if nxt is None:
-                return
-            await self._run_leg(request, transcript, nxt)
+        try:
+            while (broken := transcript.broken) is not None:
+                transcript.broken = None
+                endpoint, exc = broken
+                transcript.broke_at, transcript.gap = time.perf_counter(), None
+                outcome, nxt = await self._next_leg(request, transcript, endpoint, exc)
+                self.metrics.continuations.labels(request.model, _reason(exc), outcome).inc()
+                if nxt is None:
+                    return
+                await self._run_leg(request, transcript, nxt)
+        except BaseException as exc:
+            if not transcript.counted:
+                # It ended between legs: the client went away while another replica was found (served, as the
+                # relay counts a client that leaves), or the next replica refused the continuation.
+                self.relay.count_unserved(request, served=isinstance(exc, asyncio.CancelledError))
+            raise
 
     async def _next_leg(
         self, request: Forwarding, transcript: Transcript, endpoint: Endpoint, exc: BaseException

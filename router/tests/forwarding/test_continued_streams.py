@@ -5,6 +5,7 @@ byte for byte with the uninterrupted answer of the same request."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -157,3 +158,20 @@ def test_each_leg_of_a_continued_stream_is_an_upstream_span_of_its_own(fleet, au
     assert [leg.attributes["llmgw.replica"] for leg in legs] == ["1", "2"]
     assert all(leg.parent.span_id == request.context.span_id for leg in legs)
     provider.shutdown()
+
+
+def test_a_client_that_leaves_while_its_stream_waits_for_a_replica_is_counted_once(
+    start_router, hub, engine_process, auth
+):
+    dying = engine_process(args=(*GREEDY, "--exit-after-tokens", "3"))
+    hub.publish_endpoints(make_table([dying.url]))  # no other replica: the continuation waits as for a cold start
+    router = start_router(flush_seconds=3600, keepalive_seconds=0.1)
+    with httpx.stream("POST", f"{router.url}{CHAT}", json=request_body(CHAT), headers=auth, timeout=10) as response:
+        for line in response.iter_lines():
+            if line.startswith(":"):  # a keep-alive: the stream waits for another replica; the client leaves
+                break
+    (counts,) = wait_until(lambda: router.state.ledger.tokens.pending()[0]).values()
+    assert counts[MODEL].requests == 1
+    time.sleep(0.5)  # and not again later
+    (again,) = router.state.ledger.tokens.pending()[0].values()
+    assert again[MODEL].requests == 1
