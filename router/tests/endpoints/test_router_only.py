@@ -178,6 +178,8 @@ def test_without_redis_each_router_stores_its_own_tokens_and_its_last_at_shutdow
     assert stored() == [("alone", MODEL, 3, 3, 9)]
 
 
+# The store's pass closes stale database connections (and would store counts): it may touch the database.
+@pytest.mark.django_db
 def test_a_router_gone_silent_is_forgotten_so_the_others_shares_grow_back(redis_url):
     clock = [1000.0]
     hub = SharedStaticHub(static_table(), redis_url)
