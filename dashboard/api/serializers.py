@@ -6,9 +6,8 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from catalog.catalog_file import ADAPTER_KEYS, PROFILE_FIELDS
+from catalog.catalog_file import ADAPTER_KEYS, MODEL_KEYS, PROFILE_FIELDS
 from catalog.models import Adapter, Model, Profile
-from catalog.rules import MODEL_SIZE_FIELDS
 from inventory.models import GPU, Node
 from keys.models import ApiKey, TokenUsage
 from nodewire.engine_env import MASK, masked
@@ -68,14 +67,7 @@ class ModelSerializer(serializers.ModelSerializer):
         model = Model
         fields = [
             "id",
-            "name",
-            "source",
-            "enabled",
-            "continue_streams",
-            *MODEL_SIZE_FIELDS,
-            "aliases",
-            "profiles",
-            "adapters",
+            *MODEL_KEYS,  # a catalog file's entry, as the API writes it
             "created_at",
             "updated_at",
         ]

@@ -11,9 +11,9 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from catalog.catalog_file import ADAPTER_KEYS, PROFILE_FIELDS
+from catalog.catalog_file import ADAPTER_KEYS, MODEL_KEYS, PROFILE_FIELDS
 from catalog.models import Adapter, Model, Profile, public_name_validator
-from catalog.rules import INTEGER_MAX, MODEL_SIZE_FIELDS
+from catalog.rules import INTEGER_MAX
 from dashboard.api.fields import StrictCharField, StrictModelSerializer
 from dashboard.api.serializers import ENV_HELP
 from keys.models import ApiKey
@@ -88,16 +88,7 @@ class ModelWriteSerializer(StrictModelSerializer):
 
     class Meta:
         model = Model
-        fields = [
-            "name",
-            "source",
-            "enabled",
-            "continue_streams",
-            *MODEL_SIZE_FIELDS,
-            "aliases",
-            "profiles",
-            "adapters",
-        ]
+        fields = list(MODEL_KEYS)  # a catalog file's entry: the API writes a model as a file gives it
         extra_kwargs: dict[str, dict[str, Any]] = {
             "name": {"validators": [public_name_validator], "help_text": "Public name; cannot change after creation."}
         }

@@ -56,7 +56,6 @@ CONTINUED = "continued"
 RESENT = "resent_whole"  # a whole (not streamed) answer that broke before any of it was sent: asked for again
 NO_REPLICA = "no_replica"
 LIMIT = "limit"
-DISABLED = "disabled"
 
 # A completion's default length when the request names none (OpenAI's and vLLM's).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
