@@ -36,6 +36,14 @@ class RouterError(Exception):
         return error_body(self.message, self.type, self.code, self.param)
 
 
+class EngineEndedUnfinished(Exception):
+    """An engine ended a continuable stream itself before its answer was done (finish_reason abort, or an error
+    event): a break like a lost connection, raised before the event that says so reaches the client."""
+
+    def __init__(self, event: bytes) -> None:
+        super().__init__(event[:200].decode(errors="replace").strip())
+
+
 def method_not_allowed(method: str, path: str, allowed: bytes) -> RouterError:
     """405 naming the method that is allowed on `path`."""
     return RouterError(

@@ -4,7 +4,8 @@ A chat or text completion streamed through the router (CONTINUABLE_PATHS) keeps
 a transcript: the bytes of every whole event relayed to the client (one list
 append per chunk; nothing is parsed while the answer flows). When the engine
 breaks off after the answer began (a reset or closed connection, silence past
-the next-chunk deadline), the transcript is read once and the request is sent
+the next-chunk deadline, or an end it made itself unfinished: an error event, or
+`finish_reason` "abort" as vLLM ends the requests a forced sleep cuts), the transcript is read once and the request is sent
 to another ready replica of the same model, asking only for the rest:
 
 * **token-exact** where the first replica gave token ids (vLLM's
@@ -43,6 +44,7 @@ import msgspec
 
 from router.accounting.usage_reader import SseUsage
 from router.endpoints.table import Endpoint
+from router.errors import EngineEndedUnfinished
 
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
 COMPLETION_PATH = "/v1/completions"
@@ -51,6 +53,7 @@ CONTINUABLE_PATHS = CHAT_PATHS | {COMPLETION_PATH}
 # Why a stream broke (the `reason` label of llmgw_router_stream_continuations_total).
 LOST = "engine_lost"  # the connection reset or closed
 SILENT = "engine_silent"  # no next chunk within LLMGW_UPSTREAM_IDLE_SECONDS
+ABORTED = "engine_aborted"  # the engine ended the answer unfinished: an error event, or finish_reason abort/error
 # How it ended (`outcome`): continued, or why not.
 CONTINUED = "continued"
 RESENT = "resent_whole"  # a whole (not streamed) answer that broke before any of it was sent: asked for again
@@ -91,6 +94,16 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 # vLLM also adds an empty `prompt_text` to a chat stream's first event when asked for ids.
 _TOKEN_IDS = re.compile(rb',\s*"(?:(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|null)|prompt_text"\s*:\s*null)')
 _RETURN_TOKEN_IDS = b',"return_token_ids":true}'
+# An engine's own unfinished end: vLLM's finish reason for a request its sleep (mode=abort) or shutdown cut, and
+# the error event it sends for a request-level failure (GenerationError). Text in a delta has its quotes escaped.
+_UNFINISHED = re.compile(rb'"finish_reason":\s*"(?:abort|error)"|^data:\s*\{\s*"error"', re.MULTILINE)
+
+
+def check_finished_well(chunk: bytes) -> None:
+    """Raise EngineEndedUnfinished if `chunk` (whole events) ends the answer unfinished. Two substring scans for
+    the usual chunk; the pattern only where one of the words is in it."""
+    if (b'"abort"' in chunk or b'"error"' in chunk) and (match := _UNFINISHED.search(chunk)) is not None:
+        raise EngineEndedUnfinished(chunk[match.start() :])
 
 
 class _Delta(msgspec.Struct):
@@ -359,6 +372,7 @@ class KeptSseUsage(SseUsage):
     def feed(self, chunk: bytes) -> bytes:
         chunk = super().feed(chunk)
         if chunk:
+            check_finished_well(chunk)
             transcript = self._transcript
             transcript.kept.append(chunk)
             if transcript.strip_ids and b"token_ids" in chunk:
@@ -368,6 +382,7 @@ class KeptSseUsage(SseUsage):
     def finish(self) -> bytes:
         rest = super().finish()
         if rest:
+            check_finished_well(rest)
             self._transcript.kept.append(rest)
         return rest
 
@@ -404,11 +419,17 @@ class Splice(SseUsage):
             self._carry = b""
         end = chunk.rfind(b"\n\n") + 2  # 1 when no event ends in it: all of it waits for the rest
         self._carry, chunk = chunk[end:] if end > 1 else chunk, chunk[:end] if end > 1 else b""
-        return b"".join(self._event(data) for data in events(chunk)) if chunk else b""
+        if not chunk:
+            return b""
+        check_finished_well(chunk)  # before any of it changes the answer
+        return b"".join(self._event(data) for data in events(chunk))
 
     def finish(self) -> bytes:
         rest, self._carry = self._carry, b""
-        return b"".join(self._event(data) for data in events(rest)) if rest else b""
+        if not rest:
+            return b""
+        check_finished_well(rest)
+        return b"".join(self._event(data) for data in events(rest))
 
     def _event(self, data: bytes) -> bytes:
         if data == b"[DONE]":

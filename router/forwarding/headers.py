@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 
 from router.endpoints.table import Endpoint
-from router.errors import error_body
+from router.errors import EngineEndedUnfinished, error_body
 from router.forwarding.asgi_io import Scope
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
@@ -35,6 +35,11 @@ def break_message(endpoint: Endpoint, exc: BaseException, idle_timeout: float) -
         return 504, (
             f"Replica {endpoint.replica_id} of `{endpoint.model}` sent nothing for {idle_timeout:g} s "
             "(LLMGW_UPSTREAM_IDLE_SECONDS) in the middle of its answer; the answer is incomplete."
+        )
+    if isinstance(exc, EngineEndedUnfinished):
+        return 502, (
+            f"Replica {endpoint.replica_id} of `{endpoint.model}` ended its answer unfinished ({exc}); "
+            "the answer is incomplete."
         )
     return 502, (
         f"Replica {endpoint.replica_id} of `{endpoint.model}` failed in the middle of its answer "

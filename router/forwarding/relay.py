@@ -31,7 +31,8 @@ from aiohttp import ClientResponse
 from router.accounting.ledger import Ledger
 from router.accounting.usage_reader import JsonUsage, SseUsage, usage_of_whole_answer, usage_reader
 from router.endpoints.table import Endpoint
-from router.errors import RouterError
+from router.errors import EngineEndedUnfinished, RouterError
+from router.forwarding.continuation import check_finished_well
 from router.forwarding.exchange import Forwarding
 from router.forwarding.headers import UPSTREAM_FAILED, break_message, response_headers, sse_error_event
 from router.metrics import RouterMetrics
@@ -103,6 +104,8 @@ class Relay:
                         exchange.start_next_chunk_deadline()  # held back: the engine sent something all the same
                         continue
                     if kept is not None:
+                        if b'"abort"' in chunk or b'"error"' in chunk:
+                            check_finished_well(chunk)  # an unfinished end is a break, not sent
                         kept.append(chunk)
                     now = clock()
                     if last:
@@ -118,8 +121,11 @@ class Relay:
                     exchange.start_next_chunk_deadline()
                 exchange.stop_deadline()
                 if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
+                    if kept is not None:
+                        check_finished_well(rest)
+                        kept.append(rest)
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
-            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as exc:
+            except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError, EngineEndedUnfinished) as exc:
                 if not exchange.engine_failed(exc):
                     raise
                 served = False

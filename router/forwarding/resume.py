@@ -22,9 +22,10 @@ from collections.abc import Awaitable, Callable
 
 from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
-from router.errors import RouterError
+from router.errors import EngineEndedUnfinished, RouterError
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import (
+    ABORTED,
     CHAT_PATHS,
     CONTINUED,
     LIMIT,
@@ -49,8 +50,10 @@ FINISHED = "finished"
 
 
 def _reason(exc: BaseException) -> str:
-    """Why a leg broke, as the metric says it: the engine lost, or silent past a deadline (the sweep's cancellation,
-    or a leg that got no first byte in time)."""
+    """Why a leg broke, as the metric says it: the engine lost, silent past a deadline (the sweep's cancellation,
+    or a leg that got no first byte in time), or ending the answer unfinished itself."""
+    if isinstance(exc, EngineEndedUnfinished):
+        return ABORTED
     silent = isinstance(exc, TimeoutError | asyncio.CancelledError) or (
         isinstance(exc, RouterError) and exc.status == 504
     )

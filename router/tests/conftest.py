@@ -315,11 +315,17 @@ class EngineProcess:
     """The bundled mock engine (`python -m mockengine`) as a real process, to be killed by signal."""
 
     def __init__(
-        self, port: int | None = None, token_delay_ms: float = 0.0, api_key: str | None = None, args: tuple = ()
+        self,
+        port: int | None = None,
+        token_delay_ms: float = 0.0,
+        api_key: str | None = None,
+        args: tuple = (),
+        env: dict[str, str] | None = None,
     ):
         self.port = port or free_port()
         self.token_delay_ms = token_delay_ms
         self.args = args  # more of its flags (python -m mockengine --help)
+        self.env = env or {}  # more of its environment (VLLM_SERVER_DEV_MODE for the sleep routes, say)
         self.api_key = api_key  # as vLLM's --api-key, given in its environment (VLLM_API_KEY) to stay out of ps
         self.process: subprocess.Popen | None = None
 
@@ -330,7 +336,7 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         argv = [sys.executable, "-m", "mockengine", "--port", str(self.port), "--model", MODEL]
         argv += ["--token-delay-ms", str(self.token_delay_ms), *self.args]
-        env = {**os.environ, "VLLM_API_KEY": self.api_key or ""}
+        env = {**os.environ, "VLLM_API_KEY": self.api_key or "", **self.env}
         self.process = subprocess.Popen(argv, cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_until(self._answers, timeout=10, interval=0.05, describe=self._describe)
         return self
@@ -357,9 +363,13 @@ def engine_process():
     started: list[EngineProcess] = []
 
     def start(
-        port: int | None = None, token_delay_ms: float = 0.0, api_key: str | None = None, args: tuple = ()
+        port: int | None = None,
+        token_delay_ms: float = 0.0,
+        api_key: str | None = None,
+        args: tuple = (),
+        env: dict[str, str] | None = None,
     ) -> EngineProcess:
-        engine = EngineProcess(port, token_delay_ms, api_key, args).start()
+        engine = EngineProcess(port, token_delay_ms, api_key, args, env).start()
         started.append(engine)
         return engine
 

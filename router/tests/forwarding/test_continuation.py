@@ -7,9 +7,11 @@ import json
 
 import pytest
 
+from router.errors import EngineEndedUnfinished
 from router.forwarding.continuation import (
     COMPLETION_PATH,
     Transcript,
+    check_finished_well,
     continuation,
     read_answer,
     refusal,
@@ -246,3 +248,30 @@ def test_a_client_that_asked_for_ids_gets_the_ids_made_again_only_once():
     assert [e["choices"][0]["token_ids"] for e in events] == [[201], [9]]
     assert [e["choices"][0]["text"] for e in events] == [" é", " b"]
     assert transcript.answer.token_ids == [7, 200, 201, 9]
+
+
+# vLLM's own bytes: a chunk as pydantic writes it (compact), and the error event of a GenerationError (json.dumps).
+VLLM_ABORT = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":" x"},"finish_reason":"abort"}]}\n\n'
+VLLM_ERROR = (
+    b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":" y"},"finish_reason":null}]}\n\n'
+    b'data: {"error": {"message": "KV load failed", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
+)
+
+
+@pytest.mark.parametrize("chunk", [VLLM_ABORT, VLLM_ERROR, chat_chunk(finish="abort"), chat_chunk(finish="error")])
+def test_an_engines_unfinished_end_is_a_break(chunk):
+    with pytest.raises(EngineEndedUnfinished):
+        check_finished_well(chunk)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        chat_chunk(finish="stop") + chat_chunk(finish="length"),
+        chat_chunk('the "error" and "abort" words, quoted in the text'),
+        chat_chunk('"finish_reason": "abort"'),  # text that looks like the field is escaped in JSON
+        event({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}),
+    ],
+)
+def test_a_well_finished_or_ongoing_answer_is_no_break(chunk):
+    check_finished_well(chunk)

@@ -175,3 +175,57 @@ def test_a_client_that_leaves_while_its_stream_waits_for_a_replica_is_counted_on
     time.sleep(0.5)  # and not again later
     (again,) = router.state.ledger.tokens.pending()[0].values()
     assert again[MODEL].requests == 1
+
+
+@pytest.mark.parametrize("token_ids", [True, False], ids=["token-exact", "text"])
+def test_a_stream_its_engine_aborts_for_a_forced_sleep_goes_on_from_another_replica(
+    start_router, hub, engine_process, auth, token_ids
+):
+    """vLLM's sleep (mode=abort) ends the streams in flight with finish_reason "abort" and [DONE]: a well-formed end
+    of an unfinished answer, which the router takes as a break, never showing it to the client."""
+    sleepy = engine_process(token_delay_ms=30, args=GREEDY, env={"VLLM_SERVER_DEV_MODE": "1"})
+    healthy = engine_process(token_delay_ms=2, args=GREEDY)
+    rows = [{"url": sleepy.url, "priority": 1}, {"url": healthy.url, "priority": 0}]
+    hub.publish_endpoints(make_table(rows, {MODEL: {"token_ids": token_ids}}))
+    router = start_router(flush_seconds=3600)
+    body = request_body(CHAT, stream_options={"include_usage": True})
+    events, slept = [], None
+    with httpx.stream("POST", router.url + CHAT, json=body, headers=auth, timeout=20) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if slept is None and len(text_of(events, CHAT).split()) == 5:
+                slept = httpx.post(sleepy.url + "/sleep?level=1&mode=abort", timeout=10)
+    assert slept is not None and slept.json() == {"status": "sleeping", "level": 1}
+    uninterrupted = events_of(healthy.url, CHAT, body)
+    assert text_of(events, CHAT) == text_of(uninterrupted, CHAT)
+    finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]  # the abort never reached the client
+    assert [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")] == [uninterrupted[-2]["usage"]]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    labels = f'model="{MODEL}",outcome="continued",reason="engine_aborted"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+
+
+def test_an_aborted_stream_with_no_replica_to_go_on_ends_with_the_routers_error_event(
+    start_router, hub, engine_process, auth
+):
+    """With nowhere to go on within the activation limit, the client gets the router's error event naming the
+    unfinished end, never the engine's abort as if the answer were done."""
+    sleepy = engine_process(token_delay_ms=30, args=GREEDY, env={"VLLM_SERVER_DEV_MODE": "1"})
+    hub.publish_endpoints(make_table([sleepy.url]))
+    router = start_router(activation_timeout=1.0, keepalive_seconds=0)
+    events = []
+    with httpx.stream("POST", router.url + CHAT, json=request_body(CHAT), headers=auth, timeout=20) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if len(events) == 3:
+                    httpx.post(sleepy.url + "/sleep?level=1&mode=abort", timeout=10)
+    assert "ended its answer unfinished" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    assert not any(c["finish_reason"] for e in events[:-2] for c in e["choices"])
+    labels = f'model="{MODEL}",outcome="no_replica",reason="engine_aborted"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
