@@ -76,8 +76,11 @@ test-sqlite-units: $(VENV)/.installed
 test-postgres-units: $(VENV)/.installed
 	REDIS_TEST_URL=redis://127.0.0.1:6379/14 $(MAKE) --no-print-directory test-postgres PYTEST_WORKERS="-n $(UNIT_WORKERS)"
 
+# The end-to-end tests mostly wait on the processes they start: two pytest-xdist workers, a file each at a time
+# (a module's stack is shared by its tests), every stack on engine ports of its worker's own (conftest.py).
+E2E_WORKERS ?= 2
 test-e2e: $(VENV)/.installed
-	$(PY) -m pytest -m "e2e and not packaging"
+	$(PY) -m pytest -m "e2e and not packaging" -n $(E2E_WORKERS) --dist loadfile
 
 # The wheel in fresh virtual environments and the image's compose fleet: minutes spent waiting on pip and podman,
 # so `make test` runs them beside the two unit passes rather than after.

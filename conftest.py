@@ -32,6 +32,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def engine_port_range(block: int) -> str:
+    """LLMGW_ENGINE_PORT_RANGE for a stack a test starts: 100 ports of its own. Each pytest-xdist worker has a
+    thousand (21000 + 1000 × its number, clear of the default range's first ports that other stacks, the fault
+    drill's say, start from) and each kind of stack its `block` (0-9) of them, so two workers' stacks, or an
+    engine a stack left stopping, never meet on a port."""
+    if not 0 <= block <= 9:
+        raise ValueError(f"block must be 0-9, not {block}")
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 21000 + 1000 * worker + 100 * block
+    return f"{low}-{low + 99}"
+
+
 def wait_until(predicate, timeout: float = 3.0, interval: float = 0.01, describe=None):
     """Return predicate()'s first truthy value, or fail after `timeout` seconds.
 
@@ -112,6 +124,16 @@ def redis_settings(settings, redis_url):
     reset_hub()
     yield redis_url
     reset_hub()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quick_password_hashing():
+    """Test users' passwords are hashed with a quick hasher: PBKDF2's cost (about 0.3 s a password, on purpose) is
+    nothing a test checks, and tests create hundreds of users. Processes a test starts keep the real hashers."""
+    from django.test.utils import override_settings
+
+    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -53,6 +53,7 @@ FAULTS = [
     "control-plane-kill",
     "control-plane-term",
     "port-busy",
+    "engine-kill-mid-stream",
 ]
 
 
@@ -157,6 +158,7 @@ def main() -> int:
             "control-plane-kill": faults.control_plane_kill,
             "control-plane-term": faults.control_plane_term,
             "port-busy": faults.port_busy,
+            "engine-kill-mid-stream": faults.engine_kill_mid_stream,
         }
         for name in chosen:
             if name == "steady":

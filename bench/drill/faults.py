@@ -9,20 +9,24 @@ are checked after every fault.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
 from django.db import connection
 
 from catalog.choices import Engine
 from catalog.models import Model, Profile
-from drill.checks import invariants
+from drill.checks import engine_ports, invariants
 from drill.load import Load
 from drill.monitor import LeaseMonitor
 from drill.stack import Proc, Stack, wait_for
+from drill.streams import run_streams
 from inventory.choices import NodeState
 from inventory.models import Node
 from reconciler.choices import ReplicaState
@@ -319,3 +323,45 @@ class Faults:
         finally:
             blocker.close()
         return self._finish(row, started)
+
+    def engine_kill_mid_stream(self, count: int = 16, max_tokens: int = 150) -> Row:
+        """`count` streams of a two-replica model (greedy mock, 20 ms a token, so each lasts about 3 s) run once
+        uninterrupted, then again with one replica's engine SIGKILLed a second in: every stream must end whole
+        with the same text, continued on the other replica."""
+        row = Row("SIGKILL an engine mid-stream", "0 client-visible errors; each stream as uninterrupted")
+        model = _db(lambda: Model.objects.create(name="drill-stream", source="drill/stream"))
+        _db(lambda: Profile.objects.create(
+            model=model, engine=Engine.MOCK, gpu_class="H100-80GB", min_replicas=2, max_replicas=2,
+            engine_args=["--greedy", "--token-delay-ms", "20"],
+        ))  # fmt: skip
+        ready = Replica.objects.filter(model=model, state=ReplicaState.READY)
+        wait_for(lambda: _db(ready.count) == 2, 60, 0.2, "both replicas of drill-stream ready")
+        routers, key = self.load.routers, self.load.key
+        time.sleep(3)  # both routers have polled the table that publishes them
+        before = self._continued(routers)
+        reference = run_streams(routers, model.name, key, count, max_tokens)
+        port = _db(lambda: Shard.objects.filter(replica__model=model).order_by("pk").values_list("port", flat=True)[0])
+        pid = engine_ports(self.stack.workdir / "var")[port]
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(run_streams, routers, model.name, key, count, max_tokens)
+            time.sleep(1.0)
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            results = running.result(timeout=120)
+        continued = self._continued(routers) - before
+        wrong = [i for i, (got, want) in enumerate(zip(results, reference, strict=True))
+                 if not (got.whole and want.whole and got.text == want.text)]  # fmt: skip
+        for i in wrong[:3]:
+            print(f"   stream {i}: {results[i]} (uninterrupted: {reference[i].text[:60]!r}...)", flush=True)
+        row.requests, row.errors = count, len(wrong)
+        row.recovery = f"longest pause {max(r.longest_gap for r in results):.2f} s"
+        row.note = f"{continued:g} continued on the other replica"
+        row.held = not wrong and continued > 0 and all(r.whole for r in reference)
+        _db(lambda: Model.objects.filter(pk=model.pk).delete())
+        return self._finish(row, killed_at)
+
+    @staticmethod
+    def _continued(routers: list[str]) -> float:
+        """Streams continued so far, by every router."""
+        pattern = re.compile(r'^llmgw_router_stream_continuations_total\{[^}]*outcome="continued"[^}]*\} (\S+)$', re.M)
+        return sum(float(v) for url in routers for v in pattern.findall(httpx.get(f"{url}/metrics", timeout=5).text))

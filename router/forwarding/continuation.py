@@ -315,10 +315,9 @@ def ask_for_token_ids(body: bytes) -> bytes:
 class Transcript:
     """One continuable stream: what its first leg relayed, why it broke, how many times it was continued.
 
-    `kept` holds the first leg's whole events as relayed; later legs keep the
-    answer itself up to date instead (`Splice`). `broken` is set by the relay
-    when the engine broke off: the replica and the error, for the proxy to
-    continue from (or to end the stream with).
+    `kept` holds the first leg's whole events; later legs keep the answer up to
+    date instead (`Splice`). `broken` (the replica, the error) is set by the
+    relay when the engine broke off, for the proxy to continue from or end.
     """
 
     # Defaults on the class: a stream that never breaks sets only what __init__ does.
@@ -347,21 +346,17 @@ class Transcript:
         return self.answer
 
     def reader(self, pass_usage: bool) -> SseUsage:
-        """What reads the next leg as it is relayed: the first reads usage (the relay keeps what it sends, or this
-        reader keeps the events before it strips the router's token ids from them); a later one is spliced in."""
+        """What reads the next leg as it is relayed: the first is kept as it is read (KeptSseUsage); a later one
+        is spliced in, its answer kept up to date instead."""
         if self.answer is not None:
             return Splice(pass_usage, self)
-        return KeptSseUsage(pass_usage, self) if self.strip_ids else SseUsage(pass_usage)
-
-    def keeps(self) -> list[bytes] | None:
-        """Where the relay keeps what it sends of this leg; None where its reader keeps it, or a later leg's
-        answer is kept up to date instead."""
-        return self.kept if self.answer is None and not self.strip_ids else None
+        return KeptSseUsage(pass_usage, self)
 
 
 class KeptSseUsage(SseUsage):
-    """The usage reader of a continuable stream's first leg whose token ids the router asked for: keeps each whole
-    event as the engine sent it, and relays it without them."""
+    """The usage reader of a continuable stream's first leg: keeps each whole event as the engine sent it (one
+    list append), and relays it without the token ids the router asked for. An engine's own unfinished end is
+    raised (EngineEndedUnfinished) before it is kept or relayed."""
 
     __slots__ = ("_transcript",)
 
@@ -384,6 +379,8 @@ class KeptSseUsage(SseUsage):
         if rest:
             check_finished_well(rest)
             self._transcript.kept.append(rest)
+            if self._transcript.strip_ids:
+                rest = _TOKEN_IDS.sub(b"", rest)
         return rest
 
 

@@ -32,9 +32,10 @@ from router.accounting.ledger import Ledger
 from router.accounting.usage_reader import IN_OUT_USAGE_PATHS, ask_for_usage
 from router.config import RouterConfig
 from router.endpoints.table import STREAMS_BY_IDS, STREAMS_BY_TEXT, Endpoint
-from router.errors import RouterError
+from router.errors import EngineEndedUnfinished, RouterError
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import (
+    ABORTED,
     CHAT_PATHS,
     CONTINUABLE_PATHS,
     LOST,
@@ -249,7 +250,8 @@ class Proxy:
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
         if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
             try:
-                await self.relay.whole(request, endpoint, response, content_type)
+                resendable = request.path in CONTINUABLE_PATHS and self.routes.continues(request.model)
+                await self.relay.whole(request, endpoint, response, content_type, resendable)
             except RouterError as exc:
                 if exc.code != UPSTREAM_FAILED or (nxt := self._resend_whole(request, exc)) is None:
                     raise
@@ -258,7 +260,8 @@ class Proxy:
             await self.relay.stream(request, endpoint, response, content_type, streamed)
 
     def _resend_whole(self, request: Forwarding, broke: RouterError) -> Endpoint | None:
-        """The replica to send again a request whose whole answer broke off (`broke`: 502 lost, 504 silent) before
+        """The replica to send again a request whose whole answer broke off (`broke`: 502 lost or ended unfinished,
+        504 silent) before
         any of it reached the client (nothing was sent, so another replica answers it afresh), or None: not within
         the request's limit (LLMGW_STREAM_MIGRATIONS), its model's switch, or the replicas ready now."""
         model = request.model
@@ -266,7 +269,10 @@ class Proxy:
             return None
         nxt = self.picker.pick(model, request.tried, request.affinity, request.pools)
         outcome = RESENT if nxt is not None else NO_REPLICA
-        self.metrics.continuations.labels(model, SILENT if broke.status == 504 else LOST, outcome).inc()
+        reason = (
+            ABORTED if isinstance(broke.__cause__, EngineEndedUnfinished) else SILENT if broke.status == 504 else LOST
+        )
+        self.metrics.continuations.labels(model, reason, outcome).inc()
         request.resent += 1
         return nxt
 

@@ -50,9 +50,12 @@ class Relay:
         self.metrics = metrics
         self.idle_timeout = idle_timeout
 
-    async def whole(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str) -> None:
+    async def whole(
+        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, resendable: bool
+    ) -> None:
         """Read a whole answer of bounded length, then send it in one piece (so a break is still an error
-        status), reading its usage on the way."""
+        status), reading its usage on the way. A `resendable` answer its engine ended unfinished (a forced sleep's
+        abort) is a break too: nothing of it was sent, so the proxy may ask another replica."""
         exchange = request.exchange
         # Served: a 2xx relayed without breaking off (a client that leaves does not make it unserved).
         served = 200 <= response.status < 300
@@ -69,6 +72,8 @@ class Relay:
                 log.warning("%s (%r)", message, exc)
                 raise RouterError(status, message, UPSTREAM_FAILED, type_="server_error") from None
             exchange.stop_deadline()  # all read
+            if resendable and served and (b'"abort"' in body or b'"error"' in body):
+                served = self._finished_well(endpoint, body)
             if served and exchange.key is not None:
                 # A whole JSON answer: its usage is read here; nothing of it is dropped.
                 encoding = response.headers.get("Content-Encoding", "")
@@ -82,6 +87,16 @@ class Relay:
         finally:
             self._finish(request, endpoint, response, served, usage)
 
+    def _finished_well(self, endpoint: Endpoint, body: bytes) -> bool:
+        """True, or the RouterError (502) of a whole answer its engine ended unfinished, caused by the end."""
+        try:
+            check_finished_well(body)
+        except EngineEndedUnfinished as exc:
+            status, message = break_message(endpoint, exc, self.idle_timeout)
+            log.warning(message)
+            raise RouterError(status, message, UPSTREAM_FAILED, type_="server_error") from exc
+        return True
+
     async def stream(
         self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool
     ) -> None:
@@ -90,7 +105,7 @@ class Relay:
         module docstring); a body that is not a stream counts its gaps into a blank series kept nowhere."""
         send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
         served = 200 <= response.status < 300
-        reader, kept = self._readers(request, response, content_type) if served else (None, None)
+        reader = self._reader(request, response, content_type) if served else None
         counted = True  # the answer is counted when this leg ends: not when another replica continues it
         inter_token, clock, first, last = traffic.inter_token, time.perf_counter, 0.0, 0.0
         timing = inter_token.series(request.model) if streamed else inter_token.blank()
@@ -103,10 +118,6 @@ class Relay:
                     if reader is not None and not (chunk := reader.feed(chunk)):
                         exchange.start_next_chunk_deadline()  # held back: the engine sent something all the same
                         continue
-                    if kept is not None:
-                        if b'"abort"' in chunk or b'"error"' in chunk:
-                            check_finished_well(chunk)  # an unfinished end is a break, not sent
-                        kept.append(chunk)
                     now = clock()
                     if last:
                         gap = now - last
@@ -121,9 +132,6 @@ class Relay:
                     exchange.start_next_chunk_deadline()
                 exchange.stop_deadline()
                 if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
-                    if kept is not None:
-                        check_finished_well(rest)
-                        kept.append(rest)
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError, EngineEndedUnfinished) as exc:
                 if not exchange.engine_failed(exc):
@@ -139,16 +147,13 @@ class Relay:
                 traffic.first_token.observe(request.model, first - request.received)
 
     @classmethod
-    def _readers(
-        cls, request: Forwarding, response: ClientResponse, content_type: str
-    ) -> tuple[JsonUsage | SseUsage | None, list[bytes] | None]:
-        """(what reads a served answer's usage, where what it sends is kept): a stream that may be continued on
-        another replica is read and kept (router.forwarding.continuation); another answer is read where its key
-        records tokens, and kept nowhere."""
+    def _reader(cls, request: Forwarding, response: ClientResponse, content_type: str) -> JsonUsage | SseUsage | None:
+        """What reads a served answer as it is relayed: a stream that may be continued on another replica is read
+        and kept (router.forwarding.continuation); another answer is read where its key records tokens."""
         transcript = request.transcript
         if transcript is not None:
-            return transcript.reader(request.pass_usage), transcript.keeps()
-        return cls._usage_reader(request, response, content_type), None
+            return transcript.reader(request.pass_usage)
+        return cls._usage_reader(request, response, content_type)
 
     @staticmethod
     def _usage_reader(request: Forwarding, response: ClientResponse, content_type: str) -> JsonUsage | SseUsage | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import engine_port_range, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -36,6 +36,7 @@ def test_up_demo_with_a_catalog_file_serves_that_catalog(tmp_path):
         "LLMGW_PORT": str(port),
         "LLMGW_ROUTER_PORT": str(router_port),
         "LLMGW_TICK_SECONDS": "0.5",
+        "LLMGW_ENGINE_PORT_RANGE": engine_port_range(5),
         "PYTHONUNBUFFERED": "1",
     }
     log_path = tmp_path / "up.log"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import engine_port_range, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-llmgw-e2e-test-key-0123456789"
@@ -50,6 +50,7 @@ def demo_stack(var_dir: Path, *args: str, env: dict[str, str] | None = None) -> 
         "LLMGW_PORT": str(port),
         "LLMGW_ROUTER_PORT": str(router_port),
         "LLMGW_TICK_SECONDS": "0.5",
+        "LLMGW_ENGINE_PORT_RANGE": engine_port_range(0),
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }

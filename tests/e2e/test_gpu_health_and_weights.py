@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port, wait_until
+from conftest import engine_port_range, free_port, wait_until
 from tests.e2e.demo_stack import ctl_status
 
 pytestmark = pytest.mark.e2e
@@ -53,6 +53,7 @@ def test_weights_first_placement_a_gpu_fault_moves_the_replica_and_deleting_the_
         "LLMGW_TICK_SECONDS": "0.3",
         "LLMGW_HEARTBEAT_SECONDS": "0.3",
         "LLMGW_BACKOFF_BASE_SECONDS": "0.5",
+        "LLMGW_ENGINE_PORT_RANGE": engine_port_range(6),
         "PYTHONUNBUFFERED": "1",
     }
     manage(env, "migrate", "-v0")

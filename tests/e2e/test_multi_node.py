@@ -13,7 +13,6 @@ new pair; and a drain that stops the replica as one, its head first.
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import free_port, wait_until
+from conftest import engine_port_range, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +58,6 @@ class Stack:
     def __init__(self, tmp: Path, exits: ExitStack):
         self.tmp, self.exits = tmp, exits
         self.port, router_port = free_port(), free_port()
-        base = random.randrange(21000, 29000, 100)  # engine ports of its own
         self.env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
             "LLMGW_HOME": str(tmp),
             "LLMGW_PORT": str(self.port),
@@ -69,7 +67,7 @@ class Stack:
             "LLMGW_LAST_SEEN_FLUSH_SECONDS": "0.2",
             "LLMGW_UNREACHABLE_AFTER_SECONDS": "1.5",
             "LLMGW_LOST_AFTER_SECONDS": "2",
-            "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}",
+            "LLMGW_ENGINE_PORT_RANGE": engine_port_range(1),
             "PYTHONUNBUFFERED": "1",
         }
         self.router = f"http://127.0.0.1:{router_port}"

@@ -7,7 +7,6 @@ then is the old replica unpublished and drained, and its engine stops after
 the stream has finished whole.
 """
 
-import random
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import wait_until
+from conftest import engine_port_range, wait_until
 from tests.e2e.demo_stack import API_KEY, ROOT, ctl_status, demo_stack
 
 pytestmark = pytest.mark.e2e
@@ -36,9 +35,7 @@ models:
 def test_node_drain_replaces_first_and_lets_the_stream_in_flight_finish(tmp_path):
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text(CATALOG)
-    # Engine ports of its own: other stacks on this machine start engines from the default range's first port.
-    base = random.randrange(21000, 29000, 100)
-    env = {"LLMGW_HEARTBEAT_SECONDS": "0.5", "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}"}
+    env = {"LLMGW_HEARTBEAT_SECONDS": "0.5", "LLMGW_ENGINE_PORT_RANGE": engine_port_range(2)}
     with demo_stack(tmp_path, "--catalog", str(catalog), env=env) as stack:
         client = OpenAI(base_url=stack["router"] + "/v1", api_key=API_KEY, timeout=90, max_retries=0)
         first = client.chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}])

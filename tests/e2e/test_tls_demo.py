@@ -1,6 +1,5 @@
 """End to end: `up --demo` serving its control plane over TLS; the demo agents connect over wss://."""
 
-import random
 import ssl
 
 import httpx
@@ -8,7 +7,7 @@ import pytest
 from openai import OpenAI
 
 from agentlink.tests.pki import TestCA
-from conftest import wait_until
+from conftest import engine_port_range, wait_until
 from tests.e2e.demo_stack import API_KEY, ctl_status, demo_stack
 
 pytestmark = pytest.mark.e2e
@@ -17,13 +16,11 @@ pytestmark = pytest.mark.e2e
 def test_up_serves_the_control_plane_over_tls_and_its_agents_use_wss(tmp_path):
     ca = TestCA(tmp_path / "pki")
     server = ca.issue("control-plane", server=True)
-    base = random.randrange(21000, 29000, 100)
     env = {
         "LLMGW_TLS_CERT_FILE": str(server.cert),
         "LLMGW_TLS_KEY_FILE": str(server.key),
         "LLMGW_AGENT_CA_FILE": str(ca.bundle),
-        # Engine ports of its own: other stacks on this machine start engines from the default range's first port.
-        "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}",
+        "LLMGW_ENGINE_PORT_RANGE": engine_port_range(3),
     }
     with demo_stack(tmp_path, env=env) as stack:
         assert f"https://127.0.0.1:{stack['port']}/admin/" in stack["log"].read_text()

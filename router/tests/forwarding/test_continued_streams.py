@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import wait_until
 from router.tests.conftest import MODEL, make_table
@@ -228,4 +230,32 @@ def test_an_aborted_stream_with_no_replica_to_go_on_ends_with_the_routers_error_
     assert "ended its answer unfinished" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
     assert not any(c["finish_reason"] for e in events[:-2] for c in e["choices"])
     labels = f'model="{MODEL}",outcome="no_replica",reason="engine_aborted"'
+    assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+
+
+def running(url: str) -> float:
+    """The requests an engine says it is running (vllm:num_requests_running, summed over its label sets)."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)
+    return sum(s.value for f in families if f.name == "vllm:num_requests_running" for s in f.samples)
+
+
+def test_a_whole_answer_its_engine_aborts_is_asked_again_of_another_replica(start_router, hub, engine_process, auth):
+    """Not streamed, a forced sleep's abort comes back as a 200 with finish_reason "abort" and part of the text:
+    nothing reached the client yet, so another replica answers it whole."""
+    sleepy = engine_process(token_delay_ms=40, args=GREEDY, env={"VLLM_SERVER_DEV_MODE": "1"})
+    healthy = engine_process(args=GREEDY)
+    rows = [{"url": sleepy.url, "priority": 1}, {"url": healthy.url, "priority": 0}]
+    hub.publish_endpoints(make_table(rows))
+    router = start_router()
+    body = {**request_body(CHAT), "stream": False}
+    with ThreadPoolExecutor(1) as pool:
+        answering = pool.submit(httpx.post, router.url + CHAT, json=body, headers=auth, timeout=20)
+        wait_until(lambda: running(sleepy.url) == 1, 10, 0.02)
+        httpx.post(sleepy.url + "/sleep?level=1&mode=abort", timeout=10)
+        response = answering.result()
+    want = httpx.post(healthy.url + CHAT, json=body, timeout=20).json()["choices"][0]
+    assert response.status_code == 200
+    got = response.json()["choices"][0]
+    assert (got["message"]["content"], got["finish_reason"]) == (want["message"]["content"], "length")
+    labels = f'model="{MODEL}",outcome="resent_whole",reason="engine_aborted"'
     assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1

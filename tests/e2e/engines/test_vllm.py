@@ -23,7 +23,6 @@ in it: the routes answering shows the agent set them.
 from __future__ import annotations
 
 import json
-import random
 import re
 import subprocess
 import sys
@@ -41,12 +40,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from catalog.models import Model, Profile
 from catalog.parameters import dtype_bits
 from catalog.sizing import profile_memory
-from conftest import wait_until
+from conftest import engine_port_range, wait_until
 from tests.e2e.demo_stack import API_KEY, ROOT, demo_stack, engine_pids
 from tests.e2e.engines.cutter import Cutter, start_router, streamed_text
 from tests.e2e.engines.vllm_stack import tiny_model, vllm_install
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_engine, pytest.mark.timeout(600)]
+
+# A read of the router's or vLLM's side routes (/metrics, /is_sleeping, /v1/models): on 2 cores, with vLLM computing
+# and other tests' stacks running beside, an answer may take seconds; a read is retried by the waits around it.
+READ_TIMEOUT = 20
 
 MODEL = "tiny-vllm"
 BROKEN = "broken-vllm"
@@ -148,11 +151,10 @@ def stack(tmp_path_factory):
     var = tmp_path_factory.mktemp("vllm-up")
     catalog = var / "catalog.yaml"
     catalog.write_text(catalog_for(models / "model"))
-    base = random.randrange(21000, 29000, 100)  # engine ports of its own: other stacks may run beside
     env = {
         # Blank: agents find the cached install themselves.
         "LLMGW_VLLM_COMMAND": "",
-        "LLMGW_ENGINE_PORT_RANGE": f"{base}-{base + 99}",
+        "LLMGW_ENGINE_PORT_RANGE": engine_port_range(4),
         "LLMGW_ENGINE_POLL_SECONDS": "0.5",  # each read may take 0.5 s: a busy vLLM answers late
         "LLMGW_HEARTBEAT_SECONDS": "0.5",
         "LLMGW_ACTIVATION_TIMEOUT_SECONDS": "300",
@@ -355,7 +357,7 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     seen: dict[str, list[float]] = {"waiting": [], "kv": []}
 
     def router_saw_the_queue_and_the_cache_in_use():
-        text = httpx.get(stack.router + "/metrics", timeout=5).text
+        text = httpx.get(stack.router + "/metrics", timeout=READ_TIMEOUT).text
         for key, family in (("waiting", "waiting_requests"), ("kv", "kv_cache_usage_ratio")):
             samples = metric_samples(text, f"llmgw_router_engine_{family}")
             seen[key] += [s.value for s in samples if s.labels.get("replica") == replica]
@@ -386,7 +388,7 @@ def test_a_stream_cut_midway_is_continued_token_for_token_on_another_endpoint(st
         reference = streamed_text(engine_url(stack), body)
         continued = streamed_text(url, body, key)
         assert continued == reference and len(reference[1]) == 24 and not reference[2]
-        families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text)
+        families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=READ_TIMEOUT).text)
         counted = [s for f in families for s in f.samples if s.name == "llmgw_router_stream_continuations_total"]
         assert [(s.labels["outcome"], s.value) for s in counted] == [("continued", 1.0)]
     finally:
@@ -399,16 +401,16 @@ def engine_url(stack) -> str:
 
 
 def engine_metrics(stack) -> str:
-    return httpx.get(engine_url(stack) + "/metrics", timeout=5).text
+    return httpx.get(engine_url(stack) + "/metrics", timeout=READ_TIMEOUT).text
 
 
 def router_gauge(stack, family: str) -> float:
-    return sum(s.value for s in metric_samples(httpx.get(stack.router + "/metrics", timeout=5).text, family))
+    return sum(s.value for s in metric_samples(httpx.get(stack.router + "/metrics", timeout=READ_TIMEOUT).text, family))
 
 
 def engine_gauge(url: str, family: str) -> float:
     """A gauge of the engine's own /metrics, summed over its label sets."""
-    return sum(s.value for s in metric_samples(httpx.get(url + "/metrics", timeout=5).text, family))
+    return sum(s.value for s in metric_samples(httpx.get(url + "/metrics", timeout=READ_TIMEOUT).text, family))
 
 
 def sleep_state(stack) -> dict[str, float]:
@@ -421,7 +423,7 @@ def test_sleep_and_wake_routes_answer_and_the_sleep_state_gauge_follows(stack):
     assert sleep_state(stack) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     slept = httpx.post(f"{url}/sleep", params={"level": 1}, timeout=30)
     assert (slept.status_code, slept.json()) == (200, {"status": "sleeping", "level": 1})
-    assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": True}
+    assert httpx.get(f"{url}/is_sleeping", timeout=READ_TIMEOUT).json() == {"is_sleeping": True}
     assert sleep_state(stack) == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
     # A request to a sleeping engine is held, not refused; waking it up answers it. While held it is neither
     # running nor waiting in vLLM's own gauges: a drain reading them would not wait for it.
@@ -431,7 +433,7 @@ def test_sleep_and_wake_routes_answer_and_the_sleep_state_gauge_follows(stack):
     assert engine_gauge(url, "vllm:num_requests_running") == engine_gauge(url, "vllm:num_requests_waiting") == 0
     woke = httpx.post(f"{url}/wake_up", timeout=30)
     assert woke.status_code == 200 and woke.json()["status"] == "awake"
-    assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": False}
+    assert httpx.get(f"{url}/is_sleeping", timeout=READ_TIMEOUT).json() == {"is_sleeping": False}
     assert sleep_state(stack) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     assert held.result(30).choices[0].finish_reason == "length"
     # Waking by memory pool (what agent/engines/sleep.py does after level 2, and the mock imitates): a tag that
@@ -440,7 +442,7 @@ def test_sleep_and_wake_routes_answer_and_the_sleep_state_gauge_follows(stack):
     for tags, status in ((["foo"], "sleeping"), (["weights"], "sleeping"), (["kv_cache"], "awake")):
         woke = httpx.post(f"{url}/wake_up", params={"tags": tags}, timeout=30)
         assert (woke.status_code, woke.json()) == (200, {"status": status, "tags": tags})
-        assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": status == "sleeping"}
+        assert httpx.get(f"{url}/is_sleeping", timeout=READ_TIMEOUT).json() == {"is_sleeping": status == "sleeping"}
         assert sleep_state(stack)["discard_all"] == float(status == "sleeping")
 
 
@@ -449,7 +451,7 @@ def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
     lora = str(stack.models / "lora")
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "ad1", "lora_path": lora}, timeout=30)
     assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'ad1' added successfully.")
-    listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+    listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=READ_TIMEOUT).json()["data"]}
     assert listed["ad1"]["parent"] == MODEL and listed["ad1"]["root"] == lora
     engine = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30, max_retries=0)
     reply = engine.chat.completions.create(model="ad1", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
@@ -459,7 +461,7 @@ def test_lora_adapters_load_serve_and_unload_at_run_time(stack):
     assert any(s.labels["running_lora_adapters"] == "ad1" for s in info), info
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad1"}, timeout=30)
     assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'ad1' removed successfully.")
-    assert "ad1" not in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+    assert "ad1" not in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=READ_TIMEOUT).json()["data"]}
     again = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad1"}, timeout=30)
     assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"
 
@@ -482,7 +484,7 @@ def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_throug
         )
         assert reply.model == served and reply.usage.completion_tokens == 3
         assert re.search(rf"shard \d+: adapter {served} loaded in [0-9.]+ s", stack.log.read_text())
-    held = {m["id"]: m for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
+    held = {m["id"]: m for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=READ_TIMEOUT).json()["data"]}
     assert {held[name]["parent"] for name in ADAPTERS} == {MODEL}
 
     def stored():
@@ -499,7 +501,7 @@ def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_throug
         adapter["enabled"] = adapter["name"] != ADAPTERS[1]
     assert stack.api("PATCH", f"models/{MODEL}", json={"adapters": adapters}).status_code == 200
     wait_until(lambda: re.search(rf"adapter {ADAPTERS[1]} unloaded", stack.log.read_text()), 20, 0.2)
-    held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
+    held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=READ_TIMEOUT).json()["data"]}
     assert ADAPTERS[0] in held and ADAPTERS[1] not in held
 
     # Idle past its base profile's idle timeout (2 s for a moment; min 1 keeps the base itself), the first goes too.
@@ -516,7 +518,7 @@ def test_the_catalogs_adapters_are_loaded_by_the_control_plane_and_served_throug
         wait_until(lambda: re.search(rf"adapter {ADAPTERS[0]} unloaded", stack.log.read_text()), 30, 0.2)
     finally:
         assert stack.api("PATCH", f"models/{MODEL}", json={"profiles": [profile]}).status_code == 200
-    held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=5).json()["data"]}
+    held = {m["id"] for m in httpx.get(f"{replica['endpoint_url']}/v1/models", timeout=READ_TIMEOUT).json()["data"]}
     assert held.isdisjoint(ADAPTERS)
     assert stack.replica()["id"] == replica["id"]  # the base replica stayed
 
@@ -575,7 +577,7 @@ def test_the_agent_puts_the_modules_vllm_to_sleep_and_wakes_it_through_its_own_s
     engine = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
 
     def gauge() -> dict[str, float]:
-        samples = metric_samples(httpx.get(url + "/metrics", timeout=5).text, "vllm:engine_sleep_state")
+        samples = metric_samples(httpx.get(url + "/metrics", timeout=READ_TIMEOUT).text, "vllm:engine_sleep_state")
         return {s.labels["sleep_state"]: s.value for s in samples}
 
     async def sleep_and_wake(level: int) -> None:
@@ -650,7 +652,7 @@ def test_the_control_plane_puts_the_idle_vllm_to_sleep_and_the_next_request_wake
     sleep_after(2)
     try:
         wait_until(
-            lambda: httpx.get(f"{url}/is_sleeping", timeout=5).json()["is_sleeping"],
+            lambda: httpx.get(f"{url}/is_sleeping", timeout=READ_TIMEOUT).json()["is_sleeping"],
             60, 0.5, describe=lambda: stack.log.read_text()[-3000:],
         )  # fmt: skip
         sleepers = wait_until(
@@ -662,7 +664,7 @@ def test_the_control_plane_puts_the_idle_vllm_to_sleep_and_the_next_request_wake
         sleep_after(None)  # the woken replica must not fall asleep again under the assertions below
         answer = stack.chat("and now", 3)
         assert answer.usage.completion_tokens == 3
-        assert httpx.get(f"{url}/is_sleeping", timeout=5).json() == {"is_sleeping": False}
+        assert httpx.get(f"{url}/is_sleeping", timeout=READ_TIMEOUT).json() == {"is_sleeping": False}
         woken = stack.api("GET", f"replicas/{replica['id']}").json()
         assert (woken["state"], woken["endpoint_url"]) == ("ready", url)
         assert engine_pids(stack.info["var"], SERVER_MODULE.encode()) == pids, "woken, not started again"
