@@ -73,7 +73,10 @@ class Relay:
                 raise RouterError(status, message, UPSTREAM_FAILED, type_="server_error") from None
             exchange.stop_deadline()  # all read
             if resendable and served and (b'"abort"' in body or b'"error"' in body):
-                served = self._finished_well(endpoint, body)
+                unfinished = self._unfinished(endpoint, body)
+                if unfinished is not None:
+                    served = False  # not counted here: the replica that answers it again counts it
+                    raise unfinished
             if served and exchange.key is not None:
                 # A whole JSON answer: its usage is read here; nothing of it is dropped.
                 encoding = response.headers.get("Content-Encoding", "")
@@ -87,15 +90,18 @@ class Relay:
         finally:
             self._finish(request, endpoint, response, served, usage)
 
-    def _finished_well(self, endpoint: Endpoint, body: bytes) -> bool:
-        """True, or the RouterError (502) of a whole answer its engine ended unfinished, caused by the end."""
+    def _unfinished(self, endpoint: Endpoint, body: bytes) -> RouterError | None:
+        """The RouterError (502, caused by the end) of a whole answer its engine ended unfinished; None if it
+        finished well."""
         try:
             check_finished_well(body)
         except EngineEndedUnfinished as exc:
             status, message = break_message(endpoint, exc, self.idle_timeout)
             log.warning(message)
-            raise RouterError(status, message, UPSTREAM_FAILED, type_="server_error") from exc
-        return True
+            error = RouterError(status, message, UPSTREAM_FAILED, type_="server_error")
+            error.__cause__ = exc
+            return error
+        return None
 
     async def stream(
         self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool

@@ -246,7 +246,7 @@ def test_a_whole_answer_its_engine_aborts_is_asked_again_of_another_replica(star
     healthy = engine_process(args=GREEDY)
     rows = [{"url": sleepy.url, "priority": 1}, {"url": healthy.url, "priority": 0}]
     hub.publish_endpoints(make_table(rows))
-    router = start_router()
+    router = start_router(flush_seconds=3600)
     body = {**request_body(CHAT), "stream": False}
     with ThreadPoolExecutor(1) as pool:
         answering = pool.submit(httpx.post, router.url + CHAT, json=body, headers=auth, timeout=20)
@@ -259,3 +259,5 @@ def test_a_whole_answer_its_engine_aborts_is_asked_again_of_another_replica(star
     assert (got["message"]["content"], got["finish_reason"]) == (want["message"]["content"], "length")
     labels = f'model="{MODEL}",outcome="resent_whole",reason="engine_aborted"'
     assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+    (counts,) = router.state.ledger.tokens.pending()[0].values()  # once for the key: by the replica that answered
+    assert counts[MODEL].requests == 1 and counts[MODEL].completion == response.json()["usage"]["completion_tokens"]
