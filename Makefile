@@ -90,8 +90,9 @@ test-packaging: $(VENV)/.installed
 test-units: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-sqlite-units test-postgres-units
 
-test: lint dist browser llama-server vllm-or-skip
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-sqlite-units test-postgres-units test-packaging
+# The lint runs beside the three passes: a minute of its own that the waits of the others leave room for.
+test: dist browser llama-server vllm-or-skip
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-sqlite-units test-postgres-units test-packaging
 	$(MAKE) --no-print-directory test-e2e
 
 # The dashboard's browser test drives a real headless Chromium: find it, or install it where we may
