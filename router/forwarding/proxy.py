@@ -250,7 +250,12 @@ class Proxy:
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
         if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
             try:
-                resendable = request.path in CONTINUABLE_PATHS and self.routes.continues(request.model)
+                # Only where it may be asked again: otherwise the client gets the engine's answer as it came.
+                resendable = (
+                    request.resent < self.migrations
+                    and request.path in CONTINUABLE_PATHS
+                    and self.routes.continues(request.model)
+                )
                 await self.relay.whole(request, endpoint, response, content_type, resendable)
             except RouterError as exc:
                 if exc.code != UPSTREAM_FAILED or (nxt := self._resend_whole(request, exc)) is None:
@@ -261,8 +266,8 @@ class Proxy:
 
     def _resend_whole(self, request: Forwarding, broke: RouterError) -> Endpoint | None:
         """The replica to send again a request whose whole answer broke off (`broke`: 502 lost or ended unfinished,
-        504 silent) before
-        any of it reached the client (nothing was sent, so another replica answers it afresh), or None: not within
+        504 silent) before any of it reached the client (nothing was sent, so another replica answers it afresh),
+        or None: not within
         the request's limit (LLMGW_STREAM_MIGRATIONS), its model's switch, or the replicas ready now."""
         model = request.model
         if request.resent >= self.migrations or not self.routes.continues(model):
