@@ -4,9 +4,10 @@ A chat or text completion streamed through the router (CONTINUABLE_PATHS) keeps
 a transcript: the bytes of every whole event relayed to the client (one list
 append per chunk; nothing is parsed while the answer flows). When the engine
 breaks off after the answer began (a reset or closed connection, silence past
-the next-chunk deadline, or an end it made itself unfinished: an error event, or
-`finish_reason` "abort" as vLLM ends the requests a forced sleep cuts), the transcript is read once and the request is sent
-to another ready replica of the same model, asking only for the rest:
+the next-chunk deadline, or an end it made itself unfinished: an error event,
+or `finish_reason` "abort" as vLLM ends the requests a forced sleep cuts), the
+transcript is read once and the request is sent to another ready replica of
+the same model, asking only for the rest:
 
 * **token-exact** where the first replica gave token ids (vLLM's
   `return_token_ids`, which the router asks for where the model's engines
@@ -50,10 +51,6 @@ CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
 COMPLETION_PATH = "/v1/completions"
 CONTINUABLE_PATHS = CHAT_PATHS | {COMPLETION_PATH}
 
-# Why a stream broke (the `reason` label of llmgw_router_stream_continuations_total).
-LOST = "engine_lost"  # the connection reset or closed
-SILENT = "engine_silent"  # no next chunk within LLMGW_UPSTREAM_IDLE_SECONDS
-ABORTED = "engine_aborted"  # the engine ended the answer unfinished: an error event, or finish_reason abort/error
 # How it ended (`outcome`): continued, or why not.
 CONTINUED = "continued"
 RESENT = "resent_whole"  # a whole (not streamed) answer that broke before any of it was sent: asked for again

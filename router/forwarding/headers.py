@@ -1,5 +1,6 @@
 """The HTTP around a proxied request: the headers an engine gets and the client gets back, and what a client
-is told of an answer that broke off (the error event that ends a broken stream)."""
+is told of an answer that broke off (the error event that ends a broken stream), and why it broke as the
+metrics count it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import aiohttp
 
 from router.endpoints.table import Endpoint
-from router.errors import EngineEndedUnfinished, error_body
+from router.errors import EngineEndedUnfinished, RouterError, error_body
 from router.forwarding.asgi_io import Scope
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
@@ -26,6 +27,24 @@ UPSTREAM_FAILED = "upstream_failed"
 def sse_error_event(message: str, code: str) -> bytes:
     """An OpenAI error event and the end of the stream: the SDKs raise APIError on `data: {"error": ...}`."""
     return b"data: " + error_body(message, "server_error", code) + b"\n\n" + SSE_DONE
+
+
+# Why an answer broke (the `reason` label of llmgw_router_stream_continuations_total).
+LOST = "engine_lost"  # the connection reset or closed
+SILENT = "engine_silent"  # no next chunk within LLMGW_UPSTREAM_IDLE_SECONDS
+ABORTED = "engine_aborted"  # the engine ended the answer unfinished: an error event, or finish_reason abort/error
+
+
+def break_reason(exc: BaseException) -> str:
+    """Why an answer broke, as the metric says it: the engine lost, silent past a deadline (the sweep's
+    cancellation, or a 504 for no first byte or a whole answer unread in time), or ending the answer unfinished
+    itself (also as the cause of a whole answer's 502)."""
+    if isinstance(exc, EngineEndedUnfinished) or isinstance(exc.__cause__, EngineEndedUnfinished):
+        return ABORTED
+    silent = isinstance(exc, TimeoutError | asyncio.CancelledError) or (
+        isinstance(exc, RouterError) and exc.status == 504
+    )
+    return SILENT if silent else LOST
 
 
 def break_message(endpoint: Endpoint, exc: BaseException, idle_timeout: float) -> tuple[int, str]:

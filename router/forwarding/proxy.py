@@ -32,16 +32,13 @@ from router.accounting.ledger import Ledger
 from router.accounting.usage_reader import IN_OUT_USAGE_PATHS, ask_for_usage
 from router.config import RouterConfig
 from router.endpoints.table import STREAMS_BY_IDS, STREAMS_BY_TEXT, Endpoint
-from router.errors import EngineEndedUnfinished, RouterError
+from router.errors import RouterError
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import (
-    ABORTED,
     CHAT_PATHS,
     CONTINUABLE_PATHS,
-    LOST,
     NO_REPLICA,
     RESENT,
-    SILENT,
     Transcript,
     ask_for_token_ids,
 )
@@ -51,6 +48,7 @@ from router.forwarding.headers import (
     SSE_HEADERS,
     UPSTREAM_FAILED,
     WHOLE_BODY_LIMIT,
+    break_reason,
     upstream_headers,
 )
 from router.forwarding.relay import Relay
@@ -274,10 +272,7 @@ class Proxy:
             return None
         nxt = self.picker.pick(model, request.tried, request.affinity, request.pools)
         outcome = RESENT if nxt is not None else NO_REPLICA
-        reason = (
-            ABORTED if isinstance(broke.__cause__, EngineEndedUnfinished) else SILENT if broke.status == 504 else LOST
-        )
-        self.metrics.continuations.labels(model, reason, outcome).inc()
+        self.metrics.continuations.labels(model, break_reason(broke), outcome).inc()
         request.resent += 1
         return nxt
 

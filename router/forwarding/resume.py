@@ -22,23 +22,20 @@ from collections.abc import Awaitable, Callable
 
 from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
-from router.errors import EngineEndedUnfinished, RouterError
+from router.errors import RouterError
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import (
-    ABORTED,
     CHAT_PATHS,
     CONTINUED,
     LIMIT,
-    LOST,
     NO_REPLICA,
-    SILENT,
     Transcript,
     continuation,
     refusal,
     remaining_tokens,
 )
 from router.forwarding.exchange import Forwarding
-from router.forwarding.headers import SSE_DONE
+from router.forwarding.headers import SSE_DONE, break_reason
 from router.forwarding.relay import Relay
 from router.metrics import RouterMetrics
 from router.picking.picker import Picker
@@ -47,17 +44,6 @@ log = logging.getLogger(__name__)
 
 # The outcome of a stream whose finish reason the client already had: only the end of the stream was missing.
 FINISHED = "finished"
-
-
-def _reason(exc: BaseException) -> str:
-    """Why a leg broke, as the metric says it: the engine lost, silent past a deadline (the sweep's cancellation,
-    or a leg that got no first byte in time), or ending the answer unfinished itself."""
-    if isinstance(exc, EngineEndedUnfinished):
-        return ABORTED
-    silent = isinstance(exc, TimeoutError | asyncio.CancelledError) or (
-        isinstance(exc, RouterError) and exc.status == 504
-    )
-    return SILENT if silent else LOST
 
 
 class Resumer:
@@ -92,7 +78,7 @@ class Resumer:
                 endpoint, exc = broken
                 transcript.broke_at, transcript.gap = time.perf_counter(), None
                 outcome, nxt = await self._next_leg(request, transcript, endpoint, exc)
-                self.metrics.continuations.labels(request.model, _reason(exc), outcome).inc()
+                self.metrics.continuations.labels(request.model, break_reason(exc), outcome).inc()
                 if nxt is None:
                     return
                 await self._run_leg(request, transcript, nxt)
