@@ -11,7 +11,8 @@ implements all of them (`hub.memory.InProcessHub` embedded,
   model with each key's last use, and renews its own watch mark ("I am
   recording usage"), so the tick can tell "never used while watched" from
   "unknown", and notice one router that cannot flush (invariant 3). Token
-  counts (`TokenCount`) add up in the hub until the tick takes them (read and reset at once);
+  counts (`TokenCount`) add up in the hub until the tick takes them (read and reset at once), and so do the
+  counts of streams whose engine broke off (`ContinuationCount`, per model);
 * activation queue: routers ask for a model to be started (`Activation`: in the asking key's pools, if it is
   bound to some), the tick drains;
 * key changes: the control plane names API keys (by hash) that were revoked,
@@ -166,6 +167,43 @@ def add_token_counts(into: TokenCounts, counts: TokenCounts) -> None:
                 total.add(count)
 
 
+class ContinuationCount(msgspec.Struct, kw_only=True, array_like=True):
+    """Answers of one model whose engine broke off, by what became of them, and the prompt tokens engines re-read
+    to continue them; `[continued, failed, refused, reprocessed]` on the wire. Counters: each break counts once,
+    as in the router's `llmgw_router_stream_continuations_total` (a stream continued twice counts twice)."""
+
+    continued: NonNegative
+    """The client had its whole answer: continued on another replica, a whole answer asked of another, or a
+    stream that lacked only its end."""
+    failed: NonNegative
+    """Ended with an error: no other replica to go on, or LLMGW_STREAM_MIGRATIONS reached."""
+    refused: NonNegative
+    """Ended with an error because going on would change the answer (n > 1, guided, logprobs, a tool call…)."""
+    reprocessed: NonNegative
+    """Prompt tokens engines read again to continue them: no client's usage."""
+
+    def add(self, other: ContinuationCount) -> None:
+        """Add `other`'s counts to these."""
+        self.continued += other.continued
+        self.failed += other.failed
+        self.refused += other.refused
+        self.reprocessed += other.reprocessed
+
+
+ContinuationCounts = dict[str, ContinuationCount]
+"""Public model name -> its broken answers' counts."""
+
+
+def add_continuation_counts(into: ContinuationCounts, counts: ContinuationCounts) -> None:
+    """Add `counts` to `into` (copies, so later additions to one never change the other)."""
+    for model, count in counts.items():
+        total = into.get(model)
+        if total is None:
+            into[model] = ContinuationCount(**msgspec.structs.asdict(count))
+        else:
+            total.add(count)
+
+
 class EndpointSink(Protocol):
     """The control plane's side of the endpoint table."""
 
@@ -206,6 +244,9 @@ class UsageReport(msgspec.Struct, kw_only=True, frozen=True):
     """Requests and tokens per key digest and model since the previous flush; counters: they add up."""
     keys: dict[str, UnixTime] = {}
     """Key digest -> last use (Unix time); newest wins across routers."""
+    continuations: dict[Name, ContinuationCount] = {}
+    """Public model name -> its answers whose engine broke off since the previous flush; counters: they add up.
+    Absent from the reports of routers older than it, which count none."""
 
 
 def checked(report: UsageReport) -> UsageReport:
@@ -249,14 +290,16 @@ class UsageSnapshot:
     starts counting again from zero, so each count reaches exactly one snapshot."""
     keys: dict[str, float] = field(default_factory=dict)
     """Key digest -> last use (Unix time), taken from the hub like `tokens`."""
+    continuations: dict[int, ContinuationCounts] = field(default_factory=dict)
+    """Start of the hour -> broken answers per model, taken from the hub like `tokens`."""
 
 
 class UsageSink(Protocol):
     """Where routers report usage (stamps, in-flight peaks) and renew their own watch mark."""
 
     async def report_usage(self, report: UsageReport) -> None:
-        """Record the stamps and keys' last use (newest wins), add the token counts to the hour's, then renew the
-        router's mark, all in one step; raise if the store cannot take them."""
+        """Record the stamps and keys' last use (newest wins), add the token and continuation counts to the
+        hour's, then renew the router's mark, all in one step; raise if the store cannot take them."""
         ...
 
     async def leave(self, router: str) -> None:
@@ -268,15 +311,20 @@ class UsageSource(Protocol):
     """Where the tick reads usage and router marks."""
 
     def collect_usage(self) -> UsageSnapshot:
-        """Read marks and stamps, and TAKE the token counts and keys' last use (read and reset in one step).
+        """Read marks and stamps, and TAKE the token counts, keys' last use and continuation counts (read and
+        reset in one step).
 
         Only the leader's tick calls it: what it takes is stored by that tick
-        (reconciler.demand.tokens) or given back with `restore_tokens`.
+        (reconciler.demand.tokens) or given back with `restore_tokens` and `restore_continuations`.
         """
         ...
 
     def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
         """Give back token counts (they add up again) and last uses (newest wins) a tick took but could not store."""
+        ...
+
+    def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None:
+        """Give back continuation counts ({hour: counts}) a tick took but could not store: they add up again."""
         ...
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None: ...
@@ -324,8 +372,8 @@ def decode_activation(raw: bytes | str) -> Activation | None:
 
 
 class TokenSource(Protocol):
-    """Where router-only mode (no control plane, no tick) takes the token counts to store, and keeps the
-    routers' marks (which the rate limits' shares count) free of routers that are gone."""
+    """Where router-only mode (no control plane, no tick) takes the token and continuation counts to store, and
+    keeps the routers' marks (which the rate limits' shares count) free of routers that are gone."""
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
         """TAKE the token counts ({hour: counts}) and keys' last use, read and reset in one step: of several
@@ -333,6 +381,12 @@ class TokenSource(Protocol):
         ...
 
     def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None: ...
+
+    def take_continuations(self) -> dict[int, ContinuationCounts]:
+        """TAKE the continuation counts ({hour: counts}), read and reset in one step, like `take_tokens`."""
+        ...
+
+    def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None: ...
 
     def router_marks(self) -> list[RouterMark]: ...
 

@@ -1,5 +1,5 @@
-"""The embedded hub: endpoint table, usage stamps, token counts, routers' watch marks, activations and key
-changes in this process.
+"""The embedded hub: endpoint table, usage stamps, token and continuation counts, routers' watch marks,
+activations and key changes in this process.
 
 Shared by the embedded ticker's thread and the router's event loop, so every
 method takes one lock and none blocks.
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from hub.contracts import (
     Activation,
+    ContinuationCounts,
     EndpointTable,
     LimitCount,
     LimitCounts,
@@ -22,6 +23,7 @@ from hub.contracts import (
     TokenCounts,
     UsageReport,
     UsageSnapshot,
+    add_continuation_counts,
     add_token_counts,
     checked,
     hour_of,
@@ -45,6 +47,7 @@ class InProcessHub:
         self._activation_listeners: list[Callable[[], None]] = []
         self._tokens: dict[int, TokenCounts] = {}  # hour -> counts added up until the tick takes them
         self._keys: dict[str, float] = {}  # key digest -> last use, until the tick takes it
+        self._continuations: dict[int, ContinuationCounts] = {}  # hour -> counts, like `_tokens`
         self._limits: dict[tuple[int, str], list[int]] = {}  # (minute, key digest) -> [requests, tokens]
 
     def on_activation(self, listener: Callable[[], None]) -> None:
@@ -72,8 +75,13 @@ class InProcessHub:
         with self._lock:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
+            continuations, self._continuations = self._continuations, {}
             return UsageSnapshot(
-                stamps=dict(self._stamps), routers=list(self._marks.values()), tokens=tokens, keys=keys
+                stamps=dict(self._stamps),
+                routers=list(self._marks.values()),
+                tokens=tokens,
+                keys=keys,
+                continuations=continuations,
             )
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
@@ -81,6 +89,11 @@ class InProcessHub:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
         return tokens, keys
+
+    def take_continuations(self) -> dict[int, ContinuationCounts]:
+        with self._lock:
+            continuations, self._continuations = self._continuations, {}
+        return continuations
 
     def router_marks(self) -> list[RouterMark]:
         with self._lock:
@@ -91,6 +104,11 @@ class InProcessHub:
             for hour, counts in tokens.items():
                 self._add_tokens(hour, counts)
             self._add_keys(keys)
+
+    def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None:
+        with self._lock:
+            for hour, counts in continuations.items():
+                add_continuation_counts(self._continuations.setdefault(hour, {}), counts)
 
     def _add_tokens(self, hour: int, counts: TokenCounts) -> None:
         add_token_counts(self._tokens.setdefault(hour, {}), counts)
@@ -141,6 +159,8 @@ class InProcessHub:
                     self._stamps[rid] = ts
             if report.tokens:
                 self._add_tokens(hour_of(now), report.tokens)
+            if report.continuations:
+                add_continuation_counts(self._continuations.setdefault(hour_of(now), {}), report.continuations)
             self._add_keys(report.keys)
             previous = self._marks.get(report.router)
             # A lapse is a gap in what this router told us: its watch starts again now.

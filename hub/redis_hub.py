@@ -1,14 +1,15 @@
 """The distributed hub in Redis: a key plus pub/sub for the endpoint table, a ZSET of
-last-use stamps, a hash of routers' watch marks, a hash of token counters, a ZSET
-of API keys' last use, a set of activations (`contracts.encode_activation`: a model name, or a JSON object
+last-use stamps, a hash of routers' watch marks, a hash of token counters and one of continuation counters, a
+ZSET of API keys' last use, a set of activations (`contracts.encode_activation`: a model name, or a JSON object
 naming its pools too), and a pub/sub channel of changed API keys.
 
 A router's report is one MULTI round trip: the stamps and keys' last use
 (`ZADD GT`, newest wins) and its token counts (`HINCRBY`, one field per hour,
-kind, key and model: counters add up across routers) first, then its mark renewed by a Lua script (read, keep or restart `since`,
+kind, key and model: counters add up across routers; its continuation counts
+likewise, per hour, kind and model) first, then its mark renewed by a Lua script (read, keep or restart `since`,
 write: atomic, so two flushes of one router cannot interleave). The tick reads
 marks then stamps in one MULTI, so a mark it sees renewed vouches for stamps it
-also sees; the same MULTI reads and deletes the token counters and keys' last use,
+also sees; the same MULTI reads and deletes the token and continuation counters and keys' last use,
 so each count is taken by exactly one tick, whichever leader runs it.
 """
 
@@ -29,6 +30,8 @@ import redis.asyncio
 
 from hub.contracts import (
     Activation,
+    ContinuationCount,
+    ContinuationCounts,
     EndpointTable,
     LimitCount,
     LimitCounts,
@@ -60,6 +63,9 @@ TOKENS_KEY = "llmgw:usage:tokens"
 KEYS_USED_KEY = "llmgw:usage:keys_last_used"
 # Token counter fields are "<kind> <hour> <key digest> <model>": the model last, as it may contain spaces.
 TOKEN_KINDS = ("requests", "prompt", "completion")
+# Continuation counter fields are "<kind> <hour> <model>", a kind for each field of ContinuationCount.
+CONTINUATIONS_KEY = "llmgw:usage:continuations"
+CONTINUATION_KINDS = tuple(f.name for f in msgspec.structs.fields(ContinuationCount))
 
 # KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
 # `since` is kept while the router's previous mark has not lapsed, else it restarts at now. The value is
@@ -110,6 +116,34 @@ def _parse_token_fields(raw: dict[bytes, bytes]) -> dict[int, TokenCounts]:
         except ValueError:
             log.warning("dropping a malformed token counter %r=%r", field_name, value)
     return tokens
+
+
+def _continuation_fields(hour: int, counts: ContinuationCounts) -> dict[str, int]:
+    """The counter increments for one hour's continuation counts (zeros left out, as for tokens)."""
+    return {
+        f"{kind} {hour} {model}": amount
+        for model, count in counts.items()
+        for kind, amount in zip(CONTINUATION_KINDS, msgspec.structs.astuple(count), strict=True)
+        if amount
+    }
+
+
+def _parse_continuation_fields(raw: dict[bytes, bytes]) -> dict[int, ContinuationCounts]:
+    """Counter fields back into {hour: {model: ContinuationCount}}; malformed ones logged and dropped."""
+    taken: dict[int, ContinuationCounts] = {}
+    for field_name, value in raw.items():
+        try:
+            kind, hour, model = field_name.decode().split(" ", 2)
+            if kind not in CONTINUATION_KINDS:
+                raise ValueError(kind)
+            amount = int(value)
+            count = taken.setdefault(int(hour), {}).setdefault(
+                model, ContinuationCount(continued=0, failed=0, refused=0, reprocessed=0)
+            )
+            setattr(count, kind, getattr(count, kind) + amount)
+        except ValueError:
+            log.warning("dropping a malformed continuation counter %r=%r", field_name, value)
+    return taken
 
 
 class _StoredMark(msgspec.Struct):
@@ -195,9 +229,17 @@ class RedisHub:
         # Taken, not read: counters deleted in the same MULTI start again at zero for the next tick.
         pipe.hgetall(TOKENS_KEY)
         pipe.zrange(KEYS_USED_KEY, 0, -1, withscores=True)
-        pipe.delete(TOKENS_KEY, KEYS_USED_KEY)
-        raw_marks, rows, raw_tokens, key_rows, _ = cast(
-            tuple[dict[bytes, bytes], list[tuple[bytes, float]], dict[bytes, bytes], list[tuple[bytes, float]], int],
+        pipe.hgetall(CONTINUATIONS_KEY)
+        pipe.delete(TOKENS_KEY, KEYS_USED_KEY, CONTINUATIONS_KEY)
+        raw_marks, rows, raw_tokens, key_rows, raw_continuations, _ = cast(
+            tuple[
+                dict[bytes, bytes],
+                list[tuple[bytes, float]],
+                dict[bytes, bytes],
+                list[tuple[bytes, float]],
+                dict[bytes, bytes],
+                int,
+            ],
             pipe.execute(),
         )
         routers = []
@@ -211,6 +253,7 @@ class RedisHub:
             routers=routers,
             tokens=_parse_token_fields(raw_tokens),
             keys={member.decode(): score for member, score in key_rows},
+            continuations=_parse_continuation_fields(raw_continuations),
         )
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
@@ -223,6 +266,13 @@ class RedisHub:
             pipe.execute(),
         )
         return _parse_token_fields(raw_tokens), {member.decode(): score for member, score in key_rows}
+
+    def take_continuations(self) -> dict[int, ContinuationCounts]:
+        pipe = self._sync.pipeline(transaction=True)
+        pipe.hgetall(CONTINUATIONS_KEY)
+        pipe.delete(CONTINUATIONS_KEY)  # in the same MULTI: taken by exactly one caller
+        raw, _ = cast(tuple[dict[bytes, bytes], int], pipe.execute())
+        return _parse_continuation_fields(raw)
 
     def router_marks(self) -> list[RouterMark]:
         marks = []
@@ -240,6 +290,13 @@ class RedisHub:
                 pipe.hincrby(TOKENS_KEY, name, amount)
         if keys:
             pipe.zadd(KEYS_USED_KEY, keys, gt=True)
+        pipe.execute()
+
+    def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None:
+        pipe = self._sync.pipeline(transaction=True)
+        for hour, counts in continuations.items():
+            for name, amount in _continuation_fields(hour, counts).items():
+                pipe.hincrby(CONTINUATIONS_KEY, name, amount)
         pipe.execute()
 
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None:
@@ -295,6 +352,8 @@ class RedisHub:
             # Counters, not newest-wins: every router's counts add up until a tick takes them.
             for name, amount in _token_fields(hour_of(now), report.tokens).items():
                 pipe.hincrby(TOKENS_KEY, name, amount)
+        for name, amount in _continuation_fields(hour_of(now), report.continuations).items():
+            pipe.hincrby(CONTINUATIONS_KEY, name, amount)
         # After the stamps, in the same MULTI: a renewed mark vouches for what this router used.
         # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
         # first, a second round trip per flush; Redis caches the compiled script either way.

@@ -273,8 +273,8 @@ def test_redis_collects_marks_then_stamps_and_takes_tokens_in_one_transaction(re
             command = monitor.next_command()["command"].split()[0].upper()
             if command in ("MULTI", "HGETALL", "ZRANGE", "DEL", "EXEC"):
                 commands.append(command)
-    # Marks, stamps, then token counters and keys' last use read and deleted: one MULTI.
-    assert commands == ["MULTI", "HGETALL", "ZRANGE", "HGETALL", "ZRANGE", "DEL", "EXEC"]
+    # Marks, stamps, then token counters, keys' last use and continuation counters read and deleted: one MULTI.
+    assert commands == ["MULTI", "HGETALL", "ZRANGE", "HGETALL", "ZRANGE", "HGETALL", "DEL", "EXEC"]
     assert snapshot.stamps == {"1": 10.0} and [m.router for m in snapshot.routers] == ["a"]
     client.close()
 
