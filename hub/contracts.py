@@ -127,6 +127,9 @@ class EndpointTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tru
     models: dict[str, ModelEntry] = {}
     endpoints: list[EndpointRow] = []
     adapters: dict[str, AdapterEntry] = {}
+    moving: dict[Name, UnixTime] = {}
+    """Replica id -> when (Unix time) routers move the streams they still relay from it to other replicas: replicas
+    unpublished for a drain or a sleep, whose engines finish what they hold until then (router.forwarding.moves)."""
     fingerprint: str = ""
 
 

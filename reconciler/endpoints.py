@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 
+from django.conf import settings
 from django.db.models import Exists, OuterRef, TextField
 from django.db.models.functions import Cast
 
@@ -12,9 +14,12 @@ from catalog.choices import Engine
 from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
-from reconciler.choices import AdapterLoadState, Hold, ReplicaState
+from reconciler.choices import AdapterLoadState, Hold, ReplicaState, ShardState
 from reconciler.models import AdapterLoad, Replica, Shard
 
+# How long before a leaving replica's drain would time out routers move the streams it still relays (seconds): room
+# for the moves and the agent's poll (every 0.5 s) to find the engine idle first.
+MOVE_LEAD_SECONDS = 2.0
 # The most of an engine's error line a table carries: it goes to every router on every change.
 FAILURE_LINE_CHARS = 300
 # Engines that give token ids (vLLM's `return_token_ids`) and take token-id prompts, so a broken stream of a model
@@ -39,11 +44,13 @@ def failure_reason(last_error: str) -> str:
 
 def build_endpoint_table() -> EndpointTable:
     """Enabled models with a profile (with why a model cannot be placed, when it cannot, how long it takes
-    to start, why its last replica failed, or why its requests are held when that is not a start), and READY
-    replicas whose nodes are all heard from, and enabled LoRA adapters with the published replicas holding them.
-    Five queries (six with adapters), plain rows: it runs every tick, over every ready replica of the fleet."""
-    models, endpoints = _models(), _endpoints()
-    return EndpointTable(models=models, endpoints=endpoints, adapters=_adapters(models, endpoints))
+    to start, why its last replica failed, or why its requests are held when that is not a start), READY
+    replicas whose nodes are all heard from, enabled LoRA adapters with the published replicas holding them, and
+    when routers move the streams of replicas leaving service (`_Notes.moving`). Five queries (six with
+    adapters), plain rows: it runs every tick, over every ready replica of the fleet."""
+    notes = _Notes.read()
+    models, endpoints = _models(notes), _endpoints()
+    return EndpointTable(models=models, endpoints=endpoints, adapters=_adapters(models, endpoints), moving=notes.moving)
 
 
 def _adapters(models: dict[str, ModelEntry], endpoints: list[EndpointRow]) -> dict[str, AdapterEntry]:
@@ -89,9 +96,9 @@ def _aliases(text: str | None) -> list[str]:
     return sorted(json.loads(text))
 
 
-def _models() -> dict[str, ModelEntry]:
+def _models(notes: _Notes) -> dict[str, ModelEntry]:
     """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools.
-    Three queries: profiles, aliases, and the replicas that are neither serving nor stopping (`_Notes`)."""
+    Two queries: profiles and aliases (`notes`: the replicas that are not serving)."""
     # The first profile is the one an activation starts, so its learned start time is the ETA.
     first_start: dict[int, float | None] = {}
     pools: dict[int, set[str]] = {}  # routers refuse at once a key bound to none of a model's pools
@@ -113,7 +120,6 @@ def _models() -> dict[str, ModelEntry]:
     for model_id, alias in Alias.objects.filter(model__enabled=True).values_list("model_id", "name"):
         if model_id in aliases:
             aliases[model_id].append(alias)
-    notes = _Notes.read()
     holding = dict(notes.holding)
     # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate.tier),
     # unknown until one wake has been timed (a start time would overstate it many times over).
@@ -160,8 +166,8 @@ def _endpoints() -> list[EndpointRow]:
 
 @dataclass
 class _Notes:
-    """What the table says of models that are not simply served, from their replicas neither serving nor stopping
-    (pending, asleep, waking, failed: few in a steady fleet), read in one query.
+    """What the table says of models that are not simply served, from their replicas not serving (pending, asleep,
+    waking, failed, stopping: few in a steady fleet), read in one query.
 
     * `unplaceable`: why a wanted model has no room right now, so routers answer at once instead of holding
       requests, with the pools that replica is bound to (empty: none, and then its note wins, as it speaks for
@@ -170,24 +176,29 @@ class _Notes:
     * `sleeping_only`: model id -> learned wake time, for models whose wanted replicas are all sleepers;
     * `failed`: a model whose only wanted replica failed (its engine exited, in its start or later) -> the
       engine's words, so routers answer at once instead of holding requests until their deadline. A replica
-      pending or starting again (after the backoff) withdraws it: then requests wait for it.
+      pending or starting again (after the backoff) withdraws it: then requests wait for it;
+    * `moving`: replica id -> when routers move the streams it still relays, for replicas stopping or going to
+      sleep whose head engine still runs (`moving_at`).
     """
 
     unplaceable: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
     holding: dict[str, Holding] = field(default_factory=dict)
     sleeping_only: dict[int, float | None] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    moving: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls) -> _Notes:
         serving = Replica.objects.filter(model=OuterRef("model"), state__in=_SERVING)
         wanted = Replica.objects.filter(model=OuterRef("model"), state__in=(*_SERVING, *_SLEEPERS))
+        running = Shard.objects.filter(replica=OuterRef("pk"), rank=0).exclude(state__in=_ENGINE_DONE)
         found = (
-            Replica.objects.filter(model__enabled=True, state__in=(ReplicaState.PENDING, ReplicaState.FAILED, *_SLEEPERS))
-            .annotate(serving=Exists(serving), wanted=Exists(wanted))
+            Replica.objects.filter(model__enabled=True, state__in=_NOT_SERVING)
+            .annotate(serving=Exists(serving), wanted=Exists(wanted), running=Exists(running))
             .values_list(
                 "id", "model_id", "model__name", "state", "placement_note", "hold", "pools", "profile__order",
-                "profile__wake_seconds", "last_error", "serving", "wanted", named=True,
+                "profile__wake_seconds", "last_error", "serving", "wanted", "running", "stopping_since",
+                "sleeping_since", named=True,
             )
         )  # fmt: skip
         rows = sorted(found, key=lambda row: row.id)
@@ -210,8 +221,27 @@ class _Notes:
         for row in reversed(rows):
             if row.state == ReplicaState.FAILED and not row.wanted:
                 notes.failed.setdefault(row.model__name, failure_reason(row.last_error))  # the newest failure's
+        for row in rows:
+            since = row.stopping_since if row.state == ReplicaState.STOPPING else row.sleeping_since
+            if row.running and since is not None and row.state in (ReplicaState.STOPPING, ReplicaState.SLEEPING):
+                notes.moving[str(row.id)] = moving_at(since)
         return notes
+
+
+def moving_at(since: datetime) -> float:
+    """When (Unix time) routers move the streams of a replica that left the table at `since` for a stop or a sleep.
+
+    Its engine finishes what it holds for up to LLMGW_DRAIN_TIMEOUT_SECONDS from its drain (or sleep), sent an
+    unpublish grace after `since`; routers move what it still relays MOVE_LEAD_SECONDS before that timeout would
+    pass counted from `since`, so the engine is found idle and stopped (or put to sleep) with no stream cut. A
+    stream that cannot be continued is left to finish (router.forwarding.moves).
+    """
+    wait = max(0.0, settings.LLMGW_DRAIN_TIMEOUT_SECONDS - MOVE_LEAD_SECONDS)
+    return round(since.timestamp() + wait, 3)
 
 
 _SERVING = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
 _SLEEPERS = (ReplicaState.SLEEPING, ReplicaState.WAKING)
+_NOT_SERVING = (ReplicaState.PENDING, ReplicaState.FAILED, *_SLEEPERS, ReplicaState.STOPPING)
+# A head shard in these states runs no engine that could hold a stream (asleep, stopped, exited).
+_ENGINE_DONE = (ShardState.SLEEPING, ShardState.STOPPED, ShardState.FAILED)

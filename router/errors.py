@@ -44,6 +44,14 @@ class EngineEndedUnfinished(Exception):
         super().__init__(event[:200].decode(errors="replace").strip())
 
 
+class ReplicaLeaving(Exception):
+    """The control plane asked the routers to move the streams of a replica leaving service (a drain or a sleep
+    past its wait, router.forwarding.moves): the router cut the stream between two chunks, to continue it elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__("its replica is leaving service (a drain or a sleep)")
+
+
 def method_not_allowed(method: str, path: str, allowed: bytes) -> RouterError:
     """405 naming the method that is allowed on `path`."""
     return RouterError(

@@ -151,6 +151,7 @@ class RouterState:
                 len(self.routes.by_replica),
             )
             self.cold_start.table_changed()
+            self.proxy.moves.plan(self.routes.moving)
         return changed
 
     async def _watch(self) -> None:

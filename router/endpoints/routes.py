@@ -47,6 +47,8 @@ class RouteTable:
         self.streams: dict[str, int] = {}
         self.by_model: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self.by_replica: dict[str, Endpoint] = {}
+        # Replica id -> when (Unix time) to move the streams it still relays (router.forwarding.moves).
+        self.moving: dict[str, float] = {}
         self.fingerprint: str | None = None
         self.generation = 0  # tables installed so far: what was derived from one table is stale after it
 
@@ -81,6 +83,7 @@ class RouteTable:
         self._holding, self._pools = lookups.holding, lookups.pools
         self.streams = lookups.streams
         self.by_model, self.by_replica = by_model, by_replica
+        self.moving = table.moving
         self.fingerprint = fingerprint
         self.generation += 1
         return True

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, ModelEntry
+from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, ModelEntry, Name, UnixTime
 from router.picking.ejection import ReplicaHealth
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class _Rows(msgspec.Struct):
     models: dict[str, msgspec.Raw] = {}
     endpoints: list[msgspec.Raw] = []
     adapters: dict[str, msgspec.Raw] = {}
+    moving: msgspec.Raw = msgspec.Raw(b"{}")
     fingerprint: str = ""
 
 
@@ -82,6 +83,7 @@ _decode_model = msgspec.json.Decoder(ModelEntry).decode
 _decode_aliases = msgspec.json.Decoder(_Aliases).decode
 _decode_endpoint = msgspec.json.Decoder(EndpointRow).decode
 _decode_adapter = msgspec.json.Decoder(AdapterEntry).decode
+_decode_moving = msgspec.json.Decoder(dict[Name, UnixTime]).decode
 
 
 def decode_table(data: bytes) -> EndpointTable:
@@ -90,7 +92,7 @@ def decode_table(data: bytes) -> EndpointTable:
     A malformed endpoint row is dropped. A malformed model entry keeps its name (it is the key, so it is
     sound) and what of its aliases is sound, and loses its notes: dropping the model would answer its
     requests "no such model". A malformed adapter entry is dropped: without its base it cannot be served.
-    TableError when `data` is not a table at all.
+    Malformed moves are all left out. TableError when `data` is not a table at all.
     """
     try:
         rows = _decode_rows(data)
@@ -109,7 +111,15 @@ def decode_table(data: bytes) -> EndpointTable:
             adapters[name] = _decode_adapter(raw)
         except msgspec.DecodeError as exc:
             log.warning("skipping adapter %r of the endpoint table (%s): %s", name, exc, _excerpt(raw))
-    return EndpointTable(models=models, endpoints=endpoints, adapters=adapters, fingerprint=rows.fingerprint)
+    try:
+        moving = _decode_moving(rows.moving)
+    except msgspec.DecodeError as exc:
+        # Streams are then left to finish on their engines, or to break and be continued, as without the moves.
+        log.warning("ignoring the endpoint table's moves (%s): %s", exc, _excerpt(rows.moving))
+        moving = {}
+    return EndpointTable(
+        models=models, endpoints=endpoints, adapters=adapters, moving=moving, fingerprint=rows.fingerprint
+    )
 
 
 def _model_entry(name: str, raw: msgspec.Raw) -> ModelEntry:

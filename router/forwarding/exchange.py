@@ -9,7 +9,9 @@ engine's silence). The proxy says which of these holds with
 `stop_deadline()`: each costs two attribute writes, and the sweep, not a
 timer, cancels the request's task when a deadline passes. The task then tells
 that cancellation apart from any other with `engine_failed()` (or
-`deadline_passed()`) and `client_gone()`.
+`deadline_passed()`) and `client_gone()`. A stream the control plane asks to
+move off its replica (router.forwarding.moves) is cut the same way, only
+while it waits on its engine, and `failure()` names that cut ReplicaLeaving.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.endpoints.table import Endpoint
+from router.errors import ReplicaLeaving
 from router.forwarding.asgi_io import Receive, Scope, Send, until_disconnect
 from router.forwarding.continuation import Transcript
 from router.picking.affinity import Prefix
@@ -29,6 +32,8 @@ DISCONNECT_WATCH_DELAY = 0.2
 # The deadlines an engine can be under (Exchange.deadline), named in a 504's message and in the log.
 FIRST_BYTE = "first byte"
 NEXT_CHUNK = "next chunk"
+# Not a deadline but cut like one: the control plane asked for the stream to move off its replica (Exchange.move).
+MOVE = "move"
 
 
 class Exchange:
@@ -43,7 +48,8 @@ class Exchange:
     complete = False
     deadline: str | None = None  # FIRST_BYTE, NEXT_CHUNK, or None while the engine owes nothing
     since: float | None = None  # loop time the sweep first saw the current deadline (None: not seen yet)
-    overdue: str | None = None  # the deadline that passed: from the sweep's cancel until deadline_passed()
+    overdue: str | None = None  # the deadline that passed (or MOVE): from the sweep's cancel until deadline_passed()
+    moving = False  # a move was asked for: the stream is cut the next time it waits on its engine
     _seen_at: float | None = None
     _watch: asyncio.Task[None] | None = None
     _gone = False
@@ -72,10 +78,32 @@ class Exchange:
         """Whether `exc`, raised while the engine owed bytes, is the engine's failure: any error but a
         cancellation, and the sweep's cancellation for a passed deadline (taken back). False for any other
         cancellation, which the caller re-raises."""
-        return not isinstance(exc, asyncio.CancelledError) or self.deadline_passed() is not None
+        return self.failure(exc) is not None
+
+    def failure(self, exc: BaseException) -> BaseException | None:
+        """What `exc`, raised while the engine owed bytes, ends the leg with: `exc` itself for the engine's failure
+        (as `engine_failed`), ReplicaLeaving for a move's cancellation, None for any other cancellation."""
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+        passed = self.deadline_passed()
+        if passed is None:
+            return None
+        return ReplicaLeaving() if passed == MOVE else exc
+
+    def move(self) -> None:
+        """Cut the stream off its replica the next time it waits on its engine (now, if it waits now), as the sweep
+        cuts one past its deadline: never while a chunk is being sent, so the client gets whole chunks only."""
+        self.moving = True
+        self._cut_if_moving()
+
+    def _cut_if_moving(self) -> None:
+        task = self._task
+        if self.deadline == NEXT_CHUNK and task is not None and not task.done() and self.overdue is None:
+            self.moving, self.overdue = False, MOVE
+            task.cancel()
 
     def deadline_passed(self) -> str | None:
-        """The deadline (FIRST_BYTE, NEXT_CHUNK) the sweep cancelled the request for, taking that
+        """The deadline (FIRST_BYTE, NEXT_CHUNK, or MOVE) the sweep cancelled the request for, taking that
         cancellation back (once: a later cancellation is not mistaken for it); None if it did not."""
         overdue = self.overdue
         if overdue is not None:
@@ -102,6 +130,9 @@ class Exchange:
             self._watch = asyncio.ensure_future(self._wait_for_disconnect())
         deadline = self.deadline
         if deadline is None:
+            return
+        if self.moving and deadline == NEXT_CHUNK:
+            self._cut_if_moving()
             return
         if self.since is None:
             self.since = now

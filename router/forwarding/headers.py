@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 
 from router.endpoints.table import Endpoint
-from router.errors import EngineEndedUnfinished, RouterError, error_body
+from router.errors import EngineEndedUnfinished, ReplicaLeaving, RouterError, error_body
 from router.forwarding.asgi_io import Scope
 
 # Headers of an engine's response that mean the same thing to our client; hop-by-hop ones are not copied.
@@ -33,14 +33,17 @@ def sse_error_event(message: str, code: str) -> bytes:
 LOST = "engine_lost"  # the connection reset or closed
 SILENT = "engine_silent"  # no next chunk within LLMGW_UPSTREAM_IDLE_SECONDS
 ABORTED = "engine_aborted"  # the engine ended the answer unfinished: an error event, or finish_reason abort/error
+LEAVING = "replica_leaving"  # the control plane asked for the stream to move off its replica (a drain or a sleep)
 
 
 def break_reason(exc: BaseException) -> str:
     """Why an answer broke, as the metric says it: the engine lost, silent past a deadline (the sweep's
-    cancellation, or a 504 for no first byte or a whole answer unread in time), or ending the answer unfinished
-    itself (also as the cause of a whole answer's 502)."""
+    cancellation, or a 504 for no first byte or a whole answer unread in time), ending the answer unfinished
+    itself (also as the cause of a whole answer's 502), or its replica leaving service."""
     if isinstance(exc, EngineEndedUnfinished) or isinstance(exc.__cause__, EngineEndedUnfinished):
         return ABORTED
+    if isinstance(exc, ReplicaLeaving):
+        return LEAVING
     silent = isinstance(exc, TimeoutError | asyncio.CancelledError) or (
         isinstance(exc, RouterError) and exc.status == 504
     )
@@ -54,6 +57,11 @@ def break_message(endpoint: Endpoint, exc: BaseException, idle_timeout: float) -
         return 504, (
             f"Replica {endpoint.replica_id} of `{endpoint.model}` sent nothing for {idle_timeout:g} s "
             "(LLMGW_UPSTREAM_IDLE_SECONDS) in the middle of its answer; the answer is incomplete."
+        )
+    if isinstance(exc, ReplicaLeaving):
+        return 503, (
+            f"Replica {endpoint.replica_id} of `{endpoint.model}` left service (a drain or a sleep) in the middle "
+            "of its answer and no other replica could go on with it; the answer is incomplete."
         )
     if isinstance(exc, EngineEndedUnfinished):
         return 502, (

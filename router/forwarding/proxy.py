@@ -51,6 +51,7 @@ from router.forwarding.headers import (
     break_reason,
     upstream_headers,
 )
+from router.forwarding.moves import StreamMoves
 from router.forwarding.relay import Relay
 from router.forwarding.resume import Resumer
 from router.metrics import RouterMetrics
@@ -95,9 +96,11 @@ class Proxy:
         self.cold_start = cold_start
         self.hooks = hooks
         self.first_byte_timeout = config.first_byte_timeout
-        self.relay = Relay(picker, ledger, metrics, config.idle_timeout)
-        self.routes = picker.routes
         self.migrations = config.stream_migrations
+        # Streams moved off replicas leaving service when the table asks (RouterState.apply_table plans them).
+        self.moves = StreamMoves(self.migrations)
+        self.relay = Relay(picker, ledger, metrics, config.idle_timeout, self.moves)
+        self.routes = picker.routes
         send_leg = self._send_upstream if hooks is None else self._hooked_send
         self.resumer = Resumer(picker, self.routes, cold_start, self.relay, metrics, self.migrations, send_leg)
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending. aiohttp keeps
@@ -123,7 +126,8 @@ class Proxy:
         )
 
     async def close(self) -> None:
-        """Close the upstream session."""
+        """Close the upstream session (and drop the planned moves)."""
+        self.moves.close()
         if self.session is not None:
             await self.session.close()
             self.session = None

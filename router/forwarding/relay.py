@@ -35,6 +35,7 @@ from router.errors import EngineEndedUnfinished, RouterError
 from router.forwarding.continuation import check_finished_well
 from router.forwarding.exchange import Forwarding
 from router.forwarding.headers import UPSTREAM_FAILED, break_message, response_headers, sse_error_event
+from router.forwarding.moves import StreamMoves
 from router.metrics import RouterMetrics
 from router.picking.picker import Picker
 
@@ -44,11 +45,14 @@ log = logging.getLogger(__name__)
 class Relay:
     """Relays begun answers (whole or chunk by chunk) and, when each ends, gives its replica back and counts it."""
 
-    def __init__(self, picker: Picker, ledger: Ledger, metrics: RouterMetrics, idle_timeout: float) -> None:
+    def __init__(
+        self, picker: Picker, ledger: Ledger, metrics: RouterMetrics, idle_timeout: float, moves: StreamMoves
+    ) -> None:
         self.picker = picker
         self.ledger = ledger
         self.metrics = metrics
         self.idle_timeout = idle_timeout
+        self.moves = moves  # where a continuable stream's leg is known by its replica, for a move to find it
 
     async def whole(
         self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, resendable: bool
@@ -140,14 +144,16 @@ class Relay:
                 if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError, EngineEndedUnfinished) as exc:
-                if not exchange.engine_failed(exc):
+                if (failure := exchange.failure(exc)) is None:
                     raise
                 served = False
-                counted = await self._broke(request, endpoint, exc, streamed, reader is not None)
+                counted = await self._broke(request, endpoint, failure, streamed, reader is not None)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             exchange.complete = True
         finally:
+            if request.transcript is not None:
+                self.moves.over(endpoint.replica_id, request)
             self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None, counted)
             if streamed and first and (request.transcript is None or not request.transcript.migrations):
                 traffic.first_token.observe(request.model, first - request.received)
@@ -169,12 +175,13 @@ class Relay:
         encoding = response.headers.get("Content-Encoding", "")
         return usage_reader(content_type, encoding, request.pass_usage, request.path)
 
-    @staticmethod
     async def _begin_body(
-        request: Forwarding, endpoint: Endpoint, response: ClientResponse, reader: JsonUsage | SseUsage | None
+        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, reader: JsonUsage | SseUsage | None
     ) -> None:
         """Send an answer's status and headers, unless a hold or an earlier leg of the stream sent them already;
-        from now the engine's silence is timed."""
+        from now the engine's silence is timed, and a continuable stream may be moved off its replica."""
+        if reader is not None and request.transcript is not None:
+            self.moves.relaying(endpoint.replica_id, request)
         if not request.headers_sent:
             # A body that may lose its usage event cannot keep the engine's length.
             headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)

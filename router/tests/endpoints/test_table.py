@@ -109,3 +109,17 @@ def test_a_router_keeps_its_table_when_handed_something_that_is_not_one(start_ro
         assert router.state.apply_table(b"[]") is False
     assert "ignoring a malformed endpoint table" in caplog.text
     assert chat(router, auth).status_code == 200
+
+
+@pytest.mark.parametrize("moving", [{"1": "soon"}, ["1"], {"1": -5.0}, {"": 1.0}])
+def test_malformed_moves_are_all_ignored_and_logged_and_the_rest_is_served(caplog, moving):
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.table"):
+        table = decode_table(encoded({"models": {MODEL: {}}, "endpoints": [GOOD], "moving": moving}))
+    assert table.moving == {} and len(table.endpoints) == 1
+    (record,) = caplog.records
+    assert "ignoring the endpoint table's moves" in record.message
+
+
+def test_moves_are_decoded_as_published():
+    table = decode_table(encoded({"models": {MODEL: {}}, "endpoints": [GOOD], "moving": {"7": 1765000000.25}}))
+    assert table.moving == {"7": 1765000000.25}
