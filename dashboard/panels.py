@@ -148,7 +148,8 @@ def _width(value: int, top: int) -> int:
 
 
 def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
-    """Template context the panels add to the summary: human times, the short leader id, failed, usage."""
+    """Template context the panels add to the summary: human times, the short leader id, failed, usage, and the
+    start of the continuations' window as a datetime."""
     now = now or timezone.now()
     leader = summary.leader
     lease = None
@@ -166,4 +167,5 @@ def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
         "failed": failed_replicas(now),
         "usage_chart": usage_by_model(now),
         "usage_since": humanize_ago(summary.usage.since, now),
+        "continuations_since": _as_datetime(summary.continuations.since),
     }

@@ -33,6 +33,10 @@ count on the models' query, and the loads by replica and state.
 
 `usage`, `idle_held_gpus` and `stoppable` ("what can I stop") come from
 `dashboard.stoppable`, on the reconciler's own eviction rules.
+
+`continuations` are the answers whose engine broke off over the last hour, per model: continued, ended with an
+error, refused, and the prompt tokens re-read, from the hourly rows the tick stores (`keys.models.ContinuationHour`)
+over the same window as the dashboard's usage chart (`dashboard.panels.usage_window_start`). One query, summed in SQL.
 """
 
 from collections import Counter, defaultdict
@@ -42,18 +46,21 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from catalog.models import Model
+from dashboard.panels import usage_window_start
 from dashboard.stoppable import what_can_i_stop
 from dashboard.summary_gpus import free_nodes, tally_gpus
 from dashboard.summary_types import (
     AdapterCounts,
     AdapterLoading,
     ClusterSummary,
+    Continuations,
     FailedReason,
     Leader,
+    ModelContinuations,
     ModelStatus,
     NodeCounts,
     NodeStatus,
@@ -64,6 +71,7 @@ from dashboard.summary_types import (
     Unplaceable,
 )
 from inventory.models import Node, Weights, human_size, report_warnings
+from keys.models import ContinuationHour
 from reconciler.adapters import HELD
 from reconciler.choices import WANTED_STATES, AdapterLoadState, Hold, ReplicaState
 from reconciler.demand.idle import Idle
@@ -273,12 +281,27 @@ def _models(tally: _ReplicaTally) -> list[ModelStatus]:
     ]
 
 
+def _continuations(now: datetime) -> Continuations:
+    """Broken answers per model over the last hour, the most broken first. One query, summed in SQL."""
+    since = usage_window_start(now)
+    rows = (
+        ContinuationHour.objects.filter(hour__gte=since)
+        .values("model")
+        .annotate(c=Sum("continued"), f=Sum("failed"), r=Sum("refused"), t=Sum("reprocessed_prompt_tokens"))
+        .order_by("model")
+        .values_list("model", "c", "f", "r", "t")
+    )
+    models = [ModelContinuations(*row) for row in rows]
+    models.sort(key=lambda m: -(m.continued + m.failed + m.refused))  # stable: by name within a count
+    return Continuations(since.isoformat(), models)
+
+
 def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     """The state of the fleet; see the module docstring.
 
-    Eight queries whatever the fleet size: lease, GPUs, nodes, weights, models
+    Nine queries whatever the fleet size: lease, GPUs, nodes, weights, models
     (with their adapters counted), replicas, shards (with their GPU counts),
-    adapter loads (counted per replica and state) — and nothing per row; plus
+    adapter loads (counted per replica and state), continuations (summed per model) — and nothing per row; plus
     "what can I stop" (`stoppable.what_can_i_stop`, on the placer's records of
     the GPUs read here): one more when usage is unknown, at most seven more
     otherwise.
@@ -317,4 +340,5 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
         usage=stop.usage,
         idle_held_gpus=stop.idle_held_gpus,
         stoppable=stop.stoppable,
+        continuations=_continuations(now),
     )

@@ -296,6 +296,30 @@ class StopCandidate:
 
 
 @dataclass(frozen=True)
+class ModelContinuations:
+    """One model's answers whose engine broke off, by what became of them (keys.models.ContinuationHour)."""
+
+    model: str
+    continued: int
+    """The client had its whole answer: continued on another replica, asked again whole, or lacking only its end."""
+    failed: int
+    """Ended with an error: no other replica, or LLMGW_STREAM_MIGRATIONS reached."""
+    refused: int
+    """Ended with an error: going on would change the answer (n > 1, guided, logprobs, a tool call…)."""
+    reprocessed_prompt_tokens: int
+    """Prompt tokens engines read again to continue them."""
+
+
+@dataclass(frozen=True)
+class Continuations:
+    """Answers whose engine broke off over the last hour, per model with any (most broken first), as the routers
+    counted them: whole hours, from the start of the previous one (`since`) on."""
+
+    since: str = field(metadata=_TIME)
+    models: list[ModelContinuations]
+
+
+@dataclass(frozen=True)
 class ClusterSummary:
     """The state of the fleet: the same data as `ctl_status`, the dashboard, `/api/v1/status` and the metrics."""
 
@@ -315,6 +339,7 @@ class ClusterSummary:
     usage: UsageState
     idle_held_gpus: IdleHeld
     stoppable: list[StopCandidate]
+    continuations: Continuations
 
     def as_json(self) -> dict[str, Any]:
         """The JSON form (`ctl_status --json`, `/api/v1/status`): every field by name, in order."""

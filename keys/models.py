@@ -1,4 +1,5 @@
-"""API keys (stored hashed, shown once) and the tokens each key spent per model and hour."""
+"""API keys (stored hashed, shown once), the tokens each key spent per model and hour, and each model's answers
+whose engine broke off per hour."""
 
 from typing import Any
 
@@ -76,3 +77,31 @@ class TokenUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key_name} on {self.model} at {self.hour:%Y-%m-%d %H}:00"
+
+
+class ContinuationHour(models.Model):
+    """Answers of one model whose engine broke off in one hour, by what became of them, as the routers counted them
+    (hub.contracts.ContinuationCount: each break counts once, as in `llmgw_router_stream_continuations_total`)."""
+
+    model = models.CharField(max_length=200)
+    hour = models.DateTimeField(help_text="Start of the hour (UTC).")
+    continued = models.PositiveBigIntegerField(
+        default=0,
+        help_text="The client had its whole answer: continued elsewhere, asked again whole, or lacking only its end.",
+    )
+    failed = models.PositiveBigIntegerField(
+        default=0, help_text="Ended with an error: no other replica, or LLMGW_STREAM_MIGRATIONS reached."
+    )
+    refused = models.PositiveBigIntegerField(
+        default=0, help_text="Ended with an error: going on would change the answer (n > 1, guided, logprobs…)."
+    )
+    reprocessed_prompt_tokens = models.PositiveBigIntegerField(
+        default=0, help_text="Prompt tokens engines read again to continue them (no client's usage)."
+    )
+
+    class Meta:
+        ordering = ["-hour", "model"]
+        constraints = [models.UniqueConstraint(fields=["model", "hour"], name="continuation_hour_one_row_per_model")]
+
+    def __str__(self) -> str:
+        return f"{self.model} at {self.hour:%Y-%m-%d %H}:00"

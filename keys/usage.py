@@ -1,9 +1,10 @@
-"""Token usage per API key, model and hour, added to `TokenUsage`; keys' last use moved into `ApiKey`.
+"""Token usage per API key, model and hour, added to `TokenUsage`; keys' last use moved into `ApiKey`; answers
+whose engine broke off per model and hour, added to `ContinuationHour`.
 
 Whoever took the counts from the hub stores them here: the control plane's
 tick (reconciler.demand.tokens), or in router-only mode the router's own token store
 (router.accounting.store). A fixed number of queries: one read of the keys, one
-upsert per `UPSERT_BATCH` rows, one update. The upsert adds in the database
+upsert per `UPSERT_BATCH` rows, one update (continuations: one upsert per batch). The upsert adds in the database
 (`INSERT … ON CONFLICT DO UPDATE SET n = n + excluded.n`, the same statement on
 SQLite and PostgreSQL), so two processes storing what each took at once still add up.
 """
@@ -15,16 +16,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Case, DateTimeField, Value, When
+from django.db.models import Case, DateTimeField, Model, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
-from hub.contracts import TokenCounts
-from keys.models import ApiKey, TokenUsage
+from hub.contracts import ContinuationCounts, TokenCounts
+from keys.models import ApiKey, ContinuationHour, TokenUsage
 
 log = logging.getLogger(__name__)
 
 # Rows per INSERT: 7 parameters each stays under SQLite's oldest limit of 999 variables.
 UPSERT_BATCH = 100
+TOKEN_COLUMNS = ["key_id", "key_name", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
+CONTINUATION_COLUMNS = ["model", "hour", "continued", "failed", "refused", "reprocessed_prompt_tokens"]
 
 
 def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
@@ -44,37 +47,58 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
         if unknown:
             log.warning("dropping token usage of %d unknown API key(s) (deleted since?)", len(unknown))
         rows = [
-            (known[digest][0], known[digest][1], model, hour, count.requests, count.prompt, count.completion)
+            (known[digest][0], known[digest][1], model, _hour(hour), count.requests, count.prompt, count.completion)
             for hour, counts in sorted(tokens.items())
             for digest, models in counts.items()
             if digest in known
             for model, count in models.items()
         ]
         for start in range(0, len(rows), UPSERT_BATCH):
-            _upsert(rows[start : start + UPSERT_BATCH])
+            batch = rows[start : start + UPSERT_BATCH]
+            _upsert(TokenUsage, TOKEN_COLUMNS, ["key_id", "model", "hour"], TOKEN_COLUMNS[4:], batch)
         _stamp_last_use({known[d][0]: ts for d, ts in keys.items() if d in known})
     return len(rows)
 
 
-def _upsert(rows: list[tuple[Any, ...]]) -> None:
-    """Add each row's counts to its (key, model, hour) row, creating it if need be: one statement."""
+def store_continuations(continuations: dict[int, ContinuationCounts]) -> int:
+    """Add `continuations` ({hour start: {model: ContinuationCount}}) to ContinuationHour; one transaction, one
+    upsert per UPSERT_BATCH rows. Returns the number of (model, hour) rows added to."""
+    rows = [
+        (model, _hour(hour), count.continued, count.failed, count.refused, count.reprocessed)
+        for hour, counts in sorted(continuations.items())
+        for model, count in sorted(counts.items())
+    ]
+    with transaction.atomic():
+        for start in range(0, len(rows), UPSERT_BATCH):
+            batch = rows[start : start + UPSERT_BATCH]
+            _upsert(ContinuationHour, CONTINUATION_COLUMNS, ["model", "hour"], CONTINUATION_COLUMNS[2:], batch)
+    return len(rows)
+
+
+def _hour(start: int) -> Any:
+    """An hour's start (Unix seconds) as the database takes a datetime parameter."""
+    return connection.ops.adapt_datetimefield_value(datetime.fromtimestamp(start, tz=UTC))
+
+
+def _upsert(
+    model: type[Model], columns: list[str], unique: list[str], added: list[str], rows: list[tuple[Any, ...]]
+) -> None:
+    """Add each row (values of `columns`) to the row its `unique` columns name, creating it if need be: one
+    statement. The `added` columns add up; the others not in `unique` take the row's value (a key's name now)."""
     quote = connection.ops.quote_name
-    table = quote(TokenUsage._meta.db_table)
-    columns = ["key_id", "key_name", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
-    counters = columns[4:]
-    params: list[Any] = []
-    for key_id, key_name, model, hour, requests, prompt, completion in rows:
-        at = connection.ops.adapt_datetimefield_value(datetime.fromtimestamp(hour, tz=UTC))
-        params += [key_id, key_name, model, at, requests, prompt, completion]
+    table = quote(model._meta.db_table)
+    updates = [
+        f"{quote(c)} = {table}.{quote(c)} + excluded.{quote(c)}" if c in added else f"{quote(c)} = excluded.{quote(c)}"
+        for c in columns
+        if c not in unique
+    ]
     placeholders = ", ".join(["(" + ", ".join(["%s"] * len(columns)) + ")"] * len(rows))
-    additions = ", ".join(f"{quote(c)} = {table}.{quote(c)} + excluded.{quote(c)}" for c in counters)
     sql = (
         f"INSERT INTO {table} ({', '.join(quote(c) for c in columns)}) VALUES {placeholders} "
-        f"ON CONFLICT ({quote('key_id')}, {quote('model')}, {quote('hour')}) "
-        f"DO UPDATE SET {additions}, {quote('key_name')} = excluded.{quote('key_name')}"
+        f"ON CONFLICT ({', '.join(quote(c) for c in unique)}) DO UPDATE SET {', '.join(updates)}"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, [value for row in rows for value in row])
 
 
 def _stamp_last_use(last_use: dict[int, float]) -> None:

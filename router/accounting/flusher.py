@@ -4,7 +4,8 @@ Requests only stamp the ledger's in-memory maps (router.accounting.ledger, in th
 same step as the pick); this flusher swaps the maps out once per `flush_seconds` and
 hands them to the hub as one `UsageReport` — last-use stamps, per-model
 in-flight peaks, requests and tokens per API key and model with each key's
-last use (router.accounting.usage_reader), and this router's watch mark renewed — so the cost
+last use (router.accounting.usage_reader), answers whose engine broke off per model
+(router.accounting.continuations), and this router's watch mark renewed — so the cost
 follows time, replicas, keys and models, never traffic.
 """
 
@@ -71,27 +72,23 @@ class UsageFlusher:
         flight then, and a past burst must not read as present load.
         """
         stamps, in_flight = self.ledger.take_usage()
-        counter = self.ledger.tokens
-        tokens, keys = counter.take()
+        tokens, keys = self.ledger.tokens.take()
+        report = UsageReport(
+            router=self.router_id,
+            stamps=stamps,
+            in_flight=in_flight,
+            ttl=self.watch_ttl,
+            tokens=tokens,
+            keys=keys,
+            continuations=self.ledger.continuations.take(),
+        )
         try:
-            await self.hub.report_usage(
-                UsageReport(
-                    router=self.router_id,
-                    stamps=stamps,
-                    in_flight=in_flight,
-                    ttl=self.watch_ttl,
-                    tokens=tokens,
-                    keys=keys,
-                )
-            )
+            await self.hub.report_usage(report)
         except asyncio.CancelledError:
-            self.ledger.restore_stamps(stamps)
-            counter.restore(tokens, keys)
+            self._restore(report)
             raise
         except Exception as exc:  # Redis down must never fail a request (DESIGN invariant 4)
-            # Token counts are kept like stamps: the hub adds them up whenever they arrive.
-            self.ledger.restore_stamps(stamps)
-            counter.restore(tokens, keys)
+            self._restore(report)
             self.metrics.usage_flush_failures.inc()
             if not self._failing:
                 log.warning("could not report usage, keeping the stamps for the next flush: %s", exc)
@@ -103,6 +100,13 @@ class UsageFlusher:
         # Every flush, even with no limited key in use: the count of routers must be current before one is.
         await self._sync_limits(always=True)
         return True
+
+    def _restore(self, report: UsageReport) -> None:
+        """Keep what a report could not deliver for the next flush: stamps, and counts, which the hub adds up
+        whenever they arrive. Its peaks are dropped (see `flush`)."""
+        self.ledger.restore_stamps(report.stamps)
+        self.ledger.tokens.restore(report.tokens, report.keys)
+        self.ledger.continuations.restore(report.continuations)
 
     async def _sync_limits(self, always: bool = False) -> None:
         """Hand the hub what limited keys used here; take back their totals over every router (router.accounting.limits)."""

@@ -1,4 +1,5 @@
-"""The router's ledger of use: last-use stamps, requests in flight and their peaks, tokens per key, rate limits.
+"""The router's ledger of use: last-use stamps, requests in flight and their peaks, tokens per key, rate limits,
+broken answers per model.
 
 Everything a request leaves behind that the control plane reads later goes
 here, and the usage flusher (router.accounting.flusher) takes it all in one
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from hub.contracts import ADAPTER_STAMP_SEPARATOR
+from router.accounting.continuations import ContinuationCounter
 from router.accounting.counter import TokenCounter
 from router.accounting.limits import RateLimiter
 from router.endpoints.routes import RouteTable
@@ -25,7 +27,8 @@ from router.endpoints.table import Endpoint
 
 
 class Ledger:
-    """What requests leave behind until the next flush: stamps, in-flight counts and peaks, tokens, rate limits.
+    """What requests leave behind until the next flush: stamps, in-flight counts and peaks, tokens, rate limits,
+    broken answers.
 
     `clock` (wall time) stamps last use and tells the rate limits' minute.
     """
@@ -41,6 +44,8 @@ class Ledger:
         self.tokens = TokenCounter(clock)
         # Limited keys' allowances: the app admits from them, the proxy adds tokens, the flusher syncs them.
         self.limits = RateLimiter(clock)
+        # Answers whose engine broke off: the proxy and the resumer count into it beside their metric.
+        self.continuations = ContinuationCounter()
 
     def picked(self, endpoint: Endpoint, model: str) -> None:
         """`endpoint` was chosen for a request of `model` (a model, or an adapter riding on `endpoint.model`)."""

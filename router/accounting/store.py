@@ -4,8 +4,9 @@ Every `interval` seconds (and once more at shutdown, after the last usage
 flush) the router takes the token counts and keys' last use from its hub
 (`take_tokens`: read and reset in one step, so of several routers sharing one
 Redis each count is stored by exactly one) and adds them to the database
-(`keys.usage.store_tokens`, which adds in SQL: concurrent stores add up). When
-the database refuses, the counts go back to the hub for the next round. It
+(`keys.usage.store_tokens`, which adds in SQL: concurrent stores add up), and the
+counts of answers whose engine broke off likewise (`take_continuations`,
+`keys.usage.store_continuations`). When the database refuses, the counts go back to the hub for the next round. It
 also forgets routers' marks lapsed past LLMGW_ROUTER_FORGET_SECONDS, as the
 tick does in a fleet: the rate limits' shares count the marks, and a killed
 router's would shrink every other router's share for good.
@@ -26,7 +27,7 @@ from django.conf import settings
 from django.db import close_old_connections, connections
 
 from hub.contracts import TokenSource
-from keys.usage import store_tokens
+from keys.usage import store_continuations, store_tokens
 from router.background import raise_if_cancelling
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class TokenStore:
         # Outside Django's request cycle: retire connections the way a request would.
         close_old_connections()
         self._forget_gone_routers()
+        self._store_continuations()
         tokens, keys = self.hub.take_tokens()
         if not (tokens or keys):
             return 0
@@ -102,6 +104,22 @@ class TokenStore:
             except Exception as again:
                 log.error("token usage lost: the database refused it and the hub could not take it back: %s", again)
             return 0
+
+    def _store_continuations(self) -> None:
+        continuations = self.hub.take_continuations()
+        if not continuations:
+            return
+        try:
+            store_continuations(continuations)
+        except Exception as exc:
+            log.warning("could not store continuation counts, giving them back to the hub for the next round: %s", exc)
+            try:
+                self.hub.restore_continuations(continuations)
+            except Exception as again:
+                log.error(
+                    "continuation counts lost: the database refused them and the hub could not take them back: %s",
+                    again,
+                )
 
     def _forget_gone_routers(self) -> None:
         now = self._clock()

@@ -277,6 +277,7 @@ class Proxy:
         nxt = self.picker.pick(model, request.tried, request.affinity, request.pools)
         outcome = RESENT if nxt is not None else NO_REPLICA
         self.metrics.continuations.labels(model, break_reason(broke), outcome).inc()
+        self.picker.ledger.continuations.count(model, outcome)
         request.resent += 1
         return nxt
 

@@ -79,6 +79,7 @@ class Resumer:
                 transcript.broke_at, transcript.gap = time.perf_counter(), None
                 outcome, nxt = await self._next_leg(request, transcript, endpoint, exc)
                 self.metrics.continuations.labels(request.model, break_reason(exc), outcome).inc()
+                self.picker.ledger.continuations.count(request.model, outcome)
                 if nxt is None:
                     return
                 await self._run_leg(request, transcript, nxt)
@@ -155,6 +156,7 @@ class Resumer:
             self.metrics.continuation_gap.labels(request.model).observe(transcript.gap)
             transcript.gap = None
         self.metrics.reprocessed_prompt_tokens.labels(request.model).inc(transcript.reprocessed)
+        self.picker.ledger.continuations.reprocessed(request.model, transcript.reprocessed)
         transcript.reprocessed = 0
 
     async def _end_finished(self, request: Forwarding) -> None:

@@ -5,7 +5,8 @@ any fleet size: free whole nodes show a few names per (fabric, class),
 models show those that need a look and then the top holders of GPUs, with
 their replicas counted per state, a base model's LoRA adapters are one line
 of counts (never one per adapter), unplaceable models are apart from held
-ones, failed replicas are grouped by reason and "what can I stop" shows the
+ones, failed replicas are grouped by reason, answers whose engine broke off in
+the last hour are counted per model (the most broken first) and "what can I stop" shows the
 top entries; `--all` prints everything, `--nodes`, `--models` and
 `--replicas` print just the full node, model or replica list. `--check` prints one line and exits 2 when something needs attention
 (`dashboard.attention.needs_attention`), 0 otherwise: for cron and monitoring.
@@ -17,6 +18,7 @@ import os
 import sys
 import time
 from collections import Counter, defaultdict
+from datetime import datetime
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
@@ -185,6 +187,7 @@ class Command(BaseCommand):
         out += self.models(s, top)
         out += self.unplaceable(s, top)
         out += self.failed(s, top)
+        out += self.continuations(s, top)
         out += self.what_can_i_stop(s, top)
         if top is None:
             out += self.replica_list(s)
@@ -264,6 +267,21 @@ class Command(BaseCommand):
         out += self.styled_table(["REPLICAS", "MODELS", "REASON"], rows, row_style=self.style.ERROR)
         if len(groups) > len(shown):
             out.append(f"  … and {len(groups) - len(shown)} more reasons (--all)")
+        return out
+
+    def continuations(self, s: ClusterSummary, top: int | None) -> list[str]:
+        """Answers whose engine broke off over the last hour, per model: continued on another replica, ended with
+        an error, refused (continuing would have changed the answer), and the prompt tokens engines re-read."""
+        broken = s.continuations
+        since = datetime.fromisoformat(broken.since).strftime("%H:%M")
+        out = [self.section(f"Stream continuations (since {since} UTC)")]
+        if not broken.models:
+            return [*out, "  none: no engine broke off an answer"]
+        shown = broken.models if top is None else broken.models[:ROWS_SHOWN]
+        rows = [[m.model, m.continued, m.failed, m.refused, m.reprocessed_prompt_tokens] for m in shown]
+        out += self.styled_table(["MODEL", "CONTINUED", "FAILED", "REFUSED", "PROMPT TOKENS RE-READ"], rows)
+        if len(broken.models) > len(shown):
+            out.append(f"  … and {len(broken.models) - len(shown)} more models (--all)")
         return out
 
     def node_list(self, s: ClusterSummary) -> list[str]:

@@ -80,6 +80,7 @@ def test_json_keeps_every_key_and_adds_what_can_i_stop(idle_fleet):
         "unplaceable_models",
         "failed",
         "node_list",
+        "continuations",
     } == set(printed)
     assert [e["replica"] for e in printed["stoppable"]] == [r.pk for r in idle_fleet]  # --top is for text only
 
