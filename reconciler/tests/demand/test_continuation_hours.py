@@ -3,10 +3,12 @@ database in a fixed number of queries, given back to the hub when the database r
 
 import asyncio
 import logging
+import threading
 from datetime import UTC, datetime
 
 import msgspec
 import pytest
+from django.db import connections
 
 from hub import InProcessHub, RedisHub
 from hub.contracts import ContinuationCount, ContinuationCounts, UsageReport, UsageSnapshot
@@ -97,3 +99,26 @@ def test_router_only_mode_stores_them_itself(redis_url):
     TokenStore(hub, forget_seconds=60.0)._store()
     assert list(rows().values()) == [[1, 0, 0, 7]]
     assert hub.take_continuations() == {}
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_two_leaders_storing_at_once_add_up():
+    """A paused leader and its successor may store what each took at the same moment: nothing is lost."""
+    rounds = 25
+    barrier = threading.Barrier(2)
+
+    def leader():
+        try:
+            barrier.wait(5)
+            for _ in range(rounds):
+                store({H0: {"llama": [1, 2, 3, 4]}})
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=leader) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert rows() == {("llama", H0): [2 * rounds, 4 * rounds, 6 * rounds, 8 * rounds]}
