@@ -249,13 +249,16 @@ def test_a_malformed_usage_report_is_refused_naming_the_problem(hub, fields, pro
 def test_redis_writes_the_stamps_before_the_mark_in_one_transaction(redis_url):
     """A mark seen renewed vouches for stamps written before it (UsageSnapshot): MULTI, ZADD, then the mark."""
     client = redis.Redis.from_url(redis_url)
+    database = client.connection_pool.connection_kwargs.get("db", 0)
     with client.monitor() as monitor:
         hub = RedisHub(redis_url)
         run(hub.report_usage(UsageReport(router="a", stamps={"1": 10.0}, in_flight={"llama": 1})))
         commands = []
         while not commands or commands[-1] != "EXEC":
-            command = monitor.next_command()["command"].split()[0].upper()
-            if command in ("MULTI", "ZADD", "EVAL", "EXEC"):
+            seen = monitor.next_command()
+            command = seen["command"].split()[0].upper()
+            # The server's every command: only this test's database (other tests may run beside it).
+            if seen["db"] == database and command in ("MULTI", "ZADD", "EVAL", "EXEC"):
                 commands.append(command)
     assert commands == ["MULTI", "ZADD", "EVAL", "EXEC"]
     assert marks(hub)["a"].in_flight == {"llama": 1}
@@ -266,12 +269,15 @@ def test_redis_collects_marks_then_stamps_and_takes_tokens_in_one_transaction(re
     client = redis.Redis.from_url(redis_url)
     hub = RedisHub(redis_url)
     run(hub.report_usage(UsageReport(router="a", stamps={"1": 10.0})))
+    database = client.connection_pool.connection_kwargs.get("db", 0)
     with client.monitor() as monitor:
         snapshot = hub.collect_usage()
         commands = []
         while not commands or commands[-1] != "EXEC":
-            command = monitor.next_command()["command"].split()[0].upper()
-            if command in ("MULTI", "HGETALL", "ZRANGE", "DEL", "EXEC"):
+            seen = monitor.next_command()
+            command = seen["command"].split()[0].upper()
+            # The server's every command: only this test's database (other tests may run beside it).
+            if seen["db"] == database and command in ("MULTI", "HGETALL", "ZRANGE", "DEL", "EXEC"):
                 commands.append(command)
     # Marks, stamps, then token counters, keys' last use and continuation counters read and deleted: one MULTI.
     assert commands == ["MULTI", "HGETALL", "ZRANGE", "HGETALL", "ZRANGE", "HGETALL", "DEL", "EXEC"]
