@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/router_bench.py [--duration 10] [--concurrency 1,16,64] [--mode json,stream]
                                            [--engine mock|builtin] [--rounds 3]
-    .venv/bin/python bench/router_bench.py --streams 1000 [--token-delay-ms 200]
+    .venv/bin/python bench/router_bench.py --streams 1000 [--token-delay-ms 200] [--stream-tokens 16]
 
 Four processes on 127.0.0.1: an engine (the bundled mock engine, or a minimal
 aiohttp one built in here), the floor (`floor_proxy.py`: a raw ASGI app on
@@ -18,9 +18,10 @@ rounds, so a change in the machine's load does not land on one target alone.
 Each proxy runs in its own process so the load generator does not share its
 interpreter.
 
-`--streams N` instead opens N slow streams through the router at once (the
-mock engine answering a token every `--token-delay-ms`) and reports errors and
-the router's peak resident memory.
+`--streams N` instead opens N slow streams of `--stream-tokens` tokens through
+the router at once (the mock engine answering a token every `--token-delay-ms`)
+and reports errors and the router's peak resident memory, and that growth per
+open stream (a continuable stream keeps what it relayed until it ends).
 """
 
 from __future__ import annotations
@@ -231,9 +232,10 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     return 0
 
 
-async def hold_streams(url: str, headers: dict, count: int) -> dict:
-    """Open `count` streams at once and read each to its end; return errors and how long it took."""
-    body = {**CHAT_BODY, "stream": True, "max_tokens": 16, "messages": [{"role": "user", "content": "word " * 12}]}
+async def hold_streams(url: str, headers: dict, count: int, tokens: int = 16) -> dict:
+    """Open `count` streams of `tokens` tokens at once and read each to its end; return errors and how long it took."""
+    words = "word " * tokens  # the mock engine echoes the prompt's words, up to max_tokens
+    body = {**CHAT_BODY, "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": words}]}
     connector = aiohttp.TCPConnector(limit=0)
     errors = 0
     timeout = aiohttp.ClientTimeout(total=600)
@@ -266,6 +268,7 @@ def main() -> None:
     )
     parser.add_argument("--streams", type=int, help="instead: hold this many slow streams through the router")
     parser.add_argument("--token-delay-ms", type=float, default=200.0, help="--streams: the mock engine's delay")
+    parser.add_argument("--stream-tokens", type=int, default=16, help="--streams: each stream's tokens")
     has_mock = (ROOT / "agent" / "mock_engine.py").exists()
     parser.add_argument(
         "--engine",
@@ -327,11 +330,14 @@ def main() -> None:
             if args.streams:
                 router_pid = processes["router"].pid
                 before = rss_kib(router_pid)
-                r = asyncio.run(hold_streams(f"{urls['router']}/v1/chat/completions", key, args.streams))
+                url = f"{urls['router']}/v1/chat/completions"
+                r = asyncio.run(hold_streams(url, key, args.streams, args.stream_tokens))
+                peak = rss_kib(router_pid, "VmHWM")
                 print(
-                    f"{args.streams} streams through one router process ({args.token_delay_ms:g} ms a token): "
-                    f"{r['errors']} errors in {r['seconds']:.1f} s; router RSS {before / 1024:.0f} MB before, "
-                    f"peak {rss_kib(router_pid, 'VmHWM') / 1024:.0f} MB"
+                    f"{args.streams} streams of {args.stream_tokens} tokens through one router process "
+                    f"({args.token_delay_ms:g} ms a token): {r['errors']} errors in {r['seconds']:.1f} s; router RSS "
+                    f"{before / 1024:.0f} MB before, peak {peak / 1024:.0f} MB: "
+                    f"{(peak - before) / args.streams:.1f} KiB per open stream"
                 )
                 return
             print(f"engine={args.engine} duration={args.duration:g}s rounds={args.rounds} cpus={os.cpu_count()}")

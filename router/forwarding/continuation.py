@@ -358,13 +358,15 @@ class KeptSseUsage(SseUsage):
     __slots__ = ("_transcript",)
 
     def __init__(self, pass_usage: bool, transcript: Transcript) -> None:
-        super().__init__(pass_usage)
+        SseUsage.__init__(self, pass_usage)
         self._transcript = transcript
 
     def feed(self, chunk: bytes) -> bytes:
-        chunk = super().feed(chunk)
+        # SseUsage.feed and the test of check_finished_well written out: no super() object, and no call, per chunk.
+        chunk = SseUsage.feed(self, chunk)
         if chunk:
-            check_finished_well(chunk)
+            if b'"abort"' in chunk or b'"error"' in chunk:
+                check_finished_well(chunk)
             transcript = self._transcript
             transcript.kept.append(chunk)
             if transcript.strip_ids and b"token_ids" in chunk:

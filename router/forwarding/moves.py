@@ -12,7 +12,7 @@ drained, and the answers go on. A stream that could not be continued (a
 refusal, or its limit of LLMGW_STREAM_MIGRATIONS reached) is not cut: it runs
 on until its engine stops, as without moves.
 
-Bookkeeping costs a continuable stream a set entry for each leg; a stream
+Bookkeeping costs a continuable stream a dict entry for each leg; a stream
 that is not continuable costs nothing; the table costs a timer per replica
 leaving service.
 """
@@ -46,43 +46,37 @@ def may_move(request: Forwarding, limit: int) -> bool:
 
 
 class StreamMoves:
-    """The continuable streams each replica relays, and the moves the endpoint table asks for (at most `limit`
-    legs a stream: LLMGW_STREAM_MIGRATIONS)."""
+    """The continuable streams being relayed, by the replica relaying them, and the moves the endpoint table asks
+    for (at most `limit` legs a stream: LLMGW_STREAM_MIGRATIONS).
+
+    The relay writes `streams` itself, one dict entry a leg (no call: it is on every stream's way); a move reads
+    them all, which happens once per replica leaving service.
+    """
 
     def __init__(self, limit: int, clock: Callable[[], float] = time.time) -> None:
         self.limit = limit
         self.clock = clock
-        self._streams: dict[str, set[Forwarding]] = {}  # replica id -> continuable streams relayed from it
+        self.streams: dict[Forwarding, str] = {}  # continuable stream -> the replica relaying its leg now
+        self.due: set[str] = set()  # replicas whose time has come: a stream that begins on one moves at once
         self._planned: dict[str, tuple[float, asyncio.TimerHandle]] = {}  # replica id -> (when, its timer)
-        self._due: set[str] = set()  # replicas whose time has come: a stream that begins on one moves at once
 
-    def relaying(self, replica_id: str, request: Forwarding) -> None:
-        """A continuable stream's leg is relayed from `replica_id` from now on."""
-        self._streams.setdefault(replica_id, set()).add(request)
-        if replica_id in self._due:
+    def begun_on_due(self, replica_id: str, request: Forwarding) -> None:
+        """A stream's leg began on a replica whose time has come (the relay asks only when some has): move it."""
+        if replica_id in self.due:
             self._move(replica_id, [request])
-
-    def over(self, replica_id: str, request: Forwarding) -> None:
-        """The leg relayed from `replica_id` ended (in any way): a move asked of it is void."""
-        request.exchange.moving = False
-        streams = self._streams.get(replica_id)
-        if streams is not None:
-            streams.discard(request)
-            if not streams:
-                del self._streams[replica_id]
 
     def plan(self, moving: dict[str, float]) -> None:
         """Follow the installed table's moves: a timer per replica at its time (now, if it has passed), none left
         for replicas the table no longer names (back in service, or gone)."""
         for replica_id in self._planned.keys() - moving.keys():
             self._planned.pop(replica_id)[1].cancel()
-        self._due &= moving.keys()
+        self.due &= moving.keys()
         if not moving:
             return
         loop, now = asyncio.get_running_loop(), self.clock()
         for replica_id, when in moving.items():
             planned = self._planned.get(replica_id)
-            if replica_id in self._due or (planned is not None and planned[0] == when):
+            if replica_id in self.due or (planned is not None and planned[0] == when):
                 continue
             if planned is not None:
                 planned[1].cancel()
@@ -92,8 +86,8 @@ class StreamMoves:
     def move(self, replica_id: str) -> int:
         """Move the continuable streams relayed from `replica_id`, now and as they begin; returns how many."""
         self._planned.pop(replica_id, None)
-        self._due.add(replica_id)
-        return self._move(replica_id, list(self._streams.get(replica_id, ())))
+        self.due.add(replica_id)
+        return self._move(replica_id, [request for request, on in self.streams.items() if on == replica_id])
 
     def _move(self, replica_id: str, streams: list[Forwarding]) -> int:
         moved = [request for request in streams if may_move(request, self.limit)]

@@ -113,7 +113,7 @@ class Relay:
         """Relay an answer chunk by chunk as the engine sends it: read a chunk, account for it, send it. A break
         ends a stream (`streamed`: SSE) with an error event and cuts any other body. Accounting is inline (see the
         module docstring); a body that is not a stream counts its gaps into a blank series kept nowhere."""
-        send, exchange, traffic = request.send, request.exchange, self.metrics.traffic
+        send, exchange, traffic, transcript = request.send, request.exchange, self.metrics.traffic, request.transcript
         served = 200 <= response.status < 300
         reader = self._reader(request, response, content_type) if served else None
         counted = True  # the answer is counted when this leg ends: not when another replica continues it
@@ -152,10 +152,10 @@ class Relay:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             exchange.complete = True
         finally:
-            if request.transcript is not None:
-                self.moves.over(endpoint.replica_id, request)
+            if transcript is not None:
+                self.moves.streams.pop(request, None)
             self._finish(request, endpoint, response, served, reader.usage() if reader is not None else None, counted)
-            if streamed and first and (request.transcript is None or not request.transcript.migrations):
+            if streamed and first and (transcript is None or not transcript.migrations):
                 traffic.first_token.observe(request.model, first - request.received)
 
     @classmethod
@@ -181,7 +181,10 @@ class Relay:
         """Send an answer's status and headers, unless a hold or an earlier leg of the stream sent them already;
         from now the engine's silence is timed, and a continuable stream may be moved off its replica."""
         if reader is not None and request.transcript is not None:
-            self.moves.relaying(endpoint.replica_id, request)
+            moves = self.moves
+            moves.streams[request] = endpoint.replica_id
+            if moves.due:
+                moves.begun_on_due(endpoint.replica_id, request)
         if not request.headers_sent:
             # A body that may lose its usage event cannot keep the engine's length.
             headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)

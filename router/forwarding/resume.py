@@ -97,6 +97,7 @@ class Resumer:
         return (why not, None)."""
         log.warning("replica %s of %s broke off a stream (%r)", endpoint.replica_id, request.model, exc)
         request.exchange.stop_deadline()  # a wait for another replica is no engine's silence
+        request.exchange.moving = False  # a move asked of the leg that broke is not the next leg's
         answer = transcript.read()
         path, payload = transcript.path, transcript.payload
         left = remaining_tokens(path, payload, answer.produced)

@@ -88,7 +88,7 @@ def test_a_stream_moved_while_it_sends_is_cut_by_the_sweep_once_it_waits_on_its_
     assert 0 <= marks["cut"] - marks["sent"] <= 2 * period + 0.1
 
 
-def test_a_passed_deadline_is_still_the_engines_failure_and_a_move_is_cleared_with_its_leg():
+def test_a_passed_deadline_is_still_the_engines_failure_and_a_moves_cut_is_replica_leaving():
     exchange = Exchange("k", never_leaves, None)
     exchange.overdue = "next chunk"
     cancelled = asyncio.CancelledError()
@@ -99,12 +99,16 @@ def test_a_passed_deadline_is_still_the_engines_failure_and_a_move_is_cleared_wi
     exchange.overdue = MOVE
     assert isinstance(exchange.failure(cancelled), ReplicaLeaving)
 
-    moves = StreamMoves(limit=2)
-    request = stream({"messages": [], "stream": True})
-    moves.relaying("1", request)
-    request.exchange.move()  # asked while sending: not cut yet
-    moves.over("1", request)  # the leg ended first: the next leg, elsewhere, is not cut for it
-    assert request.exchange.moving is False
+
+def test_a_move_finds_only_the_streams_still_relayed_from_its_replica():
+    async def scenario():
+        moves = StreamMoves(limit=2)
+        on_one, on_two, ended = stream({"messages": []}), stream({"messages": []}), stream({"messages": []})
+        moves.streams.update({on_one: "1", on_two: "2", ended: "1"})
+        moves.streams.pop(ended)  # its leg ended, as the relay ends it
+        return moves.move("1"), on_one.exchange.moving, on_two.exchange.moving, ended.exchange.moving
+
+    assert asyncio.run(scenario()) == (1, True, False, False)
 
 
 def test_only_streams_that_would_be_continued_are_moved():
@@ -125,8 +129,7 @@ def test_moves_happen_at_the_tables_time_and_are_dropped_with_it():
         now = asyncio.get_running_loop().time
         moves = StreamMoves(limit=2, clock=lambda: 1000.0)
         first, second = stream({"messages": []}), stream({"messages": []})
-        moves.relaying("1", first)
-        moves.relaying("2", second)
+        moves.streams.update({first: "1", second: "2"})
         moves.plan({"1": 1000.1, "2": 1000.1})
         moves.plan({"1": 1000.1})  # replica 2 is back in service (or gone): its move is dropped
         began = now()
@@ -136,7 +139,8 @@ def test_moves_happen_at_the_tables_time_and_are_dropped_with_it():
         late = first.exchange.moving, second.exchange.moving
         # A stream that begins on a replica whose time has come moves at once.
         third = stream({"messages": []})
-        moves.relaying("1", third)
+        moves.streams[third] = "1"
+        moves.begun_on_due("1", third)
         return early, late, third.exchange.moving, now() - began
 
     early, late, third, _ = asyncio.run(scenario())
