@@ -7,8 +7,10 @@ them idle (reconciler.endpoints). At that time each router moves every
 continuable stream it still relays from one of them: the stream is cut between
 two chunks (Exchange.move) and continued on another replica like a stream
 whose engine broke off (router.forwarding.resume), with the reason
-`replica_leaving`. The engine, left with nothing, is stopped or put to sleep as
-drained, and the answers go on. A stream that could not be continued (a
+`replica_leaving`. They move MOVE_BATCH at a time, a batch every
+MOVE_PAUSE_SECONDS, so their continuations do not queue behind each other
+while the rest still stream from the leaving engine. The engine, left with
+nothing, is stopped or put to sleep as drained, and the answers go on. A stream that could not be continued (a
 refusal, or its limit of LLMGW_STREAM_MIGRATIONS reached) is not cut: it runs
 on until its engine stops, as without moves.
 
@@ -25,10 +27,18 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.forwarding.continuation import read_answer, refusal
+from router.forwarding.continuation import Answer, read_answer, refusal
 from router.forwarding.exchange import Forwarding
 
 log = logging.getLogger(__name__)
+
+# The words of a delta that refuses a continuation once sent (continuation.refusal: a tool call, reasoning).
+_ANSWER_REFUSALS = (b'"tool_calls"', b'"function_call"', b'"reasoning')
+_NOTHING_YET = Answer()  # an answer with none of them, for refusal() to judge the request alone (never changed)
+# Streams moved at once, then the next as many after a pause: a replica's streams do not all pause together, and
+# the router's loop reads each one's transcript in turn rather than all of them in one go.
+MOVE_BATCH = 16
+MOVE_PAUSE_SECONDS = 0.02
 
 
 def may_move(request: Forwarding, limit: int) -> bool:
@@ -41,7 +51,12 @@ def may_move(request: Forwarding, limit: int) -> bool:
         path, payload = transcript.path, transcript.payload
     else:  # the first leg: the request as the client sent it, read as the first break would read it
         path, payload = request.path, json.loads(request.body)
-    answer = transcript.answer if transcript.answer is not None else read_answer(b"".join(transcript.kept))
+    if transcript.answer is not None:
+        return refusal(path, payload, transcript.answer) is None
+    # The first leg's events are read only if one of them may have begun a tool call or reasoning: reading them all
+    # costs some 2 µs an event, a scan for these words a few µs a stream.
+    kept = b"".join(transcript.kept)
+    answer = read_answer(kept) if any(word in kept for word in _ANSWER_REFUSALS) else _NOTHING_YET
     return refusal(path, payload, answer) is None
 
 
@@ -62,8 +77,8 @@ class StreamMoves:
 
     def begun_on_due(self, replica_id: str, request: Forwarding) -> None:
         """A stream's leg began on a replica whose time has come (the relay asks only when some has): move it."""
-        if replica_id in self.due:
-            self._move(replica_id, [request])
+        if replica_id in self.due and may_move(request, self.limit):
+            request.exchange.move()
 
     def plan(self, moving: dict[str, float]) -> None:
         """Follow the installed table's moves: a timer per replica at its time (now, if it has passed), none left
@@ -84,23 +99,28 @@ class StreamMoves:
             self._planned[replica_id] = (when, timer)
 
     def move(self, replica_id: str) -> int:
-        """Move the continuable streams relayed from `replica_id`, now and as they begin; returns how many."""
+        """Move the continuable streams relayed from `replica_id`, now and as they begin, in batches (`_move`);
+        returns how many were moved at once."""
         self._planned.pop(replica_id, None)
         self.due.add(replica_id)
         return self._move(replica_id, [request for request, on in self.streams.items() if on == replica_id])
 
     def _move(self, replica_id: str, streams: list[Forwarding]) -> int:
-        moved = [request for request in streams if may_move(request, self.limit)]
-        for request in moved:
-            request.exchange.move()
+        """Move the first MOVE_BATCH of `streams` that may be moved now, the rest MOVE_PAUSE_SECONDS later (each
+        judged when its turn comes); returns how many were moved now."""
+        moved = 0
+        while streams and moved < MOVE_BATCH:
+            request = streams.pop()
+            if self.streams.get(request) == replica_id and may_move(request, self.limit):
+                request.exchange.move()
+                moved += 1
         if streams:
+            asyncio.get_running_loop().call_later(MOVE_PAUSE_SECONDS, self._move, replica_id, streams)
+        if moved:
             log.info(
-                "replica %s is leaving service: moving %d of its %d streams to other replicas",
-                replica_id,
-                len(moved),
-                len(streams),
+                "replica %s is leaving service: moved %d of its streams, %d to go", replica_id, moved, len(streams)
             )
-        return len(moved)
+        return moved
 
     def close(self) -> None:
         """Cancel the timers (the router is stopping)."""

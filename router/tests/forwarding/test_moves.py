@@ -7,6 +7,7 @@ import json
 
 from router.background import BackgroundTasks
 from router.errors import ReplicaLeaving
+from router.forwarding import moves as moves_module
 from router.forwarding.continuation import Transcript
 from router.forwarding.exchange import MOVE, Exchange, Forwarding
 from router.forwarding.inflight import InFlight
@@ -145,3 +146,21 @@ def test_moves_happen_at_the_tables_time_and_are_dropped_with_it():
 
     early, late, third, _ = asyncio.run(scenario())
     assert early is False and late == (True, False) and third is True
+
+
+def test_a_replicas_streams_move_in_batches_each_judged_when_its_turn_comes(monkeypatch):
+    monkeypatch.setattr(moves_module, "MOVE_BATCH", 2)
+
+    async def scenario():
+        moves = StreamMoves(limit=2)
+        streams = [stream({"messages": []}) for _ in range(5)]
+        moves.streams.update(dict.fromkeys(streams, "1"))
+        at_once = moves.move("1")
+        moving_at_once = sum(r.exchange.moving for r in streams)
+        moves.streams.pop(streams[0])  # it ended before its turn: not moved
+        await asyncio.sleep(10 * moves_module.MOVE_PAUSE_SECONDS)
+        return at_once, moving_at_once, [r.exchange.moving for r in streams]
+
+    at_once, moving_at_once, moving = asyncio.run(scenario())
+    assert (at_once, moving_at_once) == (2, 2)
+    assert moving == [False, True, True, True, True]  # popped last-first: the first in the list went last
