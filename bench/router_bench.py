@@ -234,8 +234,7 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 
 async def hold_streams(url: str, headers: dict, count: int, tokens: int = 16) -> dict:
     """Open `count` streams of `tokens` tokens at once and read each to its end; return errors and how long it took."""
-    words = "word " * tokens  # the mock engine echoes the prompt's words, up to max_tokens
-    body = {**CHAT_BODY, "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": words}]}
+    body = {**CHAT_BODY, "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": "word " * 12}]}
     connector = aiohttp.TCPConnector(limit=0)
     errors = 0
     timeout = aiohttp.ClientTimeout(total=600)
@@ -311,7 +310,8 @@ def main() -> None:
     if args.engine == "mock" or args.streams:
         engine_cmd = [sys.executable, "-m", "mockengine", "--port", str(engine_port), "--model", MODEL]
         if args.streams:
-            engine_cmd += ["--token-delay-ms", str(args.token_delay_ms)]
+            # Greedy mode: an answer of exactly max_tokens tokens, whatever the prompt.
+            engine_cmd += ["--token-delay-ms", str(args.token_delay_ms), "--greedy"]
     else:
         engine_cmd = [sys.executable, __file__, "--serve-engine", str(engine_port)]
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as workdir:
