@@ -321,6 +321,7 @@ class Transcript:
     answer: Answer | None = None
     broken: tuple[Endpoint, BaseException] | None = None
     migrations = 0
+    moved = 0  # of the migrations, those a drain or a sleep asked for (router.forwarding.moves): not limited
     reprocessed = 0  # prompt tokens the continuations made engines read again (not the client's usage)
     path = ""  # the client's path and request, as first sent: read at the first break
     payload: dict[str, Any] = {}  # noqa: RUF012  (replaced, never changed in place)

@@ -11,8 +11,9 @@ whose engine broke off (router.forwarding.resume), with the reason
 MOVE_PAUSE_SECONDS, so their continuations do not queue behind each other
 while the rest still stream from the leaving engine. The engine, left with
 nothing, is stopped or put to sleep as drained, and the answers go on. A stream that could not be continued (a
-refusal, or its limit of LLMGW_STREAM_MIGRATIONS reached) is not cut: it runs
-on until its engine stops, as without moves.
+refusal: guided decoding, a tool call begun…) is not cut: it runs on until its
+engine stops, as without moves. A move uses none of the stream's
+LLMGW_STREAM_MIGRATIONS, which bound what failing engines cost.
 
 Bookkeeping costs a continuable stream a dict entry for each leg; a stream
 that is not continuable costs nothing; the table costs a timer per replica
@@ -41,11 +42,12 @@ MOVE_BATCH = 16
 MOVE_PAUSE_SECONDS = 0.02
 
 
-def may_move(request: Forwarding, limit: int) -> bool:
-    """Whether the stream would be continued if it were cut now (as router.forwarding.resume decides): it has
-    legs left of its `limit`, and nothing of the request or of the answer so far refuses a continuation."""
+def may_move(request: Forwarding) -> bool:
+    """Whether the stream would be continued if it were cut now (as router.forwarding.resume decides): nothing of
+    the request or of the answer so far refuses a continuation. A move uses none of the stream's
+    LLMGW_STREAM_MIGRATIONS: they bound what failing engines cost, and a drain is no failure."""
     transcript = request.transcript
-    if transcript is None or transcript.migrations >= limit:
+    if transcript is None:
         return False
     if transcript.path:
         path, payload = transcript.path, transcript.payload
@@ -62,14 +64,13 @@ def may_move(request: Forwarding, limit: int) -> bool:
 
 class StreamMoves:
     """The continuable streams being relayed, by the replica relaying them, and the moves the endpoint table asks
-    for (at most `limit` legs a stream: LLMGW_STREAM_MIGRATIONS).
+    for.
 
     The relay writes `streams` itself, one dict entry a leg (no call: it is on every stream's way); a move reads
     them all, which happens once per replica leaving service.
     """
 
-    def __init__(self, limit: int, clock: Callable[[], float] = time.time) -> None:
-        self.limit = limit
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self.streams: dict[Forwarding, str] = {}  # continuable stream -> the replica relaying its leg now
         self.due: set[str] = set()  # replicas whose time has come: a stream that begins on one moves at once
@@ -77,7 +78,7 @@ class StreamMoves:
 
     def begun_on_due(self, replica_id: str, request: Forwarding) -> None:
         """A stream's leg began on a replica whose time has come (the relay asks only when some has): move it."""
-        if replica_id in self.due and may_move(request, self.limit):
+        if replica_id in self.due and may_move(request):
             request.exchange.move()
 
     def plan(self, moving: dict[str, float]) -> None:
@@ -111,7 +112,7 @@ class StreamMoves:
         moved = 0
         while streams and moved < MOVE_BATCH:
             request = streams.pop()
-            if self.streams.get(request) == replica_id and may_move(request, self.limit):
+            if self.streams.get(request) == replica_id and may_move(request):
                 request.exchange.move()
                 moved += 1
         if streams:

@@ -98,7 +98,7 @@ class Proxy:
         self.first_byte_timeout = config.first_byte_timeout
         self.migrations = config.stream_migrations
         # Streams moved off replicas leaving service when the table asks (RouterState.apply_table plans them).
-        self.moves = StreamMoves(self.migrations)
+        self.moves = StreamMoves()
         self.relay = Relay(picker, ledger, metrics, config.idle_timeout, self.moves)
         self.routes = picker.routes
         send_leg = self._send_upstream if hooks is None else self._hooked_send

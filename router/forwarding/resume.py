@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
-from router.errors import RouterError
+from router.errors import ReplicaLeaving, RouterError
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import (
     CHAT_PATHS,
@@ -105,7 +105,10 @@ class Resumer:
             await self._end_finished(request)
             return FINISHED, None
         why = refusal(path, payload, answer)
-        if why is None and transcript.migrations >= self.limit:
+        # LLMGW_STREAM_MIGRATIONS bounds what failing engines cost; a stream moved off a replica leaving service
+        # (a drain, a sleep) is the control plane's doing, so a move neither needs a leg left nor uses one.
+        leaving = isinstance(exc, ReplicaLeaving)
+        if why is None and transcript.migrations - transcript.moved >= self.limit and not leaving:
             why = LIMIT
         nxt = None if why is not None else await self._replica(request, (*transcript.refused, endpoint))
         if nxt is None:
@@ -118,6 +121,7 @@ class Resumer:
         request.path, body = continuation(path, payload, answer, exact)
         request.body = json.dumps(body).encode()
         transcript.migrations += 1
+        transcript.moved += leaving
         return CONTINUED, nxt
 
     async def _replica(self, request: Forwarding, tried: tuple[Endpoint, ...]) -> Endpoint | None:

@@ -110,3 +110,30 @@ def test_a_stream_that_could_not_be_continued_is_left_to_finish_on_its_replica(l
     assert text_of(events, CHAT) == text_of(own, CHAT)  # all of it from the replica that began it
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
     assert "llmgw_router_stream_continuations_total{" not in httpx.get(f"{router.url}/metrics").text
+
+
+def test_a_stream_that_used_its_continuations_on_a_failing_engine_still_moves_off_a_leaving_replica(
+    start_router, hub, engine_process, auth
+):
+    """LLMGW_STREAM_MIGRATIONS bounds what failing engines cost: a drain is no failure, so a move needs no leg left."""
+    dying = engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", "3"))
+    leaving = engine_process(token_delay_ms=40, args=GREEDY)
+    staying = engine_process(token_delay_ms=2, args=GREEDY)
+    models = {MODEL: {"token_ids": True}}
+    rows = [{"url": dying.url, "priority": 2}, {"url": leaving.url, "priority": 1}, staying.url]
+    hub.publish_endpoints(make_table(rows, models))
+    router = start_router(flush_seconds=3600, stream_migrations=1)
+    body = request_body(CHAT, max_tokens=60)
+    uninterrupted = events_of(staying.url, CHAT, body)
+
+    def leave() -> None:
+        table = make_table([{"url": staying.url, "replica_id": "3"}], models)
+        hub.publish_endpoints(msgspec.structs.replace(table, moving={"2": time.time()}))
+
+    events = stream_while(router, body, auth, 8, leave)  # past the dying engine's 3 tokens: on the leaving one
+
+    assert text_of(events, CHAT) == text_of(uninterrupted, CHAT)
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+    for reason in ("engine_lost", "replica_leaving"):
+        labels = f'model="{MODEL}",outcome="continued",reason="{reason}"'
+        assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
