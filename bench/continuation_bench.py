@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry  # noqa: E402
 from hub.redis_hub import RedisHub  # noqa: E402
 from mockengine.greedy import chat_context, next_words, token_texts  # noqa: E402
-from tests.e2e.engines.cutter import free_port  # noqa: E402
+from tests.e2e.engines.cutter import free_port, router_process  # noqa: E402
 
 # How long before its drain would time out the control plane has routers move a leaving replica's streams.
 MOVE_LEAD_SECONDS = 2.0
@@ -211,26 +211,7 @@ async def run(args, url: str, key: str, fleet: Fleet) -> dict:
 def fleet_router(workdir: Path, redis_url: str) -> tuple[subprocess.Popen, str, str]:
     """A router as a fleet runs it (`manage.py router`, the table from Redis, keys in a SQLite file of its own in
     `workdir`); (process, URL, a client key)."""
-    env = {**os.environ, "LLMGW_HOME": str(workdir), "SECRET_KEY": "bench-only", "LOG_LEVEL": "WARNING"}
-    env.pop("DATABASE_URL", None)
-    env["REDIS_URL"] = redis_url
-    manage = [sys.executable, "manage.py"]
-    subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    key = subprocess.run(
-        [*manage, "keys", "create", "streams"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
-    ).stdout.strip()
-    port = free_port()
-    argv = [*manage, "router", "--port", str(port)]
-    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return process, url, key
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the router did not get ready")
+    return router_process(workdir, "streams", [], {"REDIS_URL": redis_url})
 
 
 def router_figures(url: str) -> tuple[dict, list]:

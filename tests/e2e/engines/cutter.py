@@ -87,18 +87,27 @@ def router_only(workdir: Path, model: str, way: str, endpoints: list) -> tuple[s
     """Router-only mode (`manage.py router --endpoints`, a database of its own in `workdir`) serving `model` from
     `endpoints` (rows of the endpoints file), continuing broken streams `way`; (process, URL, a client key)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "LLMGW_HOME": str(workdir), "SECRET_KEY": "test-only", "LOG_LEVEL": "WARNING"}
-    env.pop("DATABASE_URL", None)
-    env.pop("REDIS_URL", None)
+    table = workdir / "endpoints.yaml"
+    table.write_text(json.dumps({"models": {model: {"endpoints": endpoints, "streams": way}}}))
+    return router_process(workdir, f"streams-{way}", ["--endpoints", str(table)])
+
+
+def router_process(
+    workdir: Path, key_name: str, router_args: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str, str]:
+    """`manage.py router ROUTER_ARGS` on a SQLite database of its own in `workdir`, with a client key named
+    `key_name`, once it is ready; no Redis unless `env` (added to its environment) names one. (process, URL, key)."""
+    base = {**os.environ, "LLMGW_HOME": str(workdir), "SECRET_KEY": "test-only", "LOG_LEVEL": "WARNING"}
+    base.pop("DATABASE_URL", None)
+    base.pop("REDIS_URL", None)
+    env = {**base, **(env or {})}
     manage = [sys.executable, "manage.py"]
     subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=env, check=True)
     key = subprocess.run(
-        [*manage, "keys", "create", f"streams-{way}"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+        [*manage, "keys", "create", key_name], cwd=ROOT, env=env, check=True, capture_output=True, text=True
     ).stdout.strip()
-    table = workdir / "endpoints.yaml"
-    table.write_text(json.dumps({"models": {model: {"endpoints": endpoints, "streams": way}}}))
     port = free_port()
-    argv = [*manage, "router", "--port", str(port), "--endpoints", str(table)]
+    argv = [*manage, "router", "--port", str(port), *router_args]
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
