@@ -81,7 +81,8 @@ class Model(models.Model):
         default=True,
         db_default=True,  # rows written by code that predates it (a rolling upgrade) keep the default
         help_text="When a replica breaks off a streamed answer (its engine died, its node was lost), routers ask "
-        "another replica for the rest, so the client's stream goes on (LLMGW_STREAM_MIGRATIONS times at most).",
+        "another replica for the rest, so the client's stream goes on (LLMGW_STREAM_MIGRATIONS bounds the tries in a "
+        "row that bring no token).",
     )
     parameters_billions = models.FloatField(
         "parameters (billions)",

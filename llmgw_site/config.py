@@ -219,7 +219,9 @@ SETTINGS: tuple[Setting, ...] = (
         "LLMGW_STREAM_MIGRATIONS",
         "int",
         2,
-        "times a router continues one stream on another replica when its engine breaks off (0: never)",
+        "continuations of one stream on another replica, in a row, that may bring no token before the router gives "
+        "it up (a leg that brings one starts the count again); a whole answer is asked again this many times at "
+        "most (0: never either)",
         0,
     ),
     _s(

@@ -302,6 +302,8 @@ class MockEngine:
             # vLLM sends a chat prompt's ids once, at the top of its first chunk: the role's.
             top = {"prompt_token_ids": answer.prompt_ids} if answer.return_ids else None
             await send([_stream_choice(kind, "", role=True)], top=top)
+        if self.exit_after_tokens == 0:
+            await self._exit(request)  # an engine that dies before its first token, its answer begun
         for i, text in enumerate(answer.texts):
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
@@ -327,6 +329,10 @@ class MockEngine:
         self.tokens_sent += 1
         if self.exit_after_tokens is None or self.tokens_sent < self.exit_after_tokens:
             return
+        await self._exit(request)
+
+    async def _exit(self, request: web.Request | None) -> None:
+        """Die as a crashed engine: what this process still buffers is lost, what the kernel holds is sent."""
         transport = request.transport if request is not None else None
         # Only what is still in this process's buffer would be lost: the kernel delivers what it holds.
         for _ in range(100):

@@ -17,8 +17,8 @@ With `--greedy` it answers instead as greedy decoding of a real language model w
 `max_tokens` pseudo-words (16 without it) that depend only on the context, so a request continuing a context with
 part of an answer (prompt token ids, or a chat's `continue_final_message`) gets exactly the rest of it; it then
 honours vLLM's `return_token_ids`. `--exit-after-tokens N` makes it die as a crashed engine would (exit 1 at once,
-no finish chunk nor [DONE]) right after sending its N-th answer token, counted over all its answers: what a
-router's stream continuation is tested against.
+no finish chunk nor [DONE]) right after sending its N-th answer token, counted over all its answers (0: as soon as
+its first stream has begun, before any token): what a router's stream continuation is tested against.
 
 It models what a CPU cannot show of vLLM (mockengine/sleep.py): a cold start (`--load-seconds`), and,
 with VLLM_SERVER_DEV_MODE=1 as vLLM, its sleep routes, the held requests of a sleeping engine, a wake whole
@@ -251,10 +251,11 @@ def _add_continuation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--exit-after-tokens",
-        type=_whole_number(1),
+        type=_whole_number(0),
         default=None,
         metavar="N",
-        help="die as a crashed engine (exit 1) right after sending the N-th answer token, over all answers",
+        help="die as a crashed engine (exit 1) right after sending the N-th answer token, over all answers "
+        "(0: once a stream has begun, before its first token)",
     )
 
 

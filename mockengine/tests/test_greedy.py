@@ -290,8 +290,27 @@ def test_exit_after_exactly_five_streamed_tokens_cuts_the_stream_there():
         proc.wait(5)
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5"])
-def test_exit_after_tokens_must_be_a_positive_whole_number(value, capsys):
+def test_exit_after_no_token_ends_a_chat_stream_after_its_role_chunk():
+    proc, base = start_engine("--greedy", "--exit-after-tokens", "0")
+    try:
+        lines = []
+        body = {"model": MODEL, "messages": STORY, "max_tokens": 20, "stream": True}
+        with (
+            httpx.Client(base_url=base, timeout=5, trust_env=False) as http,
+            pytest.raises(httpx.HTTPError),
+            http.stream("POST", CHAT, json=body) as response,
+        ):
+            lines.extend(response.iter_lines())
+        (event,) = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert event["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert proc.wait(5) == 1
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.mark.parametrize("value", ["-1", "-3", "x", "1.5"])
+def test_exit_after_tokens_must_be_a_whole_number(value, capsys):
     with pytest.raises(SystemExit) as exited:
         parse_args(["--port", "8000", "--model", "m", "--exit-after-tokens", value])
     assert exited.value.code == 2
@@ -304,7 +323,7 @@ def test_the_flags_reach_the_engine_and_default_to_off():
     args = parse_args(["--port", "8000", "--model", "m"])
     assert args.greedy is False and args.exit_after_tokens is None
     result = subprocess.run(
-        [sys.executable, "-m", "mockengine", "--port", "8000", "--model", "m", "--exit-after-tokens", "0"],
+        [sys.executable, "-m", "mockengine", "--port", "8000", "--model", "m", "--exit-after-tokens", "-1"],
         cwd=PROJECT, capture_output=True, text=True, timeout=10,
     )  # fmt: skip
-    assert result.returncode == 2 and "expected a positive integer, got 0" in result.stderr
+    assert result.returncode == 2 and "expected a whole number of 0 or more, got -1" in result.stderr

@@ -23,7 +23,7 @@ from typing import Any
 from router.endpoints.table import Endpoint
 from router.errors import ReplicaLeaving
 from router.forwarding.asgi_io import Receive, Scope, Send, until_disconnect
-from router.forwarding.continuation import Transcript
+from router.forwarding.transcript import Transcript
 from router.picking.affinity import Prefix
 
 # How long a request runs before the router starts watching for its client's disconnect (seconds).

@@ -34,14 +34,7 @@ from router.config import RouterConfig
 from router.endpoints.table import STREAMS_BY_IDS, STREAMS_BY_TEXT, Endpoint
 from router.errors import RouterError
 from router.forwarding.coldstart import ColdStart
-from router.forwarding.continuation import (
-    CHAT_PATHS,
-    CONTINUABLE_PATHS,
-    NO_REPLICA,
-    RESENT,
-    Transcript,
-    ask_for_token_ids,
-)
+from router.forwarding.continuation import CHAT_PATHS, CONTINUABLE_PATHS, NO_REPLICA, RESENT, ask_for_token_ids
 from router.forwarding.exchange import Forwarding
 from router.forwarding.headers import (
     RETRIABLE_STATUSES,
@@ -54,6 +47,7 @@ from router.forwarding.headers import (
 from router.forwarding.moves import StreamMoves
 from router.forwarding.relay import Relay
 from router.forwarding.resume import Resumer
+from router.forwarding.transcript import Transcript
 from router.metrics import RouterMetrics
 from router.picking.ejection import Failure
 from router.picking.picker import Picker

@@ -3,9 +3,9 @@
 router.forwarding.continuation says what may be continued and how; this is
 the loop around it. Each break is counted
 (`llmgw_router_stream_continuations_total{model,reason,outcome}`). A stream
-may be continued when the request allows it (`refusal`), the limit
-(LLMGW_STREAM_MIGRATIONS) is not reached, and a replica other than those that
-broke is ready, or becomes ready while the request waits as for a cold start
+may be continued when the request allows it (`refusal`), it has not broken
+LLMGW_STREAM_MIGRATIONS times in a row without a token coming back, and a
+replica other than those that broke is ready, or becomes ready while the request waits as for a cold start
 (keep-alives included). The next leg is sent and relayed like the first, by
 the proxy's own upstream exchange, and its failure before answering counts as
 another break. A stream that cannot go on ends as it always did: with an
@@ -29,7 +29,6 @@ from router.forwarding.continuation import (
     CONTINUED,
     LIMIT,
     NO_REPLICA,
-    Transcript,
     continuation,
     refusal,
     remaining_tokens,
@@ -37,6 +36,7 @@ from router.forwarding.continuation import (
 from router.forwarding.exchange import Forwarding
 from router.forwarding.headers import SSE_DONE, break_reason
 from router.forwarding.relay import Relay
+from router.forwarding.transcript import Transcript
 from router.metrics import RouterMetrics
 from router.picking.picker import Picker
 
@@ -47,7 +47,8 @@ FINISHED = "finished"
 
 
 class Resumer:
-    """Continues broken streams on other replicas (at most `limit` times each), or ends them with an error event.
+    """Continues broken streams on other replicas, or ends them with an error event (after `limit` continuations in
+    a row that brought no token).
 
     `send_leg(request, endpoint)` is the proxy's upstream exchange (its hooks
     included, so each leg is a span of its own when traces are on).
@@ -105,10 +106,14 @@ class Resumer:
             await self._end_finished(request)
             return FINISHED, None
         why = refusal(path, payload, answer)
-        # LLMGW_STREAM_MIGRATIONS bounds what failing engines cost; a stream moved off a replica leaving service
-        # (a drain, a sleep) is the control plane's doing, so a move neither needs a leg left nor uses one.
+        # LLMGW_STREAM_MIGRATIONS bounds what failing engines cost: a request that breaks every engine it reaches
+        # does so before its next token, so only continuations that brought none count. A stream that moves on
+        # with each leg is what a fleet losing engines looks like: it is carried to its end, each leg shorter. A
+        # move off a replica leaving service (a drain, a sleep) is the control plane's doing and counts never.
         leaving = isinstance(exc, ReplicaLeaving)
-        if why is None and transcript.migrations - transcript.moved >= self.limit and not leaving:
+        if answer.produced > transcript.mark:
+            transcript.mark, transcript.fruitless = answer.produced, 0
+        if why is None and transcript.fruitless >= self.limit and not leaving:
             why = LIMIT
         nxt = None if why is not None else await self._replica(request, (*transcript.refused, endpoint))
         if nxt is None:
@@ -121,7 +126,8 @@ class Resumer:
         request.path, body = continuation(path, payload, answer, exact)
         request.body = json.dumps(body).encode()
         transcript.migrations += 1
-        transcript.moved += leaving
+        transcript.charged = not leaving
+        transcript.fruitless += transcript.charged
         return CONTINUED, nxt
 
     async def _replica(self, request: Forwarding, tried: tuple[Endpoint, ...]) -> Endpoint | None:
@@ -154,6 +160,7 @@ class Resumer:
                 raise  # the replica refused the continuation itself: another would too
             transcript.broken = (endpoint, exc)
             transcript.migrations -= 1
+            transcript.fruitless -= transcript.charged
             transcript.refused += (endpoint,)
         else:
             transcript.refused = ()

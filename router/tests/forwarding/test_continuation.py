@@ -10,13 +10,13 @@ import pytest
 from router.errors import EngineEndedUnfinished
 from router.forwarding.continuation import (
     COMPLETION_PATH,
-    Transcript,
     check_finished_well,
     continuation,
     read_answer,
     refusal,
     remaining_tokens,
 )
+from router.forwarding.transcript import Transcript
 
 CHAT = "/v1/chat/completions"
 

@@ -124,18 +124,48 @@ def test_a_guided_stream_cut_midway_ends_with_an_error_event_and_is_counted(flee
     assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
 
 
-def test_a_stream_is_continued_at_most_the_configured_number_of_times(start_router, hub, engine_process, auth):
-    dying = [engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", str(n))) for n in (5, 4)]
-    rows = [{"url": engine.url, "priority": 2 - i} for i, engine in enumerate(dying)]
-    hub.publish_endpoints(make_table([*rows, {"url": engine_process(args=GREEDY).url, "priority": 0}]))
+def continuations(router, outcome: str) -> float:
+    """How many breaks of a lost engine ended `outcome` (0 before the first)."""
+    for family in text_string_to_metric_families(httpx.get(f"{router.url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "llmgw_router_stream_continuations_total" and sample.labels == {
+                "model": MODEL, "outcome": outcome, "reason": "engine_lost"
+            }:  # fmt: skip
+                return sample.value
+    return 0
+
+
+def test_a_stream_that_moves_on_with_each_leg_is_carried_to_its_end(start_router, hub, engine_process, auth):
+    """LLMGW_STREAM_MIGRATIONS counts continuations that bring no token: engines lost one after another while the
+    answer moves on (a fleet losing nodes) do not end it, however many."""
+    dying = [engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", str(n))) for n in (5, 4, 3)]
+    healthy = engine_process(args=GREEDY)
+    rows = [{"url": engine.url, "priority": 3 - i} for i, engine in enumerate(dying)]
+    hub.publish_endpoints(make_table([*rows, {"url": healthy.url, "priority": 0}]))
     router = start_router(stream_migrations=1)
+    body = request_body(COMPLETIONS)
+    events = events_of(router.url, COMPLETIONS, body, auth)
+    assert text_of(events, COMPLETIONS) == text_of(events_of(healthy.url, COMPLETIONS, body), COMPLETIONS)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+    # Each break was continued (a dead replica asked again and refusing is one more), none given up.
+    assert continuations(router, "continued") >= 3 and continuations(router, "limit") == 0
+
+
+def test_a_stream_is_given_up_after_the_configured_continuations_in_a_row_that_bring_no_token(
+    start_router, hub, engine_process, auth
+):
+    # The first replica gives 5 tokens; each after it dies once its answer has begun, before a token.
+    dying = [engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", str(n))) for n in (5, 0, 0, 0)]
+    rows = [{"url": engine.url, "priority": 4 - i} for i, engine in enumerate(dying)]
+    hub.publish_endpoints(make_table([*rows, {"url": engine_process(args=GREEDY).url, "priority": 0}]))
+    router = start_router(stream_migrations=2)
     events = events_of(router.url, COMPLETIONS, request_body(COMPLETIONS), auth)
-    # The first replica gave 5 tokens, the second 4 more, then the limit of one continuation ended it.
-    assert len(text_of(events[:-2], COMPLETIONS).split()) == 9
+    assert len(text_of(events[:-2], COMPLETIONS).split()) == 5
     assert events[-2]["error"]["code"] == "upstream_failed"
-    for outcome in ("continued", "limit"):
-        labels = f'model="{MODEL}",outcome="{outcome}",reason="engine_lost"'
-        assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+    # Two fruitless continuations (two engines died), then the third break ended it: the third engine that
+    # would have died, and the healthy one, were never asked.
+    assert [engine.process.poll() for engine in dying] == [1, 1, 1, None]
+    assert continuations(router, "limit") == 1
 
 
 def test_a_model_switched_off_in_the_catalog_is_not_continued(start_router, hub, engine_process, auth):

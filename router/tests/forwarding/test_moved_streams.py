@@ -115,11 +115,13 @@ def test_a_stream_that_could_not_be_continued_is_left_to_finish_on_its_replica(l
 def test_a_stream_that_used_its_continuations_on_a_failing_engine_still_moves_off_a_leaving_replica(
     start_router, hub, engine_process, auth
 ):
-    """LLMGW_STREAM_MIGRATIONS bounds what failing engines cost: a drain is no failure, so a move needs no leg left."""
+    """LLMGW_STREAM_MIGRATIONS bounds what failing engines cost: a drain is no failure, so a move needs no leg left.
+    The stream is moved off the leaving replica before that leg's first token: the one continuation it may make
+    without a token coming back is spent."""
     dying = engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", "3"))
-    leaving = engine_process(token_delay_ms=40, args=GREEDY)
+    leaving = engine_process(token_delay_ms=1500, args=GREEDY)
     staying = engine_process(token_delay_ms=2, args=GREEDY)
-    models = {MODEL: {"token_ids": True}}
+    models = {MODEL: {"token_ids": False}}  # a chat continuation: the leaving engine's role chunk, then silence
     rows = [{"url": dying.url, "priority": 2}, {"url": leaving.url, "priority": 1}, staying.url]
     hub.publish_endpoints(make_table(rows, models))
     router = start_router(flush_seconds=3600, stream_migrations=1)
@@ -127,13 +129,24 @@ def test_a_stream_that_used_its_continuations_on_a_failing_engine_still_moves_of
     uninterrupted = events_of(staying.url, CHAT, body)
 
     def leave() -> None:
+        wait_until(lambda: metric_or_none(router, "engine_lost"))  # the stream is on the leaving replica
         table = make_table([{"url": staying.url, "replica_id": "3"}], models)
         hub.publish_endpoints(msgspec.structs.replace(table, moving={"2": time.time()}))
 
-    events = stream_while(router, body, auth, 8, leave)  # past the dying engine's 3 tokens: on the leaving one
+    began = time.monotonic()
+    events = stream_while(router, body, auth, 3, leave)  # the dying engine's 3 tokens: then on the leaving one
 
+    assert time.monotonic() - began < 1.5  # moved before the leaving engine gave a token
     assert text_of(events, CHAT) == text_of(uninterrupted, CHAT)
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
     for reason in ("engine_lost", "replica_leaving"):
-        labels = f'model="{MODEL}",outcome="continued",reason="{reason}"'
-        assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
+        assert metric_or_none(router, reason) == 1
+
+
+def metric_or_none(router, reason: str) -> float | None:
+    """How many breaks for `reason` were continued, None before the first."""
+    labels = f'model="{MODEL}",outcome="continued",reason="{reason}"'
+    try:
+        return metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}")
+    except AssertionError:
+        return None

@@ -8,10 +8,10 @@ import json
 from router.background import BackgroundTasks
 from router.errors import ReplicaLeaving
 from router.forwarding import moves as moves_module
-from router.forwarding.continuation import Transcript
 from router.forwarding.exchange import MOVE, Exchange, Forwarding
 from router.forwarding.inflight import InFlight
 from router.forwarding.moves import StreamMoves, may_move
+from router.forwarding.transcript import Transcript
 
 
 async def never_leaves():
@@ -116,7 +116,7 @@ def test_only_streams_that_would_be_continued_are_moved():
     plain = stream({"messages": [], "stream": True})
     guided = stream({"messages": [], "stream": True, "response_format": {"type": "json_object"}})
     spent = stream({"messages": [], "stream": True})
-    spent.transcript.migrations = 2
+    spent.transcript.fruitless = 2
     tool = stream({"messages": [], "stream": True, "tools": [{"type": "function"}]})
     tool.transcript.kept.append(
         b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f"}}]}}]}\n\n'
