@@ -322,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:
         # run_app turns SIGINT and SIGTERM into a graceful exit.
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
+        # uvicorn's backlog, as vLLM's server has: the streams a dead replica held arrive at once, and aiohttp's
+        # default of 128 pending connections drops the rest, whose clients try again a second later.
+        web.run_app(
+            app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0, backlog=2048
+        )
     except OSError as exc:
         print(f"mock engine cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
