@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from aiohttp import web
@@ -37,6 +38,7 @@ from aiohttp import web
 from mockengine.greedy import (
     CONTEXT_TOKENS,
     DEFAULT_MAX_TOKENS,
+    answer_ids,
     chat_context,
     next_words,
     prompt_ids,
@@ -72,7 +74,7 @@ class Answer:
     texts: list[str]
     finish: str
     prompt_tokens: int
-    cache_tokens: list[str]
+    cache_tokens: Sequence[Hashable]  # words, or token ids
     ids: list[int] | None = None
     prompt_ids: list[int] | None = None
     return_ids: bool = False
@@ -220,9 +222,8 @@ class MockEngine:
             texts=token_texts(produced, bare_first),
             finish="length",
             prompt_tokens=len(context),
-            # The prefix cache keys blocks by token: here an id (as text) is one.
-            cache_tokens=[str(token) for token in context],
-            ids=[token_id(word) for word in produced],
+            cache_tokens=context,  # the prefix cache keys blocks by token: here an id is one
+            ids=answer_ids(produced),
             prompt_ids=context,
             return_ids=return_token_ids(body),
         )

@@ -30,6 +30,7 @@ __all__ = [
     "CONTEXT_TOKENS",
     "DEFAULT_MAX_TOKENS",
     "VOCAB",
+    "answer_ids",
     "chat_context",
     "next_words",
     "prompt_ids",
@@ -65,21 +66,28 @@ def token_id(word: str) -> int:
     return zlib.crc32(word.encode()) & 0x7FFFFFFF
 
 
-def _fold(state: int, token: int) -> int:
-    # +1 so that id 0 still moves the state.
-    return (state * MULTIPLIER + token + 1) % MODULUS
+_VOCAB_IDS = tuple(token_id(word) for word in VOCAB)
+_ID_OF = dict(zip(VOCAB, _VOCAB_IDS, strict=True))
+
+
+def answer_ids(answer: list[str]) -> list[int]:
+    """The ids of words next_words produced (looked up, not hashed again)."""
+    return [_ID_OF[word] for word in answer]
 
 
 def next_words(context: list[int], count: int) -> list[str]:
     """The `count` words greedy decoding produces after `context` (ids)."""
-    state = SEED
+    # The fold written out, and each word's id looked up: a continuation's context is thousands of ids, and an
+    # engine handed hundreds of them at once (a replica lost) should spend its time answering, not here.
+    # +1 so that id 0 still moves the state.
+    state, multiplier, modulus = SEED, MULTIPLIER, MODULUS
     for token in context:
-        state = _fold(state, token)
-    produced = []
+        state = (state * multiplier + token + 1) % modulus
+    produced, size = [], len(VOCAB)
     for _ in range(count):
-        word = VOCAB[state % len(VOCAB)]
-        produced.append(word)
-        state = _fold(state, token_id(word))
+        pick = state % size
+        produced.append(VOCAB[pick])
+        state = (state * multiplier + _VOCAB_IDS[pick] + 1) % modulus
     return produced
 
 
@@ -108,10 +116,12 @@ def prompt_ids(prompt: object) -> list[int] | None:
     text prompt, which the caller handles."""
     if not isinstance(prompt, list) or not prompt or all(isinstance(p, str) for p in prompt):
         return None
-    for token in prompt:
-        # bool is an int to Python, never to a tokenizer.
-        if type(token) is not int or not 0 <= token < ID_LIMIT:
-            raise BadRequest(f"prompt token ids must be integers from 0 to {ID_LIMIT - 1}, got {token!r}", "prompt")
+    # Checked at C speed first (a continuation's prompt is thousands of ids); bool is an int to Python, never to a
+    # tokenizer.
+    if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= ID_LIMIT:
+        for token in prompt:
+            if type(token) is not int or not 0 <= token < ID_LIMIT:
+                raise BadRequest(f"prompt token ids must be integers from 0 to {ID_LIMIT - 1}, got {token!r}", "prompt")
     return list(prompt)
 
 

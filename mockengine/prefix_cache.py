@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
 BLOCK_TOKENS = 16
 
@@ -26,7 +27,7 @@ class MockPrefixCache:
         self.queries = 0
         self.hits = 0
 
-    def look_up(self, tokens: list[str]) -> int:
+    def look_up(self, tokens: Sequence[Hashable]) -> int:
         """How many leading tokens of `tokens` are cached; then every full block of it is (most recent last)."""
         self.queries += len(tokens)
         if not self.capacity:
@@ -46,7 +47,7 @@ class MockPrefixCache:
         self.hits += cached
         return cached
 
-    async def prefill(self, tokens: list[str]) -> None:
+    async def prefill(self, tokens: Sequence[Hashable]) -> None:
         """Look `tokens` up, and take the time computing the uncached part takes."""
         uncached = len(tokens) - self.look_up(tokens)
         if self.uncached_token_delay and uncached:

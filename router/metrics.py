@@ -33,8 +33,9 @@ UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 # A first token may wait for a cold start (20-600 s), a next one tens of milliseconds.
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
-# What a continued stream's client waits between the last chunk of the broken leg and the first of the next.
-CONTINUATION_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# What a continued stream's client waits between the last chunk of the broken leg and the first of the next: 50 ms
+# steps up to half a second, where a lost replica's streams land when the fleet has room.
+CONTINUATION_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
 # Why a request was held (`llmgw_router_hold_seconds`): a start unless the table says `wake` or `making_room`
 # (for a LoRA adapter whose base runs, its load: router.endpoints.routes.ADAPTER_LOAD).
@@ -92,7 +93,7 @@ class RouterMetrics:
         )
         self.continuation_gap = LabelledHistogram(
             "llmgw_router_stream_continuation_gap_seconds",
-            "The pause a continued stream's client saw: from the engine's break to the next replica's first chunk.",
+            "The pause a continued stream's client saw: from the last chunk before the break to the next replica's first.",
             ["model"],
             buckets=CONTINUATION_GAP_BUCKETS,
             registry=self.registry,

@@ -36,7 +36,6 @@ counted with the refusal's name as its outcome.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,19 +120,24 @@ class EventChoice(msgspec.Struct):
     finish_reason: str | None = None
 
 
-class _Event(msgspec.Struct):
+class Event(msgspec.Struct):
     """An event of a chat or text completion stream as a continuation reads it; `choices` None: not one of its
-    answer's events (an error event, say)."""
+    answer's events (an error event, say). Every event repeats the answer's id, `created` and model: they are
+    read from the first only (`_FirstEvent`)."""
 
-    id: object = None
-    created: object = None
-    model: object = None
     prompt_token_ids: list[int] | None = None
     choices: list[EventChoice] | None = None
     usage: dict[str, Any] | None = None
 
 
-decode_event = msgspec.json.Decoder(_Event).decode
+class _FirstEvent(Event):
+    id: object = None
+    created: object = None
+    model: object = None
+
+
+decode_event = msgspec.json.Decoder(Event).decode
+_decode_first = msgspec.json.Decoder(_FirstEvent).decode
 encode_json = msgspec.json.Encoder().encode
 
 
@@ -160,10 +164,8 @@ class Answer:
         ones whose text the engine still held back are made again), else one per content event."""
         return self.shown if self.token_ids is not None else self.chunks
 
-    def read(self, event: _Event) -> None:
+    def read(self, event: Event) -> None:
         """Take in one event of the stream (as the client got it)."""
-        if self.ident is None:
-            self.ident, self.created, self.model = event.id, event.created, event.model
         if event.prompt_token_ids is not None:
             self.prompt_ids = event.prompt_token_ids
         for choice in event.choices or ():
@@ -208,12 +210,31 @@ class Answer:
         return self.token_ids[: self.shown]
 
 
-def events(raw: bytes) -> Iterator[bytes]:
+def events(raw: bytes) -> list[bytes]:
     """The data of each event in `raw` (whole SSE events), comments and other fields left out."""
-    for event in _EVENT_END.split(raw):
-        lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
-        if lines:
-            yield b"\n".join(lines)
+    if b"\r" in raw:
+        return [data for event in _EVENT_END.split(raw) if (data := _event_data(event)) is not None]
+    # An engine's event is one data line ("data: {...}\n\n"; JSON escapes a newline in a string): one split
+    # reads them all, and when the newlines are only those it split on, every event was. A continuation reads a
+    # first leg's transcript, a thousand events, while its client waits.
+    if raw.startswith(b"data: ") and raw.endswith(b"\n\n"):
+        found = raw[6:-2].split(b"\n\ndata: ")
+        if raw.count(b"\n") == 2 * len(found):
+            return found
+    # Otherwise event by event, reading lines only where there are several.
+    found = []
+    for event in raw.split(b"\n\n"):
+        if b"\n" not in event:
+            if event.startswith(b"data:"):
+                found.append(event[5:].strip())
+        elif (data := _event_data(event)) is not None:
+            found.append(data)
+    return found
+
+
+def _event_data(event: bytes) -> bytes | None:
+    lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
 
 
 def read_answer(raw: bytes) -> Answer:
@@ -223,7 +244,12 @@ def read_answer(raw: bytes) -> Answer:
         if data == b"[DONE]":
             continue
         try:
-            answer.read(decode_event(data))
+            if answer.ident is None:
+                event = _decode_first(data)
+                answer.ident, answer.created, answer.model = event.id, event.created, event.model
+            else:
+                event = decode_event(data)
+            answer.read(event)
         except msgspec.DecodeError:  # an event the engine did not make, or made wrong: it has no text to keep
             continue
     return answer

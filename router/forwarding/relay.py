@@ -147,7 +147,7 @@ class Relay:
                 if (failure := exchange.failure(exc)) is None:
                     raise
                 served = False
-                counted = await self._broke(request, endpoint, failure, streamed, reader is not None)
+                counted = await self._broke(request, endpoint, failure, streamed, reader is not None, last)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             exchange.complete = True
@@ -194,12 +194,15 @@ class Relay:
         request.exchange.start_next_chunk_deadline()
 
     async def _broke(
-        self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool, read: bool
+        self, request: Forwarding, endpoint: Endpoint, exc: BaseException, streamed: bool, read: bool, last: float
     ) -> bool:
-        """An answer broke off after it began: whether it is counted now. A continuable stream whose events were
-        `read` is the proxy's to continue (router.forwarding.resume), and its last leg counts it; any other ends."""
-        if request.transcript is not None and read:
-            request.transcript.broken = (endpoint, exc)
+        """An answer broke off after it began (its `last` chunk sent then, 0: none): whether it is counted now. A
+        continuable stream whose events were `read` is the proxy's to continue (router.forwarding.resume), and its
+        last leg counts it; any other ends."""
+        transcript = request.transcript
+        if transcript is not None and read:
+            transcript.broken = (endpoint, exc)
+            transcript.last_sent = last or transcript.last_sent  # the client's pause runs from there
             return False
         await self.end_broken(request, endpoint, exc, streamed)
         return True

@@ -77,7 +77,8 @@ class Resumer:
             while (broken := transcript.broken) is not None:
                 transcript.broken = None
                 endpoint, exc = broken
-                transcript.broke_at, transcript.gap = time.perf_counter(), None
+                transcript.gap = None
+                transcript.last_sent = transcript.last_sent or time.perf_counter()
                 outcome, nxt = await self._next_leg(request, transcript, endpoint, exc)
                 self.metrics.continuations.labels(request.model, break_reason(exc), outcome).inc()
                 self.picker.ledger.continuations.count(request.model, outcome)

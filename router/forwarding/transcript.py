@@ -47,7 +47,7 @@ class Transcript:
     reprocessed = 0  # prompt tokens the continuations made engines read again (not the client's usage)
     path = ""  # the client's path and request, as first sent: read at the first break
     payload: dict[str, Any] = {}  # noqa: RUF012  (replaced, never changed in place)
-    broke_at = 0.0  # when the last break was seen (time.perf_counter)
+    last_sent = 0.0  # when the client last got a chunk before the last break (time.perf_counter)
     gap: float | None = None  # from it to the next leg's first chunk relayed, once relayed
     refused: tuple[Endpoint, ...] = ()  # replicas that failed a leg before answering, since the stream last moved on
     counted = False  # the request was counted against its key (by its last leg, or when it was ended)
@@ -164,7 +164,7 @@ class Splice(SseUsage):
         choices = [out for choice in payload.choices if (out := self._choice(choice, answer)) is not None]
         transcript = self._transcript
         if choices and transcript.gap is None:
-            transcript.gap = time.perf_counter() - transcript.broke_at
+            transcript.gap = time.perf_counter() - transcript.last_sent
         usage = payload.usage
         if usage is not None:
             usage = self._usage(usage, answer)

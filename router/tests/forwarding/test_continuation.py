@@ -12,6 +12,7 @@ from router.forwarding.continuation import (
     COMPLETION_PATH,
     check_finished_well,
     continuation,
+    events,
     read_answer,
     refusal,
     remaining_tokens,
@@ -275,3 +276,31 @@ def test_an_engines_unfinished_end_is_a_break(chunk):
 )
 def test_a_well_finished_or_ongoing_answer_is_no_break(chunk):
     check_finished_well(chunk)
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n"], ids=["lf", "crlf"])
+def test_each_events_data_is_read_whatever_its_lines(end):
+    raw = end.join(
+        [
+            'data: {"a":1}', "",  # the engine's usual event: one line
+            ": keep-alive", "",  # a comment: no data
+            "event: message", 'data:{"b":2}', "",  # another field, and no space after the colon
+            'data: {"c":', "data: 3}", "",  # data over two lines
+            "data: [DONE]", "", "",
+        ]
+    ).encode()  # fmt: skip
+    assert events(raw) == [b'{"a":1}', b'{"b":2}', b'{"c":\n3}', b"[DONE]"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "found"),
+    [
+        (b'data: {"a":1}\n\ndata: {"b":"x\\ny"}\n\ndata: [DONE]\n\n', [b'{"a":1}', b'{"b":"x\\ny"}', b"[DONE]"]),
+        # Every event begins "data: ", but one has a second line: read line by line.
+        (b'data: {"a":1}\n\ndata: {"c":\ndata: 3}\n\n', [b'{"a":1}', b'{"c":\n3}']),
+        (b'data: {"a":1}\n\n: ping\n\ndata: {"b":2}\n\n', [b'{"a":1}', b'{"b":2}']),
+    ],
+    ids=["one line each", "two lines in one", "a comment between"],
+)
+def test_one_line_events_are_split_at_once_and_any_other_read_line_by_line(raw, found):
+    assert events(raw) == found

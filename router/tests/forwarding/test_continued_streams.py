@@ -5,6 +5,7 @@ byte for byte with the uninterrupted answer of the same request."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -154,13 +155,14 @@ def test_a_stream_that_moves_on_with_each_leg_is_carried_to_its_end(start_router
 def test_a_stream_is_given_up_after_the_configured_continuations_in_a_row_that_bring_no_token(
     start_router, hub, engine_process, auth
 ):
-    # The first replica gives 5 tokens; each after it dies once its answer has begun, before a token.
+    # The first replica gives 5 tokens; each after it dies once its answer has begun (its role chunk sent), before
+    # a token.
     dying = [engine_process(token_delay_ms=2, args=(*GREEDY, "--exit-after-tokens", str(n))) for n in (5, 0, 0, 0)]
     rows = [{"url": engine.url, "priority": 4 - i} for i, engine in enumerate(dying)]
     hub.publish_endpoints(make_table([*rows, {"url": engine_process(args=GREEDY).url, "priority": 0}]))
     router = start_router(stream_migrations=2)
-    events = events_of(router.url, COMPLETIONS, request_body(COMPLETIONS), auth)
-    assert len(text_of(events[:-2], COMPLETIONS).split()) == 5
+    events = events_of(router.url, CHAT, request_body(CHAT), auth)
+    assert len(text_of(events[:-2], CHAT).split()) == 5
     assert events[-2]["error"]["code"] == "upstream_failed"
     # Two fruitless continuations (two engines died), then the third break ended it: the third engine that
     # would have died, and the healthy one, were never asked.
@@ -291,3 +293,30 @@ def test_a_whole_answer_its_engine_aborts_is_asked_again_of_another_replica(star
     assert metric(router, f"llmgw_router_stream_continuations_total{{{labels}}}") == 1
     (counts,) = router.state.ledger.tokens.pending()[0].values()  # once for the key: by the replica that answered
     assert counts[MODEL].requests == 1 and counts[MODEL].completion == response.json()["usage"]["completion_tokens"]
+
+
+def test_the_gap_counted_is_the_clients_pause_from_its_last_chunk_to_the_next_legs_first(
+    start_router, hub, engine_process, auth
+):
+    """An engine that falls silent mid-answer (stopped, not dead) breaks the stream only when the next-chunk
+    deadline passes: the client's pause, and the gap counted, include that silence."""
+    silent = engine_process(token_delay_ms=20, args=GREEDY)
+    healthy = engine_process(token_delay_ms=2, args=GREEDY)
+    hub.publish_endpoints(make_table([{"url": silent.url, "priority": 1}, {"url": healthy.url, "priority": 0}]))
+    router = start_router(idle_timeout=0.6)
+    body = request_body(CHAT, max_tokens=40)
+    received, stopped = [], False
+    try:
+        with httpx.stream("POST", router.url + CHAT, json=body, headers=auth, timeout=20) as response:
+            for line in filter(None, response.iter_lines()):
+                received.append((time.monotonic(), line))
+                if not stopped and len(received) > 10:
+                    silent.process.send_signal(signal.SIGSTOP)
+                    stopped = True
+    finally:
+        silent.process.send_signal(signal.SIGCONT)
+    pauses = [b[0] - a[0] for a, b in zip(received, received[1:], strict=False)]
+    assert max(pauses) >= 0.6 and received[-1][1] == "data: [DONE]"
+    series = f'llmgw_router_stream_continuation_gap_seconds_{{}}{{{{model="{MODEL}"}}}}'
+    assert metric(router, series.format("count")) == 1
+    assert max(pauses) - 0.05 <= metric(router, series.format("sum")) <= max(pauses) + 0.05
