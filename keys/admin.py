@@ -59,15 +59,19 @@ class ApiKeyForm(forms.ModelForm[ApiKey]):
 
     class Meta:
         model = ApiKey
-        fields = ["name", "active", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
+        fields = ["name", "active", "user", "team", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
 
     def clean_allowed_models(self) -> list[str]:
-        names: list[str] = self.cleaned_data["allowed_models"]
-        unknown = unknown_models(names)
-        if unknown:
-            message = unknown_models_message(unknown)
-            raise forms.ValidationError(f"{message[0].upper()}{message[1:]}.")
-        return names
+        return known_models(self.cleaned_data["allowed_models"])
+
+
+def known_models(names: list[str]) -> list[str]:
+    """`names`, if the catalog knows each; else a form error naming those it does not."""
+    unknown = unknown_models(names)
+    if unknown:
+        message = unknown_models_message(unknown)
+        raise forms.ValidationError(f"{message[0].upper()}{message[1:]}.")
+    return names
 
 
 @admin.register(ApiKey)
@@ -79,6 +83,8 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
         "name",
         "prefix",
         "active",
+        "team",
+        "user",
         "models_shown",
         "expires_at",
         "rpm",
@@ -86,10 +92,11 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
         "last_used_at",
         "created_at",
     ]
-    list_filter = ["active"]
+    list_filter = ["active", "team"]
+    list_select_related = ["team", "user"]
     search_fields = ["name", "prefix"]
     actions = ["revoke", "restore"]
-    SCOPE_FIELDS = ["allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
+    SCOPE_FIELDS = ["user", "team", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
 
     @typed(admin.display(description="models"))
     def models_shown(self, obj: ApiKey) -> str:

@@ -3,6 +3,8 @@ whose engine broke off per hour."""
 
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 
 from hub.credentials import hash_secret, new_secret
@@ -39,6 +41,22 @@ class ApiKey(models.Model):
     rpm = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per minute; empty = no limit.")
     tpm = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens per minute; empty = no limit.")
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        related_name="api_keys",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        help_text="Who holds it; empty = an operator's key.",
+    )
+    team = models.ForeignKey(
+        "teams.Team",
+        related_name="api_keys",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,  # a team's keys are revoked or moved before the team goes
+        help_text="The team it belongs to, whose models bound its own; empty = no team (as keys made before teams).",
+    )
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -48,6 +66,24 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
+
+    def clean(self) -> None:
+        """A team's key is held by a member of it, and names no model outside the team's scope (by the names
+        written: a key narrows its team's scope, never widens it)."""
+        super().clean()
+        team = self.team
+        if team is None:
+            return
+        if self.user_id is not None and not team.memberships.filter(user_id=self.user_id).exists():
+            raise ValidationError({"user": f"{self.user} is not a member of the team “{team.name}”."})
+        if team.allowed_models:
+            wider = [name for name in self.allowed_models or () if name not in team.allowed_models]
+            if wider:
+                listed = ", ".join(f"`{name}`" for name in wider)
+                raise ValidationError(
+                    {"allowed_models": f"the team “{team.name}” may not use {listed}: a key's models are its team's "
+                     f"or fewer ({', '.join(team.allowed_models)})."}
+                )  # fmt: skip
 
     @classmethod
     def issue(cls, name: str, key: str | None = None, **fields: Any) -> tuple["ApiKey", str]:

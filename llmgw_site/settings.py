@@ -97,6 +97,7 @@ INSTALLED_APPS = [
     "inventory",
     "reconciler",
     "keys",
+    "teams",
     "router",
     "dashboard",
     "agentlink",

@@ -63,7 +63,7 @@ class RouterApp:
         self._metrics_token = state.config.metrics_token
         self._in_flight = state.in_flight
         # /v1/models bodies by key scope, for the table installed `_listed_for` (the route table's generation).
-        self._model_lists: dict[frozenset[str], bytes] = {}
+        self._model_lists: dict[tuple[frozenset[str], frozenset[str]], bytes] = {}
         self._listed_for = -1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -139,11 +139,12 @@ class RouterApp:
         if generation != self._listed_for:
             self._model_lists.clear()
             self._listed_for = generation
-        body = self._model_lists.get(key.allowed_models)
+        scopes = (key.allowed_models, key.team_models)
+        body = self._model_lists.get(scopes)
         if body is None:
             if len(self._model_lists) >= MODEL_LISTS_KEPT:
                 self._model_lists.clear()  # many scopes: start over rather than grow without bound
-            body = self._model_lists[key.allowed_models] = json.dumps(self._model_list(key)).encode()
+            body = self._model_lists[scopes] = json.dumps(self._model_list(key)).encode()
         return body
 
     def _model_list(self, key: KeyInfo) -> dict[str, Any]:
@@ -274,9 +275,9 @@ class RouterApp:
         """Nothing if `key` may send a request for `model` now; else a RouterError: 403 for a model outside its
         scope or with no profile in its pools (no replica could ever serve it, so it is not held), 429 past its
         rate limits. Set and dict lookups only."""
-        routes, allowed = self._routes, key.allowed_models
-        if allowed and model not in allowed and not key.allows(model, routes.resolve):
-            raise model_not_allowed(key, model)
+        routes, allowed, team = self._routes, key.allowed_models, key.team_models
+        if (allowed and model not in allowed or team and model not in team) and not key.allows(model, routes.resolve):
+            raise model_not_allowed(key, model, by_team=not key.team_allows(model, routes.resolve))
         if key.allowed_pools and not routes.serves_pools(model, key.allowed_pools):
             raise model_not_in_pools(key, model)
         if key.rpm is not None or key.tpm is not None:
@@ -336,10 +337,11 @@ def _model_object(name: str, public: str, parent: str | None = None) -> dict[str
     return found
 
 
-def model_not_allowed(key: KeyInfo, model: str) -> RouterError:
-    """403: the key's scope does not include `model`."""
+def model_not_allowed(key: KeyInfo, model: str, by_team: bool = False) -> RouterError:
+    """403: the key's scope, or its team's (`by_team`), does not include `model`."""
+    team = " (its team's models do not include it)" if by_team else ""
     return RouterError(
-        403, f"The API key “{key.name}” may not use the model `{model}`.", "model_not_allowed", param="model"
+        403, f"The API key “{key.name}” may not use the model `{model}`{team}.", "model_not_allowed", param="model"
     )
 
 

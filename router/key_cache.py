@@ -67,23 +67,35 @@ class KeyInfo:
     """sha256 of the key, as stored."""
     allowed_models: frozenset[str] = frozenset()
     """Model names or aliases it may use; empty = every model."""
+    team_models: frozenset[str] = frozenset()
+    """Those its team may use (teams.Team): a request must fit both scopes; empty = every model."""
     allowed_pools: frozenset[str] = frozenset()
     """Pools whose replicas may serve it; empty = any pool."""
     expires_at: float | None = None
     """Unix time from which it is refused; None = never."""
     rpm: int | None = None
     tpm: int | None = None
+    team_id: int | None = None
+    user_id: int | None = None
 
     def allows(self, public: str, resolve: Callable[[str], str | None]) -> bool:
-        """Whether it may use the model whose public name is `public`; scope entries resolve through `resolve`.
+        """Whether it may use the model whose public name is `public`: its own scope and its team's allow it;
+        scope entries resolve through `resolve`.
 
-        A name in the scope allows its aliases, and an alias allows its model: both sides are
+        A name in a scope allows its aliases, and an alias allows its model: both sides are
         compared as public names in the catalog the router has now.
         """
-        scope = self.allowed_models
-        if not scope or public in scope:
-            return True
-        return any(resolve(entry) == public for entry in scope)
+        return _in_scope(self.allowed_models, public, resolve) and _in_scope(self.team_models, public, resolve)
+
+    def team_allows(self, public: str, resolve: Callable[[str], str | None]) -> bool:
+        """Whether its team's scope allows the model (so a refusal is the key's own)."""
+        return _in_scope(self.team_models, public, resolve)
+
+
+def _in_scope(scope: frozenset[str], public: str, resolve: Callable[[str], str | None]) -> bool:
+    if not scope or public in scope:
+        return True
+    return any(resolve(entry) == public for entry in scope)
 
 
 # sha256 of a key -> its KeyInfo if an active ApiKey has it, else None; runs on the cache's thread,
@@ -108,10 +120,13 @@ def key_info(api_key: ApiKey) -> KeyInfo:
         name=api_key.name,
         digest=api_key.key_hash,
         allowed_models=frozenset(api_key.allowed_models or ()),
+        team_models=frozenset(api_key.team.allowed_models or ()) if api_key.team is not None else frozenset(),
         allowed_pools=frozenset(api_key.allowed_pools or ()),
         expires_at=None if api_key.expires_at is None else api_key.expires_at.timestamp(),
         rpm=api_key.rpm,
         tpm=api_key.tpm,
+        team_id=api_key.team_id,
+        user_id=api_key.user_id,
     )
 
 
@@ -119,7 +134,7 @@ def find_active_key(digest: str, using: str = DEFAULT_DB_ALIAS) -> KeyInfo | Non
     """The active ApiKey with this hash, asked of database `using`; reconnects once if its connection died."""
 
     def ask() -> KeyInfo | None:
-        row = ApiKey.objects.using(using).active().filter(key_hash=digest).first()
+        row = ApiKey.objects.using(using).active().select_related("team").filter(key_hash=digest).first()
         return None if row is None else key_info(row)
 
     # This runs outside Django's request cycle, so retire connections the way a request would.

@@ -14,6 +14,7 @@ LAYERS = {
     "catalog": 0,
     "inventory": 1,
     "keys": 1,
+    "teams": 2,  # a team publishes its keys' changes; a key names its team by string only
     "reconciler": 2,
     "dashboard": 3,
     "agentlink": 3,

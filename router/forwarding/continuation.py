@@ -245,11 +245,11 @@ def read_answer(raw: bytes) -> Answer:
             continue
         try:
             if answer.ident is None:
-                event = _decode_first(data)
-                answer.ident, answer.created, answer.model = event.id, event.created, event.model
+                first = _decode_first(data)
+                answer.ident, answer.created, answer.model = first.id, first.created, first.model
+                answer.read(first)
             else:
-                event = decode_event(data)
-            answer.read(event)
+                answer.read(decode_event(data))
         except msgspec.DecodeError:  # an event the engine did not make, or made wrong: it has no text to keep
             continue
     return answer

@@ -8,6 +8,8 @@ production; the shared server is never touched.
 import functools
 
 import pytest
+from django.contrib.auth.models import Group, Permission, User
+from django.contrib.contenttypes.models import ContentType
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from hub.credentials import hash_secret
@@ -15,6 +17,7 @@ from keys.models import KEY_PREFIX, ApiKey
 from router.key_cache import ApiKeyCache, find_active_key
 from router.tests.conftest import Clock, make_table
 from router.tests.conftest import chat_with_key as chat
+from teams.models import Team
 
 STORE = "router_key_store"
 
@@ -51,7 +54,9 @@ def key_store(private_postgres, django_db_blocker):
     try:
         with django_db_blocker.unblock():
             with connections[STORE].schema_editor() as editor:
-                editor.create_model(ApiKey)
+                # The key's table and those its foreign keys name (its holder, with the user's own, and its team).
+                for model in (ContentType, Permission, Group, User, Team, ApiKey):
+                    editor.create_model(model)
             yield KeyStore(private_postgres)
             connections[STORE].close()
     finally:
