@@ -74,6 +74,12 @@ MODEL_WRITE_REFUSED = OpenApiResponse(
     description=f"Refused; nothing changed. {CATALOG_RULES} PUT and PATCH: `name`, if given, is the model's own "
     "(a model cannot be renamed).",
 )
+KEY_REFUSED = OpenApiResponse(
+    response={"type": "object", "additionalProperties": True},
+    description="Refused; nothing changed (the key names the field at fault, or `detail`). `team` must be an "
+    "existing team's id, one of the asker's unless an operator asks (403 for a team of someone else's); the "
+    "key's models must be within the team's, and a key of someone who is not an operator needs a team.",
+)
 PLAN_REFUSED = OpenApiResponse(
     response={"type": "object", "additionalProperties": True},
     description="Refused: the key names the part at fault (`models`, `names` or `detail`). `names` must be "

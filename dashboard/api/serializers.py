@@ -243,8 +243,10 @@ class ApiKeySerializer(serializers.ModelSerializer):
             "rpm",
             "tpm",
             "last_used_at",
+            "team",
+            "user",
         ]
-        read_only_fields = ["id", "prefix", "active", "created_at", "last_used_at"]
+        read_only_fields = ["id", "prefix", "active", "created_at", "last_used_at", "team", "user"]
 
     def get_fields(self):
         fields = super().get_fields()

@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
 from rest_framework.routers import APIRootView, DefaultRouter
 
 from dashboard.api.plan import PlanView
+from dashboard.api.teams import TeamViewSet
 from dashboard.api.views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
 
 
@@ -35,6 +36,7 @@ router.register("nodes", NodeViewSet, basename="node")
 router.register("replicas", ReplicaViewSet, basename="replica")
 router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", TokenUsageViewSet, basename="usage")
+router.register("teams", TeamViewSet, basename="team")
 
 urlpatterns = [
     re_path(r"^status/?$", StatusView.as_view(), name="api-status"),

@@ -9,6 +9,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -16,7 +17,7 @@ from catalog.models import Model
 from dashboard.api import writes
 from dashboard.api.fields import parse_date_or_time
 from dashboard.api.guards import RefuseNulMixin
-from dashboard.api.schema import MODEL_WRITE_REFUSED
+from dashboard.api.schema import KEY_REFUSED, MODEL_WRITE_REFUSED
 from dashboard.api.serializers import (
     ApiKeySerializer,
     DrainedSerializer,
@@ -35,6 +36,7 @@ from keys.models import ApiKey, TokenUsage
 from reconciler.adapters import HELD
 from reconciler.choices import ReplicaState
 from reconciler.models import AdapterLoad, Replica
+from teams.access import is_operator, visible_keys, visible_usage
 
 
 class StatusView(APIView):
@@ -173,20 +175,35 @@ class ReplicaViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
 
 
 @extend_schema_view(
-    create=extend_schema(request=ApiKeyWriteSerializer, responses={201: NewApiKeySerializer}),
+    create=extend_schema(
+        request=ApiKeyWriteSerializer, responses={201: NewApiKeySerializer, 400: KEY_REFUSED, 403: KEY_REFUSED}
+    ),
     revoke=extend_schema(request=None, responses=ApiKeySerializer),
 )
 class ApiKeyViewSet(RefuseNulMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
-    """Router API keys: list, create (the secret is in this one answer), revoke (routers refuse it within a second)."""
+    """Router API keys: list, create (the secret is in this one answer), revoke (routers refuse it within a second).
 
-    queryset = ApiKey.objects.order_by("name", "id")
+    Open to every signed-in user, each seeing only what teams.access allows:
+    operators every key, a team's admins its keys, anyone their own. A key
+    someone else may not see is a 404, never a 403 that says it exists.
+    """
+
+    queryset = ApiKey.objects.none()
     serializer_class = ApiKeySerializer
+    permission_classes = [IsAuthenticated]
     lookup_value_regex = "[^/]+"
+
+    def get_queryset(self):
+        return visible_keys(self.request.user).order_by("name", "id")
 
     def create(self, request, *args, **kwargs):
         serializer = ApiKeyWriteSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        key, secret = writes.issue_key(dict(serializer.validated_data))
+        fields = dict(serializer.validated_data)
+        if not is_operator(request.user):
+            fields["user"] = request.user  # a member's key is their own, in a team of theirs
+            writes.check_own_team(request.user, fields.get("team"))
+        key, secret = writes.issue_key(fields)
         return Response({**ApiKeySerializer(key).data, "key": secret}, status=status.HTTP_201_CREATED)
 
     @action(detail=True, methods=["post"])
@@ -218,11 +235,12 @@ class TokenUsageViewSet(RefuseNulMixin, mixins.ListModelMixin, viewsets.GenericV
     or a date, midnight UTC; rows of the hour containing it and later).
     """
 
-    queryset = TokenUsage.objects.order_by("-hour", "key_name", "model", "id")
+    queryset = TokenUsage.objects.none()
     serializer_class = TokenUsageSerializer
+    permission_classes = [IsAuthenticated]  # each user the usage of the keys they may see (teams.access)
 
     def get_queryset(self):
-        queryset = super().get_queryset()
+        queryset = visible_usage(self.request.user).order_by("-hour", "key_name", "model", "id")
         params = self.request.query_params
         if key := params.get("key"):
             queryset = queryset.filter(key_name=key)

@@ -18,6 +18,7 @@ from dashboard.api.fields import StrictCharField, StrictModelSerializer
 from dashboard.api.serializers import ENV_HELP
 from keys.models import ApiKey
 from nodewire.engine_env import MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem
+from teams.models import Team
 
 ENV_WRITE_HELP = (
     f"{ENV_HELP} Names: letters, digits and _, not starting with a digit, at most 128 characters, "
@@ -145,9 +146,15 @@ class ApiKeyWriteSerializer(StrictModelSerializer):
     allowed_pools = serializers.ListField(
         child=StrictCharField(), required=False, help_text="Pools whose replicas serve it; empty = any."
     )
+    team = serializers.PrimaryKeyRelatedField(
+        queryset=Team.objects.all(),
+        required=False,
+        allow_null=True,
+        help_text="The team it belongs to (its id): a member's own key; an operator's may have none.",
+    )
 
     class Meta:
         model = ApiKey
-        fields = ["name", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
+        fields = ["name", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm", "team"]
         # The column is a 32-bit integer on PostgreSQL.
         extra_kwargs = {"rpm": {"max_value": INTEGER_MAX}, "tpm": {"max_value": INTEGER_MAX}}

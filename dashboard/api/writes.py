@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from django.db import transaction
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import PermissionDenied, ValidationError
 
 from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
 from catalog.models import Model, name_clash
@@ -24,6 +24,7 @@ from keys.models import ApiKey
 from reconciler.lifecycle.drain import drain_nodes
 from reconciler.lifecycle.transitions import stop_replica
 from reconciler.models import Replica
+from teams.models import Team
 
 # Messages from the catalog file reader start with where the entry is in the file; here there is one entry.
 _FILE_LABEL = re.compile(r'^models\[0\](?: "[^"]*")?: ')
@@ -107,6 +108,14 @@ def issue_key(fields: dict[str, Any]) -> tuple[ApiKey, str]:
     except Exception as exc:  # django ValidationError: re-raised as a 400 naming the fields
         raise ValidationError(getattr(exc, "message_dict", {"detail": str(exc)})) from None
     return ApiKey.issue(**fields)
+
+
+def check_own_team(user: Any, team: Team | None) -> None:
+    """A key someone who is not an operator makes belongs to a team of theirs: 400 without one, 403 for another."""
+    if team is None:
+        raise ValidationError({"team": ["A key of yours belongs to one of your teams: give its id."]})
+    if not team.has_member(user.pk):
+        raise PermissionDenied(f"You are not a member of the team “{team.name}”.")
 
 
 def revoke_key(key: ApiKey) -> ApiKey:
