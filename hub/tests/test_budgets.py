@@ -1,0 +1,125 @@
+"""Budgets as reservations (hub.budgets, hub.redis_budgets): windows start at local midnights, daylight saving
+included; a request is taken from every budget at once or from none; two routers reserving at once never overrun
+a budget, and once every answer is settled the counters equal the costs exactly; a reservation never settled
+stays charged at what it reserved."""
+
+import random
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+import redis
+
+from hub.budgets import InProcessBudgets, Limit, Refusal, Window, counter_name, window
+from hub.redis_budgets import RedisBudgets
+
+PARIS, SANTIAGO = ZoneInfo("Europe/Paris"), ZoneInfo("America/Santiago")
+
+
+def at(zone, *parts) -> datetime:
+    """A local wall-clock time as an instant."""
+    return datetime(*parts[:6], tzinfo=zone) + timedelta(microseconds=parts[6] if len(parts) > 6 else 0)
+
+
+def utc(*parts) -> datetime:
+    return datetime(*parts, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("zone", "now", "start", "end"),
+    [
+        # A tenth of a second before midnight, and midnight itself: the next day's window.
+        ("Europe/Paris", at(PARIS, 2026, 12, 4, 23, 59, 59, 900_000), utc(2026, 12, 3, 23), utc(2026, 12, 4, 23)),
+        ("Europe/Paris", at(PARIS, 2026, 12, 5, 0, 0, 0), utc(2026, 12, 4, 23), utc(2026, 12, 5, 23)),
+        # Clocks forward at 02:00: a day of 23 hours. Back at 03:00: 25 hours.
+        ("Europe/Paris", at(PARIS, 2026, 3, 29, 12, 0, 0), utc(2026, 3, 28, 23), utc(2026, 3, 29, 22)),
+        ("Europe/Paris", at(PARIS, 2026, 10, 25, 23, 59, 59, 900_000), utc(2026, 10, 24, 22), utc(2026, 10, 25, 23)),
+        # Santiago skips its midnight of 6 September (00:00 -04 is 01:00 -03): the day begins at 01:00.
+        ("America/Santiago", utc(2026, 9, 6, 3, 59, 59, 900_000), utc(2026, 9, 5, 4), utc(2026, 9, 6, 4)),
+        ("America/Santiago", utc(2026, 9, 6, 4), utc(2026, 9, 6, 4), utc(2026, 9, 7, 3)),
+        # and lives the hour from 23:00 to midnight of 4 April twice: that day has 25 hours.
+        ("America/Santiago", at(SANTIAGO, 2026, 4, 4, 12, 0, 0), utc(2026, 4, 4, 3), utc(2026, 4, 5, 4)),
+    ],
+)
+def test_a_days_window_runs_from_one_local_midnight_to_the_next(zone, now, start, end):
+    assert window(Window.DAY, zone, now) == (start, end)
+
+
+def test_weeks_start_on_monday_months_on_the_first_and_no_window_is_none():
+    thursday = at(PARIS, 2026, 12, 31, 23, 59, 59, 900_000)
+    assert window(Window.WEEK, "Europe/Paris", thursday) == (utc(2026, 12, 27, 23), utc(2027, 1, 3, 23))
+    assert window(Window.MONTH, "Europe/Paris", thursday) == (utc(2026, 11, 30, 23), utc(2026, 12, 31, 23))
+    new_year = at(PARIS, 2027, 1, 1, 0, 0, 0)
+    assert window(Window.MONTH, "Europe/Paris", new_year) == (utc(2026, 12, 31, 23), utc(2027, 1, 31, 23))
+    assert window(Window.NONE, "Europe/Paris", new_year) == (None, None)
+    assert counter_name(7, None) == "7:all" and counter_name(7, utc(2026, 1, 1)) == "7:1767225600"
+
+
+@pytest.fixture(params=["in-process", "redis"])
+def budgets(request):
+    """Both ledgers, each as a factory: a Redis one per call is another router sharing the same counters."""
+    if request.param == "in-process":
+        shared = InProcessBudgets()
+        return lambda: shared
+    url = request.getfixturevalue("redis_url")
+    return lambda: RedisBudgets(redis.Redis.from_url(url))
+
+
+def test_a_request_is_taken_from_every_budget_or_from_none(budgets):
+    ledger = budgets()
+    key, team = Limit("1:0", 1_000), Limit("2:0", 500)
+    assert ledger.reserve("a", 400, [key, team], ttl=30) is None
+    # The team has 100 left: refused, and the key's budget is not touched either.
+    assert ledger.reserve("b", 200, [key, team], ttl=30) == Refusal("2:0", 400, 500)
+    assert (ledger.used("1:0"), ledger.used("2:0")) == (400, 400)
+    assert ledger.settle("a", 150) is True  # the answer cost less than its worst case: the rest goes back
+    assert (ledger.used("1:0"), ledger.used("2:0")) == (150, 150)
+    assert ledger.settle("a", 150) is False  # settled once only
+    assert ledger.reserve("b", 350, [key, team], ttl=30) is None
+
+
+def test_a_reservation_never_settled_expires_charged_at_what_it_reserved(budgets):
+    ledger = budgets()
+    if isinstance(ledger, InProcessBudgets):
+        now = [0.0]
+        ledger = InProcessBudgets(clock=lambda: now[0])
+        ledger.reserve("lost", 300, [Limit("3:0", 1_000)], ttl=0.05)
+        now[0] = 1.0
+    else:
+        ledger.reserve("lost", 300, [Limit("3:0", 1_000)], ttl=0.05)
+        threading.Event().wait(0.2)  # Redis expires it
+    assert ledger.settle("lost", 10) is False
+    assert ledger.used("3:0") == 300
+
+
+def test_two_routers_reserving_at_once_never_overrun_and_the_counters_equal_the_ledger(budgets):
+    """500 requests of random worst cases against a budget for about 300 of them, from two routers in threads;
+    each admitted answer settles a random real cost up to its worst case, some none (a client that left)."""
+    rng = random.Random(7)
+    requests = [(uuid.uuid4().hex, rng.randint(50, 150), rng.random()) for _ in range(500)]
+    limit = Limit("9:0", 30_000)
+    routers = [budgets(), budgets()]
+    admitted: list[tuple[str, int, float]] = []
+    peaks: list[int] = []
+    lock = threading.Lock()
+
+    def serve(router, share) -> None:
+        for reservation, worst, part in share:
+            if router.reserve(reservation, worst, [limit], ttl=60) is None:
+                with lock:
+                    admitted.append((reservation, worst, part))
+                    peaks.append(router.used(limit.counter))
+
+    threads = [threading.Thread(target=serve, args=(r, requests[i::2])) for i, r in enumerate(routers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert max(peaks) <= limit.limit  # never beyond it, at any moment seen
+    assert 200 <= len(admitted) < 500
+    costs = {reservation: int(worst * part) for reservation, worst, part in admitted}
+    for reservation, cost in costs.items():
+        assert routers[hash(reservation) % 2].settle(reservation, cost)
+    assert routers[0].used(limit.counter) == sum(costs.values())  # exactly the ledger
