@@ -9,7 +9,17 @@ from django.core.exceptions import ValidationError
 from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
-from catalog.models import PROFILE_FIELD_ROWS, PROFILE_FIELDS, Adapter, Alias, Model, Profile, name_clash
+from catalog.models import (
+    PRICE_FIELDS,
+    PROFILE_FIELD_ROWS,
+    PROFILE_FIELDS,
+    Adapter,
+    Alias,
+    Model,
+    Profile,
+    name_clash,
+)
+from catalog.prices import price_text
 from catalog.rules import keep_stored_secrets
 from catalog.sizing import fit_warnings, fleet_memory, profile_verdict
 from nodewire.engine_env import masked, shown
@@ -215,19 +225,38 @@ class AdapterInline(admin.TabularInline):
     """A model's LoRA adapters (Adapter.clean() checks its profiles take them: save those first)."""
 
     model = Adapter
-    fields = ["name", "source", "enabled", "rank", "aliases"]
+    fields = ["name", "source", "enabled", "rank", "aliases", *PRICE_FIELDS]
     extra = 0
 
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "enabled", "source", "alias_names", "profile_count", "adapter_count", "updated_at"]
+    list_display = [
+        "name",
+        "enabled",
+        "source",
+        "alias_names",
+        "profile_count",
+        "adapter_count",
+        "price",
+        "updated_at",
+    ]
     list_filter = ["enabled"]
     search_fields = ["name", "aliases__name", "adapters__name", "source"]
     inlines = [AliasInline, ProfileInline, AdapterInline]
 
     def get_queryset(self, request):
         return super().get_queryset(request).prefetch_related("aliases", "profiles", "adapters")
+
+    def get_fieldsets(self, request, obj=None):
+        # Every other field as Django lists them (a new one shows up by itself), then the prices side by side.
+        fields = [name for name in self.get_fields(request, obj) if name not in PRICE_FIELDS]
+        price = {
+            "fields": [PRICE_FIELDS],
+            "description": "Per million tokens, in the organisation's own currency unit; 0 = free. "
+            "Adapters left empty cost what this model costs.",
+        }
+        return [(None, {"fields": fields}), ("Price", price)]
 
     def save_related(self, request, form, formsets, change):
         super().save_related(request, form, formsets, change)
@@ -245,6 +274,13 @@ class ModelAdmin(admin.ModelAdmin):
     @admin.display(description="adapters")
     def adapter_count(self, obj):
         return len(obj.adapters.all())
+
+    @admin.display(description="price per million (in / out)")
+    def price(self, obj) -> str:
+        prices = obj.prices
+        if not prices.input_per_million and not prices.output_per_million:
+            return "free"
+        return f"{price_text(prices.input_per_million)} / {price_text(prices.output_per_million)}"
 
 
 @admin.register(Alias)

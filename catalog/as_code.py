@@ -6,13 +6,15 @@ on it; rows beyond the file's list are deleted, and their replicas go with
 them by cascade (agents then stop the orphaned engines). Applying the same
 file twice changes nothing the second time. Secret engine env values are
 exported as the mask (nodewire/engine_env.py), and a mask applied keeps the
-stored value (`catalog.rules.keep_stored_secrets`).
+stored value (`catalog.rules.keep_stored_secrets`). Prices are exported as the
+plain numbers they are (0.15) and read back exactly (`catalog.catalog_file`).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import yaml
@@ -27,7 +29,8 @@ from catalog.catalog_file import (
     check_names,
     read_models,
 )
-from catalog.models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from catalog.models import PRICE_FIELDS, PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from catalog.prices import price_text
 from catalog.rules import MODEL_SIZE_FIELDS, keep_stored_secrets
 from catalog.sizing import fit_warnings, fleet_memory, verdict_lines
 from nodewire.engine_env import masked
@@ -122,6 +125,8 @@ def export_catalog() -> dict[str, Any]:
                 **({} if model.continue_streams else {"continue_streams": False}),
                 # Size fields only when given, so a file without them reads as before.
                 **{name: getattr(model, name) for name in MODEL_SIZE_FIELDS if getattr(model, name) not in (None, "")},
+                # Prices only when not free, so a file without them reads as before.
+                **{name: getattr(model, name) for name in PRICE_FIELDS if getattr(model, name)},
                 "aliases": [alias.name for alias in model.aliases.all()],
                 "profiles": [_exported_profile(p) for p in model.profiles.all()],
                 # Only when it has some, so a file without adapters reads as before.
@@ -140,12 +145,34 @@ def _exported_profile(profile: Profile) -> dict[str, Any]:
 
 
 def _exported_adapters(model: Model) -> list[dict[str, Any]]:
-    return [{name: getattr(adapter, name) for name in ADAPTER_KEYS} for adapter in model.adapters.all()]
+    # An adapter's prices only when it sets them: absent, it costs what its model costs.
+    return [
+        {
+            name: getattr(adapter, name)
+            for name in ADAPTER_KEYS
+            if name not in PRICE_FIELDS or getattr(adapter, name) is not None
+        }
+        for adapter in model.adapters.all()
+    ]
+
+
+class _CatalogDumper(yaml.SafeDumper):
+    """YAML's safe dumper, writing a price (a Decimal) as the plain number it shows: 0.15, 100."""
+
+    def represent_price(self, price: Decimal) -> yaml.ScalarNode:
+        text = price_text(price)
+        # Tagged as the reader resolves the text (int or float), so it is written bare, not as `!!float 100`.
+        return self.represent_scalar(self.resolve(yaml.ScalarNode, text, (True, False)), text)
+
+
+_CatalogDumper.add_representer(Decimal, _CatalogDumper.represent_price)
 
 
 def dump_catalog(data: dict[str, Any]) -> str:
     """YAML text for a file's data (lists of plain values, such as aliases and engine args, on one line)."""
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=None, width=120)
+    return yaml.dump(
+        data, Dumper=_CatalogDumper, sort_keys=False, allow_unicode=True, default_flow_style=None, width=120
+    )
 
 
 def plan_catalog(data: Any, *, prune: bool = False) -> Plan:
@@ -237,6 +264,7 @@ def _plan_model(wanted: WantedModel, model: Model | None) -> ModelPlan:
     plan = ModelPlan(wanted.name, Verdict.LEFT_ALONE, wanted=wanted, existing=model)
     plan.model_fields = [f for f in MODEL_SWITCHES if getattr(model, f) != getattr(wanted, f)]
     plan.model_fields += [f for f in MODEL_SIZE_FIELDS if getattr(model, f) != wanted.size[f]]
+    plan.model_fields += [f for f in PRICE_FIELDS if getattr(model, f) != wanted.prices[f]]
     if plan.model_fields:
         plan.details.append(", ".join(plan.model_fields))
 
@@ -320,8 +348,9 @@ def _carry_out(plan: Plan) -> None:
             model = Model(name=wanted.name, source=wanted.source, enabled=wanted.enabled, **wanted.own_fields())
             model.save()
         elif part.model_fields:
+            own = wanted.own_fields()
             for name in part.model_fields:
-                setattr(model, name, wanted.size[name] if name in wanted.size else getattr(wanted, name))
+                setattr(model, name, own[name] if name in own else getattr(wanted, name))
             model.save(update_fields=[*part.model_fields, "updated_at"])
         for name in part.aliases_added:
             Alias(model=model, name=name).save()

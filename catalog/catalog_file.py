@@ -1,12 +1,14 @@
 """The catalog file: YAML text in, the models it asks for out, every problem named at once.
 
 Shape: a mapping with one key, `models:`, a list; each model has `name`,
-`source`, `enabled`, optionally `continue_streams` (default true) and its size (`parameters_billions`, `dtype`,
-`layers`, `kv_heads`, `head_dim`), `aliases` (a list of names), `profiles` (a list whose
+`source`, `enabled`, optionally `continue_streams` (default true), its size (`parameters_billions`, `dtype`,
+`layers`, `kv_heads`, `head_dim`) and its prices per million tokens (`price_input_per_million`,
+`price_output_per_million`, default 0), `aliases` (a list of names), `profiles` (a list whose
 order is the profile order; each profile uses the Profile model's field
 names) and `adapters` (LoRA adapters on it: `name`, `source`, `enabled`,
-`rank`, `aliases`). Values are checked with the models' own validation (`clean_fields()`
-and `clean()`, the same as the admin) and names with the one namespace rule of
+`rank`, `aliases` and its own prices, absent = the model's). A price is a number or a string of one
+(0.15, "0.15"), read as the exact decimal it shows. Values are checked with the models' own validation
+(`clean_fields()` and `clean()`, the same as the admin) and names with the one namespace rule of
 `catalog.models` (model names, adapter names and their aliases never repeat), judged on the catalog
 as it will be after the file is applied.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from functools import partial
 from typing import Any
 
@@ -23,13 +26,23 @@ from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models as db
 from django.db.models.fields.reverse_related import ForeignObjectRel
 
-from catalog.models import PROFILE_FIELDS, Adapter, Alias, Model, Profile
+from catalog.models import PRICE_FIELDS, PROFILE_FIELDS, Adapter, Alias, Model, Profile
 from catalog.rules import MODEL_SIZE_FIELDS, adapter_problems, alias_is_own_name, name_taken, size_problems
 
-# The model's fields a file may change besides its size (catalog.as_code compares them one by one).
+# The model's fields a file may change besides its size and prices (catalog.as_code compares them one by one).
 MODEL_SWITCHES = ("source", "enabled", "continue_streams")
-MODEL_KEYS = ("name", "source", "enabled", "continue_streams", *MODEL_SIZE_FIELDS, "aliases", "profiles", "adapters")
-ADAPTER_KEYS = ("name", "source", "enabled", "rank", "aliases")
+MODEL_KEYS = (
+    "name",
+    "source",
+    "enabled",
+    "continue_streams",
+    *MODEL_SIZE_FIELDS,
+    *PRICE_FIELDS,
+    "aliases",
+    "profiles",
+    "adapters",
+)
+ADAPTER_KEYS = ("name", "source", "enabled", "rank", "aliases", *PRICE_FIELDS)
 REQUIRED_MODEL_KEYS = ("name", "source", "profiles")
 NOT_IN_FILE = {
     "id": "ids are not part of the file; models are matched by name, profiles by position",
@@ -61,10 +74,11 @@ class WantedModel:
     size: dict[str, Any] = field(default_factory=dict)  # MODEL_SIZE_FIELDS, each None/"" when not given
     adapters: list[dict[str, Any]] = field(default_factory=list)  # ADAPTER_KEYS, validated
     continue_streams: bool = True
+    prices: dict[str, Decimal] = field(default_factory=dict)  # PRICE_FIELDS, 0 when not given
 
     def own_fields(self) -> dict[str, Any]:
-        """The model's own fields besides its name, source and `enabled`: its size and its switches."""
-        return {**self.size, "continue_streams": self.continue_streams}
+        """The model's own fields besides its name, source and `enabled`: its size, prices and switches."""
+        return {**self.size, **self.prices, "continue_streams": self.continue_streams}
 
     @property
     def label(self) -> str:
@@ -173,11 +187,11 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     for key in REQUIRED_MODEL_KEYS:
         if key not in entry:
             problems.append(f"{label}: {key}: missing (required)")
-    values = {
-        key: entry[key] for key in ("name", "source", "enabled", "continue_streams", *MODEL_SIZE_FIELDS) if key in entry
-    }
+    own_keys = ("name", "source", "enabled", "continue_streams", *MODEL_SIZE_FIELDS, *PRICE_FIELDS)
+    values = {key: entry[key] for key in own_keys if key in entry}
     at = _located(label, ": ")
     bad = _type_problems(Model, values, at, problems) | {key for key in REQUIRED_MODEL_KEYS if key not in entry}
+    _exact_prices(values, bad)
     instance = Model(**{k: v for k, v in values.items() if k not in bad})
     # Name clashes are judged for the whole file (check_names), not row by row
     # against the database as Model.clean() does; the rest is the fields' own validation.
@@ -200,6 +214,7 @@ def _read_model(position: int, entry: Any, problems: list[str]) -> WantedModel |
     size = {name: getattr(instance, name) for name in MODEL_SIZE_FIELDS}
     wanted = WantedModel(position, instance.name, instance.source, instance.enabled, aliases, profiles, size, adapters)
     wanted.continue_streams = instance.continue_streams
+    wanted.prices = {name: getattr(instance, name) for name in PRICE_FIELDS}
     return wanted
 
 
@@ -223,6 +238,7 @@ def _read_adapters(
         values = {key: entry[key] for key in ADAPTER_KEYS if key in entry}
         at = _located(where, ".")
         bad = _type_problems(Adapter, values, at, problems) | missing
+        _exact_prices(values, bad)
         adapter = Adapter(**{k: v for k, v in values.items() if k not in bad})
         _collect(partial(adapter.clean_fields, exclude=[*bad, "base", "created_at", "updated_at"]), at, problems)
         if not bad:
@@ -309,7 +325,28 @@ def _type_problems(
     return bad
 
 
+def _exact_prices(values: dict[str, Any], bad: set[str]) -> None:
+    """Turn the prices read into Decimals: a YAML number by its shortest text (0.15, not the binary double
+    nearest it; a price has at most 14 digits, which a double gives back exactly), a string as written."""
+    for name in PRICE_FIELDS:
+        if name in values and name not in bad and values[name] is not None:
+            values[name] = _decimal(values[name])
+
+
+def _decimal(value: Any) -> Decimal | None:
+    """The finite Decimal a number or numeric string shows, else None (booleans are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str | Decimal):
+        return None
+    try:
+        number = Decimal(repr(value) if isinstance(value, float) else value)
+    except InvalidOperation:
+        return None
+    return number if number.is_finite() else None
+
+
 def _expected_type(model_field) -> type | None:
+    if isinstance(model_field, db.DecimalField):
+        return Decimal
     if isinstance(model_field, db.BooleanField):
         return bool
     if isinstance(model_field, db.IntegerField):
@@ -323,6 +360,8 @@ def _expected_type(model_field) -> type | None:
 
 def _is(value: Any, expected: type) -> bool:
     # YAML true/false are bools, and bool is a subclass of int: neither is a number here. An integer is a float.
+    if expected is Decimal:
+        return _decimal(value) is not None
     if isinstance(value, bool):
         return expected is bool
     return isinstance(value, int | float) if expected is float else isinstance(value, expected)
@@ -350,6 +389,7 @@ _KINDS: dict[type, str] = {
     bool: "true or false",
     int: "an integer",
     float: "a number",
+    Decimal: 'a number such as 0.15 (or a string of one, "0.15")',
     str: "a string",
     list: "a list",
     dict: "a mapping",

@@ -1,10 +1,13 @@
 """Catalog models: a served Model, its Aliases, its ordered Profiles and the LoRA Adapters riding on it."""
 
+from decimal import Decimal
+
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 from catalog.choices import Engine, SleepLevel, WeightsDtype
+from catalog.prices import PRICE_DECIMAL_PLACES, PRICE_MAX_DIGITS, Prices, inherited
 from catalog.rules import (
     INTEGER_MAX,
     SMALLINT_MAX,
@@ -29,6 +32,29 @@ public_name_validator = RegexValidator(
 gpu_class_validator = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", "Use letters, digits and . _ - (e.g. H100-80GB)."
 )
+# A model's and an adapter's prices, in the order the catalog file, the admin and the REST API list them.
+PRICE_FIELDS = ("price_input_per_million", "price_output_per_million")
+price_validator = MinValueValidator(Decimal(0), "A price cannot be negative; 0 means free.")
+TOKEN_KINDS = {"input": "prompt (input)", "output": "completion (output)"}
+
+
+def price_field(kind: str, *, inherits: bool) -> models.DecimalField:
+    """A price per million `kind` (input or output) tokens: a model's (0 = free) or an adapter's (empty = its
+    base model's)."""
+    says = (
+        f"The price of a million {TOKEN_KINDS[kind]} tokens, in the organisation's own currency unit "
+        "(operators of a private fleet set internal prices); "
+    )
+    # A model's column has a database default too, so rows written by code that predates it (a rolling upgrade) are free.
+    extra: dict = {"null": True, "blank": True} if inherits else {"default": Decimal(0), "db_default": Decimal(0)}
+    return models.DecimalField(
+        f"{kind} price per million tokens",
+        max_digits=PRICE_MAX_DIGITS,
+        decimal_places=PRICE_DECIMAL_PLACES,
+        validators=[price_validator],
+        help_text=says + ("empty = the base model's price; 0 = free." if inherits else "0 = free."),
+        **extra,
+    )
 
 
 def name_clash(
@@ -111,6 +137,8 @@ class Model(models.Model):
     head_dim = models.PositiveSmallIntegerField(
         "head dim", null=True, blank=True, validators=in_range(1, SMALLINT_MAX), help_text="Dimension of one head."
     )
+    price_input_per_million = price_field("input", inherits=False)
+    price_output_per_million = price_field("output", inherits=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -119,6 +147,11 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def prices(self) -> Prices:
+        """What a million of its prompt and completion tokens cost."""
+        return Prices(self.price_input_per_million, self.price_output_per_million)
 
     def clean(self):
         # Another model's name is caught by the unique constraint; an alias is not.
@@ -361,6 +394,8 @@ class Adapter(models.Model):
         blank=True,
         help_text='Other public names it answers to, e.g. ["support-bot"].',
     )
+    price_input_per_million = price_field("input", inherits=True)
+    price_output_per_million = price_field("output", inherits=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -374,6 +409,11 @@ class Adapter(models.Model):
     def known_rank(self) -> int | None:
         """The rank the catalog gives, else the one its local folder's adapter_config.json says, else None."""
         return self.rank if self.rank is not None else rank_in_folder(self.source)
+
+    @property
+    def prices(self) -> Prices:
+        """What a million of its prompt and completion tokens cost: each price it sets, else its base model's."""
+        return inherited(self.price_input_per_million, self.price_output_per_million, self.base.prices)
 
     def clean(self):
         # An inline form hands over a base that is not saved yet (no base_id, the object cached).

@@ -155,7 +155,8 @@ def test_the_catalog_file_names_every_adapter_problem():
     assert raised.value.messages == [
         'models[0] "llama-8b": adapters[0].rank: Rank 64 is above the max adapter rank 16 of model “llama-8b”\'s '
         "profiles.",
-        "models[1] \"qwen\": adapters[0]: unknown key 'colour' (expected one of name, source, enabled, rank, aliases)",
+        "models[1] \"qwen\": adapters[0]: unknown key 'colour' (expected one of name, source, enabled, rank, aliases, "
+        "price_input_per_million, price_output_per_million)",
         'models[1] "qwen": adapters[0].base: Model “qwen” has no profile that takes adapters; set max adapters on one '
         "of its profiles.",
         'models[0] "llama-8b": adapters[1].name: “llama-8b” is already the name of model “llama-8b” '
@@ -231,6 +232,6 @@ def test_an_adapter_entry_of_the_wrong_shape_is_named_not_a_crash():
         apply_catalog(load_catalog_text(text))
     assert raised.value.messages == [
         'models[0] "llama-8b": adapters[0].aliases: Aliases must be a JSON list of names.',
-        'models[0] "llama-8b": adapters[1]: expected a mapping with name, source, enabled, rank, aliases, got a string '
-        "('chat')",
+        'models[0] "llama-8b": adapters[1]: expected a mapping with name, source, enabled, rank, aliases, '
+        "price_input_per_million, price_output_per_million, got a string ('chat')",
     ]

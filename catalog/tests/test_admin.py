@@ -10,12 +10,20 @@ pytestmark = pytest.mark.django_db
 ADD_URL = "/admin/catalog/model/add/"
 
 
-def model_form(name, aliases=(), profiles=(), *, alias_initial=(), source="org/weights", adapters=()):
+def model_form(name, aliases=(), profiles=(), *, alias_initial=(), source="org/weights", adapters=(), prices=()):
     """POST data for the model change form with its alias, profile and adapter inlines.
 
-    `alias_initial` lists (pk, name) of existing aliases, sent first as the formset expects.
+    `alias_initial` lists (pk, name) of existing aliases, sent first as the formset expects; `prices` the
+    (input, output) price boxes, sent as the form shows them by default (0) when not given.
     """
-    data = {"name": name, "source": source, "enabled": "on"}
+    price_in, price_out = prices or ("0", "0")
+    data = {
+        "name": name,
+        "source": source,
+        "enabled": "on",
+        "price_input_per_million": price_in,
+        "price_output_per_million": price_out,
+    }
     alias_rows = [{"id": str(pk), "name": n} for pk, n in alias_initial] + [{"id": "", "name": n} for n in aliases]
     data.update(
         {

@@ -104,6 +104,6 @@ def test_a_bad_file_exits_non_zero_from_the_shell(tmp_path):
     )
     assert done.returncode == 1
     assert (
-        "models[0]: expected a mapping with name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, aliases, profiles"
+        "models[0]: expected a mapping with name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, price_input_per_million, price_output_per_million, aliases, profiles"
         in done.stderr
     )

@@ -40,7 +40,7 @@ def problems(text, **options):
         ("models: qwen\n", "models: expected a list of models, got a string ('qwen')"),
         (
             "models: [qwen]\n",
-            "models[0]: expected a mapping with name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, aliases, profiles, adapters, got a string ('qwen')",
+            "models[0]: expected a mapping with name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, price_input_per_million, price_output_per_million, aliases, profiles, adapters, got a string ('qwen')",
         ),
     ],
 )
@@ -66,7 +66,7 @@ models:
   profiles: []
 """
     assert problems(text) == [
-        "models[0] \"qwen\": unknown key 'sorce' (expected one of name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, aliases, profiles, adapters)",
+        "models[0] \"qwen\": unknown key 'sorce' (expected one of name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, price_input_per_million, price_output_per_million, aliases, profiles, adapters)",
         'models[0] "qwen": source: missing (required)',
         "models[0] \"qwen\": profiles[0]: unknown key 'order' (a profile's order is its position in the list)",
         "models[0] \"qwen\": profiles[0]: unknown key 'start_seconds' (the start time is learned, not set)",
@@ -174,7 +174,7 @@ models:
   profiles: [{gpu_class: H100-80GB, weight: 0}]
 """
     assert problems(text) == [
-        "models[0] \"a\": unknown key 'extra' (expected one of name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, aliases, profiles, adapters)",
+        "models[0] \"a\": unknown key 'extra' (expected one of name, source, enabled, continue_streams, parameters_billions, dtype, layers, kv_heads, head_dim, price_input_per_million, price_output_per_million, aliases, profiles, adapters)",
         'models[1] "kept-too": profiles[0].weight: Ensure this value is greater than or equal to 1.',
         'models[1] "kept-too": aliases[0]: “kept” is already the name of model “kept”',
     ]

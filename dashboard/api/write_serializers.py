@@ -6,15 +6,18 @@ OpenAPI can say), then by the catalog's own rules, which also judge fields
 against each other and against the rest of the catalog (`dashboard.api.writes`).
 """
 
-from typing import Any
+from decimal import Decimal
+from typing import Any, cast
 
+from django.db import models as db
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from catalog.catalog_file import ADAPTER_KEYS, MODEL_KEYS, PROFILE_FIELDS
-from catalog.models import Adapter, Model, Profile, public_name_validator
+from catalog.models import Adapter, Model, Profile, price_validator, public_name_validator
+from catalog.prices import PRICE_DECIMAL_PLACES, PRICE_MAX_DIGITS
 from catalog.rules import INTEGER_MAX
-from dashboard.api.fields import StrictCharField, StrictModelSerializer
+from dashboard.api.fields import StrictCharField, StrictModelSerializer, kind_of
 from dashboard.api.serializers import ENV_HELP
 from keys.models import ApiKey
 from nodewire.engine_env import MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem
@@ -52,6 +55,48 @@ class EnvField(serializers.Field):
         return data
 
 
+PRICE_WHOLE_DIGITS = PRICE_MAX_DIGITS - PRICE_DECIMAL_PLACES
+PRICE_PATTERN = rf"^\d{{1,{PRICE_WHOLE_DIGITS}}}(\.\d{{1,{PRICE_DECIMAL_PLACES}}})?$"
+
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "number", "minimum": 0, "maximum": 10**PRICE_WHOLE_DIGITS, "exclusiveMaximum": True},
+            {"type": "string", "pattern": PRICE_PATTERN},
+        ]
+    }
+)
+class PriceField(serializers.DecimalField):
+    """A price per million tokens as written: a JSON number (0.15) or the decimal string reads give ("0.150000"),
+    taken as the exact decimal it shows; never negative, at most 6 decimal places."""
+
+    def __init__(self, **kwargs):
+        super().__init__(
+            max_digits=PRICE_MAX_DIGITS,
+            decimal_places=PRICE_DECIMAL_PLACES,
+            min_value=Decimal(0),
+            required=False,
+            # The catalog's own words, as admin and `catalog apply` say it.
+            error_messages={"min_value": price_validator.message},
+            **kwargs,
+        )
+
+    def to_internal_value(self, data):
+        # DRF's own field reads a number by its text (0.15, not the double nearest it), but would take true as 1.
+        if isinstance(data, bool) or not isinstance(data, int | float | str):
+            raise serializers.ValidationError(
+                f'expected a number such as 0.15 or a string of one ("0.15"), got {kind_of(data)}', code="invalid"
+            )
+        return super().to_internal_value(data)
+
+
+def price_of(model: type[Model] | type[Adapter], name: str) -> PriceField:
+    """The write field of a model's or an adapter's price, with the column's help text (an adapter's may be null)."""
+    column = cast(db.DecimalField, model._meta.get_field(name))
+    return PriceField(allow_null=column.null, help_text=str(column.help_text))
+
+
 class ProfileWriteSerializer(StrictModelSerializer):
     """A profile as written: the catalog file's profile fields (order is the list position)."""
 
@@ -72,6 +117,8 @@ class AdapterWriteSerializer(StrictModelSerializer):
     """A LoRA adapter as written with its base model (the catalog file's adapter keys)."""
 
     aliases = public_names()
+    price_input_per_million = price_of(Adapter, "price_input_per_million")
+    price_output_per_million = price_of(Adapter, "price_output_per_million")
 
     class Meta:
         model = Adapter
@@ -86,6 +133,8 @@ class ModelWriteSerializer(StrictModelSerializer):
     aliases = public_names()
     profiles = ProfileWriteSerializer(many=True)
     adapters = AdapterWriteSerializer(many=True, required=False)
+    price_input_per_million = price_of(Model, "price_input_per_million")
+    price_output_per_million = price_of(Model, "price_output_per_million")
 
     class Meta:
         model = Model

@@ -11,6 +11,8 @@ pytestmark = pytest.mark.django_db
 
 PROFILE = {"engine": "vllm", "gpu_class": "H100-80GB", "max_adapters": 4, "max_adapter_rank": 16}
 SQL = {"name": "sql", "source": "org/sql", "enabled": True, "rank": 8, "aliases": ["sql-bot"]}
+# An adapter without prices of its own reads them as null: it costs what its base model costs.
+UNPRICED = {"price_input_per_million": None, "price_output_per_million": None}
 
 
 @pytest.fixture
@@ -22,13 +24,13 @@ def test_a_model_is_created_read_and_changed_with_its_adapters(staff):
     body = {"name": "llama", "source": "meta/llama", "profiles": [PROFILE], "adapters": [SQL]}
     response = staff.post("/api/v1/models/", body, format="json")
     assert response.status_code == 201, response.json()
-    assert response.json()["adapters"] == [SQL]
+    assert response.json()["adapters"] == [SQL | UNPRICED]
     assert response.json()["profiles"][0]["max_adapters"] == 4
     chat = {"name": "chat", "source": "org/chat"}
     response = staff.patch("/api/v1/models/llama", {"adapters": [chat]}, format="json")
     assert response.status_code == 200, response.json()
     assert staff.get("/api/v1/models/llama").json()["adapters"] == [
-        {"name": "chat", "source": "org/chat", "enabled": True, "rank": None, "aliases": []}
+        {"name": "chat", "source": "org/chat", "enabled": True, "rank": None, "aliases": []} | UNPRICED
     ]
     assert list(Adapter.objects.values_list("name", flat=True)) == ["chat"]
 
