@@ -143,11 +143,11 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
 class TokenUsageAdmin(admin.ModelAdmin[TokenUsage]):
     """Tokens per key, model and hour, as the control plane stored them from the routers' counts: read-only."""
 
-    list_display = ["hour", "key_name", "model", "requests", "prompt_tokens", "completion_tokens"]
-    list_filter = ["key_name", "model"]
+    list_display = ["hour", "key_name", "model", "requests", "prompt_tokens", "completion_tokens", "spend", "team"]
+    list_filter = ["key_name", "model", "team"]
+    list_select_related = ["team"]
     search_fields = ["key_name", "model"]
     date_hierarchy = "hour"
-    list_select_related = False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -1,6 +1,7 @@
 """API keys (stored hashed, shown once), the tokens each key spent per model and hour, and each model's answers
 whose engine broke off per hour."""
 
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -96,8 +97,15 @@ class ApiKey(models.Model):
         return api_key, plaintext
 
 
+# Spend is kept in millionths of a millionth of the currency unit: tokens times a price per million with six
+# decimals is a whole number of them, so sums are exact in any database (SQLite's decimals are floats).
+SPEND_UNITS = 10**12
+
+
 class TokenUsage(models.Model):
-    """Tokens one key spent on one model in one hour, as the routers counted them from the answers."""
+    """Tokens one key spent on one model in one hour, as the routers counted them from the answers, and what they
+    cost at the catalog's prices when they were counted; with the key's team and holder then, so spend stays
+    where it was made if the key moves."""
 
     key = models.ForeignKey(ApiKey, related_name="token_usage", null=True, on_delete=models.SET_NULL)
     key_name = models.CharField(max_length=100, help_text="The key's name when counted (kept if it is deleted).")
@@ -106,13 +114,26 @@ class TokenUsage(models.Model):
     requests = models.PositiveBigIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    spend_units = models.PositiveBigIntegerField(
+        default=0, help_text="What the tokens cost at the prices when counted, in 10⁻¹² of the currency unit."
+    )
+    team = models.ForeignKey("teams.Team", related_name="token_usage", null=True, blank=True, on_delete=models.SET_NULL)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, related_name="token_usage", null=True, blank=True, on_delete=models.SET_NULL
+    )
 
     class Meta:
         ordering = ["-hour", "key_name", "model"]
         constraints = [models.UniqueConstraint(fields=["key", "model", "hour"], name="token_usage_one_row_per_hour")]
+        indexes = [models.Index(fields=["team", "hour"], name="token_usage_team_hour")]
 
     def __str__(self) -> str:
         return f"{self.key_name} on {self.model} at {self.hour:%Y-%m-%d %H}:00"
+
+    @property
+    def spend(self) -> Decimal:
+        """What the tokens cost, in the currency unit."""
+        return Decimal(self.spend_units) / SPEND_UNITS
 
 
 class ContinuationHour(models.Model):

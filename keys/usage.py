@@ -4,7 +4,9 @@ whose engine broke off per model and hour, added to `ContinuationHour`.
 Whoever took the counts from the hub stores them here: the control plane's
 tick (reconciler.demand.tokens), or in router-only mode the router's own token store
 (router.accounting.store). A fixed number of queries: one read of the keys, one
-upsert per `UPSERT_BATCH` rows, one update (continuations: one upsert per batch). The upsert adds in the database
+of the prices of the models and adapters named, one upsert per `UPSERT_BATCH`
+rows, one update (continuations: one upsert per batch). Each row's spend is
+its tokens at the catalog's prices now, with the key's team and holder now. The upsert adds in the database
 (`INSERT … ON CONFLICT DO UPDATE SET n = n + excluded.n`, the same statement on
 SQLite and PostgreSQL), so two processes storing what each took at once still add up.
 """
@@ -15,18 +17,21 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db import connection, transaction
-from django.db.models import Case, DateTimeField, Model, Value, When
+from django.db import connection, models, transaction
+from django.db.models import Case, DateTimeField, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
+from catalog.models import Adapter
+from catalog.models import Model as CatalogModel
 from hub.contracts import ContinuationCounts, TokenCounts
 from keys.models import ApiKey, ContinuationHour, TokenUsage
 
 log = logging.getLogger(__name__)
 
-# Rows per INSERT: 7 parameters each stays under SQLite's oldest limit of 999 variables.
-UPSERT_BATCH = 100
-TOKEN_COLUMNS = ["key_id", "key_name", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
+# Rows per INSERT: 10 parameters each stays under SQLite's oldest limit of 999 variables.
+UPSERT_BATCH = 90
+TOKEN_COLUMNS = ["key_id", "key_name", "model", "hour", "team_id", "user_id"]
+TOKEN_ADDED = ["requests", "prompt_tokens", "completion_tokens", "spend_units"]
 CONTINUATION_COLUMNS = ["model", "hour", "continued", "failed", "refused", "reprocessed_prompt_tokens"]
 
 
@@ -39,25 +44,58 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
     if not digests:
         return 0
     with transaction.atomic():
-        known = {
-            digest: (pk, name)
-            for pk, digest, name in ApiKey.objects.filter(key_hash__in=digests).values_list("id", "key_hash", "name")
-        }
+        columns = ("id", "key_hash", "name", "team_id", "user_id")
+        known = {row[1]: row for row in ApiKey.objects.filter(key_hash__in=digests).values_list(*columns)}
         unknown = digests - set(known)
         if unknown:
             log.warning("dropping token usage of %d unknown API key(s) (deleted since?)", len(unknown))
-        rows = [
-            (known[digest][0], known[digest][1], model, _hour(hour), count.requests, count.prompt, count.completion)
-            for hour, counts in sorted(tokens.items())
-            for digest, models in counts.items()
-            if digest in known
-            for model, count in models.items()
-        ]
+        prices = unit_prices({model for counts in tokens.values() for models in counts.values() for model in models})
+        rows = []
+        for hour, counts in sorted(tokens.items()):
+            for digest, models_used in counts.items():
+                if digest not in known:
+                    continue
+                pk, _, name, team, user = known[digest]
+                for model, count in models_used.items():
+                    spent = _spend(prices.get(model), count.prompt, count.completion)
+                    rows.append(
+                        (
+                            pk,
+                            name,
+                            model,
+                            _hour(hour),
+                            team,
+                            user,
+                            count.requests,
+                            count.prompt,
+                            count.completion,
+                            spent,
+                        )
+                    )
         for start in range(0, len(rows), UPSERT_BATCH):
             batch = rows[start : start + UPSERT_BATCH]
-            _upsert(TokenUsage, TOKEN_COLUMNS, ["key_id", "model", "hour"], TOKEN_COLUMNS[4:], batch)
+            _upsert(TokenUsage, [*TOKEN_COLUMNS, *TOKEN_ADDED], ["key_id", "model", "hour"], TOKEN_ADDED, batch)
         _stamp_last_use({known[d][0]: ts for d, ts in keys.items() if d in known})
     return len(rows)
+
+
+def unit_prices(names: set[str]) -> dict[str, tuple[int, int]]:
+    """(input, output) price of one token of each model or adapter named, in TokenUsage's spend units (a price
+    per million with six decimals makes them whole); one query each for models and adapters, none for no names.
+    A name the catalog lacks (router-only mode) has none: its tokens cost nothing."""
+    if not names:
+        return {}
+    fields = ("name", "price_input_per_million", "price_output_per_million")
+    found = {model.name: model.prices for model in CatalogModel.objects.filter(name__in=names).only(*fields)}
+    for adapter in Adapter.objects.filter(name__in=names).select_related("base"):
+        found[adapter.name] = adapter.prices
+    return {
+        name: (int(p.input_per_million.scaleb(6)), int(p.output_per_million.scaleb(6))) for name, p in found.items()
+    }
+
+
+def _spend(prices: tuple[int, int] | None, prompt: int, completion: int) -> int:
+    return 0 if prices is None else prompt * prices[0] + completion * prices[1]
 
 
 def store_continuations(continuations: dict[int, ContinuationCounts]) -> int:
@@ -81,7 +119,7 @@ def _hour(start: int) -> Any:
 
 
 def _upsert(
-    model: type[Model], columns: list[str], unique: list[str], added: list[str], rows: list[tuple[Any, ...]]
+    model: type[models.Model], columns: list[str], unique: list[str], added: list[str], rows: list[tuple[Any, ...]]
 ) -> None:
     """Add each row (values of `columns`) to the row its `unique` columns name, creating it if need be: one
     statement. The `added` columns add up; the others not in `unique` take the row's value (a key's name now)."""

@@ -217,13 +217,20 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
 
 class TokenUsageSerializer(serializers.ModelSerializer):
-    """Tokens one API key spent on one model in one hour (`key` is the key's name; `key_id` null once deleted)."""
+    """Tokens one API key spent on one model in one hour (`key` is the key's name; `key_id` null once deleted), what
+    they cost at the prices when counted, and the key's team and holder then."""
 
     key = serializers.CharField(source="key_name", read_only=True)
+    spend = serializers.DecimalField(
+        max_digits=32, decimal_places=12, read_only=True, help_text="In the catalog's currency unit, exact."
+    )
 
     class Meta:
         model = TokenUsage
-        fields = ["id", "key", "key_id", "model", "hour", "requests", "prompt_tokens", "completion_tokens"]
+        fields = [
+            "id", "key", "key_id", "model", "hour", "requests", "prompt_tokens", "completion_tokens", "spend", "team",
+            "user",
+        ]  # fmt: skip
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
