@@ -2,6 +2,8 @@
 higher one, the router, the hub and the agent stand alone, and no function-level import hides a cycle."""
 
 import ast
+import fnmatch
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,3 +209,10 @@ def test_no_model_is_reached_by_app_label_outside_migrations():
     call = "apps." + "get_model("
     hidden = [f"{module} reaches a model by app label" for module, path in source_modules() if call in path.read_text()]
     assert hidden == []
+
+
+def test_every_package_of_the_stack_ships_in_the_wheel():
+    """A package the code imports but the wheel leaves out fails only where the wheel is installed: name each."""
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = [name for name in PROJECT if any(fnmatch.fnmatch(name, pattern) for pattern in found["include"])]
+    assert sorted(set(PROJECT) - set(shipped)) == []
