@@ -75,7 +75,7 @@ class ApiKey(models.Model):
         team = self.team
         if team is None:
             return
-        if self.user_id is not None and not team.memberships.filter(user_id=self.user_id).exists():
+        if self.user_id is not None and not team.has_member(self.user_id):
             raise ValidationError({"user": f"{self.user} is not a member of the team “{team.name}”."})
         if team.allowed_models:
             wider = [name for name in self.allowed_models or () if name not in team.allowed_models]

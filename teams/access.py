@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import Q, QuerySet
+from django.db.models import OuterRef, Q, QuerySet, Subquery
 
 from keys.models import ApiKey, TokenUsage
 from teams.models import Membership, Team
@@ -45,9 +45,7 @@ def visible_usage(user: Any) -> QuerySet[TokenUsage]:
     return TokenUsage.objects.filter(key__in=visible_keys(user).values("pk"))
 
 
-def role_in(user: Any, team: Team) -> str | None:
-    """The user's role in the team ("admin", "member"), "operator" for staff outside it, or None."""
-    membership = Membership.objects.filter(team=team, user=user).first()
-    if membership is not None:
-        return membership.role
-    return "operator" if is_operator(user) else None
+def with_roles(teams: QuerySet[Team], user: Any) -> QuerySet[Team]:
+    """`teams`, each annotated with the user's role in it (`role`: "admin", "member", None), in the same query."""
+    roles = Membership.objects.filter(team=OuterRef("pk"), user=user).values("role")[:1]
+    return teams.annotate(role=Subquery(roles))

@@ -19,7 +19,7 @@ from rest_framework.response import Response
 
 from dashboard.api.fields import StrictCharField
 from dashboard.api.guards import RefuseNulMixin
-from teams.access import administered_teams, role_in, visible_teams
+from teams.access import administered_teams, is_operator, visible_teams, with_roles
 from teams.models import Membership, Team
 
 
@@ -33,7 +33,11 @@ class TeamSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "allowed_models", "created_at", "role"]
 
     def get_role(self, team: Team) -> str | None:
-        return role_in(self.context["request"].user, team)
+        # Annotated by the view's query (teams.access.with_roles): no query per team.
+        role: str | None = getattr(team, "role", None)
+        if role is None and is_operator(self.context["request"].user):
+            return "operator"
+        return role
 
 
 class MemberSerializer(serializers.ModelSerializer):
@@ -66,7 +70,7 @@ class TeamViewSet(RefuseNulMixin, viewsets.ReadOnlyModelViewSet):
     lookup_value_regex = "[^/]+"  # any id reaches the view: a JSON 404 for one that is no team's
 
     def get_queryset(self):
-        return visible_teams(self.request.user).order_by("name", "id").distinct()
+        return with_roles(visible_teams(self.request.user), self.request.user).order_by("name", "id").distinct()
 
     def _administered(self) -> Team:
         """The team in the URL, if the asker administers it: 404 if they cannot see it, 403 if only a member."""

@@ -6,6 +6,8 @@ import datetime as dt
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -120,3 +122,18 @@ def test_the_fleet_stays_the_operators(org):
     for path in ("/api/v1/models/", "/api/v1/nodes/", "/api/v1/replicas/", "/api/v1/status/"):
         assert org["ana"].get(path).status_code == 403, path
     assert org["ops"].get("/api/v1/status/").status_code == 200
+
+
+def test_listing_teams_takes_the_same_queries_for_one_team_and_for_many(org):
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert org["ops"].get("/api/v1/teams/").status_code == 200
+        return len(captured)
+
+    few = queries()
+    for i in range(5):
+        Team.objects.create(name=f"more-{i}")
+    assert queries() == few
+    roles = {row["name"]: row["role"] for row in org["ana"].get("/api/v1/teams/").json()["results"]}
+    assert roles == {"search": "admin"}
+    assert {row["role"] for row in org["ops"].get("/api/v1/teams/").json()["results"]} == {"operator"}
