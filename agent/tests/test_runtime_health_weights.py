@@ -3,7 +3,7 @@
 import asyncio
 import os
 
-from agent.tests.stand_ins import ControlPlane, checked, command, make_agent, run, start_ready
+from agent.tests.stand_ins import ControlPlane, checked, command, fresh_heartbeat, make_agent, run, start_ready
 from nodewire import protocol
 from nodewire.tests.test_weights_disk import make_hf_cache
 
@@ -17,13 +17,13 @@ def test_a_gpu_set_unhealthy_is_reported_with_its_reason_by_the_next_heartbeat()
             assert [(g["healthy"], g["reason"]) for g in hello["gpus"]] == [(True, ""), (True, "")]
             assert hello["weights"] is None  # no weights root: nothing known
             agent.set_gpu_health(1, False, "XID 79 (simulated)")
-            heartbeat = checked(await cp.next(protocol.HEARTBEAT))
+            heartbeat = await fresh_heartbeat(cp)
             assert heartbeat["gpus"] == [
                 {"index": 0, "healthy": True, "reason": ""},
                 {"index": 1, "healthy": False, "reason": "XID 79 (simulated)"},
             ]
             agent.set_gpu_health(1, True)
-            heartbeat = checked(await cp.next(protocol.HEARTBEAT))
+            heartbeat = await fresh_heartbeat(cp)
             assert heartbeat["gpus"][1] == {"index": 1, "healthy": True, "reason": ""}
             await agent.shutdown()
             await task
