@@ -7,11 +7,14 @@ a day may last 23 or 25 hours (daylight saving), and a midnight the clocks skip 
 instant that exists (`window`).
 
 A request must fit every budget that applies to it (its key's, its member's, its team's). Amounts are whole
-micro-units of the currency, so sums are exact. `reserve` takes the request's worst-case cost from all of them at
-once, or from none: if any would pass its limit the request is refused, naming the first that would. `settle`
-puts back what the answer did not cost (or takes what it cost beyond the reservation). A reservation never
-settled (its router died) expires after `ttl` seconds and stays charged at what it reserved: a budget may be
-under-used by a lost router, never over-spent.
+`SPEND_UNITS` (10^-12 of the currency unit: tokens times a price per million with six decimals), so every sum
+is exact. `reserve` takes the request's worst-case cost from all of them at once, or from none: if any would
+pass its limit the request is refused, naming the first that would. `settle` puts back what the answer did not
+cost (or takes what it cost beyond the reservation) and, in the same step, adds the cost to the ledger (the
+hub's spend per key, model and hour, which the control plane stores in keys.TokenUsage): the counters and the
+ledger cannot disagree. A reservation never settled (its router died) expires after its `ttl` and is charged
+at what it reserved, to the counters and the ledger alike (a request, no tokens): a lost router's answers are
+never free, and a budget is never over-spent by them.
 
 `InProcessBudgets` is the embedded mode's (one process, a lock); hub.redis_budgets keeps the same counters in
 Redis for every router at once, one script per step.
@@ -22,12 +25,12 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from zoneinfo import ZoneInfo
 
-MICROS = 1_000_000  # micro-units in a unit of currency
+SPEND_UNITS = 10**12  # spend units in a unit of currency (keys.models.SPEND_UNITS)
 
 
 class Window(enum.StrEnum):
@@ -67,17 +70,30 @@ def _midnight(day: date, tz: ZoneInfo) -> datetime:
 
 @dataclass(frozen=True, slots=True)
 class Limit:
-    """One budget a request must fit: its counter (the budget and the window's start) and its limit, in
-    micro-units."""
+    """One budget a request must fit: its counter (the budget and the window's start), its limit (spend units)
+    and how long its counter is kept (seconds; 0 = for ever, a budget with no window)."""
 
     counter: str
     limit: int
+    keep: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A request's worst-case cost (spend units) held against `limits` until it is settled or `ttl` (seconds)
+    passes; `ledger` is "<key digest> <model>", where its cost is counted (hub.contracts.TokenCounts)."""
+
+    id: str
+    amount: int
+    limits: Sequence[Limit]
+    ttl: float
+    ledger: str
 
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a request was refused: the first budget it would overrun, what that budget has spent and reserved,
-    and its limit (micro-units)."""
+    and its limit (spend units)."""
 
     counter: str
     used: int
@@ -89,48 +105,80 @@ def counter_name(budget_id: int, start: datetime | None) -> str:
     return f"{budget_id}:{int(start.timestamp()) if start is not None else 'all'}"
 
 
-class InProcessBudgets:
-    """The counters of one process (embedded mode): a lock makes each step atomic."""
+# (hour, "<digest> <model>", spend, requests): a charge for the ledger (a settlement, or an expired reservation).
+Charge = Callable[[int, str, int, int], None]
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+
+class InProcessBudgets:
+    """The counters of one process (embedded mode): a lock makes each step atomic. `charge` adds to the ledger
+    (hub.memory.MemoryHub's token counts); `clock` is monotonic, `wall` tells the hour of an expiry's charge."""
+
+    def __init__(
+        self,
+        charge: Charge | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._lock = threading.Lock()
         self._used: dict[str, int] = {}
-        # reservation id -> (amount, counters, expiry on `clock`)
-        self._held: dict[str, tuple[int, tuple[str, ...], float]] = {}
+        # reservation id -> (reservation, expiry on `clock`); kept in the order made, so expired ones come first
+        # for reservations of one TTL (a router's).
+        self._held: dict[str, tuple[Reservation, float]] = {}
+        self._charge = charge or (lambda hour, ledger, spend, requests: None)
         self._clock = clock
+        self._wall = wall
 
-    def reserve(self, reservation: str, amount: int, limits: list[Limit], ttl: float) -> Refusal | None:
-        """Take `amount` from every budget in `limits`, or from none; None if taken, else the first refusal."""
+    def reserve(self, reservation: Reservation) -> Refusal | None:
+        """Take the reservation's amount from every budget of its limits, or from none; None if taken, else the
+        first refusal."""
+        amount = reservation.amount
         with self._lock:
-            self._forget_expired()
-            for limit in limits:
+            self._expire()
+            for limit in reservation.limits:
                 used = self._used.get(limit.counter, 0)
                 if used + amount > limit.limit:
                     return Refusal(limit.counter, used, limit.limit)
-            for limit in limits:
+            for limit in reservation.limits:
                 self._used[limit.counter] = self._used.get(limit.counter, 0) + amount
-            self._held[reservation] = (amount, tuple(limit.counter for limit in limits), self._clock() + ttl)
+            self._held[reservation.id] = (reservation, self._clock() + reservation.ttl)
             return None
 
-    def settle(self, reservation: str, cost: int) -> bool:
-        """Charge the answer's real `cost` in place of what was reserved; False if the reservation is gone
-        (expired: it stays charged as reserved)."""
+    def settle(self, reservation_id: str, cost: int, hour: int) -> bool:
+        """Charge the answer's real `cost` in place of what was reserved, to the counters and the ledger (in
+        `hour`); False if the reservation is gone (expired, and charged as reserved)."""
         with self._lock:
-            self._forget_expired()
-            held = self._held.pop(reservation, None)
+            self._expire()
+            held = self._held.pop(reservation_id, None)
             if held is None:
                 return False
-            amount, counters, _ = held
-            for counter in counters:
-                self._used[counter] += cost - amount
+            reservation = held[0]
+            for limit in reservation.limits:
+                self._used[limit.counter] += cost - reservation.amount
+            if cost:
+                self._charge(hour, reservation.ledger, cost, 0)
             return True
 
     def used(self, counter: str) -> int:
-        """What a budget's counter holds: spent and still reserved (micro-units)."""
+        """What a budget's counter holds: spent and still reserved (spend units)."""
         with self._lock:
             return self._used.get(counter, 0)
 
-    def _forget_expired(self) -> None:
+    def sweep(self) -> None:
+        """Charge the reservations expired by now (each step does it too)."""
+        with self._lock:
+            self._expire()
+
+    def _expire(self) -> None:
         now = self._clock()
-        for reservation in [r for r, (_, _, expiry) in self._held.items() if expiry <= now]:
-            del self._held[reservation]
+        expired = []
+        for reservation, expiry in self._held.values():
+            if expiry > now:
+                break  # the rest were made later (one TTL in a process)
+            expired.append(reservation)
+        if not expired:
+            return
+        hour = int(self._wall() // 3600) * 3600
+        for reservation in expired:
+            del self._held[reservation.id]
+            # Charged as reserved: a request, its worst case, no tokens known.
+            self._charge(hour, reservation.ledger, reservation.amount, 1)

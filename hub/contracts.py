@@ -17,7 +17,8 @@ implements all of them (`hub.memory.InProcessHub` embedded,
   bound to some), the tick drains;
 * key changes: the control plane names API keys (by hash) that were revoked,
   deleted or edited, and every router drops them from its cache at once;
-* rate-limit counters: routers add up what limited keys used this minute.
+* rate-limit counters: routers add up what limited keys used this minute;
+* budgets: routers reserve a request's worst case at admission and settle its cost at its end (hub.budgets).
 
 Control-plane methods are synchronous (they run inside the tick); router
 methods are coroutines (they run on the router's loop).
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, NamedTuple, Protocol
 
 import msgspec
+
+from hub.budgets import Refusal, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -134,17 +137,23 @@ class EndpointTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tru
 
 
 class TokenCount(msgspec.Struct, kw_only=True, array_like=True):
-    """Requests and tokens of one key on one model; `[requests, prompt, completion]` on the wire. Counters."""
+    """Requests and tokens of one key on one model, and what they cost; `[requests, prompt, completion, spend]` on
+    the wire (an older router's three fields read as no spend; an older hub reads the first three). Counters.
+
+    `spend` is in hub.budgets.SPEND_UNITS (10^-12 of the currency unit): each answer's tokens at the prices of the
+    endpoint table that served it, counted once, by the router that relayed it or by the budgets' settlement."""
 
     requests: NonNegative
     prompt: NonNegative
     completion: NonNegative
+    spend: NonNegative = 0
 
     def add(self, other: TokenCount) -> None:
         """Add `other`'s counts to these."""
         self.requests += other.requests
         self.prompt += other.prompt
         self.completion += other.completion
+        self.spend += other.spend
 
 
 TokenCounts = dict[str, dict[str, TokenCount]]
@@ -165,7 +174,9 @@ def add_token_counts(into: TokenCounts, counts: TokenCounts) -> None:
         for model, count in models.items():
             total = per_key.get(model)
             if total is None:
-                per_key[model] = TokenCount(requests=count.requests, prompt=count.prompt, completion=count.completion)
+                per_key[model] = TokenCount(
+                    requests=count.requests, prompt=count.prompt, completion=count.completion, spend=count.spend
+                )
             else:
                 total.add(count)
 
@@ -444,6 +455,21 @@ class RateLimitCounters(Protocol):
         ...
 
 
+class BudgetCounters(Protocol):
+    """Budgets' counters shared by every router (hub.budgets): a reservation at admission, a settlement at the
+    answer's end, each one atomic step (one Redis round trip)."""
+
+    async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
+        """Take the reservation's worst case from every budget of its limits, or from none: None if taken, else
+        the first budget it would overrun."""
+        ...
+
+    async def settle_budget(self, reservation_id: str, cost: int, hour: int) -> bool:
+        """Charge the answer's real `cost` (spend units) in place of its reservation, to the counters and to the
+        ledger's `hour`; False if the reservation had expired (then charged at what it reserved)."""
+        ...
+
+
 class UsageExchange(UsageSink, RateLimitCounters, Protocol):
     """What a router's usage flusher talks to: usage reports, then rate-limit counts."""
 
@@ -452,5 +478,7 @@ class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, KeyChangeSink,
     """Everything the reconcile tick needs from the hub."""
 
 
-class RouterHub(EndpointSource, UsageSink, ActivationQueue, KeyChangeSource, RateLimitCounters, Protocol):
+class RouterHub(
+    EndpointSource, UsageSink, ActivationQueue, KeyChangeSource, RateLimitCounters, BudgetCounters, Protocol
+):
     """Everything a router needs from the hub."""

@@ -1,5 +1,5 @@
 """The embedded hub: endpoint table, usage stamps, token and continuation counts, routers' watch marks,
-activations and key changes in this process.
+activations, key changes and budgets' counters in this process.
 
 Shared by the embedded ticker's thread and the router's event loop, so every
 method takes one lock and none blocks.
@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
+from hub.budgets import InProcessBudgets, Refusal, Reservation
 from hub.contracts import (
     Activation,
     ContinuationCounts,
@@ -20,6 +21,7 @@ from hub.contracts import (
     LimitCount,
     LimitCounts,
     RouterMark,
+    TokenCount,
     TokenCounts,
     UsageReport,
     UsageSnapshot,
@@ -49,6 +51,8 @@ class InProcessHub:
         self._keys: dict[str, float] = {}  # key digest -> last use, until the tick takes it
         self._continuations: dict[int, ContinuationCounts] = {}  # hour -> counts, like `_tokens`
         self._limits: dict[tuple[int, str], list[int]] = {}  # (minute, key digest) -> [requests, tokens]
+        # Budgets' counters; a settlement's cost (or an expired reservation's) is added to `_tokens`.
+        self.budgets = InProcessBudgets(charge=self._charge, wall=clock)
 
     def on_activation(self, listener: Callable[[], None]) -> None:
         """Call `listener` (from any thread) whenever a router asks for an activation.
@@ -72,6 +76,7 @@ class InProcessHub:
         return True
 
     def collect_usage(self) -> UsageSnapshot:
+        self.budgets.sweep()  # expired reservations are charged before the ledger is taken
         with self._lock:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
@@ -85,6 +90,7 @@ class InProcessHub:
             )
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
+        self.budgets.sweep()
         with self._lock:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
@@ -109,6 +115,19 @@ class InProcessHub:
         with self._lock:
             for hour, counts in continuations.items():
                 add_continuation_counts(self._continuations.setdefault(hour, {}), counts)
+
+    def _charge(self, hour: int, ledger: str, spend: int, requests: int) -> None:
+        """Add a budget's charge to the ledger (called by `budgets`, under its lock: takes this hub's)."""
+        digest, model = ledger.split(" ", 1)
+        count = TokenCount(requests=requests, prompt=0, completion=0, spend=spend)
+        with self._lock:
+            self._add_tokens(hour, {digest: {model: count}})
+
+    async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
+        return self.budgets.reserve(reservation)
+
+    async def settle_budget(self, reservation_id: str, cost: int, hour: int) -> bool:
+        return self.budgets.settle(reservation_id, cost, hour)
 
     def _add_tokens(self, hour: int, counts: TokenCounts) -> None:
         add_token_counts(self._tokens.setdefault(hour, {}), counts)

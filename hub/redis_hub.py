@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 import redis
 import redis.asyncio
 
+from hub.budgets import Refusal, Reservation
 from hub.contracts import (
     Activation,
     ContinuationCount,
@@ -46,6 +48,15 @@ from hub.contracts import (
     hour_of,
 )
 from hub.fingerprint import fingerprinted
+from hub.redis_budgets import (
+    LEDGER_KEYS,
+    RESERVE_LUA,
+    SETTLE_LUA,
+    SWEEP_LUA,
+    refusal_of,
+    reserve_call,
+    settle_call,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +73,7 @@ KEY_CHANGES_CHANNEL = "llmgw:api-key-changes"
 TOKENS_KEY = "llmgw:usage:tokens"
 KEYS_USED_KEY = "llmgw:usage:keys_last_used"
 # Token counter fields are "<kind> <hour> <key digest> <model>": the model last, as it may contain spaces.
-TOKEN_KINDS = ("requests", "prompt", "completion")
+TOKEN_KINDS = ("requests", "prompt", "completion", "spend")
 # Continuation counter fields are "<kind> <hour> <model>", a kind for each field of ContinuationCount.
 CONTINUATIONS_KEY = "llmgw:usage:continuations"
 CONTINUATION_KINDS = tuple(f.name for f in msgspec.structs.fields(ContinuationCount))
@@ -85,6 +96,10 @@ redis.call('HSET', KEYS[1], ARGV[1],
   '{"since": ' .. since .. ', "renewed": ' .. ARGV[2] .. ', "ttl": ' .. ARGV[3] .. ', "in_flight": ' .. ARGV[4] .. '}')
 return since
 """
+
+
+_RESERVE_SHA = hashlib.sha1(RESERVE_LUA.encode()).hexdigest()  # noqa: S324 (Redis names scripts by SHA-1)
+_SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()  # noqa: S324
 
 
 def _token_fields(hour: int, tokens: TokenCounts) -> dict[str, int]:
@@ -224,6 +239,7 @@ class RedisHub:
 
     def collect_usage(self) -> UsageSnapshot:
         pipe = self._sync.pipeline(transaction=True)
+        self._sweep_budgets(pipe)  # expired reservations are charged before the ledger is taken (its reply first)
         pipe.hgetall(ROUTERS_KEY)  # marks before stamps: see UsageSnapshot
         pipe.zrange(USAGE_KEY, 0, -1, withscores=True)
         # Taken, not read: counters deleted in the same MULTI start again at zero for the next tick.
@@ -231,8 +247,9 @@ class RedisHub:
         pipe.zrange(KEYS_USED_KEY, 0, -1, withscores=True)
         pipe.hgetall(CONTINUATIONS_KEY)
         pipe.delete(TOKENS_KEY, KEYS_USED_KEY, CONTINUATIONS_KEY)
-        raw_marks, rows, raw_tokens, key_rows, raw_continuations, _ = cast(
+        _, raw_marks, rows, raw_tokens, key_rows, raw_continuations, _ = cast(
             tuple[
+                int,
                 dict[bytes, bytes],
                 list[tuple[bytes, float]],
                 dict[bytes, bytes],
@@ -258,14 +275,21 @@ class RedisHub:
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
         pipe = self._sync.pipeline(transaction=True)
+        self._sweep_budgets(pipe)
         pipe.hgetall(TOKENS_KEY)
         pipe.zrange(KEYS_USED_KEY, 0, -1, withscores=True)
         pipe.delete(TOKENS_KEY, KEYS_USED_KEY)  # in the same MULTI: taken by exactly one caller
-        raw_tokens, key_rows, _ = cast(
-            tuple[dict[bytes, bytes], list[tuple[bytes, float]], int],
+        _, raw_tokens, key_rows, _ = cast(
+            tuple[int, dict[bytes, bytes], list[tuple[bytes, float]], int],
             pipe.execute(),
         )
         return _parse_token_fields(raw_tokens), {member.decode(): score for member, score in key_rows}
+
+    def _sweep_budgets(self, pipe: Any) -> None:
+        """Queue the script charging expired budget reservations to the ledger (EVAL: a pipeline's registered
+        script costs a SCRIPT EXISTS first)."""
+        now = self._clock()
+        pipe.eval(SWEEP_LUA, len(LEDGER_KEYS), *LEDGER_KEYS, int(now * 1000), hour_of(now))
 
     def take_continuations(self) -> dict[int, ContinuationCounts]:
         pipe = self._sync.pipeline(transaction=True)
@@ -398,6 +422,22 @@ class RedisHub:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
+        keys, args = reserve_call(reservation, self._clock())
+        return refusal_of(reservation, await self._script(RESERVE_LUA, _RESERVE_SHA, keys, args))
+
+    async def settle_budget(self, reservation_id: str, cost: int, hour: int) -> bool:
+        keys, args = settle_call(reservation_id, cost, hour)
+        return bool(await self._script(SETTLE_LUA, _SETTLE_SHA, keys, args))
+
+    async def _script(self, script: str, sha: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script in one round trip: by its digest, sent whole only when Redis does not have it yet."""
+        client = self._aio()
+        try:
+            return await client.evalsha(sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return await client.eval(script, len(keys), *keys, *args)
 
     async def sync_limits(self, minute: int, deltas: LimitCounts) -> tuple[LimitCounts, int]:
         key = LIMITS_KEY.format(minute=minute)

@@ -1,11 +1,13 @@
-"""API keys (stored hashed, shown once), the tokens each key spent per model and hour, and each model's answers
-whose engine broke off per hour."""
+"""API keys (stored hashed, shown once), the tokens each key spent per model and hour, each model's answers
+whose engine broke off per hour, and the budgets of keys, members and teams."""
 
 from decimal import Decimal
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from hub.credentials import hash_secret, new_secret
@@ -162,3 +164,103 @@ class ContinuationHour(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} at {self.hour:%Y-%m-%d %H}:00"
+
+
+class Budget(models.Model):
+    """What a team, a member within a team, or a key may spend in a window (hub.budgets): a request must fit
+    every budget that applies to it, its key's, its member's and its team's.
+
+    Exactly one scope: a key (`key`), a member of a team (`team` and `user`), or a whole team (`team` alone).
+    Windows begin at local midnights of `timezone` (a day, a week from Monday, a month from the first) or
+    never (`none`: the amount is for all time). At `soft_limit_percent` of the amount one alert per window
+    goes to `alert_url`; at the amount, requests are refused (429 budget_exceeded) until the window resets.
+    """
+
+    class Window(models.TextChoices):
+        DAY = "day", "day"
+        WEEK = "week", "week (from Monday)"
+        MONTH = "month", "month"
+        NONE = "none", "none (for all time)"
+
+    team = models.ForeignKey(
+        "teams.Team", related_name="budgets", null=True, blank=True, on_delete=models.CASCADE,
+        help_text="The team it limits (with a user: that member's spend within the team).",
+    )  # fmt: skip
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, related_name="budgets", null=True, blank=True, on_delete=models.CASCADE,
+        help_text="A member of the team whose own spend in it is limited; empty = the whole team.",
+    )  # fmt: skip
+    key = models.ForeignKey(
+        ApiKey, related_name="budgets", null=True, blank=True, on_delete=models.CASCADE,
+        help_text="The one key it limits (then no team or user).",
+    )  # fmt: skip
+    amount = models.DecimalField(
+        max_digits=16,
+        decimal_places=6,
+        validators=[MinValueValidator(Decimal(0), "A budget cannot be negative.")],
+        help_text="What may be spent in a window, in the currency unit of the catalog's prices (0 = nothing).",
+    )
+    window = models.CharField(max_length=8, choices=Window.choices, default=Window.MONTH)
+    timezone = models.CharField(
+        max_length=64, default="UTC", help_text="Where the window's midnights are, e.g. Europe/Paris."
+    )
+    soft_limit_percent = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="Alert once per window when spend reaches this share of the amount; empty = no alert.",
+    )
+    alert_url = models.URLField(blank=True, help_text="Where the alert is POSTed (JSON); empty = logged only.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.CheckConstraint(
+                name="budget_has_one_scope",
+                condition=(
+                    models.Q(key__isnull=False, team__isnull=True, user__isnull=True)
+                    | models.Q(key__isnull=True, team__isnull=False)
+                ),
+            ),
+            models.UniqueConstraint(
+                fields=["key", "window"], condition=models.Q(key__isnull=False), name="budget_once_per_key_window"
+            ),
+            models.UniqueConstraint(
+                fields=["team", "window"],
+                condition=models.Q(team__isnull=False, user__isnull=True),
+                name="budget_once_per_team_window",
+            ),
+            models.UniqueConstraint(
+                fields=["team", "user", "window"],
+                condition=models.Q(user__isnull=False),
+                name="budget_once_per_member_window",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope_text()}: {self.amount.normalize():f} per {self.window}"
+
+    def scope_text(self) -> str:
+        """Whose budget it is, in words (the 429 and the alerts name it so)."""
+        if self.key is not None:
+            return f"key “{self.key.name}”"
+        team = self.team.name if self.team is not None else "?"
+        if self.user_id is not None:
+            return f"{self.user} in team “{team}”"
+        return f"team “{team}”"
+
+    def clean(self) -> None:
+        """One scope; a member's budget is for a member of the team; a time zone that exists."""
+        super().clean()
+        if self.key_id is not None and (self.team_id is not None or self.user_id is not None):
+            raise ValidationError({"key": "A key's budget names no team or user: the key's own are counted apart."})
+        if self.key_id is None and self.team_id is None:
+            raise ValidationError({"team": "A budget is a team's, a member's within a team, or a key's: name one."})
+        if self.user_id is not None and self.team is not None and not self.team.has_member(self.user_id):
+            raise ValidationError({"user": f"{self.user} is not a member of the team “{self.team.name}”."})
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            message = f"Unknown time zone “{self.timezone}”: use a name like Europe/Paris."
+            raise ValidationError({"timezone": message}) from None

@@ -25,25 +25,26 @@ def clocked_hub(request):
 
 
 def report(router, tokens=None, keys=None):
-    """A report of `tokens` given as {digest: {model: [requests, prompt, completion]}}."""
+    """A report of `tokens` given as {digest: {model: [requests, prompt, completion(, spend)]}}: a report
+    without spend is an older router's."""
     return UsageReport(router=router, tokens=msgspec.convert(tokens or {}, TokenCounts), keys=keys or {})
 
 
 def plain(tokens):
-    """Taken token counts as {hour: {digest: {model: [requests, prompt, completion]}}}, as they are compared."""
+    """Taken token counts as {hour: {digest: {model: [requests, prompt, completion, spend]}}}, as compared."""
     return msgspec.to_builtins(tokens)
 
 
 def test_two_routers_counts_add_up_and_one_take_gets_them_all_once(clocked_hub):
     hub, _ = clocked_hub
-    asyncio.run(hub.report_usage(report("a", {"k1": {"llama": [2, 10, 20]}}, {"k1": T0 + 5})))
+    asyncio.run(hub.report_usage(report("a", {"k1": {"llama": [2, 10, 20, 7 * 10**15]}}, {"k1": T0 + 5})))
     asyncio.run(
         hub.report_usage(report("b", {"k1": {"llama": [1, 1, 1], "qwen": [1, 2, 3]}, "k2": {"llama": [1, 0, 0]}}))
     )
-    asyncio.run(hub.report_usage(report("a", {"k1": {"llama": [1, 1, 1]}})))
+    asyncio.run(hub.report_usage(report("a", {"k1": {"llama": [1, 1, 1, 3]}})))
     snapshot = hub.collect_usage()
     assert plain(snapshot.tokens) == {
-        int(T0): {"k1": {"llama": [4, 12, 22], "qwen": [1, 2, 3]}, "k2": {"llama": [1, 0, 0]}}
+        int(T0): {"k1": {"llama": [4, 12, 22, 7 * 10**15 + 3], "qwen": [1, 2, 3, 0]}, "k2": {"llama": [1, 0, 0, 0]}}
     }
     # Taken: a second collection (a second tick, or another leader) finds nothing to count again.
     again = hub.collect_usage()
@@ -56,8 +57,8 @@ def test_counts_are_kept_per_hour_of_the_report(clocked_hub):
     clock.now = T0 + 3600 + 1
     asyncio.run(hub.report_usage(report("a", {"k": {"m": [1, 2, 2]}})))
     assert plain(hub.collect_usage().tokens) == {
-        int(T0): {"k": {"m": [1, 1, 1]}},
-        int(T0) + 3600: {"k": {"m": [1, 2, 2]}},
+        int(T0): {"k": {"m": [1, 1, 1, 0]}},
+        int(T0) + 3600: {"k": {"m": [1, 2, 2, 0]}},
     }
 
 
@@ -76,7 +77,7 @@ def test_restored_counts_add_to_what_arrived_meanwhile(clocked_hub):
     asyncio.run(hub.report_usage(report("a", {"k": {"m": [1, 5, 5]}}, {"k": 90.0})))
     hub.restore_tokens(taken.tokens, taken.keys)
     snapshot = hub.collect_usage()
-    assert plain(snapshot.tokens) == {int(T0): {"k": {"m": [2, 6, 6]}}}
+    assert plain(snapshot.tokens) == {int(T0): {"k": {"m": [2, 6, 6, 0]}}}
     assert snapshot.keys == {"k": 100.0}
 
 
@@ -96,16 +97,16 @@ def test_reports_racing_a_take_are_each_counted_exactly_once(clocked_hub):
 
     async def routers():
         for _ in range(flushes):
-            await hub.report_usage(report("a", {"k": {"m": [1, 2, 3]}}))
+            await hub.report_usage(report("a", {"k": {"m": [1, 2, 3, 4]}}))
 
     asyncio.run(routers())
     done.set()
     ticker.join(10)
-    total = [0, 0, 0]
+    total = [0, 0, 0, 0]
     for tokens in taken:
         for counts in tokens.values():
             total = [t + n for t, n in zip(total, counts["k"]["m"], strict=True)]
-    assert total == [flushes, 2 * flushes, 3 * flushes]
+    assert total == [flushes, 2 * flushes, 3 * flushes, 4 * flushes]
 
 
 def nothing_stored(hub):
@@ -136,6 +137,6 @@ def test_redis_drops_a_malformed_counter_and_takes_the_others(redis_url):
     client.hset(TOKENS_KEY, "bogus", "1")
     hub = RedisHub(redis_url, clock=FakeClock(T0))
     asyncio.run(hub.report_usage(report("a", {"k": {"model with spaces": [1, 2, 3]}})))
-    assert plain(hub.collect_usage().tokens) == {int(T0): {"k": {"model with spaces": [1, 2, 3]}}}
+    assert plain(hub.collect_usage().tokens) == {int(T0): {"k": {"model with spaces": [1, 2, 3, 0]}}}
     assert not client.exists(TOKENS_KEY)
     client.close()

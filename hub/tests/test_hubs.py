@@ -356,4 +356,6 @@ def test_the_hub_contracts_are_built_by_field_name_so_their_order_is_no_part_of_
         TokenCount(*counts)
     with pytest.raises(TypeError):
         EndpointRow(*row)
-    assert msgspec.json.encode(TokenCount(requests=1, prompt=2, completion=3)) == b"[1,2,3]"
+    assert msgspec.json.encode(TokenCount(requests=1, prompt=2, completion=3, spend=4)) == b"[1,2,3,4]"
+    # An older router's counts carry no spend; an older hub reading ours takes the first three.
+    assert msgspec.json.decode(b"[1,2,3]", type=TokenCount) == TokenCount(requests=1, prompt=2, completion=3)
