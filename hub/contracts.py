@@ -75,6 +75,13 @@ class ModelEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     token_ids: bool = False
     """Whether every engine of its profiles accepts vLLM's `return_token_ids` and token-id prompts, so a broken
     stream is continued token for token rather than from its text."""
+    price_input: NonNegative = 0
+    price_output: NonNegative = 0
+    """What one prompt (input) and one completion (output) token cost, in spend units (hub.budgets.SPEND_UNITS:
+    the catalog's price per million with six decimals, times 10^6); 0 = free."""
+    output_bound: NonNegative = 0
+    """The most tokens one of its answers may have when the request sets no limit: its profiles' largest
+    `max_model_len`; 0 = not known. Routers reserve a budget's worst case with it."""
 
 
 class EndpointRow(msgspec.Struct, kw_only=True, frozen=True):
@@ -114,6 +121,9 @@ class AdapterEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     replicas: list[Name] = []
     loading: bool = False
     """The control plane has sent a load for it that has not been answered yet."""
+    price_input: NonNegative = 0
+    price_output: NonNegative = 0
+    """Its token prices as ModelEntry's: its own, or its base model's where it sets none."""
 
 
 ADAPTER_STAMP_SEPARATOR = "/"

@@ -106,8 +106,9 @@ SPEND_UNITS = 10**12
 
 class TokenUsage(models.Model):
     """Tokens one key spent on one model in one hour, as the routers counted them from the answers, and what they
-    cost at the catalog's prices when they were counted; with the key's team and holder then, so spend stays
-    where it was made if the key moves."""
+    cost: each answer's tokens at the catalog's prices as the endpoint table that served it carried them (or its
+    budgets' settlement, hub.budgets); with the key's team and holder then, so spend stays where it was made if
+    the key moves."""
 
     key = models.ForeignKey(ApiKey, related_name="token_usage", null=True, on_delete=models.SET_NULL)
     key_name = models.CharField(max_length=100, help_text="The key's name when counted (kept if it is deleted).")

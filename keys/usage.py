@@ -4,9 +4,10 @@ whose engine broke off per model and hour, added to `ContinuationHour`.
 Whoever took the counts from the hub stores them here: the control plane's
 tick (reconciler.demand.tokens), or in router-only mode the router's own token store
 (router.accounting.store). A fixed number of queries: one read of the keys, one
-of the prices of the models and adapters named, one upsert per `UPSERT_BATCH`
-rows, one update (continuations: one upsert per batch). Each row's spend is
-its tokens at the catalog's prices now, with the key's team and holder now. The upsert adds in the database
+upsert per `UPSERT_BATCH` rows, one update (continuations: one upsert per batch).
+Each row's spend is what the routers charged (each answer's tokens at the prices of
+the endpoint table that served it, or its budgets' settlement: hub.budgets), with the
+key's team and holder now. The upsert adds in the database
 (`INSERT … ON CONFLICT DO UPDATE SET n = n + excluded.n`, the same statement on
 SQLite and PostgreSQL), so two processes storing what each took at once still add up.
 """
@@ -21,8 +22,6 @@ from django.db import connection, models, transaction
 from django.db.models import Case, DateTimeField, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
-from catalog.models import Adapter
-from catalog.models import Model as CatalogModel
 from hub.contracts import ContinuationCounts, TokenCounts
 from keys.models import ApiKey, ContinuationHour, TokenUsage
 
@@ -49,7 +48,6 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
         unknown = digests - set(known)
         if unknown:
             log.warning("dropping token usage of %d unknown API key(s) (deleted since?)", len(unknown))
-        prices = unit_prices({model for counts in tokens.values() for models in counts.values() for model in models})
         rows = []
         for hour, counts in sorted(tokens.items()):
             for digest, models_used in counts.items():
@@ -57,7 +55,6 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
                     continue
                 pk, _, name, team, user = known[digest]
                 for model, count in models_used.items():
-                    spent = _spend(prices.get(model), count.prompt, count.completion)
                     rows.append(
                         (
                             pk,
@@ -69,7 +66,7 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
                             count.requests,
                             count.prompt,
                             count.completion,
-                            spent,
+                            count.spend,
                         )
                     )
         for start in range(0, len(rows), UPSERT_BATCH):
@@ -77,25 +74,6 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
             _upsert(TokenUsage, [*TOKEN_COLUMNS, *TOKEN_ADDED], ["key_id", "model", "hour"], TOKEN_ADDED, batch)
         _stamp_last_use({known[d][0]: ts for d, ts in keys.items() if d in known})
     return len(rows)
-
-
-def unit_prices(names: set[str]) -> dict[str, tuple[int, int]]:
-    """(input, output) price of one token of each model or adapter named, in TokenUsage's spend units (a price
-    per million with six decimals makes them whole); one query each for models and adapters, none for no names.
-    A name the catalog lacks (router-only mode) has none: its tokens cost nothing."""
-    if not names:
-        return {}
-    fields = ("name", "price_input_per_million", "price_output_per_million")
-    found = {model.name: model.prices for model in CatalogModel.objects.filter(name__in=names).only(*fields)}
-    for adapter in Adapter.objects.filter(name__in=names).select_related("base"):
-        found[adapter.name] = adapter.prices
-    return {
-        name: (int(p.input_per_million.scaleb(6)), int(p.output_per_million.scaleb(6))) for name, p in found.items()
-    }
-
-
-def _spend(prices: tuple[int, int] | None, prompt: int, completion: int) -> int:
-    return 0 if prices is None else prompt * prices[0] + completion * prices[1]
 
 
 def store_continuations(continuations: dict[int, ContinuationCounts]) -> int:

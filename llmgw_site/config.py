@@ -225,6 +225,22 @@ SETTINGS: tuple[Setting, ...] = (
         0,
     ),
     _s(
+        "LLMGW_BUDGET_RESERVATION_SECONDS",
+        "float",
+        3600.0,
+        "how long a budget's reservation outlives a router that died holding it, before it is charged at what it "
+        "reserved (longer than any answer: one still running then is charged so too)",
+        1.0,
+    ),
+    _s(
+        "LLMGW_BUDGET_OUTPUT_TOKENS",
+        "int",
+        32768,
+        "the answer a budget's reservation counts on when the request sets no `max_tokens` and no profile of the "
+        "model sets `max_model_len`",
+        1,
+    ),
+    _s(
         "LLMGW_SHUTDOWN_GRACE_SECONDS",
         "float",
         30.0,

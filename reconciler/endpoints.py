@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 
 from django.conf import settings
 from django.db.models import Exists, OuterRef, TextField
@@ -64,7 +65,14 @@ def _adapters(models: dict[str, ModelEntry], endpoints: list[EndpointRow]) -> di
     rows = list(
         Adapter.objects.filter(enabled=True, base__enabled=True)
         .order_by("name")
-        .values_list("pk", "name", "base__name", Cast("aliases", TextField()))
+        .values_list(
+            "pk",
+            "name",
+            "base__name",
+            Cast("aliases", TextField()),
+            "price_input_per_million",
+            "price_output_per_million",
+        )
     )
     if not rows:
         return {}
@@ -83,10 +91,23 @@ def _adapters(models: dict[str, ModelEntry], endpoints: list[EndpointRow]) -> di
         else:
             loading.add(adapter_id)
     return {
-        name: AdapterEntry(base=base, aliases=_aliases(aliases), replicas=held.get(pk, []), loading=pk in loading)
-        for pk, name, base, aliases in rows
+        name: AdapterEntry(
+            base=base,
+            aliases=_aliases(aliases),
+            replicas=held.get(pk, []),
+            loading=pk in loading,
+            # An adapter's own price, else its base's (catalog.prices.inherited).
+            price_input=models[base].price_input if price_in is None else token_price(price_in),
+            price_output=models[base].price_output if price_out is None else token_price(price_out),
+        )
+        for pk, name, base, aliases, price_in, price_out in rows
         if base in models
     }
+
+
+def token_price(per_million: Decimal) -> int:
+    """One token's price in spend units (hub.budgets.SPEND_UNITS) from a price per million tokens (six decimals)."""
+    return int(per_million.scaleb(6))
 
 
 def _aliases(text: str | None) -> list[str]:
@@ -105,12 +126,26 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
     names: dict[int, str] = {}
     continued: set[int] = set()  # models whose broken streams routers continue
     engines: dict[int, set[str]] = {}  # and whether they may ask for token ids depends on every engine of theirs
-    for model_id, name, start_seconds, pool, continues, engine in (
+    prices: dict[int, tuple[int, int]] = {}  # the model's token prices in spend units
+    bounds: dict[int, int] = {}  # the largest context a profile serves it with
+    for model_id, name, start_seconds, pool, continues, engine, price_in, price_out, context in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
-        .values_list("model_id", "model__name", "start_seconds", "pool", "model__continue_streams", "engine")
+        .values_list(
+            "model_id",
+            "model__name",
+            "start_seconds",
+            "pool",
+            "model__continue_streams",
+            "engine",
+            "model__price_input_per_million",
+            "model__price_output_per_million",
+            "max_model_len",
+        )
     ):
         names[model_id] = name
+        prices[model_id] = (token_price(price_in), token_price(price_out))
+        bounds[model_id] = max(bounds.get(model_id, 0), context or 0)
         first_start.setdefault(model_id, start_seconds)
         pools.setdefault(model_id, set()).add(pool)
         engines.setdefault(model_id, set()).add(engine)
@@ -142,6 +177,9 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
             pools=sorted(pools[model_id]),
             continue_streams=model_id in continued,
             token_ids=engines[model_id] <= TOKEN_ID_ENGINES,
+            price_input=prices[model_id][0],
+            price_output=prices[model_id][1],
+            output_bound=bounds[model_id],
         )
     return models
 

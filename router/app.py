@@ -57,6 +57,7 @@ class RouterApp:
         self._routes = state.routes
         self._limits = state.ledger.limits
         self._keys = state.keys
+        self._budgets = state.budgets
         self._metrics = state.metrics
         self._proxy = state.proxy
         self._max_body_bytes = state.config.max_body_bytes
@@ -238,8 +239,12 @@ class RouterApp:
             if body is None:
                 traffic.answered(model, CLIENT_CLOSED)
                 return
-            model, body, streaming, affinity = self._parse(body)
+            model, body, streaming, affinity, payload = self._parse(body)
             self._admit(key, model)
+            hold = None
+            if key.budgets:
+                prices = self._routes.prices.get(model)
+                hold = await self._budgets.reserve(key.budgets, key.digest, model, body, payload, prices)
         except RouterError as exc:
             traffic.answered(model, exc.status)
             raise
@@ -248,12 +253,12 @@ class RouterApp:
         # go away while we wait for a replica or stream: the sweep of requests in flight then cancels this
         # task, so the upstream request stops with it (router.forwarding.inflight).
         exchange = self._in_flight.begin(key.digest, receive)
+        exchange.hold = hold
         traffic.in_flight += 1
+        pools = key.allowed_pools or None
+        request = Forwarding(scope, send, path, model, body, exchange, streaming, affinity, pools, received=received)
         try:
-            pools = key.allowed_pools or None
-            await self._proxy.forward(
-                Forwarding(scope, send, path, model, body, exchange, streaming, affinity, pools, received=received)
-            )
+            await self._proxy.forward(request)
         except asyncio.CancelledError:
             if not exchange.client_gone():
                 raise
@@ -269,6 +274,8 @@ class RouterApp:
         finally:
             self._in_flight.end(exchange)
             traffic.in_flight -= 1
+            if hold is not None:
+                self._budgets.settle(hold, exchange.usage, request.headers_sent)
             traffic.answered(model, exchange.status or CLIENT_CLOSED)
 
     def _admit(self, key: KeyInfo, model: str) -> None:
@@ -283,10 +290,10 @@ class RouterApp:
         if key.rpm is not None or key.tpm is not None:
             self._limits.admit(key.digest, key.name, key.rpm, key.tpm)
 
-    def _parse(self, body: bytes) -> tuple[str, bytes, bool, Prefix | None]:
-        """(public model name, body for the engine, whether it streams, prompt prefix: router.picking.affinity), or a
-        RouterError naming the problem. The public name is a LoRA adapter's when the request names one (or its
-        alias)."""
+    def _parse(self, body: bytes) -> tuple[str, bytes, bool, Prefix | None, dict[str, Any]]:
+        """(public model name, body for the engine, whether it streams, prompt prefix: router.picking.affinity, the
+        request decoded), or a RouterError naming the problem. The public name is a LoRA adapter's when the request
+        names one (or its alias)."""
         payload = decode_object(body)
         requested = requested_model(payload)
         public = self._routes.resolve(requested)
@@ -298,7 +305,7 @@ class RouterApp:
             body = json.dumps(payload).encode()
         # A prefix only matters where there is a choice of replicas (router.picking.affinity): not hashed otherwise.
         affinity = prefix_affinity(payload) if self._routes.has_choice(public) else None
-        return public, body, payload.get("stream") is True, affinity
+        return public, body, payload.get("stream") is True, affinity, payload
 
 
 def bearer_token(scope: Scope) -> str:

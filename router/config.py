@@ -33,7 +33,9 @@ class RouterConfig:
     stream held that way hears a keep-alive (0: it is not answered until a
     replica is ready). `stream_migrations`: how many times one stream whose
     engine broke off is continued on another replica (0: never). `ejection`
-    says when failing replicas are ejected.
+    says when failing replicas are ejected. `budget_reservation_seconds`: how long a budget's reservation
+    outlives its router (longer than any answer); `budget_output_tokens`: the answer a budget reserves for when
+    neither the request nor the table bounds it (router.accounting.budgets).
     `router_id` names this router's usage reports and watch mark (None: a new
     id per process, `router.accounting.flusher.new_router_id`). `tracer`: where its spans
     go when traces are on (telemetry/, from the OTEL_* environment), else None.
@@ -53,6 +55,8 @@ class RouterConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     keepalive_seconds: float = 10.0
     stream_migrations: int = 2
+    budget_reservation_seconds: float = 3600.0
+    budget_output_tokens: int = 32_768
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     router_id: str | None = None
     tracer: Tracer | None = None
@@ -86,6 +90,8 @@ class RouterConfig:
                 "idle_timeout": float(settings.LLMGW_UPSTREAM_IDLE_SECONDS),
                 "max_waiters": int(settings.LLMGW_MAX_WAITERS_PER_MODEL),
                 "stream_migrations": int(settings.LLMGW_STREAM_MIGRATIONS),
+                "budget_reservation_seconds": float(settings.LLMGW_BUDGET_RESERVATION_SECONDS),
+                "budget_output_tokens": int(settings.LLMGW_BUDGET_OUTPUT_TOKENS),
                 "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
                 "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
                 "metrics_token": settings.LLMGW_METRICS_TOKEN or "",

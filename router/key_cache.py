@@ -40,9 +40,12 @@ from typing import Protocol
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, Error, InterfaceError, OperationalError, close_old_connections, connections
+from django.db.models import Q
 
+from hub.budgets import Window
 from hub.credentials import hash_secret
-from keys.models import ApiKey
+from keys.models import ApiKey, Budget
+from router.accounting.budgets import BudgetRule
 from router.background import raise_if_cancelling
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,9 @@ class KeyInfo:
     tpm: int | None = None
     team_id: int | None = None
     user_id: int | None = None
+    budgets: tuple[BudgetRule, ...] = ()
+    """The budgets a request of it must fit (router.accounting.budgets): its own, its holder's in its team, its
+    team's; empty = none."""
 
     def allows(self, public: str, resolve: Callable[[str], str | None]) -> bool:
         """Whether it may use the model whose public name is `public`: its own scope and its team's allow it;
@@ -113,8 +119,8 @@ class KeyStoreUnreachable(Exception):
     """The key store could not be asked, and it never answered for this key."""
 
 
-def key_info(api_key: ApiKey) -> KeyInfo:
-    """The router's view of an ApiKey row."""
+def key_info(api_key: ApiKey, budgets: tuple[BudgetRule, ...] = ()) -> KeyInfo:
+    """The router's view of an ApiKey row (and the budgets that apply to it)."""
     return KeyInfo(
         id=api_key.pk,
         name=api_key.name,
@@ -127,7 +133,30 @@ def key_info(api_key: ApiKey) -> KeyInfo:
         tpm=api_key.tpm,
         team_id=api_key.team_id,
         user_id=api_key.user_id,
+        budgets=budgets,
     )
+
+
+def budgets_of(api_key: ApiKey, using: str = DEFAULT_DB_ALIAS) -> tuple[BudgetRule, ...]:
+    """The budgets that apply to a key: its own, its holder's within its team, its team's (in that order, the
+    order a refusal names them in); one query."""
+    scope = Q(key_id=api_key.pk)
+    if api_key.team_id is not None:
+        scope |= Q(team_id=api_key.team_id, user__isnull=True)
+        if api_key.user_id is not None:
+            scope |= Q(team_id=api_key.team_id, user_id=api_key.user_id)
+    team = api_key.team.name if api_key.team is not None else ""
+    rules = []
+    for budget in Budget.objects.using(using).filter(scope).select_related("user").order_by("id"):
+        if budget.key_id is not None:
+            rank, words = 0, f"key “{api_key.name}”"
+        elif budget.user is not None:
+            rank, words = 1, f"{budget.user.get_username()} in team “{team}”"
+        else:
+            rank, words = 2, f"team “{team}”"
+        limit = int(budget.amount.scaleb(12))
+        rules.append((rank, BudgetRule(budget.pk, limit, Window(budget.window), budget.timezone, words)))
+    return tuple(rule for _, rule in sorted(rules, key=lambda pair: pair[0]))
 
 
 def find_active_key(digest: str, using: str = DEFAULT_DB_ALIAS) -> KeyInfo | None:
@@ -135,7 +164,7 @@ def find_active_key(digest: str, using: str = DEFAULT_DB_ALIAS) -> KeyInfo | Non
 
     def ask() -> KeyInfo | None:
         row = ApiKey.objects.using(using).active().select_related("team").filter(key_hash=digest).first()
-        return None if row is None else key_info(row)
+        return None if row is None else key_info(row, budgets_of(row, using))
 
     # This runs outside Django's request cycle, so retire connections the way a request would.
     close_old_connections()

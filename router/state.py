@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from hub.contracts import RouterHub
 from hub.gc_tuning import tune_gc
+from router.accounting.budgets import BudgetGate
 from router.accounting.flusher import UsageFlusher
 from router.accounting.ledger import Ledger
 from router.accounting.store import TokenStore
@@ -82,6 +83,8 @@ class RouterState:
         )
         hooks = None if tracer is None else TracingHooks(tracer, self.routes)
         self.proxy = Proxy(self.picker, self.ledger, self.metrics, self.cold_start, config, hooks)
+        # Budgets: reservations at admission, settlements at each answer's end, in the hub's counters.
+        self.budgets = BudgetGate(hub, config.budget_reservation_seconds, config.budget_output_tokens, clock)
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
         self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False
@@ -124,6 +127,7 @@ class RouterState:
         """Cancel the background tasks, flush the last usage and leave (briefly), and close the session."""
         self.started = False
         await self.tasks.cancel_all()
+        await self.budgets.close()  # settlements before the last usage flush
         try:
             async with asyncio.timeout(2.0):
                 await self.usage.close()

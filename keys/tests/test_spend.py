@@ -1,6 +1,6 @@
-"""Spend is stored with the tokens: each hour's row of a key and model holds what its tokens cost at the catalog's
-prices when counted (an adapter's own prices, else its base model's; a model the catalog lacks costs nothing),
-exactly, in whole 10⁻¹² units, with the key's team and holder."""
+"""Spend is stored with the tokens: each hour's row of a key and model adds up what the routers charged, exactly,
+in whole 10⁻¹² units, with the key's team and holder then. (What an answer costs is the router's to say, at the
+prices the endpoint table carries: reconciler/tests/test_table_prices.py, router/tests/accounting.)"""
 
 from decimal import Decimal
 
@@ -19,10 +19,13 @@ H0 = 1_800_000_000
 H1 = H0 + 3600
 
 
-def tokens(digest: str, per_model: dict[str, tuple[int, int, int]], hour: int = H0) -> dict:
+def tokens(digest: str, per_model: dict[str, tuple[int, int, int, int]], hour: int = H0) -> dict:
     return {
         hour: {
-            digest: {model: TokenCount(requests=r, prompt=p, completion=c) for model, (r, p, c) in per_model.items()}
+            digest: {
+                model: TokenCount(requests=r, prompt=p, completion=c, spend=s)
+                for model, (r, p, c, s) in per_model.items()
+            }
         }
     }
 
@@ -47,33 +50,31 @@ def spend_of(model: str) -> Decimal:
     return TokenUsage.objects.get(model=model).spend
 
 
-def test_each_rows_spend_is_its_tokens_at_the_prices_exactly(priced):
+def test_each_rows_spend_is_what_the_routers_charged_exactly(priced):
     _, digest, team, ana = priced
-    store_tokens(tokens(digest, {"llama": (3, 1_234_567, 89), "llama-sql": (1, 1000, 500), "unknown": (1, 9, 9)}), {})
-    assert spend_of("llama") == Decimal("0.18523845")  # 1,234,567 × 0.15 + 89 × 0.6, per million
-    assert spend_of("llama-sql") == Decimal("0.00115")  # its input price is its base's, its output its own: 2
-    assert spend_of("unknown") == 0  # not in the catalog (router-only mode): nothing to charge
+    store_tokens(tokens(digest, {"llama": (3, 1_234_567, 89, 185_238_450_000), "llama-sql": (1, 1000, 500, 0)}), {})
+    assert spend_of("llama") == Decimal("0.18523845")
+    assert spend_of("llama-sql") == 0
     row = TokenUsage.objects.get(model="llama")
     assert (row.team, row.user) == (team, ana)
 
 
-def test_spend_adds_up_exactly_and_follows_a_price_change_from_then_on(priced):
+def test_spend_adds_up_exactly(priced):
     _, digest, _, _ = priced
     for _ in range(1000):
-        store_tokens(tokens(digest, {"llama": (1, 1, 1)}), {})
+        store_tokens(tokens(digest, {"llama": (1, 1, 1, 750_000)}), {})
     assert spend_of("llama") == Decimal("0.00075")  # a thousand times 0.00000075, no float drift
-    Model.objects.filter(name="llama").update(price_output_per_million=Decimal("1.2"))
-    store_tokens(tokens(digest, {"llama": (1, 0, 1_000_000)}), {})
-    assert spend_of("llama") == Decimal("1.20075")
-    assert TokenUsage.objects.get(model="llama").spend_units == Decimal("1.20075") * SPEND_UNITS
+    store_tokens(tokens(digest, {"llama": (0, 0, 0, 12_345 * SPEND_UNITS + 1)}), {})  # a budget's settlement alone
+    row = TokenUsage.objects.get(model="llama")
+    assert row.spend_units == 750_000_000 + 12_345 * SPEND_UNITS + 1 and row.requests == 1000
 
 
 def test_a_key_moved_to_another_team_leaves_its_earlier_spend_with_the_first(priced):
     key, digest, search, ana = priced
-    store_tokens(tokens(digest, {"llama": (1, 100, 100)}, H0), {})
+    store_tokens(tokens(digest, {"llama": (1, 100, 100, 5)}, H0), {})
     ads = Team.objects.create(name="ads")
     Membership.objects.create(team=ads, user=ana)
     key.team = ads
     key.save()
-    store_tokens(tokens(digest, {"llama": (1, 100, 100)}, H1), {})
+    store_tokens(tokens(digest, {"llama": (1, 100, 100, 5)}, H1), {})
     assert list(TokenUsage.objects.order_by("hour").values_list("team__name", flat=True)) == ["search", "ads"]

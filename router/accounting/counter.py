@@ -1,4 +1,4 @@
-"""Requests and tokens counted in memory per key and model, and last use per key, between usage flushes.
+"""Requests, tokens and spend counted in memory per key and model, and last use per key, between usage flushes.
 
 router.accounting.usage_reader reads the usage of an answer; this counts it. Nothing here does I/O: the proxy counts on the
 router's event loop and the usage flusher (router.accounting.flusher) takes the counts once a second (DESIGN invariant 4).
@@ -22,13 +22,22 @@ class TokenCounter:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        # digest -> model -> [requests, prompt, completion]: list items, not TokenCount's attributes, which
+        # digest -> model -> [requests, prompt, completion, spend]: list items, not TokenCount's attributes, which
         # cost twice as much to add to on the path of every answer (a msgspec Struct's, measured).
         self._counts: dict[str, dict[str, list[int]]] = {}
         self._last_use: dict[str, float] = {}
 
-    def count(self, digest: str, model: str, usage: tuple[int, int] | None, served: bool) -> None:
-        """One answer relayed for `digest`: its last use always, a request and its tokens if `served` (2xx)."""
+    def count(
+        self,
+        digest: str,
+        model: str,
+        usage: tuple[int, int] | None,
+        served: bool,
+        prices: tuple[int, int, int] | None = None,
+    ) -> None:
+        """One answer relayed for `digest`: its last use always, a request and its tokens if `served` (2xx), and
+        what they cost at `prices` (the table's, router.endpoints.routes; None: free, or its budgets' settlement
+        counts the cost)."""
         self._last_use[digest] = self._clock()
         if not served:
             return
@@ -37,11 +46,13 @@ class TokenCounter:
             per_key = self._counts[digest] = {}
         row = per_key.get(model)
         if row is None:
-            row = per_key[model] = [0, 0, 0]
+            row = per_key[model] = [0, 0, 0, 0]
         row[0] += 1
         if usage is not None:
             row[1] += usage[0]
             row[2] += usage[1]
+            if prices is not None:
+                row[3] += usage[0] * prices[0] + usage[1] * prices[1]
 
     def take(self) -> tuple[TokenCounts, dict[str, float]]:
         """Swap out the counts and last uses gathered since the last take."""
@@ -54,10 +65,11 @@ class TokenCounter:
         for digest, models in counts.items():
             per_key = self._counts.setdefault(digest, {})
             for model, count in models.items():
-                row = per_key.setdefault(model, [0, 0, 0])
+                row = per_key.setdefault(model, [0, 0, 0, 0])
                 row[0] += count.requests
                 row[1] += count.prompt
                 row[2] += count.completion
+                row[3] += count.spend
         for digest, ts in last_use.items():
             if ts > self._last_use.get(digest, float("-inf")):
                 self._last_use[digest] = ts
@@ -70,6 +82,9 @@ class TokenCounter:
 def _typed(counts: dict[str, dict[str, list[int]]]) -> TokenCounts:
     """The counter's rows as the hub's contract has them (new objects: later counting never changes them)."""
     return {
-        digest: {model: TokenCount(requests=row[0], prompt=row[1], completion=row[2]) for model, row in models.items()}
+        digest: {
+            model: TokenCount(requests=row[0], prompt=row[1], completion=row[2], spend=row[3])
+            for model, row in models.items()
+        }
         for digest, models in counts.items()
     }

@@ -45,6 +45,9 @@ class RouteTable:
         # Public name -> how its broken streams are continued, where not by text (router.endpoints.table): read on
         # every stream's way, as `streams.get(model, STREAMS_BY_TEXT)`.
         self.streams: dict[str, int] = {}
+        # Public name -> (input price, output price, output bound) where its tokens cost something: read for every
+        # request of a key with budgets, and for every answer's spend.
+        self.prices: dict[str, tuple[int, int, int]] = {}
         self.by_model: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self.by_replica: dict[str, Endpoint] = {}
         # Replica id -> when (Unix time) to move the streams it still relays (router.forwarding.moves).
@@ -82,6 +85,7 @@ class RouteTable:
         self._start_seconds, self._start_failed = lookups.start_seconds, lookups.start_failed
         self._holding, self._pools = lookups.holding, lookups.pools
         self.streams = lookups.streams
+        self.prices = lookups.prices
         self.by_model, self.by_replica = by_model, by_replica
         self.moving = table.moving
         self.fingerprint = fingerprint

@@ -160,6 +160,9 @@ class ModelLookups:
     # How a broken stream is continued (STREAMS_OFF, STREAMS_BY_IDS), for the names whose way is not the default
     # (STREAMS_BY_TEXT); an adapter's is its base's.
     streams: dict[str, int] = field(default_factory=dict)
+    # Public name -> (input price, output price, output bound) of the names whose tokens cost something
+    # (hub.contracts.ModelEntry): what budgets reserve and settle with.
+    prices: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
@@ -185,12 +188,16 @@ def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntr
         if not entry.continue_streams or entry.token_ids:
             found.streams[public] = STREAMS_BY_IDS if entry.continue_streams else STREAMS_OFF
         found.names[public] = public
+        if entry.price_input or entry.price_output:
+            found.prices[public] = (entry.price_input, entry.price_output, entry.output_bound)
     for public, adapter in (adapters or {}).items():
         if adapter.base in models and public not in found.names:
             found.adapters[public] = adapter
             found.names[public] = public
             if adapter.base in found.streams:
                 found.streams[public] = found.streams[adapter.base]
+            if adapter.price_input or adapter.price_output:
+                found.prices[public] = (adapter.price_input, adapter.price_output, models[adapter.base].output_bound)
     aliases = [(public, entry.aliases) for public, entry in models.items()]
     aliases += [(public, adapter.aliases) for public, adapter in found.adapters.items()]
     for public, names in aliases:

@@ -20,6 +20,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.accounting.budgets import Hold
 from router.endpoints.table import Endpoint
 from router.errors import ReplicaLeaving
 from router.forwarding.asgi_io import Receive, Scope, Send, until_disconnect
@@ -50,6 +51,8 @@ class Exchange:
     since: float | None = None  # loop time the sweep first saw the current deadline (None: not seen yet)
     overdue: str | None = None  # the deadline that passed (or MOVE): from the sweep's cancel until deadline_passed()
     moving = False  # a move was asked for: the stream is cut the next time it waits on its engine
+    hold: Hold | None = None  # its budgets' reservation (router.accounting.budgets), settled when it ends
+    usage: tuple[int, int] | None = None  # (prompt, completion) tokens of its answer, once counted
     _seen_at: float | None = None
     _watch: asyncio.Task[None] | None = None
     _gone = False

@@ -247,6 +247,9 @@ class Relay:
         if counted and request.transcript is not None:
             request.transcript.counted = True
         if key is not None and counted:
-            self.ledger.tokens.count(key, model, usage, served)
+            exchange.usage = usage
+            # A request holding a budget's reservation is charged by its settlement (router.accounting.budgets).
+            prices = None if exchange.hold is not None else self.picker.routes.prices.get(model)
+            self.ledger.tokens.count(key, model, usage, served, prices)
             if usage is not None:
                 self.ledger.limits.spent_tokens(key, usage[0] + usage[1])

@@ -128,11 +128,11 @@ def test_an_adapter_on_a_running_base_is_held_for_its_load_not_refused_for_its_b
 
 
 def token_totals(counting: CountingHub, digest: str) -> dict[str, list[int]]:
-    """Model -> [requests, prompt, completion] the router reported for `digest`, over every report so far."""
+    """Model -> [requests, prompt, completion, spend] the router reported for `digest`, over every report so far."""
     totals: dict[str, list[int]] = {}
     for report in list(counting.reports):
         for model, count in report.tokens.get(digest, {}).items():
-            total = totals.setdefault(model, [0, 0, 0])
+            total = totals.setdefault(model, [0, 0, 0, 0])
             for i, value in enumerate(msgspec.to_builtins(count)):
                 total[i] += value
     return totals
@@ -154,7 +154,7 @@ def test_an_alias_is_rewritten_to_the_adapters_name_and_served_by_a_holder_stamp
     assert base.status_code == 200
     # The fake engine answers 1 prompt and 3 completion tokens; the adapter's are its own, not its base's.
     digest = hash_secret(api_key)
-    wait_until(lambda: token_totals(counting, digest) == {ADAPTER: [2, 2, 6], MODEL: [1, 1, 3]})
+    wait_until(lambda: token_totals(counting, digest) == {ADAPTER: [2, 2, 6, 0], MODEL: [1, 1, 3, 0]})
     stamps = {stamp for report in counting.reports for stamp in report.stamps}
     assert stamps == {base.headers["x-llmgw-replica"], "2", f"2/{ADAPTER}"}
     assert {model for report in counting.reports for model in report.in_flight} == {MODEL, ADAPTER}

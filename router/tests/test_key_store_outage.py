@@ -13,7 +13,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from hub.credentials import hash_secret
-from keys.models import KEY_PREFIX, ApiKey
+from keys.models import KEY_PREFIX, ApiKey, Budget
 from router.key_cache import ApiKeyCache, find_active_key
 from router.tests.conftest import Clock, make_table
 from router.tests.conftest import chat_with_key as chat
@@ -54,8 +54,9 @@ def key_store(private_postgres, django_db_blocker):
     try:
         with django_db_blocker.unblock():
             with connections[STORE].schema_editor() as editor:
-                # The key's table and those its foreign keys name (its holder, with the user's own, and its team).
-                for model in (ContentType, Permission, Group, User, Team, ApiKey):
+                # The key's table and those its foreign keys name (its holder, with the user's own, and its team), and
+                # the budgets read with it.
+                for model in (ContentType, Permission, Group, User, Team, ApiKey, Budget):
                     editor.create_model(model)
             yield KeyStore(private_postgres)
             connections[STORE].close()
