@@ -104,8 +104,8 @@ async def one_stream(session: aiohttp.ClientSession, url: str, key: str, body: b
                 response.close()
                 return "cut", None
             raw = await response.read()
-    except aiohttp.ClientError:
-        return "broken", None
+    except aiohttp.ClientError as exc:
+        return "broken", type(exc).__name__
     usage = None
     for line in raw.splitlines():
         if line.startswith(b"data: {") and b'"usage"' in line:
@@ -151,9 +151,8 @@ async def run(args: argparse.Namespace) -> None:
     for _ in range(2):
         port = free_port()
         argv = [sys.executable, "manage.py", "router", "--port", str(port)]
-        routers.append(
-            (subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}")
-        )
+        with open(workdir / f"router-{port}.log", "wb") as log:  # the router writes on after this closes it
+            routers.append((subprocess.Popen(argv, cwd=ROOT, env=env, stderr=log), f"http://127.0.0.1:{port}"))
     for _, url in routers:
         wait_ready(f"{url}/readyz")
     counters = RedisBudgets(client)
@@ -198,6 +197,8 @@ def report(args, bodies, outcomes, worst, limit, peak, used, ledger, swept, elap
     client_sum = 0
     for (kind, usage), cost in zip(outcomes, worst, strict=True):
         kinds[kind] = kinds.get(kind, 0) + 1
+        if kind == "broken":
+            kinds[f"broken {usage}"] = kinds.get(f"broken {usage}", 0) + 1
         if kind == "whole":
             client_sum += usage[0] * PRICE_IN + usage[1] * PRICE_OUT
         elif kind in ("cut", "broken"):

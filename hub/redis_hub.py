@@ -60,6 +60,7 @@ from hub.redis_budgets import (
 
 log = logging.getLogger(__name__)
 
+ASYNC_CONNECTIONS = 64  # a router's connections to Redis at most (per event loop)
 ENDPOINTS_KEY = "llmgw:endpoints"
 # Pub/sub channels belong to the whole Redis server, not to a database: each name ends in the database's number
 # (`channel_of`), so fleets on two databases of one server never hear each other's tables and key changes.
@@ -221,7 +222,12 @@ class RedisHub:
         loop = asyncio.get_running_loop()
         client = self._async_clients.get(loop)
         if client is None:
-            client = redis.asyncio.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+            # A blocking pool: a burst of requests (each a budget's reservation) waits its turn for one of
+            # ASYNC_CONNECTIONS, where the default pool would fail the request with "Too many connections".
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self.url, max_connections=ASYNC_CONNECTIONS, timeout=5, socket_timeout=5, socket_connect_timeout=2
+            )
+            client = redis.asyncio.Redis(connection_pool=pool)
             self._async_clients[loop] = client
         return client
 

@@ -137,7 +137,18 @@ class BudgetGate:
             return None
         limits = self.windows.limits(rules)
         hold = Hold(uuid.uuid4().hex, amount, (price_in, price_out), f"{digest} {model}")
-        refusal = await self._counters.reserve_budget(Reservation(hold.id, amount, limits, self._ttl, hold.ledger))
+        try:
+            refusal = await self._counters.reserve_budget(Reservation(hold.id, amount, limits, self._ttl, hold.ledger))
+        except Exception:
+            # Refused, not let through: a budget that cannot be counted could be overrun.
+            log.exception("could not reserve against the budgets of key %s", digest[:12])
+            raise RouterError(
+                503,
+                "The budgets of this API key cannot be checked right now (the hub is unreachable). Retry shortly.",
+                "budget_check_unavailable",
+                type_="server_error",
+                headers=[(b"retry-after", b"1")],
+            ) from None
         if refusal is not None:
             raise self._refused(rules, limits, refusal, amount)
         return hold

@@ -142,3 +142,24 @@ def test_an_answer_the_client_left_is_charged_what_it_reserved(start_router, hub
     worst = len(content) * PRICE_IN + 40 * PRICE_OUT
     wait_until(lambda: router.state.ledger.in_flight() == 0)
     wait_until(lambda: used(hub, budget) == worst)
+
+
+class UnreachableBudgets(InProcessHub):
+    """A hub whose budget counters cannot be reached (Redis down, as redis-py raises it)."""
+
+    async def reserve_budget(self, reservation):
+        raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+
+def test_budgets_that_cannot_be_counted_refuse_the_request_rather_than_let_it_through(
+    start_router, start_engine, team_key
+):
+    key, team, _ = team_key
+    Budget.objects.create(team=team, amount=Decimal("1"), window=Budget.Window.NONE)
+    engine, hub = start_engine(), UnreachableBudgets()
+    hub.publish_endpoints(make_table([engine.url], models=PRICED))
+    router = start_router(hub)
+    reply = post(router, key, body_of(max_tokens=5))
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+    assert reply.json()["error"]["code"] == "budget_check_unavailable"
+    assert engine.requests == []
