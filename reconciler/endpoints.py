@@ -117,17 +117,22 @@ def _aliases(text: str | None) -> list[str]:
     return sorted(json.loads(text))
 
 
-def _models(notes: _Notes) -> dict[str, ModelEntry]:
-    """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools.
-    Two queries: profiles and aliases (`notes`: the replicas that are not serving)."""
-    # The first profile is the one an activation starts, so its learned start time is the ETA.
-    first_start: dict[int, float | None] = {}
-    pools: dict[int, set[str]] = {}  # routers refuse at once a key bound to none of a model's pools
-    names: dict[int, str] = {}
-    continued: set[int] = set()  # models whose broken streams routers continue
-    engines: dict[int, set[str]] = {}  # and whether they may ask for token ids depends on every engine of theirs
-    prices: dict[int, tuple[int, int]] = {}  # the model's token prices in spend units
-    bounds: dict[int, int] = {}  # the largest context a profile serves it with
+@dataclass
+class _Served:
+    """What a model's profiles say of it, gathered from them in one query (`_profiles`)."""
+
+    name: str
+    start: float | None  # the first profile's learned start time: an activation starts that one
+    prices: tuple[int, int]  # its token prices in spend units
+    pools: set[str] = field(default_factory=set)  # routers refuse at once a key bound to none of them
+    engines: set[str] = field(default_factory=set)  # whether routers may ask for token ids depends on all of them
+    continues: bool = False  # whether routers continue its broken streams
+    bound: int = 0  # the largest context a profile serves it with
+
+
+def _profiles() -> dict[int, _Served]:
+    """Every enabled model with a profile, by id, as its profiles (in order) describe it; one query."""
+    served: dict[int, _Served] = {}
     for model_id, name, start_seconds, pool, continues, engine, price_in, price_out, context in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
@@ -143,15 +148,21 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
             "max_model_len",
         )
     ):
-        names[model_id] = name
-        prices[model_id] = (token_price(price_in), token_price(price_out))
-        bounds[model_id] = max(bounds.get(model_id, 0), context or 0)
-        first_start.setdefault(model_id, start_seconds)
-        pools.setdefault(model_id, set()).add(pool)
-        engines.setdefault(model_id, set()).add(engine)
-        if continues:
-            continued.add(model_id)
-    aliases: dict[int, list[str]] = {model_id: [] for model_id in names}
+        model = served.get(model_id)
+        if model is None:
+            model = served[model_id] = _Served(name, start_seconds, (token_price(price_in), token_price(price_out)))
+        model.pools.add(pool)
+        model.engines.add(engine)
+        model.continues = continues
+        model.bound = max(model.bound, context or 0)
+    return served
+
+
+def _models(notes: _Notes) -> dict[str, ModelEntry]:
+    """Every enabled model with a profile, by public name (sorted), with its aliases, notes and its profiles' pools.
+    Two queries: profiles and aliases (`notes`: the replicas that are not serving)."""
+    served = _profiles()
+    aliases: dict[int, list[str]] = {model_id: [] for model_id in served}
     for model_id, alias in Alias.objects.filter(model__enabled=True).values_list("model_id", "name"):
         if model_id in aliases:
             aliases[model_id].append(alias)
@@ -159,13 +170,13 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
     # A model whose only replicas sleep is woken, not started: its ETA is the wake time (reconciler.hibernate.tier),
     # unknown until one wake has been timed (a start time would overstate it many times over).
     for model_id, wake in notes.sleeping_only.items():
-        if model_id in first_start:
-            first_start[model_id] = wake
+        if model_id in served:
+            served[model_id].start = wake
             # Only sleepers, so no pending replica whose making-room note this could overwrite.
-            holding[names[model_id]] = "wake"
+            holding[served[model_id].name] = "wake"
     models: dict[str, ModelEntry] = {}
-    for model_id, name in sorted(names.items(), key=lambda item: item[1]):
-        start = first_start[model_id]
+    for model_id, model in sorted(served.items(), key=lambda item: item[1].name):
+        name, start = model.name, model.start
         note, note_pools = notes.unplaceable.get(name, (None, []))
         models[name] = ModelEntry(
             aliases=sorted(aliases[model_id]),
@@ -174,12 +185,12 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
             failed=notes.failed.get(name),
             start_seconds=None if start is None else round(start, 1),
             holding=holding.get(name),
-            pools=sorted(pools[model_id]),
-            continue_streams=model_id in continued,
-            token_ids=engines[model_id] <= TOKEN_ID_ENGINES,
-            price_input=prices[model_id][0],
-            price_output=prices[model_id][1],
-            output_bound=bounds[model_id],
+            pools=sorted(model.pools),
+            continue_streams=model.continues,
+            token_ids=model.engines <= TOKEN_ID_ENGINES,
+            price_input=model.prices[0],
+            price_output=model.prices[1],
+            output_bound=model.bound,
         )
     return models
 

@@ -274,7 +274,7 @@ class RouterApp:
         finally:
             self._in_flight.end(exchange)
             traffic.in_flight -= 1
-            if hold is not None:
+            if hold is not None and not exchange.settled:
                 self._budgets.settle(hold, exchange.usage, request.headers_sent)
             traffic.answered(model, exchange.status or CLIENT_CLOSED)
 

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class RouterState:
-    """Everything one router app keeps in memory: route table, ledger, picker, key cache, metrics, session, tasks."""
+    """Everything one router app keeps in memory: route table, ledger, picker, key cache, metrics, session, tasks,
+    and the gate of budgets (reservations at admission, settlements at each answer's end)."""
 
     def __init__(
         self,
@@ -48,8 +49,7 @@ class RouterState:
         clock: Callable[[], float] = time.time,
         token_store: TokenStore | None = None,
     ):
-        """`clock` (wall time) stamps last use and tells the rate limits' minute (tests move it by hand).
-        `token_store`: router-only mode stores token usage itself (router.accounting.store); None in a fleet."""
+        """`clock`: wall time (stamps, rate limits' minute); `token_store`: router-only mode's, None in a fleet."""
         self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
         self.routes = RouteTable()
         self.ledger = Ledger(self.routes, clock)
@@ -82,9 +82,8 @@ class RouterState:
             max_waiters=config.max_waiters,
         )
         hooks = None if tracer is None else TracingHooks(tracer, self.routes)
-        self.proxy = Proxy(self.picker, self.ledger, self.metrics, self.cold_start, config, hooks)
-        # Budgets: reservations at admission, settlements at each answer's end, in the hub's counters.
         self.budgets = BudgetGate(hub, config.budget_reservation_seconds, config.budget_output_tokens, clock)
+        self.proxy = Proxy(self.picker, self.ledger, self.metrics, self.cold_start, config, hooks, self.budgets)
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
         self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False

@@ -10,8 +10,9 @@ text and more), and its answer as the most tokens it may ask for (`max_tokens`, 
 The settlement charges the answer's tokens at the same prices; an answer that began but whose usage never came
 (the client left mid-stream, the engine broke and nothing finished it) is charged what was reserved: the router
 cannot know what the engine spent, and hanging up must not make an answer free. An answer that never began
-costs nothing. Settlements run as tasks beside the request, so the client never waits for them; `close` waits
-for those still running. Keys without budgets cost one attribute check per request.
+costs nothing. An answer relayed to its end is settled just before its last byte (router.forwarding.relay), so a
+client that sends its next request once this one ended finds the budgets charged with its real cost; any other
+end is settled in a task beside the request, and `close` waits for those still running. Keys without budgets cost one attribute check per request.
 """
 
 from __future__ import annotations
@@ -154,15 +155,15 @@ class BudgetGate:
         return hold
 
     def settle(self, hold: Hold, usage: tuple[int, int] | None, began: bool) -> None:
-        """Settle `hold` in a task of its own: the answer's tokens at its prices, its reservation when the answer
-        `began` with no usage known, nothing when it never began."""
-        if usage is not None:
-            cost = usage[0] * hold.prices[0] + usage[1] * hold.prices[1]
-        else:
-            cost = hold.amount if began else 0
-        task = asyncio.get_running_loop().create_task(self._settle(hold, cost))
+        """Settle `hold` in a task of its own (an answer that broke, or was never given): the answer's tokens at
+        its prices, its reservation when the answer `began` with no usage known, nothing when it never began."""
+        task = asyncio.get_running_loop().create_task(self._settle(hold, cost_of(hold, usage, began)))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
+
+    async def settle_now(self, hold: Hold, usage: tuple[int, int] | None) -> None:
+        """Settle the hold of an answer about to end whole (the relay awaits it before the last byte)."""
+        await self._settle(hold, cost_of(hold, usage, True))
 
     async def _settle(self, hold: Hold, cost: int) -> None:
         try:
@@ -197,6 +198,14 @@ class BudgetGate:
             type_="insufficient_quota",
             headers=headers,
         )
+
+
+def cost_of(hold: Hold, usage: tuple[int, int] | None, began: bool) -> int:
+    """What an answer is charged: its tokens at the prices it reserved with; without usage, its reservation if it
+    began (the engine spent what the router cannot know), nothing if it never did."""
+    if usage is not None:
+        return usage[0] * hold.prices[0] + usage[1] * hold.prices[1]
+    return hold.amount if began else 0
 
 
 def units(amount: int) -> str:

@@ -52,6 +52,7 @@ class Exchange:
     overdue: str | None = None  # the deadline that passed (or MOVE): from the sweep's cancel until deadline_passed()
     moving = False  # a move was asked for: the stream is cut the next time it waits on its engine
     hold: Hold | None = None  # its budgets' reservation (router.accounting.budgets), settled when it ends
+    settled = False  # settled already, before the answer's last byte (router.forwarding.relay)
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens of its answer, once counted
     _seen_at: float | None = None
     _watch: asyncio.Task[None] | None = None

@@ -28,6 +28,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import ClientResponse
 
+from router.accounting.budgets import BudgetGate
 from router.accounting.ledger import Ledger
 from router.accounting.usage_reader import IN_OUT_USAGE_PATHS, ask_for_usage
 from router.config import RouterConfig
@@ -84,6 +85,7 @@ class Proxy:
         cold_start: ColdStart,
         config: RouterConfig,
         hooks: ForwardingHooks | None = None,
+        budgets: BudgetGate | None = None,
     ):
         self.picker = picker
         self.metrics = metrics
@@ -93,7 +95,7 @@ class Proxy:
         self.migrations = config.stream_migrations
         # Streams moved off replicas leaving service when the table asks (RouterState.apply_table plans them).
         self.moves = StreamMoves()
-        self.relay = Relay(picker, ledger, metrics, config.idle_timeout, self.moves)
+        self.relay = Relay(picker, ledger, metrics, config.idle_timeout, self.moves, budgets)
         self.routes = picker.routes
         send_leg = self._send_upstream if hooks is None else self._hooked_send
         self.resumer = Resumer(picker, self.routes, cold_start, self.relay, metrics, self.migrations, send_leg)

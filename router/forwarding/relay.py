@@ -28,6 +28,7 @@ from bisect import bisect_left
 import aiohttp
 from aiohttp import ClientResponse
 
+from router.accounting.budgets import BudgetGate
 from router.accounting.ledger import Ledger
 from router.accounting.usage_reader import JsonUsage, SseUsage, usage_of_whole_answer, usage_reader
 from router.endpoints.table import Endpoint
@@ -46,9 +47,16 @@ class Relay:
     """Relays begun answers (whole or chunk by chunk) and, when each ends, gives its replica back and counts it."""
 
     def __init__(
-        self, picker: Picker, ledger: Ledger, metrics: RouterMetrics, idle_timeout: float, moves: StreamMoves
+        self,
+        picker: Picker,
+        ledger: Ledger,
+        metrics: RouterMetrics,
+        idle_timeout: float,
+        moves: StreamMoves,
+        budgets: BudgetGate | None = None,
     ) -> None:
         self.picker = picker
+        self.budgets = budgets  # settles a budgeted answer before its last byte (router.accounting.budgets)
         self.ledger = ledger
         self.metrics = metrics
         self.idle_timeout = idle_timeout
@@ -89,6 +97,8 @@ class Relay:
             headers = response_headers(response, endpoint)
             await send({"type": "http.response.start", "status": status, "headers": headers})
             exchange.status = status
+            if exchange.hold is not None and served:
+                await self._settle(request, usage)
             await send({"type": "http.response.body", "body": body, "more_body": False})
             exchange.complete = True
         finally:
@@ -140,9 +150,7 @@ class Relay:
                     exchange.stop_deadline()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     exchange.start_next_chunk_deadline()
-                exchange.stop_deadline()
-                if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
-                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+                await self._ended(request, reader, served)
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError, EngineEndedUnfinished) as exc:
                 if (failure := exchange.failure(exc)) is None:
                     raise
@@ -215,6 +223,22 @@ class Relay:
         if streamed:
             request.exchange.status = status
             await request.send({"type": "http.response.body", "body": sse_error_event(message, UPSTREAM_FAILED)})
+
+    async def _ended(self, request: Forwarding, reader: JsonUsage | SseUsage | None, served: bool) -> None:
+        """The engine ended the stream: send what the reader held back, and settle its budgets."""
+        request.exchange.stop_deadline()
+        if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
+            await request.send({"type": "http.response.body", "body": rest, "more_body": True})
+        if request.exchange.hold is not None and served:
+            await self._settle(request, reader.usage() if reader is not None else None)
+
+    async def _settle(self, request: Forwarding, usage: tuple[int, int] | None) -> None:
+        """Settle the answer's budgets before its last byte: a client that sends its next request once this one
+        has ended finds its budgets charged with this one's cost, not its worst case. (Cancelled midway, it is
+        settled again beside the request: a reservation is settled once, whichever comes first.)"""
+        assert self.budgets is not None and request.exchange.hold is not None  # a hold is made only with a gate
+        await self.budgets.settle_now(request.exchange.hold, usage)
+        request.exchange.settled = True
 
     def count_unserved(self, request: Forwarding, served: bool = False) -> None:
         """Count a stream whose legs counted nothing (router.forwarding.resume ended it): a request, tokens unknown."""
