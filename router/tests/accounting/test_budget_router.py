@@ -163,3 +163,22 @@ def test_budgets_that_cannot_be_counted_refuse_the_request_rather_than_let_it_th
     assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
     assert reply.json()["error"]["code"] == "budget_check_unavailable"
     assert engine.requests == []
+
+
+def test_a_clients_next_request_finds_the_last_one_settled_at_its_real_cost(
+    budget_hub, start_router, start_engine, team_key
+):
+    """A budget of exactly 19 answers' real cost and one worst case: 20 requests one after the other all fit only
+    if each was settled before its client saw its end; the 21st does not."""
+    key, team, _ = team_key
+    content = body_of(max_tokens=50)
+    worst, cost = len(content) * PRICE_IN + 50 * PRICE_OUT, 1 * PRICE_IN + 3 * PRICE_OUT
+    amount = Decimal(worst + 19 * cost).scaleb(-12)
+    budget = Budget.objects.create(team=team, amount=amount, window=Budget.Window.NONE)
+    engine = start_engine()
+    budget_hub.publish_endpoints(make_table([engine.url], models=PRICED))
+    router = start_router(budget_hub)
+    for done in range(1, 21):
+        assert post(router, key, content).status_code == 200
+        assert used(budget_hub, budget) == done * cost  # no wait: settled before the answer's last byte
+    assert post(router, key, content).json()["error"]["code"] == "budget_exceeded"
