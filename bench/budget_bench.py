@@ -19,6 +19,13 @@ With `--kill-router-after S` the second router is SIGKILLed S seconds in, and th
 `--reservation-seconds`: its reservations then expire charged at what they reserved (the sweep runs when the
 control plane takes the ledger, here called by the bench), and the client's sum counts a reservation for every
 stream the dead router held.
+
+With `--requests N` it runs instead N answers one after another (whole JSON, 1–400 tokens asked) over three teams
+of two keys, alternating between the routers: each team has a budget, one key's holder a member's budget, the other
+key its own, all running out partway. Before each request the client works out from its own sums of settled costs
+whether the request's worst case fits every budget that applies: a refusal when it fits is a false 429, an answer
+when it does not would be an overrun. At the end the ledger's spend per team is compared with the client's sums,
+and each budget's counter with the client's sum for it.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry  # noqa: E402
+from hub.credentials import hash_secret  # noqa: E402
 from hub.redis_budgets import TOKENS_KEY, RedisBudgets  # noqa: E402
 from hub.redis_hub import RedisHub  # noqa: E402
 from tests.e2e.engines.cutter import free_port  # noqa: E402
@@ -214,6 +222,139 @@ def report(args, bodies, outcomes, worst, limit, peak, used, ledger, swept, elap
     )
 
 
+TEAMS_SETUP = """
+from decimal import Decimal
+from django.contrib.auth.models import User
+from keys.models import ApiKey, Budget
+from teams.models import Membership, Team
+for t, team_amount, member_amount, key_amount in SPEC:
+    team = Team.objects.create(name=f'team-{t}')
+    whole = Budget.objects.create(team=team, amount=Decimal(team_amount), window='none')
+    for m in range(2):
+        user = User.objects.create_user(f'user-{t}-{m}')
+        Membership.objects.create(team=team, user=user)
+        key, plain = ApiKey.issue(f'key-{t}-{m}', team=team, user=user)
+        if m == 0:  # a member's budget for this one's holder, the key's own for the other
+            own = Budget.objects.create(team=team, user=user, amount=Decimal(member_amount), window='none')
+        else:
+            own = Budget.objects.create(key=key, amount=Decimal(key_amount), window='none')
+        print('made', t, plain, f'{whole.pk}={int(whole.amount.scaleb(12))}', f'{own.pk}={int(own.amount.scaleb(12))}')
+"""
+
+
+def teams_run(args: argparse.Namespace) -> None:
+    """`--requests` answers one after another over three teams of two keys each (a team budget for both, a
+    member's budget for one key's holder, a key's own for the other), alternating between the two routers: each
+    answer is checked against the client's own count of every budget's settled spend."""
+    client = redis.Redis.from_url(args.redis)
+    client.flushdb()
+    hub = RedisHub(args.redis)
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="llmgw-budget-bench-"))
+    env = {**os.environ, "LLMGW_HOME": str(workdir), "SECRET_KEY": "bench-only", "LOG_LEVEL": "WARNING"}
+    env.pop("DATABASE_URL", None)
+    env["REDIS_URL"] = args.redis
+    # Budgets that run out partway: a key's share of the requests costs about `share` (an answer of the mock
+    # engine here: about 12 prompt tokens and 2 completion tokens, 20 units of 10^-6).
+    share = 20 * 10**6 * args.requests // 6
+    spec = [(t, *(f"{share * n // d / 10**12:.6f}" for n, d in ((3, 2), (1, 2), (2, 3)))) for t in range(3)]
+    manage = [sys.executable, "manage.py"]
+    subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    out = subprocess.run(
+        [*manage, "shell", "-c", f"SPEC = {spec!r}\n" + TEAMS_SETUP],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    keys = []  # (team, key, {budget id: limit})
+    for line in out.splitlines():
+        if line.startswith("made "):
+            _, t, plain, *budgets = line.split()
+            keys.append((int(t), plain, {int(b): int(limit) for b, limit in (x.split("=") for x in budgets)}))
+    engine = free_port()
+    process = start_engine_fast(engine)
+    rows = [EndpointRow(replica_id="1", model=MODEL, url=f"http://127.0.0.1:{engine}")]
+    hub.publish_endpoints(
+        EndpointTable(models={MODEL: ModelEntry(price_input=PRICE_IN, price_output=PRICE_OUT)}, endpoints=rows)
+    )
+    routers = []
+    for _ in range(2):
+        port = free_port()
+        routers.append(
+            (
+                subprocess.Popen(
+                    [*manage, "router", "--port", str(port)], cwd=ROOT, env=env, stderr=subprocess.DEVNULL
+                ),
+                f"http://127.0.0.1:{port}",
+            )
+        )
+    for _, url in routers:
+        wait_ready(f"{url}/readyz")
+    limits: dict[int, int] = {}
+    used: dict[int, int] = {b: 0 for _, _, applies in keys for b in applies}
+    spent = [0, 0, 0]
+    false_refusals = admitted_beyond = refused = 0
+    started = time.perf_counter()
+    try:
+        with httpx.Client(timeout=30) as http:
+            for i in range(args.requests):
+                team, plain, applies = keys[rng.randrange(len(keys))]
+                limits.update(applies)
+                asked = rng.randint(1, 400)
+                body = json.dumps(
+                    {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": asked}
+                ).encode()
+                worst = len(body) * PRICE_IN + asked * PRICE_OUT
+                fits = all(used[b] + worst <= limits[b] for b in applies)
+                reply = http.post(
+                    f"{routers[i % 2][1]}/v1/chat/completions",
+                    content=body,
+                    headers={"Authorization": f"Bearer {plain}", "Content-Type": "application/json"},
+                )
+                if reply.status_code == 429:
+                    refused += 1
+                    false_refusals += fits
+                    continue
+                reply.raise_for_status()
+                admitted_beyond += not fits
+                usage = reply.json()["usage"]
+                cost = usage["prompt_tokens"] * PRICE_IN + usage["completion_tokens"] * PRICE_OUT
+                for b in applies:
+                    used[b] += cost
+                spent[team] += cost
+        elapsed = time.perf_counter() - started
+        time.sleep(1.0)
+        fields = {k.decode(): int(v) for k, v in client.hgetall(TOKENS_KEY).items()}
+    finally:
+        for router, _ in routers:
+            router.send_signal(signal.SIGTERM)
+        process.kill()
+        for router, _ in routers:
+            router.wait(30)
+    ledger = [0, 0, 0]
+    digests = {hash_secret(plain): team for team, plain, _ in keys}
+    for field, value in fields.items():
+        kind, _hour, digest, _model = field.split(" ", 3)
+        if kind == "spend":
+            ledger[digests[digest]] += value
+    counters = RedisBudgets(client)
+    print(
+        f"{args.requests} requests in {elapsed:.1f} s over two routers: {refused} refused, false refusals {false_refusals}, admitted beyond a budget {admitted_beyond}"
+    )
+    print(f"per team spend, ledger: {ledger}; client's sum: {spent}; equal: {ledger == spent}")
+    drift = {b: counters.used(f"{b}:all") - used[b] for b in used}
+    print(f"counters less the client's sums, per budget: {drift}")
+
+
+def start_engine_fast(port: int) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "mockengine", "--port", str(port), "--model", MODEL]
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_ready(f"http://127.0.0.1:{port}/health")
+    return process
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=500)
@@ -224,7 +365,12 @@ def main() -> None:
     parser.add_argument("--reservation-seconds", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/11")
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--requests", type=int, default=0, help="instead: this many answers over three teams")
+    args = parser.parse_args()
+    if args.requests:
+        teams_run(args)
+    else:
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":
