@@ -484,7 +484,15 @@ class UsageExchange(UsageSink, RateLimitCounters, Protocol):
     """What a router's usage flusher talks to: usage reports, then rate-limit counts."""
 
 
-class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, KeyChangeSink, Protocol):
+class BudgetReader(Protocol):
+    """What the control plane reads of the budgets' counters (alerts, pages, metrics)."""
+
+    def budget_use(self, counters: list[str]) -> dict[str, int]:
+        """What each counter holds (spent and still reserved, spend units); 0 for one never used. One round trip."""
+        ...
+
+
+class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, KeyChangeSink, BudgetReader, Protocol):
     """Everything the reconcile tick needs from the hub."""
 
 

@@ -123,6 +123,9 @@ class InProcessHub:
         with self._lock:
             self._add_tokens(hour, {digest: {model: count}})
 
+    def budget_use(self, counters: list[str]) -> dict[str, int]:
+        return {counter: self.budgets.used(counter) for counter in counters}
+
     async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
         return self.budgets.reserve(reservation)
 

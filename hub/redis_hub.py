@@ -49,6 +49,7 @@ from hub.contracts import (
 )
 from hub.fingerprint import fingerprinted
 from hub.redis_budgets import (
+    COUNTER_KEY,
     LEDGER_KEYS,
     RESERVE_LUA,
     SETTLE_LUA,
@@ -56,6 +57,7 @@ from hub.redis_budgets import (
     refusal_of,
     reserve_call,
     settle_call,
+    used_of,
 )
 
 log = logging.getLogger(__name__)
@@ -428,6 +430,12 @@ class RedisHub:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    def budget_use(self, counters: list[str]) -> dict[str, int]:
+        pipe = self._sync.pipeline(transaction=False)
+        for counter in counters:
+            pipe.hmget(COUNTER_KEY.format(counter=counter), "hi", "lo")
+        return {counter: used_of(raw) for counter, raw in zip(counters, pipe.execute(), strict=True)}
 
     async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
         keys, args = reserve_call(reservation, self._clock())

@@ -265,3 +265,24 @@ class Budget(models.Model):
         except (ZoneInfoNotFoundError, ValueError):
             message = f"Unknown time zone “{self.timezone}”: use a name like Europe/Paris."
             raise ValidationError({"timezone": message}) from None
+
+
+class BudgetAlert(models.Model):
+    """A budget's soft limit reached in one window: made once per window (its counter is unique), then POSTed to
+    the budget's alert URL until delivered or out of attempts (keys.alerts)."""
+
+    budget = models.ForeignKey(Budget, related_name="alerts", on_delete=models.CASCADE)
+    counter = models.CharField(max_length=64, unique=True, help_text="The budget's counter of that window.")
+    window_start = models.DateTimeField(null=True, blank=True, help_text="Empty: a budget with no window.")
+    used_units = models.PositiveBigIntegerField(help_text="What it held when the alert was made (10⁻¹² units).")
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.budget}: soft limit reached ({self.counter})"
