@@ -1,7 +1,8 @@
-"""API keys in the admin: keys are created from a name (and scopes, expiry, limits), shown once, revoked and restored.
+"""API keys in the admin: keys are created from a name (and scopes, expiry, limits), shown once, revoked and restored;
+the budgets of keys, members and teams.
 
-Only a key's hash is stored. Every change reaches every router within a
-second (keys.changes).
+Only a key's hash is stored. Every change of a key or a budget reaches every
+router within a second (keys.changes).
 """
 
 from collections.abc import Callable
@@ -9,14 +10,17 @@ from typing import Any, TypeVar
 
 from django import forms
 from django.contrib import admin, messages
+from django.db import models
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from keys.changes import set_keys_active
-from keys.models import ApiKey, TokenUsage
+from keys.models import ApiKey, Budget, TokenUsage
 from keys.scopes import parse_names, unknown_models, unknown_models_message
 
 PUSHED = "refused by every router within a second"
+# An alert URL typed without its scheme is https: what a webhook wants, and Django 6's default.
+HTTPS_URLS: dict[type[models.Field[Any, Any]], dict[str, Any]] = {models.URLField: {"assume_scheme": "https"}}
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -157,3 +161,22 @@ class TokenUsageAdmin(admin.ModelAdmin[TokenUsage]):
 
     def has_delete_permission(self, request: HttpRequest, obj: TokenUsage | None = None) -> bool:
         return False
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin[Budget]):
+    """Budgets of keys, of members within a team and of teams (a team's and its members' are on its page too);
+    the form's errors are Budget.clean's, and every change reaches the routers within a second."""
+
+    list_display = ["scope", "amount", "window", "timezone", "soft_limit_percent"]
+    list_filter = ["window"]
+    list_select_related = ["key", "team", "user"]
+    search_fields = ["team__name", "user__username", "key__name"]
+    fields = ["key", "team", "user", "amount", "window", "timezone", "soft_limit_percent", "alert_url"]
+    autocomplete_fields = ["key", "team"]
+    raw_id_fields = ["user"]  # as on a team's members: an organisation has thousands of users
+    formfield_overrides = HTTPS_URLS
+
+    @typed(admin.display(description="budget of"))
+    def scope(self, obj: Budget) -> str:
+        return obj.scope_text()

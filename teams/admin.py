@@ -1,9 +1,15 @@
-"""Teams in the admin: a team's name, the models its keys may use at most, and its members with their roles."""
+"""Teams in the admin: a team's name, the models its keys may use at most, its members with their roles, and the
+budgets of the team and of its members."""
+
+from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.contrib.admin.options import InlineModelAdmin
+from django.http import HttpRequest
 
-from keys.admin import CommaListField, known_models, typed
+from keys.admin import HTTPS_URLS, CommaListField, known_models, typed
+from keys.models import Budget
 from teams.models import Membership, Team
 
 
@@ -32,15 +38,29 @@ class MembershipInline(admin.TabularInline[Membership, Team]):
     raw_id_fields = ["user"]  # an organisation has thousands of users: not one select of them all
 
 
+class BudgetInline(admin.TabularInline[Budget, Team]):
+    """The team's budget (no user) and its members' within it (a key's budget is on the budgets page)."""
+
+    model = Budget
+    extra = 0
+    fields = ["user", "amount", "window", "timezone", "soft_limit_percent", "alert_url"]
+    raw_id_fields = ["user"]
+    formfield_overrides = HTTPS_URLS
+
+
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin[Team]):
-    """Teams with their members; a team holding keys cannot be deleted (revoke or move them first)."""
+    """Teams with their members and budgets; a team holding keys cannot be deleted (revoke or move them first)."""
 
     form = TeamForm
-    inlines = [MembershipInline]
+    inlines = [MembershipInline, BudgetInline]
     list_display = ["name", "models_shown", "created_at"]
     search_fields = ["name"]
 
     @typed(admin.display(description="models"))
     def models_shown(self, obj: Team) -> str:
         return ", ".join(obj.allowed_models) or "all"
+
+    def get_inlines(self, request: HttpRequest, obj: Team | None) -> list[type[InlineModelAdmin[Any, Any]]]:
+        # A budget is checked against its team and its members (Budget.clean): they are saved first.
+        return [MembershipInline, BudgetInline] if obj is not None else [MembershipInline]

@@ -1,14 +1,16 @@
-"""Teams in the admin: a team is made with its members and roles, its models checked against the catalog, and
-a key of the team is added through the key's form only within the team's bounds."""
+"""Teams in the admin: a team is made with its members and roles, its models checked against the catalog, a key
+of the team is added through the key's form only within the team's bounds, and a team's page, once the team is
+saved, sets its budget and its members' (a member's only for someone in the team)."""
 
 import re
+from decimal import Decimal
 
 import pytest
 from django.contrib.auth.models import User
 from django.urls import reverse
 
 from catalog.models import Model
-from keys.models import ApiKey
+from keys.models import ApiKey, Budget
 from teams.models import Membership, Team
 
 pytestmark = pytest.mark.django_db
@@ -63,3 +65,50 @@ def test_a_key_of_the_team_is_added_within_its_bounds_only(admin_client, catalog
     assert re.search(r"sk-llmgw-[A-Za-z0-9_-]{20,}", added.content.decode())
     key = ApiKey.objects.get()
     assert (key.team, key.user, key.allowed_models) == (team, ana, [])
+
+
+def change_team(admin_client, team, *, budget_user):
+    """Post the team's page as it is, with one new budget row for `budget_user`."""
+    ana = team.memberships.get()
+    return admin_client.post(
+        reverse("admin:teams_team_change", args=[team.pk]),
+        {
+            "name": team.name,
+            "allowed_models": "",
+            "memberships-TOTAL_FORMS": "1",
+            "memberships-INITIAL_FORMS": "1",
+            "memberships-MIN_NUM_FORMS": "0",
+            "memberships-MAX_NUM_FORMS": "1000",
+            "memberships-0-id": str(ana.pk),
+            "memberships-0-team": str(team.pk),
+            "memberships-0-user": str(ana.user_id),
+            "memberships-0-role": ana.role,
+            "budgets-TOTAL_FORMS": "1",
+            "budgets-INITIAL_FORMS": "0",
+            "budgets-MIN_NUM_FORMS": "0",
+            "budgets-MAX_NUM_FORMS": "1000",
+            "budgets-0-user": str(budget_user.pk),
+            "budgets-0-amount": "12.5",
+            "budgets-0-window": "week",
+            "budgets-0-timezone": "Europe/Paris",
+        },
+        follow=True,
+    )
+
+
+def test_a_teams_page_sets_a_members_budget_and_refuses_one_for_someone_outside_it(admin_client):
+    team = Team.objects.create(name="search")
+    ana, bo = User.objects.create_user("ana"), User.objects.create_user("bo")
+    Membership.objects.create(team=team, user=ana)
+    refused = change_team(admin_client, team, budget_user=bo).content.decode()
+    assert "bo is not a member of the team “search”." in refused
+    assert not Budget.objects.exists()
+
+    change_team(admin_client, team, budget_user=ana)
+    budget = Budget.objects.get()
+    assert (budget.team, budget.user, budget.amount, budget.window) == (team, ana, Decimal("12.5"), "week")
+
+
+def test_a_new_team_is_saved_before_its_budgets_are_set(admin_client):
+    page = admin_client.get(reverse("admin:teams_team_add")).content.decode()
+    assert "memberships-TOTAL_FORMS" in page and "budgets-TOTAL_FORMS" not in page
