@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from typing import Protocol
 from zoneinfo import ZoneInfo
 
 SPEND_UNITS = 10**12  # spend units in a unit of currency (keys.models.SPEND_UNITS)
@@ -182,3 +183,26 @@ class InProcessBudgets:
             del self._held[reservation.id]
             # Charged as reserved: a request, its worst case, no tokens known.
             self._charge(hour, reservation.ledger, reservation.amount, 1)
+
+
+class BudgetCounters(Protocol):
+    """Budgets' counters shared by every router (hub.budgets): a reservation at admission, a settlement at the
+    answer's end, each one atomic step (one Redis round trip)."""
+
+    async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
+        """Take the reservation's worst case from every budget of its limits, or from none: None if taken, else
+        the first budget it would overrun."""
+        ...
+
+    async def settle_budget(self, reservation_id: str, cost: int, hour: int) -> bool:
+        """Charge the answer's real `cost` (spend units) in place of its reservation, to the counters and to the
+        ledger's `hour`; False if the reservation had expired (then charged at what it reserved)."""
+        ...
+
+
+class BudgetReader(Protocol):
+    """What the control plane reads of the budgets' counters (alerts, pages, metrics)."""
+
+    def budget_use(self, counters: list[str]) -> dict[str, int]:
+        """What each counter holds (spent and still reserved, spend units); 0 for one never used. One round trip."""
+        ...

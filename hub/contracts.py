@@ -33,14 +33,16 @@ from typing import Annotated, Literal, NamedTuple, Protocol
 
 import msgspec
 
-from hub.budgets import Refusal, Reservation
+# Re-exported: the hub's contracts are read from here.
+from hub.budgets import BudgetCounters as BudgetCounters
+from hub.budgets import BudgetReader as BudgetReader
+from hub.records import Name as Name
+from hub.records import NonNegative as NonNegative
+from hub.records import RequestRecord as RequestRecord
+from hub.records import UnixTime as UnixTime
 
 log = logging.getLogger(__name__)
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Name = Annotated[str, msgspec.Meta(min_length=1)]
-# Unix seconds; the bound refuses inf (and NaN fails every comparison), which the hubs could not store.
-UnixTime = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
 # An engine's bearer key: visible ASCII only, so it can travel in an Authorization header as it is.
 UpstreamKey = Annotated[str, msgspec.Meta(pattern=r"^[!-~]+$")]
 
@@ -271,6 +273,8 @@ class UsageReport(msgspec.Struct, kw_only=True, frozen=True):
     continuations: dict[Name, ContinuationCount] = {}
     """Public model name -> its answers whose engine broke off since the previous flush; counters: they add up.
     Absent from the reports of routers older than it, which count none."""
+    records: list[RequestRecord] = []
+    """Each request since the previous flush, where routers keep a per-request log (LLMGW_REQUEST_RECORD_DAYS)."""
 
 
 def checked(report: UsageReport) -> UsageReport:
@@ -351,6 +355,14 @@ class UsageSource(Protocol):
         """Give back continuation counts ({hour: counts}) a tick took but could not store: they add up again."""
         ...
 
+    def take_records(self) -> list[RequestRecord]:
+        """TAKE the routers' per-request records (read and removed in one step), oldest first."""
+        ...
+
+    def restore_records(self, records: list[RequestRecord]) -> None:
+        """Give back records a tick took but could not store."""
+        ...
+
     def forget_usage(self, replica_ids: Iterable[str | int]) -> None: ...
 
     def forget_routers(self, routers: Iterable[str]) -> None:
@@ -412,6 +424,10 @@ class TokenSource(Protocol):
 
     def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None: ...
 
+    def take_records(self) -> list[RequestRecord]: ...
+
+    def restore_records(self, records: list[RequestRecord]) -> None: ...
+
     def router_marks(self) -> list[RouterMark]: ...
 
     def forget_routers(self, routers: Iterable[str]) -> None: ...
@@ -465,31 +481,8 @@ class RateLimitCounters(Protocol):
         ...
 
 
-class BudgetCounters(Protocol):
-    """Budgets' counters shared by every router (hub.budgets): a reservation at admission, a settlement at the
-    answer's end, each one atomic step (one Redis round trip)."""
-
-    async def reserve_budget(self, reservation: Reservation) -> Refusal | None:
-        """Take the reservation's worst case from every budget of its limits, or from none: None if taken, else
-        the first budget it would overrun."""
-        ...
-
-    async def settle_budget(self, reservation_id: str, cost: int, hour: int) -> bool:
-        """Charge the answer's real `cost` (spend units) in place of its reservation, to the counters and to the
-        ledger's `hour`; False if the reservation had expired (then charged at what it reserved)."""
-        ...
-
-
 class UsageExchange(UsageSink, RateLimitCounters, Protocol):
     """What a router's usage flusher talks to: usage reports, then rate-limit counts."""
-
-
-class BudgetReader(Protocol):
-    """What the control plane reads of the budgets' counters (alerts, pages, metrics)."""
-
-    def budget_use(self, counters: list[str]) -> dict[str, int]:
-        """What each counter holds (spent and still reserved, spend units); 0 for one never used. One round trip."""
-        ...
 
 
 class ControlPlaneHub(EndpointSink, UsageSource, ActivationQueue, KeyChangeSink, BudgetReader, Protocol):

@@ -20,6 +20,7 @@ from hub.contracts import (
     EndpointTable,
     LimitCount,
     LimitCounts,
+    RequestRecord,
     RouterMark,
     TokenCount,
     TokenCounts,
@@ -31,6 +32,8 @@ from hub.contracts import (
     hour_of,
 )
 from hub.fingerprint import fingerprinted
+
+MAX_RECORDS = 1_000_000  # per-request records held until taken
 
 
 class InProcessHub:
@@ -51,6 +54,7 @@ class InProcessHub:
         self._keys: dict[str, float] = {}  # key digest -> last use, until the tick takes it
         self._continuations: dict[int, ContinuationCounts] = {}  # hour -> counts, like `_tokens`
         self._limits: dict[tuple[int, str], list[int]] = {}  # (minute, key digest) -> [requests, tokens]
+        self._records: list[RequestRecord] = []  # per-request records, until the tick takes them
         # Budgets' counters; a settlement's cost (or an expired reservation's) is added to `_tokens`.
         self.budgets = InProcessBudgets(charge=self._charge, wall=clock)
 
@@ -115,6 +119,15 @@ class InProcessHub:
         with self._lock:
             for hour, counts in continuations.items():
                 add_continuation_counts(self._continuations.setdefault(hour, {}), counts)
+
+    def take_records(self) -> list[RequestRecord]:
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+    def restore_records(self, records: list[RequestRecord]) -> None:
+        with self._lock:
+            self._records[:0] = records
 
     def _charge(self, hour: int, ledger: str, spend: int, requests: int) -> None:
         """Add a budget's charge to the ledger (called by `budgets`, under its lock: takes this hub's)."""
@@ -183,6 +196,9 @@ class InProcessHub:
                 self._add_tokens(hour_of(now), report.tokens)
             if report.continuations:
                 add_continuation_counts(self._continuations.setdefault(hour_of(now), {}), report.continuations)
+            if report.records:
+                self._records.extend(report.records)
+                del self._records[:-MAX_RECORDS]  # nobody takes them: the newest are kept
             self._add_keys(report.keys)
             previous = self._marks.get(report.router)
             # A lapse is a gap in what this router told us: its watch starts again now.

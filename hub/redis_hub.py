@@ -37,6 +37,7 @@ from hub.contracts import (
     EndpointTable,
     LimitCount,
     LimitCounts,
+    RequestRecord,
     RouterMark,
     TokenCount,
     TokenCounts,
@@ -79,6 +80,9 @@ KEYS_USED_KEY = "llmgw:usage:keys_last_used"
 TOKEN_KINDS = ("requests", "prompt", "completion", "spend")
 # Continuation counter fields are "<kind> <hour> <model>", a kind for each field of ContinuationCount.
 CONTINUATIONS_KEY = "llmgw:usage:continuations"
+# Per-request records: a list of batches (one a report, msgpack arrays), taken by the tick; bounded.
+RECORDS_KEY = "llmgw:usage:records"
+MAX_RECORD_BATCHES = 100_000
 CONTINUATION_KINDS = tuple(f.name for f in msgspec.structs.fields(ContinuationCount))
 
 # KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
@@ -101,6 +105,7 @@ return since
 """
 
 
+_decode_records = msgspec.msgpack.Decoder(list[RequestRecord]).decode
 _RESERVE_SHA = hashlib.sha1(RESERVE_LUA.encode()).hexdigest()  # noqa: S324 (Redis names scripts by SHA-1)
 _SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()  # noqa: S324
 
@@ -293,6 +298,23 @@ class RedisHub:
         )
         return _parse_token_fields(raw_tokens), {member.decode(): score for member, score in key_rows}
 
+    def take_records(self) -> list[RequestRecord]:
+        pipe = self._sync.pipeline(transaction=True)
+        pipe.lrange(RECORDS_KEY, 0, -1)
+        pipe.delete(RECORDS_KEY)  # in the same MULTI: taken by exactly one caller
+        batches, _ = cast(tuple[list[bytes], int], pipe.execute())
+        records: list[RequestRecord] = []
+        for batch in batches:
+            try:
+                records.extend(_decode_records(batch))
+            except msgspec.DecodeError as exc:  # dropped, not fatal: the others are good
+                log.warning("dropping a malformed batch of request records: %s", exc)
+        return records
+
+    def restore_records(self, records: list[RequestRecord]) -> None:
+        if records:
+            self._sync.lpush(RECORDS_KEY, msgspec.msgpack.encode(records))
+
     def _sweep_budgets(self, pipe: Any) -> None:
         """Queue the script charging expired budget reservations to the ledger (EVAL: a pipeline's registered
         script costs a SCRIPT EXISTS first)."""
@@ -386,6 +408,9 @@ class RedisHub:
                 pipe.hincrby(TOKENS_KEY, name, amount)
         for name, amount in _continuation_fields(hour_of(now), report.continuations).items():
             pipe.hincrby(CONTINUATIONS_KEY, name, amount)
+        if report.records:
+            pipe.rpush(RECORDS_KEY, msgspec.msgpack.encode(report.records))
+            pipe.ltrim(RECORDS_KEY, -MAX_RECORD_BATCHES, -1)  # nobody takes them: the newest are kept
         # After the stamps, in the same MULTI: a renewed mark vouches for what this router used.
         # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
         # first, a second round trip per flush; Redis caches the compiled script either way.

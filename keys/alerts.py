@@ -24,21 +24,9 @@ from keys.models import Budget, BudgetAlert
 
 log = logging.getLogger(__name__)
 
-CHECK_SECONDS = 30  # how often the tick checks (a window is alerted within this of reaching its soft limit)
 ATTEMPTS = 5
 RETRY_SECONDS = 60
 TIMEOUT_SECONDS = 2.0  # an alert endpoint that hangs must not hold the tick
-
-
-_last_check: list[datetime] = []  # this process's last check (a tick runs in one process at a time)
-
-
-def alerts_due(now: datetime) -> bool:
-    """Whether the tick should check soft limits now: CHECK_SECONDS after this process last did."""
-    if _last_check and now - _last_check[0] < timedelta(seconds=CHECK_SECONDS):
-        return False
-    _last_check[:] = [now]
-    return True
 
 
 def check_budget_alerts(hub: BudgetReader, now: datetime | None = None) -> int:
@@ -53,8 +41,12 @@ def check_budget_alerts(hub: BudgetReader, now: datetime | None = None) -> int:
         return 0
 
 
-def _make_alerts(hub: BudgetReader, now: datetime) -> list[BudgetAlert]:
+def _make_alerts(hub: BudgetReader, now: datetime) -> list[BudgetAlert] | None:
+    """The alerts made now; None when no budget has a soft limit (then nothing is due again either: a tick of a
+    fleet without soft limits pays one query)."""
     budgets = list(Budget.objects.filter(soft_limit_percent__isnull=False).select_related("team", "user", "key"))
+    if not budgets:
+        return None
     due = [use for use in current_use(budgets, hub, now) if use.reached(use.budget.soft_limit_percent or 100)]
     if not due:
         return []
@@ -75,7 +67,9 @@ def _make_alerts(hub: BudgetReader, now: datetime) -> list[BudgetAlert]:
     return made
 
 
-def _deliver_due(now: datetime, made: list[BudgetAlert]) -> int:
+def _deliver_due(now: datetime, made: list[BudgetAlert] | None) -> int:
+    if made is None:
+        return 0
     retry = now - timedelta(seconds=RETRY_SECONDS)
     pending = list(
         BudgetAlert.objects.filter(delivered_at=None, attempts__lt=ATTEMPTS)

@@ -286,3 +286,39 @@ class BudgetAlert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.budget}: soft limit reached ({self.counter})"
+
+
+class RequestRecord(models.Model):
+    """One request as its router saw it (hub.contracts.RequestRecord), kept LLMGW_REQUEST_RECORD_DAYS days when
+    that is set: the per-request log beside the hourly TokenUsage rows, which every page and report reads.
+
+    Narrow on purpose (well under half a kilobyte a row with its indexes on PostgreSQL: bench/spend_bench.py): the
+    key's and team's ids, not their names; no request or answer text."""
+
+    id = models.BigAutoField(primary_key=True)
+    at = models.DateTimeField(help_text="When the router received it.")
+    key = models.ForeignKey(ApiKey, null=True, on_delete=models.SET_NULL, related_name="+", db_index=False)
+    team = models.ForeignKey(
+        "teams.Team", null=True, on_delete=models.SET_NULL, related_name="+", db_index=False, db_constraint=False
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+", db_index=False,
+        db_constraint=False,
+    )  # fmt: skip
+    model = models.CharField(max_length=200)
+    status = models.PositiveSmallIntegerField()
+    prompt_tokens = models.PositiveIntegerField()
+    completion_tokens = models.PositiveIntegerField()
+    spend_units = models.PositiveBigIntegerField(help_text="What it was charged, in 10⁻¹² of the currency unit.")
+    milliseconds = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [
+            models.Index(fields=["key", "at"], name="request_record_key_at"),
+            models.Index(fields=["team", "at"], name="request_record_team_at"),
+            models.Index(fields=["at"], name="request_record_at"),  # the retention's deletes
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} {self.status} at {self.at:%Y-%m-%d %H:%M:%S}"

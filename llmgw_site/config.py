@@ -241,6 +241,14 @@ SETTINGS: tuple[Setting, ...] = (
         1,
     ),
     _s(
+        "LLMGW_REQUEST_RECORD_DAYS",
+        "int",
+        0,
+        "days a record of each request (key, model, status, tokens, spend, duration) is kept, beside the hourly "
+        "usage; 0 = no per-request records",
+        0,
+    ),
+    _s(
         "LLMGW_SHUTDOWN_GRACE_SECONDS",
         "float",
         30.0,

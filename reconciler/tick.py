@@ -1,7 +1,6 @@
 """The reconcile tick: one bounded pass by the leader (DESIGN "Reconcile tick").
 
-Read the hub → store token counts → budgets' soft limits (every `keys.alerts.CHECK_SECONDS`) → in one fenced
-transaction, the steps of `STEPS` in that order → commit →
+Read the hub → store token counts → budgets' soft limits → in one fenced transaction, the steps of `STEPS` in that order → commit →
 send agent commands → tell the hub → publish endpoints if changed. A constant number of queries whatever the
 fleet size: each step reads its tables once, decides in memory and writes in bulk; a step demand's census
 finds nothing for is skipped.
@@ -18,7 +17,7 @@ from opentelemetry.trace import Tracer
 
 from hub import ControlPlaneHub, get_hub
 from hub.contracts import Activation, UsageSnapshot
-from keys.alerts import alerts_due, check_budget_alerts
+from keys.alerts import check_budget_alerts
 from reconciler.adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
 from reconciler.choices import ReplicaState
 from reconciler.commands import resend_unacknowledged
@@ -146,8 +145,7 @@ def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: St
     # Token counts the collection took from the hub: stored in their own transaction, before the fenced
     # one, so a tick that loses the lease loses none of them (reconciler.demand.tokens).
     steps.run("token usage", record_token_usage, readings.usage, hub)
-    if alerts_due(now):
-        steps.run("budget alerts", check_budget_alerts, hub, now)
+    steps.run("budget alerts", check_budget_alerts, hub, now)
 
     try:
         # The fence is the transaction's last statement (DESIGN invariant 1): no lease lock while it works.

@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from hub import get_hub
-from hub.contracts import RouterHub
+from hub.contracts import RequestRecord, RouterHub
+from router.accounting.budgets import cost_of
 from router.accounting.store import TokenStore
 from router.config import RouterConfig
 from router.errors import RouterError, method_not_allowed, shutting_down
@@ -58,6 +59,7 @@ class RouterApp:
         self._limits = state.ledger.limits
         self._keys = state.keys
         self._budgets = state.budgets
+        self._records = state.ledger.records  # None unless routers keep a per-request log
         self._metrics = state.metrics
         self._proxy = state.proxy
         self._max_body_bytes = state.config.max_body_bytes
@@ -242,9 +244,9 @@ class RouterApp:
             model, body, streaming, affinity, payload = self._parse(body)
             self._admit(key, model)
             hold = None
-            if key.budgets:
-                prices = self._routes.prices.get(model)
-                hold = await self._budgets.reserve(key.budgets, key.digest, model, body, payload, prices)
+            if key.budgets:  # keys without budgets pay this test and nothing more
+                asked, prices = (model, body, payload), self._routes.prices.get(model)
+                hold = await self._budgets.reserve(key.budgets, key.digest, asked, prices)
         except RouterError as exc:
             traffic.answered(model, exc.status)
             raise
@@ -272,11 +274,20 @@ class RouterApp:
             exchange.status = exchange.status or 500
             raise
         finally:
-            self._in_flight.end(exchange)
-            traffic.in_flight -= 1
-            if hold is not None and not exchange.settled:
-                self._budgets.settle(hold, exchange.usage, request.headers_sent)
-            traffic.answered(model, exchange.status or CLIENT_CLOSED)
+            self._ended(request, received)
+
+    def _ended(self, request: Forwarding, received: float) -> None:
+        """The request is over, in any way: count it, settle its budgets if its relay did not, log it if asked."""
+        exchange, traffic = request.exchange, self._metrics.traffic
+        self._in_flight.end(exchange)
+        traffic.in_flight -= 1
+        status = exchange.status or CLIENT_CLOSED
+        traffic.answered(request.model, status)
+        if exchange.hold is not None and not exchange.settled:
+            self._budgets.settle(exchange.hold, exchange.usage, request.headers_sent)
+        records = self._records
+        if records is not None and exchange.key is not None:
+            records.append(request_record(request, self._routes.prices.get(request.model), status, received))
 
     def _admit(self, key: KeyInfo, model: str) -> None:
         """Nothing if `key` may send a request for `model` now; else a RouterError: 403 for a model outside its
@@ -306,6 +317,32 @@ class RouterApp:
         # A prefix only matters where there is a choice of replicas (router.picking.affinity): not hashed otherwise.
         affinity = prefix_affinity(payload) if self._routes.has_choice(public) else None
         return public, body, payload.get("stream") is True, affinity, payload
+
+
+def request_record(
+    request: Forwarding, prices: tuple[int, int, int] | None, status: int, received: float
+) -> RequestRecord:
+    """The per-request log's record of a request that ended (`received`: its arrival, on perf_counter)."""
+    exchange = request.exchange
+    usage = exchange.usage
+    if exchange.hold is not None:
+        spend = cost_of(exchange.hold, usage, request.headers_sent)
+    elif usage is not None and prices is not None:
+        spend = usage[0] * prices[0] + usage[1] * prices[1]
+    else:
+        spend = 0
+    elapsed = time.perf_counter() - received
+    assert exchange.key is not None  # recorded only for a key's request
+    return RequestRecord(
+        at=time.time() - elapsed,
+        key=exchange.key,
+        model=request.model,
+        status=status,
+        prompt=usage[0] if usage is not None else 0,
+        completion=usage[1] if usage is not None else 0,
+        spend=spend,
+        milliseconds=int(elapsed * 1000),
+    )
 
 
 def bearer_token(scope: Scope) -> str:

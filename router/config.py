@@ -35,7 +35,8 @@ class RouterConfig:
     engine broke off is continued on another replica (0: never). `ejection`
     says when failing replicas are ejected. `budget_reservation_seconds`: how long a budget's reservation
     outlives its router (longer than any answer); `budget_output_tokens`: the answer a budget reserves for when
-    neither the request nor the table bounds it (router.accounting.budgets).
+    neither the request nor the table bounds it (router.accounting.budgets). `request_records`: whether it
+    reports each request for the per-request log.
     `router_id` names this router's usage reports and watch mark (None: a new
     id per process, `router.accounting.flusher.new_router_id`). `tracer`: where its spans
     go when traces are on (telemetry/, from the OTEL_* environment), else None.
@@ -57,6 +58,7 @@ class RouterConfig:
     stream_migrations: int = 2
     budget_reservation_seconds: float = 3600.0
     budget_output_tokens: int = 32_768
+    request_records: bool = False
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     router_id: str | None = None
     tracer: Tracer | None = None
@@ -92,6 +94,7 @@ class RouterConfig:
                 "stream_migrations": int(settings.LLMGW_STREAM_MIGRATIONS),
                 "budget_reservation_seconds": float(settings.LLMGW_BUDGET_RESERVATION_SECONDS),
                 "budget_output_tokens": int(settings.LLMGW_BUDGET_OUTPUT_TOKENS),
+                "request_records": int(settings.LLMGW_REQUEST_RECORD_DAYS) > 0,
                 "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
                 "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
                 "metrics_token": settings.LLMGW_METRICS_TOKEN or "",

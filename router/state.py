@@ -52,7 +52,7 @@ class RouterState:
         """`clock`: wall time (stamps, rate limits' minute); `token_store`: router-only mode's, None in a fleet."""
         self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
         self.routes = RouteTable()
-        self.ledger = Ledger(self.routes, clock)
+        self.ledger = Ledger(self.routes, clock, records=config.request_records)
         # With traces on, picks are spans and the proxy's steps run inside spans (router.forwarding.tracing);
         # without, not a line of it runs.
         tracer = config.tracer

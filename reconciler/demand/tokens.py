@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from hub.contracts import UsageSnapshot, UsageSource
+from keys.records import record_requests
 from keys.usage import store_continuations, store_tokens
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ def record_token_usage(snapshot: UsageSnapshot | None, hub: UsageSource) -> int:
 
     Returns the number of (key, model, hour) token rows added to.
     """
+    record_requests(hub)  # the per-request log, when it is kept (keys.records)
     if snapshot is None:
         return 0
     if snapshot.continuations:

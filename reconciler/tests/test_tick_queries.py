@@ -69,10 +69,10 @@ def test_a_steady_tick_over_a_served_fleet_skips_the_steps_with_nothing_to_do(ru
         )
     run_tick()
 
-    # The lease renewed (1) in a transaction of its own, then in the tick's: usage (2), liveness (2: the silent
-    # nodes, the shards to fail), demand (3), resend starts, the
+    # The lease renewed (1) in a transaction of its own, the budgets with a soft limit (1: none here), then in
+    # the tick's: usage (2), liveness (2: the silent nodes, the shards to fail), demand (3), resend starts, the
     # stop/sleep check, adapter loads, resend unacknowledged, the fence (5), and the endpoint table (5) after
     # commit. Each transaction adds two (begin and end; savepoints here), and on PostgreSQL a third: its lock
     # waits bounded.
-    expected = 24 if connection.vendor == "postgresql" else 22
+    expected = 25 if connection.vendor == "postgresql" else 23
     assert tick_queries(run_tick) == expected

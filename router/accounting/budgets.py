@@ -117,16 +117,16 @@ class BudgetGate:
         self,
         rules: tuple[BudgetRule, ...],
         digest: str,
-        model: str,
-        body: bytes,
-        payload: dict[str, Any],
+        request: tuple[str, bytes, dict[str, Any]],
         prices: tuple[int, int, int] | None,
     ) -> Hold | None:
-        """Reserve the request's worst case against `rules`: its Hold, None when it costs nothing, or a 429
-        RouterError naming the first budget it does not fit and when that budget resets. `prices`: the model's
-        (input, output, output bound) from the table."""
+        """Reserve a request's worst case against the budgets of its key (`rules`; `digest`: the key's): its Hold,
+        None when it costs nothing, or a 429 RouterError naming the first budget it does not fit and when that
+        budget resets. `request`: its model, body and decoded body; `prices`: the model's (input, output, output
+        bound) from the table."""
         if prices is None:
             return None
+        model, body, payload = request
         price_in, price_out, bound = prices
         asked = next((v for f in OUTPUT_LIMITS if isinstance(v := payload.get(f), int) and v >= 0), None)
         choices = payload.get("n")

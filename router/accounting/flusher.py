@@ -81,6 +81,7 @@ class UsageFlusher:
             tokens=tokens,
             keys=keys,
             continuations=self.ledger.continuations.take(),
+            records=self.ledger.take_records(),
         )
         try:
             await self.hub.report_usage(report)
@@ -107,6 +108,7 @@ class UsageFlusher:
         self.ledger.restore_stamps(report.stamps)
         self.ledger.tokens.restore(report.tokens, report.keys)
         self.ledger.continuations.restore(report.continuations)
+        self.ledger.restore_records(report.records)
 
     async def _sync_limits(self, always: bool = False) -> None:
         """Hand the hub what limited keys used here; take back their totals over every router (router.accounting.limits)."""

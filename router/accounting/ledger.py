@@ -18,12 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hub.contracts import ADAPTER_STAMP_SEPARATOR
+from hub.contracts import ADAPTER_STAMP_SEPARATOR, RequestRecord
 from router.accounting.continuations import ContinuationCounter
 from router.accounting.counter import TokenCounter
 from router.accounting.limits import RateLimiter
 from router.endpoints.routes import RouteTable
 from router.endpoints.table import Endpoint
+
+MAX_RECORDS = 100_000  # per-request records a router keeps while its flushes fail
 
 
 class Ledger:
@@ -33,7 +35,7 @@ class Ledger:
     `clock` (wall time) stamps last use and tells the rate limits' minute.
     """
 
-    def __init__(self, routes: RouteTable, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, routes: RouteTable, clock: Callable[[], float] = time.time, records: bool = False) -> None:
         self._routes = routes
         self._clock = clock
         self._stamps: dict[str, float] = {}  # replica id (or "<replica>/<adapter>") -> last use, not yet flushed
@@ -46,6 +48,8 @@ class Ledger:
         self.limits = RateLimiter(clock)
         # Answers whose engine broke off: the proxy and the resumer count into it beside their metric.
         self.continuations = ContinuationCounter()
+        # Each request, where routers keep a per-request log (LLMGW_REQUEST_RECORD_DAYS); None: they do not.
+        self.records: list[RequestRecord] | None = [] if records else None
 
     def picked(self, endpoint: Endpoint, model: str) -> None:
         """`endpoint` was chosen for a request of `model` (a model, or an adapter riding on `endpoint.model`)."""
@@ -99,6 +103,21 @@ class Ledger:
             for replica_id in busy:
                 stamps[replica_id] = now
         return stamps, peaks
+
+    def take_records(self) -> list[RequestRecord]:
+        """Swap out the per-request records gathered since the last take (none when not kept)."""
+        records = self.records
+        if not records:
+            return []
+        taken = records[:]
+        records.clear()  # the same list: the app holds it
+        return taken
+
+    def restore_records(self, records: list[RequestRecord]) -> None:
+        """Put back records a flush could not deliver, oldest first; past MAX_RECORDS the oldest are dropped."""
+        if self.records is not None and records:
+            self.records[:0] = records
+            del self.records[:-MAX_RECORDS]
 
     def restore_stamps(self, stamps: dict[str, float]) -> None:
         """Put back stamps a flush could not deliver; a newer stamp for the same replica wins."""

@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db import close_old_connections, connections
 
 from hub.contracts import TokenSource
+from keys.records import record_requests
 from keys.usage import store_continuations, store_tokens
 from router.background import raise_if_cancelling
 
@@ -92,6 +93,7 @@ class TokenStore:
         close_old_connections()
         self._forget_gone_routers()
         self._store_continuations()
+        record_requests(self.hub)  # the per-request log, when it is kept
         tokens, keys = self.hub.take_tokens()
         if not (tokens or keys):
             return 0
