@@ -128,7 +128,12 @@ class TokenUsage(models.Model):
     class Meta:
         ordering = ["-hour", "key_name", "model"]
         constraints = [models.UniqueConstraint(fields=["key", "model", "hour"], name="token_usage_one_row_per_hour")]
-        indexes = [models.Index(fields=["team", "hour"], name="token_usage_team_hour")]
+        # A key's and a team's spend over a window is a sum over these alone (an index-only scan on PostgreSQL,
+        # which keeps `spend_units` in them): a month in a few milliseconds whatever else is stored.
+        indexes = [
+            models.Index(fields=["team", "hour"], include=["spend_units"], name="token_usage_team_hour_spend"),
+            models.Index(fields=["key", "hour"], include=["spend_units"], name="token_usage_key_hour_spend"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.key_name} on {self.model} at {self.hour:%Y-%m-%d %H}:00"
