@@ -284,7 +284,7 @@ class RouterApp:
         status = exchange.status or CLIENT_CLOSED
         traffic.answered(request.model, status)
         if exchange.hold is not None and not exchange.settled:
-            self._budgets.settle(exchange.hold, exchange.usage, request.headers_sent)
+            self._budgets.settle(exchange.hold, exchange.usage, answered(request, status))
         records = self._records
         if records is not None and exchange.key is not None:
             records.append(request_record(request, self._routes.prices.get(request.model), status, received))
@@ -319,6 +319,13 @@ class RouterApp:
         return public, body, payload.get("stream") is True, affinity, payload
 
 
+def answered(request: Forwarding, status: int) -> bool:
+    """Whether an engine was asked and an answer given (a 2xx began, the client may have left it midway): then one
+    whose usage never came is charged what it reserved. An error (the engine's, or a stream that broke on our
+    side) costs nothing, and so does a wait for a replica the client gave up (keep-alives are no answer)."""
+    return bool(request.tried) and request.headers_sent and (200 <= status < 300 or status == CLIENT_CLOSED)
+
+
 def request_record(
     request: Forwarding, prices: tuple[int, int, int] | None, status: int, received: float
 ) -> RequestRecord:
@@ -326,7 +333,7 @@ def request_record(
     exchange = request.exchange
     usage = exchange.usage
     if exchange.hold is not None:
-        spend = cost_of(exchange.hold, usage, request.headers_sent)
+        spend = cost_of(exchange.hold, usage, answered(request, status))
     elif usage is not None and prices is not None:
         spend = usage[0] * prices[0] + usage[1] * prices[1]
     else:

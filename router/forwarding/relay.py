@@ -120,9 +120,7 @@ class Relay:
     async def stream(
         self, request: Forwarding, endpoint: Endpoint, response: ClientResponse, content_type: str, streamed: bool
     ) -> None:
-        """Relay an answer chunk by chunk as the engine sends it: read a chunk, account for it, send it. A break
-        ends a stream (`streamed`: SSE) with an error event and cuts any other body. Accounting is inline (see the
-        module docstring); a body that is not a stream counts its gaps into a blank series kept nowhere."""
+        """Relay an answer chunk by chunk (a break: see the module docstring); `streamed`: it is SSE."""
         send, exchange, traffic, transcript = request.send, request.exchange, self.metrics.traffic, request.transcript
         served = 200 <= response.status < 300
         reader = self._reader(request, response, content_type) if served else None
@@ -150,7 +148,11 @@ class Relay:
                     exchange.stop_deadline()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     exchange.start_next_chunk_deadline()
-                await self._ended(request, reader, served)
+                exchange.stop_deadline()
+                if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+                if exchange.hold is not None and served:  # a test, and no call, for a request without budgets
+                    await self._settle(request, reader.usage() if reader is not None else None)
             except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError, EngineEndedUnfinished) as exc:
                 if (failure := exchange.failure(exc)) is None:
                     raise
@@ -223,14 +225,6 @@ class Relay:
         if streamed:
             request.exchange.status = status
             await request.send({"type": "http.response.body", "body": sse_error_event(message, UPSTREAM_FAILED)})
-
-    async def _ended(self, request: Forwarding, reader: JsonUsage | SseUsage | None, served: bool) -> None:
-        """The engine ended the stream: send what the reader held back, and settle its budgets."""
-        request.exchange.stop_deadline()
-        if reader is not None and (rest := reader.finish()):  # the stream ended: nothing left to keep
-            await request.send({"type": "http.response.body", "body": rest, "more_body": True})
-        if request.exchange.hold is not None and served:
-            await self._settle(request, reader.usage() if reader is not None else None)
 
     async def _settle(self, request: Forwarding, usage: tuple[int, int] | None) -> None:
         """Settle the answer's budgets before its last byte: a client that sends its next request once this one

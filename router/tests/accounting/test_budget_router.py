@@ -182,3 +182,15 @@ def test_a_clients_next_request_finds_the_last_one_settled_at_its_real_cost(
         assert post(router, key, content).status_code == 200
         assert used(budget_hub, budget) == done * cost  # no wait: settled before the answer's last byte
     assert post(router, key, content).json()["error"]["code"] == "budget_exceeded"
+
+
+def test_an_engines_error_costs_nothing(start_router, hub, start_engine, team_key):
+    key, team, _ = team_key
+    budget = Budget.objects.create(team=team, amount=Decimal("1"), window=Budget.Window.NONE)
+    engine = start_engine(status=503)
+    hub.publish_endpoints(make_table([engine.url], models=PRICED))
+    router = start_router()
+    assert post(router, key, body_of(max_tokens=5)).status_code == 503
+    wait_until(lambda: router.state.ledger.in_flight() == 0)
+    wait_until(lambda: used(hub, budget) == 0)  # reserved, then given back whole
+    assert len(engine.requests) >= 1
