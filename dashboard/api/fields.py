@@ -13,6 +13,7 @@ from typing import Any
 
 from django.db import models as db
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 # RFC 3339 section 5.6: full-date "T" full-time, the offset required ("t"/"z" in any case, as it allows).
@@ -91,6 +92,49 @@ class StrictChoiceField(serializers.ChoiceField):
             choices = ", ".join(repr(choice) for choice in self.choices)
             raise serializers.ValidationError(f"expected one of {choices}, got {kind_of(data)}", code="invalid_choice")
         return data
+
+
+def non_negative_decimal(max_digits: int, decimal_places: int) -> dict[str, Any]:
+    """The schema of a StrictDecimalField of these digits that refuses negatives: a number below 10^(whole digits),
+    or the decimal string reads give (`"0.150000"`)."""
+    whole = max_digits - decimal_places
+    return {
+        "oneOf": [
+            {"type": "number", "minimum": 0, "maximum": 10**whole, "exclusiveMaximum": True},
+            {"type": "string", "pattern": rf"^\d{{1,{whole}}}(\.\d{{1,{decimal_places}}})?$"},
+        ]
+    }
+
+
+class StrictDecimalField(serializers.DecimalField):
+    """An exact decimal as written: a JSON number (0.15) or the decimal string reads give ("0.150000"), taken as
+    the decimal it shows. Its schema is `non_negative_decimal`'s, set on each subclass (it depends on the digits)."""
+
+    def to_internal_value(self, data):
+        # DRF's own field reads a number by its text (0.15, not the double nearest it), but would take true as 1.
+        if isinstance(data, bool) or not isinstance(data, int | float | str):
+            _refuse(self, 'a number such as 0.15 or a string of one ("0.15")', data)
+        return super().to_internal_value(data)
+
+
+class StrictPrimaryKeyRelatedField(serializers.PrimaryKeyRelatedField):
+    """A row's id as a JSON integer, as the schema types it: "5", 5.0 and true are refused (DRF's own takes "5")."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, int) or isinstance(data, bool):
+            _refuse(self, "an integer id", data)
+        return super().to_internal_value(data)
+
+
+@extend_schema_field(
+    {"anyOf": [{"type": "string", "format": "uri", "maxLength": 200}, {"type": "string", "maxLength": 0}]}
+)
+class UrlOrBlankField(serializers.URLField):
+    """A URL (Django's URLField, 200 characters at most), or "" for none: the schema says both, where
+    drf-spectacular's own says a URI only, which "" is not."""
+
+    def __init__(self, **kwargs):
+        super().__init__(max_length=200, allow_blank=True, **kwargs)
 
 
 class Rfc3339DateTimeField(serializers.DateTimeField):

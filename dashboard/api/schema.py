@@ -5,7 +5,8 @@ operations with a path parameter document 404; writes and filtered lists
 document 400. Their body is `{"detail": …}`, for 400 also the field at fault.
 A body the schema allows is taken, except by the model writes and the plan,
 whose 400s also say the catalog's rules that OpenAPI cannot state (fields
-judged against each other and against the rest of the catalog): those are
+judged against each other and against the rest of the catalog), and by the
+key and budget writes, whose rows must exist and be the asker's: those are
 listed in their 400's description.
 """
 
@@ -79,6 +80,13 @@ KEY_REFUSED = OpenApiResponse(
     description="Refused; nothing changed (the key names the field at fault, or `detail`). `team` must be an "
     "existing team's id, one of the asker's unless an operator asks (403 for a team of someone else's); the "
     "key's models must be within the team's, and a key of someone who is not an operator needs a team.",
+)
+BUDGET_REFUSED = OpenApiResponse(
+    response={"type": "object", "additionalProperties": True},
+    description="Refused; nothing changed (the key names the field at fault, or `detail`). A budget has one scope: "
+    "`key` alone, `team` with a `user` who is a member of it, or `team` alone; a `timezone` that exists (e.g. "
+    "Europe/Paris); one budget per scope and `window`; `key`, `team` and `user` ids of existing rows. Someone who "
+    "is not an operator sets budgets only in the teams they administer: 403 naming `team` or `key` otherwise.",
 )
 PLAN_REFUSED = OpenApiResponse(
     response={"type": "object", "additionalProperties": True},

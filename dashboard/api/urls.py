@@ -6,6 +6,7 @@ from django.urls import re_path
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
 from rest_framework.routers import APIRootView, DefaultRouter
 
+from dashboard.api.budgets import BudgetViewSet
 from dashboard.api.plan import PlanView
 from dashboard.api.teams import TeamViewSet
 from dashboard.api.views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
@@ -37,6 +38,7 @@ router.register("replicas", ReplicaViewSet, basename="replica")
 router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", TokenUsageViewSet, basename="usage")
 router.register("teams", TeamViewSet, basename="team")
+router.register("budgets", BudgetViewSet, basename="budget")
 
 urlpatterns = [
     re_path(r"^status/?$", StatusView.as_view(), name="api-status"),

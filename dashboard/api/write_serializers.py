@@ -17,7 +17,7 @@ from catalog.catalog_file import ADAPTER_KEYS, MODEL_KEYS, PROFILE_FIELDS
 from catalog.models import Adapter, Model, Profile, price_validator, public_name_validator
 from catalog.prices import PRICE_DECIMAL_PLACES, PRICE_MAX_DIGITS
 from catalog.rules import INTEGER_MAX
-from dashboard.api.fields import StrictCharField, StrictModelSerializer, kind_of
+from dashboard.api.fields import StrictCharField, StrictDecimalField, StrictModelSerializer, non_negative_decimal
 from dashboard.api.serializers import ENV_HELP
 from keys.models import ApiKey
 from nodewire.engine_env import MAX_VALUE_LENGTH, MAX_VARIABLES, env_problem
@@ -55,19 +55,8 @@ class EnvField(serializers.Field):
         return data
 
 
-PRICE_WHOLE_DIGITS = PRICE_MAX_DIGITS - PRICE_DECIMAL_PLACES
-PRICE_PATTERN = rf"^\d{{1,{PRICE_WHOLE_DIGITS}}}(\.\d{{1,{PRICE_DECIMAL_PLACES}}})?$"
-
-
-@extend_schema_field(
-    {
-        "oneOf": [
-            {"type": "number", "minimum": 0, "maximum": 10**PRICE_WHOLE_DIGITS, "exclusiveMaximum": True},
-            {"type": "string", "pattern": PRICE_PATTERN},
-        ]
-    }
-)
-class PriceField(serializers.DecimalField):
+@extend_schema_field(non_negative_decimal(PRICE_MAX_DIGITS, PRICE_DECIMAL_PLACES))
+class PriceField(StrictDecimalField):
     """A price per million tokens as written: a JSON number (0.15) or the decimal string reads give ("0.150000"),
     taken as the exact decimal it shows; never negative, at most 6 decimal places."""
 
@@ -81,14 +70,6 @@ class PriceField(serializers.DecimalField):
             error_messages={"min_value": price_validator.message},
             **kwargs,
         )
-
-    def to_internal_value(self, data):
-        # DRF's own field reads a number by its text (0.15, not the double nearest it), but would take true as 1.
-        if isinstance(data, bool) or not isinstance(data, int | float | str):
-            raise serializers.ValidationError(
-                f'expected a number such as 0.15 or a string of one ("0.15"), got {kind_of(data)}', code="invalid"
-            )
-        return super().to_internal_value(data)
 
 
 def price_of(model: type[Model] | type[Adapter], name: str) -> PriceField:

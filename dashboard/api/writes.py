@@ -4,7 +4,8 @@ Models are written through `catalog.as_code.apply_catalog` with the request
 body as one entry of a catalog file, so a model made by the API, by a file or
 (on the same field validation) by admin passes the same checks and gets the
 same messages. Nodes are cordoned and drained, replicas stopped and API keys
-revoked through the reconciler's and the models' own paths.
+revoked through the reconciler's and the models' own paths. Budgets are
+written on Budget.clean, within the teams the asker administers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from django.db import transaction
+from django.core.exceptions import ValidationError as ModelValidationError
+from django.db import IntegrityError, transaction
 from rest_framework.exceptions import PermissionDenied, ValidationError
 
 from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
@@ -20,10 +22,11 @@ from catalog.models import Model, name_clash
 from catalog.sizing import fit_warnings, fleet_memory
 from dashboard.api.write_serializers import ModelReplaceSerializer, ModelWriteSerializer, body_problems
 from inventory.models import Node
-from keys.models import ApiKey
+from keys.models import ApiKey, Budget
 from reconciler.lifecycle.drain import drain_nodes
 from reconciler.lifecycle.transitions import stop_replica
 from reconciler.models import Replica
+from teams.access import administered_budgets, administered_teams, is_operator
 from teams.models import Team
 
 # Messages from the catalog file reader start with where the entry is in the file; here there is one entry.
@@ -124,3 +127,66 @@ def revoke_key(key: ApiKey) -> ApiKey:
         key.active = False
         key.save(update_fields=["active"])
     return key
+
+
+def check_sets_budgets(user: Any) -> None:
+    """Only operators and teams' admins set budgets: 403 for anyone else, before their body is read."""
+    if not is_operator(user) and not administered_teams(user).exists():
+        raise PermissionDenied(
+            "Only operators and a team's admins set budgets; a member sees those that apply to them."
+        )
+
+
+def check_changes_budget(user: Any, budget: Budget) -> None:
+    """A budget the asker sees but may not change (one that applies to them as a member): 403."""
+    if not administered_budgets(user).filter(pk=budget.pk).exists():
+        raise PermissionDenied(f"Only an operator or an admin of its team changes the budget of {budget.scope_text()}.")
+
+
+def save_budget(user: Any, budget: Budget) -> Budget:
+    """Create or change a budget on the model's own validation (Budget.clean), in a scope the asker administers.
+
+    403 naming `team` or `key` for a scope of another team; 400 naming the field for bad input, and `window` for
+    a scope that has a budget of that window already. Routers hear of it once it commits (keys.changes).
+    """
+    if not is_operator(user):
+        _check_budget_scope(user, budget)
+    try:
+        # Constraints left to the check below (the one-scope rule is Budget.clean's too): theirs name no field.
+        budget.full_clean(validate_constraints=False)
+    except ModelValidationError as exc:
+        raise ValidationError(exc.message_dict) from None
+    twins = Budget.objects.filter(key=budget.key_id, team=budget.team_id, user=budget.user_id, window=budget.window)
+    if twin := twins.exclude(pk=budget.pk).first():
+        raise _window_taken(budget, f" (id {twin.pk}): change that one")
+    try:
+        with transaction.atomic():
+            budget.save()
+    except IntegrityError:  # made by another request between the check and the save
+        raise _window_taken(budget, "") from None
+    return budget
+
+
+def _window_taken(budget: Budget, which: str) -> ValidationError:
+    message = f"There is a budget of {budget.scope_text()} for the window “{budget.window}” already{which}."
+    return ValidationError({"window": [message]})
+
+
+def _check_budget_scope(user: Any, budget: Budget) -> None:
+    """403 naming the field unless the budget's key or team is of a team the asker administers."""
+    teams = administered_teams(user)
+    key, team = budget.key, budget.team
+    if key is not None:
+        if key.team is None:
+            raise PermissionDenied({"key": [f"The key “{key.name}” is in no team: only an operator sets its budget."]})
+        if not teams.filter(pk=key.team.pk).exists():
+            message = f"Only an admin of the team “{key.team.name}” sets the budgets of its keys."
+            raise PermissionDenied({"key": [message]})
+    elif team is not None and not teams.filter(pk=team.pk).exists():
+        raise PermissionDenied({"team": [f"Only an admin of the team “{team.name}” sets its budgets."]})
+
+
+def delete_budget(user: Any, budget: Budget) -> None:
+    """Delete a budget the asker may change (403 otherwise); routers hear of it once it commits."""
+    check_changes_budget(user, budget)
+    budget.delete()

@@ -8,6 +8,7 @@ what the API says and what it does fails here. Deterministic and bounded
 import time
 import tomllib
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,14 @@ from schemathesis.config import SchemathesisConfig
 from catalog.models import Adapter, Alias
 from dashboard.summary import cluster_summary
 from dashboard.tests.test_stoppable_surfaces import idle_fleet
-from keys.models import ApiKey
+from keys.models import ApiKey, Budget
 from reconciler.choices import AdapterLoadState, ReplicaState
 from reconciler.models import AdapterLoad, Lease
+from teams.models import Membership, Team
 from tests.fleet import make_model, make_node, make_replica, watch_usage
 
-# The checks' settings are the CLI's (schemathesis.toml): only the model writes and the plan may refuse a
-# schema-valid body, for the catalog rules their 400 documents; here 25 examples per operation.
+# The checks' settings are the CLI's (schemathesis.toml): only the model writes, the plan, a new key and the budget
+# writes may refuse a schema-valid body, for the rules their 400 documents; here 25 examples per operation.
 CONFIG = tomllib.loads((Path(__file__).resolve().parents[3] / "schemathesis.toml").read_text())
 
 
@@ -42,7 +44,7 @@ def api_schema(db):
     user = get_user_model().objects.create_user("fuzzer", password="pw", is_staff=True)
     token = Token.objects.create(user=user).key
     # A fleet where every part of the status answer has content: a leader, a replica that can be
-    # stopped, an unplaceable model, a failed replica with its reason, a key with scopes and usage.
+    # stopped, an unplaceable model, a failed replica with its reason, a key with scopes and usage, budgets.
     Lease.objects.create(name=django_settings.LLMGW_LEASE_NAME, owner="cp-1", epoch=3, expires_at=time.time() + 30)
     watch_usage(known_since=timezone.now() - timedelta(days=1))
     idle_fleet()
@@ -51,6 +53,7 @@ def api_schema(db):
     make_replica(model.profiles.get(), placement=[(make_node("fuzz-node", gpus=2), [0])])
     make_replica(model.profiles.get(), state=ReplicaState.FAILED, error="engine exited: CUDA out of memory")
     ApiKey.issue("fuzz-key", allowed_models=["fuzz-model"], rpm=60)
+    budgets(user)
     lora_replica(make_node("fuzz-lora-node", gpus=1))
     summary = cluster_summary().as_json()
     assert summary["leader"] and summary["stoppable"] and summary["unplaceable"], "the fleet lost its variety"
@@ -64,6 +67,16 @@ def api_schema(db):
     )
     request_started.connect(close_old_connections)
     request_finished.connect(close_old_connections)
+
+
+def budgets(member):
+    """A team with a member and a key, and a budget of each scope: the team's, the member's, the key's."""
+    team = Team.objects.create(name="fuzz-team")
+    Membership.objects.create(team=team, user=member, role=Membership.Role.ADMIN)
+    key, _ = ApiKey.issue("fuzz-team-key", team=team, user=member)
+    Budget.objects.create(team=team, amount=Decimal("100"), soft_limit_percent=80, alert_url="https://alerts.test/")
+    Budget.objects.create(team=team, user=member, amount=Decimal("10"), window=Budget.Window.DAY)
+    Budget.objects.create(key=key, amount=Decimal("0.5"), window=Budget.Window.NONE, timezone="Europe/Paris")
 
 
 def lora_replica(node):
