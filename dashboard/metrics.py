@@ -1,5 +1,7 @@
 """Fleet gauges for Prometheus, computed from `cluster_summary()` at scrape time (DESIGN invariant 6),
-and the tokens spent per model and API key (`llmgw_tokens_total`) from the stored TokenUsage rows.
+the tokens spent per model and API key (`llmgw_tokens_total`) from the stored TokenUsage rows, and each team's
+spend and budgets from `team_summary()` (labelled by team only: teams are few and made by operators, where users
+and keys are many).
 
 Importing this module registers the collector once on prometheus_client's
 default REGISTRY, which django-prometheus serves at /metrics; llmgw_site.urls
@@ -20,7 +22,9 @@ from prometheus_client.registry import Collector
 
 from dashboard.summary import cluster_summary
 from dashboard.summary_types import GPU_STATES, ClusterSummary, ReplicaStatus
-from keys.models import TokenUsage
+from dashboard.team_summary import TeamSummary, team_summary
+from hub import get_hub
+from keys.models import SPEND_UNITS, TokenUsage
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,7 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             labels=["model"],
         ),
         **_adapter_families(),
+        **_team_families(),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
 
@@ -111,6 +116,42 @@ def _adapter_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     }
 
 
+def _team_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    return {
+        "team_spend": GaugeMetricFamily(
+            "llmgw_team_spend",
+            "What a team's keys were charged in the current UTC day or month, in the currency of the prices.",
+            labels=["team", "window"],
+        ),
+        "team_budget_used": GaugeMetricFamily(
+            "llmgw_team_budget_used_ratio",
+            "A team's own budget: spent and reserved in its current window over its amount (1 or more: exhausted).",
+            labels=["team", "window"],
+        ),
+        "team_budgets_exhausted": GaugeMetricFamily(
+            "llmgw_team_budgets_exhausted",
+            "Budgets bearing on a team (its own, its members', its keys') that hold their whole amount now.",
+            labels=["team"],
+        ),
+        "team_budgets_known": GaugeMetricFamily(
+            "llmgw_team_budgets_known", "1 if the budgets' counters could be read at this scrape (else no ratios)."
+        ),
+    }
+
+
+def _teams(teams: TeamSummary, families: dict[str, GaugeMetricFamily | CounterMetricFamily]) -> None:
+    """Spend per team and UTC window; its budgets' use only when their counters were read (unknown is not 0)."""
+    for team in teams.teams:
+        families["team_spend"].add_metric([team.name, "day"], team.spend_today_units / SPEND_UNITS)
+        families["team_spend"].add_metric([team.name, "month"], team.spend_month_units / SPEND_UNITS)
+        for budget in team.budgets:
+            if budget.used_ratio is not None:
+                families["team_budget_used"].add_metric([team.name, budget.window], budget.used_ratio)
+        if team.budgets_exhausted is not None:
+            families["team_budgets_exhausted"].add_metric([team.name], team.budgets_exhausted)
+    families["team_budgets_known"].add_metric([], 1 if teams.budgets_known else 0)
+
+
 def _tokens_family() -> CounterMetricFamily:
     return CounterMetricFamily(
         "llmgw_tokens",
@@ -135,7 +176,7 @@ def tokens_family() -> CounterMetricFamily:
 
 
 class FleetCollector(Collector):
-    """Yields the fleet gauges from one cluster summary per scrape."""
+    """Yields the fleet gauges from one cluster summary per scrape, and the teams' from one team summary."""
 
     def describe(self):
         # Without describe(), registering would call collect() and query the database at import.
@@ -146,6 +187,7 @@ class FleetCollector(Collector):
         try:
             summary = cluster_summary()
             tokens = tokens_family()
+            teams = team_summary(get_hub())
         except DatabaseError:
             # A scrape must not fail the process metrics with it; report the gap instead.
             log.exception("cluster summary unavailable for /metrics")
@@ -178,6 +220,7 @@ class FleetCollector(Collector):
             families["lease_expires"].add_metric([], leader.expires_in_seconds)
         _sleepers(summary.replica_list, families)
         _adapters(summary, families)
+        _teams(teams, families)
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens

@@ -1,4 +1,4 @@
-"""The /metrics endpoints: the token, the fleet gauges, and the sample Grafana dashboard's names."""
+"""The /metrics endpoints: the token, the fleet gauges, and the sample Grafana dashboard's names and rows."""
 
 import json
 import re
@@ -102,12 +102,25 @@ def test_lease_and_unplaceable_gauges(client, settings):
 def test_every_metric_the_grafana_dashboard_queries_is_exposed(client, settings):
     settings.LLMGW_METRICS_TOKEN = ""
     dashboard = json.loads(GRAFANA.read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]  # a row has none
     queried = {name for expr in exprs for name in re.findall(r"\b(llmgw_[a-z0-9_]+)\b", expr)}
     assert len(queried) >= 15
     exposed = exposed_names(client.get("/metrics").content.decode())
     exposed |= exposed_names(create_app(InProcessHub()).state.metrics.render().decode())
     assert sorted(queried - exposed) == []
+
+
+def test_the_grafana_teams_row_charts_every_team_metric():
+    panels = json.loads(GRAFANA.read_text())["panels"]
+    row = next(i for i, panel in enumerate(panels) if panel["type"] == "row" and panel["title"] == "Teams")
+    below = panels[row + 1 :]
+    below = below[: next((i for i, panel in enumerate(below) if panel["type"] == "row"), len(below))]
+    exprs = " ".join(t["expr"] for panel in below for t in panel["targets"])
+    for name in ("llmgw_team_spend", "llmgw_team_budget_used_ratio", "llmgw_team_budgets_exhausted"):
+        assert name in exprs
+    assert 'window="day"' in exprs and 'window="month"' in exprs
+    assert all(panel["gridPos"]["y"] > panels[row]["gridPos"]["y"] for panel in below)
+    assert len({panel["id"] for panel in panels}) == len(panels)
 
 
 def test_metric_names_follow_prometheus_conventions():

@@ -1,4 +1,5 @@
-"""`manage.py ctl_status [--json] [--top N] [--all] [--nodes] [--models] [--replicas] [--check] [--watch N]`.
+"""`manage.py ctl_status [--json] [--top N] [--all] [--nodes] [--models] [--replicas] [--teams] [--check]
+[--watch N]`.
 
 The cluster summary for a terminal or a script. The text stays a screenful at
 any fleet size: free whole nodes show a few names per (fabric, class),
@@ -8,7 +9,9 @@ of counts (never one per adapter), unplaceable models are apart from held
 ones, failed replicas are grouped by reason, answers whose engine broke off in
 the last hour are counted per model (the most broken first) and "what can I stop" shows the
 top entries; `--all` prints everything, `--nodes`, `--models` and
-`--replicas` print just the full node, model or replica list. `--check` prints one line and exits 2 when something needs attention
+`--replicas` print just the full node, model or replica list. `--teams` adds
+each team's members, keys, spend and budgets (`dashboard.team_summary`; a
+"team_summary" key with --json). `--check` prints one line and exits 2 when something needs attention
 (`dashboard.attention.needs_attention`), 0 otherwise: for cron and monitoring.
 `--watch N` redraws every N seconds until Ctrl-C.
 """
@@ -20,12 +23,15 @@ import time
 from collections import Counter, defaultdict
 from datetime import datetime
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from dashboard.attention import needs_attention
 from dashboard.summary import cluster_summary
 from dashboard.summary_types import Capacity, ClusterSummary, ReplicaStatus
+from dashboard.team_summary import TeamSummary, money, team_summary
+from hub import get_hub
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3
@@ -37,6 +43,8 @@ ROWS_SHOWN = 5
 """Rows of free whole nodes, and of unplaceable or held models, printed without --all."""
 FAILED_REASONS_SHOWN = 5
 """Failure reasons printed without --all (most frequent first)."""
+TEAMS_SHOWN = 10
+"""Teams printed by --teams without --all (the most spent this month first)."""
 CHECK_FAILED = 2
 """Exit status of `--check` when something needs attention (1 stays Django's "the command failed")."""
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -94,6 +102,9 @@ class Command(BaseCommand):
         parser.add_argument("--replicas", action="store_true", help="Print just the list of every replica.")
         parser.add_argument("--models", action="store_true", help="Print just the table of every model.")
         parser.add_argument(
+            "--teams", action="store_true", help="Add each team's members, keys, spend and budgets (top 10; --all)."
+        )
+        parser.add_argument(
             "--check",
             action="store_true",
             help='Print one line; exit 2 when something needs attention, 0 ("ok: ...") otherwise.',
@@ -111,6 +122,8 @@ class Command(BaseCommand):
             raise CommandError(f"--watch must be at least 1 (seconds), got {watch}")
         if watch is not None and options["check"]:
             raise CommandError("--check and --watch do not go together: --check answers once, for a script")
+        if options["check"] and options["teams"]:
+            raise CommandError("--check and --teams do not go together: --check answers one line")
         if watch is None:
             self.once(options)
             return
@@ -127,6 +140,9 @@ class Command(BaseCommand):
     def once(self, options: dict) -> None:
         try:
             summary = cluster_summary()
+            # Without Redis (embedded mode) the budgets' counters are in the memory of the `llmgw up` process, not
+            # this one's: their use is unknown here, never read as zero.
+            teams = team_summary(get_hub() if settings.REDIS_URL else None) if options["teams"] else None
         except DatabaseError as exc:
             raise CommandError(
                 f"cannot read the fleet from the database ({exc}); has `manage.py migrate` run?"
@@ -136,15 +152,17 @@ class Command(BaseCommand):
             problems = needs_attention(summary)
             lines = ["attention: " + "; ".join(problems) if problems else "ok: " + self.ok_line(summary)]
         elif options["json"]:
-            lines = [json.dumps(summary.as_json(), indent=2)]
+            shown = summary.as_json() | ({"team_summary": teams.as_json()} if teams is not None else {})
+            lines = [json.dumps(shown, indent=2)]
         elif options["nodes"] or options["replicas"] or options["models"]:
             lines = (
                 (self.node_list(summary) if options["nodes"] else [])
                 + (self.models(summary, None) if options["models"] else [])
                 + (self.replica_list(summary) if options["replicas"] else [])
+                + (self.teams(teams, None) if teams is not None else [])
             )
         else:
-            lines = self.render(summary, top=None if options["all"] else options["top"])
+            lines = self.render(summary, top=None if options["all"] else options["top"], teams=teams)
         try:
             for line in lines:
                 self.stdout.write(line)
@@ -173,8 +191,8 @@ class Command(BaseCommand):
         lines = table(headers, rows)
         return ["  " + self.style.SQL_FIELD(lines[0])] + ["  " + row_style(line) for line in lines[1:]]
 
-    def render(self, s: ClusterSummary, top: int | None = DEFAULT_TOP) -> list[str]:
-        """The text report; `top` None is --all (every node name, replica and stop candidate)."""
+    def render(self, s: ClusterSummary, top: int | None = DEFAULT_TOP, teams: TeamSummary | None = None) -> list[str]:
+        """The text report; `top` None is --all (every node name, replica, stop candidate and team)."""
         out = [self.style.SUCCESS(f"llmgw status at {s.generated_at}")]
         out += self.leader_and_brake(s)
         out += self.node_warnings(s)
@@ -189,6 +207,8 @@ class Command(BaseCommand):
         out += self.failed(s, top)
         out += self.continuations(s, top)
         out += self.what_can_i_stop(s, top)
+        if teams is not None:
+            out += self.teams(teams, top)
         if top is None:
             out += self.replica_list(s)
         return out
@@ -282,6 +302,32 @@ class Command(BaseCommand):
         out += self.styled_table(["MODEL", "CONTINUED", "FAILED", "REFUSED", "PROMPT TOKENS RE-READ"], rows)
         if len(broken.models) > len(shown):
             out.append(f"  … and {len(broken.models) - len(shown)} more models (--all)")
+        return out
+
+    def teams(self, t: TeamSummary, top: int | None) -> list[str]:
+        """Each team, the most spent this month first: members, usable keys, spend today and this month (UTC days
+        and months), and its own budgets in their windows; TEAMS_SHOWN rows unless --all (`top` None)."""
+        out = [self.section("Teams (spend today and this month, UTC)")]
+        if not t.teams:
+            return [*out, "  no team"]
+        shown = t.teams if top is None else t.teams[:TEAMS_SHOWN]
+        rows = [
+            [
+                team.name, team.members, team.active_keys, money(team.spend_today_units),
+                money(team.spend_month_units), "; ".join(budget.text() for budget in team.budgets) or "no budget",
+            ]
+            for team in shown
+        ]  # fmt: skip
+        out += self.styled_table(["TEAM", "MEMBERS", "KEYS", "TODAY", "THIS MONTH", "BUDGET"], rows)
+        if len(t.teams) > len(shown):
+            out.append(f"  … and {len(t.teams) - len(shown)} more teams (--all)")
+        if not t.budgets_known:
+            where = (
+                "Redis did not answer"
+                if settings.REDIS_URL
+                else "in embedded mode the counters are in the `llmgw up` process (see its /metrics)"
+            )
+            out.append(self.style.WARNING(f"  budgets' use is unknown (-): {where}"))
         return out
 
     def node_list(self, s: ClusterSummary) -> list[str]:
