@@ -230,17 +230,22 @@ class Budget(models.Model):
                 ),
             ),
             models.UniqueConstraint(
-                fields=["key", "window"], condition=models.Q(key__isnull=False), name="budget_once_per_key_window"
+                fields=["key", "window"],
+                condition=models.Q(key__isnull=False),
+                name="budget_once_per_key_window",
+                violation_error_message="This key already has a budget for that window.",
             ),
             models.UniqueConstraint(
                 fields=["team", "window"],
                 condition=models.Q(team__isnull=False, user__isnull=True),
                 name="budget_once_per_team_window",
+                violation_error_message="This team already has a budget for that window.",
             ),
             models.UniqueConstraint(
                 fields=["team", "user", "window"],
                 condition=models.Q(user__isnull=False),
                 name="budget_once_per_member_window",
+                violation_error_message="This member already has a budget in the team for that window.",
             ),
         ]
 

@@ -2,6 +2,8 @@
 of a change), a key is held by a member of its team and names none of the team's models beyond it, a member who
 leaves keeps none of the team's keys, and a team holding keys is not deleted."""
 
+from decimal import Decimal
+
 import httpx
 import pytest
 from django.contrib.auth.models import User
@@ -13,7 +15,7 @@ from django.test.utils import CaptureQueriesContext
 from conftest import wait_until
 from hub import get_hub
 from hub.credentials import hash_secret
-from keys.models import ApiKey
+from keys.models import ApiKey, Budget
 from router.key_cache import find_active_key
 from router.tests.conftest import MODEL, chat_with_key, make_table
 from teams.models import Membership, Team
@@ -67,13 +69,24 @@ def test_the_model_list_a_key_gets_is_its_teams_too(router):
     assert listed.json()["data"] == [] and MODEL in [m["id"] for m in everything.json()["data"]]
 
 
-def test_a_key_and_its_team_are_read_in_one_query():
+def test_a_key_and_its_team_are_read_in_one_query_and_its_budgets_in_another():
     team = Team.objects.create(name="search", allowed_models=[MODEL])
-    _, key = ApiKey.issue("one query", team=team)
+    holder = member(team, "ana")
+    row, key = ApiKey.issue("two queries", team=team, user=holder)
+    Budget.objects.create(team=team, amount=Decimal("5"), window="month")
+    Budget.objects.create(team=team, user=holder, amount=Decimal("2"), window="day", timezone="Europe/Paris")
+    Budget.objects.create(key=row, amount=Decimal("1"), window="none")
+    Budget.objects.create(team=Team.objects.create(name="other"), amount=Decimal("9"), window="day")  # not its
     with CaptureQueriesContext(connection) as queries:
         info = find_active_key(hash_secret(key))
-    assert len(queries) == 1
+    assert len(queries) == 2
     assert info is not None and info.team_models == frozenset({MODEL}) and info.team_id == team.pk
+    # Its own first, then its holder's in the team, then the team's: the order a refusal names them in.
+    assert [(rule.scope, rule.window, rule.limit) for rule in info.budgets] == [
+        ("key “two queries”", "none", 10**12),
+        ("ana in team “search”", "day", 2 * 10**12),
+        ("team “search”", "month", 5 * 10**12),
+    ]
 
 
 def test_a_teams_key_is_held_by_a_member_and_names_none_of_the_models_beyond_the_team():
