@@ -255,7 +255,8 @@ class RouterApp:
         # go away while we wait for a replica or stream: the sweep of requests in flight then cancels this
         # task, so the upstream request stops with it (router.forwarding.inflight).
         exchange = self._in_flight.begin(key.digest, receive)
-        exchange.hold = hold
+        if hold is not None:
+            exchange.hold = hold
         traffic.in_flight += 1
         pools = key.allowed_pools or None
         request = Forwarding(scope, send, path, model, body, exchange, streaming, affinity, pools, received=received)

@@ -266,8 +266,10 @@ class Relay:
             request.transcript.counted = True
         if key is not None and counted:
             exchange.usage = usage
-            # A request holding a budget's reservation is charged by its settlement (router.accounting.budgets).
-            prices = None if exchange.hold is not None else self.picker.routes.prices.get(model)
-            self.ledger.tokens.count(key, model, usage, served, prices)
+            # A request holding a budget's reservation is charged by its settlement (router.accounting.budgets);
+            # a fleet without prices looks nothing up.
+            prices = self.picker.routes.prices
+            priced = prices.get(model) if prices and exchange.hold is None else None
+            self.ledger.tokens.count(key, model, usage, served, priced)
             if usage is not None:
                 self.ledger.limits.spent_tokens(key, usage[0] + usage[1])
