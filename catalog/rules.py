@@ -169,7 +169,7 @@ def rank_in_folder(source: str) -> int | None:
     path = Path(source) / "adapter_config.json" if source and source.startswith(("/", ".", "~")) else None
     try:
         config = json.loads(path.expanduser().read_text()) if path is not None else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: `~someone` naming no user on this machine
         return None
     rank = config.get("r") if isinstance(config, dict) else None
     return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 else None

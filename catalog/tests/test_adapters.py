@@ -40,6 +40,7 @@ def test_the_rank_is_read_from_a_local_folders_adapter_config(tmp_path):
     assert rank_in_folder(adapter_folder(tmp_path / "sql-lora", 16)) == 16
     assert rank_in_folder("org/sql-lora") is None  # a hub id: unknown, not wrong
     assert rank_in_folder(str(tmp_path / "missing")) is None
+    assert rank_in_folder("~nobody-by-this-name/sql") is None  # a home of no user here: unknown, not an error
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text("{not json")
