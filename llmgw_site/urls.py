@@ -1,4 +1,5 @@
-"""Control-plane URLs: admin (with the dashboard as its index), API, metrics."""
+"""Control-plane URLs: admin (with the dashboard as its index), API, metrics, and the self-service pages of the
+people of each team (/me/)."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -10,6 +11,7 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/admin/")),  # the dashboard is the home page
     path("admin/", admin.site.urls),
     path("api/v1/", include("dashboard.api.urls")),
+    path("me/", include("teams.urls")),
     # django_prometheus's exporter, behind LLMGW_METRICS_TOKEN when set.
     path("metrics", metrics_view, name="prometheus-django-metrics"),
 ]

@@ -70,6 +70,15 @@ def visible_budgets(user: Any) -> QuerySet[Budget]:
     )
 
 
+def budgets_applying_to(user: Any) -> QuerySet[Budget]:
+    """The budgets a request of the user's own keys must fit: their teams' own, their member budget in each team,
+    and their keys' (an operator's too: their own, not every budget)."""
+    teams = Membership.objects.filter(user=user).values("team_id")
+    return Budget.objects.filter(
+        Q(team__in=teams, user__isnull=True) | Q(team__in=teams, user=user) | Q(key__user=user)
+    )
+
+
 def administered_budgets(user: Any) -> QuerySet[Budget]:
     """The budgets the user may change: those of the teams they administer, their members' and their keys'."""
     if is_operator(user):
