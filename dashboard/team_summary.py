@@ -17,7 +17,6 @@ import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -27,25 +26,14 @@ from django.utils import timezone
 from redis import RedisError
 
 from hub.contracts import BudgetReader
-from keys.budget_use import BudgetUse, current_use
-from keys.models import SPEND_UNITS, ApiKey, Budget, TokenUsage
+from keys.budget_use import BudgetUse, NoCounters, current_use, money
+from keys.models import ApiKey, Budget, TokenUsage
 from teams.models import Membership, Team
 
 log = logging.getLogger(__name__)
 
 WINDOW_ORDER = [choice.value for choice in Budget.Window]
 """A team's budgets are listed in this order: day, week, month, none."""
-_SHOWN = Decimal("0.000001")  # the smallest amount text shows, as budgets' amounts have six decimals
-
-
-def money(units: int) -> str:
-    """Spend units as an amount for people: six decimals at most, trailing zeros trimmed down to two (`12.50`,
-    `0.000125`); `<0.000001` for a spend too small to show, so a little spent never reads as nothing."""
-    value = (Decimal(units) / SPEND_UNITS).quantize(_SHOWN, rounding=ROUND_HALF_UP)
-    if units > 0 and not value:
-        return f"<{_SHOWN}"
-    whole, _, fraction = f"{value:f}".partition(".")
-    return f"{whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
 @dataclass(frozen=True)
@@ -150,13 +138,6 @@ def _budgets() -> list[Budget]:
     return list(Budget.objects.filter(bearing).select_related("key").order_by("id"))
 
 
-class _NoCounters:
-    """A reader that knows no counter: budgets' windows are still told from the budgets alone."""
-
-    def budget_use(self, counters: list[str]) -> dict[str, int]:
-        return {}
-
-
 def _use(budgets: list[Budget], hub: BudgetReader | None, now: datetime) -> tuple[list[BudgetUse], bool]:
     """The budgets in their current windows, and whether their counters were read (one round trip): not without a
     hub, nor when it does not answer (then every use reads 0 and must be shown unknown)."""
@@ -166,7 +147,7 @@ def _use(budgets: list[Budget], hub: BudgetReader | None, now: datetime) -> tupl
         except RedisError as exc:
             # Operators still need the spend: the budgets' use is shown unknown, never as zero.
             log.warning("budget counters unavailable (%s): budgets' use is unknown", exc)
-    return current_use(budgets, _NoCounters(), now), False
+    return current_use(budgets, NoCounters(), now), False
 
 
 def _own(use: BudgetUse, known: bool) -> TeamBudgetStatus:

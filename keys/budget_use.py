@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 
 from django.utils import timezone
 
@@ -51,3 +51,24 @@ def current_use(budgets: Sequence[Budget], hub: BudgetReader, now: datetime | No
         BudgetUse(budget, counter, held.get(counter, 0), start, end)
         for budget, counter, (start, end) in zip(budgets, counters, windows, strict=True)
     ]
+
+
+class NoCounters:
+    """A reader that knows no counter (the hub does not answer): budgets' windows are still told from the budgets
+    alone, and their use must be shown unknown, not zero."""
+
+    def budget_use(self, counters: list[str]) -> dict[str, int]:
+        return {}
+
+
+_SHOWN = Decimal("0.000001")  # the smallest amount text shows, as budgets' amounts have six decimals
+
+
+def money(units: int) -> str:
+    """Spend units as an amount for people: six decimals at most, trailing zeros trimmed down to two (`12.50`,
+    `0.000125`); `<0.000001` for a spend too small to show, so a little spent never reads as nothing."""
+    value = (Decimal(units) / SPEND_UNITS).quantize(_SHOWN, rounding=ROUND_HALF_UP)
+    if units > 0 and not value:
+        return f"<{_SHOWN}"
+    whole, _, fraction = f"{value:f}".partition(".")
+    return f"{whole}.{fraction.rstrip('0').ljust(2, '0')}"

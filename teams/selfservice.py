@@ -22,12 +22,12 @@ from django.db.models import Q
 from redis import RedisError
 
 from hub.contracts import BudgetReader
-from keys.budget_use import BudgetUse, current_use
+from keys.budget_use import BudgetUse, NoCounters, current_use, money
 from keys.changes import set_keys_active
 from keys.models import ApiKey, Budget, TokenUsage
 from teams.access import budgets_applying_to, is_operator, visible_teams, with_roles
 from teams.models import Membership, Team
-from teams.usage_report import UsageReport, money, usage_report
+from teams.usage_report import UsageReport, usage_report
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +120,6 @@ def _key_rows(keys: Any, now: datetime) -> list[KeyRow]:
     return rows
 
 
-class _NoCounters:
-    """A reader that knows no counter: the budgets' windows are still told from the budgets alone."""
-
-    def budget_use(self, counters: list[str]) -> dict[str, int]:
-        return {}
-
-
 def budget_lines(budgets: Sequence[Budget], hub: BudgetReader, now: datetime) -> list[BudgetLine]:
     """Each budget (with its key, team and user loaded) in its window at `now`, in the order given. A hub that does
     not answer leaves the use unknown (`-`), never zero: the page still shows the rest."""
@@ -134,7 +127,7 @@ def budget_lines(budgets: Sequence[Budget], hub: BudgetReader, now: datetime) ->
         uses, known = current_use(budgets, hub, now), True
     except RedisError as exc:
         log.warning("budget counters unavailable (%s): budgets' use is shown unknown", exc)
-        uses, known = current_use(budgets, _NoCounters(), now), False
+        uses, known = current_use(budgets, NoCounters(), now), False
     return [_line(use, known) for use in uses]
 
 

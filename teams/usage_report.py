@@ -12,12 +12,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from decimal import ROUND_HALF_UP, Decimal
 
 from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncDate
 
-from keys.models import SPEND_UNITS, TokenUsage
+from keys.budget_use import money
+from keys.models import TokenUsage
 
 DAYS = 30
 """The window: today (UTC) and the 29 days before it."""
@@ -27,17 +27,6 @@ OTHER = "other models"
 OTHER_COLOUR = "#9ca3af"
 SLOT, BAR, PLOT_HEIGHT, TOP, LEFT, BOTTOM = 22, 16, 140, 18, 8, 20
 """Chart geometry in px: a day's slot and its bar's width, the bars' height at the peak, and the margins."""
-_SHOWN = Decimal("0.000001")  # the smallest amount shown: budgets' amounts have six decimals
-
-
-def money(units: int) -> str:
-    """Spend units as an amount for people: six decimals at most, trailing zeros trimmed down to two (`12.50`,
-    `0.000125`); `<0.000001` for a spend too small to show, so a little spent never reads as nothing."""
-    value = (Decimal(units) / SPEND_UNITS).quantize(_SHOWN, rounding=ROUND_HALF_UP)
-    if units > 0 and not value:
-        return f"<{_SHOWN}"
-    whole, _, fraction = f"{value:f}".partition(".")
-    return f"{whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from django.db import DatabaseError
 from dashboard.attention import needs_attention
 from dashboard.summary import cluster_summary
 from dashboard.summary_types import Capacity, ClusterSummary, ReplicaStatus
-from dashboard.team_summary import TeamSummary, money, team_summary
+from dashboard.team_summary import TeamSummary, team_summary
 from hub import get_hub
+from keys.budget_use import money
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3

@@ -9,9 +9,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from conftest import free_port
-from dashboard.team_summary import TeamBudgetStatus, money, team_summary
+from dashboard.team_summary import TeamBudgetStatus, team_summary
 from dashboard.tests.teams.conftest import TODAY
 from hub import RedisHub
+from keys.budget_use import money
 from keys.models import ApiKey, TokenUsage
 
 pytestmark = pytest.mark.django_db
