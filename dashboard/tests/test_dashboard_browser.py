@@ -5,9 +5,7 @@ and `.ci/run` install them where they may). Without them the test is skipped wit
 the one skip the project allows.
 """
 
-import os
 import time
-import warnings
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -16,20 +14,9 @@ from django.utils import timezone
 from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
 from reconciler.models import Replica
+from tests.browser import chromium, wait_for
 from tests.fleet import make_model, make_node, make_replica
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1400,1000",
-)
 WAIT_SECONDS = 15
 """Long enough for two turns of the 5 s fetch loop."""
 
@@ -38,28 +25,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def browser():
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
-    if missing:
-        reason = f"NO BROWSER: {', '.join(missing)} missing; apt-get install chromium chromium-driver to run this test"
-        warnings.warn(reason, stacklevel=1)
-        pytest.skip(reason)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.implicitly_wait(0)
-    yield driver
-    driver.quit()
+    yield from chromium()
 
 
 def _wait_for(browser, condition, what):
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    WebDriverWait(browser, WAIT_SECONDS, poll_frequency=0.2).until(lambda _: condition(), message=what)
+    wait_for(browser, condition, what, WAIT_SECONDS, 0.2)
 
 
 def _text(browser, css):

@@ -5,9 +5,6 @@ Needs /usr/bin/chromium and /usr/bin/chromedriver (apt: chromium chromium-driver
 does; without them the test is skipped with a loud reason — the one skip the project allows.
 """
 
-import os
-import warnings
-
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
@@ -15,19 +12,8 @@ from django.utils import timezone
 from hub.credentials import hash_secret
 from keys.models import ApiKey, TokenUsage
 from teams.models import Membership, Team
+from tests.browser import chromium, wait_for
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1400,1000",
-)
 WAIT_SECONDS = 10
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,28 +21,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def browser():
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
-    if missing:
-        reason = f"NO BROWSER: {', '.join(missing)} missing; apt-get install chromium chromium-driver to run this test"
-        warnings.warn(reason, stacklevel=1)
-        pytest.skip(reason)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.implicitly_wait(0)
-    yield driver
-    driver.quit()
+    yield from chromium()
 
 
 def _wait_for(browser, condition, what):
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    WebDriverWait(browser, WAIT_SECONDS, poll_frequency=0.1).until(lambda _: condition(), message=what)
+    wait_for(browser, condition, what, WAIT_SECONDS, 0.1)
 
 
 def _find(browser, css):
