@@ -10,6 +10,7 @@ from decimal import Decimal
 import httpx
 import msgspec
 import pytest
+import redis
 from django.contrib.auth.models import User
 
 from conftest import wait_until
@@ -194,3 +195,46 @@ def test_an_engines_error_costs_nothing(start_router, hub, start_engine, team_ke
     wait_until(lambda: router.state.ledger.in_flight() == 0)
     wait_until(lambda: used(hub, budget) == 0)  # reserved, then given back whole
     assert len(engine.requests) >= 1
+
+
+def scripts_run(redis_url: str, action) -> list[str]:
+    """The script commands (EVALSHA, EVAL) Redis received in the test's database while `action()` ran."""
+    client = redis.Redis.from_url(redis_url)
+    database = client.connection_pool.connection_kwargs.get("db", 0)
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def watch() -> None:
+        with client.monitor() as monitor:
+            ready.set()
+            while True:
+                command = monitor.next_command()
+                words = command["command"].split()
+                if words[0].upper() == "ECHO" and words[-1] == "llmgw-test-done":
+                    return
+                if command["db"] == database and words[0].upper() in ("EVALSHA", "EVAL"):
+                    seen.append(words[0].upper())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ready.wait(5)
+    action()
+    redis.Redis.from_url(redis_url).echo("llmgw-test-done")
+    watcher.join(10)
+    return seen
+
+
+def test_a_budgeted_request_costs_two_redis_round_trips_and_any_other_none(
+    redis_url, start_router, start_engine, team_key, api_key
+):
+    """DESIGN invariant 4 with budgets: one script at admission, one at settlement; a key without budgets runs no
+    script (nor any command: the flush is a minute away)."""
+    key, team, _ = team_key
+    Budget.objects.create(team=team, amount=Decimal("1"), window=Budget.Window.NONE)
+    hub = RedisHub(redis_url)
+    hub.publish_endpoints(make_table([start_engine().url], models=PRICED))
+    router = start_router(hub, flush_seconds=60)
+    assert post(router, api_key, body_of()).status_code == 200  # the keys are cached before counting
+    assert post(router, key, body_of(max_tokens=5)).status_code == 200
+    assert scripts_run(redis_url, lambda: post(router, key, body_of(max_tokens=5))) == ["EVALSHA", "EVALSHA"]
+    assert scripts_run(redis_url, lambda: post(router, api_key, body_of())) == []
