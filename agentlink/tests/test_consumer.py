@@ -47,7 +47,9 @@ def communicator(node, token):
 
 async def connect(node, token):
     comm = communicator(node, token)
-    connected, code = await comm.connect()
+    # Not the communicator's 1 s: the handshake reads and writes the database (and a second connection closes
+    # the first), which a PostgreSQL pass beside two others can take longer than that to do.
+    connected, code = await comm.connect(timeout=10)
     return comm, connected, code
 
 

@@ -9,7 +9,8 @@ import os
 import pytest
 from django.contrib.auth import get_user_model
 
-from dashboard.tests.test_dashboard_browser import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS, _wait_for
+from dashboard.tests.test_dashboard_browser import _wait_for
+from tests.browser import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
