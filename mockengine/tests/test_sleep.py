@@ -32,7 +32,7 @@ def launch(*extra: str, dev_mode: bool = True) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             return False
 
-    wait_until(answers, 5, 0.05)
+    wait_until(answers, 20, 0.05)  # a deadline: a Python start on a loaded machine takes seconds
     return proc, base
 
 

@@ -276,10 +276,10 @@ def test_beat_keeps_sending_ticks_after_redis_comes_back_empty(celery_at, redis_
     """A Redis restarted without persistence has lost the schedule: beat installs it again."""
     celery = celery_at(redis_url, ttl=1.0)
     beat = celery.beat("beat")
-    wait_until(lambda: beat.count("Sending due task reconcile-tick") >= 2, timeout=8, describe=celery.logs)
+    wait_until(lambda: beat.count("Sending due task reconcile-tick") >= 2, timeout=20, describe=celery.logs)
 
     redis.Redis.from_url(redis_url).flushdb()  # what a restart of a Redis that keeps nothing on disk leaves
     before = beat.count("Sending due task reconcile-tick")
 
-    wait_until(lambda: beat.count("Sending due task reconcile-tick") >= before + 2, timeout=8, describe=celery.logs)
+    wait_until(lambda: beat.count("Sending due task reconcile-tick") >= before + 2, timeout=20, describe=celery.logs)
     assert beat.count("installing it again") >= 1
