@@ -2,6 +2,7 @@
 of them and a million per-request records are stored; and what a per-request record costs on disk.
 
     .venv/bin/python bench/spend_bench.py [--keys 100] [--teams 10] [--models 2] [--records 1000000]
+                                          [--replicas 50] [--keys-per-replica 4]
                                           [--database postgres://postgres@127.0.0.1:5432/postgres] [--runs 200]
 
 A database of its own (`llmgw_spend_bench`, made afresh on the server `--database` names) is migrated and filled
@@ -9,7 +10,9 @@ in SQL (generate_series): `--keys` keys in `--teams` teams, each with an hourly 
 `--models` models for every hour of a year, and `--records` RequestRecord rows spread over the last 30 days. Then
 the spend of one key and of one team for one month is asked `--runs` times each through the ORM, as the pages
 and the REST API ask it (keys.TokenUsage, SUM of spend_units over the month's hours), and the latencies are
-reported with the plan PostgreSQL chose; and the size of the per-request table with its indexes per row.
+reported with the plan PostgreSQL chose; and the size of the per-request table with its indexes per row. Last,
+the showback of a month (keys.showback) over `--replicas` replicas' GPU time for every hour of a year, each hour
+shared by `--keys-per-replica` keys (a tenth of the hours idle).
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ def fill(args: argparse.Namespace) -> None:
             "r %% 4000, r %% 800, r %% 100000000, r %% 30000 "
             "FROM generate_series(1, %s) r JOIN keys_apikey k ON k.id = (SELECT min(id) FROM keys_apikey) + r %% %s",
             [args.models, args.records, args.keys],
+        )
+        # The showback's rows: each replica's every hour of a year, served by `--keys-per-replica` keys an hour.
+        cursor.execute(
+            "INSERT INTO keys_gpuhour (replica_id, model, hour, gpu_seconds) "
+            "SELECT r, 'model-' || (r %% %s + 1), date_trunc('hour', now()) - h * interval '1 hour', 3600 * (r %% 4 + 1) "
+            "FROM generate_series(1, %s) r, generate_series(0, 8759) h",
+            [args.models, args.replicas],
+        )
+        cursor.execute(
+            "INSERT INTO keys_replicatokens (replica_id, hour, key_id, team_id, tokens) "
+            "SELECT g.replica_id, g.hour, k.id, k.team_id, 1000 + (g.id * 31 + j * 7) %% 50000 "
+            "FROM keys_gpuhour g CROSS JOIN generate_series(0, %s - 1) j "
+            "JOIN keys_apikey k ON k.id = (SELECT min(id) FROM keys_apikey) + (g.replica_id * 13 + j * 37) %% %s "
+            "WHERE g.id %% 10 <> 0",  # a tenth of the hours idle
+            [args.keys_per_replica, args.keys],
         )
         cursor.execute("VACUUM ANALYZE")  # as autovacuum leaves a table at rest: index-only scans need its map
         print(f"filled in {time.perf_counter() - started:.1f} s")
@@ -127,6 +145,22 @@ def measure(args: argparse.Namespace) -> None:
         f"per-request record on disk: {table / records:.0f} B a row, {indexes / records:.0f} B of indexes, "
         f"{total / records:.0f} B in all"
     )
+    showback_month(previous, start, args)
+
+
+def showback_month(previous, start, args: argparse.Namespace) -> None:
+    """Last month's showback (keys.showback), as `manage.py showback`, the REST API and the team summary ask it."""
+    from keys.models import GpuHour, ReplicaTokens
+    from keys.showback import showback
+
+    print(f"showback rows: {GpuHour.objects.count():,} replica-hours, {ReplicaTokens.objects.count():,} shares")
+    report = showback(previous, start)
+    p50, p99, worst = timed(lambda: showback(previous, start), max(1, args.runs // 10))
+    hours = report.total_seconds / 3600
+    print(
+        f"showback for last month ({hours:,.0f} GPU-hours, {len(report.rows)} rows): p50 {p50:.1f} ms, "
+        f"p99 {p99:.1f} ms, max {worst:.1f} ms"
+    )
 
 
 def main() -> None:
@@ -136,6 +170,8 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=2)
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--replicas", type=int, default=50, help="Replicas with GPU time every hour of the year.")
+    parser.add_argument("--keys-per-replica", type=int, default=4, help="Keys each replica serves each hour.")
     parser.add_argument("--database", default="postgres://postgres@127.0.0.1:5432/postgres")
     args = parser.parse_args()
     os.environ["DATABASE_URL"] = make_database(args.database)

@@ -123,6 +123,12 @@ def _team_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "What a team's keys were charged in the current UTC day or month, in the currency of the prices.",
             labels=["team", "window"],
         ),
+        "team_gpu_hours": GaugeMetricFamily(
+            "llmgw_team_gpu_hours",
+            "A team's showback this UTC month: GPU-hours of the replicas it used, by its share of their tokens "
+            '(team "": keys of no team; "(idle)": replicas\' hours that served no tokens).',
+            labels=["team"],
+        ),
         "team_budget_used": GaugeMetricFamily(
             "llmgw_team_budget_used_ratio",
             "A team's own budget: spent and reserved in its current window over its amount (1 or more: exhausted).",
@@ -149,6 +155,9 @@ def _teams(teams: TeamSummary, families: dict[str, GaugeMetricFamily | CounterMe
                 families["team_budget_used"].add_metric([team.name, budget.window], budget.used_ratio)
         if team.budgets_exhausted is not None:
             families["team_budgets_exhausted"].add_metric([team.name], team.budgets_exhausted)
+        families["team_gpu_hours"].add_metric([team.name], team.gpu_seconds_month / 3600)
+    families["team_gpu_hours"].add_metric(["(no team)"], teams.gpu_seconds_month_no_team / 3600)
+    families["team_gpu_hours"].add_metric(["(idle)"], teams.gpu_seconds_month_idle / 3600)
     families["team_budgets_known"].add_metric([], 1 if teams.budgets_known else 0)
 
 

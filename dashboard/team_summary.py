@@ -1,10 +1,10 @@
 """What each team spends and where its budgets stand: the teams part the operators' surfaces share
 (`ctl_status --teams` and the control plane's metrics both read `team_summary()`, so they cannot disagree).
 
-Three queries whatever the number of teams, members, keys or hourly rows — the teams with their members and
-usable keys counted, their spend this UTC day and month summed in SQL over TokenUsage's (team, hour) index, and
-every budget that bears on a team (its own, its members', its keys') — then one hub round trip for those budgets'
-counters (`keys.budget_use`). Spend is what the routers charged, as the hourly rows hold it; a budget's use is its
+Five queries whatever the number of teams, members, keys or hourly rows — the teams with their members and
+usable keys counted, their spend this UTC day and month summed in SQL over TokenUsage's (team, hour) index, every
+budget that bears on a team (its own, its members', its keys'), and this month's showback (`keys.showback`, two)
+— then one hub round trip for those budgets' counters (`keys.budget_use`). Spend is what the routers charged, as the hourly rows hold it; a budget's use is its
 counter: spent and still reserved, in the budget's own window and time zone.
 
 A budget's use is unknown (None, `-` in text) when no hub is given — `ctl_status` in embedded mode, whose counters
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -28,6 +28,7 @@ from redis import RedisError
 from hub.contracts import BudgetReader
 from keys.budget_use import BudgetUse, NoCounters, current_use, money
 from keys.models import ApiKey, Budget, TokenUsage
+from keys.showback import showback
 from teams.models import Membership, Team
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class TeamStatus:
     """Keys of the team neither revoked nor expired."""
     spend_today_units: int
     spend_month_units: int
+    gpu_seconds_month: float
+    """Its showback this UTC month: the GPU time of the replicas it used, by its share of their tokens."""
     budgets: list[TeamBudgetStatus]
     budgets_exhausted: int | None
     """Its own budgets, its members' and its keys' whose counters hold their whole amount; None while unknown."""
@@ -96,6 +99,10 @@ class TeamSummary:
     budgets_known: bool
     """Whether the budgets' counters were read (False: no hub, or it could not be read)."""
     teams: list[TeamStatus]
+    gpu_seconds_month_no_team: float = 0.0
+    """This month's GPU time used by keys of no team."""
+    gpu_seconds_month_idle: float = 0.0
+    """This month's GPU time of replicas' hours that served no tokens: kept ready, used by nobody."""
 
     def as_json(self) -> dict[str, Any]:
         """The JSON form (`ctl_status --teams --json`): every field by name, in order."""
@@ -164,6 +171,8 @@ def team_summary(hub: BudgetReader | None, now: datetime | None = None) -> TeamS
     teams = _teams(now)
     spend = _spend([team_id for team_id, *_ in teams], day_start, month_start)
     uses, known = _use(_budgets(), hub, now)
+    month = showback(month_start, (month_start + timedelta(days=32)).replace(day=1))
+    gpu = month.by_team()
     own: dict[int, list[TeamBudgetStatus]] = defaultdict(list)
     exhausted: dict[int, int] = defaultdict(int)
     for use in uses:
@@ -179,10 +188,19 @@ def team_summary(hub: BudgetReader | None, now: datetime | None = None) -> TeamS
             members,
             keys,
             *spend.get(team_id, (0, 0)),
+            gpu.get(name, 0.0),
             sorted(own[team_id], key=lambda b: WINDOW_ORDER.index(b.window)),
             exhausted[team_id] if known else None,
         )  # fmt: skip
         for team_id, name, members, keys in teams
     ]
     statuses.sort(key=lambda team: -team.spend_month_units)  # stable: by name within a spend
-    return TeamSummary(now.isoformat(), day_start.isoformat(), month_start.isoformat(), known, statuses)
+    return TeamSummary(
+        now.isoformat(),
+        day_start.isoformat(),
+        month_start.isoformat(),
+        known,
+        statuses,
+        gpu.get(None, 0.0),
+        sum(month.idle.values()),
+    )

@@ -36,6 +36,16 @@ import msgspec
 # Re-exported: the hub's contracts are read from here.
 from hub.budgets import BudgetCounters as BudgetCounters
 from hub.budgets import BudgetReader as BudgetReader
+from hub.counts import HOUR as HOUR
+from hub.counts import ContinuationCount as ContinuationCount
+from hub.counts import ContinuationCounts as ContinuationCounts
+from hub.counts import ReplicaTokens as ReplicaTokens
+from hub.counts import TokenCount as TokenCount
+from hub.counts import TokenCounts as TokenCounts
+from hub.counts import add_continuation_counts as add_continuation_counts
+from hub.counts import add_replica_tokens as add_replica_tokens
+from hub.counts import add_token_counts as add_token_counts
+from hub.counts import hour_of as hour_of
 from hub.records import Name as Name
 from hub.records import NonNegative as NonNegative
 from hub.records import RequestRecord as RequestRecord
@@ -148,88 +158,6 @@ class EndpointTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tru
     fingerprint: str = ""
 
 
-class TokenCount(msgspec.Struct, kw_only=True, array_like=True):
-    """Requests and tokens of one key on one model, and what they cost; `[requests, prompt, completion, spend]` on
-    the wire (an older router's three fields read as no spend; an older hub reads the first three). Counters.
-
-    `spend` is in hub.budgets.SPEND_UNITS (10^-12 of the currency unit): each answer's tokens at the prices of the
-    endpoint table that served it, counted once, by the router that relayed it or by the budgets' settlement."""
-
-    requests: NonNegative
-    prompt: NonNegative
-    completion: NonNegative
-    spend: NonNegative = 0
-
-    def add(self, other: TokenCount) -> None:
-        """Add `other`'s counts to these."""
-        self.requests += other.requests
-        self.prompt += other.prompt
-        self.completion += other.completion
-        self.spend += other.spend
-
-
-TokenCounts = dict[str, dict[str, TokenCount]]
-"""API-key digest (`hub.credentials.hash_secret`) -> public model name -> its counts."""
-
-HOUR = 3600
-
-
-def hour_of(ts: float) -> int:
-    """The start (Unix seconds, UTC) of the hour `ts` falls in: token counts are kept per hour."""
-    return int(ts // HOUR) * HOUR
-
-
-def add_token_counts(into: TokenCounts, counts: TokenCounts) -> None:
-    """Add `counts` to `into` (copies, so later additions to one never change the other)."""
-    for digest, models in counts.items():
-        per_key = into.setdefault(digest, {})
-        for model, count in models.items():
-            total = per_key.get(model)
-            if total is None:
-                per_key[model] = TokenCount(
-                    requests=count.requests, prompt=count.prompt, completion=count.completion, spend=count.spend
-                )
-            else:
-                total.add(count)
-
-
-class ContinuationCount(msgspec.Struct, kw_only=True, array_like=True):
-    """Answers of one model whose engine broke off, by what became of them, and the prompt tokens engines re-read
-    to continue them; `[continued, failed, refused, reprocessed]` on the wire. Counters: each break counts once,
-    as in the router's `llmgw_router_stream_continuations_total` (a stream continued twice counts twice)."""
-
-    continued: NonNegative
-    """The client had its whole answer: continued on another replica, a whole answer asked of another, or a
-    stream that lacked only its end."""
-    failed: NonNegative
-    """Ended with an error: no other replica to go on, or LLMGW_STREAM_MIGRATIONS reached."""
-    refused: NonNegative
-    """Ended with an error because going on would change the answer (n > 1, guided, logprobs, a tool call…)."""
-    reprocessed: NonNegative
-    """Prompt tokens engines read again to continue them: no client's usage."""
-
-    def add(self, other: ContinuationCount) -> None:
-        """Add `other`'s counts to these."""
-        self.continued += other.continued
-        self.failed += other.failed
-        self.refused += other.refused
-        self.reprocessed += other.reprocessed
-
-
-ContinuationCounts = dict[str, ContinuationCount]
-"""Public model name -> its broken answers' counts."""
-
-
-def add_continuation_counts(into: ContinuationCounts, counts: ContinuationCounts) -> None:
-    """Add `counts` to `into` (copies, so later additions to one never change the other)."""
-    for model, count in counts.items():
-        total = into.get(model)
-        if total is None:
-            into[model] = ContinuationCount(**msgspec.structs.asdict(count))
-        else:
-            total.add(count)
-
-
 class EndpointSink(Protocol):
     """The control plane's side of the endpoint table."""
 
@@ -275,6 +203,9 @@ class UsageReport(msgspec.Struct, kw_only=True, frozen=True):
     Absent from the reports of routers older than it, which count none."""
     records: list[RequestRecord] = []
     """Each request since the previous flush, where routers keep a per-request log (LLMGW_REQUEST_RECORD_DAYS)."""
+    replica_tokens: dict[Name, dict[str, NonNegative]] = {}
+    """Replica id -> key digest -> tokens served since the previous flush (ReplicaTokens); counters: they add up.
+    Absent from the reports of routers older than it."""
 
 
 def checked(report: UsageReport) -> UsageReport:
@@ -320,6 +251,8 @@ class UsageSnapshot:
     """Key digest -> last use (Unix time), taken from the hub like `tokens`."""
     continuations: dict[int, ContinuationCounts] = field(default_factory=dict)
     """Start of the hour -> broken answers per model, taken from the hub like `tokens`."""
+    replica_tokens: dict[int, ReplicaTokens] = field(default_factory=dict)
+    """Start of the hour -> tokens per replica and key, taken from the hub with `tokens` (in the same step)."""
 
 
 class UsageSink(Protocol):
@@ -347,8 +280,11 @@ class UsageSource(Protocol):
         """
         ...
 
-    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
-        """Give back token counts (they add up again) and last uses (newest wins) a tick took but could not store."""
+    def restore_tokens(
+        self, tokens: dict[int, TokenCounts], keys: dict[str, float], replicas: dict[int, ReplicaTokens] | None = None
+    ) -> None:
+        """Give back token counts (they add up again), last uses (newest wins) and tokens per replica a tick took
+        but could not store."""
         ...
 
     def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None:
@@ -416,7 +352,9 @@ class TokenSource(Protocol):
         routers taking at once, each count reaches exactly one."""
         ...
 
-    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None: ...
+    def restore_tokens(
+        self, tokens: dict[int, TokenCounts], keys: dict[str, float], replicas: dict[int, ReplicaTokens] | None = None
+    ) -> None: ...
 
     def take_continuations(self) -> dict[int, ContinuationCounts]:
         """TAKE the continuation counts ({hour: counts}), read and reset in one step, like `take_tokens`."""

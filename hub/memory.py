@@ -20,6 +20,7 @@ from hub.contracts import (
     EndpointTable,
     LimitCount,
     LimitCounts,
+    ReplicaTokens,
     RequestRecord,
     RouterMark,
     TokenCount,
@@ -27,6 +28,7 @@ from hub.contracts import (
     UsageReport,
     UsageSnapshot,
     add_continuation_counts,
+    add_replica_tokens,
     add_token_counts,
     checked,
     hour_of,
@@ -53,6 +55,7 @@ class InProcessHub:
         self._tokens: dict[int, TokenCounts] = {}  # hour -> counts added up until the tick takes them
         self._keys: dict[str, float] = {}  # key digest -> last use, until the tick takes it
         self._continuations: dict[int, ContinuationCounts] = {}  # hour -> counts, like `_tokens`
+        self._replica_tokens: dict[int, ReplicaTokens] = {}  # hour -> tokens per replica and key, like `_tokens`
         self._limits: dict[tuple[int, str], list[int]] = {}  # (minute, key digest) -> [requests, tokens]
         self._records: list[RequestRecord] = []  # per-request records, until the tick takes them
         # Budgets' counters; a settlement's cost (or an expired reservation's) is added to `_tokens`.
@@ -85,12 +88,14 @@ class InProcessHub:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
             continuations, self._continuations = self._continuations, {}
+            replica_tokens, self._replica_tokens = self._replica_tokens, {}
             return UsageSnapshot(
                 stamps=dict(self._stamps),
                 routers=list(self._marks.values()),
                 tokens=tokens,
                 keys=keys,
                 continuations=continuations,
+                replica_tokens=replica_tokens,
             )
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
@@ -98,6 +103,7 @@ class InProcessHub:
         with self._lock:
             tokens, self._tokens = self._tokens, {}
             keys, self._keys = self._keys, {}
+            self._replica_tokens = {}  # router-only mode: no replicas of a control plane's, no showback
         return tokens, keys
 
     def take_continuations(self) -> dict[int, ContinuationCounts]:
@@ -109,10 +115,14 @@ class InProcessHub:
         with self._lock:
             return list(self._marks.values())
 
-    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
+    def restore_tokens(
+        self, tokens: dict[int, TokenCounts], keys: dict[str, float], replicas: dict[int, ReplicaTokens] | None = None
+    ) -> None:
         with self._lock:
             for hour, counts in tokens.items():
                 self._add_tokens(hour, counts)
+            for hour, per_replica in (replicas or {}).items():
+                add_replica_tokens(self._replica_tokens.setdefault(hour, {}), per_replica)
             self._add_keys(keys)
 
     def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None:
@@ -194,6 +204,8 @@ class InProcessHub:
                     self._stamps[rid] = ts
             if report.tokens:
                 self._add_tokens(hour_of(now), report.tokens)
+            if report.replica_tokens:
+                add_replica_tokens(self._replica_tokens.setdefault(hour_of(now), {}), report.replica_tokens)
             if report.continuations:
                 add_continuation_counts(self._continuations.setdefault(hour_of(now), {}), report.continuations)
             if report.records:

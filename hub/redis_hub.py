@@ -32,14 +32,13 @@ import redis.asyncio
 from hub.budgets import Refusal, Reservation
 from hub.contracts import (
     Activation,
-    ContinuationCount,
     ContinuationCounts,
     EndpointTable,
     LimitCount,
     LimitCounts,
+    ReplicaTokens,
     RequestRecord,
     RouterMark,
-    TokenCount,
     TokenCounts,
     UsageReport,
     UsageSnapshot,
@@ -60,6 +59,7 @@ from hub.redis_budgets import (
     settle_call,
     used_of,
 )
+from hub.hash_fields import continuation_fields, parse_continuation_fields, parse_token_fields, token_fields
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,11 @@ ACTIVATIONS_KEY = "llmgw:activations"
 KEY_CHANGES_CHANNEL = "llmgw:api-key-changes"
 TOKENS_KEY = "llmgw:usage:tokens"
 KEYS_USED_KEY = "llmgw:usage:keys_last_used"
-# Token counter fields are "<kind> <hour> <key digest> <model>": the model last, as it may contain spaces.
-TOKEN_KINDS = ("requests", "prompt", "completion", "spend")
-# Continuation counter fields are "<kind> <hour> <model>", a kind for each field of ContinuationCount.
+# Counter fields: hub.hash_fields.
 CONTINUATIONS_KEY = "llmgw:usage:continuations"
 # Per-request records: a list of batches (one a report, msgpack arrays), taken by the tick; bounded.
 RECORDS_KEY = "llmgw:usage:records"
 MAX_RECORD_BATCHES = 100_000
-CONTINUATION_KINDS = tuple(f.name for f in msgspec.structs.fields(ContinuationCount))
 
 # KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
 # `since` is kept while the router's previous mark has not lapsed, else it restarts at now. The value is
@@ -108,65 +105,6 @@ return since
 _decode_records = msgspec.msgpack.Decoder(list[RequestRecord]).decode
 _RESERVE_SHA = hashlib.sha1(RESERVE_LUA.encode()).hexdigest()  # noqa: S324 (Redis names scripts by SHA-1)
 _SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()  # noqa: S324
-
-
-def _token_fields(hour: int, tokens: TokenCounts) -> dict[str, int]:
-    """The counter increments for one hour's counts (zeros left out: HINCRBY by 0 is a wasted command)."""
-    fields = {}
-    for digest, models in tokens.items():
-        for model, count in models.items():
-            for kind, amount in zip(TOKEN_KINDS, msgspec.structs.astuple(count), strict=True):
-                if amount:
-                    fields[f"{kind} {hour} {digest} {model}"] = amount
-    return fields
-
-
-def _parse_token_fields(raw: dict[bytes, bytes]) -> dict[int, TokenCounts]:
-    """Counter fields back into {hour: {digest: {model: TokenCount}}}; malformed ones logged and dropped."""
-    tokens: dict[int, TokenCounts] = {}
-    for field_name, value in raw.items():
-        try:
-            kind, hour, digest, model = field_name.decode().split(" ", 3)
-            if kind not in TOKEN_KINDS:
-                raise ValueError(kind)
-            amount = int(value)
-            count = (
-                tokens.setdefault(int(hour), {})
-                .setdefault(digest, {})
-                .setdefault(model, TokenCount(requests=0, prompt=0, completion=0))
-            )
-            setattr(count, kind, getattr(count, kind) + amount)
-        except ValueError:
-            log.warning("dropping a malformed token counter %r=%r", field_name, value)
-    return tokens
-
-
-def _continuation_fields(hour: int, counts: ContinuationCounts) -> dict[str, int]:
-    """The counter increments for one hour's continuation counts (zeros left out, as for tokens)."""
-    return {
-        f"{kind} {hour} {model}": amount
-        for model, count in counts.items()
-        for kind, amount in zip(CONTINUATION_KINDS, msgspec.structs.astuple(count), strict=True)
-        if amount
-    }
-
-
-def _parse_continuation_fields(raw: dict[bytes, bytes]) -> dict[int, ContinuationCounts]:
-    """Counter fields back into {hour: {model: ContinuationCount}}; malformed ones logged and dropped."""
-    taken: dict[int, ContinuationCounts] = {}
-    for field_name, value in raw.items():
-        try:
-            kind, hour, model = field_name.decode().split(" ", 2)
-            if kind not in CONTINUATION_KINDS:
-                raise ValueError(kind)
-            amount = int(value)
-            count = taken.setdefault(int(hour), {}).setdefault(
-                model, ContinuationCount(continued=0, failed=0, refused=0, reprocessed=0)
-            )
-            setattr(count, kind, getattr(count, kind) + amount)
-        except ValueError:
-            log.warning("dropping a malformed continuation counter %r=%r", field_name, value)
-    return taken
 
 
 class _StoredMark(msgspec.Struct):
@@ -278,12 +216,14 @@ class RedisHub:
                 routers.append(_parse_mark(key.decode(), raw))
             except ValueError as exc:  # skipped: its router's next report rewrites it
                 log.warning("%s", exc)
+        tokens, replica_tokens = parse_token_fields(raw_tokens)
         return UsageSnapshot(
             stamps={member.decode(): score for member, score in rows},
             routers=routers,
-            tokens=_parse_token_fields(raw_tokens),
+            tokens=tokens,
             keys={member.decode(): score for member, score in key_rows},
-            continuations=_parse_continuation_fields(raw_continuations),
+            continuations=parse_continuation_fields(raw_continuations),
+            replica_tokens=replica_tokens,
         )
 
     def take_tokens(self) -> tuple[dict[int, TokenCounts], dict[str, float]]:
@@ -296,7 +236,8 @@ class RedisHub:
             tuple[int, dict[bytes, bytes], list[tuple[bytes, float]], int],
             pipe.execute(),
         )
-        return _parse_token_fields(raw_tokens), {member.decode(): score for member, score in key_rows}
+        # Router-only mode's store: no replicas of the control plane's, so no showback; their tokens are dropped.
+        return parse_token_fields(raw_tokens)[0], {member.decode(): score for member, score in key_rows}
 
     def take_records(self) -> list[RequestRecord]:
         pipe = self._sync.pipeline(transaction=True)
@@ -326,7 +267,7 @@ class RedisHub:
         pipe.hgetall(CONTINUATIONS_KEY)
         pipe.delete(CONTINUATIONS_KEY)  # in the same MULTI: taken by exactly one caller
         raw, _ = cast(tuple[dict[bytes, bytes], int], pipe.execute())
-        return _parse_continuation_fields(raw)
+        return parse_continuation_fields(raw)
 
     def router_marks(self) -> list[RouterMark]:
         marks = []
@@ -337,10 +278,12 @@ class RedisHub:
                 log.warning("%s", exc)
         return marks
 
-    def restore_tokens(self, tokens: dict[int, TokenCounts], keys: dict[str, float]) -> None:
+    def restore_tokens(
+        self, tokens: dict[int, TokenCounts], keys: dict[str, float], replicas: dict[int, ReplicaTokens] | None = None
+    ) -> None:
         pipe = self._sync.pipeline(transaction=True)
-        for hour, counts in tokens.items():
-            for name, amount in _token_fields(hour, counts).items():
+        for hour in tokens.keys() | (replicas or {}).keys():
+            for name, amount in token_fields(hour, tokens.get(hour, {}), (replicas or {}).get(hour)).items():
                 pipe.hincrby(TOKENS_KEY, name, amount)
         if keys:
             pipe.zadd(KEYS_USED_KEY, keys, gt=True)
@@ -349,7 +292,7 @@ class RedisHub:
     def restore_continuations(self, continuations: dict[int, ContinuationCounts]) -> None:
         pipe = self._sync.pipeline(transaction=True)
         for hour, counts in continuations.items():
-            for name, amount in _continuation_fields(hour, counts).items():
+            for name, amount in continuation_fields(hour, counts).items():
                 pipe.hincrby(CONTINUATIONS_KEY, name, amount)
         pipe.execute()
 
@@ -402,11 +345,11 @@ class RedisHub:
         now = self._clock()
         if report.keys:
             pipe.zadd(KEYS_USED_KEY, report.keys, gt=True)
-        if report.tokens:
+        if report.tokens or report.replica_tokens:
             # Counters, not newest-wins: every router's counts add up until a tick takes them.
-            for name, amount in _token_fields(hour_of(now), report.tokens).items():
+            for name, amount in token_fields(hour_of(now), report.tokens, report.replica_tokens).items():
                 pipe.hincrby(TOKENS_KEY, name, amount)
-        for name, amount in _continuation_fields(hour_of(now), report.continuations).items():
+        for name, amount in continuation_fields(hour_of(now), report.continuations).items():
             pipe.hincrby(CONTINUATIONS_KEY, name, amount)
         if report.records:
             pipe.rpush(RECORDS_KEY, msgspec.msgpack.encode(report.records))

@@ -172,6 +172,46 @@ class ContinuationHour(models.Model):
         return f"{self.model} at {self.hour:%Y-%m-%d %H}:00"
 
 
+class GpuHour(models.Model):
+    """The GPU time one replica held in one hour: its GPUs in use (awake) times the seconds the control plane saw
+    it hold them (reconciler.demand.gpu_time), the showback's whole to divide. Kept by replica id, not a foreign
+    key: a replica's row outlives the replica."""
+
+    replica_id = models.BigIntegerField()
+    model = models.CharField(max_length=200, help_text="The replica's model (public name).")
+    hour = models.DateTimeField(help_text="Start of the hour (UTC).")
+    gpu_seconds = models.FloatField(default=0)
+
+    class Meta:
+        ordering = ["-hour", "model", "replica_id"]
+        constraints = [models.UniqueConstraint(fields=["replica_id", "hour"], name="gpu_hour_one_row_per_replica")]
+        indexes = [models.Index(fields=["hour"], name="gpu_hour_hour")]
+
+    def __str__(self) -> str:
+        return f"replica {self.replica_id} ({self.model}) at {self.hour:%Y-%m-%d %H}:00"
+
+
+class ReplicaTokens(models.Model):
+    """Tokens (prompt and completion) one replica served one key in one hour, as the routers counted them, with the
+    key's team then: each key's share of that replica's hour, by which the showback divides its GPU time."""
+
+    replica_id = models.BigIntegerField()
+    hour = models.DateTimeField(help_text="Start of the hour (UTC).")
+    key = models.ForeignKey(ApiKey, related_name="+", null=True, on_delete=models.SET_NULL, db_index=False)
+    team = models.ForeignKey("teams.Team", related_name="+", null=True, blank=True, on_delete=models.SET_NULL)
+    tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-hour", "replica_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["replica_id", "hour", "key"], name="replica_tokens_one_row_per_key")
+        ]
+        indexes = [models.Index(fields=["hour", "replica_id"], name="replica_tokens_hour_replica")]
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens of replica {self.replica_id} at {self.hour:%Y-%m-%d %H}:00"
+
+
 class Budget(models.Model):
     """What a team, a member within a team, or a key may spend in a window (hub.budgets): a request must fit
     every budget that applies to it, its key's, its member's and its team's.

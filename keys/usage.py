@@ -22,8 +22,9 @@ from django.db import connection, models, transaction
 from django.db.models import Case, DateTimeField, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
-from hub.contracts import ContinuationCounts, TokenCounts
+from hub.contracts import ContinuationCounts, ReplicaTokens, TokenCounts
 from keys.models import ApiKey, ContinuationHour, TokenUsage
+from keys.models import ReplicaTokens as ReplicaTokensRow
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,23 @@ log = logging.getLogger(__name__)
 UPSERT_BATCH = 90
 TOKEN_COLUMNS = ["key_id", "key_name", "model", "hour", "team_id", "user_id"]
 TOKEN_ADDED = ["requests", "prompt_tokens", "completion_tokens", "spend_units"]
+REPLICA_COLUMNS = ["replica_id", "hour", "key_id", "team_id", "tokens"]
 CONTINUATION_COLUMNS = ["model", "hour", "continued", "failed", "refused", "reprocessed_prompt_tokens"]
 
 
-def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
-    """Add `tokens` ({hour start: {digest: {model: TokenCount}}}) to TokenUsage and move
-    `keys` (digest -> last use) into ApiKey.last_used_at; one transaction. Unknown digests are dropped."""
+def store_tokens(
+    tokens: dict[int, TokenCounts], keys: dict[str, float], replicas: dict[int, ReplicaTokens] | None = None
+) -> int:
+    """Add `tokens` ({hour start: {digest: {model: TokenCount}}}) to TokenUsage, `replicas` ({hour start: {replica
+    id: {digest: tokens}}}) to ReplicaTokens, and move `keys` (digest -> last use) into ApiKey.last_used_at; one
+    transaction. Unknown digests are dropped."""
+    replicas = replicas or {}
     digests = set(keys)
     for counts in tokens.values():
         digests.update(counts)
+    for per_replica in replicas.values():
+        for served in per_replica.values():
+            digests.update(served)
     if not digests:
         return 0
     with transaction.atomic():
@@ -60,7 +69,7 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
                             pk,
                             name,
                             model,
-                            _hour(hour),
+                            hour_param(hour),
                             team,
                             user,
                             count.requests,
@@ -71,32 +80,48 @@ def store_tokens(tokens: dict[int, TokenCounts], keys: dict[str, float]) -> int:
                     )
         for start in range(0, len(rows), UPSERT_BATCH):
             batch = rows[start : start + UPSERT_BATCH]
-            _upsert(TokenUsage, [*TOKEN_COLUMNS, *TOKEN_ADDED], ["key_id", "model", "hour"], TOKEN_ADDED, batch)
+            upsert_adding(TokenUsage, [*TOKEN_COLUMNS, *TOKEN_ADDED], ["key_id", "model", "hour"], TOKEN_ADDED, batch)
+        _store_replica_tokens(replicas, {digest: (row[0], row[3]) for digest, row in known.items()})
         _stamp_last_use({known[d][0]: ts for d, ts in keys.items() if d in known})
     return len(rows)
+
+
+def _store_replica_tokens(replicas: dict[int, ReplicaTokens], known: dict[str, tuple[int, int | None]]) -> None:
+    """Add tokens per replica and key to ReplicaTokens (the showback's shares), with each key's team now."""
+    rows = [
+        (int(replica), hour_param(hour), *known[digest], amount)
+        for hour, per_replica in sorted(replicas.items())
+        for replica, served in per_replica.items()
+        if replica.isdigit()  # a control plane's replica; router-only endpoints' names have no GPU time to share
+        for digest, amount in served.items()
+        if digest in known
+    ]
+    for start in range(0, len(rows), UPSERT_BATCH):
+        batch = rows[start : start + UPSERT_BATCH]
+        upsert_adding(ReplicaTokensRow, REPLICA_COLUMNS, ["replica_id", "hour", "key_id"], ["tokens"], batch)
 
 
 def store_continuations(continuations: dict[int, ContinuationCounts]) -> int:
     """Add `continuations` ({hour start: {model: ContinuationCount}}) to ContinuationHour; one transaction, one
     upsert per UPSERT_BATCH rows. Returns the number of (model, hour) rows added to."""
     rows = [
-        (model, _hour(hour), count.continued, count.failed, count.refused, count.reprocessed)
+        (model, hour_param(hour), count.continued, count.failed, count.refused, count.reprocessed)
         for hour, counts in sorted(continuations.items())
         for model, count in sorted(counts.items())
     ]
     with transaction.atomic():
         for start in range(0, len(rows), UPSERT_BATCH):
             batch = rows[start : start + UPSERT_BATCH]
-            _upsert(ContinuationHour, CONTINUATION_COLUMNS, ["model", "hour"], CONTINUATION_COLUMNS[2:], batch)
+            upsert_adding(ContinuationHour, CONTINUATION_COLUMNS, ["model", "hour"], CONTINUATION_COLUMNS[2:], batch)
     return len(rows)
 
 
-def _hour(start: int) -> Any:
+def hour_param(start: int) -> Any:
     """An hour's start (Unix seconds) as the database takes a datetime parameter."""
     return connection.ops.adapt_datetimefield_value(datetime.fromtimestamp(start, tz=UTC))
 
 
-def _upsert(
+def upsert_adding(
     model: type[models.Model], columns: list[str], unique: list[str], added: list[str], rows: list[tuple[Any, ...]]
 ) -> None:
     """Add each row (values of `columns`) to the row its `unique` columns name, creating it if need be: one

@@ -47,6 +47,7 @@ SUBCOMMANDS = {
     "plan": Subcommand("what if: where a model would go, what it would evict, without changing anything", "plan"),
     "catalog": Subcommand("the catalog as code: apply or export models, aliases, profiles and adapters", "catalog"),
     "keys": Subcommand("the router's API keys: create, revoke, list", "keys"),
+    "showback": Subcommand("each team's share of a month's GPU-hours (--csv for a chargeback sheet)", "showback"),
     "enrol": Subcommand("enrol a node and print its credential (or its agent's whole command line)", "enrol_node"),
     "manage": Subcommand("any other management command of the project (`llmgw manage help` lists them)"),
 }

@@ -76,6 +76,9 @@ class Replica(models.Model):
         help_text="Created for requests of a key bound to these pools: placed only on a profile in one of them "
         "(empty: on any of its model's profiles).",
     )
+    gpu_time_until = models.DateTimeField(
+        null=True, blank=True, editable=False, help_text="Until when its GPU time is counted (keys.GpuHour)."
+    )
     stop_reason = models.CharField(max_length=200, blank=True, help_text="Why it is being stopped.")
     # Make-before-break node drain (reconciler.lifecycle.drain): this replica keeps serving until `replaced_by`
     # is ready, then is drained; at `drain_deadline` at the latest.

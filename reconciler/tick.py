@@ -21,6 +21,7 @@ from keys.alerts import check_budget_alerts
 from reconciler.adapters import assign_adapters, record_adapter_stamps, split_activations, tend_loads
 from reconciler.choices import ReplicaState
 from reconciler.commands import resend_unacknowledged
+from reconciler.demand.gpu_time import count_gpu_time, counted, gpu_count_due
 from reconciler.demand.scaling import DemandOutcome, apply_demand
 from reconciler.demand.tokens import record_token_usage
 from reconciler.demand.usage import UsageVerdict, assess_usage, collect_usage, mark_unused_since_ready
@@ -47,6 +48,7 @@ STEPS = (
     "budget alerts",
     # In the fenced transaction:
     "usage",
+    "gpu time",
     "liveness",
     "slow starts",
     "adapter activations",
@@ -104,6 +106,8 @@ class TickReport:
     adapter_loads_sent: int = 0
     adapter_unloads_sent: int = 0
     weights_swept: bool = False
+    gpu_time_counted: bool = False
+    gpu_time_rows: int = 0
     weights_removals_sent: int = 0
     published: bool = False
     unknown_activations: list[str] = field(default_factory=list)
@@ -157,6 +161,8 @@ def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: St
         return TickReport(leader=False, epoch=report.epoch)
     if report.weights_swept:
         swept(leadership, now)
+    if report.gpu_time_counted:
+        counted(leadership, now)
     steps.run("tell hub", _tell_hub, hub, forget, usage.gone, report)
     return report
 
@@ -171,6 +177,9 @@ def _reconcile(
     outbox = Outbox(leadership.epoch, now)
     run = steps.run
     usage, forget = run("usage", _take_usage, readings, now, report)
+    if gpu_count_due(leadership, now):  # before "stops" deletes replicas: their last seconds count
+        report.gpu_time_rows = run("gpu time", count_gpu_time, now)
+        report.gpu_time_counted = True
     liveness = run("liveness", check_liveness, now, leadership, outbox)
     report.nodes_unreachable, report.nodes_lost = liveness.unreachable, liveness.lost
     report.partition_brake = liveness.brake

@@ -32,6 +32,7 @@ def test_the_help_lists_every_process_and_operator_task(capsys):
         "plan",
         "catalog",
         "keys",
+        "showback",
         "manage",
     ):
         assert f"\n    {name} " in listed or f"\n    {name}\n" in listed, name

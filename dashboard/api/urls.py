@@ -1,4 +1,5 @@
-"""URLs under /api/v1/ (included from llmgw_site.urls): the router's viewsets, status, plan, schema and Swagger UI."""
+"""URLs under /api/v1/ (included from llmgw_site.urls): the router's viewsets, status, plan, showback, schema and
+Swagger UI."""
 
 from collections import OrderedDict
 
@@ -8,6 +9,7 @@ from rest_framework.routers import APIRootView, DefaultRouter
 
 from dashboard.api.budgets import BudgetViewSet
 from dashboard.api.plan import PlanView
+from dashboard.api.showback import ShowbackView
 from dashboard.api.teams import TeamViewSet
 from dashboard.api.views import ApiKeyViewSet, ModelViewSet, NodeViewSet, ReplicaViewSet, StatusView, TokenUsageViewSet
 
@@ -25,7 +27,8 @@ class Router(DefaultRouter):
 
     def get_api_root_view(self, api_urls=None):
         names = {prefix: self.routes[0].name.format(basename=basename) for prefix, _, basename in self.registry}
-        names.update({"status": "api-status", "plan": "api-plan", "schema": "api-schema", "docs": "api-docs"})
+        names.update({"status": "api-status", "plan": "api-plan", "showback": "api-showback"})
+        names.update({"schema": "api-schema", "docs": "api-docs"})
         return self.APIRootView.as_view(api_root_dict=names)
 
 
@@ -43,6 +46,7 @@ router.register("budgets", BudgetViewSet, basename="budget")
 urlpatterns = [
     re_path(r"^status/?$", StatusView.as_view(), name="api-status"),
     re_path(r"^plan/?$", PlanView.as_view(), name="api-plan"),
+    re_path(r"^showback/?$", ShowbackView.as_view(), name="api-showback"),
     re_path(r"^schema/?$", SpectacularJSONAPIView.as_view(), name="api-schema"),
     re_path(r"^docs/?$", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     *router.urls,

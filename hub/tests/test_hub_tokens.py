@@ -140,3 +140,19 @@ def test_redis_drops_a_malformed_counter_and_takes_the_others(redis_url):
     assert plain(hub.collect_usage().tokens) == {int(T0): {"k": {"model with spaces": [1, 2, 3, 0]}}}
     assert not client.exists(TOKENS_KEY)
     client.close()
+
+
+def test_tokens_per_replica_add_up_and_are_taken_with_the_token_counts_and_restored(clocked_hub):
+    """The showback's shares (keys.showback) travel beside the token counts: added up across routers per hour,
+    taken in the same step, given back whole when the database refuses them."""
+    hub, clock = clocked_hub
+    asyncio.run(hub.report_usage(UsageReport(router="a", replica_tokens={"7": {"k1": 30, "k2": 5}})))
+    asyncio.run(hub.report_usage(UsageReport(router="b", replica_tokens={"7": {"k1": 10}, "8": {"k1": 4}})))
+    clock.now = T0 + 3600 + 1
+    asyncio.run(hub.report_usage(UsageReport(router="a", replica_tokens={"7": {"k2": 1}})))
+    taken = hub.collect_usage()
+    shares = {int(T0): {"7": {"k1": 40, "k2": 5}, "8": {"k1": 4}}, int(T0) + 3600: {"7": {"k2": 1}}}
+    assert taken.replica_tokens == shares
+    assert hub.collect_usage().replica_tokens == {}
+    hub.restore_tokens(taken.tokens, taken.keys, taken.replica_tokens)
+    assert hub.collect_usage().replica_tokens == shares

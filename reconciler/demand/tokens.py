@@ -1,5 +1,5 @@
-"""Token usage per API key, model and hour, and answers whose engine broke off per model and hour, stored from
-what the tick took from the hub.
+"""Token usage per API key, model and hour (and per replica and key: the showback's shares), and answers whose
+engine broke off per model and hour, stored from what the tick took from the hub.
 
 Routers count requests and tokens per key digest and model (router.accounting.usage_reader), and broken answers
 per model (router.accounting.continuations); the hub adds their counts up per hour until the tick takes them in one
@@ -31,14 +31,14 @@ def record_token_usage(snapshot: UsageSnapshot | None, hub: UsageSource) -> int:
         return 0
     if snapshot.continuations:
         _record_continuations(snapshot, hub)
-    if not (snapshot.tokens or snapshot.keys):
+    if not (snapshot.tokens or snapshot.keys or snapshot.replica_tokens):
         return 0
     try:
-        return store_tokens(snapshot.tokens, snapshot.keys)
+        return store_tokens(snapshot.tokens, snapshot.keys, snapshot.replica_tokens)
     except Exception as exc:
         log.warning("could not store token usage, giving it back to the hub for the next tick: %s", exc)
         try:
-            hub.restore_tokens(snapshot.tokens, snapshot.keys)
+            hub.restore_tokens(snapshot.tokens, snapshot.keys, snapshot.replica_tokens)
         except Exception as again:
             log.error("token usage lost: the database refused it and the hub could not take it back: %s", again)
         return 0

@@ -82,6 +82,7 @@ class UsageFlusher:
             keys=keys,
             continuations=self.ledger.continuations.take(),
             records=self.ledger.take_records(),
+            replica_tokens=self.ledger.tokens.take_replicas(),
         )
         try:
             await self.hub.report_usage(report)
@@ -107,6 +108,7 @@ class UsageFlusher:
         whenever they arrive. Its peaks are dropped (see `flush`)."""
         self.ledger.restore_stamps(report.stamps)
         self.ledger.tokens.restore(report.tokens, report.keys)
+        self.ledger.tokens.restore_replicas(report.replica_tokens)
         self.ledger.continuations.restore(report.continuations)
         self.ledger.restore_records(report.records)
 

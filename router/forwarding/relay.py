@@ -270,6 +270,6 @@ class Relay:
             # a fleet without prices looks nothing up.
             prices = self.picker.routes.prices
             priced = prices.get(model) if prices and exchange.hold is None else None
-            self.ledger.tokens.count(key, model, usage, served, priced)
+            self.ledger.tokens.count(key, model, usage, served, priced, endpoint.replica_id)
             if usage is not None:
                 self.ledger.limits.spent_tokens(key, usage[0] + usage[1])

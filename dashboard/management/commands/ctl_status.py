@@ -33,6 +33,7 @@ from dashboard.summary_types import Capacity, ClusterSummary, ReplicaStatus
 from dashboard.team_summary import TeamSummary, team_summary
 from hub import get_hub
 from keys.budget_use import money
+from keys.showback import gpu_hours
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3
@@ -315,13 +316,18 @@ class Command(BaseCommand):
         rows = [
             [
                 team.name, team.members, team.active_keys, money(team.spend_today_units),
-                money(team.spend_month_units), "; ".join(budget.text() for budget in team.budgets) or "no budget",
+                money(team.spend_month_units), gpu_hours(team.gpu_seconds_month),
+                "; ".join(budget.text() for budget in team.budgets) or "no budget",
             ]
             for team in shown
         ]  # fmt: skip
-        out += self.styled_table(["TEAM", "MEMBERS", "KEYS", "TODAY", "THIS MONTH", "BUDGET"], rows)
+        out += self.styled_table(["TEAM", "MEMBERS", "KEYS", "TODAY", "THIS MONTH", "GPU-H", "BUDGET"], rows)
         if len(t.teams) > len(shown):
             out.append(f"  … and {len(t.teams) - len(shown)} more teams (--all)")
+        out.append(
+            f"  GPU-hours this month besides teams: {gpu_hours(t.gpu_seconds_month_no_team)} keys of no team, "
+            f"{gpu_hours(t.gpu_seconds_month_idle)} idle (`manage.py showback` for any month)"
+        )
         if not t.budgets_known:
             where = (
                 "Redis did not answer"

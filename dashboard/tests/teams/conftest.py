@@ -13,7 +13,7 @@ from hub import InProcessHub, get_hub, reset_hub
 from hub.budgets import Limit, Reservation
 from hub.redis_budgets import RedisBudgets
 from keys.budget_use import current_use
-from keys.models import ApiKey, Budget, TokenUsage
+from keys.models import ApiKey, Budget, GpuHour, ReplicaTokens, TokenUsage
 from teams.models import Membership, Team
 
 NOW = datetime(2026, 3, 14, 9, 30, tzinfo=UTC)
@@ -54,6 +54,14 @@ def spent(key: ApiKey, hour: datetime, amount: str, model: str = "llama") -> Tok
     )  # fmt: skip
 
 
+def gpu_used(tokens: dict[ApiKey, int], hour: datetime, replica: int, gpu_seconds: float) -> None:
+    """A replica's hour of GPU time, and the tokens it served each key then (keys.showback)."""
+    GpuHour.objects.create(replica_id=replica, model="llama", hour=hour, gpu_seconds=gpu_seconds)
+    ReplicaTokens.objects.bulk_create(
+        ReplicaTokens(replica_id=replica, hour=hour, key=key, team=key.team, tokens=n) for key, n in tokens.items()
+    )
+
+
 @dataclass
 class Teams:
     """What the `teams` fixture made."""
@@ -71,7 +79,8 @@ class Teams:
 def teams(db) -> Teams:
     """Three teams. “ml”: two members, two usable keys (and a revoked and an expired one), 1.75 spent today and
     4.75 this month (besides last month's and another team's rows), a day budget in Paris time and a month budget
-    in UTC of its own, a member's budget and a key's. “search”: 0.000125 spent, no budget. “idle”: nothing."""
+    in UTC of its own, a member's budget and a key's. “search”: 0.000125 spent, no budget. “idle”: nothing. A
+    replica's hour this morning shared 3:1:1 by ada's key, eve's and the key of no team, another's idle."""
     ml, search, idle = (Team.objects.create(name=name) for name in ("ml", "search", "idle"))
     ada, bob, eve = (User.objects.create_user(name) for name in ("ada", "bob", "eve"))
     Membership.objects.bulk_create(
@@ -89,6 +98,9 @@ def teams(db) -> Teams:
     spent(adas, datetime(2026, 2, 28, 23, tzinfo=UTC), "100")  # last month
     spent(outside, TODAY, "50")  # no team's
     spent(eves, TODAY + timedelta(hours=8), "0.000125")
+    gpu_used({adas: 300, eves: 100, outside: 100}, TODAY + timedelta(hours=8), replica=1, gpu_seconds=3600)
+    gpu_used({}, TODAY + timedelta(hours=7), replica=2, gpu_seconds=1800)  # idle: served no tokens
+    gpu_used({adas: 1}, datetime(2026, 2, 28, 23, tzinfo=UTC), replica=1, gpu_seconds=3600)  # last month
     return Teams(
         ml, search, idle,
         day=Budget.objects.create(team=ml, amount=Decimal(10), window="day", timezone="Europe/Paris"),

@@ -37,11 +37,12 @@ def section(text: str) -> list[list[str]]:
 @redis_only
 def test_each_team_shows_members_keys_spend_and_its_budgets_use_and_reset(used, budget_hub):
     assert section(run("--teams")) == [
-        ["TEAM", "MEMBERS", "KEYS", "TODAY", "THIS MONTH", "BUDGET"],
-        ["ml", "2", "2", "1.75", "4.75",
+        ["TEAM", "MEMBERS", "KEYS", "TODAY", "THIS MONTH", "GPU-H", "BUDGET"],
+        ["ml", "2", "2", "1.75", "4.75", "0.6",
          "7.50 / 10.00 per day, resets 2026-03-15 00:00 CET; 4.00 / 4.00 per month, resets 2026-04-01 00:00 UTC"],
-        ["search", "1", "1", "0.000125", "0.000125", "no budget"],
-        ["idle", "0", "0", "0.00", "0.00", "no budget"],
+        ["search", "1", "1", "0.000125", "0.000125", "0.2", "no budget"],
+        ["idle", "0", "0", "0.00", "0.00", "0.0", "no budget"],
+        ["GPU-hours this month besides teams: 0.2 keys of no team, 0.5 idle (`manage.py showback` for any month)"],
     ]  # fmt: skip
 
 
@@ -49,11 +50,12 @@ def test_each_team_shows_members_keys_spend_and_its_budgets_use_and_reset(used, 
 def test_ten_teams_are_shown_and_the_rest_counted_unless_all(used, budget_hub, more_teams):
     more_teams(12)
     rows = section(run("--teams"))
-    assert len(rows) == 12 and rows[-1] == ["… and 5 more teams (--all)"]  # the header, 10 teams, the rest
+    # The header, 10 teams, the rest, the GPU time of no team's.
+    assert len(rows) == 13 and rows[-2] == ["… and 5 more teams (--all)"]
     spending = [f"team-{index:03}" for index in range(11, 3, -1)]  # 12.00 down to 5.00, then ml's 4.75
     assert [row[0] for row in rows[1:11]] == [*spending, "ml", "team-003"]
     every = section(run("--teams", "--all"))
-    assert len(every) == 16 and every[-1][0] == "idle"
+    assert len(every) == 17 and every[-2][0] == "idle"
 
 
 @redis_only
@@ -62,7 +64,7 @@ def test_the_queries_are_the_same_for_3_teams_and_for_43(used, budget_hub, more_
         run()
     with CaptureQueriesContext(connection) as few:
         run("--teams")
-    assert len(few.captured_queries) == len(without.captured_queries) + 3
+    assert len(few.captured_queries) == len(without.captured_queries) + 5  # dashboard.team_summary
     more_teams(40)
     with django_assert_num_queries(len(few.captured_queries)):
         assert "… and 33 more teams (--all)" in run("--teams")
@@ -72,8 +74,8 @@ def test_in_embedded_mode_the_budgets_use_is_unknown_here(teams, settings):
     settings.REDIS_URL = None  # the counters are in the `llmgw up` process's memory, not this one's
     text = run("--teams")
     ml = section(text)[1]
-    assert ml[:5] == ["ml", "2", "2", "1.75", "4.75"]
-    assert ml[5].startswith("- / 10.00 per day, resets 2026-03-15 00:00 CET; - / 4.00 per month")
+    assert ml[:6] == ["ml", "2", "2", "1.75", "4.75", "0.6"]
+    assert ml[6].startswith("- / 10.00 per day, resets 2026-03-15 00:00 CET; - / 4.00 per month")
     assert "budgets' use is unknown (-): in embedded mode the counters are in the `llmgw up` process" in text
 
 
@@ -100,4 +102,4 @@ def test_teams_beside_a_full_list_lists_every_team(teams, more_teams):
     text = run("--nodes", "--teams")
     assert text.splitlines()[1] == "Node list"
     rows = section(text)
-    assert len(rows) == 17 and rows[-2][0] == "idle" and rows[-1][0].startswith("budgets' use is unknown")
+    assert len(rows) == 18 and rows[-3][0] == "idle" and rows[-1][0].startswith("budgets' use is unknown")

@@ -17,6 +17,7 @@ TEAM_FAMILIES = {
     "llmgw_team_budget_used_ratio": {"team", "window"},
     "llmgw_team_budgets_exhausted": {"team"},
     "llmgw_team_budgets_known": set(),
+    "llmgw_team_gpu_hours": {"team"},
 }
 
 
@@ -48,6 +49,12 @@ def test_each_team_has_its_spend_budget_use_and_exhausted_budgets(client, used, 
         ("llmgw_team_budgets_exhausted", ("search",)): 0,
         ("llmgw_team_budgets_exhausted", ("idle",)): 0,
         ("llmgw_team_budgets_known", ()): 1,
+        # The showback this month: an hour of one replica shared 3:1:1, an idle half hour of another.
+        ("llmgw_team_gpu_hours", ("ml",)): 0.6,
+        ("llmgw_team_gpu_hours", ("search",)): 0.2,
+        ("llmgw_team_gpu_hours", ("idle",)): 0.0,
+        ("llmgw_team_gpu_hours", ("(no team)",)): 0.2,
+        ("llmgw_team_gpu_hours", ("(idle)",)): 0.5,
     }
 
 

@@ -1,6 +1,6 @@
 """The team summary: each team's members, usable keys, spend in the UTC day and month from the hourly rows, its own
-budgets' use in their windows and how many budgets bearing on it are exhausted, in three queries and one hub round
-trip whatever the number of teams and rows; a budget's use is unknown, never zero, when the hub cannot tell it."""
+budgets' use in their windows, how many budgets bearing on it are exhausted and its GPU-hours this month, in five
+queries and one hub round trip whatever the number of teams and rows; a budget's use is unknown, never zero, when the hub cannot tell it."""
 
 from datetime import timedelta
 
@@ -21,7 +21,8 @@ UNITS = 10**12
 
 
 def test_each_team_has_its_members_usable_keys_spend_and_own_budgets(used, budget_hub, django_assert_num_queries):
-    with django_assert_num_queries(3):  # the teams (counted), their spend (summed), the budgets bearing on them
+    # The teams (counted), their spend (summed), the budgets bearing on them, the month's showback (two).
+    with django_assert_num_queries(5):
         summary = team_summary(budget_hub)
     assert summary.budgets_known
     assert (summary.day_start, summary.month_start) == ("2026-03-14T00:00:00+00:00", "2026-03-01T00:00:00+00:00")
@@ -40,13 +41,16 @@ def test_each_team_has_its_members_usable_keys_spend_and_own_budgets(used, budge
     )  # fmt: skip
     assert (search.budgets, search.budgets_exhausted) == ([], 0)
     assert (idle.members, idle.active_keys, idle.spend_month_units, idle.budgets_exhausted) == (0, 0, 0, 0)
+    # This month's showback: the shared hour 3:1:1, the idle one nobody's; last month's hour left out.
+    assert (ml.gpu_seconds_month, search.gpu_seconds_month, idle.gpu_seconds_month) == (2160.0, 720.0, 0.0)
+    assert (summary.gpu_seconds_month_no_team, summary.gpu_seconds_month_idle) == (720.0, 1800.0)
 
 
 def test_the_queries_are_the_same_for_3_teams_and_for_43(used, budget_hub, more_teams, django_assert_num_queries):
-    with django_assert_num_queries(3):
+    with django_assert_num_queries(5):
         assert len(team_summary(budget_hub).teams) == 3
     more_teams(40)
-    with django_assert_num_queries(3):
+    with django_assert_num_queries(5):
         summary = team_summary(budget_hub)
     assert len(summary.teams) == 43
     assert summary.teams[0].name == "team-039" and summary.teams[0].spend_today_units == 40 * UNITS

@@ -571,3 +571,14 @@ def test_answers_are_counted_and_the_usage_event_dropped_when_the_client_accepts
     assert [e["choices"] != [] for e in events(raw)] == [True]
     # The engine was asked for answers as they are, whatever the client accepts.
     assert compressing_engine.accept_encodings == ["identity", "identity"]
+
+
+def test_an_answers_tokens_count_against_the_replica_that_served_it(mock_router, auth, api_key):
+    """The showback's shares: each answer's prompt and completion tokens, per replica and key."""
+    usage = httpx.post(
+        f"{mock_router.url}/v1/chat/completions", headers=auth, json={"model": MODEL, "messages": MESSAGES}
+    ).json()["usage"]
+    httpx.post(f"{mock_router.url}/v1/chat/completions", headers=auth, json={"model": MODEL, "messages": MESSAGES})
+    tokens = mock_router.state.ledger.tokens
+    assert tokens.take_replicas() == {"1": {hash_secret(api_key): 2 * usage["total_tokens"]}}
+    assert tokens.take_replicas() == {}

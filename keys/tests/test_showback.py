@@ -1,0 +1,107 @@
+"""Showback: each replica's GPU time of an hour is divided between teams by their share of the tokens it served
+in that hour; an hour with no tokens is idle time of its model; nothing is lost or counted twice."""
+
+from datetime import UTC, datetime
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from keys.models import ApiKey, GpuHour, ReplicaTokens
+from keys.showback import add_gpu_time, showback
+from keys.usage import store_tokens
+from teams.models import Team
+
+pytestmark = pytest.mark.django_db
+
+H0 = 1_800_000_000  # an hour's start
+H1 = H0 + 3600
+START, END = datetime.fromtimestamp(H0, tz=UTC), datetime.fromtimestamp(H1 + 3600, tz=UTC)
+
+
+@pytest.fixture
+def keys():
+    """Digests of three keys: of team search, of team ads, of no team."""
+    search, ads = Team.objects.create(name="search"), Team.objects.create(name="ads")
+    issued = [ApiKey.issue("s", team=search)[0], ApiKey.issue("a", team=ads)[0], ApiKey.issue("none")[0]]
+    return [ApiKey.objects.get(pk=key.pk).key_hash for key in issued]
+
+
+def test_a_replicas_hour_is_shared_by_tokens_and_an_hour_without_tokens_is_idle(keys):
+    search, ads, nobody = keys
+    add_gpu_time([(1, "llama", H0, 3600.0), (2, "qwen", H0, 7200.0), (3, "qwen", H0, 1800.0), (1, "llama", H1, 900.0)])
+    store_tokens({}, {}, {H0: {"1": {search: 300, ads: 100}, "2": {nobody: 50}}, H1: {"1": {ads: 7}}})
+    report = showback(START, END)
+    shares = {(row.team, row.model): (row.gpu_seconds, row.tokens) for row in report.rows}
+    assert shares == {
+        ("search", "llama"): (2700.0, 300),
+        ("ads", "llama"): (900.0 + 900.0, 107),
+        (None, "qwen"): (7200.0, 50),
+    }
+    assert report.idle == {"qwen": 1800.0}  # replica 3 served nobody in its hour
+    assert report.total_seconds == 3600 + 7200 + 1800 + 900  # every GPU second, once
+    assert report.by_team() == {None: 7200.0, "search": 2700.0, "ads": 1800.0}
+
+
+def test_the_window_bounds_the_hours_and_teams_bound_the_rows(keys):
+    search, ads, _ = keys
+    add_gpu_time([(1, "llama", H0, 100.0), (1, "llama", H1, 200.0)])
+    store_tokens({}, {}, {H0: {"1": {search: 1}}, H1: {"1": {ads: 1}}})
+    first_hour = showback(START, datetime.fromtimestamp(H1, tz=UTC))
+    assert [(row.team, row.gpu_seconds) for row in first_hour.rows] == [("search", 100.0)]
+    ads_team = Team.objects.get(name="ads").pk
+    assert [(row.team, row.gpu_seconds) for row in showback(START, END, teams=[ads_team]).rows] == [("ads", 200.0)]
+    assert showback(START, END, teams=[]).rows == []
+    assert showback(START, END, teams=[ads_team]).idle == {}  # idle time is nobody's: operators only
+
+
+def test_gpu_time_and_shares_add_up_across_stores(keys):
+    search, ads, _ = keys
+    add_gpu_time([(1, "llama", H0, 10.0)])
+    add_gpu_time([(1, "llama", H0, 20.0)])
+    store_tokens({}, {}, {H0: {"1": {search: 1}}})
+    store_tokens({}, {}, {H0: {"1": {search: 2, ads: 3}}})
+    assert GpuHour.objects.get().gpu_seconds == 30.0
+    assert sorted(ReplicaTokens.objects.values_list("team__name", "tokens")) == [("ads", 3), ("search", 3)]
+    assert {row.team: row.gpu_seconds for row in showback(START, END).rows} == {"search": 15.0, "ads": 15.0}
+
+
+def test_shares_keep_the_keys_team_then_and_drop_unknown_keys_and_router_only_endpoints(keys):
+    search, _, _ = keys
+    store_tokens({}, {}, {H0: {"1": {search: 5, "no-such-key": 9}, "static-endpoint": {search: 4}}})
+    ApiKey.objects.filter(key_hash=search).update(team=None)  # moved later: its earlier share stays with search
+    assert list(ReplicaTokens.objects.values_list("replica_id", "team__name", "tokens")) == [(1, "search", 5)]
+
+
+def run(*args) -> str:
+    out = StringIO()
+    call_command("showback", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_command_prints_a_months_teams_models_and_idle_time_as_a_table_or_csv(keys):
+    search, ads, nobody = keys
+    add_gpu_time([(1, "llama", H0, 3600.0), (2, "qwen", H0, 1800.0)])
+    store_tokens({}, {}, {H0: {"1": {search: 3, ads: 1}}})
+    month = f"{START:%Y-%m}"
+    assert run("--month", month).splitlines() == [
+        f"Showback {month} (UTC): 1.5 GPU-hours",
+        "  search         0.8   50.0%",
+        "  ads            0.2   16.7%",
+        "  (idle)         0.5   33.3%",
+    ]
+    assert "  ads     llama         0.2   16.7%" in run("--month", month, "--by-model").splitlines()
+    assert run("--month", month, "--csv").splitlines() == [
+        "team,model,gpu_hours,tokens",
+        "ads,llama,0.250000,1",
+        "search,llama,0.750000,3",
+        "(idle),qwen,0.500000,0",
+    ]
+    assert run("--month", "2020-01").splitlines()[1] == "  no GPU time counted in this month"
+
+
+def test_a_bad_month_is_refused_naming_the_form():
+    with pytest.raises(
+        CommandError, match=r"--month must be YYYY-MM from 2000-01 to 2999-12, as 2026-11: got '11/2026'"
+    ):
+        run("--month", "11/2026")
