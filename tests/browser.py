@@ -49,7 +49,10 @@ def chromium() -> Iterator[Any]:
 
 
 def wait_for(browser: Any, condition: Callable[[], Any], what: str, seconds: float, poll: float) -> None:
-    """Wait until `condition()` holds, polling every `poll` s, or fail after `seconds` saying `what` was awaited."""
+    """Wait until `condition()` holds, polling every `poll` s, or fail after `seconds` saying `what` was awaited. An
+    element the page replaced while the condition read it (a navigation under way) reads as "not yet"."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(browser, seconds, poll_frequency=poll).until(lambda _: condition(), message=what)
+    waiting = WebDriverWait(browser, seconds, poll_frequency=poll, ignored_exceptions=[StaleElementReferenceException])
+    waiting.until(lambda _: condition(), message=what)
