@@ -1,19 +1,15 @@
 """`manage.py ctl_status [--json] [--top N] [--all] [--nodes] [--models] [--replicas] [--teams] [--check]
 [--watch N]`.
 
-The cluster summary for a terminal or a script. The text stays a screenful at
-any fleet size: free whole nodes show a few names per (fabric, class),
-models show those that need a look and then the top holders of GPUs, with
-their replicas counted per state, a base model's LoRA adapters are one line
-of counts (never one per adapter), unplaceable models are apart from held
-ones, failed replicas are grouped by reason, answers whose engine broke off in
-the last hour are counted per model (the most broken first) and "what can I stop" shows the
-top entries; `--all` prints everything, `--nodes`, `--models` and
-`--replicas` print just the full node, model or replica list. `--teams` adds
-each team's members, keys, spend and budgets (`dashboard.team_summary`; a
-"team_summary" key with --json). `--check` prints one line and exits 2 when something needs attention
-(`dashboard.attention.needs_attention`), 0 otherwise: for cron and monitoring.
-`--watch N` redraws every N seconds until Ctrl-C.
+The cluster summary for a terminal or a script. The text fits a screen (SCREEN_LINES) at any fleet size and in
+any trouble: free whole nodes show a few names per (fabric, class), models those that need a look and then the
+top holders of GPUs, with their replicas counted per state, a base model's LoRA adapters one line of counts,
+unplaceable models apart from held ones, failed replicas grouped by reason, answers whose engine broke off in the
+last hour per model (the most broken first), "what can I stop" the top entries; `--all` prints everything,
+`--nodes`, `--models` and `--replicas` just the full node, model or replica list. `--teams` adds each team's
+members, keys, spend, GPU-hours and budgets (`dashboard.team_summary`; "team_summary" with --json). `--check`
+prints one line and exits 2 when something needs attention (`dashboard.attention.needs_attention`), 0 otherwise:
+for cron and monitoring. `--watch N` redraws every N seconds until Ctrl-C.
 """
 
 import json
@@ -21,6 +17,7 @@ import os
 import sys
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
@@ -39,14 +36,27 @@ BAR_WIDTH = 16
 NAMES_SHOWN = 3
 """Node names printed per (fabric, class) in "Free whole nodes" without --all."""
 DEFAULT_TOP = 10
-MODELS_SHOWN = 8
-"""Model rows (and adapter lines) printed without --all or --models: those needing a look, then the top holders."""
-ROWS_SHOWN = 5
-"""Rows of free whole nodes, and of unplaceable or held models, printed without --all."""
-FAILED_REASONS_SHOWN = 5
-"""Failure reasons printed without --all (most frequent first)."""
-TEAMS_SHOWN = 10
-"""Teams printed by --teams without --all (the most spent this month first)."""
+SCREEN_LINES = 60
+"""The default report fits a screen of this many lines, however troubled the fleet (see `render`)."""
+
+
+@dataclass(frozen=True)
+class Shown:
+    """Rows each section prints without --all: `models` (those needing a look, then the top holders of GPUs; and
+    adapter lines), `rows` (free whole nodes, unplaceable or held models, broken streams), `reasons` (failures,
+    most frequent first), `teams` (--teams, the most spent first), `warnings` (node warnings; None: all)."""
+
+    models: int = 8
+    rows: int = 5
+    reasons: int = 5
+    teams: int = 10
+    warnings: int | None = None
+
+
+# When the default would not fit a screen: fewer rows of each section, every section still there with its
+# "… and N more" pointer, and at most three stop candidates.
+COMPACT = Shown(models=3, rows=2, reasons=2, teams=5, warnings=3)
+COMPACT_TOP = 3
 CHECK_FAILED = 2
 """Exit status of `--check` when something needs attention (1 stays Django's "the command failed")."""
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -77,6 +87,11 @@ def replica_adapters(replica: ReplicaStatus) -> str:
     """A replica's LoRA adapters: `3` loaded, `3+1` while one more loads (one word, like every cell)."""
     loading = f"+{replica.adapters_loading}" if replica.adapters_loading else ""
     return f"{replica.adapters_loaded}{loading}"
+
+
+def printed_lines(lines: list[str]) -> int:
+    """Lines on the screen: a section's title starts with a blank line of its own."""
+    return sum(line.count("\n") + 1 for line in lines)
 
 
 def table(headers: list[str], rows: list[list]) -> list[str]:
@@ -193,11 +208,29 @@ class Command(BaseCommand):
         lines = table(headers, rows)
         return ["  " + self.style.SQL_FIELD(lines[0])] + ["  " + row_style(line) for line in lines[1:]]
 
+    shown = Shown()
+
     def render(self, s: ClusterSummary, top: int | None = DEFAULT_TOP, teams: TeamSummary | None = None) -> list[str]:
-        """The text report; `top` None is --all (every node name, replica, stop candidate and team)."""
+        """The text report; `top` None is --all (every node name, replica, stop candidate and team). Without --all
+        it fits SCREEN_LINES: if the usual rows would not, each section prints COMPACT's, and if even those would
+        not, the report is cut with a line saying how much more --all prints."""
+        self.shown = Shown()
+        out = self.sections(s, top, teams)
+        if top is None or printed_lines(out) <= SCREEN_LINES:
+            return out
+        self.shown = COMPACT
+        out = self.sections(s, min(top, COMPACT_TOP), teams)
+        if printed_lines(out) <= SCREEN_LINES:
+            return out
+        kept: list[str] = []
+        while printed_lines([*kept, out[len(kept)]]) < SCREEN_LINES:
+            kept.append(out[len(kept)])
+        return [*kept, f"… and {printed_lines(out) - printed_lines(kept)} more lines (--all)"]
+
+    def sections(self, s: ClusterSummary, top: int | None, teams: TeamSummary | None) -> list[str]:
         out = [self.style.SUCCESS(f"llmgw status at {s.generated_at}")]
         out += self.leader_and_brake(s)
-        out += self.node_warnings(s)
+        out += self.node_warnings(s, None if top is None else self.shown.warnings)
         out += self.capacity(s)
         out += self.free_nodes(s, top)
         out.append(self.section("Nodes"))
@@ -253,7 +286,9 @@ class Command(BaseCommand):
     def free_nodes(self, s: ClusterSummary, top: int | None) -> list[str]:
         limit = None if top is None else NAMES_SHOWN
         # The fabrics with the most free whole nodes first, when not all are shown.
-        ranked = s.free_nodes if top is None else sorted(s.free_nodes, key=lambda r: -r.whole_free_nodes)[:ROWS_SHOWN]
+        ranked = (
+            s.free_nodes if top is None else sorted(s.free_nodes, key=lambda r: -r.whole_free_nodes)[: self.shown.rows]
+        )
         rows = [[r.fabric or "-", r.gpu_class, r.whole_free_nodes, some_names(r.nodes, limit)] for r in ranked]
         table_lines = self.styled_table(["FABRIC", "GPU CLASS", "FREE", "NODES"], rows) if rows else ["  none"]
         if len(s.free_nodes) > len(ranked):
@@ -270,7 +305,7 @@ class Command(BaseCommand):
         ):
             if not rows:
                 continue
-            shown = rows if top is None else rows[:ROWS_SHOWN]
+            shown = rows if top is None else rows[: self.shown.rows]
             cells = [[u.model, u.pending, " ".join(u.reason.split())] for u in shown]
             out += [self.section(title), *self.styled_table(["MODEL", "PENDING", "REASON"], cells, row_style=style)]
             if len(rows) > len(shown):
@@ -283,7 +318,7 @@ class Command(BaseCommand):
         if not groups:
             return []
         out = [self.section("Failed replicas")]
-        shown = groups if top is None else groups[:FAILED_REASONS_SHOWN]
+        shown = groups if top is None else groups[: self.shown.reasons]
         limit = None if top is None else NAMES_SHOWN
         rows = [[g.replicas, some_names(g.models, limit), g.reason] for g in shown]
         out += self.styled_table(["REPLICAS", "MODELS", "REASON"], rows, row_style=self.style.ERROR)
@@ -299,7 +334,7 @@ class Command(BaseCommand):
         out = [self.section(f"Stream continuations (since {since} UTC)")]
         if not broken.models:
             return [*out, "  none: no engine broke off an answer"]
-        shown = broken.models if top is None else broken.models[:ROWS_SHOWN]
+        shown = broken.models if top is None else broken.models[: self.shown.rows]
         rows = [[m.model, m.continued, m.failed, m.refused, m.reprocessed_prompt_tokens] for m in shown]
         out += self.styled_table(["MODEL", "CONTINUED", "FAILED", "REFUSED", "PROMPT TOKENS RE-READ"], rows)
         if len(broken.models) > len(shown):
@@ -308,11 +343,11 @@ class Command(BaseCommand):
 
     def teams(self, t: TeamSummary, top: int | None) -> list[str]:
         """Each team, the most spent this month first: members, usable keys, spend today and this month (UTC days
-        and months), and its own budgets in their windows; TEAMS_SHOWN rows unless --all (`top` None)."""
+        and months), and its own budgets in their windows; `shown.teams` rows unless --all (`top` None)."""
         out = [self.section("Teams (spend today and this month, UTC)")]
         if not t.teams:
             return [*out, "  no team"]
-        shown = t.teams if top is None else t.teams[:TEAMS_SHOWN]
+        shown = t.teams if top is None else t.teams[: self.shown.teams]
         rows = [
             [
                 team.name, team.members, team.active_keys, money(team.spend_today_units),
@@ -360,13 +395,15 @@ class Command(BaseCommand):
         out += self.styled_table(["NODE", "SOURCE", "SIZE"], held) if held else ["  none reported"]
         return out + self.node_warnings(s)
 
-    def node_warnings(self, s: ClusterSummary) -> list[str]:
-        """Nodes whose operator-set address, fabric or labels disagree with what their agents report."""
-        return [
-            self.style.WARNING(f"node {n.name}: {warning} (the operator's value is used)")
-            for n in s.node_list
-            for warning in n.warnings
+    def node_warnings(self, s: ClusterSummary, limit: int | None = None) -> list[str]:
+        """Nodes whose operator-set address, fabric or labels disagree with what their agents report (`limit`
+        lines at most, then how many more --nodes lists)."""
+        lines = [
+            f"node {n.name}: {warning} (the operator's value is used)" for n in s.node_list for warning in n.warnings
         ]
+        shown = lines if limit is None else lines[:limit]
+        more = [f"… and {len(lines) - len(shown)} more node warnings (--nodes)"] if len(lines) > len(shown) else []
+        return [self.style.WARNING(line) for line in shown + more]
 
     def what_can_i_stop(self, s: ClusterSummary, top: int | None) -> list[str]:
         out = [self.section("What can I stop")]
@@ -399,7 +436,7 @@ class Command(BaseCommand):
     def models(self, s: ClusterSummary, top: int | None) -> list[str]:
         """One row per model: enabled, wanted, GPUs held, and its replicas counted per state. Without --all (`top`
         None) or --models, only the models that need a look (wanted but not all ready, or with failed replicas)
-        and then the top holders of GPUs, MODELS_SHOWN rows in all: catalogs have hundreds of models."""
+        and then the top holders of GPUs, `shown.models` rows in all: catalogs have hundreds of models."""
         counts: dict[str, Counter] = defaultdict(Counter)
         gpus: Counter = Counter()
         for r in s.replica_list:
@@ -410,7 +447,7 @@ class Command(BaseCommand):
         if top is not None:
             # Attention first (the most replicas short first), then the biggest holders of GPUs.
             chosen.sort(key=lambda m: (-(m.wanted - m.ready + counts[m.name]["failed"]), -gpus[m.name], m.name))
-            chosen = chosen[:MODELS_SHOWN]
+            chosen = chosen[: self.shown.models]
         rows = [
             [m.name, "yes" if m.enabled else "no", m.wanted, gpus[m.name]] + [counts[m.name][state] for state in states]
             for m in chosen
@@ -422,11 +459,10 @@ class Command(BaseCommand):
             out.append(f"  … and {len(s.models) - len(chosen)} more models (--models lists them all)")
         return out + self.adapters(s, top)
 
-    @staticmethod
-    def adapters(s: ClusterSummary, top: int | None = None) -> list[str]:
+    def adapters(self, s: ClusterSummary, top: int | None = None) -> list[str]:
         """One line per base model with LoRA adapters, of counts: fleets have thousands of adapters."""
         bases = [m for m in s.models if m.adapters.shown]
-        shown = bases if top is None else bases[:ROWS_SHOWN]
+        shown = bases if top is None else bases[: self.shown.rows]
         width = max((len(m.name) for m in shown), default=0)
         lines = []
         for m in shown:

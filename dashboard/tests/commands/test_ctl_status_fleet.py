@@ -16,8 +16,11 @@ from django.utils import timezone
 from dashboard.management.commands.ctl_status import CHECK_FAILED, Command
 from dashboard.summary import cluster_summary, first_line
 from inventory.choices import GPUHealth, NodeState
-from reconciler.choices import ReplicaState
+from inventory.models import Node
+from keys.models import ContinuationHour
+from reconciler.choices import Hold, ReplicaState
 from reconciler.models import Lease, Replica
+from teams.models import Team
 from tests.fleet import bulk_fleet, make_model, make_node, make_replica, set_gpu, watch_usage
 
 pytestmark = pytest.mark.django_db
@@ -227,3 +230,29 @@ def test_watch_in_a_real_process_ends_quietly_on_ctrl_c(tmp_path):
             process.kill()
     assert process.returncode == 0
     assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
+
+
+def test_default_text_stays_under_60_lines_in_a_troubled_fleet(healthy):
+    """Every section in trouble at once: node warnings, unplaceable, held and failing models, broken streams,
+    stop candidates. Each section keeps its title and says how much more `--all` shows; the whole fits a screen."""
+    now = timezone.now()
+    for index in range(12):
+        node = make_node(f"gpu-w{index:02}", gpus=2, fabric=f"ib-{index}")
+        Node.objects.filter(pk=node.pk).update(reported_address=f"10.0.0.{index}", reported_fabric="other")
+        profile = make_model(f"model-{index:02}", min_replicas=1).profiles.get()
+        make_replica(profile, placement=[(node, [0])], last_used=now - timedelta(hours=3))
+        for hold in (Hold.NONE, Hold.MAKING_ROOM):
+            pending = make_replica(profile, state=ReplicaState.PENDING, error=f"no room for {index} ({hold or 'none'})")
+            Replica.objects.filter(pk=pending.pk).update(hold=hold)
+        failed(profile, f"engine exited with code {index}")
+        ContinuationHour.objects.create(model=profile.model.name, hour=now.replace(minute=0), failed=index + 1)
+    text = run()
+    lines = text.splitlines()
+    assert len(lines) <= 60, text
+    for title in ("GPU capacity", "Unplaceable", "Held (room being made", "Failed replicas", "What can I stop"):
+        assert any(line.startswith(title) for line in lines), title
+    assert any("more node warnings" in line for line in lines)
+    assert len(run("--all").splitlines()) > 100  # nothing is lost: --all prints it
+    Team.objects.bulk_create(Team(name=f"team-{index:02}") for index in range(12))
+    with_teams = run("--teams").splitlines()
+    assert len(with_teams) <= 60 and with_teams[-1].startswith("… and ") and with_teams[-1].endswith("lines (--all)")
