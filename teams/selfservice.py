@@ -25,6 +25,7 @@ from hub.contracts import BudgetReader
 from keys.budget_use import BudgetUse, NoCounters, current_use, money
 from keys.changes import set_keys_active
 from keys.models import ApiKey, Budget, TokenUsage
+from keys.showback import gpu_hours, month_bounds, showback
 from teams.access import budgets_applying_to, is_operator, visible_teams, with_roles
 from teams.models import Membership, Team
 from teams.usage_report import UsageReport, usage_report
@@ -88,6 +89,8 @@ class TeamPage:
     keys: list[KeyRow]
     usage: UsageReport
     budgets: list[BudgetLine]
+    gpu_hours: list[tuple[str, str, int]]
+    """This UTC month's showback (keys.showback), per model: (model, GPU-hours as text, tokens shared by)."""
 
 
 def my_page(user: Any, hub: BudgetReader, now: datetime) -> MyPage:
@@ -102,14 +105,15 @@ def my_page(user: Any, hub: BudgetReader, now: datetime) -> MyPage:
 
 
 def team_page(team: Team, hub: BudgetReader, now: datetime) -> TeamPage:
-    """What /me/teams/<id>/ shows a team's admin at `now`: four queries and one hub round trip."""
+    """What /me/teams/<id>/ shows a team's admin at `now`: five queries and one hub round trip."""
     members = Membership.objects.filter(team=team).select_related("user").order_by("user__username")
     keys = ApiKey.objects.filter(team=team).select_related("user").order_by("-created_at", "-id")
     budgets = Budget.objects.filter(Q(team=team) | Q(key__team=team)).select_related("key", "team", "user")
     usage = usage_report(TokenUsage.objects.filter(team=team), now)
-    return TeamPage(
-        team, list(members), _key_rows(keys, now), usage, budget_lines(list(budgets.order_by("id")), hub, now)
-    )
+    month = showback(*month_bounds(None, now), teams=[team.pk])
+    gpu = [(row.model, gpu_hours(row.gpu_seconds), row.tokens) for row in month.rows]
+    lines = budget_lines(list(budgets.order_by("id")), hub, now)
+    return TeamPage(team, list(members), _key_rows(keys, now), usage, lines, gpu)
 
 
 def _key_rows(keys: Any, now: datetime) -> list[KeyRow]:

@@ -23,7 +23,7 @@ from hub.budgets import Limit, Reservation
 from hub.credentials import hash_secret
 from hub.redis_budgets import RedisBudgets
 from keys.budget_use import current_use
-from keys.models import ApiKey, Budget, TokenUsage
+from keys.models import ApiKey, Budget, GpuHour, ReplicaTokens, TokenUsage
 from router.tests.conftest import MODEL, chat_with_key, make_table
 from teams.models import Membership, Team
 from teams.usage_report import OTHER, usage_report
@@ -106,6 +106,11 @@ def world() -> World:
     Budget.objects.create(key=bobs, amount=Decimal(5), window="month")
     Budget.objects.create(team=search, amount=Decimal(77), window="month")
     Budget.objects.create(team=search, user=eve, amount=Decimal(66), window="day")
+    # A replica's hour this morning, shared 3:1 by ada's key and eve's (keys.showback); one of last month, ml's.
+    for hour, tokens in ((TODAY + timedelta(hours=8), {adas: 300, eves: 100}), (TODAY - timedelta(days=14), {adas: 1})):
+        GpuHour.objects.create(replica_id=1, model="tiny-llama", hour=hour, gpu_seconds=3600)
+        for key, count in tokens.items():
+            ReplicaTokens.objects.create(replica_id=1, hour=hour, key=key, team=key.team, tokens=count)
     return World(ml, search, ops, ada, bob, eve, adas, bobs, eves, opss)
 
 
@@ -219,6 +224,11 @@ def test_a_team_admin_manages_their_team_and_sees_nothing_of_another(client, wor
         ("2026-03-14", "tiny-llama"),
         ("2026-03-14", "tiny-qwen"),
         ("2026-03-11", "tiny-qwen"),
+    ]
+    # Its showback this month: three quarters of the shared hour; not last month's, nothing of search's.
+    showback = section(html, "showback")
+    assert re.findall(r'<tr class="showback-row"><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>', showback) == [
+        ("tiny-llama", "0.8", "300")
     ]
     for elsewhere in ("eve", "search", "secret-model", "ops-key", "ops-model"):
         assert not mentions(html, elsewhere), elsewhere
@@ -505,7 +515,9 @@ def queries(client: Client, url: str) -> int:
     return len(captured)
 
 
-@pytest.mark.parametrize(("who", "url", "expected"), [("bob", ME, 7), ("ada", "team", 7)])
+@pytest.mark.parametrize(
+    ("who", "url", "expected"), [("bob", ME, 7), ("ada", "team", 8)]
+)  # the team page: its showback too
 def test_each_page_runs_the_same_queries_whatever_it_shows(world, who, url, expected):
     client = login(Client(), getattr(world, who))
     url = f"/me/teams/{world.ml.pk}/" if url == "team" else url
