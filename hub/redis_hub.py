@@ -48,6 +48,7 @@ from hub.contracts import (
     hour_of,
 )
 from hub.fingerprint import fingerprinted
+from hub.hash_fields import continuation_fields, parse_continuation_fields, parse_token_fields, token_fields
 from hub.redis_budgets import (
     COUNTER_KEY,
     LEDGER_KEYS,
@@ -59,7 +60,6 @@ from hub.redis_budgets import (
     settle_call,
     used_of,
 )
-from hub.hash_fields import continuation_fields, parse_continuation_fields, parse_token_fields, token_fields
 
 log = logging.getLogger(__name__)
 
