@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import aiohttp
 from aiohttp import ClientResponse
@@ -202,6 +202,7 @@ class Proxy:
         headers = upstream_headers(request.scope)
         if self.hooks is not None:
             self.hooks.upstream_headers(headers)
+        failure: Failure
         error: aiohttp.ClientError
         while True:
             request.tried.append(endpoint)
@@ -238,31 +239,28 @@ class Proxy:
             endpoint = await self._replacement(request, endpoint, failure, error)
         if request.headers_sent and response.status != 200:
             await self._raise_engine_error(request, endpoint, response)
-        relayed, whole = self._relay(request, endpoint, response)
-        try:
-            await relayed  # awaited here, not in a coroutine of its own: every chunk's resume passes each level
-        except RouterError as exc:  # a whole answer that broke before any of it was sent: asked of another replica
-            if not whole or exc.code != UPSTREAM_FAILED or (nxt := self._resend_whole(request, exc)) is None:
-                raise
-            await self._send_upstream(request, nxt)
+        await self._relay(request, endpoint, response)
 
-    def _relay(
-        self, request: Forwarding, endpoint: Endpoint, response: ClientResponse
-    ) -> tuple[Coroutine[Any, Any, None], bool]:
-        """The relay of the answer that began (router.forwarding.relay), and whether it is a whole one: of bounded
-        length, read first (and asked of another replica if it broke before any of it was sent); anything else
-        is relayed as it comes."""
+    async def _relay(self, request: Forwarding, endpoint: Endpoint, response: ClientResponse) -> None:
+        """Relay the answer that began (router.forwarding.relay): a whole one of bounded length read first (and asked
+        of another replica if it broke before any of it was sent), anything else as it comes."""
         content_type = response.headers.get("Content-Type", "")  # as sent: `response.content_type` parses it
         streamed = request.headers_sent or content_type.startswith("text/event-stream")
         if not streamed and (length := response.content_length) is not None and length <= WHOLE_BODY_LIMIT:
-            # Only where it may be asked again: otherwise the client gets the engine's answer as it came.
-            resendable = (
-                request.resent < self.migrations
-                and request.path in CONTINUABLE_PATHS
-                and self.routes.continues(request.model)
-            )
-            return self.relay.whole(request, endpoint, response, content_type, resendable), True
-        return self.relay.stream(request, endpoint, response, content_type, streamed), False
+            try:
+                # Only where it may be asked again: otherwise the client gets the engine's answer as it came.
+                resendable = (
+                    request.resent < self.migrations
+                    and request.path in CONTINUABLE_PATHS
+                    and self.routes.continues(request.model)
+                )
+                await self.relay.whole(request, endpoint, response, content_type, resendable)
+            except RouterError as exc:
+                if exc.code != UPSTREAM_FAILED or (nxt := self._resend_whole(request, exc)) is None:
+                    raise
+                await self._send_upstream(request, nxt)
+        else:
+            await self.relay.stream(request, endpoint, response, content_type, streamed)
 
     def _resend_whole(self, request: Forwarding, broke: RouterError) -> Endpoint | None:
         """The replica to send again a request whose whole answer broke off (`broke`: 502 lost or ended unfinished,
