@@ -1,9 +1,9 @@
 """What each team spends and where its budgets stand: the teams part the operators' surfaces share
 (`ctl_status --teams` and the control plane's metrics both read `team_summary()`, so they cannot disagree).
 
-Five queries whatever the number of teams, members, keys or hourly rows — the teams with their members and
+Seven queries whatever the number of teams, members, keys or hourly rows — the teams with their members and
 usable keys counted, their spend this UTC day and month summed in SQL over TokenUsage's (team, hour) index, every
-budget that bears on a team (its own, its members', its keys'), and this month's showback (`keys.showback`, two)
+budget that bears on a team (its own, its members', its keys'), and this month's showback (`keys.showback`, four)
 — then one hub round trip for those budgets' counters (`keys.budget_use`). Spend is what the routers charged, as the hourly rows hold it; a budget's use is its
 counter: spent and still reserved, in the budget's own window and time zone.
 

@@ -212,6 +212,26 @@ class ReplicaTokens(models.Model):
         return f"{self.tokens} tokens of replica {self.replica_id} at {self.hour:%Y-%m-%d %H}:00"
 
 
+class TeamGpuHour(models.Model):
+    """One hour of the showback, rolled up once the hour is over (keys.showback.roll_up): a team's GPU seconds on
+    one model and the tokens it was shared by (team None: keys of no team), or, `idle`, a model's GPU seconds that
+    served no tokens. A month's showback sums these instead of dividing every replica's hour again."""
+
+    hour = models.DateTimeField(help_text="Start of the hour (UTC).")
+    model = models.CharField(max_length=200)
+    team = models.ForeignKey("teams.Team", related_name="+", null=True, blank=True, on_delete=models.SET_NULL)
+    idle = models.BooleanField(default=False, help_text="GPU time of replicas' hours that served no tokens.")
+    gpu_seconds = models.FloatField()
+    tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-hour", "model"]
+        indexes = [models.Index(fields=["hour"], name="team_gpu_hour_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_seconds:.0f} GPU seconds of {self.model} at {self.hour:%Y-%m-%d %H}:00"
+
+
 class Budget(models.Model):
     """What a team, a member within a team, or a key may spend in a window (hub.budgets): a request must fit
     every budget that applies to it, its key's, its member's and its team's.

@@ -105,7 +105,8 @@ def my_page(user: Any, hub: BudgetReader, now: datetime) -> MyPage:
 
 
 def team_page(team: Team, hub: BudgetReader, now: datetime) -> TeamPage:
-    """What /me/teams/<id>/ shows a team's admin at `now`: five queries and one hub round trip."""
+    """What /me/teams/<id>/ shows a team's admin at `now`: six or seven queries (the showback's: keys.showback) and
+    one hub round trip."""
     members = Membership.objects.filter(team=team).select_related("user").order_by("user__username")
     keys = ApiKey.objects.filter(team=team).select_related("user").order_by("-created_at", "-id")
     budgets = Budget.objects.filter(Q(team=team) | Q(key__team=team)).select_related("key", "team", "user")

@@ -1,14 +1,14 @@
 """Showback: each replica's GPU time of an hour is divided between teams by their share of the tokens it served
 in that hour; an hour with no tokens is idle time of its model; nothing is lost or counted twice."""
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from io import StringIO
 
 import pytest
 from django.core.management import CommandError, call_command
 
 from keys.models import ApiKey, GpuHour, ReplicaTokens
-from keys.showback import add_gpu_time, showback
+from keys.showback import add_gpu_time, roll_up, rolled_until, showback
 from keys.usage import store_tokens
 from teams.models import Team
 
@@ -105,3 +105,23 @@ def test_a_bad_month_is_refused_naming_the_form():
         CommandError, match=r"--month must be YYYY-MM from 2000-01 to 2999-12, as 2026-11: got '11/2026'"
     ):
         run("--month", "11/2026")
+
+
+def test_rolling_hours_up_changes_no_figure_and_rolls_each_hour_once(keys, django_assert_num_queries):
+    search, ads, nobody = keys
+    add_gpu_time([(1, "llama", H0, 3600.0), (2, "qwen", H0, 1800.0), (1, "llama", H1, 900.0)])
+    store_tokens({}, {}, {H0: {"1": {search: 300, ads: 100}}, H1: {"1": {ads: 7, nobody: 7}}})
+    before = showback(START, END)
+    ten_past = datetime.fromtimestamp(H1 + 600, tz=UTC)  # H0 ended ten minutes ago; H1 is still running
+    assert roll_up(ten_past - timedelta(seconds=1)) == 0  # not yet
+    assert roll_up(ten_past) == 3  # search's and ads' llama, qwen's idle time
+    assert roll_up(ten_past) == 0 and rolled_until() == datetime.fromtimestamp(H1, tz=UTC)
+    with django_assert_num_queries(4):  # where the roll-up ends, its sums, the division of the hour after
+        after = showback(START, END)
+    assert (after.rows, after.idle) == (before.rows, before.idle)
+    ads_team = Team.objects.get(name="ads").pk
+    assert [(row.team, row.gpu_seconds) for row in showback(START, END, teams=[ads_team]).rows] == [
+        ("ads", 900.0 + 450.0)
+    ]
+    assert roll_up(datetime.fromtimestamp(H1 + 3600 + 600, tz=UTC)) == 2  # H1: ads' and no team's
+    assert (showback(START, END).rows, showback(START, END).idle) == (before.rows, before.idle)

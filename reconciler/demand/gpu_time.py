@@ -8,8 +8,9 @@ that loses the lease counts nothing, so two leaders never count the same seconds
 `MAX_GAP_SECONDS` (no tick ran: the control plane was down) counts only that long: nobody watched the replica
 then, and billing time nobody saw would charge teams for GPUs that may have been idle or gone.
 
-Every `COUNT_SECONDS`, not every tick (the marks make any cadence exact): three queries whatever the fleet, one
-read of the assignments grouped by replica, one upsert per batch of hours, one update of the replicas' marks.
+Every `COUNT_SECONDS`, not every tick (the marks make any cadence exact): four queries whatever the fleet, one
+read of the assignments grouped by replica, one upsert per batch of hours, one update of the replicas' marks, and
+one to find that no hour waits to be rolled up for the showback (keys.showback.roll_up; two more once an hour).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from django.db.models import Count, Q
 
 from hub.contracts import HOUR
-from keys.showback import add_gpu_time
+from keys.showback import add_gpu_time, roll_up
 from reconciler.leadership.lease import Leadership
 from reconciler.models import GPUAssignment, Replica
 
@@ -61,6 +62,7 @@ def count_gpu_time(now: datetime) -> int:
     if replicas:
         # Asleep too: a replica that wakes is counted from the tick it was last seen, not from before its sleep.
         Replica.objects.filter(pk__in=replicas).update(gpu_time_until=now)
+    roll_up(now)  # the hours that ended, divided once for every showback to come
     return len(rows)
 
 

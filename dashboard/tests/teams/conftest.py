@@ -14,6 +14,7 @@ from hub.budgets import Limit, Reservation
 from hub.redis_budgets import RedisBudgets
 from keys.budget_use import current_use
 from keys.models import ApiKey, Budget, GpuHour, ReplicaTokens, TokenUsage
+from keys.showback import roll_up
 from teams.models import Membership, Team
 
 NOW = datetime(2026, 3, 14, 9, 30, tzinfo=UTC)
@@ -101,6 +102,7 @@ def teams(db) -> Teams:
     gpu_used({adas: 300, eves: 100, outside: 100}, TODAY + timedelta(hours=8), replica=1, gpu_seconds=3600)
     gpu_used({}, TODAY + timedelta(hours=7), replica=2, gpu_seconds=1800)  # idle: served no tokens
     gpu_used({adas: 1}, datetime(2026, 2, 28, 23, tzinfo=UTC), replica=1, gpu_seconds=3600)  # last month
+    roll_up(NOW)  # the hours that ended are summed from their roll-up, as on a running fleet (keys.showback)
     return Teams(
         ml, search, idle,
         day=Budget.objects.create(team=ml, amount=Decimal(10), window="day", timezone="Europe/Paris"),

@@ -64,7 +64,7 @@ def test_the_queries_are_the_same_for_3_teams_and_for_43(used, budget_hub, more_
         run()
     with CaptureQueriesContext(connection) as few:
         run("--teams")
-    assert len(few.captured_queries) == len(without.captured_queries) + 5  # dashboard.team_summary
+    assert len(few.captured_queries) == len(without.captured_queries) + 7  # dashboard.team_summary
     more_teams(40)
     with django_assert_num_queries(len(few.captured_queries)):
         assert "… and 33 more teams (--all)" in run("--teams")

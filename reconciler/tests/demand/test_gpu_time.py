@@ -1,11 +1,11 @@
 """GPU time: each replica's awake GPUs times the seconds the tick saw it hold them, split at hour boundaries,
-counted from its placement or its last count, never for a gap nobody watched, in three queries whatever the fleet."""
+counted from its placement or its last count, never for a gap nobody watched, in four queries whatever the fleet."""
 
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keys.models import GpuHour
+from keys.models import GpuHour, TeamGpuHour
 from reconciler.demand.gpu_time import COUNT_SECONDS, MAX_GAP_SECONDS, count_gpu_time, gpu_count_due, hours_between
 from reconciler.models import GPUAssignment, Replica
 from tests.fleet import make_model, make_node, make_replica
@@ -65,11 +65,12 @@ def test_a_gap_nobody_watched_counts_only_up_to_the_limit():
 
 
 @pytest.mark.parametrize("size", [2, 20])
-def test_counting_runs_three_queries_whatever_the_fleet(size, django_assert_num_queries):
+def test_counting_runs_four_queries_whatever_the_fleet(size, django_assert_num_queries):
     node = make_node("n1", gpus=size)
     for i in range(size):
         placed(f"m{i}", node, [i], started=H0)
-    with django_assert_num_queries(3):
+    TeamGpuHour.objects.create(hour=H0 - timedelta(hours=1), model="m0", idle=True, gpu_seconds=1)  # rolled up
+    with django_assert_num_queries(4):  # and the hour that has nothing to roll up
         assert count_gpu_time(H0 + timedelta(seconds=10)) == size
     assert sum(seconds().values()) == 10.0 * size
 
