@@ -161,9 +161,13 @@ def showback_month(previous, start, args: argparse.Namespace) -> None:
     hours = report.total_seconds / 3600
     p50, p99, worst = timed(lambda: showback(previous, start), max(1, args.runs // 20))
     print(f"showback for last month divided ({hours:,.0f} GPU-hours): p50 {p50:.1f} ms, p99 {p99:.1f} ms")
-    began = time.perf_counter()
-    rows = roll_up(datetime.now(UTC))
-    print(f"the first roll-up of a year: {rows:,} rows in {time.perf_counter() - began:.1f} s")
+    began, now, rows, calls = time.perf_counter(), datetime.now(UTC), 0, 0
+    while written := roll_up(now):  # a day a call, as the tick catches up after an upgrade
+        rows, calls = rows + written, calls + 1
+    elapsed = time.perf_counter() - began
+    print(
+        f"catching up a year: {rows:,} rows in {calls} roll-ups, {elapsed:.1f} s ({elapsed / calls * 1000:.0f} ms each)"
+    )
     summed = showback(previous, start).rows  # rolled up or not, the same figures (floats summed in another order)
     assert [(r.team, r.model, r.tokens) for r in summed] == [(r.team, r.model, r.tokens) for r in report.rows]
     drift = max(abs(a.gpu_seconds - b.gpu_seconds) / b.gpu_seconds for a, b in zip(summed, report.rows, strict=True))

@@ -24,7 +24,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Max, Sum
+from django.db.models import Max, Min, Subquery, Sum, Value
+from django.db.models.functions import Coalesce
 
 from keys.models import GpuHour, ReplicaTokens, TeamGpuHour
 from keys.usage import UPSERT_BATCH, hour_param, upsert_adding
@@ -33,6 +34,7 @@ GPU_COLUMNS = ["replica_id", "model", "hour", "gpu_seconds"]
 ROLL_UP_AFTER = timedelta(minutes=10)
 """An hour is rolled up this long after it ends: its last GPU seconds and tokens have been stored by then."""
 FIRST_HOUR = datetime(2000, 1, 1, tzinfo=UTC)
+ROLL_UP_AT_MOST = timedelta(days=1)
 
 
 def add_gpu_time(rows: list[tuple[int, str, int, float]]) -> None:
@@ -123,13 +125,16 @@ def rolled_until() -> datetime | None:
 
 
 def roll_up(now: datetime) -> int:
-    """Roll the hours that ended ROLL_UP_AFTER ago or more, and are not rolled up yet, into TeamGpuHour rows;
+    """Roll the hours that ended ROLL_UP_AFTER ago or more, and are not rolled up yet, into TeamGpuHour rows, a day
+    of them at most (a fleet upgraded with a year of GPU time catches up a day a count, never stalling a tick);
     returns the rows written. One query when there is nothing to roll up (run by the tick beside the GPU time)."""
     upto = (now - ROLL_UP_AFTER).replace(minute=0, second=0, microsecond=0)
-    start = rolled_until() or FIRST_HOUR
-    if start >= upto:
+    last = TeamGpuHour.objects.order_by("-hour").values("hour")[:1]
+    unrolled = GpuHour.objects.filter(hour__gt=Coalesce(Subquery(last), Value(FIRST_HOUR)), hour__lt=upto)
+    start = unrolled.aggregate(first=Min("hour"))["first"]
+    if start is None:
         return 0
-    attributed, unused = _divide(start, upto, None, per_hour=True)
+    attributed, unused = _divide(start, min(upto, start + ROLL_UP_AT_MOST), None, per_hour=True)
     made = [TeamGpuHour(hour=_at(h), model=m, team_id=t, gpu_seconds=g, tokens=n) for h, t, _, m, g, n in attributed]
     made += [TeamGpuHour(hour=_at(h), model=m, idle=True, gpu_seconds=g) for h, m, g in unused]
     TeamGpuHour.objects.bulk_create(made, batch_size=UPSERT_BATCH)

@@ -7,7 +7,7 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 
-from keys.models import ApiKey, GpuHour, ReplicaTokens
+from keys.models import ApiKey, GpuHour, ReplicaTokens, TeamGpuHour
 from keys.showback import add_gpu_time, roll_up, rolled_until, showback
 from keys.usage import store_tokens
 from teams.models import Team
@@ -125,3 +125,17 @@ def test_rolling_hours_up_changes_no_figure_and_rolls_each_hour_once(keys, djang
     ]
     assert roll_up(datetime.fromtimestamp(H1 + 3600 + 600, tz=UTC)) == 2  # H1: ads' and no team's
     assert (showback(START, END).rows, showback(START, END).idle) == (before.rows, before.idle)
+
+
+def test_a_roll_up_catches_up_a_day_at_a_time_over_days_without_gpu_time(keys):
+    search, _, _ = keys
+    later = H0 + 3 * 86400
+    add_gpu_time([(1, "llama", H0, 60.0), (1, "llama", later, 30.0)])
+    store_tokens({}, {}, {H0: {"1": {search: 1}}, later: {"1": {search: 1}}})
+    week_after = datetime.fromtimestamp(H0 + 7 * 86400, tz=UTC)
+    assert roll_up(week_after) == 1 and rolled_until() == datetime.fromtimestamp(H1, tz=UTC)  # H0's day only
+    assert roll_up(week_after) == 1 and rolled_until() == datetime.fromtimestamp(
+        later + 3600, tz=UTC
+    )  # the gap skipped
+    assert roll_up(week_after) == 0
+    assert sorted(TeamGpuHour.objects.values_list("gpu_seconds", flat=True)) == [30.0, 60.0]
