@@ -122,6 +122,8 @@ class InProcessBudgets:
     ) -> None:
         self._lock = threading.Lock()
         self._used: dict[str, int] = {}
+        # counter -> when it may be forgotten (on `clock`), as Redis EXPIREs it: its window is over by then
+        self._kept: dict[str, float] = {}
         # reservation id -> (reservation, expiry on `clock`); kept in the order made, so expired ones come first
         # for reservations of one TTL (a router's).
         self._held: dict[str, tuple[Reservation, float]] = {}
@@ -139,9 +141,12 @@ class InProcessBudgets:
                 used = self._used.get(limit.counter, 0)
                 if used + amount > limit.limit:
                     return Refusal(limit.counter, used, limit.limit)
+            now = self._clock()
             for limit in reservation.limits:
                 self._used[limit.counter] = self._used.get(limit.counter, 0) + amount
-            self._held[reservation.id] = (reservation, self._clock() + reservation.ttl)
+                if limit.keep:
+                    self._kept[limit.counter] = now + limit.keep
+            self._held[reservation.id] = (reservation, now + reservation.ttl)
             return None
 
     def settle(self, reservation_id: str, cost: int, hour: int) -> bool:
@@ -165,9 +170,14 @@ class InProcessBudgets:
             return self._used.get(counter, 0)
 
     def sweep(self) -> None:
-        """Charge the reservations expired by now (each step does it too)."""
+        """Charge the reservations expired by now (each step does it too), and forget the counters kept past their
+        window (the tick sweeps before each take, so an embedded process holds only the windows in use)."""
         with self._lock:
             self._expire()
+            now = self._clock()
+            for counter in [c for c, until in self._kept.items() if until <= now]:
+                del self._kept[counter]
+                self._used.pop(counter, None)
 
     def _expire(self) -> None:
         now = self._clock()

@@ -197,3 +197,21 @@ def test_two_routers_reserving_at_once_never_overrun_and_the_counters_equal_the_
 
 def test_counter_parts_read_back_as_spend_units():
     assert used_of([b"12", b"345"]) == 12_000_345 and used_of([None, None]) == 0
+
+
+def test_an_embedded_process_forgets_a_windows_counter_once_it_is_kept_no_longer():
+    """As Redis EXPIREs a window's counter `keep` seconds after its last use, the in-process counters forget it
+    at the sweep after that; a budget with no window (keep 0) is kept for ever."""
+    now = [0.0]
+    counters = InProcessBudgets(clock=lambda: now[0])
+    assert (
+        counters.reserve(Reservation("r1", 5, [Limit("day:1", 100, keep=10), Limit("all", 100)], 3600, "d m")) is None
+    )
+    assert counters.settle("r1", 5, 0)
+    now[0] = 9.0
+    counters.sweep()
+    assert (counters.used("day:1"), counters.used("all")) == (5, 5)
+    now[0] = 10.0
+    counters.sweep()
+    assert (counters.used("day:1"), counters.used("all")) == (0, 5)
+    assert counters._kept == {} and set(counters._used) == {"all"}
