@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -28,7 +28,7 @@ from redis import RedisError
 from hub.contracts import BudgetReader
 from keys.budget_use import BudgetUse, NoCounters, current_use, money
 from keys.models import ApiKey, Budget, TokenUsage
-from keys.showback import showback
+from keys.showback import month_bounds, showback
 from teams.models import Membership, Team
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def team_summary(hub: BudgetReader | None, now: datetime | None = None) -> TeamS
     teams = _teams(now)
     spend = _spend([team_id for team_id, *_ in teams], day_start, month_start)
     uses, known = _use(_budgets(), hub, now)
-    month = showback(month_start, (month_start + timedelta(days=32)).replace(day=1))
+    month = showback(*month_bounds(None, now))
     gpu = month.by_team()
     own: dict[int, list[TeamBudgetStatus]] = defaultdict(list)
     exhausted: dict[int, int] = defaultdict(int)

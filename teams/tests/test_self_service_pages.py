@@ -18,11 +18,9 @@ from django.test.utils import CaptureQueriesContext
 from redis import RedisError
 
 from conftest import wait_until
-from hub import InProcessHub, get_hub, reset_hub
-from hub.budgets import Limit, Reservation
+from dashboard.tests.teams.conftest import hold
+from hub import get_hub
 from hub.credentials import hash_secret
-from hub.redis_budgets import RedisBudgets
-from keys.budget_use import current_use
 from keys.models import ApiKey, Budget, GpuHour, ReplicaTokens, TokenUsage
 from router.tests.conftest import MODEL, chat_with_key, make_table
 from teams.models import Membership, Team
@@ -48,14 +46,6 @@ def spent(key: ApiKey, hour: datetime, amount: str = "0", model: str = "tiny-lla
         key=key, key_name=key.name, model=model, hour=hour, requests=1, prompt_tokens=tokens, completion_tokens=tokens,
         team=key.team, user=key.user, spend_units=int(Decimal(amount).scaleb(12)),
     )  # fmt: skip
-
-
-def hold(hub, budget: Budget, amount: str) -> None:
-    """Hold `amount` in the budget's counter of its window at NOW (a reservation counts as used until settled)."""
-    (use,) = current_use([budget], hub, NOW)
-    counters = hub.budgets if isinstance(hub, InProcessHub) else RedisBudgets(hub._sync)
-    units = int(Decimal(amount).scaleb(12))
-    assert counters.reserve(Reservation(f"r-{use.counter}", units, [Limit(use.counter, 10**20)], 3600, "d m")) is None
 
 
 @dataclass
@@ -449,18 +439,6 @@ def test_models_beyond_the_palette_are_drawn_together_and_each_day_stacks_to_its
     assert round(sum(bar.height for bar in today), 2) == 140  # 45 spent today, the peak
     (yesterday,) = [bar for bar in chart.bars if bar.title.startswith("2026-03-13")]
     assert yesterday.height == 70 and yesterday.y == 18 + 70  # half the peak, standing on the baseline
-
-
-@pytest.fixture(params=["in-process", "redis"])
-def budget_hub(request, settings):
-    """The process's hub, as the pages read it: in-process (embedded), or Redis (distributed)."""
-    if request.param == "redis":
-        request.getfixturevalue("redis_settings")
-    else:
-        settings.REDIS_URL = None
-    reset_hub()
-    yield get_hub()
-    reset_hub()
 
 
 def test_budgets_show_their_use_now_and_when_they_reset_in_their_time_zone(client, world, budget_hub):
