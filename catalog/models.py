@@ -189,7 +189,7 @@ class Alias(models.Model):
 PROFILE_FIELD_ROWS = (
     ("engine",),
     ("gpu_class", "gpus_per_node", "nodes_per_replica"),
-    ("min_replicas", "max_replicas", "target_concurrency"),
+    ("min_replicas", "max_replicas", "target_concurrency", "max_concurrency"),
     ("priority", "pool", "weight", "idle_timeout_seconds"),
     ("max_model_len",),
     ("sleep_level", "sleep_after_seconds"),
@@ -248,6 +248,16 @@ class Profile(models.Model):
         default=8,
         validators=in_range(1, SMALLINT_MAX),
         help_text="Requests in flight per ready replica above which the model scales out (up to max replicas).",
+    )
+    max_concurrency = models.PositiveSmallIntegerField(
+        "max concurrency",
+        null=True,
+        blank=True,
+        validators=in_range(1, SMALLINT_MAX),
+        help_text="Requests one replica runs at once: its engine's batch (vLLM --max-num-seqs, SGLang "
+        "--max-running-requests, llama.cpp --parallel). Past it, each router holds the model's requests in its fair "
+        "queue (priority class, then each team's weighted share) instead of the engine's first come, first served; "
+        "empty = no queue in the routers.",
     )
     max_model_len = models.PositiveIntegerField(
         "max model length",

@@ -101,7 +101,8 @@ class EndpointRow(msgspec.Struct, kw_only=True, frozen=True):
 
     `api_key`: the bearer key its engine was started with (`--api-key`), sent to it and to no other; only
     router-only mode sets it. Unset, it is left out of the wire, so the fleet's tables are the same bytes as
-    before it existed; its repr never shows it.
+    before it existed; its repr never shows it. `capacity`: the requests it runs at once (its profile's
+    `max_concurrency`), past which routers hold its model's requests in their fair queue; unset: no bound.
     """
 
     replica_id: Name
@@ -111,12 +112,14 @@ class EndpointRow(msgspec.Struct, kw_only=True, frozen=True):
     weight: Annotated[int, msgspec.Meta(ge=1)] = 1
     pool: str = "default"
     api_key: UpstreamKey | msgspec.UnsetType = msgspec.UNSET
+    capacity: Annotated[int, msgspec.Meta(ge=1)] | msgspec.UnsetType = msgspec.UNSET
 
     def __repr__(self) -> str:
         key = "" if self.api_key is msgspec.UNSET else ", api_key=<set>"
+        capacity = "" if self.capacity is msgspec.UNSET else f", capacity={self.capacity}"
         return (
             f"EndpointRow({self.replica_id!r}, {self.model!r}, {self.url!r}, priority={self.priority}, "
-            f"weight={self.weight}, pool={self.pool!r}{key})"
+            f"weight={self.weight}, pool={self.pool!r}{capacity}{key})"
         )
 
 

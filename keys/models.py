@@ -11,6 +11,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from hub.credentials import hash_secret, new_secret
+from hub.priority import PriorityClass
 
 KEY_PREFIX = "sk-llmgw-"
 
@@ -43,6 +44,14 @@ class ApiKey(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True, help_text="Refused from then on; empty = never.")
     rpm = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per minute; empty = no limit.")
     tpm = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens per minute; empty = no limit.")
+    priority_class = models.CharField(
+        "priority class",
+        max_length=12,
+        blank=True,
+        db_default="",  # rows written by code that predates it (a rolling upgrade): their team's
+        choices=PriorityClass.choices,
+        help_text="Which of a full model's waiting requests leave first; empty = its team's (standard without one).",
+    )
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL,

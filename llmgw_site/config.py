@@ -216,6 +216,21 @@ SETTINGS: tuple[Setting, ...] = (
         1,
     ),
     _s(
+        "LLMGW_QUEUE_MAX_WAITING",
+        "int",
+        1000,
+        "requests one team (or key of no team) may have waiting in a router for a model at capacity (its profiles' "
+        "max concurrency); beyond, 429 with `Retry-After`",
+        1,
+    ),
+    _s(
+        "LLMGW_QUEUE_MAX_WAIT_SECONDS",
+        "float",
+        120.0,
+        "how long a request waits in a router for a model at capacity before a 503 naming its wait",
+        0.001,
+    ),
+    _s(
         "LLMGW_STREAM_MIGRATIONS",
         "int",
         2,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
+from mockengine.batch import MockBatch
 from mockengine.greedy import (
     CONTEXT_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -124,6 +125,7 @@ class MockEngine:
         prefix_cache: MockPrefixCache | None = None,
         greedy: bool = False,
         exit_after_tokens: int | None = None,
+        batch: MockBatch | None = None,
     ):
         self.model = model
         self.sleep = sleep or MockSleep()
@@ -134,11 +136,15 @@ class MockEngine:
         self.exit_after_tokens = exit_after_tokens
         # Answer tokens sent over all answers, streamed or not: what --exit-after-tokens counts.
         self.tokens_sent = 0
-        self.running = 0
-        self.waiting = 0
+        self.batch = batch or MockBatch()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_total = 0
+
+    @property
+    def running(self) -> int:
+        """Requests in its batch now (mockengine/batch.py)."""
+        return self.batch.running
 
     # -- helpers ----------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict:
@@ -242,8 +248,11 @@ class MockEngine:
         generation = await self.sleep.hold()
         if self.sleep.weights_discarded:
             answer = answer.without_weights()  # run before the reload a level-2 sleep needs (mockengine/sleep.py)
+        priority = body.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise BadRequest("field “priority” must be an integer", "priority")
+        await self.batch.enter(priority)  # may wait in the engine's own queue (mockengine/batch.py)
         self.prompt_tokens_total += answer.prompt_tokens
-        self.running += 1
         # Requests per adapter, for vllm:lora_requests_info (the model itself is no adapter: adds 0).
         self.lora.running[served] += served != self.model
         try:
@@ -252,7 +261,7 @@ class MockEngine:
                 return await self._stream(request, kind, head, answer, include_usage, generation)
             return await self._complete(kind, head, answer, generation)
         finally:
-            self.running -= 1
+            self.batch.leave()
             self.lora.running[served] -= served != self.model
             self.requests_total += 1
 
@@ -443,10 +452,10 @@ class MockEngine:
         """Prometheus text exposition with vLLM's metric names."""
         escaped = self.model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         label = f'{{engine="0",model_name="{escaped}"}}'
-        cache = min(1.0, self.running / CACHE_SLOTS)
+        cache = min(1.0, self.batch.running / CACHE_SLOTS)
         rows = [
-            ("vllm:num_requests_running", "gauge", "Number of requests currently running.", self.running),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
+            ("vllm:num_requests_running", "gauge", "Number of requests currently running.", self.batch.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.batch.waiting),
             ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", cache),
             ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens_total),
             ("vllm:generation_tokens_total", "counter", "Number of generation tokens.", self.generation_tokens_total),

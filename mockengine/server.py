@@ -52,6 +52,7 @@ import sys
 
 from aiohttp import web
 
+from mockengine.batch import MockBatch
 from mockengine.generation import EXTRA_ENDPOINTS, MockEngine
 from mockengine.lora import MockLoRA, runtime_updates_allowed
 from mockengine.prefix_cache import MockPrefixCache
@@ -145,16 +146,18 @@ def create_app(
     api_key: str | None = None,
     greedy: bool = False,
     exit_after_tokens: int | None = None,
+    batch: MockBatch | None = None,
 ) -> web.Application:
     """The aiohttp application serving `model`; `dev_mode` adds vLLM's sleep routes (mockengine/sleep.py).
 
     `lora` holds its LoRA adapters (mockengine/lora.py); `runtime_lora` adds vLLM's routes that load and
     unload them. `api_key`: as vLLM's `--api-key`, its API routes want it as a bearer token. `greedy` and
-    `exit_after_tokens`: `--greedy` and `--exit-after-tokens` (module docstring).
+    `exit_after_tokens`: `--greedy` and `--exit-after-tokens` (module docstring). `batch`: how many requests run at
+    once, the rest waiting (mockengine/batch.py); default: all at once.
     """
     sleep = MockSleep(load_seconds, wake_seconds)
     lora = lora or MockLoRA()
-    engine = MockEngine(model, token_delay_ms, sleep, lora, prefix_cache, greedy, exit_after_tokens)
+    engine = MockEngine(model, token_delay_ms, sleep, lora, prefix_cache, greedy, exit_after_tokens, batch)
     app = web.Application(middlewares=[errors_in_openai_shape] + ([bearer_guard(api_key)] if api_key else []))
     app[ENGINE] = engine
     if runtime_lora:
@@ -240,6 +243,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--uncached-token-ms", type=_delay, default=0.0, help="time to first token per prompt token not cached"
     )
+    parser.add_argument(
+        "--max-num-seqs", type=_slots, default=None, help="requests run at once, the rest wait (default: no bound)"
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the order waiting requests run in: first come, first served, or by their `priority` field (as vLLM)",
+    )
     _add_continuation_arguments(parser)
     return parser.parse_args(argv)
 
@@ -318,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         args.api_key,
         args.greedy,
         args.exit_after_tokens,
+        MockBatch(args.max_num_seqs, args.scheduling_policy == "priority"),
     )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

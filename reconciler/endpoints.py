@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
+import msgspec
 from django.conf import settings
 from django.db.models import Exists, OuterRef, TextField
 from django.db.models.functions import Cast
@@ -205,11 +206,27 @@ def _endpoints() -> list[EndpointRow]:
         .filter(model__enabled=True)
         .exclude(Exists(on_silent_node))
         .order_by("id")
-        .values_list("id", "model__name", "endpoint_url", "profile__priority", "profile__weight", "profile__pool")
+        .values_list(
+            "id",
+            "model__name",
+            "endpoint_url",
+            "profile__priority",
+            "profile__weight",
+            "profile__pool",
+            "profile__max_concurrency",
+        )
     )
     return [
-        EndpointRow(replica_id=str(pk), model=model, url=url, priority=priority, weight=weight, pool=pool)
-        for pk, model, url, priority, weight, pool in rows
+        EndpointRow(
+            replica_id=str(pk),
+            model=model,
+            url=url,
+            priority=priority,
+            weight=weight,
+            pool=pool,
+            capacity=msgspec.UNSET if capacity is None else capacity,
+        )
+        for pk, model, url, priority, weight, pool, capacity in rows
     ]
 
 

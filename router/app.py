@@ -59,6 +59,7 @@ class RouterApp:
         self._limits = state.ledger.limits
         self._keys = state.keys
         self._budgets = state.budgets
+        self._admission = state.proxy.admission
         self._records = state.ledger.records  # None unless routers keep a per-request log
         self._metrics = state.metrics
         self._proxy = state.proxy
@@ -259,7 +260,9 @@ class RouterApp:
             exchange.hold = hold
         traffic.in_flight += 1
         pools = key.allowed_pools or None
-        request = Forwarding(scope, send, path, model, body, exchange, streaming, affinity, pools, received=received)
+        request = Forwarding(
+            scope, send, path, model, body, exchange, streaming, affinity, pools, received=received, key=key
+        )
         try:
             await self._proxy.forward(request)
         except asyncio.CancelledError:
@@ -286,6 +289,8 @@ class RouterApp:
         traffic.answered(request.model, status)
         if exchange.hold is not None and not exchange.settled:
             self._budgets.settle(exchange.hold, exchange.usage, answered(request, status))
+        if request.admitted is not None or request.waited is not None:
+            self._admission.ended(request)
         records = self._records
         if records is not None and exchange.key is not None:
             records.append(request_record(request, self._routes.prices.get(request.model), status, received))

@@ -36,7 +36,8 @@ class RouterConfig:
     says when failing replicas are ejected. `budget_reservation_seconds`: how long a budget's reservation
     outlives its router (longer than any answer); `budget_output_tokens`: the answer a budget reserves for when
     neither the request nor the table bounds it (router.accounting.budgets). `request_records`: whether it
-    reports each request for the per-request log.
+    reports each request for the per-request log. `queue_max_waiting` and `queue_max_wait_seconds` bound each
+    tenant's requests waiting for a full model, and their wait (router.forwarding.admission).
     `router_id` names this router's usage reports and watch mark (None: a new
     id per process, `router.accounting.flusher.new_router_id`). `tracer`: where its spans
     go when traces are on (telemetry/, from the OTEL_* environment), else None.
@@ -59,6 +60,8 @@ class RouterConfig:
     budget_reservation_seconds: float = 3600.0
     budget_output_tokens: int = 32_768
     request_records: bool = False
+    queue_max_waiting: int = 1000
+    queue_max_wait_seconds: float = 120.0
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     router_id: str | None = None
     tracer: Tracer | None = None
@@ -95,6 +98,8 @@ class RouterConfig:
                 "budget_reservation_seconds": float(settings.LLMGW_BUDGET_RESERVATION_SECONDS),
                 "budget_output_tokens": int(settings.LLMGW_BUDGET_OUTPUT_TOKENS),
                 "request_records": int(settings.LLMGW_REQUEST_RECORD_DAYS) > 0,
+                "queue_max_waiting": int(settings.LLMGW_QUEUE_MAX_WAITING),
+                "queue_max_wait_seconds": float(settings.LLMGW_QUEUE_MAX_WAIT_SECONDS),
                 "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
                 "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
                 "metrics_token": settings.LLMGW_METRICS_TOKEN or "",

@@ -44,6 +44,7 @@ from django.db.models import Q
 
 from hub.budgets import Window
 from hub.credentials import hash_secret
+from hub.priority import RANKS, STANDARD, PriorityClass
 from keys.models import ApiKey, Budget
 from router.accounting.budgets import BudgetRule
 from router.background import raise_if_cancelling
@@ -83,6 +84,13 @@ class KeyInfo:
     budgets: tuple[BudgetRule, ...] = ()
     """The budgets a request of it must fit (router.accounting.budgets): its own, its holder's in its team, its
     team's; empty = none."""
+    tenant: str = ""
+    """Whose share of a full model its requests take (router.picking.admission): its team's name, else
+    `key:<id>` (a key of no team is a tenant of its own)."""
+    priority: int = STANDARD
+    """Its priority class's rank (hub.priority: 0 interactive, 1 standard, 2 batch): its own, else its team's."""
+    weight: int = 1
+    """Its tenant's weight in a full model's fair queue (its team's; 1 for a key of no team)."""
 
     def allows(self, public: str, resolve: Callable[[str], str | None]) -> bool:
         """Whether it may use the model whose public name is `public`: its own scope and its team's allow it;
@@ -121,6 +129,7 @@ class KeyStoreUnreachable(Exception):
 
 def key_info(api_key: ApiKey, budgets: tuple[BudgetRule, ...] = ()) -> KeyInfo:
     """The router's view of an ApiKey row (and the budgets that apply to it)."""
+    team = api_key.team
     return KeyInfo(
         id=api_key.pk,
         name=api_key.name,
@@ -134,6 +143,9 @@ def key_info(api_key: ApiKey, budgets: tuple[BudgetRule, ...] = ()) -> KeyInfo:
         team_id=api_key.team_id,
         user_id=api_key.user_id,
         budgets=budgets,
+        tenant=f"key:{api_key.pk}" if team is None else team.name,
+        priority=RANKS[api_key.priority_class or (PriorityClass.STANDARD if team is None else team.priority_class)],
+        weight=1 if team is None else team.weight,
     )
 
 

@@ -24,6 +24,7 @@ from router.background import BackgroundTasks, raise_if_cancelling
 from router.config import RouterConfig
 from router.endpoints.routes import RouteTable
 from router.endpoints.table import TableError, decode_table
+from router.forwarding.admission import AdmissionCollector
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.inflight import InFlight
 from router.forwarding.proxy import Proxy
@@ -84,6 +85,8 @@ class RouterState:
         hooks = None if tracer is None else TracingHooks(tracer, self.routes)
         self.budgets = BudgetGate(hub, config.budget_reservation_seconds, config.budget_output_tokens, clock)
         self.proxy = Proxy(self.picker, self.ledger, self.metrics, self.cold_start, config, hooks, self.budgets)
+        self.metrics.registry.register(AdmissionCollector(self.proxy.admission))
+        self.engine_load.polled = self.proxy.admission.polled
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
         self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False

@@ -11,7 +11,10 @@ everything, in a team or not.
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+from hub.priority import MAX_TEAM_WEIGHT, PriorityClass
 
 
 class Team(models.Model):
@@ -23,6 +26,22 @@ class Team(models.Model):
         blank=True,
         help_text='Models (names or aliases) every key of the team may use at most, e.g. ["llama3"]; empty = all. '
         "A key's own scope narrows it, never widens it.",
+    )
+    weight = models.PositiveSmallIntegerField(
+        default=1,
+        db_default=1,  # rows written by code that predates it (a rolling upgrade) keep the default
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TEAM_WEIGHT)],
+        help_text="Its share of a full model against other teams': a team of weight 3 is served three times the "
+        "tokens of a team of weight 1 while both wait.",
+    )
+    priority_class = models.CharField(
+        "priority class",
+        max_length=12,
+        choices=PriorityClass.choices,
+        default=PriorityClass.STANDARD,
+        db_default=PriorityClass.STANDARD.value,
+        help_text="Which of a full model's waiting requests leave first: interactive, then standard, then batch "
+        "(served from spare capacity only). A key may set its own.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -75,6 +75,7 @@ class RouteTable:
             current = self.by_replica.get(fresh.replica_id)
             if current is not None and current.url == fresh.url and current.model == fresh.model:
                 current.priority, current.weight, current.pool = fresh.priority, fresh.weight, fresh.pool
+                current.capacity = fresh.capacity
                 current.authorization = fresh.authorization
                 fresh = current
             by_replica[fresh.replica_id] = fresh

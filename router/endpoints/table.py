@@ -35,6 +35,9 @@ class Endpoint:
     priority: int = 0
     weight: int = 1
     pool: str = "default"
+    # The requests it runs at once (the profile's max_concurrency), past which its model's requests wait in the
+    # router's fair queue (router.picking.admission); 0: no bound.
+    capacity: int = 0
     outstanding: int = field(default=0, compare=False)
     health: ReplicaHealth = field(default_factory=ReplicaHealth, compare=False, repr=False)
     # The engine's own load, last polled (router.picking.engine_load): None while unknown.
@@ -218,7 +221,8 @@ def adapter_holders(adapters: dict[str, AdapterEntry], by_replica: dict[str, End
 
 def endpoint_of(row: EndpointRow) -> Endpoint:
     """The router's Endpoint for a published row."""
-    endpoint = Endpoint(row.replica_id, row.model, row.url.rstrip("/"), row.priority, row.weight, row.pool)
+    capacity = 0 if row.capacity is msgspec.UNSET else row.capacity
+    endpoint = Endpoint(row.replica_id, row.model, row.url.rstrip("/"), row.priority, row.weight, row.pool, capacity)
     if row.api_key is not msgspec.UNSET:
         endpoint.authorization = {"Authorization": f"Bearer {row.api_key}"}
     return endpoint

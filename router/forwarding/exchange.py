@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.accounting.budgets import Hold
 from router.endpoints.table import Endpoint
@@ -26,6 +26,11 @@ from router.errors import ReplicaLeaving
 from router.forwarding.asgi_io import Receive, Scope, Send, until_disconnect
 from router.forwarding.transcript import Transcript
 from router.picking.affinity import Prefix
+from router.picking.fair_queue import Waiting
+from router.picking.shares import Use
+
+if TYPE_CHECKING:
+    from router.key_cache import KeyInfo
 
 # How long a request runs before the router starts watching for its client's disconnect (seconds).
 DISCONNECT_WATCH_DELAY = 0.2
@@ -185,3 +190,7 @@ class Forwarding:
     tried: list[Endpoint] = field(default_factory=list)
     transcript: Transcript | None = None  # a stream that may be continued elsewhere if its engine breaks off
     resent: int = 0  # times its whole answer broke off before it was sent, and the request went to another replica
+    key: KeyInfo | None = None  # whose it is: its tenant, class and weight in a full model's fair queue
+    admitted: Use | None = None  # its tenant's and class's count on a model with a capacity, while it runs there
+    waited: Waiting | None = None  # its place in a full model's fair queue, once it left it
+    queue_wait: bytes | None = None  # how long it waited there (seconds), for its answer's header

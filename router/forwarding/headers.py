@@ -16,6 +16,7 @@ from router.forwarding.asgi_io import Scope
 PASSED_RESPONSE_HEADERS = frozenset({b"content-type", b"content-length", b"content-encoding", b"cache-control"})
 RETRIABLE_STATUSES = frozenset({502, 503})
 REPLICA_HEADER = b"x-llmgw-replica"
+QUEUE_WAIT_HEADER = b"x-llmgw-queue-seconds"
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 # A non-streamed answer up to this size is read whole before it is relayed, so a break is still an error status.
 WHOLE_BODY_LIMIT = 4 * 1024 * 1024
@@ -75,9 +76,10 @@ def break_message(endpoint: Endpoint, exc: BaseException, idle_timeout: float) -
 
 
 def response_headers(
-    response: aiohttp.ClientResponse, endpoint: Endpoint, *, without_length: bool = False
+    response: aiohttp.ClientResponse, endpoint: Endpoint, queue_wait: bytes | None, *, without_length: bool = False
 ) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers the client gets, as it sent them, and which replica answered."""
+    """The engine's response headers the client gets, as it sent them, which replica answered, and how long the
+    request waited in the router's fair queue (`queue_wait`, seconds; None: it did not)."""
     skipped = b"content-length" if without_length else b""
     headers = []
     for name, value in response.raw_headers:  # a loop, not a comprehension: a frame less per answer
@@ -85,6 +87,8 @@ def response_headers(
         if lower in PASSED_RESPONSE_HEADERS and lower != skipped:
             headers.append((lower, value))
     headers.append((REPLICA_HEADER, endpoint.replica_id_bytes))
+    if queue_wait is not None:
+        headers.append((QUEUE_WAIT_HEADER, queue_wait))
     return headers
 
 

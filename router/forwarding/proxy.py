@@ -34,6 +34,7 @@ from router.accounting.usage_reader import IN_OUT_USAGE_PATHS, ask_for_usage
 from router.config import RouterConfig
 from router.endpoints.table import STREAMS_BY_IDS, STREAMS_BY_TEXT, Endpoint
 from router.errors import RouterError
+from router.forwarding.admission import Admission
 from router.forwarding.coldstart import ColdStart
 from router.forwarding.continuation import CHAT_PATHS, CONTINUABLE_PATHS, NO_REPLICA, RESENT, ask_for_token_ids
 from router.forwarding.exchange import Forwarding
@@ -97,6 +98,13 @@ class Proxy:
         self.moves = StreamMoves()
         self.relay = Relay(picker, ledger, metrics, config.idle_timeout, self.moves, budgets)
         self.routes = picker.routes
+        # Full models' fair queues (router.forwarding.admission): a request waits there rather than in an engine.
+        self.admission = Admission(
+            picker,
+            max_waiting=config.queue_max_waiting,
+            max_wait_seconds=config.queue_max_wait_seconds,
+            keepalive_seconds=config.keepalive_seconds,
+        )
         send_leg = self._send_upstream if hooks is None else self._hooked_send
         self.resumer = Resumer(picker, self.routes, cold_start, self.relay, metrics, self.migrations, send_leg)
         # Per-phase deadlines only: a stream may run as long as the engine keeps sending. aiohttp keeps
@@ -156,6 +164,8 @@ class Proxy:
                     endpoint = await self._wait_for_replica(request)
                 else:
                     endpoint = await hooks.hold(request, self._wait_for_replica)
+            if endpoint.capacity and self.admission.must_wait(endpoint, request):
+                endpoint = await self.admission.wait(request, endpoint)
             if hooks is None:
                 await self._send_upstream(request, endpoint)
             else:

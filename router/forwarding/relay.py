@@ -94,7 +94,7 @@ class Relay:
                 encoding = response.headers.get("Content-Encoding", "")
                 usage = usage_of_whole_answer(content_type, encoding, body, request.path)
             send, status = request.send, response.status
-            headers = response_headers(response, endpoint)
+            headers = response_headers(response, endpoint, request.queue_wait)
             await send({"type": "http.response.start", "status": status, "headers": headers})
             exchange.status = status
             if exchange.hold is not None and served:
@@ -197,7 +197,8 @@ class Relay:
                 moves.begun_on_due(endpoint.replica_id, request)
         if not request.headers_sent:
             # A body that may lose its usage event cannot keep the engine's length.
-            headers = response_headers(response, endpoint, without_length=reader is not None and reader.drops)
+            drops = reader is not None and reader.drops
+            headers = response_headers(response, endpoint, request.queue_wait, without_length=drops)
             await request.send({"type": "http.response.start", "status": response.status, "headers": headers})
             request.headers_sent = True
         request.exchange.status = response.status

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,8 @@ class EngineLoadPoller:
         # A slow engine must not hold back the next round of every other replica's reading.
         self.timeout = min(self.poll_seconds, 1.0) if timeout is None else timeout
         self._session: aiohttp.ClientSession | None = None
+        # Told after each round: engines whose queues emptied have room for a full model's waiting requests.
+        self.polled: Callable[[], None] | None = None
 
     def open(self) -> None:
         """Open the poller's HTTP session (on the router's loop)."""
@@ -168,6 +170,8 @@ class EngineLoadPoller:
         record = self.picker.record_engine_load
         for endpoint, reading in zip(targets, readings, strict=True):
             record(endpoint, reading.waiting, reading.kv_usage)
+        if self.polled is not None:
+            self.polled()
 
     async def read(self, url: str, headers: dict[str, str] | None = None) -> EngineReading:
         """One engine's load; UNKNOWN when it cannot be read in time or makes no sense. `headers`: the engine's

@@ -25,6 +25,8 @@ from typing import Any
 
 DEFAULT_ESTIMATE = 256
 """Tokens a request is charged when it leaves while its tenant has no answer measured yet."""
+Eligible = Callable[[str, int], bool]
+"""Whether a tenant's requests of a class may leave the queue now."""
 ESTIMATE_WEIGHT = 0.1
 """How much each measured answer moves its tenant's estimate (an exponential average)."""
 
@@ -73,6 +75,7 @@ class FairQueue:
         self._tenants: dict[str, _Tenant] = {}
         self._virtual = 0.0  # the virtual time of the last request to leave
         self._size = 0
+        self._by_class: dict[int, int] = {}  # class -> requests of it waiting
         self._left: deque[float] = deque(maxlen=64)  # when the last requests left: the queue's pace
 
     def __len__(self) -> int:
@@ -100,27 +103,49 @@ class FairQueue:
         entry = Waiting(item, tenant, priority, now, now + self.max_wait_seconds)
         state.waiting.setdefault(priority, deque()).append(entry)
         self._size += 1
+        self._by_class[priority] = self._by_class.get(priority, 0) + 1
         return entry
 
-    def pop(self) -> Waiting | None:
-        """The next request to leave (see the module docstring), charged its tenant's estimate; None if none waits."""
+    def _next(self, eligible: Eligible | None) -> tuple[_Tenant, int] | None:
+        """The tenant and class of the next request to leave, among those `eligible` says may (all if None);
+        None if none waits."""
         best: tuple[int, float, float] | None = None
         chosen: _Tenant | None = None
-        for state in self._tenants.values():
+        for name, state in self._tenants.items():
             for priority, queue in state.waiting.items():
-                if queue:
+                if queue and (eligible is None or eligible(name, priority)):
                     rank = (priority, state.virtual, queue[0].arrived)
                     if best is None or rank < best:
                         best, chosen = rank, state
-        if chosen is None or best is None:
+        return None if chosen is None or best is None else (chosen, best[0])
+
+    def peek(self, eligible: Eligible | None = None) -> Waiting | None:
+        """The request `pop(eligible)` would hand out now, left in the queue; None if none waits."""
+        found = self._next(eligible)
+        return None if found is None else found[0].waiting[found[1]][0]
+
+    def pop(self, eligible: Eligible | None = None) -> Waiting | None:
+        """The next request to leave (see the module docstring), charged its tenant's estimate; None if none waits.
+        `eligible(tenant, class)`: whether that tenant's requests of that class may leave now (None: all may)."""
+        found = self._next(eligible)
+        if found is None:
             return None
-        entry = chosen.waiting[best[0]].popleft()
-        self._size -= 1
+        chosen, priority = found
+        entry = chosen.waiting[priority].popleft()
+        self._left_queue(entry)
         self._virtual = chosen.virtual
         entry.charged = chosen.estimate
         chosen.virtual += entry.charged / chosen.weight
         self._left.append(self._clock())
         return entry
+
+    def by_class(self) -> dict[int, int]:
+        """Class -> requests of it waiting (classes with none left out)."""
+        return {rank: count for rank, count in self._by_class.items() if count}
+
+    def _left_queue(self, entry: Waiting) -> None:
+        self._size -= 1
+        self._by_class[entry.priority] -= 1
 
     def served(self, entry: Waiting, tokens: int) -> None:
         """The answer of a request that left has ended, with `tokens` (prompt and completion): its tenant is
@@ -139,7 +164,7 @@ class FairQueue:
         if queue is None or entry not in queue:
             return False
         queue.remove(entry)
-        self._size -= 1
+        self._left_queue(entry)
         return True
 
     def expire(self) -> list[Waiting]:
@@ -151,9 +176,9 @@ class FairQueue:
             for queue in state.waiting.values():
                 while queue and queue[0].deadline <= now:
                     gone.append(queue.popleft())
+                    self._left_queue(gone[-1])
             if not state.count() and state.virtual <= self._virtual:
                 del self._tenants[name]
-        self._size -= len(gone)
         return gone
 
     def retry_after(self, waiting: int) -> float:

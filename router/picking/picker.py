@@ -69,6 +69,9 @@ class Picker:
         self._ejections: dict[str, int] = {}  # public name -> ejections so far (a counter, never reset)
         self._turn: dict[str, int] = {}  # round-robin position per model, for ties
         self._prefixes_for = 0  # the route table's generation `prefixes` was last pruned for
+        # Told, with the public name, when a request on a replica with a capacity ends: room for the model's queue
+        # (router.forwarding.admission). None: no queue.
+        self.freed: Callable[[str], None] | None = None
 
     def pick(
         self,
@@ -147,6 +150,8 @@ class Picker:
         """
         endpoint.outstanding -= 1
         self.ledger.released(endpoint, model)
+        if endpoint.capacity and self.freed is not None:
+            self.freed(model or endpoint.model)
         if failure is None:
             # A probe that ended without an outcome (the client left): let another request probe.
             endpoint.health.probing = False

@@ -86,7 +86,7 @@ def test_the_mock_engines_metrics_are_read():
     from mockengine.generation import MockEngine
 
     engine = MockEngine(MODEL)
-    engine.running = CACHE_SLOTS // 2
+    engine.batch.running = CACHE_SLOTS // 2
     assert parse_engine_load(engine.render_metrics()) == EngineReading(0.0, 0.5)
 
 
