@@ -69,6 +69,24 @@ def _flag_name(engine: str, arg: str) -> tuple[str, str, bool]:
     return name, value, bool(equals)
 
 
+# The engines that order their own waiting requests by a request's `priority` field when started with
+# `--scheduling-policy priority` (vLLM's SchedulerConfig.policy; the mock engine takes the same flag).
+PRIORITY_ENGINES = ("vllm", "mock")
+
+
+def schedules_by_priority(engine: str, args: list[str]) -> bool:
+    """Whether `args` start the engine with priority scheduling (`--scheduling-policy priority`, in any spelling
+    the engine takes; the last one given wins, as its parser takes it)."""
+    if engine not in PRIORITY_ENGINES:
+        return False
+    policy = None
+    for i, arg in enumerate(args):
+        name, value, inline = _flag_name(engine, arg)
+        if name == "--scheduling-policy":
+            policy = value if inline else (args[i + 1] if i + 1 < len(args) else None)
+    return policy == "priority"
+
+
 def with_context(engine: str, args: list[str], max_model_len: int | None) -> list[str]:
     """`args` with the engine's context flag for `max_model_len` appended, unless the args already set the
     context (theirs wins) or the engine takes no such flag."""

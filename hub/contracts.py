@@ -94,6 +94,9 @@ class ModelEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     output_bound: NonNegative = 0
     """The most tokens one of its answers may have when the request sets no limit: its profiles' largest
     `max_model_len`; 0 = not known. Routers reserve a budget's worst case with it."""
+    priority_scheduling: bool = False
+    """Whether every engine of its profiles orders its own waiting requests by priority (vLLM's
+    `--scheduling-policy priority`): routers then set each request's `priority` to its class's rank."""
 
 
 class EndpointRow(msgspec.Struct, kw_only=True, frozen=True):

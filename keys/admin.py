@@ -63,7 +63,18 @@ class ApiKeyForm(forms.ModelForm[ApiKey]):
 
     class Meta:
         model = ApiKey
-        fields = ["name", "active", "user", "team", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm"]
+        fields = [
+            "name",
+            "active",
+            "user",
+            "team",
+            "allowed_models",
+            "allowed_pools",
+            "expires_at",
+            "rpm",
+            "tpm",
+            "priority_class",
+        ]
 
     def clean_allowed_models(self) -> list[str]:
         return known_models(self.cleaned_data["allowed_models"])

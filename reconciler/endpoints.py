@@ -13,6 +13,7 @@ from django.db.models import Exists, OuterRef, TextField
 from django.db.models.functions import Cast
 
 from catalog.choices import Engine
+from catalog.engine_flags import schedules_by_priority
 from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
@@ -129,12 +130,13 @@ class _Served:
     engines: set[str] = field(default_factory=set)  # whether routers may ask for token ids depends on all of them
     continues: bool = False  # whether routers continue its broken streams
     bound: int = 0  # the largest context a profile serves it with
+    by_priority: bool = True  # whether every profile's engine orders its own queue by a request's priority
 
 
 def _profiles() -> dict[int, _Served]:
     """Every enabled model with a profile, by id, as its profiles (in order) describe it; one query."""
     served: dict[int, _Served] = {}
-    for model_id, name, start_seconds, pool, continues, engine, price_in, price_out, context in (
+    for model_id, name, start_seconds, pool, continues, engine, price_in, price_out, context, args in (
         Profile.objects.filter(model__enabled=True)
         .order_by("model_id", "order", "id")
         .values_list(
@@ -147,6 +149,7 @@ def _profiles() -> dict[int, _Served]:
             "model__price_input_per_million",
             "model__price_output_per_million",
             "max_model_len",
+            "engine_args",
         )
     ):
         model = served.get(model_id)
@@ -156,6 +159,7 @@ def _profiles() -> dict[int, _Served]:
         model.engines.add(engine)
         model.continues = continues
         model.bound = max(model.bound, context or 0)
+        model.by_priority = model.by_priority and schedules_by_priority(engine, list(args or []))
     return served
 
 
@@ -192,6 +196,7 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
             price_input=model.prices[0],
             price_output=model.prices[1],
             output_bound=model.bound,
+            priority_scheduling=model.by_priority,
         )
     return models
 

@@ -26,6 +26,7 @@ from router.accounting.budgets import cost_of
 from router.accounting.store import TokenStore
 from router.config import RouterConfig
 from router.errors import RouterError, method_not_allowed, shutting_down
+from router.forwarding.admission import class_of
 from router.forwarding.asgi_io import JSON_CONTENT_TYPE, Receive, Scope, Send, read_body, send_bytes, send_json
 from router.forwarding.body import decode_object, echo, requested_model
 from router.forwarding.exchange import Forwarding
@@ -244,6 +245,9 @@ class RouterApp:
                 return
             model, body, streaming, affinity, payload = self._parse(body)
             self._admit(key, model)
+            if model in self._routes.by_priority:  # its engines order their own queue by it: the key's class
+                payload["priority"] = class_of(scope, key)
+                body = json.dumps(payload).encode()
             hold = None
             if key.budgets:  # keys without budgets pay this test and nothing more
                 asked, prices = (model, body, payload), self._routes.prices.get(model)

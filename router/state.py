@@ -54,18 +54,8 @@ class RouterState:
         self.hub, self.config, self.clock, self.token_store = hub, config, clock, token_store
         self.routes = RouteTable()
         self.ledger = Ledger(self.routes, clock, records=config.request_records)
-        # With traces on, picks are spans and the proxy's steps run inside spans (router.forwarding.tracing);
-        # without, not a line of it runs.
         tracer = config.tracer
-        self.picker = (Picker if tracer is None else TracedPicker)(
-            self.routes,
-            self.ledger,
-            ejection=config.ejection,
-            kv_full_fraction=config.kv_full_fraction,
-            affinity_slack=config.affinity_slack,
-        )
-        if isinstance(self.picker, TracedPicker):
-            self.picker.tracer = tracer
+        self.picker = _picker(self.routes, self.ledger, config)
         self.engine_load = EngineLoadPoller(self.routes, self.picker)
         self.keys = key_cache or ApiKeyCache()
         self.metrics = RouterMetrics(self.routes, self.picker)
@@ -188,3 +178,19 @@ class RouterState:
             self._poll_failing = False
             if table is not None:
                 self.apply_table(table)
+
+
+def _picker(routes: RouteTable, ledger: Ledger, config: RouterConfig) -> Picker:
+    """The router's picker. With traces on, picks are spans and the proxy's steps run inside spans
+    (router.forwarding.tracing); without, not a line of it runs."""
+    tracer = config.tracer
+    picker = (Picker if tracer is None else TracedPicker)(
+        routes,
+        ledger,
+        ejection=config.ejection,
+        kv_full_fraction=config.kv_full_fraction,
+        affinity_slack=config.affinity_slack,
+    )
+    if isinstance(picker, TracedPicker):
+        picker.tracer = tracer
+    return picker

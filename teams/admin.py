@@ -24,7 +24,7 @@ class TeamForm(forms.ModelForm[Team]):
 
     class Meta:
         model = Team
-        fields = ["name", "allowed_models"]
+        fields = ["name", "allowed_models", "weight", "priority_class"]
 
     def clean_allowed_models(self) -> list[str]:
         return known_models(self.cleaned_data["allowed_models"])

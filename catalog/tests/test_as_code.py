@@ -91,6 +91,7 @@ def test_export_writes_the_profile_fields_in_list_order_and_nothing_learned(flee
         "min_replicas": 0,
         "max_replicas": 1,
         "target_concurrency": 8,
+        "max_concurrency": None,
         "priority": 10,
         "pool": "default",
         "weight": 1,

@@ -249,6 +249,7 @@ class ApiKeySerializer(serializers.ModelSerializer):
             "expires_at",
             "rpm",
             "tpm",
+            "priority_class",
             "last_used_at",
             "team",
             "user",

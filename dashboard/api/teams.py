@@ -30,7 +30,7 @@ class TeamSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Team
-        fields = ["id", "name", "allowed_models", "created_at", "role"]
+        fields = ["id", "name", "allowed_models", "weight", "priority_class", "created_at", "role"]
 
     def get_role(self, team: Team) -> str | None:
         # Annotated by the view's query (teams.access.with_roles): no query per team.

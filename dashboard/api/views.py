@@ -203,6 +203,7 @@ class ApiKeyViewSet(RefuseNulMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMo
         if not is_operator(request.user):
             fields["user"] = request.user  # a member's key is their own, in a team of theirs
             writes.check_own_team(request.user, fields.get("team"))
+            writes.check_priority_class(fields.get("priority_class", ""), fields["team"])
         key, secret = writes.issue_key(fields)
         return Response({**ApiKeySerializer(key).data, "key": secret}, status=status.HTTP_201_CREATED)
 

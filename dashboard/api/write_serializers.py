@@ -185,6 +185,6 @@ class ApiKeyWriteSerializer(StrictModelSerializer):
 
     class Meta:
         model = ApiKey
-        fields = ["name", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm", "team"]
+        fields = ["name", "allowed_models", "allowed_pools", "expires_at", "rpm", "tpm", "team", "priority_class"]
         # The column is a 32-bit integer on PostgreSQL.
         extra_kwargs = {"rpm": {"max_value": INTEGER_MAX}, "tpm": {"max_value": INTEGER_MAX}}

@@ -21,6 +21,7 @@ from catalog.as_code import CatalogFileError, apply_catalog, export_catalog
 from catalog.models import Model, name_clash
 from catalog.sizing import fit_warnings, fleet_memory
 from dashboard.api.write_serializers import ModelReplaceSerializer, ModelWriteSerializer, body_problems
+from hub.priority import RANKS
 from inventory.models import Node
 from keys.models import ApiKey, Budget
 from reconciler.lifecycle.drain import drain_nodes
@@ -119,6 +120,15 @@ def check_own_team(user: Any, team: Team | None) -> None:
         raise ValidationError({"team": ["A key of yours belongs to one of your teams: give its id."]})
     if not team.has_member(user.pk):
         raise PermissionDenied(f"You are not a member of the team “{team.name}”.")
+
+
+def check_priority_class(asked: str, team: Team) -> None:
+    """A member's key may ask for its team's priority class or a lower one, never a higher: 403 naming both."""
+    if asked and RANKS[asked] < RANKS[team.priority_class]:
+        raise PermissionDenied(
+            f"A key of the team “{team.name}” may not ask for the {asked} class, above the team's "
+            f"({team.priority_class}); an operator sets a team's class."
+        )
 
 
 def revoke_key(key: ApiKey) -> ApiKey:

@@ -48,6 +48,9 @@ class RouteTable:
         # Public name -> (input price, output price, output bound) where its tokens cost something: read for every
         # request of a key with budgets, and for every answer's spend.
         self.prices: dict[str, tuple[int, int, int]] = {}
+        # The public names whose engines order their queue by a request's `priority`: each request is given its
+        # class's rank (router.app).
+        self.by_priority: set[str] = set()
         self.by_model: dict[str, list[Endpoint]] = {}  # public name -> ready replicas (an adapter's: holding it)
         self.by_replica: dict[str, Endpoint] = {}
         # Replica id -> when (Unix time) to move the streams it still relays (router.forwarding.moves).
@@ -87,6 +90,7 @@ class RouteTable:
         self._holding, self._pools = lookups.holding, lookups.pools
         self.streams = lookups.streams
         self.prices = lookups.prices
+        self.by_priority = lookups.by_priority
         self.by_model, self.by_replica = by_model, by_replica
         self.moving = table.moving
         self.fingerprint = fingerprint

@@ -166,6 +166,8 @@ class ModelLookups:
     # Public name -> (input price, output price, output bound) of the names whose tokens cost something
     # (hub.contracts.ModelEntry): what budgets reserve and settle with.
     prices: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # The names whose engines order their own queue by a request's `priority` (an adapter's is its base's).
+    by_priority: set[str] = field(default_factory=set)
 
 
 def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntry] | None = None) -> ModelLookups:
@@ -193,12 +195,16 @@ def model_lookups(models: dict[str, ModelEntry], adapters: dict[str, AdapterEntr
         found.names[public] = public
         if entry.price_input or entry.price_output:
             found.prices[public] = (entry.price_input, entry.price_output, entry.output_bound)
+        if entry.priority_scheduling:
+            found.by_priority.add(public)
     for public, adapter in (adapters or {}).items():
         if adapter.base in models and public not in found.names:
             found.adapters[public] = adapter
             found.names[public] = public
             if adapter.base in found.streams:
                 found.streams[public] = found.streams[adapter.base]
+            if adapter.base in found.by_priority:
+                found.by_priority.add(public)
             if adapter.price_input or adapter.price_output:
                 found.prices[public] = (adapter.price_input, adapter.price_output, models[adapter.base].output_bound)
     aliases = [(public, entry.aliases) for public, entry in models.items()]

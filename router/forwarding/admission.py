@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hub.priority import NAMES, RANKS
+from hub.priority import NAMES, RANKS, STANDARD
 from router.endpoints.table import Endpoint
 from router.errors import RouterError
+from router.forwarding.asgi_io import Scope
 from router.forwarding.exchange import Forwarding
 from router.forwarding.headers import SSE_HEADERS
 from router.metrics import Histogram
@@ -208,10 +209,12 @@ class Admission:
     def _hand_out(self, model: str, state: _Model) -> None:
         queue, picker, shares = state.queue, self.picker, state.shares
         shares.rotate(self._clock())
+        capacity = self._capacity(model)
+        limit = shares.limits(capacity)
 
         def eligible(tenant: str, priority: int) -> bool:
             use = shares.tenants.get((tenant, priority))
-            return use is not None and self._has_room(model, shares, use)
+            return use is not None and use.running < limit(use)
 
         while (entry := queue.peek(eligible)) is not None:
             future, request = entry.item
@@ -226,6 +229,7 @@ class Admission:
             use.waiting -= 1
             _start(request, use)
             future.set_result(endpoint)
+            limit = shares.limits(capacity)  # its start moved the sums
 
     def polled(self) -> None:
         """The engines' load was read again: those whose queues emptied have room."""
@@ -235,10 +239,13 @@ class Admission:
 
     # -- helpers ----------------------------------------------------------------------
     def _has_room(self, model: str, shares: ModelShares, use: Use) -> bool:
-        """Whether a request of `use`'s tenant and class may start on `model` (picker.routes has its replicas): the
-        tenant runs fewer than its limit there (router.picking.shares)."""
-        capacity = sum(e.capacity for e in self.picker.routes.by_model.get(model, ()))
-        return use.running < shares.limit(use, capacity)
+        """Whether a request of `use`'s tenant and class may start on `model`: the tenant runs fewer than its limit
+        there (router.picking.shares)."""
+        return use.running < shares.limit(use, self._capacity(model))
+
+    def _capacity(self, model: str) -> int:
+        """What `model`'s replicas run at once (picker.routes has them)."""
+        return sum(e.capacity for e in self.picker.routes.by_model.get(model, ()))
 
     def _model(self, model: str) -> _Model:
         state = self.models[model] = _Model(
@@ -288,10 +295,14 @@ def _full(endpoint: Endpoint, others: int) -> bool:
 
 
 def _priority(request: Forwarding) -> int:
-    """The request's class: its key's, lowered (never raised) by its LLMGW-Priority header."""
-    key = request.key
-    own = key.priority if key is not None else RANKS["standard"]
-    for name, value in request.scope["headers"]:
+    return class_of(request.scope, request.key)
+
+
+def class_of(scope: Scope, key: KeyInfo | None) -> int:
+    """A request's class (hub.priority's rank): its key's, lowered (never raised) by its LLMGW-Priority header;
+    a RouterError (400) naming the classes for a header that names none."""
+    own = key.priority if key is not None else STANDARD
+    for name, value in scope["headers"]:
         if name == PRIORITY_HEADER:
             asked = RANKS.get(value.decode("latin-1").strip().lower())
             if asked is None:

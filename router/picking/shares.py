@@ -21,6 +21,7 @@ orders the waiting by tokens too. Room left for a peak that does not come back i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hub.priority import BATCH
@@ -77,16 +78,25 @@ class ModelShares:
 
     def limit(self, tenant: Use, capacity: int) -> float:
         """How many requests `tenant` may run on a model of `capacity`."""
-        room, weights, others = capacity, 0, 0
-        batch = tenant.priority >= BATCH
+        return self.limits(capacity)(tenant)
+
+    def limits(self, capacity: int) -> Callable[[Use], float]:
+        """`limit` for every tenant of the model as it is now, the sums over tenants taken once (the queue asks
+        for many tenants at each hand-out)."""
+        weights: dict[int, int] = {}  # class -> its tenants' weights
+        needs: dict[int, int] = {}  # class -> its tenants' needs
         for use in self.tenants.values():
-            if use.priority == tenant.priority:
-                weights += use.weight
-                if use is not tenant:
-                    others += use.needs()
-            elif batch:
-                room -= use.needs()
-        return max(room * tenant.weight / max(weights, 1), room - others)
+            weights[use.priority] = weights.get(use.priority, 0) + use.weight
+            needs[use.priority] = needs.get(use.priority, 0) + use.needs()
+        above_batch = sum(need for priority, need in needs.items() if priority < BATCH)
+
+        def limit(tenant: Use) -> float:
+            priority = tenant.priority  # a tenant of the model (`tenant()`): counted in the sums
+            room = capacity - above_batch if priority >= BATCH else capacity
+            others = needs.get(priority, 0) - tenant.needs()
+            return max(room * tenant.weight / max(weights.get(priority, 0), 1), room - others)
+
+        return limit
 
     def rotate(self, now: float) -> None:
         """Start a new half-window when the current one is over, forgetting peaks older than the window and the

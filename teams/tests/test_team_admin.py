@@ -29,7 +29,8 @@ def add_team(admin_client, **data):
         "memberships-MIN_NUM_FORMS": "0",
         "memberships-MAX_NUM_FORMS": "1000",
     }
-    return admin_client.post(reverse("admin:teams_team_add"), {**members, **data}, follow=True)
+    shares = {"weight": "1", "priority_class": "standard"}  # the form's defaults, as a browser posts them
+    return admin_client.post(reverse("admin:teams_team_add"), {**members, **shares, **data}, follow=True)
 
 
 def test_a_team_is_added_with_a_member_and_its_role(admin_client, catalog):
@@ -44,6 +45,17 @@ def test_a_team_is_added_with_a_member_and_its_role(admin_client, catalog):
     team = Team.objects.get()
     assert team.allowed_models == ["llama-3-8b", "qwen-7b"]
     assert list(Membership.objects.values_list("user__username", "role")) == [("ana", "admin")]
+
+
+def test_a_teams_weight_and_class_are_set_in_its_form_and_a_weight_out_of_range_is_refused(admin_client, catalog):
+    ana = User.objects.create_user("ana")
+    member = {"memberships-0-user": str(ana.pk), "memberships-0-role": "admin"}
+    add_team(admin_client, name="batchy", weight="3", priority_class="batch", **member)
+    team = Team.objects.get()
+    assert (team.weight, team.priority_class) == (3, "batch")
+    response = add_team(admin_client, name="greedy", weight="1001", **member)
+    assert "Ensure this value is less than or equal to 1000." in response.content.decode()
+    assert not Team.objects.filter(name="greedy").exists()
 
 
 def test_a_team_naming_a_model_the_catalog_lacks_is_a_form_error_naming_it(admin_client, catalog):
@@ -75,6 +87,8 @@ def change_team(admin_client, team, *, budget_user):
         {
             "name": team.name,
             "allowed_models": "",
+            "weight": str(team.weight),
+            "priority_class": team.priority_class,
             "memberships-TOTAL_FORMS": "1",
             "memberships-INITIAL_FORMS": "1",
             "memberships-MIN_NUM_FORMS": "0",

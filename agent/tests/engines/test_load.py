@@ -9,6 +9,7 @@ from aiohttp import web
 
 from agent.engines.load import EngineLoad, requests_in_flight
 from agent.tests.stand_ins import run
+from mockengine.batch import MockBatch
 from mockengine.generation import MockEngine
 
 DATA = Path(__file__).parents[1] / "data"
@@ -44,10 +45,18 @@ def test_data_parallel_label_sets_add_up():
 
 
 def test_the_mock_engine_speaks_vllms_names():
-    engine = MockEngine("mock-small")
-    assert requests_in_flight(engine.render_metrics()) == 0
-    engine.running, engine.waiting = 2, 1
-    assert requests_in_flight(engine.render_metrics()) == 3
+    async def go():
+        engine = MockEngine("mock-small", batch=MockBatch(max_num_seqs=2))
+        assert requests_in_flight(engine.render_metrics()) == 0
+        await engine.batch.enter()
+        await engine.batch.enter()
+        third = asyncio.ensure_future(engine.batch.enter())  # waits in the engine's own queue
+        await asyncio.sleep(0)
+        in_flight = requests_in_flight(engine.render_metrics())
+        third.cancel()
+        return in_flight
+
+    assert asyncio.run(go()) == 3
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,29 @@ def test_a_member_creates_a_key_of_their_own_in_their_team_only(org):
     assert not ApiKey.objects.filter(name__in=["bo-3", "bo-4"]).exists()
 
 
+def test_a_members_key_takes_its_teams_class_or_a_lower_one_and_an_operator_sets_any(org):
+    search = org["teams"]["search"]  # standard, the default
+    lower = org["bo"].post(
+        "/api/v1/keys/", {"name": "bo-b", "team": search.pk, "priority_class": "batch"}, format="json"
+    )
+    assert lower.status_code == 201 and lower.json()["priority_class"] == "batch"
+    higher = org["bo"].post(
+        "/api/v1/keys/", {"name": "bo-i", "team": search.pk, "priority_class": "interactive"}, format="json"
+    )
+    assert higher.status_code == 403
+    assert higher.json()["detail"] == (
+        "A key of the team “search” may not ask for the interactive class, above the team's (standard); "
+        "an operator sets a team's class."
+    )
+    assert not ApiKey.objects.filter(name="bo-i").exists()
+    bad = org["bo"].post(
+        "/api/v1/keys/", {"name": "bo-x", "team": search.pk, "priority_class": "urgent"}, format="json"
+    )
+    assert bad.status_code == 400 and "priority_class" in bad.json()
+    made = org["ops"].post("/api/v1/keys/", {"name": "ops-i", "priority_class": "interactive"}, format="json")
+    assert made.status_code == 201 and made.json()["priority_class"] == "interactive"
+
+
 def test_members_are_managed_by_the_teams_admin_only(org):
     search, ads = org["teams"]["search"], org["teams"]["ads"]
     assert names_of(org["ana"].get(f"/api/v1/teams/{search.pk}/members/")) == [("ana", "admin"), ("bo", "member")]

@@ -277,3 +277,42 @@ def test_batch_takes_only_the_room_the_other_classes_left_over_the_last_minute(s
     assert chat[0] == 200 and waited < 0.3, "an interactive request found a slot free"
     assert [status for status, *_ in results] == [200] * 6
     assert batch_running(admission) == 0
+
+
+def test_an_engine_scheduling_by_priority_gets_each_requests_class_and_a_clients_own_is_overwritten(
+    start_router, hub, engine_process
+):
+    # No capacity published: the router sends everything on and the engine's own queue orders it.
+    engine = engine_process(token_delay_ms=20, args=(*GREEDY, "--max-num-seqs", "1", "--scheduling-policy", "priority"))
+    router = start_router(keepalive_seconds=0)
+    hub.publish_endpoints(make_table([engine.url], {MODEL: {"priority_scheduling": True}}))
+    wait_until(lambda: MODEL in router.state.routes.by_priority)
+    interactive = key("interactive", priority_class="interactive")
+    standard = key("standard")
+    ended: dict[str, float] = {}
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(post(session, router, standard, 30))
+            await asyncio.sleep(0.2)
+            tasks = {}
+            for name, headers, extra in (
+                ("batch", standard, {"LLMGW-Priority": "batch"}),
+                ("standard", standard, None),
+                ("interactive", interactive, None),
+            ):
+                tasks[name] = asyncio.create_task(post(session, router, headers, 2, extra_headers=extra))
+                await asyncio.sleep(0.05)
+            # A client's own `priority` does not jump the engine's queue: the router sets its class's.
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "priority": -9}
+            async with session.post(f"{router.url}/v1/chat/completions", json=body, headers=standard) as response:
+                assert response.status == 200
+                ended["cheeky"] = time.monotonic()
+            await first
+            for name, task in tasks.items():
+                status, at, *_ = await task
+                assert status == 200, name
+                ended[name] = at
+
+    run(go())
+    assert ended["interactive"] < ended["standard"] < ended["cheeky"] < ended["batch"]

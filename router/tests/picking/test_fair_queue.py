@@ -166,3 +166,26 @@ def test_a_weight_must_be_a_positive_number(weight):
     queue, _ = make()
     with pytest.raises(ValueError, match="a tenant's weight must be a positive number"):
         queue.push("x", "a", weight=weight)
+
+
+def test_a_leaver_taken_out_of_a_long_queue_is_skipped_and_counted_once():
+    queue, _ = make()
+    entries = [queue.push(i, "flood") for i in range(5)]
+    assert queue.remove(entries[0]) and queue.remove(entries[2])
+    assert not queue.remove(entries[2]), "already out"
+    assert len(queue) == 3 and queue.waiting("flood") == 3 and queue.by_class() == {0: 3}
+    assert queue.peek().item == 1
+    assert drain(queue) == [1, 3, 4]
+    assert not queue.remove(entries[4]), "it left"
+    assert len(queue) == 0 and queue.by_class() == {}
+
+
+def test_only_the_requests_eligible_now_leave_and_in_their_order():
+    queue, _ = make()
+    for i in range(3):
+        queue.push(f"a{i}", "a")
+        queue.push(f"b{i}", "b", priority=1)
+    # Tenant a may not start more now: b's leave though a's class is better.
+    only_b = lambda tenant, priority: tenant == "b"  # noqa: E731
+    assert queue.peek(only_b).item == "b0" and queue.pop(only_b).item == "b0"
+    assert queue.pop().item == "a0"
