@@ -7,6 +7,8 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('keys', '0012_team_gpu_hour'),
+        # The router reads a key with its team's weight and class (router.key_cache): migrating keys brings them.
+        ('teams', '0002_fair_shares'),
     ]
 
     operations = [

@@ -69,6 +69,17 @@ class Ledger:
         if in_flight > self._peaks.get(name, 0):
             self._peaks[name] = in_flight
 
+    def waiting(self, model: str, change: int) -> None:
+        """A request of `model` began (+1) or ended (-1) waiting in its fair queue (router.forwarding.admission): it
+        counts as in flight meanwhile, so a model whose requests wait for room shows the demand that scales it out.
+        An adapter's counts for its base too, as its picks do."""
+        base = self._routes.base_of(model)
+        for name in (model,) if base is None else (model, base):
+            if change > 0:
+                self._count_in_flight(name)
+            else:
+                self._in_flight[name] -= 1
+
     def released(self, endpoint: Endpoint, model: str | None) -> None:
         """The request `picked` counted is over; `model` as picked (needed when that is an adapter's)."""
         try:  # noqa: SIM105 (contextlib.suppress costs a context manager per request)

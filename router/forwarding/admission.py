@@ -128,10 +128,11 @@ class Admission:
         except QueueFull as full:
             self._refuse(model, priority, "full")
             raise queue_full(model, request.key, full) from None
-        state.queue.expire()
+        state.queue.forget_idle()  # (each waiter leaves at its own deadline: `_granted`'s timeout)
         use = state.shares.tenant(tenant, priority, weight)
         use.waiting += 1
         use.saw()
+        self.picker.ledger.waiting(model, +1)
         try:
             endpoint = await self._granted(request, future)
         except BaseException as exc:
@@ -150,6 +151,7 @@ class Admission:
         _, request = entry.item
         if state.queue.remove(entry):
             state.shares.tenant(entry.tenant, entry.priority, _tenant(request)[1]).waiting -= 1
+            self.picker.ledger.waiting(request.model, -1)
         elif future.done() and not future.cancelled() and future.exception() is None:
             self.picker.release(future.result(), None, request.model)
         self._waited(request.model, entry)
@@ -225,6 +227,7 @@ class Admission:
                 picker.release(endpoint, None, model)
                 return
             queue.pop(eligible)
+            picker.ledger.waiting(model, -1)  # counted by its pick from now on
             use = shares.tenants[entry.tenant, entry.priority]
             use.waiting -= 1
             _start(request, use)

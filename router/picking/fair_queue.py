@@ -175,20 +175,25 @@ class FairQueue:
         return True
 
     def expire(self) -> list[Waiting]:
-        """Take out and return the requests waiting past their deadline. Tenants with nothing waiting and no credit
-        left to keep (their virtual time is behind the queue's: they would start from the queue's anyway) are
-        forgotten, so keys that come and go leave nothing behind."""
+        """Take out and return the requests waiting past their deadline, then `forget_idle`."""
         now, gone = self._clock(), []
-        for name, state in list(self._tenants.items()):
+        for state in self._tenants.values():
             for queue in state.waiting.values():
                 while queue and (not queue[0].queued or queue[0].deadline <= now):
                     entry = queue.popleft()
                     if entry.queued:
                         self._left_queue(state, entry)
                         gone.append(entry)
-            if not state.count() and state.virtual <= self._virtual:
-                del self._tenants[name]
+        self.forget_idle()
         return gone
+
+    def forget_idle(self) -> None:
+        """Forget the tenants with nothing waiting and no credit left to keep (their virtual time is behind the
+        queue's: they would start from the queue's anyway), so keys that come and go leave nothing behind."""
+        for name in [
+            name for name, state in self._tenants.items() if not state.size and state.virtual <= self._virtual
+        ]:
+            del self._tenants[name]
 
     def retry_after(self, waiting: int) -> float:
         """Seconds until `waiting` requests would have left at the pace the last ones left (at least 1)."""

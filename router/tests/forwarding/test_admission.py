@@ -72,12 +72,14 @@ def test_a_model_below_its_capacity_queues_nothing(start_router, hub, engine_pro
 def test_requests_past_capacity_wait_in_the_router_and_the_engines_queue_stays_empty(start_router, hub, engine_process):
     router, engine = serve(start_router, hub, engine_process, capacity=2)
     headers = key("past")
-    engine_waiting = []
+    engine_waiting, demand = [], []
 
     async def go():
         async with aiohttp.ClientSession() as session:
             sent = [asyncio.create_task(post(session, router, headers, 20)) for _ in range(6)]
             while not all(task.done() for task in sent):
+                # What the control plane scales on: those waiting in the router count as in flight.
+                demand.extend(mark.in_flight.get(MODEL, 0) for mark in hub.router_marks())
                 async with session.get(f"{engine.url}/metrics") as response:
                     text = await response.text()
                 line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_waiting"))
@@ -87,6 +89,7 @@ def test_requests_past_capacity_wait_in_the_router_and_the_engines_queue_stays_e
 
     assert [status for status, *_ in run(go())] == [200] * 6
     assert max(engine_waiting) == 0, "the router held what the engine could not run"
+    assert max(demand) == 6
     metrics = router.state.metrics.render().decode()
     assert 'llmgw_router_queue_wait_seconds_count{class="standard",model="llama-3-8b"} 4.0' in metrics
 

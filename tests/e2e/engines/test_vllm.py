@@ -55,8 +55,10 @@ MODEL = "tiny-vllm"
 BROKEN = "broken-vllm"
 BAD_ARGUMENT = ["--max-num-seqs", "not-a-number"]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-# What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits).
+# What vLLM's CPU build needs to start here (an engine of one request at a time, so a second one waits), its
+# waiting requests run by priority (the router gives each request its class's).
 ENGINE_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "1", "--gpu-memory-utilization", "0.2"]
+ENGINE_ARGS += ["--scheduling-policy", "priority"]
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 # The catalog's adapters on MODEL: one PEFT folder under two names, so each is loaded as an adapter of its own.
 ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
@@ -375,6 +377,31 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     read = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
     assert set(read) <= set(families) and "vllm:gpu_cache_usage_perc" not in families
     assert all(s.labels.get("engine") == "0" for name in read for s in families[name].samples)
+
+
+def test_vllm_scheduling_by_priority_runs_its_waiting_requests_in_the_order_of_their_classes(stack):
+    stack.replica()
+    made = stack.api("POST", "keys/", json={"name": "interactive", "priority_class": "interactive"})
+    assert made.status_code == 201, made.text
+    interactive = OpenAI(base_url=stack.router + "/v1", api_key=made.json()["key"], timeout=300, max_retries=0)
+    ended: dict[str, float] = {}
+
+    def chat(name: str, tokens: int, **options):
+        answer = stack.chat(f"request {name}", tokens, **WHOLE, **options)
+        ended[name] = time.monotonic()
+        return answer
+
+    # One sequence at a time: a standard answer runs; a batch one and then an interactive one wait in vLLM's
+    # queue. No capacity is set on the profile, so the router sends both on at once.
+    first = stack.submit(chat, "first", 1000)
+    wait_until(lambda: engine_gauge(engine_url(stack), "vllm:num_requests_running") == 1, 60, 0.05)
+    batch = stack.submit(chat, "batch", 5, extra_headers={"LLMGW-Priority": "batch"})
+    wait_until(lambda: engine_gauge(engine_url(stack), "vllm:num_requests_waiting") == 1, 60, 0.05)
+    chat_of = stack.submit(chat, "interactive", 5, client=interactive)
+    wait_until(lambda: engine_gauge(engine_url(stack), "vllm:num_requests_waiting") == 2, 60, 0.05)
+    for future in (first, batch, chat_of):
+        assert future.result(300).choices[0].finish_reason == "length"
+    assert ended["first"] < ended["interactive"] < ended["batch"]
 
 
 def test_a_stream_cut_midway_is_continued_token_for_token_on_another_endpoint(stack, tmp_path):
