@@ -86,6 +86,19 @@ def test_the_table_says_which_models_streams_are_continued_and_by_token_ids():
     assert (models["mixed"].continue_streams, models["mixed"].token_ids) == (True, False)
 
 
+def test_the_table_says_which_models_engines_all_schedule_by_priority():
+    policy = ["--max-num-seqs", "8", "--scheduling-policy", "priority"]
+    make_model("by-priority", min_replicas=0, engine="vllm", engine_args=policy)
+    make_model("inline", min_replicas=0, engine="vllm", engine_args=["--scheduling_policy=priority"])
+    make_model("fcfs", min_replicas=0, engine="vllm", engine_args=[*policy, "--scheduling-policy", "fcfs"])
+    mixed = make_model("mixed", min_replicas=0, engine="vllm", engine_args=policy)
+    mixed.profiles.create(gpu_class="L40S-48GB", engine="sglang", order=1, engine_args=policy)
+    models = build_endpoint_table().models
+    found = {name: models[name].priority_scheduling for name in ("by-priority", "inline", "fcfs", "mixed")}
+    # The last flag given wins, as vLLM's parser takes it; SGLang takes no such flag: not every engine would.
+    assert found == {"by-priority": True, "inline": True, "fcfs": False, "mixed": False}
+
+
 def test_endpoint_table_lists_enabled_models_with_profiles_in_eight_queries(django_assert_max_num_queries):
     make_model("llama", min_replicas=0)
     make_model("off", min_replicas=0, enabled=False)

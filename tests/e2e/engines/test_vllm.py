@@ -379,29 +379,45 @@ def test_the_router_reads_waiting_requests_and_kv_usage_from_vllms_metrics(stack
     assert all(s.labels.get("engine") == "0" for name in read for s in families[name].samples)
 
 
+def prompt_tokens_scheduled(stack) -> float:
+    """The prompt tokens vLLM has looked up in its prefix cache: each request's, added when it is scheduled."""
+    text = httpx.get(engine_url(stack) + "/metrics", timeout=READ_TIMEOUT).text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:prefix_cache_queries")
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
 def test_vllm_scheduling_by_priority_runs_its_waiting_requests_in_the_order_of_their_classes(stack):
+    """One sequence at a time: while a standard answer runs, a batch request (a long prompt) and then an interactive
+    one (a short prompt) wait in vLLM's queue (no capacity is set on the profile, so the router sends both on). When
+    the first ends, vLLM schedules the interactive one: the prompt tokens it then looks up are the short prompt's.
+    (Client-side times say nothing here: vLLM's worker takes both cores while it generates.)"""
     stack.replica()
     made = stack.api("POST", "keys/", json={"name": "interactive", "priority_class": "interactive"})
     assert made.status_code == 201, made.text
     interactive = OpenAI(base_url=stack.router + "/v1", api_key=made.json()["key"], timeout=300, max_retries=0)
-    ended: dict[str, float] = {}
+    long_prompt = " ".join(f"word{i}" for i in range(300))
 
-    def chat(name: str, tokens: int, **options):
-        answer = stack.chat(f"request {name}", tokens, **WHOLE, **options)
-        ended[name] = time.monotonic()
-        return answer
+    def gauge(family: str, value: float, *futures):
+        def reached() -> bool:
+            assert not any(f.done() for f in futures), [f.exception() for f in futures if f.done()]
+            return engine_gauge(engine_url(stack), family) == value
 
-    # One sequence at a time: a standard answer runs; a batch one and then an interactive one wait in vLLM's
-    # queue. No capacity is set on the profile, so the router sends both on at once.
-    first = stack.submit(chat, "first", 1000)
-    wait_until(lambda: engine_gauge(engine_url(stack), "vllm:num_requests_running") == 1, 60, 0.05)
-    batch = stack.submit(chat, "batch", 5, extra_headers={"LLMGW-Priority": "batch"})
-    wait_until(lambda: engine_gauge(engine_url(stack), "vllm:num_requests_waiting") == 1, 60, 0.05)
-    chat_of = stack.submit(chat, "interactive", 5, client=interactive)
-    wait_until(lambda: engine_gauge(engine_url(stack), "vllm:num_requests_waiting") == 2, 60, 0.05)
+        wait_until(reached, 60, 0.05)
+
+    first = stack.submit(stack.chat, "first", LONG, **WHOLE)
+    gauge("vllm:num_requests_running", 1, first)
+    batch = stack.submit(stack.chat, long_prompt, 5, extra_headers={"LLMGW-Priority": "batch"}, **WHOLE)
+    gauge("vllm:num_requests_waiting", 1, first, batch)
+    # The interactive answer is long, so its turn lasts seconds however late /metrics answers.
+    chat_of = stack.submit(stack.chat, "hi", 1000, client=interactive, **WHOLE)
+    gauge("vllm:num_requests_waiting", 2, first, batch, chat_of)
+    before = prompt_tokens_scheduled(stack)
+    scheduled = wait_until(lambda: prompt_tokens_scheduled(stack) - before, 300, 0.05)
     for future in (first, batch, chat_of):
         assert future.result(300).choices[0].finish_reason == "length"
-    assert ended["first"] < ended["interactive"] < ended["batch"]
+    both = prompt_tokens_scheduled(stack) - before
+    # The short prompt first, then the long one (several times its tokens): not the order they arrived in.
+    assert 0 < scheduled < both / 2, f"scheduled {scheduled} prompt tokens first, of {both} in all"
 
 
 def test_a_stream_cut_midway_is_continued_token_for_token_on_another_endpoint(stack, tmp_path):
