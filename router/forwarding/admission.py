@@ -20,10 +20,11 @@ Bounds, per tenant and model in each router: LLMGW_QUEUE_MAX_WAITING requests wa
 Retry-After from the queue's pace) and LLMGW_QUEUE_MAX_WAIT_SECONDS of waiting (past it, 503 naming the wait). A
 stream that waits longer than a keep-alive interval is answered 200 and hears keep-alives, as in a cold start.
 
-Each router queues alone. Requests spread over N routers at random give each tenant the same share of each router's
-arrivals, so each router's order is fair over the tenants it sees and the engines take from N fair orders; what a
-tenant can gain over its share is bounded by N routers' capacities of requests at once, one full batch per router
-(bench/fair_share_bench.py measures it).
+Each router queues alone, on a 1/N share of each replica's capacity (N: the routers reporting usage, as the hub
+counts them for keys' rate limits), so together they never commit more than the capacity to an engine. Clients
+spread over the routers at random give each about 1/N of every tenant's requests, so each router's order, fair over
+what it sees, is fair over all of them to within what the spread leaves uneven: a tenant's requests at one router
+in a window differ from 1/N of its total by about their square root (bench/fair_share_bench.py --routers 2).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Admission:
         shares.rotate(self._clock())
         tenant, weight = _tenant(request)
         use = shares.tenant(tenant, _priority(request), weight)
-        if _full(endpoint, endpoint.outstanding - 1) or not self._has_room(request.model, shares, use):
+        if self._full(endpoint) or not self._has_room(request.model, shares, use):
             return True
         _start(request, use)
         return False
@@ -223,7 +224,7 @@ class Admission:
             endpoint = picker.pick(model, (), request.affinity, request.pools)
             if endpoint is None:
                 return  # no replica left: the waiters time out, or the model comes back
-            if _full(endpoint, endpoint.outstanding - 1):
+            if self._full(endpoint):
                 picker.release(endpoint, None, model)
                 return
             queue.pop(eligible)
@@ -247,8 +248,24 @@ class Admission:
         return use.running < shares.limit(use, self._capacity(model))
 
     def _capacity(self, model: str) -> int:
-        """What `model`'s replicas run at once (picker.routes has them)."""
-        return sum(e.capacity for e in self.picker.routes.by_model.get(model, ()))
+        """This router's share of what `model`'s replicas run at once (picker.routes has them)."""
+        return sum(self._share(e) for e in self.picker.routes.by_model.get(model, ()))
+
+    def _share(self, endpoint: Endpoint) -> int:
+        """This router's share of `endpoint`'s capacity: each of the N routers reporting usage (as the hub last
+        counted them, for keys' rate limits too) takes a 1/N share, rounded up; clients spread over the routers
+        give each about 1/N of the requests."""
+        routers = self.picker.ledger.limits.routers
+        return -(-endpoint.capacity // routers) if routers > 1 else endpoint.capacity
+
+    def _full(self, endpoint: Endpoint) -> bool:
+        """Whether `endpoint`, just picked for a request, has no room for it beside this router's others: its share
+        of the capacity, less what its engine said waits in its own queue (other routers' requests past their
+        shares, or a capacity set above the engine's batch)."""
+        if not endpoint.capacity:
+            return False  # a replica of another profile, without a bound
+        others = endpoint.outstanding - 1
+        return others >= self._share(endpoint) - (endpoint.engine_waiting or 0)
 
     def _model(self, model: str) -> _Model:
         state = self.models[model] = _Model(
@@ -285,16 +302,6 @@ def _tenant(request: Forwarding) -> tuple[str, int]:
     """(the request's tenant, its weight): its key's team, or the key."""
     key = request.key
     return ("", 1) if key is None else (key.tenant, key.weight)
-
-
-def _full(endpoint: Endpoint, others: int) -> bool:
-    """Whether `endpoint` has no room for one more request beside `others` of this router: its capacity, less what
-    its engine said waits in its own queue (other routers' requests past the capacity, or a capacity set above the
-    engine's batch)."""
-    capacity = endpoint.capacity
-    if not capacity:
-        return False
-    return others >= capacity - (endpoint.engine_waiting or 0)
 
 
 def _priority(request: Forwarding) -> int:

@@ -319,3 +319,24 @@ def test_an_engine_scheduling_by_priority_gets_each_requests_class_and_a_clients
 
     run(go())
     assert ended["interactive"] < ended["standard"] < ended["cheeky"] < ended["batch"]
+
+
+def test_each_of_n_routers_takes_a_1_over_n_share_of_a_replicas_capacity(start_router, hub, engine_process):
+    engine = engine_process(token_delay_ms=20, args=(*GREEDY, "--max-num-seqs", "4"))
+    one, other = start_router(keepalive_seconds=0), start_router(keepalive_seconds=0)
+    hub.publish_endpoints(make_table([{"url": engine.url, "capacity": 4}]))
+    # Both report usage to the hub: each learns there are two (as keys' rate limits do).
+    wait_until(lambda: one.state.ledger.limits.routers == 2 and other.state.ledger.limits.routers == 2, 5)
+    headers = key("shared")
+    running: list[int] = []
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            sent = [asyncio.create_task(post(session, one, headers, 20)) for _ in range(4)]
+            while not all(task.done() for task in sent):
+                running.append(one.state.routes.by_model[MODEL][0].outstanding)
+                await asyncio.sleep(0.01)
+            return [task.result()[0] for task in sent]
+
+    assert run(go()) == [200] * 4
+    assert max(running) == 2, "half of the replica's 4"
