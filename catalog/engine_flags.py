@@ -87,6 +87,20 @@ def schedules_by_priority(engine: str, args: list[str]) -> bool:
     return policy == "priority"
 
 
+# The flag each engine takes for the requests it runs at once, as a profile's max_concurrency is passed. llama.cpp's
+# --parallel is left to the engine args: it splits the context between its slots, so it changes what each may hold.
+BATCH_FLAG = {"vllm": "--max-num-seqs", "sglang": "--max-running-requests", "mock": "--max-num-seqs"}
+
+
+def with_batch(engine: str, args: list[str], max_concurrency: int | None) -> list[str]:
+    """`args` with the engine's batch flag for `max_concurrency` appended, unless the args already set it (theirs
+    wins, in any spelling the engine takes) or the engine takes no such flag."""
+    flag = BATCH_FLAG.get(engine)
+    if not max_concurrency or flag is None or any(_flag_name(engine, arg)[0] == flag for arg in args):
+        return list(args)
+    return [*args, flag, str(max_concurrency)]
+
+
 def with_context(engine: str, args: list[str], max_model_len: int | None) -> list[str]:
     """`args` with the engine's context flag for `max_model_len` appended, unless the args already set the
     context (theirs wins) or the engine takes no such flag."""

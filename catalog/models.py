@@ -254,8 +254,9 @@ class Profile(models.Model):
         null=True,
         blank=True,
         validators=in_range(1, SMALLINT_MAX),
-        help_text="Requests one replica runs at once: its engine's batch (vLLM --max-num-seqs, SGLang "
-        "--max-running-requests, llama.cpp --parallel). Past it, each router holds the model's requests in its fair "
+        help_text="Requests one replica runs at once, passed as its engine's batch (vLLM --max-num-seqs, "
+        "SGLang --max-running-requests; llama.cpp's --parallel is the engine args' to set) unless the engine args set "
+        "it. Past it, each router holds the model's requests in its fair "
         "queue (priority class, then each team's weighted share) instead of the engine's first come, first served; "
         "empty = no queue in the routers.",
     )

@@ -225,6 +225,17 @@ def test_a_hub_source_uses_the_catalog_fields_and_unknown_says_so():
     assert "KV cache not counted: its shape is unknown" in judged.sentence
 
 
+def test_max_concurrency_is_passed_as_the_engines_batch_unless_its_args_set_it():
+    from catalog.engine_flags import with_batch
+
+    assert with_batch("vllm", ["--x"], 64) == ["--x", "--max-num-seqs", "64"]
+    assert with_batch("sglang", [], 32) == ["--max-running-requests", "32"]
+    assert with_batch("mock", [], 8) == ["--max-num-seqs", "8"]
+    assert with_batch("vllm", ["--max_num_seqs=16"], 64) == ["--max_num_seqs=16"]  # theirs, in vLLM's spelling
+    assert with_batch("llamacpp", [], 4) == []  # --parallel splits the context: the engine args' to set
+    assert with_batch("vllm", [], None) == []
+
+
 def test_max_model_len_is_passed_to_the_engine_unless_its_args_set_the_context():
     from catalog.engine_flags import with_context
 

@@ -22,7 +22,7 @@ from django.db.models import Case, Exists, F, FloatField, OuterRef, Q, Value, Wh
 from django.utils import timezone
 from msgspec import UNSET
 
-from catalog.engine_flags import with_context
+from catalog.engine_flags import with_batch, with_context
 from catalog.models import Profile
 from nodewire.parts import AdapterSlots
 from nodewire.protocol import StartShard
@@ -264,8 +264,12 @@ def start_command(
         source=replica.model.source,
         gpu_indices=sorted(gpu_indices),
         port=shard.port,
-        # The profile's max_model_len as the engine's own flag, unless its engine args set the context.
-        args=with_context(profile.engine, list(profile.engine_args or []), profile.max_model_len),
+        # The profile's max_model_len and max_concurrency as the engine's own flags, unless its engine args set them.
+        args=with_batch(
+            profile.engine,
+            with_context(profile.engine, list(profile.engine_args or []), profile.max_model_len),
+            profile.max_concurrency,
+        ),
         env=dict(profile.env or {}),
         host=host,
         rendezvous_port=rendezvous_port(head_port) if node_count > 1 else 0,

@@ -20,7 +20,7 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
     roomy, snug = make_node("gpu-a", gpus=8), make_node("gpu-b", gpus=2)
     inbox = {"gpu-a": agent_inbox("gpu-a"), "gpu-b": agent_inbox("gpu-b")}
     env = {"OMP_NUM_THREADS": "2", "HF_TOKEN": "hf_sent_to_the_agent_only"}
-    model = make_model("llama", gpus_per_node=2, engine_args=["--max-model-len", "8192"], env=env)
+    model = make_model("llama", gpus_per_node=2, engine_args=["--max-model-len", "8192"], env=env, max_concurrency=64)
 
     result = run_tick()
 
@@ -48,7 +48,8 @@ def test_min_replica_is_placed_best_fit_with_shard_assignments_and_a_start_comma
             "source": "org/llama",
             "gpu_indices": [0, 1],
             "port": 20000,
-            "args": ["--max-model-len", "8192"],
+            # The engine's own context wins; the profile's max concurrency is passed as the engine's batch.
+            "args": ["--max-model-len", "8192", "--max-num-seqs", "64"],
             "env": env,  # the profile's, secrets as they are: the engine needs them (nodewire/engine_env.py)
             "host": "127.0.0.1",
             "rendezvous_port": 0,
