@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +46,9 @@ sys.path.insert(0, str(ROOT))
 from hub.contracts import EndpointRow, EndpointTable, ModelEntry  # noqa: E402
 from hub.redis_hub import RedisHub  # noqa: E402
 from tests.e2e.engines.cutter import free_port  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from budget_bench import wait_ready  # noqa: E402  (a sibling script, not a package)
 
 MODEL = "bench-model"
 EMPTY = re.compile(rb'"content":\s*""')
@@ -59,17 +61,6 @@ for name, weight, priority in SPEC:
 """
 TENANTS = [("a", 1, "standard"), ("b", 1, "standard"), ("c", 1, "standard"), ("d", 1, "standard")]
 TENANTS += [("heavy", 3, "standard"), ("light", 1, "standard"), ("chat", 1, "interactive"), ("jobs", 1, "batch")]
-
-
-def wait_ready(url: str) -> None:
-    for _ in range(300):
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not get ready")
 
 
 class Fleet:

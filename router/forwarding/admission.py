@@ -189,9 +189,9 @@ class Admission:
             tokens = int(entry.charged) if usage is None else usage[0] + usage[1]
             if state is not None:
                 state.queue.served(entry, tokens)
-            key = request.key
-            team = NO_TEAM if key is None or key.team_id is None else key.tenant
+            key, team = request.key, NO_TEAM
             if key is not None and key.team_id is not None:
+                team = key.tenant
                 self.weights[team] = key.weight
             counted = (request.model, team)
             self.served_tokens[counted] = self.served_tokens.get(counted, 0) + tokens
