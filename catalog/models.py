@@ -190,6 +190,7 @@ PROFILE_FIELD_ROWS = (
     ("engine",),
     ("gpu_class", "gpus_per_node", "nodes_per_replica"),
     ("min_replicas", "max_replicas", "target_concurrency", "max_concurrency"),
+    ("ttft_objective_seconds", "itl_objective_seconds"),
     ("priority", "pool", "weight", "idle_timeout_seconds"),
     ("max_model_len",),
     ("sleep_level", "sleep_after_seconds"),
@@ -206,7 +207,7 @@ class Profile(models.Model):
     A model's profiles are alternatives, tried in order when a replica is
     placed: a later one is used only when the ones before it have no room.
     The first profile sets the model's demand (min and max replicas, target
-    concurrency); every profile's own max caps the replicas running on it, and
+    concurrency or latency objectives); every profile's own max caps the replicas running on it, and
     each replica's priority and idle timeout are those of the profile it runs on.
     """
 
@@ -259,6 +260,22 @@ class Profile(models.Model):
         "it. Past it, each router holds the model's requests in its fair "
         "queue (priority class, then each team's weighted share) instead of the engine's first come, first served; "
         "empty = no queue in the routers.",
+    )
+    ttft_objective_seconds = models.FloatField(
+        "time to first token objective (seconds)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001, "An objective must be above 0 seconds."), MaxValueValidator(3600)],
+        help_text="The p90 of streamed answers' time to first token (queue wait included) the model should keep. "
+        "With an objective, scale-out follows the worst p90 over its objective instead of target concurrency; "
+        "empty = no objective.",
+    )
+    itl_objective_seconds = models.FloatField(
+        "inter-token objective (seconds)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0001, "An objective must be above 0 seconds."), MaxValueValidator(60)],
+        help_text="The p90 of the gaps between a streamed answer's tokens the model should keep; empty = none.",
     )
     max_model_len = models.PositiveIntegerField(
         "max model length",

@@ -50,6 +50,7 @@ from hub.records import Name as Name
 from hub.records import NonNegative as NonNegative
 from hub.records import RequestRecord as RequestRecord
 from hub.records import UnixTime as UnixTime
+from hub.windows import ModelWindow as ModelWindow
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,9 @@ class UsageReport(msgspec.Struct, kw_only=True, frozen=True):
     replica_tokens: dict[Name, dict[str, NonNegative]] = {}
     """Replica id -> key digest -> tokens served since the previous flush (ReplicaTokens); counters: they add up.
     Absent from the reports of routers older than it."""
+    windows: dict[Name, ModelWindow] = {}
+    """Public model name -> what its users felt over this router's recent window (hub.windows); replaced by each
+    report, like `in_flight`. Absent from the reports of routers older than it."""
 
 
 def checked(report: UsageReport) -> UsageReport:
@@ -235,6 +239,8 @@ class RouterMark:
     ttl: float
     in_flight: dict[str, int] = field(default_factory=dict)
     """Its last report's per-model peak in flight."""
+    windows: dict[str, ModelWindow] = field(default_factory=dict)
+    """Its last report's per-model window (hub.windows)."""
 
     def lapsed(self, now: float) -> bool:
         return now - self.renewed > self.ttl

@@ -216,7 +216,12 @@ class InProcessHub:
             # A lapse is a gap in what this router told us: its watch starts again now.
             since = previous.since if previous is not None and not previous.lapsed(now) else now
             self._marks[report.router] = RouterMark(
-                router=report.router, since=since, renewed=now, ttl=report.ttl, in_flight=dict(report.in_flight)
+                router=report.router,
+                since=since,
+                renewed=now,
+                ttl=report.ttl,
+                in_flight=dict(report.in_flight),
+                windows=dict(report.windows),
             )
 
     async def leave(self, router: str) -> None:

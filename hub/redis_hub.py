@@ -36,6 +36,7 @@ from hub.contracts import (
     EndpointTable,
     LimitCount,
     LimitCounts,
+    ModelWindow,
     ReplicaTokens,
     RequestRecord,
     RouterMark,
@@ -82,7 +83,8 @@ CONTINUATIONS_KEY = "llmgw:usage:continuations"
 RECORDS_KEY = "llmgw:usage:records"
 MAX_RECORD_BATCHES = 100_000
 
-# KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON (now and ttl as Python float reprs).
+# KEYS[1] = the marks hash; ARGV = router id, now, ttl, in-flight JSON, windows JSON (now and ttl as Python float
+# reprs).
 # `since` is kept while the router's previous mark has not lapsed, else it restarts at now. The value is
 # assembled as text rather than with cjson.encode, which would round Unix times to 14 digits.
 RENEW_MARK_LUA = """
@@ -97,7 +99,8 @@ if previous then
   end
 end
 redis.call('HSET', KEYS[1], ARGV[1],
-  '{"since": ' .. since .. ', "renewed": ' .. ARGV[2] .. ', "ttl": ' .. ARGV[3] .. ', "in_flight": ' .. ARGV[4] .. '}')
+  '{"since": ' .. since .. ', "renewed": ' .. ARGV[2] .. ', "ttl": ' .. ARGV[3] .. ', "in_flight": ' .. ARGV[4]
+  .. ', "windows": ' .. ARGV[5] .. '}')
 return since
 """
 
@@ -114,6 +117,7 @@ class _StoredMark(msgspec.Struct):
     renewed: float
     ttl: float
     in_flight: dict[str, int] = {}
+    windows: dict[str, ModelWindow] = {}
 
 
 _decode_mark = msgspec.json.Decoder(_StoredMark).decode
@@ -125,7 +129,14 @@ def _parse_mark(router: str, raw: bytes) -> RouterMark:
         mark = _decode_mark(raw)
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed watch mark of router {router!r}: {raw!r} ({exc})") from None
-    return RouterMark(router=router, since=mark.since, renewed=mark.renewed, ttl=mark.ttl, in_flight=mark.in_flight)
+    return RouterMark(
+        router=router,
+        since=mark.since,
+        renewed=mark.renewed,
+        ttl=mark.ttl,
+        in_flight=mark.in_flight,
+        windows=mark.windows,
+    )
 
 
 class _Fingerprint(msgspec.Struct):
@@ -358,7 +369,8 @@ class RedisHub:
         # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS
         # first, a second round trip per flush; Redis caches the compiled script either way.
         in_flight = msgspec.json.encode(report.in_flight).decode()
-        args = [report.router, repr(float(now)), repr(float(report.ttl)), in_flight]
+        windows = msgspec.json.encode(report.windows).decode()
+        args = [report.router, repr(float(now)), repr(float(report.ttl)), in_flight, windows]
         pipe.eval(RENEW_MARK_LUA, 1, ROUTERS_KEY, *args)
         await pipe.execute()
 

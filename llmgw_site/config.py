@@ -298,7 +298,30 @@ SETTINGS: tuple[Setting, ...] = (
         "LLMGW_SCALE_OUT_AFTER_SECONDS",
         "float",
         30.0,
-        "load above target concurrency must last this long to add a replica",
+        "load above target concurrency (or latency over the objectives) must last this long to add replicas",
+        0.0,
+    ),
+    _s(
+        "LLMGW_LATENCY_WINDOW_SECONDS",
+        "float",
+        60.0,
+        "the window of time to first token, gaps between tokens and queue waits each router reports, which objective "
+        "scaling and the operators' view read",
+        1.0,
+    ),
+    _s(
+        "LLMGW_OBJECTIVE_SCALE_UP",
+        "float",
+        0.9,
+        "a profile with objectives is over them once its worst p90 over its objective (replicas still starting "
+        "discounted) reaches this",
+        0.01,
+    ),
+    _s(
+        "LLMGW_OBJECTIVE_SCALE_DOWN",
+        "float",
+        0.6,
+        "and is over them until that falls to this (below LLMGW_OBJECTIVE_SCALE_UP: the gap is the hysteresis)",
         0.0,
     ),
     _s(

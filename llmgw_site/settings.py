@@ -304,6 +304,9 @@ LLMGW_HOST_MEMORY_SLEEP_FRACTION = setting("LLMGW_HOST_MEMORY_SLEEP_FRACTION")
 LLMGW_MAX_SWAP_WAIT_SECONDS = setting("LLMGW_MAX_SWAP_WAIT_SECONDS")
 # Load over the target concurrency must last this long before the tick adds a replica.
 LLMGW_SCALE_OUT_AFTER_SECONDS = setting("LLMGW_SCALE_OUT_AFTER_SECONDS")
+LLMGW_LATENCY_WINDOW_SECONDS = setting("LLMGW_LATENCY_WINDOW_SECONDS")
+LLMGW_OBJECTIVE_SCALE_UP = setting("LLMGW_OBJECTIVE_SCALE_UP")
+LLMGW_OBJECTIVE_SCALE_DOWN = setting("LLMGW_OBJECTIVE_SCALE_DOWN")
 # A replica created for waiting requests is withdrawn if still unplaced this long after the last ask.
 LLMGW_ACTIVATION_LINGER_SECONDS = setting("LLMGW_ACTIVATION_LINGER_SECONDS")
 # Routers get the table without a replica leaving service this long before its engine drains or sleeps.
@@ -329,6 +332,8 @@ except ValueError as exc:
     raise ImproperlyConfigured(
         f"LLMGW_VLLM_COMMAND={LLMGW_VLLM_COMMAND!r} cannot be split into arguments: {exc}"
     ) from None
+if LLMGW_OBJECTIVE_SCALE_DOWN >= LLMGW_OBJECTIVE_SCALE_UP:
+    raise ImproperlyConfigured("LLMGW_OBJECTIVE_SCALE_DOWN must be below LLMGW_OBJECTIVE_SCALE_UP")
 if LLMGW_LOST_AFTER_SECONDS < LLMGW_UNREACHABLE_AFTER_SECONDS:
     raise ImproperlyConfigured("LLMGW_LOST_AFTER_SECONDS must not be below LLMGW_UNREACHABLE_AFTER_SECONDS")
 # Traces follow the standard OTEL_* variables (telemetry/); one llmgw cannot honour stops start-up here.

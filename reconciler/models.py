@@ -213,16 +213,33 @@ class BusyPort(models.Model):
 
 
 class ModelLoad(models.Model):
-    """Requests in flight for a model, summed over the routers' last reports, and since when it is over target.
+    """Requests in flight for a model, summed over the routers' last reports, and since when it is over target;
+    what its users felt over the routers' windows (reconciler.demand.objectives).
 
     Written by the tick; `busy_since` is set while the in-flight count per ready
-    replica is above the primary profile's target concurrency, so scale-out
-    waits until the load has lasted (LLMGW_SCALE_OUT_AFTER_SECONDS).
+    replica is above the primary profile's target concurrency (with latency
+    objectives: while it is over them, reconciler.demand.objectives), so
+    scale-out waits until the load has lasted (LLMGW_SCALE_OUT_AFTER_SECONDS).
     """
 
     model = models.OneToOneField("catalog.Model", related_name="load", on_delete=models.CASCADE)
     in_flight = models.PositiveIntegerField(default=0)
     busy_since = models.DateTimeField(null=True, blank=True)
+    ttft_p90 = models.FloatField(null=True, blank=True, help_text="p90 time to first token over the window (s).")
+    itl_p90 = models.FloatField(null=True, blank=True, help_text="p90 gap between tokens over the window (s).")
+    ttft_attained = models.FloatField(
+        null=True, blank=True, help_text="Share of first tokens within the primary profile's objective."
+    )
+    itl_attained = models.FloatField(null=True, blank=True, help_text="Share of gaps within the objective.")
+    pressure = models.FloatField(
+        null=True, blank=True, help_text="The worst p90 over its objective, replicas still starting discounted."
+    )
+    queue = models.JSONField(
+        default=dict, blank=True, help_text="Class -> {waiting now, p90 wait (s) over the window} in the routers."
+    )
+    served = models.JSONField(
+        default=dict, blank=True, help_text="Team -> tokens served through the fair queue over the window."
+    )
 
     def __str__(self) -> str:
         return f"load of {self.model.name}: {self.in_flight} in flight"

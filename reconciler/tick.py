@@ -255,7 +255,7 @@ def _apply_demand(
     """Create, stop and scale replicas as demand says, counted in `report`."""
     # Idleness only while usage is known (DESIGN invariant 3); load only from a collection that worked.
     in_flight = usage.in_flight if readings.usage is not None else None
-    demand = apply_demand(activations, now, usage_known=usage.known, in_flight=in_flight)
+    demand = apply_demand(activations, now, usage_known=usage.known, in_flight=in_flight, windows=usage.windows)
     report.replicas_created, report.replicas_stopped = demand.created, demand.stopping
     report.replicas_idle_stopped, report.unknown_activations = demand.idle_stopped, demand.unknown_activations
     report.replicas_scaled_out, report.replicas_withdrawn = demand.scaled_out, demand.withdrawn

@@ -62,6 +62,7 @@ class RouterConfig:
     request_records: bool = False
     queue_max_waiting: int = 1000
     queue_max_wait_seconds: float = 120.0
+    latency_window_seconds: float = 60.0
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     router_id: str | None = None
     tracer: Tracer | None = None
@@ -69,7 +70,14 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.activation_timeout < 0:
             raise ValueError(f"activation_timeout must be >= 0, not {self.activation_timeout!r}")
-        for name in ("poll_seconds", "flush_seconds", "connect_timeout", "first_byte_timeout", "idle_timeout"):
+        for name in (
+            "poll_seconds",
+            "flush_seconds",
+            "connect_timeout",
+            "first_byte_timeout",
+            "idle_timeout",
+            "latency_window_seconds",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, not {getattr(self, name)!r}")
         if self.max_waiters < MIN_WAITERS:
@@ -100,6 +108,7 @@ class RouterConfig:
                 "request_records": int(settings.LLMGW_REQUEST_RECORD_DAYS) > 0,
                 "queue_max_waiting": int(settings.LLMGW_QUEUE_MAX_WAITING),
                 "queue_max_wait_seconds": float(settings.LLMGW_QUEUE_MAX_WAIT_SECONDS),
+                "latency_window_seconds": float(settings.LLMGW_LATENCY_WINDOW_SECONDS),
                 "kv_full_fraction": float(settings.LLMGW_KV_CACHE_FULL_FRACTION),
                 "affinity_slack": float(settings.LLMGW_PREFIX_AFFINITY_SLACK),
                 "metrics_token": settings.LLMGW_METRICS_TOKEN or "",

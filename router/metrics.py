@@ -25,14 +25,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from hub.windows import FIRST_TOKEN_BUCKETS, INTER_TOKEN_BUCKETS
 from router.endpoints.routes import RouteTable
 from router.picking.picker import Picker
 
 UNKNOWN_MODEL = "-"
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-# A first token may wait for a cold start (20-600 s), a next one tens of milliseconds.
-FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
-INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 # What a continued stream's client waits between the last chunk of the broken leg and the first of the next: 50 ms
 # steps up to half a second, where a lost replica's streams land when the fleet has room.
 CONTINUATION_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -137,6 +135,10 @@ class Histogram:
     def blank(self) -> list[Any]:
         """A series that counts nothing yet, kept nowhere: for a loop whose values turn out not to count."""
         return [[0] * (len(self.bounds) + 1), 0.0]
+
+    def counts(self) -> dict[Any, tuple[int, ...]]:
+        """Key -> its count per bucket so far (a copy)."""
+        return {key: tuple(series[0]) for key, series in self._series.copy().items()}
 
     def observe(self, key: Any, value: float) -> None:
         series = self._series.get(key)

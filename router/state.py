@@ -20,6 +20,7 @@ from router.accounting.budgets import BudgetGate
 from router.accounting.flusher import UsageFlusher
 from router.accounting.ledger import Ledger
 from router.accounting.store import TokenStore
+from router.accounting.windows import RecentWindows
 from router.background import BackgroundTasks, raise_if_cancelling
 from router.config import RouterConfig
 from router.endpoints.routes import RouteTable
@@ -77,6 +78,7 @@ class RouterState:
         self.proxy = Proxy(self.picker, self.ledger, self.metrics, self.cold_start, config, hooks, self.budgets)
         self.metrics.registry.register(AdmissionCollector(self.proxy.admission))
         self.engine_load.polled = self.proxy.admission.polled
+        self.usage.windows = RecentWindows(self.metrics.traffic, self.proxy.admission, config.latency_window_seconds)
         # Requests being proxied, watched for an overdue first byte and for clients that leave.
         self.in_flight = InFlight(self.tasks, config.first_byte_timeout, config.idle_timeout)
         self.started = False

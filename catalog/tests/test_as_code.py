@@ -92,6 +92,8 @@ def test_export_writes_the_profile_fields_in_list_order_and_nothing_learned(flee
         "max_replicas": 1,
         "target_concurrency": 8,
         "max_concurrency": None,
+        "ttft_objective_seconds": None,
+        "itl_objective_seconds": None,
         "priority": 10,
         "pool": "default",
         "weight": 1,

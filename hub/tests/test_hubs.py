@@ -22,6 +22,7 @@ from hub.contracts import (
     encode_activation,
 )
 from hub.redis_hub import ACTIVATIONS_KEY, ROUTERS_KEY
+from hub.windows import FIRST_TOKEN_BUCKETS, ModelWindow
 
 
 @pytest.fixture(params=["in-process", "redis"])
@@ -218,6 +219,16 @@ def test_a_mark_carries_the_routers_last_in_flight_peaks(clocked_hub):
     assert {name: mark.in_flight for name, mark in marks(hub).items()} == {"a": {"llama": 4}, "b": {"llama": 2}}
 
 
+def test_a_mark_carries_the_routers_last_windows(clocked_hub):
+    hub, _ = clocked_hub
+    ttft = [0] * (len(FIRST_TOKEN_BUCKETS) + 1)
+    ttft[3] = 40
+    window = ModelWindow(ttft=ttft, waiting={"batch": 2}, served={"red": 1200})
+    run(hub.report_usage(UsageReport(router="a", windows={"llama": ModelWindow(served={"red": 1})})))
+    run(hub.report_usage(UsageReport(router="a", windows={"llama": window})))
+    assert marks(hub)["a"].windows == {"llama": window}  # replaced by each report, like the peaks
+
+
 def test_a_router_leaving_or_forgotten_loses_its_mark_and_the_stamps_stay(clocked_hub):
     hub, _ = clocked_hub
     for router in ("a", "b", "c"):
@@ -238,6 +249,7 @@ def test_a_router_leaving_or_forgotten_loses_its_mark_and_the_stamps_stay(clocke
         ({"ttl": float("inf")}, "<= 86400.0 - at `$.ttl`"),
         ({"in_flight": {"llama": -1}}, ">= 0 - at `$.in_flight[...]`"),
         ({"in_flight": {"llama": 1.5}}, "Expected `int`, got `float` - at `$.in_flight[...]`"),
+        ({"windows": {"llama": ModelWindow(served={"red": -1})}}, ">= 0 - at `$.windows[...].served[...]`"),
     ],
 )
 def test_a_malformed_usage_report_is_refused_naming_the_problem(hub, fields, problem):

@@ -15,7 +15,9 @@ concurrency); the placer may run a replica on any of the model's profiles
   (`Replica.pools`), so the placer tries only the profiles in them;
 * scale-out: when the routers' requests in flight per ready replica stay
   above the target concurrency for LLMGW_SCALE_OUT_AFTER_SECONDS, one more
-  replica (up to max), with the same lifetime as an activation;
+  replica (up to max), with the same lifetime as an activation; a model whose
+  first profile sets latency objectives follows them instead
+  (reconciler.demand.objectives: how many, and the hysteresis);
 * a swap under way: a sleeper stamped as wanted (`Replica.wanted_since`, by
   `swap.wake_for_demand`) still wants waking for LLMGW_ACTIVATION_LINGER_SECONDS
   after the stamp, without waiting for the routers' next ask: the tick its
@@ -39,9 +41,10 @@ from django.conf import settings
 from django.db.models import Exists, OuterRef
 
 from catalog.models import Alias, Profile
-from hub.contracts import Activation
+from hub.contracts import Activation, ModelWindow
 from reconciler.choices import AWAKE_STATES, WANTED_STATES, ReplicaState
 from reconciler.demand.idle import Idle
+from reconciler.demand.objectives import Felt, has_objectives, step
 from reconciler.hibernate.tier import SleepRequest, idle_sleepers, put_to_sleep
 from reconciler.lifecycle.replica_rows import FleetCensus, ReplicaRow
 from reconciler.lifecycle.transitions import StopRequest, stop_replicas
@@ -125,13 +128,17 @@ class _ModelDemand:
 
 
 def apply_demand(
-    activations: set[Activation], now: datetime, *, usage_known: bool = True, in_flight: dict[str, int] | None = None
+    activations: set[Activation],
+    now: datetime,
+    *,
+    usage_known: bool = True,
+    in_flight: dict[str, int] | None = None,
+    windows: dict[str, ModelWindow] | None = None,
 ) -> DemandOutcome:
     """Apply demand for every model; see the module docstring. A constant number of queries.
 
-    `usage_known`: whether idleness may be acted on this tick. `in_flight`: the
-    routers' requests in flight per model name (None when usage could not be
-    collected: load is then left as it was).
+    `usage_known`: whether idleness may be acted on this tick. `in_flight` and `windows`: the routers' requests in
+    flight and windows (hub.windows) per model name (None when usage could not be collected: load is left as it was).
     """
     outcome = DemandOutcome()
     models, lapsed, outcome.census = _read_models(now)
@@ -156,7 +163,7 @@ def apply_demand(
             to_sleep.extend(idle_sleepers(demand.profiles, [r for r in wanted if r.pk not in stopped], busy, now))
 
     if in_flight is not None:
-        outcome.scaled_out = _scale_out(models, in_flight, now, to_create, renew, linger)
+        outcome.scaled_out = _scale_out(models, _Loads(in_flight, windows or {}), now, to_create, renew, linger)
     if activations:
         to_create.extend(_activate(activations, models, renew, linger, outcome))
     _swaps_under_way(models, now, outcome)
@@ -279,13 +286,14 @@ def _idle_beyond_timeout(
 
 def _scale_out(
     models: dict[int, _ModelDemand],
-    in_flight: dict[str, int],
+    load_of: _Loads,
     now: datetime,
     to_create: list[Replica],
     renew: list[int],
     linger: datetime,
 ) -> int:
-    """Record each model's load; add a replica to models whose load per ready replica stayed above target.
+    """Record each model's load and what its users felt; add replicas to models whose load per ready replica
+    stayed above target or, with objectives, that stayed over them (reconciler.demand.objectives).
 
     Two queries at most (read the loads, write the changed ones) plus one per new load row batch.
     """
@@ -298,44 +306,93 @@ def _scale_out(
         primary = demand.primary
         if not primary.model.enabled:
             continue
-        current = in_flight.get(primary.model.name, 0)
-        wanted = demand.wanted()
-        ready = sum(1 for r in wanted if r.state == ReplicaState.READY)
-        over = ready > 0 and current > ready * primary.target_concurrency
+        current, felt = load_of.in_flight.get(primary.model.name, 0), load_of.felt(primary)
         load = loads.get(model_id)
         if load is None:
-            if not current:
+            if not current and felt == Felt():
                 continue
-            load = ModelLoad(model_id=model_id, in_flight=current)
+            load = ModelLoad(model_id=model_id)
             created.append(load)
-        before = (load.in_flight, load.busy_since)
+        before = _load_fields(load)
+        wanted = demand.wanted()
+        coming = [r for r in wanted if r.state in (ReplicaState.PENDING, ReplicaState.STARTING)]
+        over, add = _over(primary, load, felt, current, wanted, len(coming))
         load.in_flight = current
         if not over:
             load.busy_since = None
         elif load.busy_since is None:
             load.busy_since = now
-        coming = [r for r in wanted if r.state in (ReplicaState.PENDING, ReplicaState.STARTING)]
         busy_since = load.busy_since
-        if (
-            over
-            and not coming
-            and busy_since is not None
-            and now - busy_since >= after
-            and len(wanted) < primary.max_replicas
-        ):
-            to_create.append(Replica(model_id=model_id, profile=primary, demand_until=linger))
+        add = min(add, primary.max_replicas - len(wanted))
+        if add > 0 and busy_since is not None and now - busy_since >= after:
+            to_create.extend(Replica(model_id=model_id, profile=primary, demand_until=linger) for _ in range(add))
             load.busy_since = now  # the next replica waits for the load to last again
-            scaled += 1
-            log.info("scaling %s out: %d requests in flight on %d ready replicas", primary.model.name, current, ready)
+            scaled += add
+            log.info("scaling %s out by %d: %s", primary.model.name, add, _why(load, current))
         elif over:
             renew.extend(r.pk for r in coming if r.demand_until is not None)
-        if load.pk is not None and (load.in_flight, load.busy_since) != before:
+        if load.pk is not None and _load_fields(load) != before:
             changed.append(load)
     if created:
         ModelLoad.objects.bulk_create(created)
     if changed:
-        ModelLoad.objects.bulk_update(changed, ["in_flight", "busy_since"])
+        ModelLoad.objects.bulk_update(changed, _LOAD_FIELDS)
     return scaled
+
+
+@dataclass(frozen=True)
+class _Loads:
+    """What the routers reported: requests in flight and windows per public model name."""
+
+    in_flight: dict[str, int]
+    windows: dict[str, ModelWindow]
+
+    def felt(self, primary: Profile) -> Felt:
+        return Felt.of(primary, self.windows.get(primary.model.name))
+
+
+_LOAD_FIELDS = [
+    "in_flight",
+    "busy_since",
+    "ttft_p90",
+    "itl_p90",
+    "ttft_attained",
+    "itl_attained",
+    "pressure",
+    "queue",
+    "served",
+]
+
+
+def _load_fields(load: ModelLoad) -> tuple:
+    return tuple(getattr(load, name) for name in _LOAD_FIELDS)
+
+
+def _over(
+    primary: Profile, load: ModelLoad, felt: Felt, current: int, wanted: list[ReplicaRow], coming: int
+) -> tuple[bool, int]:
+    """Whether the model is over its target (or objectives) now, and the replicas to add once that has lasted;
+    records what its users felt on `load`."""
+    ready = sum(1 for r in wanted if r.state == ReplicaState.READY)
+    load.ttft_p90, load.itl_p90 = felt.ttft_p90, felt.itl_p90
+    load.ttft_attained, load.itl_attained = felt.ttft_attained, felt.itl_attained
+    load.queue, load.served = felt.queue, felt.served
+    if has_objectives(primary):
+        was_over = load.busy_since is not None
+        up, down = settings.LLMGW_OBJECTIVE_SCALE_UP, settings.LLMGW_OBJECTIVE_SCALE_DOWN
+        objective = step(felt.ratio, ready, coming, was_over, up, down)
+        load.pressure = objective.pressure
+        return objective.over, objective.add
+    load.pressure = None
+    over = ready > 0 and current > ready * primary.target_concurrency
+    # One at a time, and none while one is on its way: its share of the load is not known yet.
+    return over, 1 if over and not coming else 0
+
+
+def _why(load: ModelLoad, current: int) -> str:
+    if load.pressure is not None:
+        return f"p90 at {load.pressure:.2f} of its objective (replicas starting discounted)"
+    return f"{current} requests in flight over its target concurrency"
 
 
 def _activate(

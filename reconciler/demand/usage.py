@@ -16,7 +16,8 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.db.models import F
 
-from hub.contracts import ADAPTER_STAMP_SEPARATOR, RouterMark, UsageSnapshot
+from hub.contracts import ADAPTER_STAMP_SEPARATOR, ModelWindow, RouterMark, UsageSnapshot
+from hub.windows import merged
 from reconciler.models import Replica, UsageWatch
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ class UsageVerdict:
     stopped for idleness or evicted, and `reason` says why. `watching_since`
     (Unix time, None when unknown) is when the current unbroken watch began,
     for `mark_unused_since_ready`. `in_flight` sums live routers' peaks per
-    public model; `gone` lists routers silent past LLMGW_ROUTER_FORGET_SECONDS,
-    whose marks the tick drops after commit.
+    public model, and `windows` their windows (hub.windows); `gone` lists routers
+    silent past LLMGW_ROUTER_FORGET_SECONDS, whose marks the tick drops after commit.
     """
 
     known: bool
@@ -85,6 +86,7 @@ class UsageVerdict:
     watching_since: float | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
     gone: list[str] = field(default_factory=list)
+    windows: dict[str, ModelWindow] = field(default_factory=dict)
 
 
 def assess_usage(snapshot: UsageSnapshot | None, error: str, now: datetime) -> UsageVerdict:
@@ -114,9 +116,13 @@ def assess_usage(snapshot: UsageSnapshot | None, error: str, now: datetime) -> U
         reason = _incomplete_reason(silent, live, at)
 
     in_flight: dict[str, int] = {}
+    by_model: dict[str, list[ModelWindow]] = {}
     for mark in live:
         for model, count in mark.in_flight.items():
             in_flight[model] = in_flight.get(model, 0) + count
+        for model, window in mark.windows.items():
+            by_model.setdefault(model, []).append(window)
+    windows = {model: merged(found) for model, found in by_model.items()}
 
     complete_since: datetime | None = None
     if not reason:
@@ -128,10 +134,10 @@ def assess_usage(snapshot: UsageSnapshot | None, error: str, now: datetime) -> U
             reason = f"waiting {grace:g} s after usage became complete for routers to flush what they held"
     _record(watch, complete_since, reason, now)
     if reason:
-        return UsageVerdict(False, reason, None, in_flight, gone)
+        return UsageVerdict(False, reason, None, in_flight, gone, windows)
     assert complete_since is not None
     newest = max(mark.since for mark in live)
-    return UsageVerdict(True, "", max(complete_since.timestamp(), newest), in_flight, gone)
+    return UsageVerdict(True, "", max(complete_since.timestamp(), newest), in_flight, gone, windows)
 
 
 def _incomplete_reason(silent: list[RouterMark], live: list[RouterMark], at: float) -> str:

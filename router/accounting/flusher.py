@@ -5,7 +5,8 @@ same step as the pick); this flusher swaps the maps out once per `flush_seconds`
 hands them to the hub as one `UsageReport` — last-use stamps, per-model
 in-flight peaks, requests and tokens per API key and model with each key's
 last use (router.accounting.usage_reader), answers whose engine broke off per model
-(router.accounting.continuations), and this router's watch mark renewed — so the cost
+(router.accounting.continuations), each model's recent window (router.accounting.windows),
+and this router's watch mark renewed — so the cost
 follows time, replicas, keys and models, never traffic.
 """
 
@@ -19,6 +20,7 @@ import socket
 
 from hub.contracts import UsageExchange, UsageReport
 from router.accounting.ledger import Ledger
+from router.accounting.windows import RecentWindows
 from router.background import raise_if_cancelling
 from router.metrics import RouterMetrics
 
@@ -53,6 +55,8 @@ class UsageFlusher:
         # Long enough to survive a late flush or two, short enough that a dead router is noticed.
         self.watch_ttl = max(3 * flush_seconds, 3.0)
         self._failing = False
+        # What users felt of each model lately (router.accounting.windows); set once the proxy exists.
+        self.windows: RecentWindows | None = None
 
     async def run(self) -> None:
         """Flush every `flush_seconds`, until cancelled."""
@@ -83,6 +87,7 @@ class UsageFlusher:
             continuations=self.ledger.continuations.take(),
             records=self.ledger.take_records(),
             replica_tokens=self.ledger.tokens.take_replicas(),
+            windows=self.windows.take() if self.windows is not None else {},
         )
         try:
             await self.hub.report_usage(report)

@@ -39,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hub.priority import NAMES, RANKS, STANDARD
+from hub.windows import QUEUE_WAIT_BUCKETS
 from router.endpoints.table import Endpoint
 from router.errors import RouterError
 from router.forwarding.asgi_io import Scope
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 KEEPALIVE_COMMENT = b": waiting for capacity of this model\n\n"
 PRIORITY_HEADER = b"llmgw-priority"
-WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 NO_TEAM = "(no team)"
 
 
@@ -93,7 +93,7 @@ class Admission:
             "How long requests waited in a full model's fair queue, by class, observed when they left it (served, "
             "refused or the client gone).",
             ("model", "class"),
-            WAIT_BUCKETS,
+            QUEUE_WAIT_BUCKETS,
         )
         self.refused: dict[tuple[str, str, str], int] = {}  # (model, class, why) -> requests refused
         self.served_tokens: dict[tuple[str, str], int] = {}  # (model, team) -> tokens of answers that waited

@@ -1,0 +1,132 @@
+"""Scaling on what users feel: a profile's latency objectives against the routers' windows (hub.windows).
+
+A profile may set objectives for the p90 of streamed answers' time to first
+token (queue wait and holds included) and of the gaps between their tokens.
+The tick sums the live routers' windows for the model (`Felt.of`), reads each
+p90 from the summed bucket counts, and takes the worst p90 over its objective:
+the model's ratio. Its pressure is that ratio with the replicas still starting
+discounted (ratio × ready / (ready + starting)): the load they will take is
+already on its way, so it is not answered twice.
+
+The rule (`step`), with hysteresis so a p90 that wavers around its objective
+neither adds replicas nor restarts the clock on every wobble:
+
+* the model is over its objectives from the tick its pressure reaches
+  LLMGW_OBJECTIVE_SCALE_UP until it falls to LLMGW_OBJECTIVE_SCALE_DOWN;
+* once over for LLMGW_SCALE_OUT_AFTER_SECONDS, a tick whose pressure is at
+  least the up threshold adds the replicas that would bring the ratio down to
+  it were latency to follow load per replica (ceil(ready × ratio / up), less
+  those ready and starting), at least one and at most as many as are ready
+  (doubling at most per step: latency in a queue grows faster than load, so
+  the ratio overstates what is missing), up to the model's max;
+* with fewer than MIN_OBSERVATIONS first tokens (and gaps) in the window a p90
+  says nothing: no reading, not over.
+
+Without objectives the concurrency rule stays (reconciler.demand.scaling).
+Scale-in stays idle-based.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from catalog.models import Profile
+from hub.windows import (
+    FIRST_TOKEN_BUCKETS,
+    INTER_TOKEN_BUCKETS,
+    QUEUE_WAIT_BUCKETS,
+    ModelWindow,
+    quantile,
+    share_within,
+)
+
+MIN_OBSERVATIONS = 20
+"""Observations a window needs before its p90 is read (a p90 of a handful of streams is noise)."""
+P90 = 0.9
+
+
+def has_objectives(profile: Profile) -> bool:
+    return profile.ttft_objective_seconds is not None or profile.itl_objective_seconds is not None
+
+
+@dataclass(frozen=True)
+class Felt:
+    """One model's figures over the live routers' windows, against its primary profile's objectives (None: not
+    enough seen, or no objective)."""
+
+    ttft_p90: float | None = None
+    itl_p90: float | None = None
+    ttft_attained: float | None = None
+    """Share of first tokens within the TTFT objective."""
+    itl_attained: float | None = None
+    ratio: float | None = None
+    """The worst p90 over its objective; None without an objective or enough observations."""
+    queue: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Class -> {"waiting": requests waiting now, "wait_p90": seconds (when any left the queue)}."""
+    served: dict[str, int] = field(default_factory=dict)
+    """Team -> tokens served through the fair queue over the window."""
+
+    @classmethod
+    def of(cls, profile: Profile, window: ModelWindow | None) -> Felt:
+        if window is None:
+            return cls()
+        ttft = _p90(window.ttft, FIRST_TOKEN_BUCKETS)
+        itl = _p90(window.itl, INTER_TOKEN_BUCKETS)
+        ratios = []
+        ttft_attained = itl_attained = None
+        if (objective := profile.ttft_objective_seconds) is not None and ttft is not None:
+            ratios.append(ttft / objective)
+            ttft_attained = share_within(window.ttft, FIRST_TOKEN_BUCKETS, objective)
+        if (objective := profile.itl_objective_seconds) is not None and itl is not None:
+            ratios.append(itl / objective)
+            itl_attained = share_within(window.itl, INTER_TOKEN_BUCKETS, objective)
+        return cls(
+            ttft_p90=ttft,
+            itl_p90=itl,
+            ttft_attained=ttft_attained,
+            itl_attained=itl_attained,
+            ratio=max(ratios) if ratios else None,
+            queue=_queue(window),
+            served=dict(window.served),
+        )
+
+
+def _p90(counts: list[int], bounds: tuple[float, ...]) -> float | None:
+    return quantile(counts, bounds, P90) if sum(counts) >= MIN_OBSERVATIONS else None
+
+
+def _queue(window: ModelWindow) -> dict[str, dict[str, float]]:
+    queue: dict[str, dict[str, float]] = {}
+    for name, count in window.waiting.items():
+        queue.setdefault(name, {})["waiting"] = count
+    for name, counts in window.waits.items():
+        wait = quantile(counts, QUEUE_WAIT_BUCKETS, P90)
+        if wait is not None:
+            queue.setdefault(name, {"waiting": 0})["wait_p90"] = round(wait, 3)
+    for figures in queue.values():
+        figures.setdefault("waiting", 0)
+    return queue
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the objectives say this tick: whether the model is over them, its pressure, and the replicas to add
+    once it has been over long enough."""
+
+    over: bool
+    pressure: float | None
+    add: int
+
+
+def step(ratio: float | None, ready: int, starting: int, was_over: bool, up: float, down: float) -> Step:
+    """The objectives' rule (the module docstring) for a model with `ready` replicas serving and `starting` ones
+    on their way, over its objectives until now if `was_over`."""
+    if ratio is None or not ready:
+        return Step(False, None, 0)
+    pressure = ratio * ready / (ready + starting)
+    over = pressure >= up or (was_over and pressure > down)
+    if pressure < up:
+        return Step(over, pressure, 0)
+    missing = math.ceil(ready * ratio / up) - (ready + starting)
+    return Step(over, pressure, min(max(missing, 1), ready))

@@ -1,0 +1,196 @@
+"""Scaling on what users feel: latency objectives against the routers' windows, with hysteresis, starting replicas
+discounted, and what the tick records for the operators' view."""
+
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.utils import timezone
+
+from hub import get_hub
+from hub.contracts import UsageReport
+from hub.windows import FIRST_TOKEN_BUCKETS, INTER_TOKEN_BUCKETS, QUEUE_WAIT_BUCKETS, ModelWindow
+from reconciler.choices import ReplicaState
+from reconciler.demand.objectives import MIN_OBSERVATIONS, step
+from reconciler.demand.scaling import apply_demand
+from reconciler.models import ModelLoad, Replica
+from tests.fleet import make_model, make_node, make_replica
+
+UP, DOWN = 0.9, 0.6
+
+
+def ttft_window(seconds: float, count: int = 100, **more) -> ModelWindow:
+    """`count` first tokens, all in the bucket whose upper bound is `seconds`."""
+    counts = [0] * (len(FIRST_TOKEN_BUCKETS) + 1)
+    counts[FIRST_TOKEN_BUCKETS.index(seconds)] = count
+    return ModelWindow(ttft=counts, **more)
+
+
+# -- the rule, as a pure function ----------------------------------------------------------------
+
+
+def test_a_ratio_reaching_the_up_threshold_is_over_and_asks_for_the_replicas_that_bring_it_down():
+    decided = step(1.8, ready=2, starting=0, was_over=False, up=UP, down=DOWN)
+    assert decided.over and decided.pressure == pytest.approx(1.8)
+    assert decided.add == 2  # ceil(2 × 1.8 / 0.9) = 4 replicas: 2 more
+
+
+def test_one_step_at_most_doubles_the_ready_replicas():
+    assert step(10.0, ready=2, starting=0, was_over=False, up=UP, down=DOWN).add == 2
+    assert step(0.95, ready=1, starting=0, was_over=False, up=UP, down=DOWN).add == 1  # at least one
+
+
+def test_replicas_still_starting_are_discounted_from_the_pressure():
+    decided = step(1.2, ready=2, starting=1, was_over=False, up=UP, down=DOWN)
+    assert decided.pressure == pytest.approx(0.8)  # 1.2 × 2 / 3: the one starting will take its share
+    assert not decided.over and decided.add == 0
+
+
+def test_between_the_thresholds_a_model_over_stays_over_without_adding_and_one_below_stays_below():
+    held = step(0.7, ready=2, starting=0, was_over=True, up=UP, down=DOWN)
+    assert held.over and held.add == 0
+    assert not step(0.7, ready=2, starting=0, was_over=False, up=UP, down=DOWN).over
+    assert not step(0.6, ready=2, starting=0, was_over=True, up=UP, down=DOWN).over  # fell to the down threshold
+
+
+def test_no_reading_or_no_ready_replica_is_never_over():
+    assert step(None, ready=2, starting=0, was_over=True, up=UP, down=DOWN).over is False
+    assert step(3.0, ready=0, starting=1, was_over=True, up=UP, down=DOWN).over is False
+
+
+# -- the tick -----------------------------------------------------------------------------------
+
+
+def model_with_objectives(*, ttft=1.0, itl=None, ready=1, max_replicas=6):
+    node = make_node("gpu-a")
+    model = make_model("llama", min_replicas=1, max_replicas=max_replicas)
+    profile = model.profiles.get()
+    profile.ttft_objective_seconds, profile.itl_objective_seconds = ttft, itl
+    profile.save()
+    for gpu in range(ready):
+        make_replica(profile, placement=[(node, [gpu])], last_used=timezone.now())
+    return model
+
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_model_over_its_objective_for_long_enough_scales_out_by_what_the_ratio_asks(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 30
+    model = model_with_objectives(ttft=1.0, ready=2)
+    start = timezone.now()
+    slow = {"llama": ttft_window(2.5)}  # p90 between 1 s and 2.5 s: 2.35 s, ratio 2.35
+
+    assert apply_demand(set(), start, in_flight={"llama": 1}, windows=slow).scaled_out == 0
+    load = ModelLoad.objects.get(model=model)
+    assert load.busy_since == start and load.pressure == pytest.approx(2.35)
+    assert load.ttft_p90 == pytest.approx(2.35) and load.ttft_attained == 0.0
+
+    # In flight far below target concurrency: only the objective speaks.
+    assert apply_demand(set(), start + timedelta(seconds=30), in_flight={"llama": 1}, windows=slow).scaled_out == 2
+    assert Replica.objects.filter(model=model, state=ReplicaState.PENDING).count() == 2
+
+
+def test_a_wobble_between_the_thresholds_does_not_restart_the_wait(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 30
+    model = model_with_objectives(ttft=1.0, ready=2)
+    start = timezone.now()
+    slow = {"llama": ttft_window(2.5)}
+    middling = {"llama": _mixed(fast=80, slow=20)}  # p90 ~0.75 s: between the thresholds
+
+    apply_demand(set(), start, in_flight={}, windows=slow)
+    assert apply_demand(set(), start + timedelta(seconds=10), in_flight={}, windows=middling).scaled_out == 0
+    assert ModelLoad.objects.get(model=model).busy_since == start  # still over: the clock kept running
+    assert apply_demand(set(), start + timedelta(seconds=30), in_flight={}, windows=slow).scaled_out > 0
+
+
+def _mixed(fast: int, slow: int) -> ModelWindow:
+    counts = [0] * (len(FIRST_TOKEN_BUCKETS) + 1)
+    counts[FIRST_TOKEN_BUCKETS.index(0.5)] = fast
+    counts[FIRST_TOKEN_BUCKETS.index(1)] = slow
+    return ModelWindow(ttft=counts)
+
+
+def test_falling_to_the_down_threshold_ends_the_wait(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 30
+    model = model_with_objectives(ttft=1.0, ready=2)
+    start = timezone.now()
+    apply_demand(set(), start, in_flight={}, windows={"llama": ttft_window(2.5)})
+    apply_demand(set(), start + timedelta(seconds=10), in_flight={}, windows={"llama": ttft_window(0.5)})
+    assert ModelLoad.objects.get(model=model).busy_since is None
+
+
+def test_too_few_first_tokens_say_nothing(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
+    model = model_with_objectives(ttft=1.0, ready=1)
+    few = {"llama": ttft_window(600, count=MIN_OBSERVATIONS - 1)}
+    assert apply_demand(set(), timezone.now(), in_flight={"llama": 1}, windows=few).scaled_out == 0
+    load = ModelLoad.objects.get(model=model)
+    assert load.pressure is None and load.ttft_p90 is None and load.busy_since is None
+
+
+def test_the_inter_token_objective_counts_too_and_the_worst_ratio_wins(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
+    model = model_with_objectives(ttft=10.0, itl=0.05, ready=1)
+    gaps = [0] * (len(INTER_TOKEN_BUCKETS) + 1)
+    gaps[INTER_TOKEN_BUCKETS.index(0.1)] = 200  # p90 0.0975 s against 0.05 s
+    window = ModelWindow(ttft=ttft_window(0.5).ttft, itl=gaps)
+    assert apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": window}).scaled_out == 1
+    load = ModelLoad.objects.get(model=model)
+    assert load.pressure == pytest.approx(0.0975 / 0.05) and load.itl_attained == 0.0 and load.ttft_attained == 1.0
+
+
+def test_a_model_without_objectives_keeps_the_concurrency_rule(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
+    model = model_with_objectives(ttft=None, ready=1)
+    model.profiles.update(target_concurrency=4)
+    slow = {"llama": ttft_window(600)}
+    assert apply_demand(set(), timezone.now(), in_flight={"llama": 2}, windows=slow).scaled_out == 0
+    assert apply_demand(set(), timezone.now(), in_flight={"llama": 9}, windows=slow).scaled_out == 1
+    load = ModelLoad.objects.get(model=model)
+    assert load.pressure is None and load.ttft_p90 == pytest.approx(570.0)  # still shown to operators
+
+
+def test_scale_out_on_objectives_stops_at_max_replicas(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
+    model = model_with_objectives(ttft=1.0, ready=2, max_replicas=3)
+    assert apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": ttft_window(5)}).scaled_out == 1
+    assert Replica.objects.filter(model=model).count() == 3
+
+
+def test_the_queue_and_served_tokens_are_recorded_for_the_operators_view(settings):
+    model = model_with_objectives(ttft=None, ready=1)
+    waits = [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
+    waits[QUEUE_WAIT_BUCKETS.index(1)] = 10
+    window = ModelWindow(waiting={"batch": 7}, waits={"interactive": waits}, served={"red": 900, "blue": 300})
+    apply_demand(set(), timezone.now(), in_flight={"llama": 3}, windows={"llama": window})
+    load = ModelLoad.objects.get(model=model)
+    assert load.queue == {"batch": {"waiting": 7}, "interactive": {"waiting": 0, "wait_p90": 0.95}}
+    assert load.served == {"red": 900, "blue": 300}
+
+
+def test_objective_scaling_runs_a_constant_number_of_queries(settings, django_assert_max_num_queries):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
+    model_with_objectives(ttft=1.0, ready=2)
+    for i in range(5):
+        make_model(f"other-{i}", min_replicas=0).profiles.update(ttft_objective_seconds=1.0)
+    windows = {"llama": ttft_window(5), **{f"other-{i}": ttft_window(5) for i in range(5)}}
+    apply_demand(set(), timezone.now(), in_flight={}, windows=windows)
+    with django_assert_max_num_queries(6):
+        apply_demand(set(), timezone.now(), in_flight={}, windows=windows)
+
+
+def test_the_tick_reads_the_p90_from_every_live_routers_window_summed(run_tick):
+    """Two routers' windows add up bucket by bucket: a p90 of the summed counts, not an average of each one's."""
+    model = model_with_objectives(ttft=10.0, ready=1)
+    hub = get_hub()
+    fast = ttft_window(0.5, count=80)
+    slow = ttft_window(5, count=20)
+    async_to_sync(hub.report_usage)(UsageReport(router="a", windows={"llama": fast}))
+    async_to_sync(hub.report_usage)(UsageReport(router="b", windows={"llama": slow}))
+
+    run_tick()
+
+    load = ModelLoad.objects.get(model=model)
+    assert load.ttft_p90 == pytest.approx(2.5 + 2.5 * 0.5)  # rank 90 of 100: the middle of the slow bucket
+    assert load.ttft_attained == 1.0
