@@ -83,6 +83,7 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         ),
         **_adapter_families(),
         **_team_families(),
+        **_felt_families(),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
 
@@ -114,6 +115,70 @@ def _adapter_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             labels=["replica", "model"],
         ),
     }
+
+
+def _felt_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    return {
+        "felt_p90": GaugeMetricFamily(
+            "llmgw_model_latency_p90_seconds",
+            "p90 over the routers' last window (LLMGW_LATENCY_WINDOW_SECONDS) of streamed answers' time to first "
+            "token (`ttft`, queue wait included) and gaps between tokens (`itl`), per model.",
+            labels=["model", "latency"],
+        ),
+        "felt_objective": GaugeMetricFamily(
+            "llmgw_model_latency_objective_seconds",
+            "The model's first profile's p90 objective for time to first token (`ttft`) or gaps between tokens.",
+            labels=["model", "latency"],
+        ),
+        "felt_attained": GaugeMetricFamily(
+            "llmgw_model_objective_attainment_ratio",
+            "Share of first tokens (`ttft`) or gaps (`itl`) within the objective over the routers' last window.",
+            labels=["model", "latency"],
+        ),
+        "felt_pressure": GaugeMetricFamily(
+            "llmgw_model_objective_pressure",
+            "The worst p90 over its objective, replicas still starting discounted: scale-out acts at "
+            "LLMGW_OBJECTIVE_SCALE_UP.",
+            labels=["model"],
+        ),
+        "queue_waiting": GaugeMetricFamily(
+            "llmgw_model_queue_waiting",
+            "Requests waiting in the routers' fair queues for a full model, summed over the routers, by class.",
+            labels=["model", "class"],
+        ),
+        "queue_wait_p90": GaugeMetricFamily(
+            "llmgw_model_queue_wait_p90_seconds",
+            "p90 wait of the requests that left a model's fair queues over the routers' last window, by class.",
+            labels=["model", "class"],
+        ),
+        "team_share": GaugeMetricFamily(
+            "llmgw_model_team_token_share",
+            "Each team's share of the tokens a model served through its fair queues over the routers' last window "
+            "(`served`) and the share its weight asks for (`weighted`).",
+            labels=["model", "team", "share"],
+        ),
+    }
+
+
+def _felt(summary: ClusterSummary, families: dict[str, GaugeMetricFamily | CounterMetricFamily]) -> None:
+    """What users felt per model (ClusterSummary.felt): a series only for the figures the window had."""
+    for m in summary.felt:
+        for latency, p90, objective, attained in (
+            ("ttft", m.ttft_p90_seconds, m.ttft_objective_seconds, m.ttft_attained),
+            ("itl", m.itl_p90_seconds, m.itl_objective_seconds, m.itl_attained),
+        ):
+            for family, value in (("felt_p90", p90), ("felt_objective", objective), ("felt_attained", attained)):
+                if value is not None:
+                    families[family].add_metric([m.model, latency], value)
+        if m.pressure is not None:
+            families["felt_pressure"].add_metric([m.model], m.pressure)
+        for queue in m.queue:
+            families["queue_waiting"].add_metric([m.model, queue.name], queue.waiting)
+            if queue.wait_p90_seconds is not None:
+                families["queue_wait_p90"].add_metric([m.model, queue.name], queue.wait_p90_seconds)
+        for share in m.shares:
+            families["team_share"].add_metric([m.model, share.team, "served"], share.share)
+            families["team_share"].add_metric([m.model, share.team, "weighted"], share.weighted_share)
 
 
 def _team_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -230,6 +295,7 @@ class FleetCollector(Collector):
         _sleepers(summary.replica_list, families)
         _adapters(summary, families)
         _teams(teams, families)
+        _felt(summary, families)
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens

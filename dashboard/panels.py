@@ -14,9 +14,11 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Sum
 from django.utils import timezone
 
+from dashboard.status_text import FELT_HEADERS, felt_row
 from dashboard.summary_types import ClusterSummary
 from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
@@ -148,8 +150,8 @@ def _width(value: int, top: int) -> int:
 
 
 def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
-    """Template context the panels add to the summary: human times, the short leader id, failed, usage, and the
-    start of the continuations' window as a datetime."""
+    """Template context the panels add to the summary: human times, the short leader id, failed, usage, the
+    start of the continuations' window as a datetime, and what users felt as ctl_status prints it."""
     now = now or timezone.now()
     leader = summary.leader
     lease = None
@@ -168,4 +170,7 @@ def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
         "usage_chart": usage_by_model(now),
         "usage_since": humanize_ago(summary.usage.since, now),
         "continuations_since": _as_datetime(summary.continuations.since),
+        "felt_headers": FELT_HEADERS,
+        "felt_rows": [(felt_row(model), model) for model in summary.felt],
+        "felt_window": f"{settings.LLMGW_LATENCY_WINDOW_SECONDS:g} s",
     }

@@ -37,6 +37,9 @@ count on the models' query, and the loads by replica and state.
 `continuations` are the answers whose engine broke off over the last hour, per model: continued, ended with an
 error, refused, and the prompt tokens re-read, from the hourly rows the tick stores (`keys.models.ContinuationHour`)
 over the same window as the dashboard's usage chart (`dashboard.panels.usage_window_start`). One query, summed in SQL.
+
+`felt` is what each model's users felt over the routers' last window (`dashboard.felt`): latency against
+its objectives, its fair queues, each team's share of what went through them. One query.
 """
 
 from collections import Counter, defaultdict
@@ -52,6 +55,7 @@ from django.utils import timezone
 from catalog.models import Model
 from dashboard.panels import usage_window_start
 from dashboard.stoppable import what_can_i_stop
+from dashboard.felt import models_felt
 from dashboard.summary_gpus import free_nodes, tally_gpus
 from dashboard.summary_types import (
     AdapterCounts,
@@ -299,9 +303,10 @@ def _continuations(now: datetime) -> Continuations:
 def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     """The state of the fleet; see the module docstring.
 
-    Nine queries whatever the fleet size: lease, GPUs, nodes, weights, models
+    Ten queries whatever the fleet size: lease, GPUs, nodes, weights, models
     (with their adapters counted), replicas, shards (with their GPU counts),
-    adapter loads (counted per replica and state), continuations (summed per model) — and nothing per row; plus
+    adapter loads (counted per replica and state), continuations (summed per model), what users felt
+    (`dashboard.felt`) — and nothing per row; plus
     "what can I stop" (`stoppable.what_can_i_stop`, on the placer's records of
     the GPUs read here): one more when usage is unknown, at most seven more
     otherwise.
@@ -341,4 +346,5 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
         idle_held_gpus=stop.idle_held_gpus,
         stoppable=stop.stoppable,
         continuations=_continuations(now),
+        felt=models_felt(),
     )

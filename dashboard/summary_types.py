@@ -320,6 +320,54 @@ class Continuations:
 
 
 @dataclass(frozen=True)
+class QueueClass:
+    """One priority class of a model's fair queues, summed over the routers."""
+
+    name: str
+    waiting: int
+    """Requests waiting now."""
+    wait_p90_seconds: float | None
+    """p90 of the waits of requests that left the queue over the window (None: none left it)."""
+
+
+@dataclass(frozen=True)
+class TeamShare:
+    """One team's share of the tokens a model served through its fair queues over the window, against its weight."""
+
+    team: str
+    tokens: int
+    share: float
+    """Its tokens over every team's."""
+    weight: int
+    weighted_share: float
+    """Its weight over the weights of the teams served: the share fairness aims at when all of them want more."""
+
+
+@dataclass(frozen=True)
+class ModelFelt:
+    """What a model's users felt over the routers' last window (LLMGW_LATENCY_WINDOW_SECONDS), as the tick last
+    recorded it (reconciler.demand.objectives): p90 time to first token and gap between tokens against the primary
+    profile's objectives, the share of each within its objective, the pressure objective scaling acts on, its fair
+    queues per class, and each team's share of what went through them."""
+
+    model: str
+    ttft_p90_seconds: float | None
+    ttft_objective_seconds: float | None
+    ttft_attained: float | None
+    itl_p90_seconds: float | None
+    itl_objective_seconds: float | None
+    itl_attained: float | None
+    pressure: float | None
+    """The worst p90 over its objective, replicas still starting discounted; scale-out at LLMGW_OBJECTIVE_SCALE_UP."""
+    queue: list[QueueClass]
+    shares: list[TeamShare]
+
+    @property
+    def waiting(self) -> int:
+        return sum(q.waiting for q in self.queue)
+
+
+@dataclass(frozen=True)
 class ClusterSummary:
     """The state of the fleet: the same data as `ctl_status`, the dashboard, `/api/v1/status` and the metrics."""
 
@@ -340,6 +388,8 @@ class ClusterSummary:
     idle_held_gpus: IdleHeld
     stoppable: list[StopCandidate]
     continuations: Continuations
+    felt: list[ModelFelt]
+    """Models whose users' figures the routers reported over the last window: the most pressed first."""
 
     def as_json(self) -> dict[str, Any]:
         """The JSON form (`ctl_status --json`, `/api/v1/status`): every field by name, in order."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from typing import Annotated
 
 import msgspec
 
@@ -42,7 +43,9 @@ class ModelWindow(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     waiting: dict[str, NonNegative] = {}
     """Priority class -> requests waiting in the fair queue at the report."""
     served: dict[str, NonNegative] = {}
-    """Team (or `key:<id>` for a key of no team) -> tokens of its answers that went through the fair queue."""
+    """Team (keys of no team together as "(no team)") -> tokens of its answers that went through the fair queue."""
+    weights: dict[str, Annotated[int, msgspec.Meta(ge=1)]] = {}
+    """Team -> its weight in the fair queue, as the router last saw it (teams in `served`)."""
 
     def __post_init__(self) -> None:
         _check_counts("ttft", self.ttft, FIRST_TOKEN_BUCKETS)
@@ -105,6 +108,7 @@ def merged(windows: Iterable[ModelWindow]) -> ModelWindow:
     waits: dict[str, list[int]] = {}
     waiting: dict[str, int] = {}
     served: dict[str, int] = {}
+    weights: dict[str, int] = {}
     for window in windows:
         ttft = add_counts(ttft, window.ttft)
         itl = add_counts(itl, window.itl)
@@ -114,4 +118,5 @@ def merged(windows: Iterable[ModelWindow]) -> ModelWindow:
             waiting[name] = waiting.get(name, 0) + count
         for team, tokens in window.served.items():
             served[team] = served.get(team, 0) + tokens
-    return ModelWindow(ttft=ttft, itl=itl, waits=waits, waiting=waiting, served=served)
+        weights.update(window.weights)
+    return ModelWindow(ttft=ttft, itl=itl, waits=waits, waiting=waiting, served=served, weights=weights)

@@ -4,6 +4,10 @@ scheduler holds them (`vllm:num_requests_waiting` counts them).
 The queue is first come, first served, or with `--scheduling-policy priority` ordered by each request's `priority`
 field (lower first, then arrival), as vLLM's priority scheduling admits them. Without `--max-num-seqs` nothing
 waits: every request runs at once, the mock's behaviour before this existed.
+
+With `--batch-slowdown F` each step of a request takes the token delay × (1 + F × the other requests running), as a
+GPU engine's decode step grows with its batch: its inter-token gaps (and first tokens) grow with the load before
+anything waits, the signal latency objectives scale on.
 """
 
 from __future__ import annotations
@@ -16,14 +20,21 @@ import itertools
 class MockBatch:
     """Running and waiting requests of one mock engine (see the module docstring)."""
 
-    def __init__(self, max_num_seqs: int | None = None, by_priority: bool = False) -> None:
+    def __init__(self, max_num_seqs: int | None = None, by_priority: bool = False, slowdown: float = 0.0) -> None:
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not slowdown >= 0:
+            raise ValueError("slowdown must be >= 0")
         self.max_num_seqs = max_num_seqs
         self.by_priority = by_priority
+        self.slowdown = slowdown
         self.running = 0
         self._queue: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
+
+    def step(self, token_delay: float) -> float:
+        """How long one token takes now, for a running request: longer the more others run beside it."""
+        return token_delay * (1 + self.slowdown * max(0, self.running - 1))
 
     @property
     def waiting(self) -> int:

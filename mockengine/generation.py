@@ -269,7 +269,7 @@ class MockEngine:
         """The whole answer in one response."""
         for produced in range(len(answer.texts)):
             if self.token_delay:
-                await asyncio.sleep(self.token_delay)
+                await asyncio.sleep(self.batch.step(self.token_delay))
             if self.sleep.aborted(generation):
                 answer = answer.cut(produced)
                 break
@@ -316,7 +316,7 @@ class MockEngine:
             await self._exit(request)  # an engine that dies before its first token, its answer begun
         for i, text in enumerate(answer.texts):
             if self.token_delay:
-                await asyncio.sleep(self.token_delay)
+                await asyncio.sleep(self.batch.step(self.token_delay))
             if self.sleep.aborted(generation):
                 # Cut by a sleep: vLLM ends the stream, saying so in its finish reason.
                 answer = answer.cut(i)

@@ -247,6 +247,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-num-seqs", type=_slots, default=None, help="requests run at once, the rest wait (default: no bound)"
     )
     parser.add_argument(
+        "--batch-slowdown",
+        type=_slowdown,
+        default=0.0,
+        help="each token takes the token delay × (1 + this × the other requests running), as a GPU's decode step "
+        "grows with its batch (default 0: no slower)",
+    )
+    parser.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
         default="fcfs",
@@ -290,6 +297,16 @@ def _whole_number(minimum: int):
 _count, _slots = _whole_number(0), _whole_number(1)
 
 
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the batch slowdown must be a number, got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"the batch slowdown must be from 0 to 100, got {text}")
+    return value
+
+
 def _memory(text: str) -> float:
     try:
         value = float(text)
@@ -330,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         args.api_key,
         args.greedy,
         args.exit_after_tokens,
-        MockBatch(args.max_num_seqs, args.scheduling_policy == "priority"),
+        MockBatch(args.max_num_seqs, args.scheduling_policy == "priority", args.batch_slowdown),
     )
     print(f"mock engine serving {args.model} on {args.host}:{args.port}", flush=True)
     try:

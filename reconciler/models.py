@@ -238,7 +238,9 @@ class ModelLoad(models.Model):
         default=dict, blank=True, help_text="Class -> {waiting now, p90 wait (s) over the window} in the routers."
     )
     served = models.JSONField(
-        default=dict, blank=True, help_text="Team -> tokens served through the fair queue over the window."
+        default=dict,
+        blank=True,
+        help_text="Team -> {tokens served through the fair queue over the window, its weight}.",
     )
 
     def __str__(self) -> str:

@@ -65,3 +65,23 @@ def test_the_flags_are_read_and_a_bad_bound_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--port", "1", "--model", "m", "--max-num-seqs", "0"])
     assert "--max-num-seqs" in capsys.readouterr().err
+
+
+def test_with_a_slowdown_each_token_takes_longer_the_more_requests_run_beside_it():
+    async def go():
+        batch = MockBatch(slowdown=0.25)
+        steps = []
+        for _ in range(3):
+            await batch.enter()
+            steps.append(batch.step(0.04))
+        return steps
+
+    assert asyncio.run(go()) == pytest.approx([0.04, 0.05, 0.06])
+    assert MockBatch().step(0.04) == 0.04
+
+
+def test_a_bad_batch_slowdown_is_refused_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "9000", "--model", "m", "--batch-slowdown", "fast"])
+    assert "the batch slowdown must be a number, got 'fast'" in capsys.readouterr().err
+    assert parse_args(["--port", "9000", "--model", "m", "--batch-slowdown", "0.5"]).batch_slowdown == 0.5

@@ -5,8 +5,10 @@ token (queue wait and holds included) and of the gaps between their tokens.
 The tick sums the live routers' windows for the model (`Felt.of`), reads each
 p90 from the summed bucket counts, and takes the worst p90 over its objective:
 the model's ratio. Its pressure is that ratio with the replicas still starting
-discounted (ratio × ready / (ready + starting)): the load they will take is
-already on its way, so it is not answered twice.
+discounted, and those ready for less than the window too: the window saw them
+serve for part of it only (`seen_in_window`), so pressure = ratio × seen /
+(ready + starting). The load they will take is already on its way, so it is
+not answered twice — and a p90 taken before they served does not add more.
 
 The rule (`step`), with hysteresis so a p90 that wavers around its objective
 neither adds replicas nor restarts the clock on every wobble:
@@ -15,7 +17,7 @@ neither adds replicas nor restarts the clock on every wobble:
   LLMGW_OBJECTIVE_SCALE_UP until it falls to LLMGW_OBJECTIVE_SCALE_DOWN;
 * once over for LLMGW_SCALE_OUT_AFTER_SECONDS, a tick whose pressure is at
   least the up threshold adds the replicas that would bring the ratio down to
-  it were latency to follow load per replica (ceil(ready × ratio / up), less
+  it were latency to follow load per replica (ceil(seen × ratio / up), less
   those ready and starting), at least one and at most as many as are ready
   (doubling at most per step: latency in a queue grows faster than load, so
   the ratio overstates what is missing), up to the model's max;
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from catalog.models import Profile
 from hub.windows import (
@@ -64,8 +67,8 @@ class Felt:
     """The worst p90 over its objective; None without an objective or enough observations."""
     queue: dict[str, dict[str, float]] = field(default_factory=dict)
     """Class -> {"waiting": requests waiting now, "wait_p90": seconds (when any left the queue)}."""
-    served: dict[str, int] = field(default_factory=dict)
-    """Team -> tokens served through the fair queue over the window."""
+    served: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Team -> {"tokens": served through the fair queue over the window, "weight": its weight there}."""
 
     @classmethod
     def of(cls, profile: Profile, window: ModelWindow | None) -> Felt:
@@ -88,7 +91,7 @@ class Felt:
             itl_attained=itl_attained,
             ratio=max(ratios) if ratios else None,
             queue=_queue(window),
-            served=dict(window.served),
+            served={team: {"tokens": n, "weight": window.weights.get(team, 1)} for team, n in window.served.items()},
         )
 
 
@@ -119,14 +122,25 @@ class Step:
     add: int
 
 
-def step(ratio: float | None, ready: int, starting: int, was_over: bool, up: float, down: float) -> Step:
+def step(ratio: float | None, seen: float, ready: int, starting: int, was_over: bool, up: float, down: float) -> Step:
     """The objectives' rule (the module docstring) for a model with `ready` replicas serving and `starting` ones
-    on their way, over its objectives until now if `was_over`."""
-    if ratio is None or not ready:
+    on their way, over its objectives until now if `was_over`. `seen` is how many replicas the window saw serving:
+    each ready one counts for the share of the window it was ready (`seen_in_window`)."""
+    if ratio is None or not ready or not seen:
         return Step(False, None, 0)
-    pressure = ratio * ready / (ready + starting)
+    pressure = ratio * seen / (ready + starting)
     over = pressure >= up or (was_over and pressure > down)
     if pressure < up:
         return Step(over, pressure, 0)
-    missing = math.ceil(ready * ratio / up) - (ready + starting)
+    missing = math.ceil(seen * ratio / up) - (ready + starting)
     return Step(over, pressure, min(max(missing, 1), ready))
+
+
+def seen_in_window(ready_since: list[datetime | None], now: datetime, window_seconds: float) -> float:
+    """How many replicas the routers' window saw serving: each ready replica for the share of the window it has been
+    ready (one ready before the window began, or since an unknown time, counts whole)."""
+    seen = 0.0
+    for since in ready_since:
+        age = window_seconds if since is None else (now - since).total_seconds()
+        seen += min(1.0, max(0.0, age) / window_seconds)
+    return seen

@@ -44,7 +44,7 @@ from catalog.models import Alias, Profile
 from hub.contracts import Activation, ModelWindow
 from reconciler.choices import AWAKE_STATES, WANTED_STATES, ReplicaState
 from reconciler.demand.idle import Idle
-from reconciler.demand.objectives import Felt, has_objectives, step
+from reconciler.demand.objectives import Felt, has_objectives, seen_in_window, step
 from reconciler.hibernate.tier import SleepRequest, idle_sleepers, put_to_sleep
 from reconciler.lifecycle.replica_rows import FleetCensus, ReplicaRow
 from reconciler.lifecycle.transitions import StopRequest, stop_replicas
@@ -316,7 +316,7 @@ def _scale_out(
         before = _load_fields(load)
         wanted = demand.wanted()
         coming = [r for r in wanted if r.state in (ReplicaState.PENDING, ReplicaState.STARTING)]
-        over, add = _over(primary, load, felt, current, wanted, len(coming))
+        over, add = _over(primary, load, felt, current, wanted, len(coming), now)
         load.in_flight = current
         if not over:
             load.busy_since = None
@@ -369,7 +369,7 @@ def _load_fields(load: ModelLoad) -> tuple:
 
 
 def _over(
-    primary: Profile, load: ModelLoad, felt: Felt, current: int, wanted: list[ReplicaRow], coming: int
+    primary: Profile, load: ModelLoad, felt: Felt, current: int, wanted: list[ReplicaRow], coming: int, now: datetime
 ) -> tuple[bool, int]:
     """Whether the model is over its target (or objectives) now, and the replicas to add once that has lasted;
     records what its users felt on `load`."""
@@ -380,7 +380,9 @@ def _over(
     if has_objectives(primary):
         was_over = load.busy_since is not None
         up, down = settings.LLMGW_OBJECTIVE_SCALE_UP, settings.LLMGW_OBJECTIVE_SCALE_DOWN
-        objective = step(felt.ratio, ready, coming, was_over, up, down)
+        since = [r.ready_at for r in wanted if r.state == ReplicaState.READY]
+        seen = seen_in_window(since, now, settings.LLMGW_LATENCY_WINDOW_SECONDS)
+        objective = step(felt.ratio, seen, ready, coming, was_over, up, down)
         load.pressure = objective.pressure
         return objective.over, objective.add
     load.pressure = None

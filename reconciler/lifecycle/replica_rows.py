@@ -27,10 +27,11 @@ class ReplicaRow:
     failure_count: int = 0
     busy: bool = False
     """A shard of it reports running requests (the engine's own count)."""
+    ready_at: datetime | None = None
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline", "sleep_level",
-        "wanted_since", "pools", "failure_count", "busy",
+        "wanted_since", "pools", "failure_count", "busy", "ready_at",
     )  # fmt: skip
     """What to read for it, in its fields' order (`busy` an annotation of the query)."""
 

@@ -52,7 +52,7 @@ class RecentWindows:
         # Keep the newest copy at least a window old as the base; drop what is older than it.
         while len(copies) > 2 and copies[1][0] <= now - self.window_seconds:
             copies.popleft()
-        return _windows(newest, copies[0][1], self.admission.waiting())
+        return _windows(newest, copies[0][1], self.admission.waiting(), self.admission.weights)
 
     def _copy(self) -> _Copy:
         traffic, admission = self.traffic, self.admission
@@ -68,8 +68,10 @@ class RecentWindows:
         return copy
 
 
-def _windows(newest: _Copy, base: _Copy, waiting: dict[tuple[str, str], int]) -> dict[str, ModelWindow]:
-    """Per model: `newest` less `base`, and its requests waiting now."""
+def _windows(
+    newest: _Copy, base: _Copy, waiting: dict[tuple[str, str], int], weights: dict[str, int]
+) -> dict[str, ModelWindow]:
+    """Per model: `newest` less `base`, its requests waiting now, and the weights of the teams it served."""
     parts: dict[str, dict[str, Any]] = {}
     for key, value in newest.items():
         figure, model, *rest = key
@@ -90,4 +92,7 @@ def _windows(newest: _Copy, base: _Copy, waiting: dict[tuple[str, str], int]) ->
     for (model, name), count in waiting.items():
         if count:
             parts.setdefault(model, {}).setdefault("waiting", {})[name] = count
+    for part in parts.values():
+        if served := part.get("served"):
+            part["weights"] = {team: weights[team] for team in served if team in weights}
     return {model: ModelWindow(**part) for model, part in parts.items()}

@@ -5,7 +5,8 @@ The cluster summary for a terminal or a script. The text fits a screen (SCREEN_L
 any trouble: free whole nodes show a few names per (fabric, class), models those that need a look and then the
 top holders of GPUs, with their replicas counted per state, a base model's LoRA adapters one line of counts,
 unplaceable models apart from held ones, failed replicas grouped by reason, answers whose engine broke off in the
-last hour per model (the most broken first), "what can I stop" the top entries; `--all` prints everything,
+last hour per model (the most broken first), what users felt per model over the routers' last window (latency
+against its objectives, fair queues, teams' shares), "what can I stop" the top entries; `--all` prints everything,
 `--nodes`, `--models` and `--replicas` just the full node, model or replica list. `--teams` adds each team's
 members, keys, spend, GPU-hours and budgets (`dashboard.team_summary`; "team_summary" with --json). `--check`
 prints one line and exits 2 when something needs attention (`dashboard.attention.needs_attention`), 0 otherwise:
@@ -25,16 +26,23 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from dashboard.attention import needs_attention
+from dashboard.status_text import (
+    FELT_HEADERS,
+    NAMES_SHOWN,
+    felt_row,
+    printed_lines,
+    replica_adapters,
+    some_names,
+    table,
+    usage_bar,
+)
 from dashboard.summary import cluster_summary
-from dashboard.summary_types import Capacity, ClusterSummary, ReplicaStatus
+from dashboard.summary_types import ClusterSummary
 from dashboard.team_summary import TeamSummary, team_summary
 from hub import get_hub
 from keys.budget_use import money
 from keys.showback import gpu_hours
 
-BAR_WIDTH = 16
-NAMES_SHOWN = 3
-"""Node names printed per (fabric, class) in "Free whole nodes" without --all."""
 DEFAULT_TOP = 10
 SCREEN_LINES = 60
 """The default report fits a screen of this many lines, however troubled the fleet (see `render`)."""
@@ -55,50 +63,11 @@ class Shown:
 
 # When the default would not fit a screen: fewer rows of each section, every section still there with its
 # "… and N more" pointer, and at most three stop candidates.
-COMPACT = Shown(models=3, rows=2, reasons=2, teams=5, warnings=3)
+COMPACT = Shown(models=3, rows=1, reasons=1, teams=5, warnings=3)
 COMPACT_TOP = 3
 CHECK_FAILED = 2
 """Exit status of `--check` when something needs attention (1 stays Django's "the command failed")."""
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
-
-
-def usage_bar(row: Capacity, width: int = BAR_WIDTH) -> str:
-    """`[####!!x---------]`: used `#`, unhealthy `!`, unavailable `x`, free `-`."""
-    total = row.total
-    if not total:
-        return "[" + " " * width + "]"
-    cells = []
-    for count, mark in ((row.used, "#"), (row.unhealthy, "!"), (row.unavailable, "x")):
-        cells.append(mark * round(count * width / total))
-    bar = "".join(cells)[:width]
-    return "[" + bar + "-" * (width - len(bar)) + "]"
-
-
-def some_names(names: list[str], limit: int | None = NAMES_SHOWN) -> str:
-    """`gpu-0001, gpu-0002, gpu-0003 and 184 more` (all of them when `limit` is None); `-` for none."""
-    if not names:
-        return "-"
-    if limit is None or len(names) <= limit:
-        return ", ".join(names)
-    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
-
-
-def replica_adapters(replica: ReplicaStatus) -> str:
-    """A replica's LoRA adapters: `3` loaded, `3+1` while one more loads (one word, like every cell)."""
-    loading = f"+{replica.adapters_loading}" if replica.adapters_loading else ""
-    return f"{replica.adapters_loaded}{loading}"
-
-
-def printed_lines(lines: list[str]) -> int:
-    """Lines on the screen: a section's title starts with a blank line of its own."""
-    return sum(line.count("\n") + 1 for line in lines)
-
-
-def table(headers: list[str], rows: list[list]) -> list[str]:
-    """Left-aligned columns, two spaces apart; the first line is the header."""
-    cells = [headers] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
 
 
 class Command(BaseCommand):
@@ -241,6 +210,7 @@ class Command(BaseCommand):
         out += self.unplaceable(s, top)
         out += self.failed(s, top)
         out += self.continuations(s, top)
+        out += self.felt(s, top)
         out += self.what_can_i_stop(s, top)
         if teams is not None:
             out += self.teams(teams, top)
@@ -339,6 +309,18 @@ class Command(BaseCommand):
         out += self.styled_table(["MODEL", "CONTINUED", "FAILED", "REFUSED", "PROMPT TOKENS RE-READ"], rows)
         if len(broken.models) > len(shown):
             out.append(f"  … and {len(broken.models) - len(shown)} more models (--all)")
+        return out
+
+    def felt(self, s: ClusterSummary, top: int | None) -> list[str]:
+        """What users felt per model over the routers' last window, the most pressed first (status_text.felt_row)."""
+        window = f"{settings.LLMGW_LATENCY_WINDOW_SECONDS:g} s"
+        out = [self.section(f"What users felt (the routers' last {window}; WITHIN: share within the objectives)")]
+        if not s.felt:
+            return [*out, "  none: no model streamed or queued"]
+        shown = s.felt if top is None else s.felt[: self.shown.rows]
+        out += self.styled_table(FELT_HEADERS, [felt_row(m) for m in shown])
+        if len(s.felt) > len(shown):
+            out.append(f"  … and {len(s.felt) - len(shown)} more models (--all)")
         return out
 
     def teams(self, t: TeamSummary, top: int | None) -> list[str]:

@@ -19,7 +19,7 @@ from inventory.choices import GPUHealth, NodeState
 from inventory.models import Node
 from keys.models import ContinuationHour
 from reconciler.choices import Hold, ReplicaState
-from reconciler.models import Lease, Replica
+from reconciler.models import Lease, ModelLoad, Replica
 from teams.models import Team
 from tests.fleet import bulk_fleet, make_model, make_node, make_replica, set_gpu, watch_usage
 
@@ -178,7 +178,7 @@ def test_summary_queries_stay_constant_with_failures_and_the_node_list(healthy, 
     _node, profile = healthy
     failed(profile, "boom")
     # Nodes carry their weights; adapter loads; sleepers to stop; continuations.
-    with django_assert_num_queries(16) as small:
+    with django_assert_num_queries(17) as small:
         cluster_summary()
     for i in range(10):
         make_node(f"more-{i}", gpus=2)
@@ -246,10 +246,12 @@ def test_default_text_stays_under_60_lines_in_a_troubled_fleet(healthy):
             Replica.objects.filter(pk=pending.pk).update(hold=hold)
         failed(profile, f"engine exited with code {index}")
         ContinuationHour.objects.create(model=profile.model.name, hour=now.replace(minute=0), failed=index + 1)
+        ModelLoad.objects.create(model=profile.model, pressure=1.0 + index, queue={"batch": {"waiting": index}})
     text = run()
     lines = text.splitlines()
     assert len(lines) <= 60, text
-    for title in ("GPU capacity", "Unplaceable", "Held (room being made", "Failed replicas", "What can I stop"):
+    sections = ("GPU capacity", "Unplaceable", "Held (room being made", "Failed replicas", "What users felt")
+    for title in (*sections, "What can I stop"):
         assert any(line.startswith(title) for line in lines), title
     assert any("more node warnings" in line for line in lines)
     assert len(run("--all").splitlines()) > 100  # nothing is lost: --all prints it

@@ -81,6 +81,7 @@ def test_json_keeps_every_key_and_adds_what_can_i_stop(idle_fleet):
         "failed",
         "node_list",
         "continuations",
+        "felt",
     } == set(printed)
     assert [e["replica"] for e in printed["stoppable"]] == [r.pk for r in idle_fleet]  # --top is for text only
 

@@ -11,7 +11,7 @@ from hub import get_hub
 from hub.contracts import UsageReport
 from hub.windows import FIRST_TOKEN_BUCKETS, INTER_TOKEN_BUCKETS, QUEUE_WAIT_BUCKETS, ModelWindow
 from reconciler.choices import ReplicaState
-from reconciler.demand.objectives import MIN_OBSERVATIONS, step
+from reconciler.demand.objectives import MIN_OBSERVATIONS, seen_in_window, step
 from reconciler.demand.scaling import apply_demand
 from reconciler.models import ModelLoad, Replica
 from tests.fleet import make_model, make_node, make_replica
@@ -30,32 +30,50 @@ def ttft_window(seconds: float, count: int = 100, **more) -> ModelWindow:
 
 
 def test_a_ratio_reaching_the_up_threshold_is_over_and_asks_for_the_replicas_that_bring_it_down():
-    decided = step(1.8, ready=2, starting=0, was_over=False, up=UP, down=DOWN)
+    decided = step(1.8, 2, ready=2, starting=0, was_over=False, up=UP, down=DOWN)
     assert decided.over and decided.pressure == pytest.approx(1.8)
     assert decided.add == 2  # ceil(2 × 1.8 / 0.9) = 4 replicas: 2 more
 
 
 def test_one_step_at_most_doubles_the_ready_replicas():
-    assert step(10.0, ready=2, starting=0, was_over=False, up=UP, down=DOWN).add == 2
-    assert step(0.95, ready=1, starting=0, was_over=False, up=UP, down=DOWN).add == 1  # at least one
+    assert step(10.0, 2, ready=2, starting=0, was_over=False, up=UP, down=DOWN).add == 2
+    assert step(0.95, 1, ready=1, starting=0, was_over=False, up=UP, down=DOWN).add == 1  # at least one
 
 
 def test_replicas_still_starting_are_discounted_from_the_pressure():
-    decided = step(1.2, ready=2, starting=1, was_over=False, up=UP, down=DOWN)
+    decided = step(1.2, 2, ready=2, starting=1, was_over=False, up=UP, down=DOWN)
     assert decided.pressure == pytest.approx(0.8)  # 1.2 × 2 / 3: the one starting will take its share
     assert not decided.over and decided.add == 0
 
 
+def test_replicas_ready_for_part_of_the_window_count_for_that_part():
+    now = timezone.now()
+    since = [now - timedelta(hours=1), now - timedelta(seconds=15), now, None]
+    assert seen_in_window(since, now, window_seconds=60) == pytest.approx(2.25)
+    # Two ready replicas, one of them for a quarter of the window: the p90 saw 1.25 of them.
+    decided = step(1.8, 1.25, ready=2, starting=0, was_over=False, up=UP, down=DOWN)
+    assert decided.pressure == pytest.approx(1.8 * 1.25 / 2)
+    assert decided.add == 1  # ceil(1.25 × 1.8 / 0.9) = 3: one more, not two
+
+
+def test_a_model_whose_new_replicas_the_window_has_not_seen_serve_waits_for_them(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
+    settings.LLMGW_LATENCY_WINDOW_SECONDS = 60
+    model = model_with_objectives(ttft=1.0, ready=2)
+    Replica.objects.filter(model=model).update(ready_at=timezone.now())  # both just became ready
+    assert apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": ttft_window(5)}).scaled_out == 0
+
+
 def test_between_the_thresholds_a_model_over_stays_over_without_adding_and_one_below_stays_below():
-    held = step(0.7, ready=2, starting=0, was_over=True, up=UP, down=DOWN)
+    held = step(0.7, 2, ready=2, starting=0, was_over=True, up=UP, down=DOWN)
     assert held.over and held.add == 0
-    assert not step(0.7, ready=2, starting=0, was_over=False, up=UP, down=DOWN).over
-    assert not step(0.6, ready=2, starting=0, was_over=True, up=UP, down=DOWN).over  # fell to the down threshold
+    assert not step(0.7, 2, ready=2, starting=0, was_over=False, up=UP, down=DOWN).over
+    assert not step(0.6, 2, ready=2, starting=0, was_over=True, up=UP, down=DOWN).over  # fell to the down threshold
 
 
 def test_no_reading_or_no_ready_replica_is_never_over():
-    assert step(None, ready=2, starting=0, was_over=True, up=UP, down=DOWN).over is False
-    assert step(3.0, ready=0, starting=1, was_over=True, up=UP, down=DOWN).over is False
+    assert step(None, 2, ready=2, starting=0, was_over=True, up=UP, down=DOWN).over is False
+    assert step(3.0, 0, ready=0, starting=1, was_over=True, up=UP, down=DOWN).over is False
 
 
 # -- the tick -----------------------------------------------------------------------------------
@@ -69,6 +87,8 @@ def model_with_objectives(*, ttft=1.0, itl=None, ready=1, max_replicas=6):
     profile.save()
     for gpu in range(ready):
         make_replica(profile, placement=[(node, [gpu])], last_used=timezone.now())
+    # Ready since before the routers' window: the window saw them serve all along.
+    Replica.objects.filter(model=model).update(ready_at=timezone.now() - timedelta(hours=1))
     return model
 
 
@@ -162,11 +182,12 @@ def test_the_queue_and_served_tokens_are_recorded_for_the_operators_view(setting
     model = model_with_objectives(ttft=None, ready=1)
     waits = [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
     waits[QUEUE_WAIT_BUCKETS.index(1)] = 10
-    window = ModelWindow(waiting={"batch": 7}, waits={"interactive": waits}, served={"red": 900, "blue": 300})
+    served = {"red": 900, "blue": 300}
+    window = ModelWindow(waiting={"batch": 7}, waits={"interactive": waits}, served=served, weights={"red": 3})
     apply_demand(set(), timezone.now(), in_flight={"llama": 3}, windows={"llama": window})
     load = ModelLoad.objects.get(model=model)
     assert load.queue == {"batch": {"waiting": 7}, "interactive": {"waiting": 0, "wait_p90": 0.95}}
-    assert load.served == {"red": 900, "blue": 300}
+    assert load.served == {"red": {"tokens": 900, "weight": 3}, "blue": {"tokens": 300, "weight": 1}}
 
 
 def test_objective_scaling_runs_a_constant_number_of_queries(settings, django_assert_max_num_queries):
