@@ -53,9 +53,9 @@ from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from catalog.models import Model
+from dashboard.felt import models_felt
 from dashboard.panels import usage_window_start
 from dashboard.stoppable import what_can_i_stop
-from dashboard.felt import models_felt
 from dashboard.summary_gpus import free_nodes, tally_gpus
 from dashboard.summary_types import (
     AdapterCounts,
