@@ -1,12 +1,13 @@
 """`manage.py plan`: one block per model in text, the planner's answer as JSON, a clear error for bad input."""
 
 import json
+import re
 from io import StringIO
 
 import pytest
 from django.core.management import CommandError, call_command
 
-from reconciler.models import Replica
+from reconciler.models import ModelLoad, Replica
 from tests.fleet import make_model, make_node
 
 pytestmark = pytest.mark.django_db
@@ -93,3 +94,29 @@ def test_a_bad_file_names_each_problem(tmp_path):
     bad.write_text("models: [\n")
     with pytest.raises(CommandError, match="is not valid YAML"):
         run("--file", str(bad))
+
+
+def test_load_answers_how_many_replicas_a_multiple_of_todays_load_would_need():
+    model = make_model("llama", max_replicas=8, target_concurrency=4)
+    ModelLoad.objects.create(model=model, in_flight=10)
+    assert run("llama", "--load", "2")[0].strip() == (
+        "llama: 5 replicas at 2× the load of the routers' last window (0 ready now): "
+        "10 requests in flight, a target of 4 per replica"
+    )
+    printed = json.loads(run("llama", "--load", "2", "--json")[0])["load"][0]
+    assert printed["replicas"] == 5 and printed["factor"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["llama", "--load", "0"], "the load factor must be above 0 and at most 1000, got 0"),
+        (["llama", "--load", "lots"], "the load factor must be a number (2 for twice today's), got 'lots'"),
+        (["--load", "2", "--file", "x.yaml"], "--load plans catalog models by name, not a file: name the models"),
+        (["nope", "--load", "2"], "no catalog model or alias named 'nope'"),
+    ],
+)
+def test_a_bad_load_question_is_a_clear_error(args, problem):
+    make_model("llama")
+    with pytest.raises(CommandError, match=re.escape(problem)):
+        run(*args)
