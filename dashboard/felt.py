@@ -2,11 +2,12 @@
 
 The tick records it on each model's `ModelLoad` row (reconciler.demand.objectives): p90 time to first token and
 gap between tokens, the share within the first profile's objectives, the pressure objective scaling acts on, the
-fair queues per class and the tokens each team was served through them with its weight. Read here in one query,
+fair queues per class and the tokens each team was served through them with its weight; and its replicas parked
+out of rotation (reconciler.demand.spares). Read here in one query,
 the objectives taken from the model's first profile in the same query.
 """
 
-from django.db.models import OuterRef, Q, Subquery
+from django.db.models import Count, OuterRef, Q, Subquery
 
 from catalog.models import Profile
 from dashboard.summary_types import ModelFelt, QueueClass, TeamShare
@@ -24,15 +25,18 @@ def models_felt() -> list[ModelFelt]:
         .annotate(
             ttft_objective=Subquery(first.values("ttft_objective_seconds")[:1]),
             itl_objective=Subquery(first.values("itl_objective_seconds")[:1]),
+            parked=Count("model__replicas", filter=Q(model__replicas__parked_since__isnull=False)),
         )
-        .values_list("model__name", *_FIGURES, "ttft_objective", "itl_objective", "queue", "served")
+        .values_list("model__name", *_FIGURES, "ttft_objective", "itl_objective", "queue", "served", "parked")
     )
     felt = [_felt(*row) for row in rows]
     felt.sort(key=lambda m: (-(m.pressure or 0.0), -m.waiting, m.model))
     return felt
 
 
-def _felt(model, ttft, itl, ttft_attained, itl_attained, pressure, ttft_objective, itl_objective, queue, served):
+def _felt(
+    model, ttft, itl, ttft_attained, itl_attained, pressure, ttft_objective, itl_objective, queue, served, parked
+):
     classes = sorted(queue.items(), key=lambda item: RANKS.get(item[0], len(RANKS)))
     total = sum(figures["tokens"] for figures in served.values())
     weights = sum(figures["weight"] for figures in served.values())
@@ -49,6 +53,7 @@ def _felt(model, ttft, itl, ttft_attained, itl_attained, pressure, ttft_objectiv
         itl_objective_seconds=itl_objective,
         itl_attained=itl_attained,
         pressure=pressure,
+        parked=parked,
         queue=[QueueClass(name, int(f.get("waiting", 0)), f.get("wait_p90")) for name, f in classes],
         shares=shares,
     )

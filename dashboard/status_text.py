@@ -49,12 +49,22 @@ def table(headers: list[str], rows: list[list]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
 
 
-FELT_HEADERS = ["MODEL", "TTFT P90", "ITL P90", "WITHIN", "PRESSURE", "WAITING", "WAIT P90", "TEAMS SERVED (WEIGHTED)"]
+FELT_HEADERS = [
+    "MODEL",
+    "TTFT P90",
+    "ITL P90",
+    "WITHIN",
+    "PRESSURE",
+    "PARKED",
+    "WAITING",
+    "WAIT P90",
+    "TEAMS SERVED (WEIGHTED)",
+]
 
 
-def felt_row(m: ModelFelt) -> list[str]:
+def felt_row(m: ModelFelt) -> list:
     """One model's figures over the routers' window: p90s against their objectives, the share within each, the
-    pressure, its queues per class (waiting now; the worst class's p90 wait) and each team's share of the tokens
+    pressure, its replicas parked out of rotation, its queues per class (waiting now; the worst class's p90 wait) and each team's share of the tokens
     against the share its weight asks for."""
     within = [f"{share:.0%}" for share in (m.ttft_attained, m.itl_attained) if share is not None]
     waiting = " ".join(f"{q.name[0]}{q.waiting}" for q in m.queue) or "-"
@@ -68,6 +78,7 @@ def felt_row(m: ModelFelt) -> list[str]:
         _against(m.itl_p90_seconds, m.itl_objective_seconds),
         "/".join(within) or "-",
         "-" if m.pressure is None else f"{m.pressure:.2f}",
+        m.parked,
         waiting,
         _seconds(max(waits, default=None)),
         teams or "-",

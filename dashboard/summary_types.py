@@ -359,6 +359,8 @@ class ModelFelt:
     itl_attained: float | None
     pressure: float | None
     """The worst p90 over its objective, replicas still starting discounted; scale-out at LLMGW_OBJECTIVE_SCALE_UP."""
+    parked: int
+    """Ready replicas parked out of rotation, which its objectives no longer need: the idle timeout stops them."""
     queue: list[QueueClass]
     shares: list[TeamShare]
 

@@ -18,6 +18,7 @@ from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
 from inventory.choices import NodeState
 from reconciler.choices import AdapterLoadState, Hold, ReplicaState, ShardState
+from reconciler.demand.spares import PARKED_PRIORITY
 from reconciler.models import AdapterLoad, Replica, Shard
 
 # How long before a leaving replica's drain would time out routers move the streams it still relays (seconds): room
@@ -219,6 +220,7 @@ def _endpoints() -> list[EndpointRow]:
             "profile__weight",
             "profile__pool",
             "profile__max_concurrency",
+            "parked_since",
         )
     )
     return [
@@ -226,12 +228,13 @@ def _endpoints() -> list[EndpointRow]:
             replica_id=str(pk),
             model=model,
             url=url,
-            priority=priority,
+            # A parked spare takes requests only when no other replica can (reconciler.demand.spares).
+            priority=priority if parked is None else PARKED_PRIORITY,
             weight=weight,
             pool=pool,
             capacity=msgspec.UNSET if capacity is None else capacity,
         )
-        for pk, model, url, priority, weight, pool, capacity in rows
+        for pk, model, url, priority, weight, pool, capacity, parked in rows
     ]
 
 

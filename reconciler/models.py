@@ -88,6 +88,13 @@ class Replica(models.Model):
     drain_deadline = models.DateTimeField(
         null=True, blank=True, help_text="A node drain stops it once its replacement is ready, or at this time."
     )
+    parked_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Out of rotation since then: its model meets its latency objectives with fewer replicas, so "
+        "routers send it requests only when the others cannot take them, and the idle timeout stops it "
+        "(reconciler.demand.spares).",
+    )
 
     objects = ReplicaQuerySet.as_manager()
 
@@ -225,6 +232,9 @@ class ModelLoad(models.Model):
     model = models.OneToOneField("catalog.Model", related_name="load", on_delete=models.CASCADE)
     in_flight = models.PositiveIntegerField(default=0)
     busy_since = models.DateTimeField(null=True, blank=True)
+    calm_since = models.DateTimeField(
+        null=True, blank=True, help_text="Since when its pressure is at or below LLMGW_OBJECTIVE_SCALE_DOWN."
+    )
     ttft_p90 = models.FloatField(null=True, blank=True, help_text="p90 time to first token over the window (s).")
     itl_p90 = models.FloatField(null=True, blank=True, help_text="p90 gap between tokens over the window (s).")
     ttft_attained = models.FloatField(

@@ -17,7 +17,9 @@ concurrency); the placer may run a replica on any of the model's profiles
   above the target concurrency for LLMGW_SCALE_OUT_AFTER_SECONDS, one more
   replica (up to max), with the same lifetime as an activation; a model whose
   first profile sets latency objectives follows them instead
-  (reconciler.demand.objectives: how many, and the hysteresis);
+  (reconciler.demand.objectives: how many, and the hysteresis), and parks
+  the replicas they no longer need so the idle timeout can stop them
+  (reconciler.demand.spares);
 * a swap under way: a sleeper stamped as wanted (`Replica.wanted_since`, by
   `swap.wake_for_demand`) still wants waking for LLMGW_ACTIVATION_LINGER_SECONDS
   after the stamp, without waiting for the routers' next ask: the tick its
@@ -45,6 +47,7 @@ from hub.contracts import Activation, ModelWindow
 from reconciler.choices import AWAKE_STATES, WANTED_STATES, ReplicaState
 from reconciler.demand.idle import Idle
 from reconciler.demand.objectives import Felt, has_objectives, seen_in_window, step
+from reconciler.demand.spares import SpareChanges, decide, serving_and_parked
 from reconciler.hibernate.tier import SleepRequest, idle_sleepers, put_to_sleep
 from reconciler.lifecycle.replica_rows import FleetCensus, ReplicaRow
 from reconciler.lifecycle.transitions import StopRequest, stop_replicas
@@ -295,7 +298,8 @@ def _scale_out(
     """Record each model's load and what its users felt; add replicas to models whose load per ready replica
     stayed above target or, with objectives, that stayed over them (reconciler.demand.objectives).
 
-    Two queries at most (read the loads, write the changed ones) plus one per new load row batch.
+    Two queries at most (read the loads, write the changed ones) plus one per new load row batch, and two when
+    spare replicas are parked or brought back (reconciler.demand.spares).
     """
     loads = {load.model_id: load for load in ModelLoad.objects.all()}
     after = timedelta(seconds=settings.LLMGW_SCALE_OUT_AFTER_SECONDS)
@@ -316,7 +320,7 @@ def _scale_out(
         before = _load_fields(load)
         wanted = demand.wanted()
         coming = [r for r in wanted if r.state in (ReplicaState.PENDING, ReplicaState.STARTING)]
-        over, add = _over(primary, load, felt, current, wanted, len(coming), now)
+        over, add = _over(primary, load, felt, current, wanted, len(coming), now, load_of.spares)
         load.in_flight = current
         if not over:
             load.busy_since = None
@@ -337,6 +341,7 @@ def _scale_out(
         ModelLoad.objects.bulk_create(created)
     if changed:
         ModelLoad.objects.bulk_update(changed, _LOAD_FIELDS)
+    load_of.spares.apply(now)
     return scaled
 
 
@@ -346,6 +351,7 @@ class _Loads:
 
     in_flight: dict[str, int]
     windows: dict[str, ModelWindow]
+    spares: SpareChanges = field(default_factory=SpareChanges)
 
     def felt(self, primary: Profile) -> Felt:
         return Felt.of(primary, self.windows.get(primary.model.name))
@@ -354,6 +360,7 @@ class _Loads:
 _LOAD_FIELDS = [
     "in_flight",
     "busy_since",
+    "calm_since",
     "ttft_p90",
     "itl_p90",
     "ttft_attained",
@@ -369,23 +376,32 @@ def _load_fields(load: ModelLoad) -> tuple:
 
 
 def _over(
-    primary: Profile, load: ModelLoad, felt: Felt, current: int, wanted: list[ReplicaRow], coming: int, now: datetime
+    primary: Profile,
+    load: ModelLoad,
+    felt: Felt,
+    current: int,
+    wanted: list[ReplicaRow],
+    coming: int,
+    now: datetime,
+    spares: SpareChanges,
 ) -> tuple[bool, int]:
-    """Whether the model is over its target (or objectives) now, and the replicas to add once that has lasted;
-    records what its users felt on `load`."""
-    ready = sum(1 for r in wanted if r.state == ReplicaState.READY)
+    """Whether the model is over its target (or objectives) now, and the replicas to add once that has lasted
+    (less the parked ones brought back, reconciler.demand.spares); records what its users felt on `load`."""
     load.ttft_p90, load.itl_p90 = felt.ttft_p90, felt.itl_p90
     load.ttft_attained, load.itl_attained = felt.ttft_attained, felt.itl_attained
     load.queue, load.served = felt.queue, felt.served
+    serving, parked = serving_and_parked(wanted)
     if has_objectives(primary):
         was_over = load.busy_since is not None
         up, down = settings.LLMGW_OBJECTIVE_SCALE_UP, settings.LLMGW_OBJECTIVE_SCALE_DOWN
-        since = [r.ready_at for r in wanted if r.state == ReplicaState.READY]
-        seen = seen_in_window(since, now, settings.LLMGW_LATENCY_WINDOW_SECONDS)
-        objective = step(felt.ratio, seen, ready, coming, was_over, up, down)
+        seen = seen_in_window([r.ready_at for r in serving], now, settings.LLMGW_LATENCY_WINDOW_SECONDS)
+        objective = step(felt.ratio, seen, len(serving), coming, was_over, up, down)
         load.pressure = objective.pressure
-        return objective.over, objective.add
-    load.pressure = None
+        recalled = decide(load, objective.pressure, serving, parked, primary.min_replicas, now, spares)
+        return objective.over, max(0, objective.add - recalled)
+    load.pressure = load.calm_since = None
+    spares.recall.extend(r.pk for r in parked)  # objectives gone: nothing stays parked
+    ready = len(serving) + len(parked)
     over = ready > 0 and current > ready * primary.target_concurrency
     # One at a time, and none while one is on its way: its share of the load is not known yet.
     return over, 1 if over and not coming else 0

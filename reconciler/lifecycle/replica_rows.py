@@ -28,10 +28,11 @@ class ReplicaRow:
     busy: bool = False
     """A shard of it reports running requests (the engine's own count)."""
     ready_at: datetime | None = None
+    parked_since: datetime | None = None
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "id", "model_id", "profile_id", "state", "last_used", "demand_until", "drain_deadline", "sleep_level",
-        "wanted_since", "pools", "failure_count", "busy", "ready_at",
+        "wanted_since", "pools", "failure_count", "busy", "ready_at", "parked_since",
     )  # fmt: skip
     """What to read for it, in its fields' order (`busy` an annotation of the query)."""
 

@@ -7,14 +7,15 @@ from io import StringIO
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from catalog.models import Profile
 from dashboard.summary import cluster_summary
 from dashboard.summary_types import QueueClass, TeamShare
-from reconciler.models import ModelLoad
-from tests.fleet import make_model
+from reconciler.models import ModelLoad, Replica
+from tests.fleet import make_model, make_node, make_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -34,6 +35,8 @@ def pressed():
         queue={"batch": {"waiting": 40, "wait_p90": 12.5}, "interactive": {"waiting": 1, "wait_p90": 0.2}},
         served={"red": {"tokens": 600, "weight": 3}, "blue": {"tokens": 400, "weight": 1}},
     )
+    spare = make_replica(model.profiles.get(order=0), placement=[(make_node("gpu-a"), [0])])
+    Replica.objects.filter(pk=spare.pk).update(parked_since=timezone.now())
     quiet = make_model("qwen")
     ModelLoad.objects.create(model=quiet, in_flight=3)  # in flight, nothing felt: not listed
     calm = make_model("mistral")
@@ -47,6 +50,7 @@ def test_the_summary_lists_each_model_felt_against_its_first_profiles_objectives
     llama = felt[0]
     assert (llama.ttft_p90_seconds, llama.ttft_objective_seconds, llama.ttft_attained) == (0.62, 0.5, 0.83)
     assert (llama.itl_p90_seconds, llama.itl_objective_seconds, llama.pressure) == (0.04, 0.05, 1.24)
+    assert llama.parked == 1 and felt[1].parked == 0
     assert llama.queue == [QueueClass("interactive", 1, 0.2), QueueClass("batch", 40, 12.5)]  # by class rank
     assert llama.shares == [TeamShare("red", 600, 0.6, 3, 0.75), TeamShare("blue", 400, 0.4, 1, 0.25)]
     assert felt[1].ttft_objective_seconds is None and felt[1].queue == [] and felt[1].shares == []
@@ -59,7 +63,7 @@ def test_ctl_status_prints_a_row_per_model_felt_and_json_keeps_the_figures(press
     section = text[text.index("What users felt") :].splitlines()
     header, llama = section[1].split(), section[2].split()
     assert header[:3] == ["MODEL", "TTFT", "P90"]
-    assert llama == ["llama", "0.620s/0.500s", "0.040s/0.050s", "83%/97%", "1.24", "i1", "b40", "12.5s"] + [
+    assert llama == ["llama", "0.620s/0.500s", "0.040s/0.050s", "83%/97%", "1.24", "1", "i1", "b40", "12.5s"] + [
         "red",
         "60%(75%)",
         "blue",

@@ -13,6 +13,8 @@ from hub.windows import FIRST_TOKEN_BUCKETS, INTER_TOKEN_BUCKETS, QUEUE_WAIT_BUC
 from reconciler.choices import ReplicaState
 from reconciler.demand.objectives import MIN_OBSERVATIONS, seen_in_window, step
 from reconciler.demand.scaling import apply_demand
+from reconciler.demand.spares import PARKED_PRIORITY
+from reconciler.endpoints import build_endpoint_table
 from reconciler.models import ModelLoad, Replica
 from tests.fleet import make_model, make_node, make_replica
 
@@ -215,3 +217,66 @@ def test_the_tick_reads_the_p90_from_every_live_routers_window_summed(run_tick):
     load = ModelLoad.objects.get(model=model)
     assert load.ttft_p90 == pytest.approx(2.5 + 2.5 * 0.5)  # rank 90 of 100: the middle of the slow bucket
     assert load.ttft_attained == 1.0
+
+
+# -- spare replicas: parked when calm, recalled when pressed -------------------------------------
+
+
+def calm(settings, ready=3, **model):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 30
+    settings.LLMGW_LATENCY_WINDOW_SECONDS = 60
+    return model_with_objectives(ttft=1.0, ready=ready, **model)
+
+
+def parked(model):
+    return sorted(Replica.objects.filter(model=model, parked_since__isnull=False).values_list("pk", flat=True))
+
+
+def test_a_model_calm_for_a_whole_window_parks_its_newest_replica_one_per_window(settings):
+    model = calm(settings, ready=3)
+    newest = Replica.objects.filter(model=model).latest("pk").pk
+    start, fast = timezone.now(), {"llama": ttft_window(0.25)}  # p90 0.235 s against 1 s: pressure 0.235
+    apply_demand(set(), start, in_flight={}, windows=fast)
+    apply_demand(set(), start + timedelta(seconds=30), in_flight={}, windows=fast)
+    assert parked(model) == []  # calm, but not for a whole window yet
+    apply_demand(set(), start + timedelta(seconds=60), in_flight={}, windows=fast)
+    assert parked(model) == [newest]
+    apply_demand(set(), start + timedelta(seconds=90), in_flight={}, windows=fast)
+    assert len(parked(model)) == 1  # the next waits for a window read without it
+    apply_demand(set(), start + timedelta(seconds=120), in_flight={}, windows=fast)
+    apply_demand(set(), start + timedelta(seconds=300), in_flight={}, windows=fast)
+    assert len(parked(model)) == 2  # never below one serving (min replicas 1)
+
+
+def test_pressure_at_the_up_threshold_recalls_every_parked_replica_before_starting_any(settings):
+    model = calm(settings, ready=3)
+    Replica.objects.filter(model=model).exclude(pk=Replica.objects.filter(model=model).first().pk).update(
+        parked_since=timezone.now()
+    )
+    # One serving at a ratio of 2.35: two more wanted, and two are parked: they come back, nothing starts.
+    outcome = apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": ttft_window(2.5)})
+    assert parked(model) == [] and outcome.created == 0
+    assert Replica.objects.filter(model=model).count() == 3
+
+
+def test_a_parked_replica_is_published_below_every_profiles_priority_and_goes_idle(settings):
+    model = calm(settings, ready=2)
+    spare = Replica.objects.filter(model=model).latest("pk")
+    Replica.objects.filter(pk=spare.pk).update(parked_since=timezone.now())
+    rows = {row.replica_id: row.priority for row in build_endpoint_table().endpoints}
+    assert rows[str(spare.pk)] == PARKED_PRIORITY < -32768 and sorted(rows.values())[-1] == 0
+
+
+def test_the_pressure_is_read_on_the_replicas_serving_not_the_parked_ones(settings):
+    model = calm(settings, ready=2)
+    Replica.objects.filter(pk=Replica.objects.filter(model=model).latest("pk").pk).update(parked_since=timezone.now())
+    apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": ttft_window(1)})  # ratio 0.95
+    assert ModelLoad.objects.get(model=model).pressure == pytest.approx(0.95)  # 0.95 × 1 seen / 1 serving
+
+
+def test_a_model_whose_objectives_are_removed_has_its_parked_replicas_back(settings):
+    model = calm(settings, ready=2)
+    Replica.objects.filter(model=model).update(parked_since=timezone.now())
+    model.profiles.update(ttft_objective_seconds=None)
+    apply_demand(set(), timezone.now(), in_flight={"llama": 1}, windows={})
+    assert parked(model) == []
