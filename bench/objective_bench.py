@@ -217,6 +217,8 @@ def run(args, static: int | None) -> Run:
             step = (ended - began) / 20
             timeline = [replicas.at(began + step * i) for i in range(21)]
             result = Run(label, outcomes, replicas.seconds(began, ended), timeline, ended - began)
+            if args.keep_logs:  # the control plane's scaling decisions, for reading afterwards
+                Path(args.keep_logs, f"{label.replace(' ', '-')}.log").write_text(stack["log"].read_text())
     return result
 
 
@@ -245,11 +247,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--ttft-objective", type=float, default=0.5)
-    parser.add_argument("--itl-objective", type=float, default=0.16)
+    parser.add_argument("--itl-objective", type=float, default=0.18)
     parser.add_argument("--max-replicas", type=int, default=8)
     parser.add_argument("--static", type=int, nargs="*", default=[3, 4, 5], help="static fleet sizes to compare")
     parser.add_argument("--no-objectives", action="store_true", help="only the static fleets")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--keep-logs", metavar="DIR", help="keep each run's control-plane log in DIR")
     args = parser.parse_args()
     runs = [] if args.no_objectives else [run(args, None)]
     if runs:

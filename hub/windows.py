@@ -21,9 +21,17 @@ import msgspec
 
 from hub.records import NonNegative
 
-# A first token may wait for a cold start (20-600 s), a next one tens of milliseconds.
-FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
-INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+# A first token may wait for a cold start (20-600 s), a next one tens of milliseconds. A p90 is read within a
+# bucket by linear interpolation, so the bounds are close where objectives are set (a first token in 0.1-2 s, a
+# gap in 20-250 ms): one bucket as wide as 0.15-0.25 s would read a p90 of 175 ms gaps as up to 240 ms.
+FIRST_TOKEN_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 7.5,
+    10, 20, 30, 60, 120, 300, 600,
+)  # fmt: skip
+INTER_TOKEN_BUCKETS = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.11, 0.125, 0.14, 0.16,
+    0.18, 0.2, 0.225, 0.25, 0.3, 0.4, 0.5, 1, 2.5,
+)  # fmt: skip
 QUEUE_WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 

@@ -320,7 +320,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s(
         "LLMGW_OBJECTIVE_SCALE_DOWN",
         "float",
-        0.6,
+        0.7,
         "and is over them until that falls to this (below LLMGW_OBJECTIVE_SCALE_UP: the gap is the hysteresis)",
         0.0,
     ),

@@ -4,7 +4,7 @@ way in."""
 import msgspec
 import pytest
 
-from hub.windows import FIRST_TOKEN_BUCKETS, ModelWindow, merged, quantile, share_within
+from hub.windows import FIRST_TOKEN_BUCKETS, QUEUE_WAIT_BUCKETS, ModelWindow, merged, quantile, share_within
 
 BOUNDS = (1.0, 2.0, 4.0)
 
@@ -24,19 +24,20 @@ def test_the_share_within_a_limit_counts_whole_buckets_below_and_part_of_its_own
 
 
 def test_windows_of_several_routers_add_up_bucket_by_bucket():
-    one = ModelWindow(ttft=[1] * 17, waiting={"batch": 2}, served={"red": 10}, waits={"batch": [1] * 17})
-    two = ModelWindow(ttft=[2] * 17, waiting={"batch": 1, "interactive": 3}, served={"red": 5, "blue": 1})
+    t, w = len(FIRST_TOKEN_BUCKETS) + 1, len(QUEUE_WAIT_BUCKETS) + 1
+    one = ModelWindow(ttft=[1] * t, waiting={"batch": 2}, served={"red": 10}, waits={"batch": [1] * w})
+    two = ModelWindow(ttft=[2] * t, waiting={"batch": 1, "interactive": 3}, served={"red": 5, "blue": 1})
     total = merged([one, two, ModelWindow()])
-    assert total.ttft == [3] * 17 and total.itl == []
+    assert total.ttft == [3] * t and total.itl == []
     assert total.waiting == {"batch": 3, "interactive": 3}
     assert total.served == {"red": 15, "blue": 1}
-    assert total.waits == {"batch": [1] * 17}
-    assert one.ttft == [1] * 17  # the routers' own windows are left as they were
+    assert total.waits == {"batch": [1] * w}
+    assert one.ttft == [1] * t  # the routers' own windows are left as they were
 
 
 def test_a_window_whose_counts_do_not_match_the_buckets_is_refused_naming_the_field():
-    assert len(FIRST_TOKEN_BUCKETS) + 1 == 17
-    with pytest.raises(msgspec.ValidationError, match=r"ttft has 2 bucket counts, not 17"):
+    expected = len(FIRST_TOKEN_BUCKETS) + 1
+    with pytest.raises(msgspec.ValidationError, match=rf"ttft has 2 bucket counts, not {expected}"):
         msgspec.convert({"ttft": [1, 2]}, ModelWindow)
-    with pytest.raises(msgspec.ValidationError, match=r"waits\[batch\] has 1 bucket counts, not 17"):
+    with pytest.raises(msgspec.ValidationError, match=rf"waits\[batch\] has 1 bucket counts, not {len(QUEUE_WAIT_BUCKETS) + 1}"):
         msgspec.convert({"waits": {"batch": [1]}}, ModelWindow)

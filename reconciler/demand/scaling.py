@@ -409,7 +409,10 @@ def _over(
 
 def _why(load: ModelLoad, current: int) -> str:
     if load.pressure is not None:
-        return f"p90 at {load.pressure:.2f} of its objective (replicas starting discounted)"
+        return (
+            f"pressure {load.pressure:.2f} (p90 first token {load.ttft_p90 or 0:.3f} s, gap {load.itl_p90 or 0:.3f} s; "
+            "replicas starting discounted)"
+        )
     return f"{current} requests in flight over its target concurrency"
 
 

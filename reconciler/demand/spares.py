@@ -7,7 +7,9 @@ its objectives do not need:
 
 * once its pressure (reconciler.demand.objectives) has stayed at or below LLMGW_OBJECTIVE_SCALE_DOWN for a whole
   window (LLMGW_LATENCY_WINDOW_SECONDS, so the p90 was read on the replicas serving now), its newest serving
-  replica is parked, one per window, never below its min replicas nor below one serving;
+  replica is parked, one per window, never below its min replicas nor below one serving, and only while the
+  others' pressure would stay below the up threshold were latency to follow load per replica (so parking does
+  not bring itself back);
 * a parked replica stays ready and published, at a priority below any profile's (`PARKED_PRIORITY`): routers send
   it requests only when the others cannot take them (ejected, KV-full), so nothing fails for it, and it becomes
   idle; the idle timeout then stops it, as any idle replica above min;
@@ -19,6 +21,7 @@ A parked replica counts neither as serving (the pressure is read on the others) 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -27,6 +30,8 @@ from django.conf import settings
 from reconciler.choices import ReplicaState
 from reconciler.lifecycle.replica_rows import ReplicaRow
 from reconciler.models import ModelLoad, Replica
+
+log = logging.getLogger(__name__)
 
 PARKED_PRIORITY = -(2**15) - 1
 """The priority a parked replica is published with: below the lowest a profile may set (a small integer)."""
@@ -43,8 +48,10 @@ class SpareChanges:
         """At most two queries, none when nothing changes."""
         if self.park:
             Replica.objects.filter(pk__in=self.park, state=ReplicaState.READY).update(parked_since=now)
+            log.info("parking spare replicas %s: their models meet their objectives without them", self.park)
         if self.recall:
             Replica.objects.filter(pk__in=self.recall).update(parked_since=None)
+            log.info("spare replicas %s back in rotation", self.recall)
 
 
 def serving_and_parked(wanted: list[ReplicaRow]) -> tuple[list[ReplicaRow], list[ReplicaRow]]:
@@ -75,7 +82,10 @@ def decide(
         load.calm_since = now
         return 0
     window = timedelta(seconds=settings.LLMGW_LATENCY_WINDOW_SECONDS)
-    if now - load.calm_since >= window and len(serving) > max(min_replicas, 1):
+    count = len(serving)
+    # Were latency to follow load per replica, the others' pressure without it: parking must not bring it back.
+    after = pressure * count / (count - 1) if count > 1 else None
+    if now - load.calm_since >= window and count > max(min_replicas, 1) and after < settings.LLMGW_OBJECTIVE_SCALE_UP:
         changes.park.append(max(serving, key=lambda r: r.pk).pk)  # the newest: the longest serving stay
         load.calm_since = now  # the next one waits for a window read without it
     return 0

@@ -101,12 +101,12 @@ def test_a_model_over_its_objective_for_long_enough_scales_out_by_what_the_ratio
     settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 30
     model = model_with_objectives(ttft=1.0, ready=2)
     start = timezone.now()
-    slow = {"llama": ttft_window(2.5)}  # p90 between 1 s and 2.5 s: 2.35 s, ratio 2.35
+    slow = {"llama": ttft_window(2.5)}  # p90 between 2 s and 2.5 s: 2.45 s, ratio 2.45
 
     assert apply_demand(set(), start, in_flight={"llama": 1}, windows=slow).scaled_out == 0
     load = ModelLoad.objects.get(model=model)
-    assert load.busy_since == start and load.pressure == pytest.approx(2.35)
-    assert load.ttft_p90 == pytest.approx(2.35) and load.ttft_attained == 0.0
+    assert load.busy_since == start and load.pressure == pytest.approx(2.45)
+    assert load.ttft_p90 == pytest.approx(2.45) and load.ttft_attained == 0.0
 
     # In flight far below target concurrency: only the objective speaks.
     assert apply_demand(set(), start + timedelta(seconds=30), in_flight={"llama": 1}, windows=slow).scaled_out == 2
@@ -118,7 +118,7 @@ def test_a_wobble_between_the_thresholds_does_not_restart_the_wait(settings):
     model = model_with_objectives(ttft=1.0, ready=2)
     start = timezone.now()
     slow = {"llama": ttft_window(2.5)}
-    middling = {"llama": _mixed(fast=80, slow=20)}  # p90 ~0.75 s: between the thresholds
+    middling = {"llama": _mixed(fast=80, slow=20)}  # p90 0.875 s: between the thresholds
 
     apply_demand(set(), start, in_flight={}, windows=slow)
     assert apply_demand(set(), start + timedelta(seconds=10), in_flight={}, windows=middling).scaled_out == 0
@@ -155,11 +155,11 @@ def test_the_inter_token_objective_counts_too_and_the_worst_ratio_wins(settings)
     settings.LLMGW_SCALE_OUT_AFTER_SECONDS = 0
     model = model_with_objectives(ttft=10.0, itl=0.05, ready=1)
     gaps = [0] * (len(INTER_TOKEN_BUCKETS) + 1)
-    gaps[INTER_TOKEN_BUCKETS.index(0.1)] = 200  # p90 0.0975 s against 0.05 s
+    gaps[INTER_TOKEN_BUCKETS.index(0.1)] = 200  # p90 0.099 s against 0.05 s
     window = ModelWindow(ttft=ttft_window(0.5).ttft, itl=gaps)
     assert apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": window}).scaled_out == 1
     load = ModelLoad.objects.get(model=model)
-    assert load.pressure == pytest.approx(0.0975 / 0.05) and load.itl_attained == 0.0 and load.ttft_attained == 1.0
+    assert load.pressure == pytest.approx(0.099 / 0.05) and load.itl_attained == 0.0 and load.ttft_attained == 1.0
 
 
 def test_a_model_without_objectives_keeps_the_concurrency_rule(settings):
@@ -215,7 +215,7 @@ def test_the_tick_reads_the_p90_from_every_live_routers_window_summed(run_tick):
     run_tick()
 
     load = ModelLoad.objects.get(model=model)
-    assert load.ttft_p90 == pytest.approx(2.5 + 2.5 * 0.5)  # rank 90 of 100: the middle of the slow bucket
+    assert load.ttft_p90 == pytest.approx(4 + 1 * 0.5)  # rank 90 of 100: the middle of the slow bucket
     assert load.ttft_attained == 1.0
 
 
@@ -270,8 +270,8 @@ def test_a_parked_replica_is_published_below_every_profiles_priority_and_goes_id
 def test_the_pressure_is_read_on_the_replicas_serving_not_the_parked_ones(settings):
     model = calm(settings, ready=2)
     Replica.objects.filter(pk=Replica.objects.filter(model=model).latest("pk").pk).update(parked_since=timezone.now())
-    apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": ttft_window(1)})  # ratio 0.95
-    assert ModelLoad.objects.get(model=model).pressure == pytest.approx(0.95)  # 0.95 × 1 seen / 1 serving
+    apply_demand(set(), timezone.now(), in_flight={}, windows={"llama": ttft_window(1)})  # ratio 0.975
+    assert ModelLoad.objects.get(model=model).pressure == pytest.approx(0.975)  # 0.975 × 1 seen / 1 serving
 
 
 def test_a_model_whose_objectives_are_removed_has_its_parked_replicas_back(settings):
@@ -279,4 +279,12 @@ def test_a_model_whose_objectives_are_removed_has_its_parked_replicas_back(setti
     Replica.objects.filter(model=model).update(parked_since=timezone.now())
     model.profiles.update(ttft_objective_seconds=None)
     apply_demand(set(), timezone.now(), in_flight={"llama": 1}, windows={})
+    assert parked(model) == []
+
+
+def test_a_replica_whose_load_would_press_the_others_past_the_up_threshold_is_not_parked(settings):
+    model = calm(settings, ready=2)
+    start, calm_enough = timezone.now(), {"llama": ttft_window(0.6)}  # pressure 0.59: calm, but × 2/1 = 1.18
+    for seconds in (0, 60, 120):
+        apply_demand(set(), start + timedelta(seconds=seconds), in_flight={}, windows=calm_enough)
     assert parked(model) == []
