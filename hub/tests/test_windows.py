@@ -39,5 +39,7 @@ def test_a_window_whose_counts_do_not_match_the_buckets_is_refused_naming_the_fi
     expected = len(FIRST_TOKEN_BUCKETS) + 1
     with pytest.raises(msgspec.ValidationError, match=rf"ttft has 2 bucket counts, not {expected}"):
         msgspec.convert({"ttft": [1, 2]}, ModelWindow)
-    with pytest.raises(msgspec.ValidationError, match=rf"waits\[batch\] has 1 bucket counts, not {len(QUEUE_WAIT_BUCKETS) + 1}"):
+    with pytest.raises(
+        msgspec.ValidationError, match=rf"waits\[batch\] has 1 bucket counts, not {len(QUEUE_WAIT_BUCKETS) + 1}"
+    ):
         msgspec.convert({"waits": {"batch": [1]}}, ModelWindow)

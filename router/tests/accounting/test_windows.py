@@ -39,7 +39,9 @@ def test_a_window_holds_what_was_counted_within_its_length_and_forgets_what_is_o
     clock.now += 30
     first = windows.take()["llama"]
     assert first.ttft[bucket(FIRST_TOKEN_BUCKETS, 0.3)] == 1 and sum(first.ttft) == 1
-    assert first.waits == {"batch": [1 if i == bucket(QUEUE_WAIT_BUCKETS, 2.0) else 0 for i in range(len(QUEUE_WAIT_BUCKETS) + 1)]}
+    assert first.waits == {
+        "batch": [1 if i == bucket(QUEUE_WAIT_BUCKETS, 2.0) else 0 for i in range(len(QUEUE_WAIT_BUCKETS) + 1)]
+    }
     assert first.served == {"red": 500} and first.weights == {"red": 3} and first.itl == []
 
     traffic.first_token.observe("llama", 5.0)
