@@ -15,7 +15,9 @@ neither adds replicas nor restarts the clock on every wobble:
 
 * the model is over its objectives from the tick its pressure reaches
   LLMGW_OBJECTIVE_SCALE_UP until it falls to LLMGW_OBJECTIVE_SCALE_DOWN;
-* once over for LLMGW_SCALE_OUT_AFTER_SECONDS, a tick whose pressure is at
+* once over for LLMGW_SCALE_OUT_AFTER_SECONDS (while replicas it added are still
+  starting, for a whole window since the last step: the first tokens that
+  waited for them are still in the window), a tick whose pressure is at
   least the up threshold adds the replicas that would bring the ratio down to
   it were latency to follow load per replica (ceil(seen × ratio / up), less
   those ready and starting), at least one and at most as many as are ready

@@ -303,6 +303,7 @@ def _scale_out(
     """
     loads = {load.model_id: load for load in ModelLoad.objects.all()}
     after = timedelta(seconds=settings.LLMGW_SCALE_OUT_AFTER_SECONDS)
+    window = timedelta(seconds=settings.LLMGW_LATENCY_WINDOW_SECONDS)
     changed: list[ModelLoad] = []
     created: list[ModelLoad] = []
     scaled = 0
@@ -328,7 +329,10 @@ def _scale_out(
             load.busy_since = now
         busy_since = load.busy_since
         add = min(add, primary.max_replicas - len(wanted))
-        if add > 0 and busy_since is not None and now - busy_since >= after:
+        # While replicas it added are starting, a model with objectives adds more only once a whole window has
+        # been read since: the first tokens that waited for them would otherwise ask for them again.
+        wait = max(after, window) if coming and load.pressure is not None else after
+        if add > 0 and busy_since is not None and now - busy_since >= wait:
             to_create.extend(Replica(model_id=model_id, profile=primary, demand_until=linger) for _ in range(add))
             load.busy_since = now  # the next replica waits for the load to last again
             scaled += add
@@ -397,7 +401,7 @@ def _over(
         seen = seen_in_window([r.ready_at for r in serving], now, settings.LLMGW_LATENCY_WINDOW_SECONDS)
         objective = step(felt.ratio, seen, len(serving), coming, was_over, up, down)
         load.pressure = objective.pressure
-        recalled = decide(load, objective.pressure, serving, parked, primary.min_replicas, now, spares)
+        recalled = decide(load, objective.pressure, serving, parked, primary.min_replicas, now, spares, coming)
         return objective.over, max(0, objective.add - recalled)
     load.pressure = load.calm_since = None
     spares.recall.extend(r.pk for r in parked)  # objectives gone: nothing stays parked

@@ -5,8 +5,8 @@ every replica of a model (least loaded, ties in turn), so a model scaled out for
 but steady load would keep every replica forever: none is ever idle. A model with objectives therefore parks what
 its objectives do not need:
 
-* once its pressure (reconciler.demand.objectives) has stayed at or below LLMGW_OBJECTIVE_SCALE_DOWN for a whole
-  window (LLMGW_LATENCY_WINDOW_SECONDS, so the p90 was read on the replicas serving now), its newest serving
+* once its pressure (reconciler.demand.objectives) has stayed at or below LLMGW_OBJECTIVE_SCALE_DOWN, with no
+  replica starting, for a whole window (LLMGW_LATENCY_WINDOW_SECONDS, so the p90 was read on the replicas serving now), its newest serving
   replica is parked, one per window, never below its min replicas nor below one serving, and only while the
   others' pressure would stay below the up threshold were latency to follow load per replica (so parking does
   not bring itself back);
@@ -68,14 +68,16 @@ def decide(
     min_replicas: int,
     now: datetime,
     changes: SpareChanges,
+    starting: int = 0,
 ) -> int:
     """Park or recall per the module docstring, keeping `load.calm_since`; returns the replicas recalled (capacity
-    that need not be started)."""
+    that need not be started). Nothing is calm while `starting` replicas are on their way: their discount lowers the
+    pressure of a model that is short of capacity right now."""
     if pressure is not None and pressure >= settings.LLMGW_OBJECTIVE_SCALE_UP:
         load.calm_since = None
         changes.recall.extend(r.pk for r in parked)
         return len(parked)
-    if pressure is None or pressure > settings.LLMGW_OBJECTIVE_SCALE_DOWN:
+    if pressure is None or pressure > settings.LLMGW_OBJECTIVE_SCALE_DOWN or starting:
         load.calm_since = None
         return 0
     if load.calm_since is None:

@@ -288,3 +288,24 @@ def test_a_replica_whose_load_would_press_the_others_past_the_up_threshold_is_no
     for seconds in (0, 60, 120):
         apply_demand(set(), start + timedelta(seconds=seconds), in_flight={}, windows=calm_enough)
     assert parked(model) == []
+
+
+def test_while_replicas_it_added_start_the_next_step_waits_a_whole_window(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS, settings.LLMGW_LATENCY_WINDOW_SECONDS = 5, 60
+    model = model_with_objectives(ttft=1.0, ready=2)
+    start, slow = timezone.now(), {"llama": ttft_window(10)}  # ratio 9.5: far over, whatever is starting
+    apply_demand(set(), start, in_flight={}, windows=slow)
+    assert apply_demand(set(), start + timedelta(seconds=5), in_flight={}, windows=slow).scaled_out == 2
+    Replica.objects.filter(model=model, state=ReplicaState.PENDING).update(state=ReplicaState.STARTING)  # placed
+    assert apply_demand(set(), start + timedelta(seconds=30), in_flight={}, windows=slow).scaled_out == 0
+    assert apply_demand(set(), start + timedelta(seconds=65), in_flight={}, windows=slow).scaled_out == 2
+    assert Replica.objects.filter(model=model).count() == 6
+
+
+def test_nothing_is_parked_while_replicas_are_starting(settings):
+    model = calm(settings, ready=3)
+    Replica.objects.create(model=model, profile=model.profiles.get(), state=ReplicaState.STARTING)
+    start, fast = timezone.now(), {"llama": ttft_window(0.25)}
+    for seconds in (0, 60, 120):
+        apply_demand(set(), start + timedelta(seconds=seconds), in_flight={}, windows=fast)
+    assert parked(model) == []
