@@ -327,12 +327,11 @@ def _scale_out(
             load.busy_since = None
         elif load.busy_since is None:
             load.busy_since = now
-        busy_since = load.busy_since
         add = min(add, primary.max_replicas - len(wanted))
         # While replicas it added are starting, a model with objectives adds more only once a whole window has
         # been read since: the first tokens that waited for them would otherwise ask for them again.
         wait = max(after, window) if coming and load.pressure is not None else after
-        if add > 0 and busy_since is not None and now - busy_since >= wait:
+        if add > 0 and load.busy_since is not None and now - load.busy_since >= wait:
             to_create.extend(Replica(model_id=model_id, profile=primary, demand_until=linger) for _ in range(add))
             load.busy_since = now  # the next replica waits for the load to last again
             scaled += add
