@@ -284,7 +284,8 @@ SETTINGS: tuple[Setting, ...] = (
         "LLMGW_MAX_SWAP_WAIT_SECONDS",
         "float",
         60.0,
-        "a request for a sleeping model waiting this long may swap out occupants still in use (never cut)",
+        "a sleeping model or a cold start waiting this long for GPUs may have occupants still in use drained for it "
+        "(never cut)",
         0.0,
     ),
     _s(

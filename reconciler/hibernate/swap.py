@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -45,7 +45,13 @@ from reconciler.hibernate.tier import SleepRequest, asleep_replicas, put_to_slee
 from reconciler.lifecycle.transitions import StopRequest, notify_work_due, stop_replicas, unpublish_grace_seconds
 from reconciler.models import GPUAssignment, Replica
 from reconciler.outbox import Outbox
-from reconciler.placement.eviction import Occupant, others_than, seconds_until_stoppable, stop_candidates
+from reconciler.placement.eviction import (
+    Occupant,
+    in_use_no_reason,
+    others_than,
+    seconds_until_stoppable,
+    stop_candidates,
+)
 from reconciler.placement.occupants import read_occupants, sleep_levels, spare_replicas
 from reconciler.placement.placer import room_now
 
@@ -196,12 +202,7 @@ class _Swaps:
         overdue = sleeper.waited >= settings.LLMGW_MAX_SWAP_WAIT_SECONDS
         others = others_than(sleeper.model, self._occupants, self.victims)
         if overdue:
-            # Waited too long: in use is no longer a reason, but residency, priority and min still are.
-            others = [
-                replace(h, idle_seconds=max(h.idle_seconds or 0.0, settings.LLMGW_EVICT_MIN_IDLE_SECONDS), running=0)
-                for h in others
-                if h.idle_seconds is not None
-            ]
+            others = in_use_no_reason(others, settings.LLMGW_EVICT_MIN_IDLE_SECONDS)
         return stop_candidates(
             others,
             self._spare,

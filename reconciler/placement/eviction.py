@@ -98,6 +98,18 @@ def stop_candidates(
     return chosen
 
 
+def in_use_no_reason(occupants: Iterable[Occupant], min_idle: float) -> list[Occupant]:
+    """The occupants as a demand that has waited LLMGW_MAX_SWAP_WAIT_SECONDS sees them: being in use (used lately,
+    or running requests) no longer keeps one from being evicted — its engine drains, so nothing is cut — but its
+    residency, priority and model's min still do, and one whose idleness is unknown is still never a candidate.
+    The one bound a cold start and a swap both wait at most for occupants still in use."""
+    return [
+        replace(h, idle_seconds=max(h.idle_seconds, min_idle), running=0)
+        for h in occupants
+        if h.idle_seconds is not None
+    ]
+
+
 def others_than(model: str, occupants: Iterable[Occupant], taken: Collection[int]) -> list[Occupant]:
     """The occupants eviction may consider to make room for a replica of `model`: never that model's own
     replicas (stopping one to start another would only churn), nor one already taken (`taken`: replica ids)."""

@@ -1,4 +1,4 @@
-"""Making room under pressure: stop idle replicas so a waiting one can be placed (DESIGN "One eviction order").
+"""Making room under pressure: stop replicas so a waiting one can be placed (DESIGN "One eviction order").
 
 Runs in the tick after placement, for the replicas no profile could take, in
 placement order. For each, on its profiles in order:
@@ -9,6 +9,14 @@ placement order. For each, on its profiles in order:
 2. otherwise `eviction.plan_eviction` picks the fewest candidates (the one
    eviction order) whose GPUs make it fit; they are stopped (a drain), and
    their GPUs are claimed for it.
+
+Candidates are idle ones, by the one eviction order; once the replica's demand
+has waited LLMGW_MAX_SWAP_WAIT_SECONDS (counted from its creation), occupants
+still in use too (`eviction.in_use_no_reason`: a drain, nothing is cut; still
+never above its priority, below their model's min, resident too briefly or of
+unknown idleness) — the one bound a swap waits for them as well
+(reconciler.hibernate.swap). Until then it holds, its note saying when at the
+latest room comes.
 
 Either way its hold is `Hold.MAKING_ROOM` (its note, for operators, starts
 with `eviction.MAKING_ROOM`), so routers keep holding its requests instead of
@@ -30,13 +38,14 @@ from inventory.models import gpu_in_service
 from reconciler.choices import Hold, ReplicaState
 from reconciler.demand.idle import Idle
 from reconciler.hibernate.tier import SleepRequest, put_to_sleep
-from reconciler.lifecycle.transitions import StopRequest, stop_replicas
+from reconciler.lifecycle.transitions import StopRequest, notify_work_due, stop_replicas
 from reconciler.models import GPUAssignment, Replica
 from reconciler.placement.capacity import CapacitySnapshot
 from reconciler.placement.eviction import (
     MAKING_ROOM,
     WAITING_FOR_NODES,
     Occupant,
+    in_use_no_reason,
     others_than,
     plan_eviction,
     seconds_until_stoppable,
@@ -95,8 +104,8 @@ def make_room(
     notes: dict[int, PlacementNote] = {}
     victims_all: list[StopRequest] = []
     for replica, profiles, _reason in waiting:
-        model = replica.model.name
-        priority = replica.profile.priority
+        want = _Want.of(replica, now)
+        model = want.model
         shapes: list[tuple[list[NodeCapacity], Shape]] = []
         for profile in profiles:
             shape = Shape.of(profile)
@@ -111,7 +120,7 @@ def make_room(
                 occupants, spare = read_occupants(now), spare_replicas()
             if paused:
                 continue
-            plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, model, priority))
+            plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, want))
             if plan is None:
                 continue
             victims, _placement = plan
@@ -121,7 +130,7 @@ def make_room(
             break
         else:
             # No profile can make room now: hold, don't refuse, if one will once time has passed.
-            note = _first_room_soon(occupants, spare, taken, model, priority, shapes, paused)
+            note = _first_room_soon(occupants, spare, taken, want, shapes, paused)
             if note is not None:
                 notes[replica.pk] = note
     _sleep_or_stop(victims_all, now)
@@ -141,16 +150,43 @@ def _claim(
     return ", ".join(_describe(v) for v in victims)
 
 
+@dataclass(frozen=True)
+class _Want:
+    """A waiting replica as eviction sees it: its model, its priority, and how long its demand has waited."""
+
+    model: str
+    priority: int
+    waited: float
+
+    @classmethod
+    def of(cls, replica: Replica, now: datetime) -> _Want:
+        waited = (now - replica.created_at).total_seconds() if replica.created_at else 0.0
+        return cls(replica.model.name, replica.profile.priority, max(0.0, waited))
+
+    @property
+    def overdue(self) -> bool:
+        """Waited the one bound (LLMGW_MAX_SWAP_WAIT_SECONDS): occupants in use may be evicted for it."""
+        return self.waited >= settings.LLMGW_MAX_SWAP_WAIT_SECONDS
+
+    @property
+    def left(self) -> float:
+        return max(0.0, settings.LLMGW_MAX_SWAP_WAIT_SECONDS - self.waited)
+
+
 def _candidates(
-    occupants: list[Occupant], spare: dict[str, int], taken: set[int], model: str, priority: int, *, soon: bool = False
+    occupants: list[Occupant], spare: dict[str, int], taken: set[int], want: _Want, *, soon: bool = False
 ) -> list[Occupant]:
-    """The one eviction order's candidates for a replica of `model`, among those not chosen this tick."""
+    """The one eviction order's candidates for `want`, among those not chosen this tick; once it has waited the
+    bound, occupants still in use among them (`eviction.in_use_no_reason`)."""
+    others = others_than(want.model, occupants, taken)
+    if want.overdue and not soon:
+        others = in_use_no_reason(others, settings.LLMGW_EVICT_MIN_IDLE_SECONDS)
     return stop_candidates(
-        others_than(model, occupants, taken),
+        others,
         spare,
         min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS,
         min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS,
-        max_priority=priority,
+        max_priority=want.priority,
         soon=soon,
     )
 
@@ -170,8 +206,7 @@ def _first_room_soon(
     occupants: list[Occupant] | None,
     spare: dict[str, int],
     taken: set[int],
-    model: str,
-    priority: int,
+    want: _Want,
     shapes: list[tuple[list[NodeCapacity], Shape]],
     paused: str,
 ) -> PlacementNote | None:
@@ -180,7 +215,7 @@ def _first_room_soon(
     if occupants is None:
         return None
     for records, shape in shapes:
-        note = _room_soon(occupants, spare, taken, model, priority, records, shape, paused)
+        note = _room_soon(occupants, spare, taken, want, records, shape, paused)
         if note is not None:
             return note
     return None
@@ -190,8 +225,7 @@ def _room_soon(
     occupants: list[Occupant],
     spare: dict[str, int],
     taken: set[int],
-    model: str,
-    priority: int,
+    want: _Want,
     records: list[NodeCapacity],
     shape: Shape,
     paused: str,
@@ -209,7 +243,7 @@ def _room_soon(
     if paused:
         known = {h.replica_id: h for h in occupants}
         occupants = [h if h.idle_seconds is not None else replace(h, idle_seconds=0.0) for h in occupants]
-    plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, model, priority, soon=True))
+    plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, want, soon=True))
     if plan is None:
         return None
     victims, _placement = plan
@@ -219,7 +253,15 @@ def _room_soon(
     wait = seconds_until_stoppable(
         victims, min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
     )
-    when = "once their requests finish" if wait is None else f"in about {Idle(wait)}"
+    # In use is a reason only until the demand has waited the one bound; residency stays one.
+    residency = max((settings.LLMGW_MIN_RESIDENCY_SECONDS - v.ready_seconds for v in victims), default=0.0)
+    latest = max(want.left, residency)
+    if wait is None:
+        wait, when = latest, f"once their requests finish, at the latest in about {Idle(latest)}"
+    else:
+        wait = min(wait, latest)
+        when = f"in about {Idle(wait)}"
+    notify_work_due(wait)
     return PlacementNote.making_room(f"waiting for {', '.join(_describe(v) for v in victims)} to be evictable {when}")
 
 
