@@ -198,6 +198,8 @@ def run(args, static: int | None) -> Run:
         "LLMGW_LATENCY_WINDOW_SECONDS": f"{max(1.0, 60 * scale):g}",
         "LLMGW_ACTIVATION_TIMEOUT_SECONDS": "600",
         "LLMGW_HEARTBEAT_SECONDS": "1",
+        **({"LLMGW_OBJECTIVE_SCALE_UP": str(args.up)} if args.up else {}),
+        **({"LLMGW_OBJECTIVE_SCALE_DOWN": str(args.down)} if args.down else {}),
     }
     label = "objectives" if static is None else f"static {static}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,6 +253,8 @@ def main() -> None:
     parser.add_argument("--max-replicas", type=int, default=8)
     parser.add_argument("--static", type=int, nargs="*", default=[3, 4, 5], help="static fleet sizes to compare")
     parser.add_argument("--no-objectives", action="store_true", help="only the static fleets")
+    parser.add_argument("--up", type=float, help="LLMGW_OBJECTIVE_SCALE_UP (default: the setting's)")
+    parser.add_argument("--down", type=float, help="LLMGW_OBJECTIVE_SCALE_DOWN (default: the setting's)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--keep-logs", metavar="DIR", help="keep each run's control-plane log in DIR")
     args = parser.parse_args()

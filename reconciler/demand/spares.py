@@ -22,6 +22,7 @@ A parked replica counts neither as serving (the pressure is read on the others) 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -84,10 +85,13 @@ def decide(
         load.calm_since = now
         return 0
     window = timedelta(seconds=settings.LLMGW_LATENCY_WINDOW_SECONDS)
-    count = len(serving)
-    # Were latency to follow load per replica, the others' pressure without it: parking must not bring it back.
-    after = pressure * count / (count - 1) if count > 1 else None
-    if now - load.calm_since >= window and count > max(min_replicas, 1) and after < settings.LLMGW_OBJECTIVE_SCALE_UP:
-        changes.park.append(max(serving, key=lambda r: r.pk).pk)  # the newest: the longest serving stay
-        load.calm_since = now  # the next one waits for a window read without it
+    if now - load.calm_since < window:
+        return 0
+    # Were latency to follow load per replica, the fewest that keep the pressure below the up threshold: parking
+    # must not bring the parked back.
+    keep = max(min_replicas, 1, math.floor(pressure * len(serving) / settings.LLMGW_OBJECTIVE_SCALE_UP) + 1)
+    if len(serving) > keep:
+        newest = sorted(serving, key=lambda r: r.pk)[keep:]  # the longest serving stay
+        changes.park.extend(r.pk for r in newest)
+        load.calm_since = now  # the next parking waits for a window read without them
     return 0
