@@ -27,7 +27,8 @@ neither adds replicas nor restarts the clock on every wobble:
   says nothing: no reading, not over.
 
 Without objectives the concurrency rule stays (reconciler.demand.scaling).
-Scale-in stays idle-based.
+Scale-in stays idle-based; a calm model parks the replicas it does not need so
+they can become idle (reconciler.demand.spares).
 """
 
 from __future__ import annotations
