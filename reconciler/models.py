@@ -235,6 +235,9 @@ class ModelLoad(models.Model):
     calm_since = models.DateTimeField(
         null=True, blank=True, help_text="Since when its pressure is at or below LLMGW_OBJECTIVE_SCALE_DOWN."
     )
+    trend = models.JSONField(
+        default=list, blank=True, help_text="[Unix time, streams begun in the window] over the last window."
+    )
     ttft_p90 = models.FloatField(null=True, blank=True, help_text="p90 time to first token over the window (s).")
     itl_p90 = models.FloatField(null=True, blank=True, help_text="p90 gap between tokens over the window (s).")
     ttft_attained = models.FloatField(

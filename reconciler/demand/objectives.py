@@ -10,6 +10,12 @@ serve for part of it only (`seen_in_window`), so pressure = ratio × seen /
 (ready + starting). The load they will take is already on its way, so it is
 not answered twice — and a p90 taken before they served does not add more.
 
+Replicas take a while to start (the profile's learned `start_seconds`): a load
+still rising when one is asked for will have grown by the time it serves. The
+ratio is multiplied by that growth (`look_ahead`: the rise of the streams that
+began in the window over the last window, projected over the start time), so a
+ramp is answered a start ahead instead of a start behind.
+
 The rule (`step`), with hysteresis so a p90 that wavers around its objective
 neither adds replicas nor restarts the clock on every wobble:
 
@@ -68,6 +74,8 @@ class Felt:
     itl_attained: float | None = None
     ratio: float | None = None
     """The worst p90 over its objective; None without an objective or enough observations."""
+    streams: int = 0
+    """First tokens in the window: the streams that began (the load the look-ahead follows)."""
     queue: dict[str, dict[str, float]] = field(default_factory=dict)
     """Class -> {"waiting": requests waiting now, "wait_p90": seconds (when any left the queue)}."""
     served: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -93,6 +101,7 @@ class Felt:
             ttft_attained=ttft_attained,
             itl_attained=itl_attained,
             ratio=max(ratios) if ratios else None,
+            streams=sum(window.ttft),
             queue=_queue(window),
             served={team: {"tokens": n, "weight": window.weights.get(team, 1)} for team, n in window.served.items()},
         )
@@ -125,12 +134,23 @@ class Step:
     add: int
 
 
-def step(ratio: float | None, seen: float, ready: int, starting: int, was_over: bool, up: float, down: float) -> Step:
+def step(
+    ratio: float | None,
+    seen: float,
+    ready: int,
+    starting: int,
+    was_over: bool,
+    up: float,
+    down: float,
+    growth: float = 1.0,
+) -> Step:
     """The objectives' rule (the module docstring) for a model with `ready` replicas serving and `starting` ones
     on their way, over its objectives until now if `was_over`. `seen` is how many replicas the window saw serving:
-    each ready one counts for the share of the window it was ready (`seen_in_window`)."""
+    each ready one counts for the share of the window it was ready (`seen_in_window`). `growth` is how much the
+    load will have grown by the time a replica started now serves (`look_ahead`)."""
     if ratio is None or not ready or not seen:
         return Step(False, None, 0)
+    ratio *= growth
     pressure = ratio * seen / (ready + starting)
     over = pressure >= up or (was_over and pressure > down)
     if pressure < up:
@@ -147,3 +167,26 @@ def seen_in_window(ready_since: list[datetime | None], now: datetime, window_sec
         age = window_seconds if since is None else (now - since).total_seconds()
         seen += min(1.0, max(0.0, age) / window_seconds)
     return seen
+
+
+MAX_GROWTH = 4.0
+"""The most the look-ahead multiplies the load by: a trend read over one window is not a forecast of hours."""
+
+
+def look_ahead(
+    trend: list[list[float]], streams: int, now: float, start_seconds: float | None, window_seconds: float
+) -> tuple[float, list[list[float]]]:
+    """How much the load will have grown by the time a replica started now serves — the streams that began in the
+    window, their rise per second over the last window (from `trend`, samples [Unix time, streams] a quarter of
+    a window apart), projected over the profile's learned start time: (1 + rise × start / streams), at least 1
+    (a falling load is left to the idle timeout and the spares), at most MAX_GROWTH — and the trend kept for the
+    next tick. 1 until the trend spans half a window, without a learned start time or with too few streams."""
+    kept = [sample for sample in trend if now - sample[0] <= window_seconds * 1.25]
+    if not kept or now - kept[-1][0] >= window_seconds / 4:
+        kept.append([now, float(streams)])
+    oldest_at, oldest = kept[0]
+    span = now - oldest_at
+    if start_seconds is None or streams < MIN_OBSERVATIONS or span < window_seconds / 2:
+        return 1.0, kept
+    rise = (streams - oldest) / span
+    return min(MAX_GROWTH, max(1.0, 1.0 + rise * start_seconds / streams)), kept

@@ -46,7 +46,7 @@ from catalog.models import Alias, Profile
 from hub.contracts import Activation, ModelWindow
 from reconciler.choices import AWAKE_STATES, WANTED_STATES, ReplicaState
 from reconciler.demand.idle import Idle
-from reconciler.demand.objectives import Felt, has_objectives, seen_in_window, step
+from reconciler.demand.objectives import Felt, has_objectives, look_ahead, seen_in_window, step
 from reconciler.demand.spares import SpareChanges, decide, serving_and_parked
 from reconciler.hibernate.tier import SleepRequest, idle_sleepers, put_to_sleep
 from reconciler.lifecycle.replica_rows import FleetCensus, ReplicaRow
@@ -364,6 +364,7 @@ _LOAD_FIELDS = [
     "in_flight",
     "busy_since",
     "calm_since",
+    "trend",
     "ttft_p90",
     "itl_p90",
     "ttft_attained",
@@ -397,8 +398,10 @@ def _over(
     if has_objectives(primary):
         was_over = load.busy_since is not None
         up, down = settings.LLMGW_OBJECTIVE_SCALE_UP, settings.LLMGW_OBJECTIVE_SCALE_DOWN
-        seen = seen_in_window([r.ready_at for r in serving], now, settings.LLMGW_LATENCY_WINDOW_SECONDS)
-        objective = step(felt.ratio, seen, len(serving), coming, was_over, up, down)
+        window = settings.LLMGW_LATENCY_WINDOW_SECONDS
+        seen = seen_in_window([r.ready_at for r in serving], now, window)
+        growth, load.trend = look_ahead(load.trend, felt.streams, now.timestamp(), primary.start_seconds, window)
+        objective = step(felt.ratio, seen, len(serving), coming, was_over, up, down, growth)
         load.pressure = objective.pressure
         recalled = decide(load, objective.pressure, serving, parked, primary.min_replicas, now, spares, coming)
         return objective.over, max(0, objective.add - recalled)

@@ -11,7 +11,7 @@ from hub import get_hub
 from hub.contracts import UsageReport
 from hub.windows import FIRST_TOKEN_BUCKETS, INTER_TOKEN_BUCKETS, QUEUE_WAIT_BUCKETS, ModelWindow
 from reconciler.choices import ReplicaState
-from reconciler.demand.objectives import MIN_OBSERVATIONS, seen_in_window, step
+from reconciler.demand.objectives import MIN_OBSERVATIONS, look_ahead, seen_in_window, step
 from reconciler.demand.scaling import apply_demand
 from reconciler.demand.spares import PARKED_PRIORITY
 from reconciler.endpoints import build_endpoint_table
@@ -315,3 +315,47 @@ def test_nothing_is_parked_while_replicas_are_starting(settings):
     for seconds in (0, 60, 120):
         apply_demand(set(), start + timedelta(seconds=seconds), in_flight={}, windows=fast)
     assert parked(model) == []
+
+
+# -- looking ahead by a start -------------------------------------------------------------------
+
+
+def test_a_rising_load_is_projected_over_the_learned_start_time():
+    trend = [[1000.0, 40.0], [1015.0, 50.0], [1030.0, 60.0]]
+    growth, kept = look_ahead(trend, 80, now=1045.0, start_seconds=90, window_seconds=60)
+    # 40 more streams a window over 45 s: 0.89 a second, × 90 s of start = 80 more on 80: twice the load.
+    assert growth == pytest.approx(2.0)
+    assert kept[-1] == [1045.0, 80.0] and kept[0] == [1000.0, 40.0]
+
+
+@pytest.mark.parametrize(
+    ("trend", "streams", "start", "why"),
+    [
+        ([[1000.0, 80.0]], 40, 90, "a falling load"),
+        ([[1000.0, 20.0]], 80, None, "no learned start time"),
+        ([[1030.0, 20.0]], 80, 90, "a trend of less than half a window"),
+        ([[1000.0, 5.0]], 10, 90, "too few streams"),
+    ],
+)
+def test_no_look_ahead_without_a_rise_to_project(trend, streams, start, why):
+    assert look_ahead(trend, streams, now=1045.0, start_seconds=start, window_seconds=60)[0] == 1.0, why
+
+
+def test_the_look_ahead_is_bounded_and_forgets_what_is_older_than_its_window():
+    growth, kept = look_ahead([[0.0, 1.0], [1000.0, 20.0]], 1000, now=1045.0, start_seconds=600, window_seconds=60)
+    assert growth == 4.0 and [t for t, _ in kept] == [1000.0, 1045.0]
+    _, again = look_ahead(kept, 1000, now=1050.0, start_seconds=600, window_seconds=60)
+    assert len(again) == 2  # a sample a quarter of a window apart at most
+
+
+def test_a_model_whose_load_rises_asks_for_the_replicas_it_will_need_once_they_have_started(settings):
+    settings.LLMGW_SCALE_OUT_AFTER_SECONDS, settings.LLMGW_LATENCY_WINDOW_SECONDS = 0, 60
+    model = model_with_objectives(ttft=1.0, ready=2)
+    model.profiles.update(start_seconds=60)
+    start = timezone.now()
+    apply_demand(set(), start - timedelta(seconds=45), in_flight={}, windows={"llama": ttft_window(0.5, count=40)})
+    # The load doubled in 45 s and its p90 is at 0.975 of the objective: looking 60 s ahead, the load grows by
+    # 2/3 more, so two replicas more rather than one.
+    rising = {"llama": ttft_window(1, count=80)}
+    assert apply_demand(set(), start, in_flight={}, windows=rising).scaled_out == 2
+    assert ModelLoad.objects.get(model=model).pressure == pytest.approx(0.975 * (1 + 40 / 45 * 60 / 80))
