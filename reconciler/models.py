@@ -65,7 +65,10 @@ class Replica(models.Model):
         null=True, blank=True, help_text="The level of its current sleep (level 1 holds its weights in host memory)."
     )
     wanted_since = models.DateTimeField(
-        null=True, blank=True, help_text="Asleep: since when requests (or min replicas) want it awake."
+        null=True,
+        blank=True,
+        help_text="Since when it has been wanted and waited: asleep, to be woken (requests or min replicas); "
+        "pending, to be placed (the first tick it found no room). Cleared once woken or placed.",
     )
     weights_bytes = models.BigIntegerField(
         null=True, blank=True, help_text="Its weights' estimated size when placed: host memory a level-1 sleep holds."

@@ -75,6 +75,12 @@ def notify_when_unpublished() -> None:
     notify_work_due(unpublish_grace_seconds())
 
 
+_FAILED_FIELDS = (
+    "state", "failure_count", "next_attempt_at", "last_error", "endpoint_url", "ready_at", "last_used", "wanted_since",
+)  # fmt: skip
+"""What taking a replica out of service changes (`fail_replicas`)."""
+
+
 def fail_replicas(
     replica_ids,
     message: str,
@@ -109,8 +115,9 @@ def fail_replicas(
         replica.last_error = message
         replica.endpoint_url = ""
         replica.ready_at = None
-        # The next incarnation's last use is its own (DESIGN invariant 3).
+        # The next incarnation's last use is its own (DESIGN invariant 3), and so is its wait for room.
         replica.last_used = None
+        replica.wanted_since = None
         if node_fault:
             replica.state, replica.next_attempt_at = ReplicaState.PENDING, None
         else:
@@ -118,9 +125,7 @@ def fail_replicas(
             replica.failure_count += 1
             replica.next_attempt_at = now + timedelta(seconds=backoff_seconds(replica.failure_count))
     if failed:
-        Replica.objects.bulk_update(
-            failed, ["state", "failure_count", "next_attempt_at", "last_error", "endpoint_url", "ready_at", "last_used"]
-        )
+        Replica.objects.bulk_update(failed, _FAILED_FIELDS)
     Shard.objects.filter(replica_id__in=replica_ids).delete()
     going = [r.pk for r in replicas if r.state == ReplicaState.STOPPING]
     if going:

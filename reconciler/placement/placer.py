@@ -2,8 +2,9 @@
 
 A replica goes on the first of its model's profiles with room (profile
 fallback; only those in its pools when it was created for a key bound to
-some, `Replica.pools`); when none has room, `room.make_room` may stop idle
-replicas for it.
+some, `Replica.pools`); when none has room, `room.make_room` may evict
+replicas for it (idle ones; in use too once it has waited the one bound,
+counted from the first tick it found no room: `Replica.wanted_since`).
 The placer (`placement.place`) decides on a capacity snapshot in memory,
 preferring nodes that hold the profile's weights on disk; this module reads
 the rows once (one query for the weights of every candidate source), writes
@@ -100,7 +101,7 @@ def place_pending(
     outcome.no_room = {replica.pk for replica, _, _ in unplaceable if replica.pk not in notes}
     outcome.unplaceable = len(unplaceable)
     _write_placed(placed, moved, now, epoch)
-    _write_notes([(replica, notes.get(replica.pk, PlacementNote(reason))) for replica, _, reason in unplaceable])
+    _write_notes([(replica, notes.get(replica.pk, PlacementNote(reason))) for replica, _, reason in unplaceable], now)
     for replica, shards in placed:
         head = shards[0]
         # Rank 0 only: the others start once its engine runs (lifecycle.start_followers).
@@ -216,21 +217,25 @@ def _write_placed(placed: _Placed, moved: list[Replica], now: datetime, epoch: i
         ready_at=None,
         last_used=None,
         demand_until=None,
+        wanted_since=None,
     )
     # Replicas that landed on a fallback profile move to it (one UPDATE for all of them).
     if moved:
         Replica.objects.bulk_update(moved, ["profile"])
 
 
-def _write_notes(notes: list[tuple[Replica, PlacementNote]]) -> None:
-    """Each unplaced replica's note and hold, together; one UPDATE for those that changed."""
+def _write_notes(notes: list[tuple[Replica, PlacementNote]], now: datetime) -> None:
+    """Each unplaced replica's note and hold, together, and since when it waits for room (`wanted_since`, stamped
+    the first tick it finds none: the one bound of `room.make_room` counts from it); one UPDATE for those that
+    changed."""
     changed = []
     for replica, note in notes:
-        if (replica.placement_note, replica.hold) != (note.text, note.hold):
+        if (replica.placement_note, replica.hold) != (note.text, note.hold) or replica.wanted_since is None:
             replica.placement_note, replica.hold = note.text, note.hold
+            replica.wanted_since = replica.wanted_since or now
             changed.append(replica)
     if changed:
-        Replica.objects.bulk_update(changed, ["placement_note", "hold"])
+        Replica.objects.bulk_update(changed, ["placement_note", "hold", "wanted_since"])
 
 
 def _profiles_in(profiles: list[Profile], pools: list[str]) -> list[Profile]:

@@ -10,8 +10,9 @@ placement order. For each, on its profiles in order:
    eviction order) whose GPUs make it fit; they are stopped (a drain), and
    their GPUs are claimed for it.
 
-Candidates are idle ones, by the one eviction order; once the replica's demand
-has waited LLMGW_MAX_SWAP_WAIT_SECONDS (counted from its creation), occupants
+Candidates are idle ones, by the one eviction order; once the replica has
+waited LLMGW_MAX_SWAP_WAIT_SECONDS for room (counted from the first tick it
+found none, `Replica.wanted_since`), occupants
 still in use too (`eviction.in_use_no_reason`: a drain, nothing is cut; still
 never above its priority, below their model's min, resident too briefly or of
 unknown idleness) — the one bound a swap waits for them as well
@@ -160,8 +161,10 @@ class _Want:
 
     @classmethod
     def of(cls, replica: Replica, now: datetime) -> _Want:
-        waited = (now - replica.created_at).total_seconds() if replica.created_at else 0.0
-        return cls(replica.model.name, replica.profile.priority, max(0.0, waited))
+        # Stamped the first tick it found no room (`placer._write_notes`), cleared when placed or failed: a replica
+        # pending again after its node was lost starts a new wait. Unstamped, this tick is its first.
+        since = replica.wanted_since or now
+        return cls(replica.model.name, replica.profile.priority, max(0.0, (now - since).total_seconds()))
 
     @property
     def overdue(self) -> bool:

@@ -6,10 +6,14 @@ import re
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.utils import timezone
 
+from hub import get_hub
 from reconciler.choices import Hold, ReplicaState
+from reconciler.lifecycle.transitions import fail_replicas
 from reconciler.models import Replica, Shard
+from reconciler.outbox import Outbox
 from reconciler.tests.placement.test_making_room import ask_for, serving, state_of
 from tests.fleet import make_node
 
@@ -24,10 +28,10 @@ def busy(name="busy", **fields):
 
 
 def newcomer_waited(seconds: float, **profile) -> Replica:
-    """A replica of a new 8-GPU model whose demand began `seconds` ago, its routers still asking."""
+    """A replica of a new 8-GPU model that first found no room `seconds` ago, its routers still asking."""
     model = ask_for("newcomer", **profile)
     replica = Replica.objects.create(model=model, profile=model.profiles.get())
-    Replica.objects.filter(pk=replica.pk).update(created_at=timezone.now() - timedelta(seconds=seconds))
+    Replica.objects.filter(pk=replica.pk).update(wanted_since=timezone.now() - timedelta(seconds=seconds))
     return replica
 
 
@@ -74,3 +78,36 @@ def test_past_the_bound_an_occupant_of_unknown_idleness_is_never_evicted(run_tic
     newcomer_waited(600)
     run_tick()
     assert state_of(occupant) == ReplicaState.READY
+
+
+def test_the_wait_counts_from_the_first_tick_without_room_not_from_the_replicas_creation(
+    run_tick, settings, shard_report
+):
+    """A replica pending again (its node lost, its engine failed) may be hours old: its new wait starts afresh."""
+    settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 10  # (ticks an hour apart would find the node silent)
+    occupant = busy()
+    waiting = newcomer_waited(0)
+    Replica.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - timedelta(hours=2), wanted_since=None)
+    first = timezone.now()
+    run_tick(now=first)
+    waiting.refresh_from_db()
+    assert state_of(occupant) == ReplicaState.READY
+    assert waiting.wanted_since == first and re.search(r"at the latest in about 10s$", waiting.placement_note)
+
+    async_to_sync(get_hub().request_activation)("newcomer")  # its routers still hold requests
+    run_tick(now=first + timedelta(seconds=11))
+    assert state_of(occupant) == ReplicaState.STOPPING
+
+    shard_report(Shard.objects.get(replica=occupant).node, Shard.objects.get(replica=occupant), "stopped")
+    run_tick(now=first + timedelta(seconds=12))
+    waiting.refresh_from_db()
+    assert (waiting.state, waiting.wanted_since) == (ReplicaState.STARTING, None)  # placed: its wait is over
+
+
+def test_a_replica_taken_out_of_service_waits_afresh(settings):
+    settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
+    replica = busy()
+    Replica.objects.filter(pk=replica.pk).update(wanted_since=timezone.now() - timedelta(hours=1))
+    fail_replicas([replica.pk], "node lost", timezone.now(), Outbox(1), node_fault=True)
+    replica.refresh_from_db()
+    assert (replica.state, replica.wanted_since) == (ReplicaState.PENDING, None)
