@@ -15,6 +15,9 @@ Rules for a candidate (each one a guard against stopping something wanted):
 * its priority is at most the waiting model's;
 * stopping it leaves its model at or above its min replicas.
 
+Being in use (the first and third rules) keeps requests held for another
+model waiting a bounded time only (`in_use_no_reason`).
+
 Order: lowest priority first, then least recently used. Among the ways to
 make room, the fewest victims win; ties go to the way whose worst victim comes
 earliest in that order.
@@ -51,6 +54,8 @@ class Occupant:
     """Node name -> indices of the in-service GPUs it holds there."""
     running: int | None = None
     """Requests its engines report running (summed over shards); None when unknown."""
+    pool: str = ""
+    """Its profile's pool: whose requests it serves (a key bound to pools is served in those only)."""
 
     @property
     def gpu_count(self) -> int:

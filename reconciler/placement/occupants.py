@@ -22,7 +22,9 @@ def read_occupants(now: datetime) -> list[Occupant]:
     """Every READY replica with its in-service GPUs per node, idle time and running requests. Three queries."""
     ready = Replica.objects.ready()
     rows = list(
-        ready.values_list("id", "model__name", "profile__priority", "profile__gpu_class", "last_used", "ready_at")
+        ready.values_list(
+            "id", "model__name", "profile__priority", "profile__gpu_class", "last_used", "ready_at", "profile__pool"
+        )
     )
     if not rows:
         return []
@@ -42,7 +44,7 @@ def read_occupants(now: datetime) -> list[Occupant]:
         .values_list("replica_id", "total")
     )
     occupants = []
-    for replica_id, model, priority, gpu_class, last_used, ready_at in rows:
+    for replica_id, model, priority, gpu_class, last_used, ready_at, pool in rows:
         occupants.append(
             Occupant(
                 replica_id=replica_id,
@@ -53,6 +55,7 @@ def read_occupants(now: datetime) -> list[Occupant]:
                 gpu_class=gpu_class,
                 gpus={node: tuple(sorted(indices)) for node, indices in gpus[replica_id].items()},
                 running=running.get(replica_id),
+                pool=pool,
             )
         )
     return occupants

@@ -3,8 +3,9 @@
 A replica goes on the first of its model's profiles with room (profile
 fallback; only those in its pools when it was created for a key bound to
 some, `Replica.pools`); when none has room, `room.make_room` may evict
-replicas for it (idle ones; in use too once it has waited the one bound,
-counted from the first tick it found no room: `Replica.wanted_since`).
+replicas for it (idle ones; in use too once the requests it is held for have
+waited the one bound, from the first tick it found no room:
+`Replica.wanted_since`).
 The placer (`placement.place`) decides on a capacity snapshot in memory,
 preferring nodes that hold the profile's weights on disk; this module reads
 the rows once (one query for the weights of every candidate source), writes

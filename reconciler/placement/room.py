@@ -10,14 +10,16 @@ placement order. For each, on its profiles in order:
    eviction order) whose GPUs make it fit; they are stopped (a drain), and
    their GPUs are claimed for it.
 
-Candidates are idle ones, by the one eviction order; once the replica has
-waited LLMGW_MAX_SWAP_WAIT_SECONDS for room (counted from the first tick it
-found none, `Replica.wanted_since`), occupants
-still in use too (`eviction.in_use_no_reason`: a drain, nothing is cut; still
-never above its priority, below their model's min, resident too briefly or of
-unknown idleness) — the one bound a swap waits for them as well
-(reconciler.hibernate.swap). Until then it holds, its note saying when at the
-latest room comes.
+Candidates are idle ones, by the one eviction order. A replica whose requests
+are held (no ready replica of its model serves them, in its pools) is bounded
+as a swap is (reconciler.hibernate.swap): once it has waited
+LLMGW_MAX_SWAP_WAIT_SECONDS for room (from the first tick it found none,
+`Replica.wanted_since`), occupants still in use are candidates too
+(`eviction.in_use_no_reason`: a drain, nothing is cut; still never above its
+priority, below their model's min, resident too briefly or of unknown
+idleness). Until then it holds, its note saying when at the latest room comes.
+A replica of a model already serving (a scale-out) waits for idle occupants
+only: busy models do not drain each other.
 
 Either way its hold is `Hold.MAKING_ROOM` (its note, for operators, starts
 with `eviction.MAKING_ROOM`), so routers keep holding its requests instead of
@@ -105,8 +107,8 @@ def make_room(
     notes: dict[int, PlacementNote] = {}
     victims_all: list[StopRequest] = []
     for replica, profiles, _reason in waiting:
-        want = _Want.of(replica, now)
-        model = want.model
+        model = replica.model.name
+        want: _Want | None = None
         shapes: list[tuple[list[NodeCapacity], Shape]] = []
         for profile in profiles:
             shape = Shape.of(profile)
@@ -119,6 +121,7 @@ def make_room(
                 break
             if occupants is None:
                 occupants, spare = read_occupants(now), spare_replicas()
+            want = want or _Want.of(replica, occupants, now)
             if paused:
                 continue
             plan = plan_eviction(records, shape, _candidates(occupants, spare, taken, want))
@@ -153,34 +156,36 @@ def _claim(
 
 @dataclass(frozen=True)
 class _Want:
-    """A waiting replica as eviction sees it: its model, its priority, and how long its demand has waited."""
+    """A waiting replica as eviction sees it: its model, its priority, and the seconds left until the one bound
+    lets occupants still in use go for it (None: it never does, its model's requests being served meanwhile)."""
 
     model: str
     priority: int
-    waited: float
+    left: float | None
 
     @classmethod
-    def of(cls, replica: Replica, now: datetime) -> _Want:
+    def of(cls, replica: Replica, occupants: list[Occupant], now: datetime) -> _Want:
+        model, pools, priority = replica.model.name, replica.pools, replica.profile.priority
+        # The bound is for requests held, as a swap's: while a ready replica of its model serves them (a scale-out,
+        # a replica beyond one serving), it waits for idle occupants only, so busy models never drain each other.
+        if any(h.model == model and (not pools or h.pool in pools) for h in occupants):
+            return cls(model, priority, None)
         # Stamped the first tick it found no room (`placer._write_notes`), cleared when placed or failed: a replica
         # pending again after its node was lost starts a new wait. Unstamped, this tick is its first.
-        since = replica.wanted_since or now
-        return cls(replica.model.name, replica.profile.priority, max(0.0, (now - since).total_seconds()))
+        waited = (now - (replica.wanted_since or now)).total_seconds()
+        return cls(model, priority, max(0.0, settings.LLMGW_MAX_SWAP_WAIT_SECONDS - waited))
 
     @property
     def overdue(self) -> bool:
-        """Waited the one bound (LLMGW_MAX_SWAP_WAIT_SECONDS): occupants in use may be evicted for it."""
-        return self.waited >= settings.LLMGW_MAX_SWAP_WAIT_SECONDS
-
-    @property
-    def left(self) -> float:
-        return max(0.0, settings.LLMGW_MAX_SWAP_WAIT_SECONDS - self.waited)
+        """Its requests have been held the one bound (LLMGW_MAX_SWAP_WAIT_SECONDS): occupants in use may go."""
+        return self.left == 0.0
 
 
 def _candidates(
     occupants: list[Occupant], spare: dict[str, int], taken: set[int], want: _Want, *, soon: bool = False
 ) -> list[Occupant]:
-    """The one eviction order's candidates for `want`, among those not chosen this tick; once it has waited the
-    bound, occupants still in use among them (`eviction.in_use_no_reason`)."""
+    """The one eviction order's candidates for `want`, among those not chosen this tick; once its requests have
+    been held the one bound, occupants still in use among them (`eviction.in_use_no_reason`)."""
     others = others_than(want.model, occupants, taken)
     if want.overdue and not soon:
         others = in_use_no_reason(others, settings.LLMGW_EVICT_MIN_IDLE_SECONDS)
@@ -209,13 +214,13 @@ def _first_room_soon(
     occupants: list[Occupant] | None,
     spare: dict[str, int],
     taken: set[int],
-    want: _Want,
+    want: _Want | None,
     shapes: list[tuple[list[NodeCapacity], Shape]],
     paused: str,
 ) -> PlacementNote | None:
     """The hold note of the first profile that will have room once time has passed (None: none will, or the
     occupants were never read, no replica having needed victims)."""
-    if occupants is None:
+    if occupants is None or want is None:
         return None
     for records, shape in shapes:
         note = _room_soon(occupants, spare, taken, want, records, shape, paused)
@@ -253,19 +258,27 @@ def _room_soon(
     if paused:
         held = ", ".join(_describe(known[v.replica_id]) for v in victims)
         return PlacementNote.making_room(f"nothing is evicted while {paused}; then {held} may make room")
+    wait, when = _when_evictable(victims, want)
+    if wait:  # (None or 0: no clock to wait for, or one the next regular tick will find passed)
+        notify_work_due(wait)
+    return PlacementNote.making_room(f"waiting for {', '.join(_describe(v) for v in victims)} to be evictable {when}")
+
+
+def _when_evictable(victims: list[Occupant], want: _Want) -> tuple[float | None, str]:
+    """Seconds until `victims` may be evicted for `want` (None: once their requests finish, which no clock says),
+    and the words its note says it in: in use is a reason only until its requests have been held the one bound,
+    if they are; residency stays one."""
     wait = seconds_until_stoppable(
         victims, min_idle=settings.LLMGW_EVICT_MIN_IDLE_SECONDS, min_residency=settings.LLMGW_MIN_RESIDENCY_SECONDS
     )
-    # In use is a reason only until the demand has waited the one bound; residency stays one.
+    if want.left is None:
+        return wait, "once their requests finish" if wait is None else f"in about {Idle(wait)}"
     residency = max((settings.LLMGW_MIN_RESIDENCY_SECONDS - v.ready_seconds for v in victims), default=0.0)
     latest = max(want.left, residency)
     if wait is None:
-        wait, when = latest, f"once their requests finish, at the latest in about {Idle(latest)}"
-    else:
-        wait = min(wait, latest)
-        when = f"in about {Idle(wait)}"
-    notify_work_due(wait)
-    return PlacementNote.making_room(f"waiting for {', '.join(_describe(v) for v in victims)} to be evictable {when}")
+        return latest, f"once their requests finish, at the latest in about {Idle(latest)}"
+    wait = min(wait, latest)
+    return wait, f"in about {Idle(wait)}"
 
 
 def _stub(holding: Occupant) -> Replica:

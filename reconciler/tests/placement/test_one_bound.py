@@ -9,13 +9,14 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
+from catalog.models import Profile
 from hub import get_hub
 from reconciler.choices import Hold, ReplicaState
 from reconciler.lifecycle.transitions import fail_replicas
 from reconciler.models import Replica, Shard
 from reconciler.outbox import Outbox
 from reconciler.tests.placement.test_making_room import ask_for, serving, state_of
-from tests.fleet import make_node
+from tests.fleet import make_node, make_replica
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("usage_known")]
 
@@ -111,3 +112,28 @@ def test_a_replica_taken_out_of_service_waits_afresh(settings):
     fail_replicas([replica.pk], "node lost", timezone.now(), Outbox(1), node_fault=True)
     replica.refresh_from_db()
     assert (replica.state, replica.wanted_since) == (ReplicaState.PENDING, None)
+
+
+def test_a_replica_of_a_model_already_serving_waits_for_idle_occupants_only(run_tick, settings):
+    """A scale-out's requests are served meanwhile: the bound is for held ones, so busy models never drain
+    each other."""
+    settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
+    occupant = busy()
+    waiting = newcomer_waited(600, max_replicas=2)
+    make_replica(waiting.profile, placement=[(make_node("gpu-b", fabric="ib-a"), range(8))], last_used=timezone.now())
+    run_tick()
+    waiting.refresh_from_db()
+    assert state_of(occupant) == ReplicaState.READY
+    assert waiting.hold == Hold.MAKING_ROOM and waiting.placement_note.endswith("once their requests finish")
+
+
+def test_a_ready_replica_in_another_pool_does_not_serve_held_requests_bound_to_one(run_tick, settings):
+    settings.LLMGW_MAX_SWAP_WAIT_SECONDS = 60
+    occupant = busy()
+    waiting = newcomer_waited(61, max_replicas=2)
+    Replica.objects.filter(pk=waiting.pk).update(pools=["default"])
+    Profile.objects.filter(pk=waiting.profile.pk).update(pool="default")
+    elsewhere = Profile.objects.create(model=waiting.model, order=1, gpus_per_node=8, pool="silver", max_replicas=1)
+    make_replica(elsewhere, placement=[(make_node("gpu-b", fabric="ib-a"), range(8))], last_used=timezone.now())
+    run_tick()
+    assert state_of(occupant) == ReplicaState.STOPPING
