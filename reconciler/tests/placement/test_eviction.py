@@ -1,6 +1,6 @@
 """The one eviction order and the fewest victims, on plain data (reconciler.placement.eviction)."""
 
-from reconciler.placement.eviction import Occupant, plan_eviction, stop_candidates
+from reconciler.placement.eviction import Occupant, in_use_no_reason, plan_eviction, stop_candidates
 from reconciler.placement.search import NodeCapacity, Placement, Shape
 
 H100 = "H100-80GB"
@@ -24,6 +24,21 @@ def candidates(occupants, spare=None, **rules):
 def test_candidates_are_lowest_priority_first_then_least_recently_used():
     recent, stale, low = holding(1, "a", idle=100), holding(2, "b", idle=5000), holding(3, "c", idle=70, priority=-5)
     assert [h.replica_id for h in candidates([recent, stale, low])] == [3, 2, 1]
+
+
+def test_past_the_bound_in_use_is_no_reason_but_unknown_young_important_and_needed_still_are():
+    in_use = [holding(1, "just-used", idle=30), holding(2, "busy", running=2), holding(3, "both", idle=1, running=1)]
+    kept = [
+        holding(4, "unknown", idle=None),
+        holding(5, "too-young", idle=1, ready=120),
+        holding(6, "important", idle=1, priority=10),
+        holding(7, "needed", idle=1),
+    ]
+    spare = {h.model: 1 for h in in_use + kept} | {"needed": 0}
+    overdue = in_use_no_reason([*in_use, *kept], 60)
+    # Still in eviction order: one used lately counts as idle the minimum, so the busy one idle longest goes first.
+    assert [h.replica_id for h in candidates(overdue, spare, max_priority=0)] == [2, 1, 3]
+    assert [h.replica_id for h in candidates([*in_use, *kept], spare, max_priority=0)] == []
 
 
 def test_unknown_idle_young_busy_and_higher_priority_replicas_are_never_candidates():
