@@ -47,6 +47,8 @@ class AgentOptions:
     drain_poll_seconds: float = draining.DRAIN_POLL_SECONDS
     weights_root: str | None = None
     weights_scan_every: int = DEFAULT_SCAN_EVERY
+    # Where staging asks for hub weights (agent/weights/staging.py); None: HF_ENDPOINT, else the public hub.
+    hub_endpoint: str | None = None
     state_dir: str | os.PathLike | None = None
     ca_file: str | None = None
     cert_file: str | None = None

@@ -16,7 +16,9 @@ Each heartbeat also carries every GPU's health, read again just before
 (agent/gpus/health.py, bounded the same way). Hello and, when they change,
 heartbeats report the weights under the weights root (agent/weights/inventory.py);
 `remove_weights` deletes one source's weights there, off the command path,
-and is answered with `weights_status`.
+and is answered with `weights_status`; `stage_weights` fetches or checks a
+source's weights there before an engine needs them (agent/weights/staging.py),
+answered with `staging_status` as it goes.
 Given a state directory (agent/state.py), the agent remembers the highest
 leader epoch it has obeyed across restarts, and is bound to one node name.
 
@@ -54,6 +56,7 @@ from agent.starting import added_env, launch_for
 from agent.state import AgentState, Fence
 from agent.supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
 from agent.weights.inventory import WeightsInventory
+from agent.weights.staging import Staging
 from nodewire import engine_env, protocol
 
 __all__ = ["Agent"]
@@ -102,6 +105,10 @@ class Agent:
         # Fake GPUs (and tests) get a health that set_gpu_health can change.
         self._health = HealthMonitor(health or SimulatedHealth(discovered), discovered)
         self._weights = WeightsInventory(options.weights_root, options.weights_scan_every)
+        self._staging = Staging(
+            options.weights_root, self._link.send, self._weights.changed, hub_endpoint=options.hub_endpoint
+        )
+        self._weights.staging = self._staging.fetching
 
     async def run(self) -> None:
         """Hold the control-plane stream until shutdown(); raise AgentRejected if refused.
@@ -198,7 +205,11 @@ class Agent:
         if isinstance(message, protocol.Error):
             log.error("control plane reported an error: %s", message.message)
             return
-        subject = f"weights {message.source}" if isinstance(message, protocol.RemoveWeights) else message.shard_id
+        subject = (
+            f"weights {message.source}"
+            if isinstance(message, protocol.RemoveWeights | protocol.StageWeights)
+            else message.shard_id
+        )
         if not self._fencing.admits(str(message.__struct_config__.tag), message.epoch, subject):
             await self._ack(message.cid, f"epoch {message.epoch} is older than epoch {self.highest_epoch} already seen")
             return
@@ -213,6 +224,8 @@ class Agent:
         await self._ack(message.cid)
         if isinstance(message, protocol.RemoveWeights):
             self._weights.start_removal(message, self._link.send)
+        elif isinstance(message, protocol.StageWeights):
+            self._staging.begin(message)
         elif isinstance(message, protocol.StartShard):
             await self._start_shard(message)
         elif isinstance(message, protocol.DrainShard):
@@ -393,6 +406,7 @@ class Agent:
         await self._report(shard.shard_id, "stopped", f"{reason}; {exited}" if reason else exited)
 
     async def _shutdown(self) -> None:
+        await self._staging.cancel_all()
         stops = [self._begin_stop(shard_id) for shard_id in list(self._shards)]
         if stops:
             await asyncio.gather(*stops, return_exceptions=True)

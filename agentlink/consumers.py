@@ -158,6 +158,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 shard_statuses.add((self.node_id, self.node_name, message))
             case protocol.WeightsStatus():
                 await in_database(services.on_weights_status)(self.node_id, message)
+            case protocol.StagingStatus():
+                await in_database(services.on_staging_status)(self.node_id, message)
             case adapter_messages.AdapterStatus():
                 await in_database(services.on_adapter_status)(self.node_id, message)
             case protocol.Ack():

@@ -10,8 +10,9 @@ from django.utils import timezone
 
 from inventory.models import Node
 from inventory.services import record_heartbeat, record_weights_status, register_nodes
+from inventory.staging import record_staging_status
 from nodewire.adapter_messages import AdapterStatus
-from nodewire.protocol import Heartbeat, Hello, WeightsStatus
+from nodewire.protocol import Heartbeat, Hello, StagingStatus, WeightsStatus
 from reconciler.adapters import reconcile_held, record_adapter_statuses
 from reconciler.agent_reports import (
     reconcile_reported_shards_of_nodes,
@@ -21,6 +22,7 @@ from reconciler.agent_reports import (
 from reconciler.catalog_changes import publish_endpoint_table
 from reconciler.commands import send_pending_soon_to
 from reconciler.lifecycle.gpu_faults import fail_replicas_on_unhealthy_gpus, fail_replicas_on_unhealthy_gpus_of_nodes
+from reconciler.lifecycle.transitions import notify_work_pending
 from reconciler.outbox import Outbox
 
 
@@ -84,6 +86,13 @@ def on_heartbeat(node_id: int, node_name: str, heartbeat: Heartbeat, mark_seen: 
 def on_weights_status(node_id: int, status: WeightsStatus) -> None:
     """Apply the node's answer to remove_weights (inventory.services does it)."""
     record_weights_status(Node.objects.get(pk=node_id), status)
+
+
+def on_staging_status(node_id: int, status: StagingStatus) -> None:
+    """Record where a stage stands; one that finished wakes the ticker, so a replica waiting for it is placed
+    (or fails) now rather than at the next beat."""
+    if record_staging_status(node_id, status, timezone.now()):
+        transaction.on_commit(notify_work_pending)
 
 
 def on_adapter_status(node_id: int, status: AdapterStatus) -> None:

@@ -84,6 +84,7 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         **_adapter_families(),
         **_team_families(),
         **_felt_families(),
+        **_staging_families(),
         "up": GaugeMetricFamily("llmgw_summary_up", "1 if the cluster summary could be read at this scrape."),
     }
 
@@ -158,6 +159,40 @@ def _felt_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             labels=["model", "team", "share"],
         ),
     }
+
+
+def _staging_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    return {
+        "staging_bytes": GaugeMetricFamily(
+            "llmgw_weights_staging_bytes",
+            "Weights being staged on a node before an engine needs them: bytes on disk (`done`) and in all (`total`, "
+            "once the hub has said). Only stages under way have series.",
+            labels=["node", "source", "bytes"],
+        ),
+        "staging_rate": GaugeMetricFamily(
+            "llmgw_weights_staging_bytes_per_second",
+            "The rate a stage under way fetches at, as its agent last reported.",
+            labels=["node", "source"],
+        ),
+        "staging_left": GaugeMetricFamily(
+            "llmgw_weights_staging_seconds_left",
+            "What a stage under way has left to fetch at its current rate (absent while there is no rate).",
+            labels=["node", "source"],
+        ),
+    }
+
+
+def _staging(summary: ClusterSummary, families: dict[str, GaugeMetricFamily | CounterMetricFamily]) -> None:
+    """Stages under way (ClusterSummary.staging); ended ones have no series, so the labels stay bounded."""
+    for stage in summary.staging:
+        if stage.state not in ("asked", "fetching"):
+            continue
+        families["staging_bytes"].add_metric([stage.node, stage.source, "done"], stage.bytes_done)
+        if stage.bytes_total:
+            families["staging_bytes"].add_metric([stage.node, stage.source, "total"], stage.bytes_total)
+        families["staging_rate"].add_metric([stage.node, stage.source], stage.bytes_per_second)
+        if stage.seconds_left is not None:
+            families["staging_left"].add_metric([stage.node, stage.source], stage.seconds_left)
 
 
 def _felt(summary: ClusterSummary, families: dict[str, GaugeMetricFamily | CounterMetricFamily]) -> None:
@@ -296,6 +331,7 @@ class FleetCollector(Collector):
         _adapters(summary, families)
         _teams(teams, families)
         _felt(summary, families)
+        _staging(summary, families)
         families["up"].add_metric([], 1)
         yield from families.values()
         yield tokens

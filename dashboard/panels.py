@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db.models import Sum
 from django.utils import timezone
 
-from dashboard.status_text import FELT_HEADERS, felt_row
+from dashboard.status_text import FELT_HEADERS, STAGE_HEADERS, felt_row, stage_row
 from dashboard.summary_types import ClusterSummary
 from keys.models import TokenUsage
 from reconciler.choices import ReplicaState
@@ -151,7 +151,7 @@ def _width(value: int, top: int) -> int:
 
 def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
     """Template context the panels add to the summary: human times, the short leader id, failed, usage, the
-    start of the continuations' window as a datetime, and what users felt as ctl_status prints it."""
+    start of the continuations' window as a datetime, and what users felt and the stages as ctl_status prints them."""
     now = now or timezone.now()
     leader = summary.leader
     lease = None
@@ -173,4 +173,6 @@ def panel_extras(summary: ClusterSummary, now: datetime | None = None) -> dict:
         "felt_headers": FELT_HEADERS,
         "felt_rows": [(felt_row(model), model) for model in summary.felt],
         "felt_window": f"{settings.LLMGW_LATENCY_WINDOW_SECONDS:g} s",
+        "stage_headers": STAGE_HEADERS,
+        "stage_rows": [(stage_row(stage), stage) for stage in summary.staging],
     }

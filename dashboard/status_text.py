@@ -1,9 +1,9 @@
 """Text pieces of `ctl_status`'s report: bars, name lists, aligned tables, and the rows of its sections that need
-more than a line of formatting (what users felt per model)."""
+more than a line of formatting (what users felt per model, weights being staged)."""
 
 from __future__ import annotations
 
-from dashboard.summary_types import Capacity, ModelFelt, ReplicaStatus
+from dashboard.summary_types import Capacity, ModelFelt, ReplicaStatus, StageStatus
 
 BAR_WIDTH = 16
 NAMES_SHOWN = 3
@@ -93,3 +93,17 @@ def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.3f}s" if value < 1 else f"{value:.1f}s"
+
+
+STAGE_HEADERS = ["NODE", "SOURCE", "STATE", "DONE", "RATE", "LEFT"]
+
+
+def stage_row(stage: StageStatus) -> list:
+    """One stage: `41% of 2.1 GB`, `52.3 MB/s`, `25s` left (the failure's words in place of the figures)."""
+    if stage.state == "failed":
+        return [stage.node, stage.source, stage.state, stage.message[:60] or "-", "-", "-"]
+    total = f"{stage.bytes_total / 1e9:.1f} GB" if stage.bytes_total else "? GB"
+    done = "-" if stage.fraction is None else f"{stage.fraction:.0%} of {total}"
+    rate = f"{stage.bytes_per_second / 1e6:.1f} MB/s" if stage.bytes_per_second else "-"
+    left = "-" if stage.seconds_left is None else _seconds(stage.seconds_left)
+    return [stage.node, stage.source, stage.state, done, rate, left]

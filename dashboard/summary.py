@@ -40,6 +40,9 @@ over the same window as the dashboard's usage chart (`dashboard.panels.usage_win
 
 `felt` is what each model's users felt over the routers' last window (`dashboard.felt`): latency against
 its objectives, its fair queues, each team's share of what went through them. One query.
+
+`staging` is the weights being put on nodes before an engine needs them, and stages ended in the last hour
+(`dashboard.stages`): bytes done of the total, rate and time left. One query.
 """
 
 from collections import Counter, defaultdict
@@ -55,6 +58,7 @@ from django.utils import timezone
 from catalog.models import Model
 from dashboard.felt import models_felt
 from dashboard.panels import usage_window_start
+from dashboard.stages import stages
 from dashboard.stoppable import what_can_i_stop
 from dashboard.summary_gpus import free_nodes, tally_gpus
 from dashboard.summary_types import (
@@ -303,10 +307,10 @@ def _continuations(now: datetime) -> Continuations:
 def cluster_summary(now: datetime | None = None) -> ClusterSummary:
     """The state of the fleet; see the module docstring.
 
-    Ten queries whatever the fleet size: lease, GPUs, nodes, weights, models
+    Eleven queries whatever the fleet size: lease, GPUs, nodes, weights, models
     (with their adapters counted), replicas, shards (with their GPU counts),
     adapter loads (counted per replica and state), continuations (summed per model), what users felt
-    (`dashboard.felt`) — and nothing per row; plus
+    (`dashboard.felt`), weights being staged (`dashboard.stages`) — and nothing per row; plus
     "what can I stop" (`stoppable.what_can_i_stop`, on the placer's records of
     the GPUs read here): one more when usage is unknown, at most seven more
     otherwise.
@@ -347,4 +351,5 @@ def cluster_summary(now: datetime | None = None) -> ClusterSummary:
         stoppable=stop.stoppable,
         continuations=_continuations(now),
         felt=models_felt(),
+        staging=stages(now),
     )

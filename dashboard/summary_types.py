@@ -370,6 +370,28 @@ class ModelFelt:
 
 
 @dataclass(frozen=True)
+class StageStatus:
+    """One source's weights being staged on one node (inventory.WeightsStage), as its agent last reported."""
+
+    node: str
+    source: str
+    state: str
+    """asked (stage_weights sent, no report yet), fetching, ready or failed."""
+    bytes_done: int
+    bytes_total: int
+    """0 while not known (the agent has not heard from the hub yet)."""
+    bytes_per_second: float
+    seconds_left: float | None
+    """At the current rate; None while there is no rate."""
+    message: str
+    updated_at: str = field(metadata=_TIME)
+
+    @property
+    def fraction(self) -> float | None:
+        return self.bytes_done / self.bytes_total if self.bytes_total else None
+
+
+@dataclass(frozen=True)
 class ClusterSummary:
     """The state of the fleet: the same data as `ctl_status`, the dashboard, `/api/v1/status` and the metrics."""
 
@@ -392,6 +414,9 @@ class ClusterSummary:
     continuations: Continuations
     felt: list[ModelFelt]
     """Models whose users' figures the routers reported over the last window: the most pressed first."""
+    staging: list[StageStatus]
+    """Weights being staged on nodes, and stages that ended in the last hour: under way first, the least done
+    first."""
 
     def as_json(self) -> dict[str, Any]:
         """The JSON form (`ctl_status --json`, `/api/v1/status`): every field by name, in order."""

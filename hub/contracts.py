@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 UpstreamKey = Annotated[str, msgspec.Meta(pattern=r"^[!-~]+$")]
 
 
-Holding = Literal["wake", "making_room"]
+Holding = Literal["wake", "making_room", "staging"]
 """Why routers hold a model's requests, when the control plane knows better than "a cold start"."""
 
 
@@ -74,8 +74,9 @@ class ModelEntry(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """How long its first profile takes from placement to ready, as learned; None while unknown."""
     holding: Holding | None = None
     """Why its requests are held, when it is not a start: its wanted replicas only sleep (`wake`), or room is
-    being made for its pending replica (`making_room`). None (and left out of the wire): a cold start, or
-    nothing held."""
+    being made for its pending replica (`making_room`), or its weights are being fetched to its nodes
+    (`staging`: then `start_seconds` includes what is left to fetch). None (and left out of the wire): a cold
+    start, or nothing held."""
     unplaceable_pools: list[str] = []
     """The pools the replica `unplaceable` speaks of was started for: it answers only keys bound to all of them
     (a key bound to other pools, or to none, has a start of its own). Empty: it answers every key."""

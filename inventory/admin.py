@@ -1,4 +1,5 @@
-"""Inventory admin: nodes with their GPUs and weights inline, cordon/uncordon, credentials and the GPU list.
+"""Inventory admin: nodes with their GPUs and weights inline, cordon/uncordon, credentials, the GPU list and the
+weights being staged.
 
 GPU and weights rows are what agents report, so they are read-only here; enrolment (which
 issues a node's credential) is `manage.py enrol_node`, not an admin form.
@@ -11,7 +12,7 @@ from django.utils.html import format_html_join
 
 from catalog.admin import set_gpu_class_source
 from inventory.choices import NodeState
-from inventory.models import GPU, Node, NodeCredential, Weights, human_size
+from inventory.models import GPU, Node, NodeCredential, Weights, WeightsStage, human_size
 
 GPU_FIELDS = ("index", "uuid", "gpu_class", "memory_mb", "health", "health_reason", "healthy_since")
 
@@ -165,6 +166,35 @@ class NodeCredentialAdmin(ReadOnlyAdmin):
     list_select_related = ["node"]
     fields = ["node", "prefix", "created_at"]
     deletable = True
+
+
+@admin.register(WeightsStage)
+class WeightsStageAdmin(ReadOnlyAdmin):
+    """Weights being put on nodes before an engine needs them (reconciler.weights.staging), as the agents report:
+    how much is done, at what rate, what is left. Deleting a row forgets it (a replica waiting for it is then
+    placed, and asks again if its node still lacks the weights)."""
+
+    list_display = ["source", "node", "state", "progress", "rate", "left", "updated_at", "message"]
+    list_filter = ["state"]
+    search_fields = ["source", "node__name"]
+    list_select_related = ["node"]
+    ordering = ["state", "-updated_at"]
+    deletable = True
+
+    @admin.display(description="done", ordering="bytes_done")
+    def progress(self, obj):
+        if not obj.bytes_total:
+            return human_size(obj.bytes_done)
+        return f"{obj.bytes_done / obj.bytes_total:.0%} of {human_size(obj.bytes_total)}"
+
+    @admin.display(description="rate", ordering="bytes_per_second")
+    def rate(self, obj):
+        return f"{human_size(int(obj.bytes_per_second))}/s" if obj.bytes_per_second else "-"
+
+    @admin.display(description="left")
+    def left(self, obj):
+        seconds = obj.seconds_left
+        return "-" if seconds is None else f"{seconds:.0f} s"
 
 
 def reported_gpu_classes() -> list[str]:

@@ -1,4 +1,5 @@
-"""Inventory models: Node, GPU, the per-node NodeCredential, and the Weights each node holds on disk."""
+"""Inventory models: Node, GPU, the per-node NodeCredential, the Weights each node holds on disk, and the
+WeightsStage under way to put more there."""
 
 from datetime import timedelta
 from typing import Any
@@ -10,7 +11,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce, NullIf
 
 from hub.credentials import new_secret, secret_matches
-from inventory.choices import GPUHealth, NodeState
+from inventory.choices import GPUHealth, NodeState, StagingState
 from nodewire.protocol import NODE_NAME_PATTERN
 
 TOKEN_PREFIX = "llmgw-node-"
@@ -76,6 +77,12 @@ class Node(models.Model):
     agent_version = models.CharField(max_length=64, blank=True)
     reported_host_memory_mib = models.PositiveIntegerField(
         "host memory (MiB)", null=True, blank=True, editable=False, help_text="As its agent reports it."
+    )
+    stages_weights = models.BooleanField(
+        default=False,
+        editable=False,
+        help_text="Its agent has a weights root, so weights can be staged there before an engine starts "
+        "(as its hello says).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -201,6 +208,43 @@ class Weights(models.Model):
 
     def __str__(self) -> str:
         return f"{self.source} on {self.node.name}"
+
+
+class WeightsStage(models.Model):
+    """A source's weights being put on a node's disk before an engine needs them (agent/weights/staging.py).
+
+    Written when the control plane sends stage_weights (reconciler.weights.staging) and by each staging_status
+    the agent sends back; a replica waits for the stages of its weights (holding no GPU) before it is placed.
+    Once the node reports the weights themselves (a Weights row), a ready stage has said all it had to.
+    """
+
+    node = models.ForeignKey(Node, related_name="stages", on_delete=models.CASCADE)
+    source = models.CharField(max_length=500, help_text="Hub repository id (fetched) or absolute path (checked).")
+    revision = models.CharField(max_length=200, default="main")
+    state = models.CharField(max_length=16, choices=StagingState.choices, default=StagingState.ASKED)
+    bytes_done = models.PositiveBigIntegerField(default=0)
+    bytes_total = models.PositiveBigIntegerField(default=0, help_text="0: not known yet.")
+    bytes_per_second = models.FloatField(default=0.0)
+    message = models.TextField(blank=True, help_text="Why it failed, or how it went.")
+    asked_at = models.DateTimeField(help_text="When stage_weights was (last) sent.")
+    updated_at = models.DateTimeField(help_text="The last report from the agent (or the last time it was asked).")
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["node", "source"]
+        constraints = [models.UniqueConstraint(fields=["node", "source"], name="weights_stage_unique_source_per_node")]
+
+    def __str__(self) -> str:
+        return f"staging {self.source} on {self.node.name}"
+
+    @property
+    def seconds_left(self) -> float | None:
+        """How long the rest should take at the current rate; None when not known (no rate, no total)."""
+        if self.state == StagingState.READY:
+            return 0.0
+        if self.bytes_per_second <= 0 or not self.bytes_total:
+            return None
+        return max(0.0, (self.bytes_total - self.bytes_done) / self.bytes_per_second)
 
 
 class NodeCredentialQuerySet(models.QuerySet["NodeCredential"]):

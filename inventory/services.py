@@ -13,6 +13,7 @@ from msgspec import UNSET
 from hub.credentials import hash_secret
 from inventory.choices import GPUHealth, NodeState
 from inventory.models import GPU, Node, NodeCredential, Weights
+from inventory.staging import forget_stages_of
 from nodewire.protocol import Heartbeat, Hello, WeightsStatus, to_builtins
 from nodewire.weights.messages import WeightsReport
 
@@ -68,6 +69,7 @@ REPORTED_NODE_FIELDS = [
     "reported_labels",
     "agent_version",
     "reported_host_memory_mib",
+    "stages_weights",
 ]
 # A field with more distinct new values than this in one batch is written with one CASE, not an UPDATE per value.
 _UPDATES_PER_FIELD = 4
@@ -76,7 +78,8 @@ _UPDATES_PER_FIELD = 4
 def _reported(hello: Hello) -> tuple:
     """What a hello says of the node, in REPORTED_NODE_FIELDS' order."""
     host_memory = None if hello.host_memory_mib is UNSET else hello.host_memory_mib
-    return hello.address, hello.fabric, hello.labels, hello.version, host_memory
+    # An agent without a weights root reports no weights at all (null), and cannot stage any either.
+    return hello.address, hello.fabric, hello.labels, hello.version, host_memory, hello.weights is not None
 
 
 def _write_reported(nodes: list[Node], changed: dict[str, dict[str, list[int]]]) -> None:
@@ -253,7 +256,9 @@ def record_weights_of_nodes(reports: Sequence[tuple[int, list[WeightsReport]]], 
     if to_update:
         Weights.objects.bulk_update(to_update, ["path", "size_bytes", "header", "seen_at"])
     if to_delete:
-        Weights.objects.filter(pk__in=to_delete).delete()
+        gone = Weights.objects.filter(pk__in=to_delete)
+        forget_stages_of(gone)
+        gone.delete()
     return len(to_create), len(to_update), len(to_delete)
 
 
@@ -266,5 +271,7 @@ def record_weights_status(node: Node, status: WeightsStatus) -> bool:
         log.warning("node %s kept the weights of %s at %s: %s", node.name, status.source, status.path, status.message)
         return False
     log.info("node %s removed the weights of %s (%s)", node.name, status.source, status.message)
-    deleted, _ = Weights.objects.filter(node=node, source=status.source, path=status.path).delete()
+    gone = Weights.objects.filter(node=node, source=status.source, path=status.path)
+    forget_stages_of(gone)
+    deleted, _ = gone.delete()
     return deleted > 0

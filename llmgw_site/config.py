@@ -128,6 +128,21 @@ SETTINGS: tuple[Setting, ...] = (
     _s("LLMGW_WEIGHTS_SWEEP_SECONDS", "float", 600.0, "the leader sweeps the nodes' unused weights this often", 1.0),
     _s("LLMGW_WEIGHTS_SWEEP_BATCH", "int", 100, "most weights removals one sweep sends", 1),
     _s(
+        "LLMGW_STAGE_ENGINES",
+        "list",
+        ["vllm", "sglang"],
+        "comma-separated engines whose hub weights are staged: a replica whose weights are on none of its nodes "
+        "waits for its agents to fetch them (holding no GPU) before its engine starts; empty: engines download "
+        "them themselves",
+    ),
+    _s(
+        "LLMGW_STAGE_STALL_SECONDS",
+        "float",
+        60.0,
+        "a stage its agent has not reported on for this long is asked for again (the agent resumes it)",
+        1.0,
+    ),
+    _s(
         "LLMGW_CHANNEL_CAPACITY",
         "int",
         10000,

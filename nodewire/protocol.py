@@ -48,6 +48,7 @@ not; the control plane re-sends it until then (reconciler/commands.py)
                 shard in the wrong state (agent/hibernation.py)
   remove_weights epoch, source, path: delete a source's weights from the node's disk
   load_adapter, unload_adapter, and the agent's adapter_status: nodewire/adapter_messages.py
+  stage_weights, and the agent's staging_status: nodewire/weights/staging_messages.py
   error         message   (the control plane could not accept a message)
 """
 
@@ -81,6 +82,7 @@ from nodewire.parts import (
     _no_repeated_gpus,
 )
 from nodewire.weights.messages import WeightsReport, no_repeated_sources
+from nodewire.weights.staging_messages import STAGE_WEIGHTS, STAGING_STATUS, StageWeights, StagingStatus
 
 HELLO = "hello"
 HEARTBEAT = "heartbeat"
@@ -308,8 +310,18 @@ class Error(_Message, frozen=True, kw_only=True, tag=ERROR):
     message: str
 
 
-AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus | AdapterStatus | Ack
-Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights | LoadAdapter | UnloadAdapter
+AgentMessage = Hello | Heartbeat | ShardStatus | WeightsStatus | AdapterStatus | StagingStatus | Ack
+Command = (
+    StartShard
+    | StopShard
+    | DrainShard
+    | SleepShard
+    | WakeShard
+    | RemoveWeights
+    | StageWeights
+    | LoadAdapter
+    | UnloadAdapter
+)
 
 _AGENT_MESSAGES: dict[str, type[Any]] = {
     HELLO: Hello,
@@ -317,6 +329,7 @@ _AGENT_MESSAGES: dict[str, type[Any]] = {
     SHARD_STATUS: ShardStatus,
     WEIGHTS_STATUS: WeightsStatus,
     ADAPTER_STATUS: AdapterStatus,
+    STAGING_STATUS: StagingStatus,
     ACK: Ack,
 }
 _COMMANDS: dict[str, type[Any]] = {
@@ -326,6 +339,7 @@ _COMMANDS: dict[str, type[Any]] = {
     SLEEP_SHARD: SleepShard,
     WAKE_SHARD: WakeShard,
     REMOVE_WEIGHTS: RemoveWeights,
+    STAGE_WEIGHTS: StageWeights,
     LOAD_ADAPTER: LoadAdapter,
     UNLOAD_ADAPTER: UnloadAdapter,
 }

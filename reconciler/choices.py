@@ -56,6 +56,7 @@ class Hold(models.TextChoices):
     NONE = "", "not holding"
     MAKING_ROOM = "making_room", "making room (victims draining)"
     WAITING_FOR_NODES = "waiting_for_nodes", "waiting for nodes to report in"
+    STAGING = "staging", "staging (its weights are being fetched to its nodes, no GPU held)"
 
 
 class AdapterLoadState(models.TextChoices):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -16,7 +17,9 @@ from catalog.choices import Engine
 from catalog.engine_flags import schedules_by_priority
 from catalog.models import Adapter, Alias, Profile
 from hub.contracts import AdapterEntry, EndpointRow, EndpointTable, Holding, ModelEntry
-from inventory.choices import NodeState
+from inventory.choices import STAGING_UNDER_WAY, NodeState
+from inventory.models import WeightsStage
+from nodewire.weights.disk import weights_key
 from reconciler.choices import AdapterLoadState, Hold, ReplicaState, ShardState
 from reconciler.demand.spares import PARKED_PRIORITY
 from reconciler.models import AdapterLoad, Replica, Shard
@@ -180,9 +183,12 @@ def _models(notes: _Notes) -> dict[str, ModelEntry]:
             served[model_id].start = wake
             # Only sleepers, so no pending replica whose making-room note this could overwrite.
             holding[served[model_id].name] = "wake"
+    staging_left = _staging_left(notes.staging)
     models: dict[str, ModelEntry] = {}
     for model_id, model in sorted(served.items(), key=lambda item: item[1].name):
         name, start = model.name, model.start
+        if name in staging_left:
+            start = (start or 0.0) + staging_left[name]
         note, note_pools = notes.unplaceable.get(name, (None, []))
         models[name] = ModelEntry(
             aliases=sorted(aliases[model_id]),
@@ -260,6 +266,7 @@ class _Notes:
     sleeping_only: dict[int, float | None] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     moving: dict[str, float] = field(default_factory=dict)
+    staging: dict[str, str] = field(default_factory=dict)  # model name -> weights key, while it waits for a stage
 
     @classmethod
     def read(cls) -> _Notes:
@@ -272,7 +279,7 @@ class _Notes:
             .values_list(
                 "id", "model_id", "model__name", "state", "placement_note", "hold", "pools", "profile__order",
                 "profile__wake_seconds", "last_error", "serving", "wanted", "running", "stopping_since",
-                "sleeping_since", named=True,
+                "sleeping_since", "profile__engine", "model__source", named=True,
             )
         )  # fmt: skip
         rows = sorted(found, key=lambda row: row.id)
@@ -286,6 +293,9 @@ class _Notes:
                 continue  # placed at its last attempt (no note) and holding nothing: nothing to say of it
             if hold == Hold.MAKING_ROOM:
                 notes.holding[name] = "making_room"
+            elif hold == Hold.STAGING:
+                notes.holding[name] = "staging"
+                notes.staging[name] = weights_key(row.profile__engine, row.model__source)
             elif hold == Hold.NONE and (name not in notes.unplaceable or (notes.unplaceable[name][1] and not pools)):
                 notes.unplaceable[name] = (reason, pools)
             # Otherwise nodes may still report in: routers keep holding its requests, as for a start.
@@ -300,6 +310,26 @@ class _Notes:
             if row.running and since is not None and row.state in (ReplicaState.STOPPING, ReplicaState.SLEEPING):
                 notes.moving[str(row.id)] = moving_at(since)
         return notes
+
+
+# A stage's time left is published in steps this long, so its progress changes the table a few times a minute,
+# not at every report.
+STAGING_ETA_STEP_SECONDS = 15
+
+
+def _staging_left(staging: dict[str, str]) -> dict[str, float]:
+    """Per model waiting for a stage, the seconds its slowest stage has left at its current rate, rounded up to
+    STAGING_ETA_STEP_SECONDS (a stage with no rate yet counts one step). One query, none when nothing stages."""
+    if not staging:
+        return {}
+    left: dict[str, float] = {}
+    for stage in WeightsStage.objects.filter(source__in=set(staging.values()), state__in=STAGING_UNDER_WAY):
+        seconds = stage.seconds_left
+        for name, key in staging.items():
+            if key == stage.source:
+                steps = 1 if seconds is None else max(1, math.ceil(seconds / STAGING_ETA_STEP_SECONDS))
+                left[name] = max(left.get(name, 0.0), float(steps * STAGING_ETA_STEP_SECONDS))
+    return left
 
 
 def moving_at(since: datetime) -> float:

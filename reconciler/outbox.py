@@ -33,9 +33,11 @@ from hub.channel_layer import deliver_to_groups
 from nodewire.adapter_messages import LoadAdapter, UnloadAdapter
 from nodewire.protocol import (
     REMOVE_WEIGHTS,
+    STAGE_WEIGHTS,
     DrainShard,
     RemoveWeights,
     SleepShard,
+    StageWeights,
     StartShard,
     StopShard,
     WakeShard,
@@ -93,9 +95,10 @@ def send_to_nodes(commands: list[tuple[str, dict]]) -> list[tuple[str, dict, Exc
     return failed
 
 
-# The shard id node-level commands (remove_weights) are pending under: shard ids start at 1.
+# The shard id node-level commands (remove_weights, stage_weights) are pending under: shard ids start at 1.
 NODE_SHARD_ID = 0
 WEIGHTS_SUBJECT_PREFIX = "weights:"
+STAGE_SUBJECT_PREFIX = "stage:"
 
 
 def weights_subject(source: str) -> str:
@@ -105,9 +108,12 @@ def weights_subject(source: str) -> str:
 
 def pending_key(cmd: dict) -> tuple[int, str]:
     """(shard id, subject) a command is pending under: its shard and, for an adapter command, the adapter's
-    name; a remove_weights is the node's, under its source, so it never replaces a shard's command."""
+    name; a remove_weights or a stage_weights is the node's, under its source, so it never replaces a shard's
+    command (nor one the other)."""
     if cmd["type"] == REMOVE_WEIGHTS:
         return NODE_SHARD_ID, weights_subject(cmd["source"])
+    if cmd["type"] == STAGE_WEIGHTS:
+        return NODE_SHARD_ID, STAGE_SUBJECT_PREFIX + cmd["source"]
     return cmd["shard_id"], cmd.get("name", "")
 
 
@@ -136,7 +142,17 @@ def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
     )
 
 
-_Command = StartShard | StopShard | DrainShard | SleepShard | WakeShard | RemoveWeights | LoadAdapter | UnloadAdapter
+_Command = (
+    StartShard
+    | StopShard
+    | DrainShard
+    | SleepShard
+    | WakeShard
+    | RemoveWeights
+    | StageWeights
+    | LoadAdapter
+    | UnloadAdapter
+)
 
 
 # The epoch and command id a command is built with until it is sent: `send_on_commit` stamps both.
@@ -194,6 +210,10 @@ class Outbox:
     def remove_weights(self, node_name: str, source: str, path: str) -> None:
         """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""
         self.commands.append((node_name, RemoveWeights(epoch=UNSTAMPED, source=source, path=path)))
+
+    def stage_weights(self, node_name: str, source: str, revision: str) -> None:
+        """Queue a stage_weights: the agent fetches (or checks) the source's weights and reports as it goes."""
+        self.commands.append((node_name, StageWeights(epoch=UNSTAMPED, source=source, revision=revision)))
 
     def load_adapter(self, node_name: str, shard_id: int, name: str, source: str) -> None:
         """Queue a load_adapter: the agent loads the LoRA adapter into the shard's engine and reports the outcome."""

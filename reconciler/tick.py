@@ -34,6 +34,7 @@ from reconciler.lifecycle.liveness import check_liveness, fail_slow_starts, flee
 from reconciler.lifecycle.transitions import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
 from reconciler.outbox import Outbox
 from reconciler.placement.placer import PlacingOutcome, place_pending, resend_starts
+from reconciler.weights.staging import resend_stalled, stalls_due
 from reconciler.weights.sweep import sweep_due, sweep_unused_weights, swept
 from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
@@ -64,6 +65,7 @@ STEPS = (
     "stops",
     "sleeps",
     "weights sweep",
+    "stalled stages",
     "resend unacknowledged",
     # After commit:
     "tell hub",
@@ -109,6 +111,7 @@ class TickReport:
     gpu_time_counted: bool = False
     gpu_time_rows: int = 0
     weights_removals_sent: int = 0
+    stages_resent: int = 0
     published: bool = False
     unknown_activations: list[str] = field(default_factory=list)
 
@@ -170,10 +173,8 @@ def _tick(leadership: Leadership, hub: ControlPlaneHub, now: datetime, steps: St
 def _reconcile(
     readings: _HubReadings, leadership: Leadership, now: datetime, report: TickReport, steps: Steps
 ) -> tuple[UsageVerdict, list[str]]:
-    """The steps inside the fenced transaction, in the order of `STEPS`, counted in `report`.
-
-    Returns the usage verdict and the usage stamps to forget once the transaction has committed.
-    """
+    """The steps inside the fenced transaction, in the order of `STEPS`, counted in `report`; returns the usage
+    verdict and the usage stamps to forget once the transaction has committed."""
     outbox = Outbox(leadership.epoch, now)
     run = steps.run
     usage, forget = run("usage", _take_usage, readings, now, report)
@@ -219,6 +220,7 @@ def _reconcile(
     if sweep_due(leadership, now):
         report.weights_swept = True
         report.weights_removals_sent = run("weights sweep", sweep_unused_weights, now, outbox)
+    report.stages_resent = run("stalled stages", resend_stalled, now, outbox) if stalls_due(leadership, now) else 0
     report.starts_sent = placing.starts_sent
     report.replicas_deleted = demand.deleted + deleted
     outbox.send_on_commit()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from agent.weights.facts import HeaderCache
 from nodewire.protocol import RemoveWeights, WeightsStatus, encode
@@ -49,13 +49,15 @@ class WeightsInventory:
         self._scan: asyncio.Task | None = None
         self._removals: set[asyncio.Task] = set()
         self.headers = HeaderCache()
+        # The sources a stage is fetching now (agent/weights/staging.py): not reported until they are all there.
+        self.staging: Callable[[], set[str]] = set
 
     async def scan_now(self) -> list[WeightsReport] | None:
         """Scan and wait for the result (before hello); a failed scan leaves the weights unknown (None)."""
         if self.root is None:
             return None
         try:
-            self.found = await asyncio.to_thread(self._read)
+            self.found = await asyncio.to_thread(self._read, self.staging())
         except OSError as exc:
             log.warning("could not scan the weights under %s: %s; they are reported once a scan works", self.root, exc)
         return self.found
@@ -82,16 +84,17 @@ class WeightsInventory:
         self._beats += 1
         if self._scan is None and (self._dirty or self._beats % self.scan_every == 0):
             self._dirty = False
-            self._scan = asyncio.ensure_future(asyncio.to_thread(self._read))
+            self._scan = asyncio.ensure_future(asyncio.to_thread(self._read, self.staging()))
         if self.found is not None and self.found != self._sent:
             self._sent = self.found
             return self.found
         return None
 
-    def _read(self) -> list[WeightsReport]:
-        """A scan, with each source's header facts (read once per modification stamp: agent/weights/facts.py)."""
+    def _read(self, staging: Collection[str] = ()) -> list[WeightsReport]:
+        """A scan, with each source's header facts (read once per modification stamp: agent/weights/facts.py),
+        but the sources being staged."""
         assert self.root is not None
-        found = disk.scan(self.root)
+        found = [w for w in disk.scan(self.root) if w.source not in staging]
         self.headers.keep_only({w.path for w in found})
         return [
             WeightsReport(source=w.source, path=w.path, size_bytes=w.size_bytes, header=self.headers.facts(w.path))

@@ -256,13 +256,13 @@ def _grow(nodes: int):
 
 
 def test_what_can_i_stop_runs_the_same_number_of_queries_for_2_and_20_nodes(usage_known, django_assert_num_queries):
-    # 10 for the summary, then usage watch, occupants (3), spare replicas (2), sleepers (1), profiles (1): the free
+    # 11 for the summary, then usage watch, occupants (3), spare replicas (2), sleepers (1), profiles (1): the free
     # GPUs are the summary's own read.
     _grow(2)
-    with django_assert_num_queries(18):
+    with django_assert_num_queries(19):
         small = cluster_summary().as_json()
     _grow(20)
-    with django_assert_num_queries(18):
+    with django_assert_num_queries(19):
         large = cluster_summary().as_json()
     assert len(small["stoppable"]) == 3 and len(large["stoppable"]) == 3 + 30
     assert {e["model"]: e["unblocks"] for e in large["stoppable"]}["six-20"] == ["big-2", "big-20"]

@@ -173,11 +173,12 @@ def _grow_fleet(nodes: int):
 
 def test_summary_runs_the_same_number_of_queries_for_2_and_20_nodes(django_assert_num_queries):
     _grow_fleet(2)
-    # 9 for the summary (weights, adapter loads, continuations); usage unknown: the usage watch.
-    with django_assert_num_queries(11):
+    # 11 for the summary (weights, adapter loads, continuations, what users felt, stages); usage unknown: the usage
+    # watch.
+    with django_assert_num_queries(12):
         small = cluster_summary().as_json()
     _grow_fleet(20)
-    with django_assert_num_queries(11):
+    with django_assert_num_queries(12):
         large = cluster_summary().as_json()
     assert small["nodes"]["total"] == 2 and large["nodes"]["total"] == 22
 

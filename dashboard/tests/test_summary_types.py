@@ -67,7 +67,7 @@ def test_the_status_schema_is_derived_from_the_dataclasses():
         for cls in vars(summary_types).values()
         if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == summary_types.__name__
     ]
-    assert len(described) == 24
+    assert len(described) == 25
     for cls in described:
         component = components[cls.__name__]
         assert list(component["properties"]) == names(cls), cls.__name__

@@ -1,5 +1,7 @@
-"""Weights per node and GPU health reasons on every operator surface: summary, ctl_status, REST status and admin."""
+"""Weights per node, the weights being staged and GPU health reasons on every operator surface: summary, ctl_status,
+REST status, metrics and admin."""
 
+from datetime import timedelta
 from io import StringIO
 
 import pytest
@@ -7,11 +9,13 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.urls import reverse
 from django.utils import timezone
+from prometheus_client import generate_latest
 from rest_framework.test import APIClient
 
+from dashboard.metrics import FleetCollector
 from dashboard.summary import cluster_summary
 from inventory.choices import GPUHealth
-from inventory.models import GPU, Weights
+from inventory.models import GPU, Weights, WeightsStage
 from tests.fleet import make_node
 
 pytestmark = pytest.mark.django_db
@@ -96,3 +100,50 @@ def test_node_admin_shows_weights_read_only_with_human_sizes_and_gpu_health_reas
     html = admin_client.get(reverse("admin:inventory_node_change", args=[b.pk])).content.decode()
     assert "XID 79" in html
     assert "XID 79" in admin_client.get(reverse("admin:inventory_gpu_changelist")).content.decode()
+
+
+@pytest.fixture
+def stages():
+    a, b = make_node("gpu-a", gpus=2), make_node("gpu-b", gpus=2)
+    now = timezone.now()
+    WeightsStage.objects.bulk_create(
+        [
+            WeightsStage(node=a, source="org/big", state="fetching", bytes_done=820 * 10**6, bytes_total=2 * 10**9,
+                         bytes_per_second=50 * 10**6, asked_at=now, updated_at=now),
+            WeightsStage(node=b, source="org/big", state="asked", asked_at=now, updated_at=now),
+            WeightsStage(node=b, source="org/bad", state="failed", message="model.safetensors did not verify",
+                         asked_at=now, updated_at=now, finished_at=now),
+            WeightsStage(node=a, source="org/old", state="ready", bytes_done=10, bytes_total=10, asked_at=now,
+                         updated_at=now, finished_at=now - timedelta(hours=2)),
+        ]
+    )  # fmt: skip
+
+
+def test_stages_under_way_and_just_ended_are_in_the_summary_ctl_status_and_metrics(stages):
+    staging = cluster_summary().as_json()["staging"]
+    # Under way first, the least done first; then what ended within the hour (the stage ended 2 h ago is left out).
+    assert [(s["node"], s["source"], s["state"]) for s in staging] == [
+        ("gpu-b", "org/big", "asked"),
+        ("gpu-a", "org/big", "fetching"),
+        ("gpu-b", "org/bad", "failed"),
+    ]
+    assert staging[1]["seconds_left"] == pytest.approx(23.6)
+    out = StringIO()
+    call_command("ctl_status", stdout=out)
+    text = out.getvalue()
+    assert "Staging weights" in text
+    rows = [line.split() for line in text.splitlines()]
+    assert ["gpu-a", "org/big", "fetching", "41%", "of", "2.0", "GB", "50.0", "MB/s", "23.6s"] in rows
+    assert ["gpu-b", "org/bad", "failed", "model.safetensors", "did", "not", "verify", "-", "-"] in rows
+    metrics = generate_latest(FleetCollector()).decode()
+    assert 'llmgw_weights_staging_bytes{bytes="done",node="gpu-a",source="org/big"} 8.2e+08' in metrics
+    assert 'llmgw_weights_staging_seconds_left{node="gpu-a",source="org/big"} 23.6' in metrics
+    assert 'source="org/bad"' not in metrics  # ended: no series
+
+
+def test_the_admin_lists_the_stages_with_their_progress(admin_client, stages):
+    html = admin_client.get(reverse("admin:inventory_weightsstage_changelist")).content.decode()
+    assert "org/big" in html and "41% of 1.9 GiB" in html and "47.7 MiB/s" in html and "24 s" in html
+    assert "did not verify" in html
+    panels = admin_client.get("/admin/").content.decode()
+    assert 'id="staging"' in panels and "41% of 2.0 GB" in panels

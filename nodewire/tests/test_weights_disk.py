@@ -164,7 +164,7 @@ def test_a_root_that_cannot_be_read_leaves_the_weights_unknown_instead_of_stoppi
     class UnreadableRoot(WeightsInventory):
         """A root the disk refuses (an NFS mount gone stale); tests run as root, so permissions cannot do it."""
 
-        def _read(self):
+        def _read(self, staging=()):
             raise PermissionError(13, "Permission denied", self.root)
 
     inventory = UnreadableRoot(str(tmp_path), scan_every=1)

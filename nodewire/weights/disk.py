@@ -16,7 +16,8 @@ An absolute source for the other engines (a local folder) is a path too,
 matched against what nodes report; a scan does not look for such folders,
 so they are not tracked unless they are GGUF files.
 
-A scan reports every cache entry and every `.gguf` file under the root, keyed
+A scan reports every cache entry (but one only a first stage is filling: partial
+blobs, no snapshot yet) and every `.gguf` file under the root, keyed
 by source: the repository id, or the GGUF path relative to the root. Sizes
 count regular files only (snapshots are symlinks to blobs, counted once).
 """
@@ -32,6 +33,8 @@ HUB_DIR = "hub"
 CACHE_PREFIX = "models--"
 GGUF_SUFFIX = ".gguf"
 GGUF_ENGINES = ("llamacpp",)
+# A blob being fetched by staging (agent/weights/transfer.py) until its bytes verify.
+PARTIAL_SUFFIX = ".partial"
 
 
 def weights_key(engine: str, source: str) -> str:
@@ -98,7 +101,7 @@ def scan(root: str) -> list[WeightsOnDisk]:
         for entry in sorted(os.listdir(hub)):
             repo_id = repo_id_of(entry)
             path = os.path.join(hub, entry)
-            if repo_id is not None and os.path.isdir(path) and not os.path.islink(path):
+            if repo_id is not None and os.path.isdir(path) and not os.path.islink(path) and not _first_stage(path):
                 found.append(WeightsOnDisk(repo_id, path, _size(path)))
     for folder, dirs, files in os.walk(root):
         if folder == root and HUB_DIR in dirs:
@@ -108,6 +111,17 @@ def scan(root: str) -> list[WeightsOnDisk]:
             if name.endswith(GGUF_SUFFIX) and not os.path.islink(path):
                 found.append(WeightsOnDisk(os.path.relpath(path, root), path, os.lstat(path).st_size))
     return sorted(found, key=lambda w: w.source)
+
+
+def _first_stage(entry: str) -> bool:
+    """Whether a cache entry is only a stage under way (or cut): partial blobs and no snapshot an engine could
+    load yet. It is not reported, so no engine is placed on it before its weights are all there."""
+    if os.path.isdir(os.path.join(entry, "snapshots")):
+        return False
+    try:
+        return any(name.endswith(PARTIAL_SUFFIX) for name in os.listdir(os.path.join(entry, "blobs")))
+    except OSError:
+        return False
 
 
 def _strictly_inside(path: str, root: str) -> bool:

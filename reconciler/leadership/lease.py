@@ -182,6 +182,7 @@ class Leadership:
         self.leader_since: datetime | None = None
         # When this process's tick next sweeps the nodes' unused weights (reconciler.weights.sweep).
         self.next_weights_sweep: datetime | None = None
+        self.next_stall_check: datetime | None = None  # when the tick next looks for stalled stages
         # When this process's tick next counts the replicas' GPU time (reconciler.demand.gpu_time).
         self.next_gpu_count: datetime | None = None
         self._lock = threading.Lock()

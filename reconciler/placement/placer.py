@@ -38,6 +38,7 @@ from reconciler.placement.capacity import CapacitySnapshot, free_capacity
 from reconciler.placement.fit import MemoryCheck
 from reconciler.placement.room import PlacementNote, make_room
 from reconciler.placement.search import Placement, Shape, Unplaceable, on_node, pick_port, place
+from reconciler.weights.staging import Stages, key_of
 
 
 @dataclass
@@ -56,6 +57,7 @@ class PlacingOutcome:
     """What placing did this tick."""
 
     placed: int = 0
+    staging: int = 0
     unplaceable: int = 0
     starts_sent: int = 0
     # Unplaceable replicas for which no room is being made either (no eviction, not waiting for nodes).
@@ -84,16 +86,21 @@ def place_pending(
     outcome = PlacingOutcome()
     pending = list(
         Replica.objects.filter(state=ReplicaState.PENDING, model__enabled=True)
-        .select_related("model", "profile")
+        .select_related("model", "profile__model")
         .order_by("-profile__priority", "created_at", "id")
     )
     if not pending:
         return outcome
     profiles = _profiles_of({r.model_id for r in pending})
+    stages = Stages.of({key_of(p) for ps in profiles.values() for p in ps})
+    pending = stages.sort_waiting(pending, now)
     capacity = free_capacity(now)
-    holders, reported = _weights_on_disk(profiles)
+    holders, reported = _weights_on_disk(profiles, stages)
     memory = MemoryCheck(reported)
     placed, moved, unplaceable = _choose(pending, profiles, capacity, memory, holders)
+    placed, moved = _wait_for_staging(placed, moved, stages, holders, outbox)
+    stages.write(now)
+    outcome.staging = len(stages.staged)
 
     notes = make_room(unplaceable, capacity, now, memory, paused=eviction_paused) if unplaceable else {}
     if unplaceable and settling():
@@ -114,6 +121,22 @@ def place_pending(
         outcome.starts_sent += 1
     outcome.placed = len(placed)
     return outcome
+
+
+def _wait_for_staging(
+    placed: _Placed, moved: list[Replica], stages: Stages, holders: dict[int, frozenset[str]], outbox: Outbox
+) -> tuple[_Placed, list[Replica]]:
+    """Those placed and moved, but the replicas placed on nodes without their hub weights: they wait for them
+    instead, holding no GPU (reconciler.weights.staging). The GPUs they were given stay taken in this tick's
+    snapshot only; the next tick offers them to others."""
+    placed = [
+        (replica, shards)
+        for replica, shards in placed
+        if not stages.stage_instead(
+            replica, [s.node_name for s in shards], holders.get(replica.profile.pk, frozenset()), outbox
+        )
+    ]
+    return placed, [replica for replica in moved if replica not in stages.staged]
 
 
 def room_now(replica: Replica, now: datetime, replacing: int) -> bool:
@@ -285,17 +308,20 @@ def _running_per_profile(profiles: dict[int, list[Profile]], leaving: int | None
 
 
 def _weights_on_disk(
-    profiles: dict[int, list[Profile]],
+    profiles: dict[int, list[Profile]], stages: Stages | None = None
 ) -> tuple[dict[int, frozenset[str]], dict[str, ReportedWeights]]:
     """The names of the nodes holding each profile's weights on disk, and what the newest report of each
     source's headers says (for the memory check: catalog.sizing). One query.
 
     A node reports a hub repository or a GGUF path relative to its root as the
-    source; an absolute GGUF source is matched against the path it reports.
+    source; an absolute GGUF source is matched against the path it reports. A
+    node whose stage of them is ready (`stages`) holds them too, even before
+    its next weights report says so.
     """
     keys = {p.pk: weights_key(p.engine, p.model.source) for ps in profiles.values() for p in ps}
     where, reported = weights_on_disk(set(keys.values()))
-    return {pk: where.get(key, frozenset()) for pk, key in keys.items()}, reported
+    staged = stages.ready_on if stages is not None else lambda _key: frozenset()
+    return {pk: where.get(key, frozenset()) | staged(key) for pk, key in keys.items()}, reported
 
 
 def weights_on_disk(keys: set[str]) -> tuple[dict[str, frozenset[str]], dict[str, ReportedWeights]]:

@@ -6,7 +6,8 @@ any trouble: free whole nodes show a few names per (fabric, class), models those
 top holders of GPUs, with their replicas counted per state, a base model's LoRA adapters one line of counts,
 unplaceable models apart from held ones, failed replicas grouped by reason, answers whose engine broke off in the
 last hour per model (the most broken first), what users felt per model over the routers' last window (latency
-against its objectives, fair queues, teams' shares), "what can I stop" the top entries; `--all` prints everything,
+against its objectives, fair queues, teams' shares), weights being staged on nodes (only when some are, or
+ended in the last hour), "what can I stop" the top entries; `--all` prints everything,
 `--nodes`, `--models` and `--replicas` just the full node, model or replica list. `--teams` adds each team's
 members, keys, spend, GPU-hours and budgets (`dashboard.team_summary`; "team_summary" with --json). `--check`
 prints one line and exits 2 when something needs attention (`dashboard.attention.needs_attention`), 0 otherwise:
@@ -29,10 +30,12 @@ from dashboard.attention import needs_attention
 from dashboard.status_text import (
     FELT_HEADERS,
     NAMES_SHOWN,
+    STAGE_HEADERS,
     felt_row,
     printed_lines,
     replica_adapters,
     some_names,
+    stage_row,
     table,
     usage_bar,
 )
@@ -211,6 +214,7 @@ class Command(BaseCommand):
         out += self.failed(s, top)
         out += self.continuations(s, top)
         out += self.felt(s, top)
+        out += self.staging(s, top)
         out += self.what_can_i_stop(s, top)
         if teams is not None:
             out += self.teams(teams, top)
@@ -321,6 +325,17 @@ class Command(BaseCommand):
         out += self.styled_table(FELT_HEADERS, [felt_row(m) for m in shown])
         if len(s.felt) > len(shown):
             out.append(f"  … and {len(s.felt) - len(shown)} more models (--all)")
+        return out
+
+    def staging(self, s: ClusterSummary, top: int | None) -> list[str]:
+        """Weights being staged on nodes (and stages ended in the last hour); nothing when there are none."""
+        if not s.staging:
+            return []
+        out = [self.section("Staging weights (and stages ended in the last hour)")]
+        shown = s.staging if top is None else s.staging[: self.shown.rows]
+        out += self.styled_table(STAGE_HEADERS, [stage_row(stage) for stage in shown])
+        if len(s.staging) > len(shown):
+            out.append(f"  … and {len(s.staging) - len(shown)} more stages (--all)")
         return out
 
     def teams(self, t: TeamSummary, top: int | None) -> list[str]:

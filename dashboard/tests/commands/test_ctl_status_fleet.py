@@ -177,8 +177,8 @@ def test_default_text_stays_under_60_lines_on_a_1000_node_fleet():
 def test_summary_queries_stay_constant_with_failures_and_the_node_list(healthy, django_assert_num_queries):
     _node, profile = healthy
     failed(profile, "boom")
-    # Nodes carry their weights; adapter loads; sleepers to stop; continuations.
-    with django_assert_num_queries(17) as small:
+    # Nodes carry their weights; adapter loads; sleepers to stop; continuations; stages.
+    with django_assert_num_queries(18) as small:
         cluster_summary()
     for i in range(10):
         make_node(f"more-{i}", gpus=2)

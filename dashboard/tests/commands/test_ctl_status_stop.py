@@ -82,6 +82,7 @@ def test_json_keeps_every_key_and_adds_what_can_i_stop(idle_fleet):
         "node_list",
         "continuations",
         "felt",
+        "staging",
     } == set(printed)
     assert [e["replica"] for e in printed["stoppable"]] == [r.pk for r in idle_fleet]  # --top is for text only
 

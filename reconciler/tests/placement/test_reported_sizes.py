@@ -63,7 +63,7 @@ def test_the_tick_reads_the_reports_in_the_one_weights_query_however_many_models
         reported_70b([f"m{count}-{i}" for i in range(count)], *nodes)
         with CaptureQueriesContext(connection) as queries:
             run_tick()
-        return [q["sql"] for q in queries.captured_queries if "inventory_weights" in q["sql"]]
+        return [q["sql"] for q in queries.captured_queries if 'FROM "inventory_weights"' in q["sql"]]
 
     assert len(weights_queries(1)) == 1
     assert len(weights_queries(6)) == 1

@@ -82,7 +82,7 @@ def test_placing_reads_the_weights_in_one_query_however_many_models_and_holders(
                 hold(node, model.source)
         with CaptureQueriesContext(connection) as queries:
             run_tick()
-        return [q["sql"] for q in queries.captured_queries if "inventory_weights" in q["sql"]]
+        return [q["sql"] for q in queries.captured_queries if 'FROM "inventory_weights"' in q["sql"]]
 
     nodes = [make_node(f"gpu-{i}", gpus=8) for i in range(4)]
     assert len(placing_queries(1)) == 1

@@ -1,0 +1,153 @@
+"""Staging in the tick: a replica whose hub weights its node lacks waits for them holding no GPU, then is
+placed there; a failed stage fails it; a quiet stage is asked for again; routers hear what is left."""
+
+from datetime import timedelta
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from agentlink.services import on_staging_status
+from inventory.choices import StagingState
+from inventory.models import Node, Weights, WeightsStage
+from inventory.services import record_weights
+from nodewire.weights.staging_messages import StagingStatus
+from reconciler.choices import Hold, ReplicaState
+from reconciler.endpoints import build_endpoint_table
+from reconciler.models import GPUAssignment, PendingCommand, Replica, Shard
+from tests.fleet import make_model, make_node
+
+pytestmark = pytest.mark.django_db
+
+GB = 10**9
+
+
+def staging_node(name="gpu-a", gpus=2):
+    node = make_node(name, gpus=gpus)
+    node.stages_weights = True
+    node.save(update_fields=["stages_weights"])
+    return node
+
+
+def report(node, source, state, done=0, total=2 * GB, rate=0.0, message=""):
+    on_staging_status(
+        node.pk,
+        StagingStatus(
+            source=source, state=state, bytes_done=done, bytes_total=total, bytes_per_second=rate, message=message
+        ),
+    )
+
+
+def test_a_replica_waits_for_its_weights_holding_no_gpu_while_another_model_is_placed_then_goes_on_their_node(
+    run_tick, agent_inbox
+):
+    node = staging_node(gpus=2)
+    inbox = agent_inbox("gpu-a")
+    big = make_model("big", engine="vllm")
+    run_tick()
+    replica = Replica.objects.get(model=big)
+    assert (replica.state, replica.hold) == (ReplicaState.PENDING, Hold.STAGING)
+    assert "staging its weights on gpu-a" in replica.placement_note
+    assert not Shard.objects.exists() and not GPUAssignment.objects.exists()
+    (command,) = inbox()
+    assert (command["type"], command["source"], command["revision"]) == ("stage_weights", "org/big", "main")
+    assert WeightsStage.objects.get(node=node, source="org/big").state == StagingState.ASKED
+    assert PendingCommand.objects.filter(subject="stage:org/big").count() == 1
+
+    # Meanwhile another model (its weights on the node) takes the node's GPUs it needs.
+    small = make_model("small", engine="vllm")
+    Weights.objects.create(node=node, source="org/small", path="/w/hub/models--org--small", size_bytes=1,
+                           seen_at=timezone.now())  # fmt: skip
+    report(node, "org/big", "fetching", done=GB // 2, rate=100e6)
+    run_tick()
+    assert Replica.objects.get(model=small).state == ReplicaState.STARTING
+    assert Replica.objects.get(model=big).state == ReplicaState.PENDING
+    assert [c["type"] for c in inbox()] == ["start_shard"]  # no second stage_weights while one is under way
+
+    report(node, "org/big", "ready", done=2 * GB, message="2000000000 bytes in 20.0 s")
+    run_tick()
+    replica.refresh_from_db()
+    assert (replica.state, replica.hold) == (ReplicaState.STARTING, Hold.NONE)
+    assert replica.shards.get().node == node
+    start = [c for c in inbox() if c["type"] == "start_shard"]
+    assert [c["source"] for c in start] == ["org/big"]
+
+
+def test_a_failed_stage_fails_the_replica_with_its_words_and_no_engine_starts(run_tick, agent_inbox):
+    node = staging_node()
+    inbox = agent_inbox("gpu-a")
+    model = make_model("broken", engine="vllm")
+    run_tick()
+    report(node, "org/broken", "failed", message="config.json: the bytes fetched do not hash to the published sha256")
+    run_tick()
+    replica = Replica.objects.get(model=model)
+    assert replica.state == ReplicaState.FAILED and replica.hold == Hold.NONE
+    assert "staging its weights on gpu-a failed: config.json: the bytes fetched" in replica.last_error
+    assert replica.next_attempt_at is not None and replica.failure_count == 1
+    assert not any(c["type"] == "start_shard" for c in inbox())
+    assert not Shard.objects.exists()
+
+
+def test_without_a_weights_root_or_for_engines_left_out_the_engine_downloads_itself_as_before(run_tick):
+    make_node("plain", gpus=1)  # its agent has no weights root: it cannot stage
+    vllm = make_model("on-plain", engine="vllm")
+    run_tick()
+    assert Replica.objects.get(model=vllm).state == ReplicaState.STARTING
+    staging_node("rooted", gpus=1)
+    mock = make_model("mocked", engine="mock")  # the mock engine loads nothing: not staged by default
+    run_tick()
+    assert Replica.objects.get(model=mock).state == ReplicaState.STARTING
+    with override_settings(LLMGW_STAGE_ENGINES=[]):
+        local = make_model("local", engine="vllm")
+        staging_node("rooted-2", gpus=1)
+        run_tick()
+    assert Replica.objects.get(model=local).state == ReplicaState.STARTING
+    assert not WeightsStage.objects.exists()
+
+
+def test_a_stage_its_agent_went_quiet_on_is_asked_for_again(run_tick, agent_inbox, leader):
+    node = staging_node()
+    inbox = agent_inbox("gpu-a")
+    make_model("slow", engine="vllm")
+    now = timezone.now()
+    run_tick(now=now)
+    assert [c["type"] for c in inbox()] == ["stage_weights"]
+    PendingCommand.objects.all().delete()  # acknowledged
+    report(node, "org/slow", "fetching", done=GB)
+    quiet = now + timedelta(seconds=61)
+    WeightsStage.objects.update(updated_at=now)
+    leader.next_stall_check = None
+    Node.objects.update(last_seen=quiet + timedelta(seconds=16))  # its heartbeats go on
+    run_tick(now=quiet)  # the first tick only sets when stalls are looked for
+    assert inbox() == []
+    run_tick(now=quiet + timedelta(seconds=16))
+    assert [(c["type"], c["source"]) for c in inbox()] == [("stage_weights", "org/slow")]
+    assert WeightsStage.objects.get().updated_at == quiet + timedelta(seconds=16)
+
+
+def test_routers_hold_its_requests_as_staging_with_what_is_left_in_the_eta(run_tick):
+    node = staging_node()
+    model = make_model("eta", engine="vllm", start_seconds=30.0)
+    run_tick()
+    report(node, "org/eta", "fetching", done=GB, total=2 * GB, rate=10e6)  # 100 s left
+    entry = build_endpoint_table().models["eta"]
+    assert entry.holding == "staging"
+    assert entry.start_seconds == 30.0 + 105.0  # 100 s left, in 15 s steps
+    report(node, "org/eta", "ready", done=2 * GB)
+    run_tick()
+    entry = build_endpoint_table().models["eta"]
+    assert entry.holding is None and entry.start_seconds == 30.0
+    assert Replica.objects.get(model=model).state == ReplicaState.STARTING
+
+
+def test_weights_leaving_the_node_forget_its_ready_stage(run_tick):
+    node = staging_node()
+    make_model("gone", engine="vllm")
+    run_tick()
+    report(node, "org/gone", "ready", done=2 * GB)
+    row = Weights.objects.create(node=node, source="org/gone", path="/w/hub/models--org--gone", size_bytes=2 * GB,
+                                 seen_at=timezone.now())  # fmt: skip
+    assert WeightsStage.objects.filter(state=StagingState.READY).count() == 1
+    record_weights(node.pk, [], timezone.now())  # the next report no longer holds them
+    assert not Weights.objects.filter(pk=row.pk).exists()
+    assert not WeightsStage.objects.exists()

@@ -1,0 +1,208 @@
+"""Staging in the tick: a replica whose weights its nodes lack waits for them without holding a GPU.
+
+When placement (reconciler.placement.placer) puts a replica on nodes that do
+not hold its weights, and the weights are a hub repository (an engine would
+download them at start, holding its GPUs for as long), the replica is not
+placed: its nodes are sent stage_weights (agent/weights/staging.py), one
+`inventory.WeightsStage` row per node and source records where each stands,
+and the replica stays PENDING with hold STAGING (routers hold its requests as
+for any cold start). Its GPUs stay free for other models meanwhile. Each tick:
+
+* a replica with a stage of its weights still under way (on a node that is
+  ready) waits: it is not offered to placement at all;
+* once none is under way it is placed as any pending replica, nodes holding
+  the weights first, and a node whose stage is ready counts as holding them
+  until its next weights report says so itself;
+* a replica whose stage failed (and none other under way) fails, with the
+  stage's words, and backs off like a replica whose engine failed: no engine
+  ever starts on weights that did not verify;
+* a stage the agent has not reported on for LLMGW_STAGE_STALL_SECONDS is
+  asked for again: an agent that restarted resumes it from its partial files.
+
+Local paths and GGUF files are not staged (an engine reads them where they are),
+nor are the weights of engines left out of LLMGW_STAGE_ENGINES (the mock engine
+loads nothing, so only tests and benches that stage put it there). A constant
+number of queries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Q
+
+from catalog.models import Profile
+from inventory.choices import STAGING_UNDER_WAY, NodeState, StagingState
+from inventory.models import Node, WeightsStage
+from nodewire.weights.disk import weights_key
+from nodewire.weights.staging_messages import DEFAULT_REVISION
+from reconciler.choices import Hold, ReplicaState
+from reconciler.leadership.lease import Leadership
+from reconciler.lifecycle.transitions import backoff_seconds
+from reconciler.models import Replica
+from reconciler.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+def stageable(profile: Profile) -> bool:
+    """Whether a profile's weights are fetched by staging: a hub repository, for an engine in
+    LLMGW_STAGE_ENGINES (by default those that would download it themselves: vLLM, SGLang)."""
+    source = profile.model.source.strip()
+    return profile.engine in settings.LLMGW_STAGE_ENGINES and not os.path.isabs(source)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    node_name: str
+    state: str
+    node_ready: bool
+    message: str
+
+
+@dataclass
+class Stages:
+    """The stages of the weights keys placement deals with this tick, read once, and those it asks for."""
+
+    by_key: dict[str, list[_Stage]] = field(default_factory=dict)
+    _able: frozenset[str] | None = None  # nodes whose agents can stage (a weights root), read when first needed
+    asked: list[tuple[str, str]] = field(default_factory=list)  # (node, source) asked this tick
+    staged: list[Replica] = field(default_factory=list)  # replicas set to wait this tick
+
+    @classmethod
+    def of(cls, keys: set[str]) -> Stages:
+        """One query."""
+        by_key: dict[str, list[_Stage]] = defaultdict(list)
+        rows = WeightsStage.objects.filter(source__in=keys).values_list(
+            "source", "node__name", "state", "node__state", "message"
+        )
+        for source, node_name, state, node_state, message in rows:
+            by_key[source].append(_Stage(node_name, state, node_state == NodeState.READY, message))
+        return cls(dict(by_key))
+
+    def under_way(self, key: str) -> bool:
+        """Whether a stage of `key` is still fetching on a node that can finish it."""
+        return any(s.state in STAGING_UNDER_WAY and s.node_ready for s in self.by_key.get(key, ()))
+
+    def ready_on(self, key: str) -> frozenset[str]:
+        """The nodes where a stage of `key` is ready (they hold the weights, whether reported yet or not)."""
+        return frozenset(s.node_name for s in self.by_key.get(key, ()) if s.state == StagingState.READY)
+
+    def failure(self, key: str) -> str:
+        """Why the stages of `key` failed ("" when none did)."""
+        failed = [s for s in self.by_key.get(key, ()) if s.state == StagingState.FAILED]
+        return "; ".join(f"staging its weights on {s.node_name} failed: {s.message}" for s in failed)
+
+    def sort_waiting(self, pending: list[Replica], now: datetime) -> list[Replica]:
+        """The PENDING replicas to offer to placement now, in order: not those waiting for a stage; those
+        whose stage failed fail (one UPDATE)."""
+        offered, failed = [], []
+        for replica in pending:
+            key = key_of(replica.profile)
+            if replica.hold != Hold.STAGING:
+                offered.append(replica)
+            elif self.under_way(key):
+                continue
+            elif failure := self.failure(key):
+                replica.last_error = failure
+                failed.append(replica)
+            else:
+                offered.append(replica)
+        if failed:
+            _fail(failed, now)
+        return offered
+
+    def stage_instead(self, replica: Replica, nodes: list[str], holders: frozenset[str], outbox: Outbox) -> bool:
+        """Whether `replica`, just placed on `nodes` in memory, must wait for staging instead. If so, the
+        nodes lacking its weights are asked to stage them (unless already asked) and its note says so;
+        `write` records both."""
+        profile = replica.profile
+        lacking = [n for n in nodes if n not in holders]
+        if not lacking or not stageable(profile) or not self.able_to_stage().issuperset(lacking):
+            return False
+        key = key_of(profile)
+        asked = {s.node_name for s in self.by_key.get(key, ()) if s.state in STAGING_UNDER_WAY}
+        for node_name in lacking:
+            if node_name not in asked:
+                outbox.stage_weights(node_name, key, DEFAULT_REVISION)
+                self.asked.append((node_name, key))
+        replica.hold = Hold.STAGING
+        replica.placement_note = f"staging its weights on {', '.join(lacking)}: no GPU is held until they are there"
+        self.staged.append(replica)
+        return True
+
+    def able_to_stage(self) -> frozenset[str]:
+        """The nodes whose agents have a weights root to stage into (one query, the first time). Elsewhere the
+        engine downloads its weights itself, as it always could."""
+        if self._able is None:
+            self._able = frozenset(Node.objects.filter(stages_weights=True).values_list("name", flat=True))
+        return self._able
+
+    def write(self, now: datetime) -> None:
+        """The replicas set to wait (one UPDATE) and the stages asked for (one upsert), this tick."""
+        if self.staged:
+            Replica.objects.bulk_update(self.staged, ["hold", "placement_note", "profile"])
+        if not self.asked:
+            return
+        ids = dict(Node.objects.filter(name__in={n for n, _ in self.asked}).values_list("name", "pk"))
+        rows = [
+            WeightsStage(
+                node_id=ids[node_name], source=source, revision=DEFAULT_REVISION, state=StagingState.ASKED,
+                asked_at=now, updated_at=now, bytes_done=0, bytes_total=0, bytes_per_second=0.0, message="",
+            )
+            for node_name, source in self.asked
+            if node_name in ids
+        ]  # fmt: skip
+        WeightsStage.objects.bulk_create(
+            rows,
+            update_conflicts=True,
+            unique_fields=["node", "source"],
+            update_fields=["revision", "state", "asked_at", "updated_at", "bytes_done", "bytes_per_second", "message"],
+        )
+        log.info("staging: asked %s", ", ".join(f"{node} for {source}" for node, source in self.asked))
+
+
+def key_of(profile: Profile) -> str:
+    """The weights key a profile's stages are recorded under (nodewire.weights.disk.weights_key)."""
+    return weights_key(profile.engine, profile.model.source)
+
+
+def _fail(replicas: list[Replica], now: datetime) -> None:
+    """Fail replicas whose weights could not be staged, with the backoff of a failed engine."""
+    for replica in replicas:
+        replica.state, replica.hold, replica.placement_note = ReplicaState.FAILED, Hold.NONE, ""
+        replica.failure_count += 1
+        replica.next_attempt_at = now + timedelta(seconds=backoff_seconds(replica.failure_count))
+        log.warning("replica %s of %s failed: %s", replica.pk, replica.model.name, replica.last_error)
+    fields = ["state", "hold", "placement_note", "failure_count", "next_attempt_at", "last_error"]
+    Replica.objects.bulk_update(replicas, fields)
+
+
+def stalls_due(leadership: Leadership, now: datetime) -> bool:
+    """Whether this tick looks for stalled stages: every quarter of LLMGW_STAGE_STALL_SECONDS, so a steady tick
+    pays no query for it."""
+    due = leadership.next_stall_check is not None and now >= leadership.next_stall_check
+    if leadership.next_stall_check is None or due:
+        leadership.next_stall_check = now + timedelta(seconds=settings.LLMGW_STAGE_STALL_SECONDS / 4)
+    return due
+
+
+def resend_stalled(now: datetime, outbox: Outbox) -> int:
+    """Ask again for stages their agents have not reported on for LLMGW_STAGE_STALL_SECONDS (two queries)."""
+    cutoff = now - timedelta(seconds=settings.LLMGW_STAGE_STALL_SECONDS)
+    stalled = list(
+        WeightsStage.objects.filter(Q(updated_at__lt=cutoff), state__in=STAGING_UNDER_WAY, node__state=NodeState.READY)
+        .values_list("pk", "node__name", "source", "revision")
+        .order_by("pk")[:100]
+    )
+    for _, node_name, source, revision in stalled:
+        outbox.stage_weights(node_name, source, revision)
+    if stalled:
+        WeightsStage.objects.filter(pk__in=[pk for pk, *_ in stalled]).update(asked_at=now, updated_at=now)
+        log.info("staging: asked again for %d stage(s) their agents went quiet on", len(stalled))
+    return len(stalled)
