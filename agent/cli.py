@@ -3,8 +3,8 @@
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
         [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH] \
-        [--vllm-command 'vllm serve'] [--weights-root /data/models] [--state-dir /var/lib/llmgw-agent] [--ca-file ca.pem] \
-        [--cert-file node.pem --key-file node-key.pem]
+        [--vllm-command 'vllm serve'] [--weights-root /data/models] [--weights-port 8479] \
+        [--state-dir /var/lib/llmgw-agent] [--ca-file ca.pem] [--cert-file node.pem --key-file node-key.pem]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
 so it creates no var/ folder and no secret key there. `manage.py agent` is a
@@ -36,7 +36,7 @@ from agent.options import AgentOptions
 from agent.runtime import Agent
 from agent.state import STATE_DIR_ENV, StateError, default_state_dir
 from nodewire.control_planes import add_control_plane_option, address_problem
-from nodewire.protocol import NODE_NAME_PATTERN
+from nodewire.protocol import NODE_NAME_PATTERN, parse_port
 
 HEARTBEAT_ENV = "LLMGW_HEARTBEAT_SECONDS"
 LLAMA_SERVER_ENV = "LLMGW_LLAMA_SERVER"
@@ -118,6 +118,14 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"folder holding model weights (Hugging Face cache under hub/, GGUF files); reported to the "
         f"control plane and given to engines as HF_HOME (default: ${WEIGHTS_ROOT_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--weights-port",
+        default=None,
+        metavar="PORT",
+        help="where the agent's weights server listens, so other nodes copy the weights this one holds instead of "
+        "asking the hub again (only the copies the control plane allows; default: none, it copies from peers but "
+        "serves none); needs --weights-root",
     )
     parser.add_argument(
         "--state-dir",
@@ -231,6 +239,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         raise UsageError(f"--heartbeat-seconds must be positive, got {heartbeat}.")
     labels = parse_labels(options["labels"])
     weights_root = weights_root_from(options.get("weights_root"))
+    weights_port = _weights_port(options.get("weights_port"), weights_root)
     fake_health = options.get("fake_gpu_health")
     if fake_health is not None and not options["fake_gpus"]:
         raise UsageError("--fake-gpu-health goes with --fake-gpus; real GPUs report their own health.")
@@ -250,6 +259,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
             llama_server=llama_server_from(options.get("llama_server")),
             vllm_command=vllm_command_option(options.get("vllm_command")),
             weights_root=weights_root,
+            weights_port=weights_port,
             state_dir=state_dir,
             **tls,
         )
@@ -258,6 +268,18 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
         raise UsageError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
     except ValueError as exc:
         raise UsageError(f"{exc}.") from None
+
+
+def _weights_port(option: str | None, weights_root: str | None) -> int | None:
+    """The weights server's port from --weights-port (None: no server); UsageError naming what is wrong."""
+    if option is None:
+        return None
+    if weights_root is None:
+        raise UsageError("--weights-port serves the weights under --weights-root; give that too.")
+    try:
+        return parse_port(option)
+    except ValueError as exc:
+        raise UsageError(f"--weights-port: {exc}.") from None
 
 
 def _gpus_and_health(

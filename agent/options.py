@@ -49,6 +49,9 @@ class AgentOptions:
     weights_scan_every: int = DEFAULT_SCAN_EVERY
     # Where staging asks for hub weights (agent/weights/staging.py); None: HF_ENDPOINT, else the public hub.
     hub_endpoint: str | None = None
+    # Where the weights server listens for peers' copies (agent/weights/peer_server.py); None: it does not run.
+    weights_port: int | None = None
+    weights_bind: str = "0.0.0.0"  # noqa: S104 - peers on other hosts copy from it; tickets guard it
     state_dir: str | os.PathLike | None = None
     ca_file: str | None = None
     cert_file: str | None = None

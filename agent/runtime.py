@@ -18,7 +18,9 @@ heartbeats report the weights under the weights root (agent/weights/inventory.py
 `remove_weights` deletes one source's weights there, off the command path,
 and is answered with `weights_status`; `stage_weights` fetches or checks a
 source's weights there before an engine needs them (agent/weights/staging.py),
-answered with `staging_status` as it goes.
+answered with `staging_status` as it goes, copying from the peers it names;
+with a weights port, the agent's weights server lets the peers the control
+plane allows with `serve_weights` copy its weights (agent/weights/peer_server.py).
 Given a state directory (agent/state.py), the agent remembers the highest
 leader epoch it has obeyed across restarts, and is bound to one node name.
 
@@ -56,6 +58,7 @@ from agent.starting import added_env, launch_for
 from agent.state import AgentState, Fence
 from agent.supervisor import SERVING_STATES, EngineProcess, Readiness, Shard, port_in_use
 from agent.weights.inventory import WeightsInventory
+from agent.weights.peer_server import PeerServer
 from agent.weights.staging import Staging
 from nodewire import engine_env, protocol
 
@@ -109,6 +112,11 @@ class Agent:
             options.weights_root, self._link.send, self._weights.changed, hub_endpoint=options.hub_endpoint
         )
         self._weights.staging = self._staging.fetching
+        self._peers = (
+            PeerServer(options.weights_root, self._staging.plan_of, options.weights_bind, options.weights_port)
+            if options.weights_root is not None and options.weights_port is not None
+            else None
+        )
 
     async def run(self) -> None:
         """Hold the control-plane stream until shutdown(); raise AgentRejected if refused.
@@ -118,6 +126,8 @@ class Agent:
         """
         try:
             await self._weights.scan_now()
+            if self._peers is not None:
+                await self._peers.start()
             await self._link.run(self._hello, self._heartbeat, self._receive)
         finally:
             await self.shutdown()
@@ -161,6 +171,7 @@ class Agent:
                 shards=[shard.report() for shard in self._shards.values()],
                 weights=self._weights.for_hello(),
                 host_memory_mib=msgspec.UNSET if (memory := host_memory_mib()) is None else memory,
+                weights_port=msgspec.UNSET if self._peers is None else self._peers.port,
             )
         )
 
@@ -207,7 +218,7 @@ class Agent:
             return
         subject = (
             f"weights {message.source}"
-            if isinstance(message, protocol.RemoveWeights | protocol.StageWeights)
+            if isinstance(message, protocol.RemoveWeights | protocol.StageWeights | protocol.ServeWeights)
             else message.shard_id
         )
         if not self._fencing.admits(str(message.__struct_config__.tag), message.epoch, subject):
@@ -222,16 +233,25 @@ class Agent:
         # Answered before it is carried out: the control plane stops re-sending it now, and a re-sent
         # copy is answered again (a start for a shard already running is not started twice).
         await self._ack(message.cid)
-        if isinstance(message, protocol.RemoveWeights):
-            self._weights.start_removal(message, self._link.send)
-        elif isinstance(message, protocol.StageWeights):
-            self._staging.begin(message)
+        if isinstance(message, protocol.RemoveWeights | protocol.StageWeights | protocol.ServeWeights):
+            self._weights_command(message)
         elif isinstance(message, protocol.StartShard):
             await self._start_shard(message)
         elif isinstance(message, protocol.DrainShard):
             self._begin_drain(message.shard_id, message.timeout_seconds)
         else:
             self._begin_stop(message.shard_id)
+
+    def _weights_command(self, message: protocol.RemoveWeights | protocol.StageWeights | protocol.ServeWeights) -> None:
+        """Begin a command about the node's weights; each runs off the command path."""
+        if isinstance(message, protocol.RemoveWeights):
+            self._weights.start_removal(message, self._link.send)
+        elif isinstance(message, protocol.StageWeights):
+            self._staging.begin(message)
+        elif self._peers is not None:
+            self._peers.allow(message)
+        else:
+            log.warning("serve_weights for %s ignored: this agent runs no weights server", message.source)
 
     async def _refuse_or_begin(self, message: _Refusable, refused: str, begin: Callable[[_Refusable], object]) -> None:
         """Acknowledge a command, refused when it cannot be done (`refused` says why), and begin it when it can."""
@@ -407,6 +427,8 @@ class Agent:
 
     async def _shutdown(self) -> None:
         await self._staging.cancel_all()
+        if self._peers is not None:
+            await self._peers.stop()
         stops = [self._begin_stop(shard_id) for shard_id in list(self._shards)]
         if stops:
             await asyncio.gather(*stops, return_exceptions=True)

@@ -78,6 +78,12 @@ class Node(models.Model):
     reported_host_memory_mib = models.PositiveIntegerField(
         "host memory (MiB)", null=True, blank=True, editable=False, help_text="As its agent reports it."
     )
+    weights_port = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="Where its agent's weights server listens, for peers copying its weights (empty: it serves none).",
+    )
     stages_weights = models.BooleanField(
         default=False,
         editable=False,
@@ -226,6 +232,7 @@ class WeightsStage(models.Model):
     bytes_total = models.PositiveBigIntegerField(default=0, help_text="0: not known yet.")
     bytes_per_second = models.FloatField(default=0.0)
     message = models.TextField(blank=True, help_text="Why it failed, or how it went.")
+    peers = models.JSONField(default=list, blank=True, help_text="The nodes it copies from (empty: from the hub).")
     asked_at = models.DateTimeField(help_text="When stage_weights was (last) sent.")
     updated_at = models.DateTimeField(help_text="The last report from the agent (or the last time it was asked).")
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -70,6 +70,7 @@ REPORTED_NODE_FIELDS = [
     "agent_version",
     "reported_host_memory_mib",
     "stages_weights",
+    "weights_port",
 ]
 # A field with more distinct new values than this in one batch is written with one CASE, not an UPDATE per value.
 _UPDATES_PER_FIELD = 4
@@ -79,7 +80,16 @@ def _reported(hello: Hello) -> tuple:
     """What a hello says of the node, in REPORTED_NODE_FIELDS' order."""
     host_memory = None if hello.host_memory_mib is UNSET else hello.host_memory_mib
     # An agent without a weights root reports no weights at all (null), and cannot stage any either.
-    return hello.address, hello.fabric, hello.labels, hello.version, host_memory, hello.weights is not None
+    weights_port = None if hello.weights_port is UNSET else hello.weights_port
+    return (
+        hello.address,
+        hello.fabric,
+        hello.labels,
+        hello.version,
+        host_memory,
+        hello.weights is not None,
+        weights_port,
+    )
 
 
 def _write_reported(nodes: list[Node], changed: dict[str, dict[str, list[int]]]) -> None:

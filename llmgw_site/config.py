@@ -136,6 +136,14 @@ SETTINGS: tuple[Setting, ...] = (
         "them themselves",
     ),
     _s(
+        "LLMGW_STAGE_PEER_COPIES",
+        "int",
+        2,
+        "most stages one node's weights server feeds at once; past it, a stage waits for a peer rather than ask the "
+        "hub for weights the fleet holds",
+        1,
+    ),
+    _s(
         "LLMGW_STAGE_STALL_SECONDS",
         "float",
         60.0,

@@ -267,6 +267,7 @@ if unknown := sorted(set(LLMGW_STAGE_ENGINES) - {"vllm", "sglang", "mock"}):
         f"LLMGW_STAGE_ENGINES names {', '.join(unknown)}: only vllm, sglang and mock load hub weights that can be staged"
     )
 LLMGW_STAGE_STALL_SECONDS = setting("LLMGW_STAGE_STALL_SECONDS")
+LLMGW_STAGE_PEER_COPIES = setting("LLMGW_STAGE_PEER_COPIES")
 LLMGW_LAST_SEEN_FLUSH_SECONDS = setting("LLMGW_LAST_SEEN_FLUSH_SECONDS")
 LLMGW_HEARTBEAT_RECHECK_SECONDS = setting("LLMGW_HEARTBEAT_RECHECK_SECONDS")
 LLMGW_SHARD_START_TIMEOUT_SECONDS = setting("LLMGW_SHARD_START_TIMEOUT_SECONDS")

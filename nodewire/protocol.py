@@ -7,7 +7,8 @@ receiving side trusts what the gate let through. Every message carries
 
 agent → control plane (`AgentMessage`, checked by `decode_agent_message`)
   hello         node, version, address, fabric, labels{}, gpus[], shards[], weights[],
-                host_memory_mib (null = unknown)
+                host_memory_mib (null = unknown), weights_port (where peers copy its weights from;
+                absent = it serves none)
   heartbeat     gpus[{index, healthy, reason}], shards[{shard_id, state, running}], weights[]
                 (running: requests the engine holds, running or queued; null = unknown)
                 (state: a shard_status state or one of the agent's in-between ones: draining,
@@ -48,7 +49,7 @@ not; the control plane re-sends it until then (reconciler/commands.py)
                 shard in the wrong state (agent/hibernation.py)
   remove_weights epoch, source, path: delete a source's weights from the node's disk
   load_adapter, unload_adapter, and the agent's adapter_status: nodewire/adapter_messages.py
-  stage_weights, and the agent's staging_status: nodewire/weights/staging_messages.py
+  stage_weights, serve_weights, and the agent's staging_status: nodewire/weights/staging_messages.py
   error         message   (the control plane could not accept a message)
 """
 
@@ -82,7 +83,14 @@ from nodewire.parts import (
     _no_repeated_gpus,
 )
 from nodewire.weights.messages import WeightsReport, no_repeated_sources
-from nodewire.weights.staging_messages import STAGE_WEIGHTS, STAGING_STATUS, StageWeights, StagingStatus
+from nodewire.weights.staging_messages import (
+    SERVE_WEIGHTS,
+    STAGE_WEIGHTS,
+    STAGING_STATUS,
+    ServeWeights,
+    StageWeights,
+    StagingStatus,
+)
 
 HELLO = "hello"
 HEARTBEAT = "heartbeat"
@@ -163,6 +171,8 @@ class Hello(_Message, frozen=True, kw_only=True, tag=HELLO):
     weights: list[WeightsReport] | None = None
     # The node's host memory in MiB (level-1 sleepers keep their weights there); left out when not known.
     host_memory_mib: Annotated[int, Meta(ge=0)] | UnsetType = UNSET
+    # Where its weights server listens, for peers to copy from (agent/weights/peer_server.py); left out: none.
+    weights_port: PORT | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         _no_repeated_gpus([gpu.index for gpu in self.gpus], "gpus")
@@ -319,6 +329,7 @@ Command = (
     | WakeShard
     | RemoveWeights
     | StageWeights
+    | ServeWeights
     | LoadAdapter
     | UnloadAdapter
 )
@@ -340,6 +351,7 @@ _COMMANDS: dict[str, type[Any]] = {
     WAKE_SHARD: WakeShard,
     REMOVE_WEIGHTS: RemoveWeights,
     STAGE_WEIGHTS: StageWeights,
+    SERVE_WEIGHTS: ServeWeights,
     LOAD_ADAPTER: LoadAdapter,
     UNLOAD_ADAPTER: UnloadAdapter,
 }

@@ -33,9 +33,11 @@ from hub.channel_layer import deliver_to_groups
 from nodewire.adapter_messages import LoadAdapter, UnloadAdapter
 from nodewire.protocol import (
     REMOVE_WEIGHTS,
+    SERVE_WEIGHTS,
     STAGE_WEIGHTS,
     DrainShard,
     RemoveWeights,
+    ServeWeights,
     SleepShard,
     StageWeights,
     StartShard,
@@ -43,6 +45,7 @@ from nodewire.protocol import (
     WakeShard,
     to_builtins,
 )
+from nodewire.weights.staging_messages import StagePeer
 from reconciler.models import Lease, PendingCommand
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,8 @@ def pending_key(cmd: dict) -> tuple[int, str]:
         return NODE_SHARD_ID, weights_subject(cmd["source"])
     if cmd["type"] == STAGE_WEIGHTS:
         return NODE_SHARD_ID, STAGE_SUBJECT_PREFIX + cmd["source"]
+    if cmd["type"] == SERVE_WEIGHTS:
+        return NODE_SHARD_ID, f"serve:{cmd['node']}:{cmd['source']}"
     return cmd["shard_id"], cmd.get("name", "")
 
 
@@ -150,6 +155,7 @@ _Command = (
     | WakeShard
     | RemoveWeights
     | StageWeights
+    | ServeWeights
     | LoadAdapter
     | UnloadAdapter
 )
@@ -211,9 +217,16 @@ class Outbox:
         """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""
         self.commands.append((node_name, RemoveWeights(epoch=UNSTAMPED, source=source, path=path)))
 
-    def stage_weights(self, node_name: str, source: str, revision: str) -> None:
-        """Queue a stage_weights: the agent fetches (or checks) the source's weights and reports as it goes."""
-        self.commands.append((node_name, StageWeights(epoch=UNSTAMPED, source=source, revision=revision)))
+    def stage_weights(self, node_name: str, source: str, revision: str, peers: list[StagePeer]) -> None:
+        """Queue a stage_weights: the agent copies (from `peers`, else the hub) or checks the source's weights and
+        reports as it goes."""
+        command = StageWeights(epoch=UNSTAMPED, source=source, revision=revision, peers=peers)
+        self.commands.append((node_name, command))
+
+    def serve_weights(self, node_name: str, source: str, copier: str, ticket: str, seconds: float) -> None:
+        """Queue a serve_weights: the node's weights server lets `copier` copy the source with `ticket`."""
+        command = ServeWeights(epoch=UNSTAMPED, source=source, node=copier, ticket=ticket, seconds=seconds)
+        self.commands.append((node_name, command))
 
     def load_adapter(self, node_name: str, shard_id: int, name: str, source: str) -> None:
         """Queue a load_adapter: the agent loads the LoRA adapter into the shard's engine and reports the outcome."""

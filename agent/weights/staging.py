@@ -2,11 +2,14 @@
 
 `stage_weights` (nodewire/weights/staging_messages.py) asks for a source:
 
-* a hub id (`org/name`) at a revision: the hub's own client (huggingface_hub,
-  so `HF_ENDPOINT`, `HF_TOKEN` and the token file are honoured as an engine
-  would) says which commit the revision is and every file's size and
-  published digest; each file is then fetched resumably and verified
-  (agent/weights/transfer.py) into the Hugging Face cache layout under the
+* a hub id (`org/name`) at a revision: what the revision holds (its commit,
+  every file's size and published digest) comes from the first peer that
+  knows (agent/weights/peer_server.py), else from the hub's own client
+  (huggingface_hub, so `HF_ENDPOINT`, `HF_TOKEN` and the token file are
+  honoured as an engine would). Each file is then copied from the peers the
+  control plane named, or fetched from the hub when none can give it
+  (agent/weights/origins.py), resumably and verified
+  (agent/weights/transfer.py), into the Hugging Face cache layout under the
   weights root, the one engines read (`hub/models--org--name/{blobs,
   snapshots/<commit>, refs/<revision>}`), so an engine started afterwards
   finds every file and downloads nothing;
@@ -15,9 +18,9 @@
 A stage runs in a thread, one per source at a time (a repeat is answered by
 the stage under way), and reports `staging_status` as it changes and about
 once a second while bytes move. A file that fails (a cut connection, a
-digest mismatch) is tried again, resuming, up to `attempts` times; only then
-does the stage fail, saying why. An engine is started by the control plane
-only once the stage is `ready`.
+digest mismatch) is tried again, resuming, up to `attempts` failures; only
+then does the stage fail, saying why. An engine is started by the control
+plane only once the stage is `ready`.
 """
 
 from __future__ import annotations
@@ -28,31 +31,28 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 import httpx
-from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers
 
-from agent.weights.transfer import (
-    READ_TIMEOUT_SECONDS,
-    Digest,
-    DigestMismatch,
-    Progress,
-    TransferError,
-    fetch_file,
-)
+from agent.weights.origins import FOLLOW_SECONDS, HUB, FileJob, Origin, fetch_from_origins
+from agent.weights.transfer import READ_TIMEOUT_SECONDS, Digest, Progress, TransferError
 from nodewire.protocol import encode
 from nodewire.weights.disk import HUB_DIR, PARTIAL_SUFFIX, cache_dir_name
-from nodewire.weights.staging_messages import StageWeights, StagingStatus
+from nodewire.weights.staging_messages import StagePeer, StageWeights, StagingStatus
 
 log = logging.getLogger(__name__)
 
 REPORT_SECONDS = 1.0
 ATTEMPTS = 4
-RETRY_BACKOFF_SECONDS = 1.0
+# How long a peer named by the control plane may have nothing to give before the stage passes it over: its
+# own stage (it was named because it fetches the source) may begin a moment after this one.
+PEER_PATIENCE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,20 @@ def hub_plan(repo_id: str, revision: str, endpoint: str | None, token: str | Non
     return RevisionPlan(repo_id, revision, info.sha, tuple(files))
 
 
+def peer_plan(client: httpx.Client, origin: Origin, stage: Stage) -> RevisionPlan | None:
+    """The plan a peer's weights server gives for the stage's revision, or None (it has none, or failed)."""
+    url = f"{origin.base}/weights/plan?{urlencode({'source': stage.source, 'revision': stage.revision})}"
+    try:
+        response = client.get(url, headers=origin.headers)
+        response.raise_for_status()
+        body = response.json()
+        files = tuple(HubFile(f["name"], int(f["size"]), Digest(f["kind"], f["digest"])) for f in body["files"])
+        return RevisionPlan(stage.source, stage.revision, str(body["commit"]), files)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        log.info("no plan of %s from peer %s: %s", stage.source, origin.name, exc)
+        return None
+
+
 def cache_entry(root: str, repo_id: str) -> str:
     """The cache folder of `repo_id` under the weights root (the path nodes report it at)."""
     return os.path.join(root, HUB_DIR, cache_dir_name(repo_id))
@@ -124,11 +138,16 @@ def link_snapshot(entry: str, plan: RevisionPlan) -> None:
 
 
 class Stage:
-    """One source being staged: its progress, state and the thread's cancel flag."""
+    """One source being staged: where from, its plan once known, progress, state and the thread's cancel flag."""
 
-    def __init__(self, source: str, revision: str):
+    def __init__(self, source: str, revision: str, peers: Sequence[StagePeer] = ()):
         self.source = source
         self.revision = revision
+        self.peers = tuple(peers)
+        self.plan: RevisionPlan | None = None
+        self.fetched: dict[str, int] = {}  # origin name -> bytes of the files it gave
+        # Until then, a peer that has nothing yet is waited for (origins.FileJob.patience_until).
+        self.patience_until = time.monotonic() + PEER_PATIENCE_SECONDS
         self.state = "fetching"
         self.message = ""
         self.path = ""
@@ -172,12 +191,17 @@ class Staging:
         """The sources being fetched now (the weights inventory does not report them yet)."""
         return {source for source, stage in self.stages.items() if stage.state == "fetching"}
 
+    def plan_of(self, source: str) -> RevisionPlan | None:
+        """The plan of `source` while it is being fetched here (the weights server tells copiers from it)."""
+        stage = self.stages.get(source)
+        return stage.plan if stage is not None and stage.state == "fetching" else None
+
     def begin(self, cmd: StageWeights) -> None:
         """Start staging `cmd.source` unless it is already under way (a repeat changes nothing)."""
         known = self.stages.get(cmd.source)
         if known is not None and known.state == "fetching":
             return
-        stage = Stage(cmd.source, cmd.revision)
+        stage = Stage(cmd.source, cmd.revision, cmd.peers)
         self.stages[cmd.source] = stage
         task = asyncio.create_task(self._run(stage), name=f"stage-{cmd.source}")
         self._tasks.add(task)  # a running task must be referenced, or it may be collected
@@ -204,7 +228,8 @@ class Staging:
         took = time.monotonic() - started
         log.info("staging %s: %s in %.1f s %s", stage.source, stage.state, took, stage.message)
         if stage.state == "ready" and not stage.message:
-            stage.message = f"{stage.progress.total} bytes in {took:.1f} s"
+            origins = ", ".join(f"{n} from {name}" for name, n in sorted(stage.fetched.items()) if n)
+            stage.message = f"{stage.progress.total} bytes in {took:.1f} s" + (f" ({origins})" if origins else "")
         await self._send(encode(stage.status()))
 
     async def _report_while_fetching(self, stage: Stage) -> None:
@@ -221,24 +246,45 @@ class Staging:
             return stage.source
         if self.root is None:
             raise TransferError("this agent has no weights root to stage into")
-        plan = self._plan(stage)
-        entry = cache_entry(self.root, plan.repo_id)
-        os.makedirs(os.path.join(entry, "blobs"), exist_ok=True)
-        self._check_space(entry, plan)
-        headers = build_hf_headers(token=self.hub_token)
-        timeout = httpx.Timeout(30.0, read=READ_TIMEOUT_SECONDS)
-        with httpx.Client(follow_redirects=True, timeout=timeout) as client:
+        origins = self._origins(stage)
+        with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, read=READ_TIMEOUT_SECONDS)) as client:
+            plan = stage.plan = self._plan(client, stage, origins)
+            entry = cache_entry(self.root, plan.repo_id)
+            os.makedirs(os.path.join(entry, "blobs"), exist_ok=True)
+            self._check_space(entry, plan)
             for f in plan.files:
-                url = hf_hub_url(plan.repo_id, f.name, revision=plan.commit, endpoint=self.hub_endpoint)
-                self._fetch_with_retries(client, url, headers, os.path.join(entry, "blobs", f.blob_name), f, stage)
+                blob = os.path.join(entry, "blobs", f.blob_name)
+                job = FileJob(
+                    plan.repo_id, plan.commit, f.name, f.size, f.digest, blob, stage.progress, stage.cancelled
+                )
+                had = os.path.exists(blob)
+                origin = fetch_from_origins(client, origins, job, self.attempts)
+                stage.fetched[origin] = stage.fetched.get(origin, 0) + (0 if had else f.size)
         link_snapshot(entry, plan)
         return entry
 
-    def _plan(self, stage: Stage) -> RevisionPlan:
-        try:
-            plan = hub_plan(stage.source, stage.revision, self.hub_endpoint, self.hub_token)
-        except HfHubHTTPError as exc:
-            raise TransferError(f"the hub refused {stage.source}@{stage.revision}: {exc}") from exc
+    def _origins(self, stage: Stage) -> list[Origin]:
+        """The stage's peers, in the control plane's order, then the hub."""
+        peers = [
+            Origin(p.node, p.url.rstrip("/"), {"Authorization": f"Bearer {p.ticket}"}, peer=True) for p in stage.peers
+        ]
+        return [*peers, Origin(HUB, self.hub_endpoint, build_hf_headers(token=self.hub_token))]
+
+    def _plan(self, client: httpx.Client, stage: Stage, origins: list[Origin]) -> RevisionPlan:
+        """What the revision holds: from the first peer that knows, else from the hub (which is then asked once)."""
+        peers = [o for o in origins if o.peer]
+        plan = None
+        while peers and plan is None:
+            plan = next(filter(None, (peer_plan(client, o, stage) for o in peers)), None)
+            if plan is None and (time.monotonic() >= stage.patience_until or stage.cancelled.is_set()):
+                break
+            if plan is None:
+                time.sleep(FOLLOW_SECONDS)  # a peer named because it fetches the source may not have begun yet
+        if plan is None:
+            try:
+                plan = hub_plan(stage.source, stage.revision, self.hub_endpoint, self.hub_token)
+            except HfHubHTTPError as exc:
+                raise TransferError(f"the hub refused {stage.source}@{stage.revision}: {exc}") from exc
         on_disk = sum(self._on_disk(plan, f) for f in plan.files)
         stage.progress = Progress(plan.total_bytes, done=on_disk)
         log.info("staging %s@%s (%s): %d files, %d bytes, %d on disk already", plan.repo_id, plan.revision,
@@ -264,17 +310,3 @@ class Staging:
             raise TransferError(
                 f"{plan.repo_id} needs {missing / 1e9:.1f} GB more on this node's disk, {free / 1e9:.1f} GB are free"
             )
-
-    def _fetch_with_retries(self, client, url, headers, blob: str, f: HubFile, stage: Stage) -> None:
-        """One file, resumed after each failure, `attempts` times at most."""
-        for attempt in range(1, self.attempts + 1):
-            try:
-                fetch_file(client, url, headers, blob, f.size, f.digest, stage.progress, stage.cancelled)
-                return
-            except TransferError as exc:
-                if stage.cancelled.is_set() or attempt == self.attempts:
-                    raise
-                kind = "did not verify" if isinstance(exc, DigestMismatch) else "was cut"
-                log.warning("staging %s: %s %s (attempt %d of %d): %s", stage.source, f.name, kind, attempt,
-                            self.attempts, exc)  # fmt: skip
-                time.sleep(RETRY_BACKOFF_SECONDS * attempt)

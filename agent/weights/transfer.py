@@ -36,6 +36,8 @@ from nodewire.weights.disk import PARTIAL_SUFFIX
 CHUNK_BYTES = 1 << 20
 # A connection that sends nothing for this long is cut and resumed: a stalled CDN edge must not hang a stage.
 READ_TIMEOUT_SECONDS = 60.0
+# A peer answers a blob it is still fetching itself with 404 and this header (agent/weights/peer_server.py).
+STAGING_HEADER = "X-Llmgw-Staging"
 
 
 class TransferError(Exception):
@@ -44,6 +46,14 @@ class TransferError(Exception):
 
 class DigestMismatch(TransferError):
     """The bytes fetched do not hash to the file's published digest (they were deleted)."""
+
+
+class NotYet(TransferError):
+    """A peer is still fetching this file itself: wait for it rather than ask the hub."""
+
+
+class NotHere(TransferError):
+    """The server does not have the file (404), and is not fetching it."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,10 @@ def _download(client, url, headers, partial, have, hasher, progress, cancelled) 
         with client.stream("GET", url, headers=request_headers) as response:
             if response.status_code == 200 and have:
                 raise _RangeIgnored
+            if response.status_code == 404:
+                if response.headers.get(STAGING_HEADER) == "fetching":
+                    raise NotYet(f"{url}: the peer is still fetching it")
+                raise NotHere(f"{url}: not there")
             if response.status_code not in (200, 206):
                 raise TransferError(f"{url}: HTTP {response.status_code} {response.reason_phrase}")
             with open(partial, "ab") as f:

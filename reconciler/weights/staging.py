@@ -46,6 +46,7 @@ from reconciler.leadership.lease import Leadership
 from reconciler.lifecycle.transitions import backoff_seconds
 from reconciler.models import Replica
 from reconciler.outbox import Outbox
+from reconciler.weights.peers import TICKET_SECONDS, PeerChoice
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ class Stages:
 
     by_key: dict[str, list[_Stage]] = field(default_factory=dict)
     _able: frozenset[str] | None = None  # nodes whose agents can stage (a weights root), read when first needed
-    asked: list[tuple[str, str]] = field(default_factory=list)  # (node, source) asked this tick
+    _peers: PeerChoice | None = None  # the fleet's weights servers, read with `_able`
+    asked: list[tuple[str, str, list[str]]] = field(default_factory=list)  # (node, source, peers) asked this tick
     staged: list[Replica] = field(default_factory=list)  # replicas set to wait this tick
 
     @classmethod
@@ -126,22 +128,42 @@ class Stages:
         if not lacking or not stageable(profile) or not self.able_to_stage().issuperset(lacking):
             return False
         key = key_of(profile)
-        asked = {s.node_name for s in self.by_key.get(key, ()) if s.state in STAGING_UNDER_WAY}
+        under_way = [s.node_name for s in self.by_key.get(key, ()) if s.state in STAGING_UNDER_WAY and s.node_ready]
+        fetching = under_way + [node for node, source, _ in self.asked if source == key]
+        waiting_for_peer = []
         for node_name in lacking:
-            if node_name not in asked:
-                outbox.stage_weights(node_name, key, DEFAULT_REVISION)
-                self.asked.append((node_name, key))
+            if node_name in fetching:
+                continue
+            # Copy from those holding the weights, else follow those fetching them: the hub is asked once.
+            peers = self.peer_choice().peers_for(node_name, [*sorted(holders), *fetching])
+            if peers is None:
+                waiting_for_peer.append(node_name)
+                continue
+            for peer in peers:
+                outbox.serve_weights(peer.node, key, node_name, peer.ticket, TICKET_SECONDS)
+            outbox.stage_weights(node_name, key, DEFAULT_REVISION, peers)
+            self.asked.append((node_name, key, [p.node for p in peers]))
+            fetching.append(node_name)
         replica.hold = Hold.STAGING
         replica.placement_note = f"staging its weights on {', '.join(lacking)}: no GPU is held until they are there"
+        if waiting_for_peer:
+            replica.placement_note += (
+                f" ({', '.join(waiting_for_peer)} waits for a node holding them to be free to copy from)"
+            )
         self.staged.append(replica)
         return True
 
     def able_to_stage(self) -> frozenset[str]:
-        """The nodes whose agents have a weights root to stage into (one query, the first time). Elsewhere the
-        engine downloads its weights itself, as it always could."""
+        """The nodes whose agents have a weights root to stage into (two queries, the first time, with their
+        weights servers and what they serve). Elsewhere the engine downloads its weights itself, as it always could."""
         if self._able is None:
-            self._able = frozenset(Node.objects.filter(stages_weights=True).values_list("name", flat=True))
+            self._peers, self._able = PeerChoice.read()
         return self._able
+
+    def peer_choice(self) -> PeerChoice:
+        self.able_to_stage()
+        assert self._peers is not None
+        return self._peers
 
     def write(self, now: datetime) -> None:
         """The replicas set to wait (one UPDATE) and the stages asked for (one upsert), this tick."""
@@ -149,22 +171,30 @@ class Stages:
             Replica.objects.bulk_update(self.staged, ["hold", "placement_note", "profile"])
         if not self.asked:
             return
-        ids = dict(Node.objects.filter(name__in={n for n, _ in self.asked}).values_list("name", "pk"))
+        ids = dict(Node.objects.filter(name__in={n for n, _, _ in self.asked}).values_list("name", "pk"))
         rows = [
             WeightsStage(
                 node_id=ids[node_name], source=source, revision=DEFAULT_REVISION, state=StagingState.ASKED,
                 asked_at=now, updated_at=now, bytes_done=0, bytes_total=0, bytes_per_second=0.0, message="",
+                peers=peers,
             )
-            for node_name, source in self.asked
+            for node_name, source, peers in self.asked
             if node_name in ids
         ]  # fmt: skip
         WeightsStage.objects.bulk_create(
             rows,
             update_conflicts=True,
             unique_fields=["node", "source"],
-            update_fields=["revision", "state", "asked_at", "updated_at", "bytes_done", "bytes_per_second", "message"],
+            update_fields=[
+                "revision", "state", "asked_at", "updated_at", "bytes_done", "bytes_per_second", "message", "peers"
+            ],
+        )  # fmt: skip
+        log.info(
+            "staging: asked %s",
+            ", ".join(
+                f"{node} for {source} ({' '.join(peers) or 'from the hub'})" for node, source, peers in self.asked
+            ),
         )
-        log.info("staging: asked %s", ", ".join(f"{node} for {source}" for node, source in self.asked))
 
 
 def key_of(profile: Profile) -> str:
@@ -193,15 +223,21 @@ def stalls_due(leadership: Leadership, now: datetime) -> bool:
 
 
 def resend_stalled(now: datetime, outbox: Outbox) -> int:
-    """Ask again for stages their agents have not reported on for LLMGW_STAGE_STALL_SECONDS (two queries)."""
+    """Ask again for stages their agents have not reported on for LLMGW_STAGE_STALL_SECONDS (two queries, three
+    when they copy from peers)."""
     cutoff = now - timedelta(seconds=settings.LLMGW_STAGE_STALL_SECONDS)
     stalled = list(
         WeightsStage.objects.filter(Q(updated_at__lt=cutoff), state__in=STAGING_UNDER_WAY, node__state=NodeState.READY)
-        .values_list("pk", "node__name", "source", "revision")
+        .values_list("pk", "node__name", "source", "revision", "peers")
         .order_by("pk")[:100]
     )
-    for _, node_name, source, revision in stalled:
-        outbox.stage_weights(node_name, source, revision)
+    choice = PeerChoice.read()[0] if any(peers for *_, peers in stalled) else None
+    for _, node_name, source, revision, names in stalled:
+        # The same peers, with new tickets: a server that restarted has forgotten the old ones.
+        peers = choice.again(names) if choice is not None and names else []
+        for peer in peers:
+            outbox.serve_weights(peer.node, source, node_name, peer.ticket, TICKET_SECONDS)
+        outbox.stage_weights(node_name, source, revision, peers)
     if stalled:
         WeightsStage.objects.filter(pk__in=[pk for pk, *_ in stalled]).update(asked_at=now, updated_at=now)
         log.info("staging: asked again for %d stage(s) their agents went quiet on", len(stalled))

@@ -151,3 +151,54 @@ def test_weights_leaving_the_node_forget_its_ready_stage(run_tick):
     record_weights(node.pk, [], timezone.now())  # the next report no longer holds them
     assert not Weights.objects.filter(pk=row.pk).exists()
     assert not WeightsStage.objects.exists()
+
+
+def serving_node(name, port=8479, gpus=1):
+    node = staging_node(name, gpus=gpus)
+    node.weights_port, node.address = port, f"10.0.0.{name[-1]}"
+    node.save(update_fields=["weights_port", "address"])
+    return node
+
+
+def test_the_hub_is_asked_once_the_second_node_follows_the_first_and_a_copy_is_allowed_with_its_ticket(
+    run_tick, agent_inbox
+):
+    serving_node("gpu-1"), serving_node("gpu-2")
+    inboxes = {n: agent_inbox(n) for n in ("gpu-1", "gpu-2")}
+    make_model("pair", engine="vllm", min_replicas=2, max_replicas=2)
+    run_tick()
+    sent = {n: inbox() for n, inbox in inboxes.items()}
+    stages = {n: next(c for c in cs if c["type"] == "stage_weights") for n, cs in sent.items()}
+    first, second = sorted(stages, key=lambda n: len(stages[n]["peers"]))
+    assert stages[first]["peers"] == []  # from the hub
+    (follow,) = stages[second]["peers"]
+    assert (follow["node"], follow["url"]) == (first, f"http://10.0.0.{first[-1]}:8479")
+    (allow,) = [c for c in sent[first] if c["type"] == "serve_weights"]
+    assert (allow["source"], allow["node"], allow["ticket"]) == ("org/pair", second, follow["ticket"])
+    assert WeightsStage.objects.get(node__name=second).peers == [first]
+
+
+def test_a_holder_is_copied_from_but_never_by_more_than_the_copies_it_may_serve(run_tick, agent_inbox):
+    holder = serving_node("gpu-1")
+    Weights.objects.create(node=holder, source="org/wide", path="/w/hub/models--org--wide", size_bytes=1,
+                           seen_at=timezone.now())  # fmt: skip
+    WeightsStage.objects.bulk_create(
+        [
+            WeightsStage(node=serving_node(f"gpu-{i}", gpus=0), source="org/other", state="fetching",
+                         peers=["gpu-1"], asked_at=timezone.now(), updated_at=timezone.now())
+            for i in (2, 3)
+        ]
+    )  # fmt: skip
+    holder.gpus.all().delete()  # full of another model: the new replica goes elsewhere
+    serving_node("gpu-4")
+    inbox = agent_inbox("gpu-4")
+    model = make_model("wide", engine="vllm")
+    with override_settings(LLMGW_STAGE_PEER_COPIES=2):
+        run_tick()
+    assert not any(c["type"] == "stage_weights" for c in inbox())  # gpu-1 already feeds two copies: wait
+    replica = Replica.objects.get(model=model)
+    assert replica.hold == Hold.STAGING and "waits for a node holding them to be free" in replica.placement_note
+    WeightsStage.objects.filter(source="org/other").update(state="ready")
+    run_tick()
+    (stage,) = [c for c in inbox() if c["type"] == "stage_weights"]
+    assert [p["node"] for p in stage["peers"]] == ["gpu-1"]
