@@ -3,7 +3,7 @@
     python -m agent --control-plane ws://cp1:8000/agent/ws --control-plane ws://cp2:8000/agent/ws \
         --node gpu-07 --token "$LLMGW_NODE_TOKEN" [--fake-gpus 8xH100-80GB] [--fabric ib-a] \
         [--address 10.0.0.7] [--label rack=r3 ...] [--heartbeat-seconds 5] [--llama-server PATH] \
-        [--vllm-command 'vllm serve'] [--weights-root /data/models] [--weights-port 8479] \
+        [--vllm-command 'vllm serve'] [--weights-root /data/models] [--weights-port 8479] [--weights-budget 2T] \
         [--state-dir /var/lib/llmgw-agent] [--ca-file ca.pem] [--cert-file node.pem --key-file node-key.pem]
 
 A GPU node runs only this: it imports no Django and no control-plane settings,
@@ -35,6 +35,7 @@ from agent.link import AgentRejected
 from agent.options import AgentOptions
 from agent.runtime import Agent
 from agent.state import STATE_DIR_ENV, StateError, default_state_dir
+from agent.weights.budget import parse_size
 from nodewire.control_planes import add_control_plane_option, address_problem
 from nodewire.protocol import NODE_NAME_PATTERN, parse_port
 
@@ -126,6 +127,13 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the agent's weights server listens, so other nodes copy the weights this one holds instead of "
         "asking the hub again (only the copies the control plane allows; default: none, it copies from peers but "
         "serves none); needs --weights-root",
+    )
+    parser.add_argument(
+        "--weights-budget",
+        default=None,
+        metavar="SIZE",
+        help="the most the weights under --weights-root may take (500G, 1.5T, 800GiB): staging beyond it first "
+        "removes weights no engine here runs and no profile pins, least recently used first (default: the disk)",
     )
     parser.add_argument(
         "--state-dir",
@@ -240,6 +248,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
     labels = parse_labels(options["labels"])
     weights_root = weights_root_from(options.get("weights_root"))
     weights_port = _weights_port(options.get("weights_port"), weights_root)
+    weights_budget = _weights_budget(options.get("weights_budget"), weights_root)
     fake_health = options.get("fake_gpu_health")
     if fake_health is not None and not options["fake_gpus"]:
         raise UsageError("--fake-gpu-health goes with --fake-gpus; real GPUs report their own health.")
@@ -260,6 +269,7 @@ def agent_from_options(options: Mapping[str, Any], default_heartbeat: float) -> 
             vllm_command=vllm_command_option(options.get("vllm_command")),
             weights_root=weights_root,
             weights_port=weights_port,
+            weights_budget=weights_budget,
             state_dir=state_dir,
             **tls,
         )
@@ -280,6 +290,18 @@ def _weights_port(option: str | None, weights_root: str | None) -> int | None:
         return parse_port(option)
     except ValueError as exc:
         raise UsageError(f"--weights-port: {exc}.") from None
+
+
+def _weights_budget(option: str | None, weights_root: str | None) -> int | None:
+    """The weights budget in bytes from --weights-budget (None: none); UsageError naming what is wrong."""
+    if option is None:
+        return None
+    if weights_root is None:
+        raise UsageError("--weights-budget bounds the weights under --weights-root; give that too.")
+    try:
+        return parse_size(option)
+    except ValueError as exc:
+        raise UsageError(f"--weights-budget: {exc}.") from None
 
 
 def _gpus_and_health(

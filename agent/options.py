@@ -51,6 +51,8 @@ class AgentOptions:
     hub_endpoint: str | None = None
     # Where the weights server listens for peers' copies (agent/weights/peer_server.py); None: it does not run.
     weights_port: int | None = None
+    # The most bytes of weights the root may hold (agent/weights/budget.py); None: as much as the disk takes.
+    weights_budget: int | None = None
     weights_bind: str = "0.0.0.0"  # noqa: S104 - peers on other hosts copy from it; tickets guard it
     state_dir: str | os.PathLike | None = None
     ca_file: str | None = None

@@ -109,7 +109,11 @@ class Agent:
         self._health = HealthMonitor(health or SimulatedHealth(discovered), discovered)
         self._weights = WeightsInventory(options.weights_root, options.weights_scan_every)
         self._staging = Staging(
-            options.weights_root, self._link.send, self._weights.changed, hub_endpoint=options.hub_endpoint
+            options.weights_root,
+            self._link.send,
+            self._weights.changed,
+            hub_endpoint=options.hub_endpoint,
+            budget=options.weights_budget,
         )
         self._weights.staging = self._staging.fetching
         self._peers = (

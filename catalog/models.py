@@ -192,7 +192,7 @@ PROFILE_FIELD_ROWS = (
     ("min_replicas", "max_replicas", "target_concurrency", "max_concurrency"),
     ("ttft_objective_seconds", "itl_objective_seconds"),
     ("priority", "pool", "weight", "idle_timeout_seconds"),
-    ("max_model_len",),
+    ("max_model_len", "prefetch_nodes"),
     ("sleep_level", "sleep_after_seconds"),
     ("max_adapters", "max_adapter_rank"),
     ("engine_args",),
@@ -284,6 +284,15 @@ class Profile(models.Model):
         validators=in_range(1, INTEGER_MAX),
         help_text="Tokens one sequence may hold (prompt and answer); passed to the engine (vLLM --max-model-len, "
         "SGLang --context-length, llama.cpp --ctx-size) unless its engine args set it; empty = the model's own.",
+    )
+    prefetch_nodes = models.PositiveSmallIntegerField(
+        "keep weights on (nodes)",
+        null=True,
+        blank=True,
+        validators=in_range(1, SMALLINT_MAX),
+        help_text="Keep its hub weights staged on this many nodes of its GPU class ahead of demand, pinned: never "
+        "evicted for another model's weights (vLLM, SGLang; needs agents with a weights root). More than the class "
+        "has: every node of it. Empty = staged only when a replica needs them.",
     )
     sleep_level = models.PositiveSmallIntegerField(
         "sleep level",

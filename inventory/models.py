@@ -204,6 +204,11 @@ class Weights(models.Model):
     unused_since = models.DateTimeField(
         null=True, blank=True, help_text="Since when no profile uses them (empty: in use, or not swept yet)."
     )
+    # Stamped when a replica is placed on the node with them (reconciler.weights.budget): a node over its weights
+    # budget evicts the least recently used first.
+    last_used = models.DateTimeField(
+        null=True, blank=True, help_text="When an engine was last started on them here (empty: not since reported)."
+    )
 
     objects = WeightsQuerySet.as_manager()
 

@@ -45,7 +45,7 @@ from nodewire.protocol import (
     WakeShard,
     to_builtins,
 )
-from nodewire.weights.staging_messages import StagePeer
+from nodewire.weights.staging_messages import Evictable, StagePeer
 from reconciler.models import Lease, PendingCommand
 
 log = logging.getLogger(__name__)
@@ -217,10 +217,12 @@ class Outbox:
         """Queue a remove_weights: the agent deletes the weights at `path` (as it reported them) and answers."""
         self.commands.append((node_name, RemoveWeights(epoch=UNSTAMPED, source=source, path=path)))
 
-    def stage_weights(self, node_name: str, source: str, revision: str, peers: list[StagePeer]) -> None:
+    def stage_weights(
+        self, node_name: str, source: str, revision: str, peers: list[StagePeer], evictable: list[Evictable]
+    ) -> None:
         """Queue a stage_weights: the agent copies (from `peers`, else the hub) or checks the source's weights and
-        reports as it goes."""
-        command = StageWeights(epoch=UNSTAMPED, source=source, revision=revision, peers=peers)
+        reports as it goes, removing from `evictable` first if its weights budget needs room."""
+        command = StageWeights(epoch=UNSTAMPED, source=source, revision=revision, peers=peers, evictable=evictable)
         self.commands.append((node_name, command))
 
     def serve_weights(self, node_name: str, source: str, copier: str, ticket: str, seconds: float) -> None:

@@ -34,7 +34,8 @@ from reconciler.lifecycle.liveness import check_liveness, fail_slow_starts, flee
 from reconciler.lifecycle.transitions import forgive_stable, retry_failed, stop_shards, stopping_or_sleeping
 from reconciler.outbox import Outbox
 from reconciler.placement.placer import PlacingOutcome, place_pending, resend_starts
-from reconciler.weights.staging import resend_stalled, stalls_due
+from reconciler.weights.prefetch import tend_stages
+from reconciler.weights.staging import stalls_due
 from reconciler.weights.sweep import sweep_due, sweep_unused_weights, swept
 from telemetry import CONTROL_PLANE, Steps
 from telemetry import tracer as traces_tracer
@@ -65,7 +66,7 @@ STEPS = (
     "stops",
     "sleeps",
     "weights sweep",
-    "stalled stages",
+    "stages",
     "resend unacknowledged",
     # After commit:
     "tell hub",
@@ -111,7 +112,7 @@ class TickReport:
     gpu_time_counted: bool = False
     gpu_time_rows: int = 0
     weights_removals_sent: int = 0
-    stages_resent: int = 0
+    stages_asked: int = 0
     published: bool = False
     unknown_activations: list[str] = field(default_factory=list)
 
@@ -220,7 +221,7 @@ def _reconcile(
     if sweep_due(leadership, now):
         report.weights_swept = True
         report.weights_removals_sent = run("weights sweep", sweep_unused_weights, now, outbox)
-    report.stages_resent = run("stalled stages", resend_stalled, now, outbox) if stalls_due(leadership, now) else 0
+    report.stages_asked = run("stages", tend_stages, now, outbox) if stalls_due(leadership, now) else 0
     report.starts_sent = placing.starts_sent
     report.replicas_deleted = demand.deleted + deleted
     outbox.send_on_commit()

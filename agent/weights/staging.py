@@ -40,11 +40,12 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers
 
+from agent.weights.budget import make_room
 from agent.weights.origins import FOLLOW_SECONDS, HUB, FileJob, Origin, fetch_from_origins
 from agent.weights.transfer import READ_TIMEOUT_SECONDS, Digest, Progress, TransferError
 from nodewire.protocol import encode
 from nodewire.weights.disk import HUB_DIR, PARTIAL_SUFFIX, cache_dir_name
-from nodewire.weights.staging_messages import StagePeer, StageWeights, StagingStatus
+from nodewire.weights.staging_messages import Evictable, StagePeer, StageWeights, StagingStatus
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,13 @@ def link_snapshot(entry: str, plan: RevisionPlan) -> None:
 class Stage:
     """One source being staged: where from, its plan once known, progress, state and the thread's cancel flag."""
 
-    def __init__(self, source: str, revision: str, peers: Sequence[StagePeer] = ()):
+    def __init__(
+        self, source: str, revision: str, peers: Sequence[StagePeer] = (), evictable: Sequence[Evictable] = ()
+    ):
         self.source = source
         self.revision = revision
         self.peers = tuple(peers)
+        self.evictable = tuple(evictable)
         self.plan: RevisionPlan | None = None
         self.fetched: dict[str, int] = {}  # origin name -> bytes of the files it gave
         # Until then, a peer that has nothing yet is waited for (origins.FileJob.patience_until).
@@ -174,6 +178,7 @@ class Staging:
         *,
         hub_endpoint: str | None = None,
         hub_token: str | None = None,
+        budget: int | None = None,
         report_seconds: float = REPORT_SECONDS,
         attempts: int = ATTEMPTS,
     ):
@@ -182,6 +187,7 @@ class Staging:
         self._changed = changed  # the weights inventory scans again once a stage is ready
         self.hub_endpoint = hub_endpoint
         self.hub_token = hub_token
+        self.budget = budget  # bytes the weights root may hold (agent --weights-budget); None: the disk's size
         self.report_seconds = report_seconds
         self.attempts = attempts
         self.stages: dict[str, Stage] = {}
@@ -201,7 +207,7 @@ class Staging:
         known = self.stages.get(cmd.source)
         if known is not None and known.state == "fetching":
             return
-        stage = Stage(cmd.source, cmd.revision, cmd.peers)
+        stage = Stage(cmd.source, cmd.revision, cmd.peers, cmd.evictable)
         self.stages[cmd.source] = stage
         task = asyncio.create_task(self._run(stage), name=f"stage-{cmd.source}")
         self._tasks.add(task)  # a running task must be referenced, or it may be collected
@@ -251,7 +257,7 @@ class Staging:
             plan = stage.plan = self._plan(client, stage, origins)
             entry = cache_entry(self.root, plan.repo_id)
             os.makedirs(os.path.join(entry, "blobs"), exist_ok=True)
-            self._check_space(entry, plan)
+            self._fit(entry, plan, stage)
             for f in plan.files:
                 blob = os.path.join(entry, "blobs", f.blob_name)
                 job = FileJob(
@@ -303,8 +309,13 @@ class Staging:
             return f.size if whole else (size if size <= f.size else 0)  # a longer one is thrown away
         return 0
 
-    def _check_space(self, entry: str, plan: RevisionPlan) -> None:
-        missing = sum(f.size for f in plan.files if not os.path.exists(os.path.join(entry, "blobs", f.blob_name)))
+    def _fit(self, entry: str, plan: RevisionPlan, stage: Stage) -> None:
+        """Room for what is missing: under the weights budget (removing what the control plane said may go, least
+        recently used first) and on the disk; TransferError saying why not."""
+        assert self.root is not None
+        missing = plan.total_bytes - stage.progress.done
+        if self.budget is not None and make_room(self.root, self.budget, missing, stage.evictable, stage.source):
+            self._changed()
         free = shutil.disk_usage(entry).free
         if missing > free:
             raise TransferError(

@@ -99,6 +99,7 @@ def test_export_writes_the_profile_fields_in_list_order_and_nothing_learned(flee
         "weight": 1,
         "idle_timeout_seconds": None,
         "max_model_len": None,
+        "prefetch_nodes": None,
         "sleep_level": None,
         "sleep_after_seconds": None,
         "max_adapters": None,

@@ -73,7 +73,7 @@ models:
         "models[0] \"qwen\": profiles[0]: unknown key 'gpus' (expected one of engine, gpu_class, gpus_per_node, "
         "nodes_per_replica, min_replicas, max_replicas, target_concurrency, max_concurrency, ttft_objective_seconds, "
         "itl_objective_seconds, priority, pool, weight, "
-        "idle_timeout_seconds, max_model_len, sleep_level, sleep_after_seconds, max_adapters, max_adapter_rank, engine_args, env)",
+        "idle_timeout_seconds, max_model_len, prefetch_nodes, sleep_level, sleep_after_seconds, max_adapters, max_adapter_rank, engine_args, env)",
         'models[0] "qwen": profiles[1].gpu_class: missing (required)',
         "models[1]: name: missing (required)",
     ]

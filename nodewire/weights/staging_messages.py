@@ -1,8 +1,10 @@
 """The agent protocol's staging messages (re-exported by nodewire/protocol.py, where both ends import them).
 
 control plane → agent, stamped and fenced like every command and acknowledged with `ack` at once:
-  stage_weights   epoch, cid, source, revision, peers[{node, url, ticket}]: put the source's weights on the
-                  node's disk before any engine needs them (agent/weights/staging.py): a hub id is copied
+  stage_weights   epoch, cid, source, revision, peers[{node, url, ticket}], evictable[{source, path}]
+                  (what may go, least recently used first, if the node's weights budget needs room): put the
+                  source's weights on the node's disk before any engine needs them
+                  (agent/weights/staging.py): a hub id is copied
                   from the peers (nodes that hold it, or are fetching it), else fetched from the hub, into
                   the weights root (resumable, every file checked against its published digest); an
                   absolute path is only checked. A repeat for a source already staging changes nothing.
@@ -48,14 +50,26 @@ class StagePeer(Struct, frozen=True, kw_only=True):
     ticket: Ticket
 
 
+class Evictable(Struct, frozen=True, kw_only=True):
+    """Weights on the node no engine there runs and nothing pins: removable to stay within its weights budget."""
+
+    source: Source
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
 class StageWeights(_Message, frozen=True, kw_only=True, tag=STAGE_WEIGHTS):
-    """Fetch (a hub id) or check (an absolute path) a source's weights on the node; holds no GPU."""
+    """Fetch (a hub id) or check (an absolute path) a source's weights on the node; holds no GPU.
+
+    `evictable`: what the node may remove, least recently used first, when the new weights would not fit its
+    weights budget (agent --weights-budget); anything else stays, and the stage fails saying why.
+    """
 
     epoch: int
     cid: CommandId = ""
     source: Source
     revision: Revision = DEFAULT_REVISION
     peers: Annotated[list[StagePeer], Meta(max_length=8)] = []
+    evictable: Annotated[list[Evictable], Meta(max_length=1000)] = []
 
 
 class ServeWeights(_Message, frozen=True, kw_only=True, tag=SERVE_WEIGHTS):

@@ -38,6 +38,7 @@ from reconciler.placement.capacity import CapacitySnapshot, free_capacity
 from reconciler.placement.fit import MemoryCheck
 from reconciler.placement.room import PlacementNote, make_room
 from reconciler.placement.search import Placement, Shape, Unplaceable, on_node, pick_port, place
+from reconciler.weights.budget import mark_used
 from reconciler.weights.staging import Stages, key_of
 
 
@@ -99,7 +100,7 @@ def place_pending(
     memory = MemoryCheck(reported)
     placed, moved, unplaceable = _choose(pending, profiles, capacity, memory, holders)
     placed, moved = _wait_for_staging(placed, moved, stages, holders, outbox)
-    stages.write(now)
+    stages.write(now, outbox)
     outcome.staging = len(stages.staged)
 
     notes = make_room(unplaceable, capacity, now, memory, paused=eviction_paused) if unplaceable else {}
@@ -109,6 +110,7 @@ def place_pending(
     outcome.no_room = {replica.pk for replica, _, _ in unplaceable if replica.pk not in notes}
     outcome.unplaceable = len(unplaceable)
     _write_placed(placed, moved, now, epoch)
+    mark_used(((new.shard.node_id, key_of(replica.profile)) for replica, shards in placed for new in shards), now)
     _write_notes([(replica, notes.get(replica.pk, PlacementNote(reason))) for replica, _, reason in unplaceable], now)
     for replica, shards in placed:
         head = shards[0]

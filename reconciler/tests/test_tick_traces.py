@@ -20,10 +20,10 @@ pytestmark = pytest.mark.django_db
 ROOT = Path(__file__).resolve().parents[2]
 # Skipped when demand's census finds no replica of their kind (failed, counting failures, waiting for a
 # replacement, stopping or sleeping): a first tick over an empty fleet has none. The weights sweep runs every
-# LLMGW_WEIGHTS_SWEEP_SECONDS, not on a leader's first tick; stalled stages are looked for every quarter of
+# LLMGW_WEIGHTS_SWEEP_SECONDS, not on a leader's first tick; stages are tended every quarter of
 # LLMGW_STAGE_STALL_SECONDS, not on a leader's first tick either.
 SKIPPED = {
-    "retries", "forgive stable", "drain replaced", "stops", "sleeps", "weights sweep", "gpu time", "stalled stages"
+    "retries", "forgive stable", "drain replaced", "stops", "sleeps", "weights sweep", "gpu time", "stages"
 }  # fmt: skip
 
 

@@ -40,12 +40,13 @@ from catalog.models import Profile
 from inventory.choices import STAGING_UNDER_WAY, NodeState, StagingState
 from inventory.models import Node, WeightsStage
 from nodewire.weights.disk import weights_key
-from nodewire.weights.staging_messages import DEFAULT_REVISION
+from nodewire.weights.staging_messages import DEFAULT_REVISION, StagePeer
 from reconciler.choices import Hold, ReplicaState
 from reconciler.leadership.lease import Leadership
 from reconciler.lifecycle.transitions import backoff_seconds
 from reconciler.models import Replica
 from reconciler.outbox import Outbox
+from reconciler.weights.budget import evictable_on
 from reconciler.weights.peers import TICKET_SECONDS, PeerChoice
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Stages:
     by_key: dict[str, list[_Stage]] = field(default_factory=dict)
     _able: frozenset[str] | None = None  # nodes whose agents can stage (a weights root), read when first needed
     _peers: PeerChoice | None = None  # the fleet's weights servers, read with `_able`
-    asked: list[tuple[str, str, list[str]]] = field(default_factory=list)  # (node, source, peers) asked this tick
+    asked: list[tuple[str, str, list[StagePeer]]] = field(default_factory=list)  # (node, source, peers) this tick
     staged: list[Replica] = field(default_factory=list)  # replicas set to wait this tick
 
     @classmethod
@@ -127,7 +128,19 @@ class Stages:
         lacking = [n for n in nodes if n not in holders]
         if not lacking or not stageable(profile) or not self.able_to_stage().issuperset(lacking):
             return False
-        key = key_of(profile)
+        waiting_for_peer = self.ask(key_of(profile), lacking, holders, outbox)
+        replica.hold = Hold.STAGING
+        replica.placement_note = f"staging its weights on {', '.join(lacking)}: no GPU is held until they are there"
+        if waiting_for_peer:
+            replica.placement_note += (
+                f" ({', '.join(waiting_for_peer)} waits for a node holding them to be free to copy from)"
+            )
+        self.staged.append(replica)
+        return True
+
+    def ask(self, key: str, lacking: list[str], holders: frozenset[str], outbox: Outbox) -> list[str]:
+        """Ask the nodes `lacking` the weights of `key` to stage them, unless already asked, each with peers to
+        copy from (reconciler.weights.peers); returns the nodes that wait for a peer to be free instead."""
         under_way = [s.node_name for s in self.by_key.get(key, ()) if s.state in STAGING_UNDER_WAY and s.node_ready]
         fetching = under_way + [node for node, source, _ in self.asked if source == key]
         waiting_for_peer = []
@@ -141,17 +154,9 @@ class Stages:
                 continue
             for peer in peers:
                 outbox.serve_weights(peer.node, key, node_name, peer.ticket, TICKET_SECONDS)
-            outbox.stage_weights(node_name, key, DEFAULT_REVISION, peers)
-            self.asked.append((node_name, key, [p.node for p in peers]))
+            self.asked.append((node_name, key, peers))
             fetching.append(node_name)
-        replica.hold = Hold.STAGING
-        replica.placement_note = f"staging its weights on {', '.join(lacking)}: no GPU is held until they are there"
-        if waiting_for_peer:
-            replica.placement_note += (
-                f" ({', '.join(waiting_for_peer)} waits for a node holding them to be free to copy from)"
-            )
-        self.staged.append(replica)
-        return True
+        return waiting_for_peer
 
     def able_to_stage(self) -> frozenset[str]:
         """The nodes whose agents have a weights root to stage into (two queries, the first time, with their
@@ -165,18 +170,22 @@ class Stages:
         assert self._peers is not None
         return self._peers
 
-    def write(self, now: datetime) -> None:
-        """The replicas set to wait (one UPDATE) and the stages asked for (one upsert), this tick."""
+    def write(self, now: datetime, outbox: Outbox) -> None:
+        """The replicas set to wait (one UPDATE) and the stages asked for (one upsert, and their stage_weights with
+        what each node may evict for them: reconciler.weights.budget), this tick."""
         if self.staged:
             Replica.objects.bulk_update(self.staged, ["hold", "placement_note", "profile"])
         if not self.asked:
             return
+        evictable = evictable_on(node for node, _, _ in self.asked)
+        for node_name, source, peers in self.asked:
+            outbox.stage_weights(node_name, source, DEFAULT_REVISION, peers, evictable.get(node_name, []))
         ids = dict(Node.objects.filter(name__in={n for n, _, _ in self.asked}).values_list("name", "pk"))
         rows = [
             WeightsStage(
                 node_id=ids[node_name], source=source, revision=DEFAULT_REVISION, state=StagingState.ASKED,
                 asked_at=now, updated_at=now, bytes_done=0, bytes_total=0, bytes_per_second=0.0, message="",
-                peers=peers,
+                peers=[p.node for p in peers],
             )
             for node_name, source, peers in self.asked
             if node_name in ids
@@ -192,7 +201,8 @@ class Stages:
         log.info(
             "staging: asked %s",
             ", ".join(
-                f"{node} for {source} ({' '.join(peers) or 'from the hub'})" for node, source, peers in self.asked
+                f"{node} for {source} ({' '.join(p.node for p in peers) or 'from the hub'})"
+                for node, source, peers in self.asked
             ),
         )
 
@@ -223,8 +233,8 @@ def stalls_due(leadership: Leadership, now: datetime) -> bool:
 
 
 def resend_stalled(now: datetime, outbox: Outbox) -> int:
-    """Ask again for stages their agents have not reported on for LLMGW_STAGE_STALL_SECONDS (two queries, three
-    when they copy from peers)."""
+    """Ask again for stages their agents have not reported on for LLMGW_STAGE_STALL_SECONDS (one query when none
+    is; then at most seven)."""
     cutoff = now - timedelta(seconds=settings.LLMGW_STAGE_STALL_SECONDS)
     stalled = list(
         WeightsStage.objects.filter(Q(updated_at__lt=cutoff), state__in=STAGING_UNDER_WAY, node__state=NodeState.READY)
@@ -232,12 +242,13 @@ def resend_stalled(now: datetime, outbox: Outbox) -> int:
         .order_by("pk")[:100]
     )
     choice = PeerChoice.read()[0] if any(peers for *_, peers in stalled) else None
+    evictable = evictable_on(node_name for _, node_name, *_ in stalled)
     for _, node_name, source, revision, names in stalled:
         # The same peers, with new tickets: a server that restarted has forgotten the old ones.
         peers = choice.again(names) if choice is not None and names else []
         for peer in peers:
             outbox.serve_weights(peer.node, source, node_name, peer.ticket, TICKET_SECONDS)
-        outbox.stage_weights(node_name, source, revision, peers)
+        outbox.stage_weights(node_name, source, revision, peers, evictable.get(node_name, []))
     if stalled:
         WeightsStage.objects.filter(pk__in=[pk for pk, *_ in stalled]).update(asked_at=now, updated_at=now)
         log.info("staging: asked again for %d stage(s) their agents went quiet on", len(stalled))
