@@ -174,7 +174,7 @@ def _download(client, url, headers, partial, have, hasher, progress, cancelled) 
             if response.status_code not in (200, 206):
                 raise TransferError(f"{url}: HTTP {response.status_code} {response.reason_phrase}")
             with open(partial, "ab") as f:
-                for chunk in response.iter_bytes(CHUNK_BYTES):
+                for chunk in response.iter_bytes():  # as it arrives: a cut keeps every byte received
                     if cancelled.is_set():
                         raise TransferError(f"{url}: cancelled")
                     f.write(chunk)
