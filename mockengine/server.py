@@ -49,8 +49,10 @@ import argparse
 import math
 import os
 import sys
+import time
 
 from aiohttp import web
+from huggingface_hub import snapshot_download
 
 from mockengine.batch import MockBatch
 from mockengine.generation import EXTRA_ENDPOINTS, MockEngine
@@ -259,6 +261,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fcfs",
         help="the order waiting requests run in: first come, first served, or by their `priority` field (as vLLM)",
     )
+    parser.add_argument(
+        "--download-weights",
+        default=None,
+        metavar="REPO_ID",
+        help="before serving, download this hub repository into HF_HOME with the hub's own client, as vLLM does "
+        "with a hub id its node lacks (HF_ENDPOINT, HF_TOKEN apply); for comparing with staged weights",
+    )
     _add_continuation_arguments(parser)
     return parser.parse_args(argv)
 
@@ -330,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mock engine loading {args.model}: {args.memory_gib_per_gpu:g} GiB per GPU", flush=True)
             print(oom, file=sys.stderr, flush=True)
             return 1
+    if args.download_weights:
+        started = time.monotonic()
+        print(f"mock engine downloading {args.download_weights}", flush=True)
+        snapshot_download(args.download_weights)  # holds its GPUs all along, as an engine's own download does
+        print(f"downloaded {args.download_weights} in {time.monotonic() - started:.1f} s", flush=True)
     # As vLLM does, the sleep routes are served only in its development mode.
     dev_mode = os.environ.get(VLLM_DEV_MODE_ENV, "") not in ("", "0")
     lora = MockLoRA(args.enable_lora, args.max_loras, args.max_lora_rank, args.lora_load_seconds)

@@ -5,6 +5,7 @@ Endpoints, as the `huggingface_hub` client calls them:
 * `GET /api/models/{org}/{name}[/revision/{rev}]` (`?blobs=true`): the commit (`sha`) and `siblings`
   `[{rfilename, size, blobId, lfs: {sha256, size, pointerSize}}]`; weights files (`.safetensors`, `.gguf`,
   `.bin`, and anything over 10 MB) are LFS files, published by their sha256, the rest by their git blob id.
+* `GET /api/models/{org}/{name}/tree/{rev}`: the same files as a tree listing (the client's snapshot download).
 * `HEAD`/`GET /{org}/{name}/resolve/{rev}/{path}`: the file, with `X-Repo-Commit`, `ETag` (and for LFS files
   `X-Linked-Etag`, `X-Linked-Size`) and single HTTP ranges (206, or 416 past the end).
 * `GET /_stats`, `POST /_reset`: body bytes served per `org/name/path`, and requests; `POST /_faults`: change
@@ -104,6 +105,7 @@ class MockHub:
         app.router.add_post("/_faults", self._set_faults)
         app.router.add_get("/api/models/{org}/{name}", self._info)
         app.router.add_get("/api/models/{org}/{name}/revision/{revision}", self._info)
+        app.router.add_get("/api/models/{org}/{name}/tree/{revision}", self._tree)
         app.router.add_route("*", "/{org}/{name}/resolve/{revision}/{path:.+}", self._resolve)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -161,6 +163,18 @@ class MockHub:
                 sibling["lfs"] = {"sha256": f.sha256, "size": f.size, "pointerSize": 134}
             siblings.append(sibling)
         return web.json_response({"id": repo, "modelId": repo, "sha": commit, "private": False, "siblings": siblings})
+
+    async def _tree(self, request: web.Request) -> web.Response:
+        """The files of a revision, as its client's snapshot download lists them (one page: no `Link` header)."""
+        repo = f"{request.match_info['org']}/{request.match_info['name']}"
+        files, _commit = self._resolve_revision(repo, request.match_info["revision"])
+        entries = []
+        for f in files:
+            entry: dict = {"type": "file", "path": f.path, "size": f.size, "oid": f.git_sha1}
+            if f.lfs:
+                entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": 134}
+            entries.append(entry)
+        return web.json_response(entries)
 
     async def _resolve(self, request: web.Request) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):

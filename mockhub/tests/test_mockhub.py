@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
 from mockhub.repos import make_safetensors_repo
@@ -100,3 +100,11 @@ def test_the_throttle_is_the_whole_hubs_rate(repo):
         took = time.monotonic() - started
     total = sum((folder / n).stat().st_size for n in names)
     assert took >= 0.8 * total / (4 * MB)  # two downloads together, not each, at the hub's rate
+
+
+def test_a_snapshot_download_lists_the_tree_and_fetches_every_file(repo, tmp_path):
+    root, folder = repo
+    with Running(root) as hub:
+        snapshot = Path(snapshot_download("org/tiny", cache_dir=tmp_path / "cache", endpoint=hub.url))
+        assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in folder.iterdir())
+        assert sum(hub.served.values()) == sum(p.stat().st_size for p in folder.iterdir())
