@@ -87,6 +87,19 @@ def schedules_by_priority(engine: str, args: list[str]) -> bool:
     return policy == "priority"
 
 
+def pinned_revision(engine: str, args: list[str]) -> str | None:
+    """The hub revision (branch, tag or commit) `args` pin the model's weights to (`--revision`, which vLLM and
+    SGLang both take; the last one given wins), or None: the default branch. Staging fetches that revision."""
+    if engine not in ("vllm", "sglang", "mock"):
+        return None
+    revision = None
+    for i, arg in enumerate(args):
+        name, value, inline = _flag_name(engine, arg)
+        if name == "--revision":
+            revision = value if inline else (args[i + 1] if i + 1 < len(args) else None)
+    return revision or None
+
+
 # The flag each engine takes for the requests it runs at once, as a profile's max_concurrency is passed. llama.cpp's
 # --parallel is left to the engine args: it splits the context between its slots, so it changes what each may hold.
 BATCH_FLAG = {"vllm": "--max-num-seqs", "sglang": "--max-running-requests", "mock": "--max-num-seqs"}

@@ -70,6 +70,13 @@ class Replica(models.Model):
         help_text="Since when it has been wanted and waited: asleep, to be woken (requests or min replicas); "
         "pending, to be placed (the first tick it found no room). Cleared once woken or placed.",
     )
+    source = models.CharField(
+        max_length=500,
+        blank=True,
+        editable=False,
+        help_text="The source its engine was started from (its model's when placed): those weights stay in use while "
+        "it runs, even if the model's source is edited since.",
+    )
     weights_bytes = models.BigIntegerField(
         null=True, blank=True, help_text="Its weights' estimated size when placed: host memory a level-1 sleep holds."
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -63,6 +64,17 @@ class HubFile:
     name: str
     size: int
     digest: Digest
+
+    def __post_init__(self) -> None:
+        # Names and digests come over the network (the hub, a peer) and become paths under the weights root.
+        parts = self.name.split("/")
+        if not self.name or self.name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in self.name:
+            raise TransferError(f"refusing the file name {self.name!r}: not a plain relative path")
+        length = {"sha256": 64, "git-sha1": 40}.get(self.digest.kind)
+        if length is None or not re.fullmatch(f"[0-9a-f]{{{length}}}", self.digest.hexdigest):
+            raise TransferError(f"refusing {self.name}: {self.digest.kind} digest {self.digest.hexdigest!r} is not one")
+        if self.size < 0:
+            raise TransferError(f"refusing {self.name}: a negative size")
 
     @property
     def blob_name(self) -> str:
@@ -109,7 +121,7 @@ def peer_plan(client: httpx.Client, origin: Origin, stage: Stage) -> RevisionPla
         body = response.json()
         files = tuple(HubFile(f["name"], int(f["size"]), Digest(f["kind"], f["digest"])) for f in body["files"])
         return RevisionPlan(stage.source, stage.revision, str(body["commit"]), files)
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+    except (httpx.HTTPError, TransferError, ValueError, KeyError, TypeError) as exc:
         log.info("no plan of %s from peer %s: %s", stage.source, origin.name, exc)
         return None
 

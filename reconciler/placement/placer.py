@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import BigIntegerField, Case, Count, Exists, OuterRef, Q, Value, When
+from django.db.models import BigIntegerField, Case, CharField, Count, Exists, OuterRef, Q, Value, When
 
 from catalog.models import Profile
 from catalog.sizing import ReportedWeights, reported_from_row
@@ -233,6 +233,11 @@ def _write_placed(placed: _Placed, moved: list[Replica], now: datetime, epoch: i
             *(When(pk=replica.pk, then=Value(replica.weights_bytes)) for replica, _ in placed if replica.weights_bytes),
             default=None,
             output_field=BigIntegerField(),
+        ),
+        source=Case(
+            *(When(pk=replica.pk, then=Value(replica.model.source)) for replica, _ in placed),
+            default=Value(""),
+            output_field=CharField(),
         ),
         state=ReplicaState.STARTING,
         started_at=now,

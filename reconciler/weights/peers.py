@@ -52,16 +52,23 @@ class PeerChoice:
         self.servers = servers
         self.load: Counter[str] = Counter(serving)  # node -> stages under way copying from it
 
-    def peers_for(self, node: str, candidates: Iterable[str]) -> list[StagePeer] | None:
-        """Peers for `node` among `candidates` (holders, then nodes fetching): [] when there is none (the hub),
-        None when there are some but every one already serves LLMGW_STAGE_PEER_COPIES (wait for one)."""
-        servers = [self.servers[c] for c in dict.fromkeys(candidates) if c != node and c in self.servers]
-        if not servers:
+    def peers_for(self, node: str, holders: Iterable[str], fetching: Iterable[str] = ()) -> list[StagePeer] | None:
+        """Peers for `node`: nodes holding the weights first, then nodes fetching them (followed file by file),
+        the least busy first within each. [] when there is none (the hub); None when there are some but every
+        one already serves LLMGW_STAGE_PEER_COPIES (wait for one)."""
+        held = [self.servers[c] for c in dict.fromkeys(holders) if c != node and c in self.servers]
+        followed = [self.servers[c] for c in dict.fromkeys(fetching) if c != node and c in self.servers]
+        followed = [s for s in followed if s not in held]
+        if not held and not followed:
             return []
-        free = [s for s in servers if self.load[s.node] < settings.LLMGW_STAGE_PEER_COPIES]
+        limit = settings.LLMGW_STAGE_PEER_COPIES
+        free = [
+            s for group in (held, followed) for s in sorted(group, key=lambda s: self.load[s.node])
+            if self.load[s.node] < limit
+        ]  # fmt: skip
         if not free:
             return None
-        chosen = sorted(free, key=lambda s: self.load[s.node])[:PEERS_PER_STAGE]
+        chosen = free[:PEERS_PER_STAGE]
         for server in chosen:
             self.load[server.node] += 1
         return self.again([s.node for s in chosen])

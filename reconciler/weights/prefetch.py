@@ -20,7 +20,7 @@ from catalog.models import Profile
 from inventory.choices import NodeState, StagingState
 from inventory.models import Node, Weights, WeightsStage
 from reconciler.outbox import Outbox
-from reconciler.weights.staging import Stages, key_of, resend_stalled, stageable
+from reconciler.weights.staging import Stages, key_of, resend_stalled, revision_of, stageable
 
 RETRY_FAILED_AFTER = timedelta(hours=1)
 
@@ -66,7 +66,7 @@ def prefetch(now: datetime, outbox: Outbox) -> int:
         want = min(profile.prefetch_nodes or 0, len(candidates)) - len(have)
         lacking = [n for n in candidates if n not in holding[key] and n not in failed[key]][: max(0, want)]
         if lacking:
-            stages.ask(key, lacking, frozenset(holding[key]), outbox)
+            stages.ask(key, revision_of(profile), lacking, frozenset(holding[key]), outbox)
             holding[key].update(lacking)
     stages.write(now, outbox)
     return len(stages.asked)

@@ -16,14 +16,17 @@ a source edited away, a removal refused) reconciler.weights.sweep removes later.
 from __future__ import annotations
 
 import logging
+import posixpath
 
 from django.db import connection, transaction
-from django.db.models import CharField, Q, Value
+from django.db.models import CharField, Value
 from django.db.models.signals import pre_delete
 
 from catalog.models import Adapter, Profile
 from inventory.models import Weights
 from nodewire.weights.disk import GGUF_ENGINES, weights_key
+from reconciler.choices import ReplicaState
+from reconciler.models import Replica
 from reconciler.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -62,11 +65,12 @@ _ADAPTER = "(adapter)"
 
 
 def keys_in_use() -> set[str]:
-    """The weights keys of every profile of every model, and of every LoRA adapter; one query.
+    """The weights keys of every profile of every model, of every LoRA adapter, and of the source every engine
+    still running was started from (`Replica.source`: an edited model's old weights stay open until its engine
+    stops); two queries.
 
     The whole catalog (it is small): keys are normalised forms of the sources,
-    so they cannot be matched in SQL. A node's weights are in use when their
-    source or their path is one of these. An adapter from the hub lands in the
+    so they cannot be matched in SQL. An adapter from the hub lands in the
     same cache (engines get the weights root as HF_HOME); its source is read
     both ways, as a hub id and as a GGUF path, so it is kept whichever it is.
     """
@@ -76,29 +80,57 @@ def keys_in_use() -> set[str]:
     for engine, source in profiles.union(adapters.values_list("engine", "source").order_by(), all=True):
         engines = ("", GGUF_ENGINES[0]) if engine == _ADAPTER else (engine,)
         keys.update(weights_key(reading, source) for reading in engines)
+    running = Replica.objects.exclude(source="").exclude(state=ReplicaState.PENDING)
+    keys.update(weights_key(engine, source) for engine, source in running.values_list("profile__engine", "source"))
     return keys
 
 
-def remove_unused_weights(keys: set[str]) -> int:
-    """Send remove_weights for every node's copy of `keys` no remaining profile (or adapter) uses; return how
-    many were sent.
+def in_use(source: str, path: str, keys: set[str]) -> bool:
+    """Whether a node's weights (reported `source` and `path`) are in use by some key of `keys_in_use`: the key
+    is their source or path, or, for a key that is a path, one of the two paths lies inside the other (a
+    profile's folder inside a hub cache entry, `…/models--org--x/snapshots/<rev>`; a folder of GGUF files
+    holding the reported file). Paths are compared by whole components: `/w/x2` is not inside `/w/x`."""
+    if source in keys or path in keys:
+        return True
+    return any(_related(path, key) for key in keys if key.startswith("/"))
 
-    Four queries: the remaining profiles and adapters, the holders, the epoch, the pending rows.
+
+def _related(a: str, b: str) -> bool:
+    a, b = posixpath.normpath(a), posixpath.normpath(b)
+    if not a.startswith("/"):
+        return False
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def weights_in_use(rows) -> tuple[set[int], set[int]]:
+    """Of Weights `rows` (pk, source, path), the pks in use and those not (the catalog read once: two queries)."""
+    keys = keys_in_use()
+    used, unused = set(), set()
+    for pk, source, path in rows:
+        (used if in_use(source, path, keys) else unused).add(pk)
+    return used, unused
+
+
+def remove_unused_weights(keys: set[str]) -> int:
+    """Send remove_weights for every node's copy of `keys` no remaining profile, adapter or running engine uses
+    (`in_use`, by paths too); return how many were sent.
+
+    Five queries: the remaining profiles and adapters, the running engines, the holders, the epoch, the pending rows.
     """
-    unused = keys - keys_in_use()
-    if not unused:
+    remaining = keys_in_use()
+    gone = keys - remaining
+    if not gone:
         return 0
     with transaction.atomic():
         outbox = Outbox()
-        rows = Weights.objects.filter(Q(source__in=unused) | Q(path__in=unused)).values_list(
-            "node__name", "source", "path"
-        )
-        for node_name, source, path in rows.order_by("node__name", "source"):
-            outbox.remove_weights(node_name, source, path)
+        rows = Weights.objects.values_list("node__name", "source", "path").order_by("node__name", "source")
+        for node_name, source, path in rows:
+            if in_use(source, path, gone) and not in_use(source, path, remaining):
+                outbox.remove_weights(node_name, source, path)
         sent = len(outbox.commands)
         outbox.send_on_commit()
     if sent:
-        log.info("sent %d remove_weights command(s) for %s", sent, ", ".join(sorted(unused)))
+        log.info("sent %d remove_weights command(s) for %s", sent, ", ".join(sorted(gone)))
     return sent
 
 

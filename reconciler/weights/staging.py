@@ -1,15 +1,20 @@
 """Staging in the tick: a replica whose weights its nodes lack waits for them without holding a GPU.
 
 When placement (reconciler.placement.placer) puts a replica on nodes that do
-not hold its weights, and the weights are a hub repository (an engine would
-download them at start, holding its GPUs for as long), the replica is not
-placed: its nodes are sent stage_weights (agent/weights/staging.py), one
+not hold its weights, for an engine in LLMGW_STAGE_ENGINES (one that would
+download a hub repository at start, holding its GPUs for as long), the replica
+is not placed: its nodes are sent stage_weights (a hub repository is fetched,
+from peers where the fleet holds it (reconciler.weights.peers); a path is only
+checked there) (agent/weights/staging.py), one
 `inventory.WeightsStage` row per node and source records where each stands,
 and the replica stays PENDING with hold STAGING (routers hold its requests as
 for any cold start). Its GPUs stay free for other models meanwhile. Each tick:
 
 * a replica with a stage of its weights still under way (on a node that is
-  ready) waits: it is not offered to placement at all;
+  ready), and no node holding them yet, waits: it is not offered to
+  placement at all; once one node holds them it is offered (placement
+  prefers that node, so the first replica starts while the others' nodes
+  still copy);
 * once none is under way it is placed as any pending replica, nodes holding
   the weights first, and a node whose stage is ready counts as holding them
   until its next weights report says so itself;
@@ -19,10 +24,9 @@ for any cold start). Its GPUs stay free for other models meanwhile. Each tick:
 * a stage the agent has not reported on for LLMGW_STAGE_STALL_SECONDS is
   asked for again: an agent that restarted resumes it from its partial files.
 
-Local paths and GGUF files are not staged (an engine reads them where they are),
-nor are the weights of engines left out of LLMGW_STAGE_ENGINES (the mock engine
-loads nothing, so only tests and benches that stage put it there). A constant
-number of queries.
+The weights of engines left out of LLMGW_STAGE_ENGINES are not staged (llama.cpp
+reads its GGUF file where it is; the mock engine loads nothing, so only tests
+and benches that stage put it there). A constant number of queries.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db.models import Q
 
+from catalog.engine_flags import pinned_revision
 from catalog.models import Profile
 from inventory.choices import STAGING_UNDER_WAY, NodeState, StagingState
 from inventory.models import Node, WeightsStage
@@ -53,10 +58,10 @@ log = logging.getLogger(__name__)
 
 
 def stageable(profile: Profile) -> bool:
-    """Whether a profile's weights are fetched by staging: a hub repository, for an engine in
-    LLMGW_STAGE_ENGINES (by default those that would download it themselves: vLLM, SGLang)."""
-    source = profile.model.source.strip()
-    return profile.engine in settings.LLMGW_STAGE_ENGINES and not os.path.isabs(source)
+    """Whether a profile's weights are staged before its engine starts: those of an engine in LLMGW_STAGE_ENGINES
+    (by default those that download a hub repository themselves: vLLM, SGLang). A hub repository is fetched; an
+    absolute path (a local or shared filesystem) is only checked on the node, never copied."""
+    return profile.engine in settings.LLMGW_STAGE_ENGINES
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class Stages:
     by_key: dict[str, list[_Stage]] = field(default_factory=dict)
     _able: frozenset[str] | None = None  # nodes whose agents can stage (a weights root), read when first needed
     _peers: PeerChoice | None = None  # the fleet's weights servers, read with `_able`
-    asked: list[tuple[str, str, list[StagePeer]]] = field(default_factory=list)  # (node, source, peers) this tick
+    # (node, source, revision, peers) asked this tick
+    asked: list[tuple[str, str, str, list[StagePeer]]] = field(default_factory=list)
     staged: list[Replica] = field(default_factory=list)  # replicas set to wait this tick
 
     @classmethod
@@ -109,8 +115,8 @@ class Stages:
             key = key_of(replica.profile)
             if replica.hold != Hold.STAGING:
                 offered.append(replica)
-            elif self.under_way(key):
-                continue
+            elif self.under_way(key) and not self.ready_on(key):
+                continue  # once a node holds them it is offered: placement prefers that node
             elif failure := self.failure(key):
                 replica.last_error = failure
                 failed.append(replica)
@@ -128,7 +134,7 @@ class Stages:
         lacking = [n for n in nodes if n not in holders]
         if not lacking or not stageable(profile) or not self.able_to_stage().issuperset(lacking):
             return False
-        waiting_for_peer = self.ask(key_of(profile), lacking, holders, outbox)
+        waiting_for_peer = self.ask(key_of(profile), revision_of(profile), lacking, holders, outbox)
         replica.hold = Hold.STAGING
         replica.placement_note = f"staging its weights on {', '.join(lacking)}: no GPU is held until they are there"
         if waiting_for_peer:
@@ -138,23 +144,25 @@ class Stages:
         self.staged.append(replica)
         return True
 
-    def ask(self, key: str, lacking: list[str], holders: frozenset[str], outbox: Outbox) -> list[str]:
-        """Ask the nodes `lacking` the weights of `key` to stage them, unless already asked, each with peers to
-        copy from (reconciler.weights.peers); returns the nodes that wait for a peer to be free instead."""
+    def ask(self, key: str, revision: str, lacking: list[str], holders: frozenset[str], outbox: Outbox) -> list[str]:
+        """Ask the nodes `lacking` the weights of `key` (at `revision`) to stage them, unless already asked, each
+        with peers to copy from (reconciler.weights.peers); returns the nodes that wait for a peer to be free."""
         under_way = [s.node_name for s in self.by_key.get(key, ()) if s.state in STAGING_UNDER_WAY and s.node_ready]
-        fetching = under_way + [node for node, source, _ in self.asked if source == key]
+        fetching = under_way + [node for node, source, _, _ in self.asked if source == key]
         waiting_for_peer = []
         for node_name in lacking:
             if node_name in fetching:
                 continue
-            # Copy from those holding the weights, else follow those fetching them: the hub is asked once.
-            peers = self.peer_choice().peers_for(node_name, [*sorted(holders), *fetching])
+            # Copy from those holding the weights, else follow those fetching them: the hub is asked once. A path
+            # is checked where it is, not copied.
+            path = os.path.isabs(key)
+            peers = self.peer_choice().peers_for(node_name, [] if path else sorted(holders), [] if path else fetching)
             if peers is None:
                 waiting_for_peer.append(node_name)
                 continue
             for peer in peers:
                 outbox.serve_weights(peer.node, key, node_name, peer.ticket, TICKET_SECONDS)
-            self.asked.append((node_name, key, peers))
+            self.asked.append((node_name, key, revision, peers))
             fetching.append(node_name)
         return waiting_for_peer
 
@@ -177,17 +185,17 @@ class Stages:
             Replica.objects.bulk_update(self.staged, ["hold", "placement_note", "profile"])
         if not self.asked:
             return
-        evictable = evictable_on(node for node, _, _ in self.asked)
-        for node_name, source, peers in self.asked:
-            outbox.stage_weights(node_name, source, DEFAULT_REVISION, peers, evictable.get(node_name, []))
-        ids = dict(Node.objects.filter(name__in={n for n, _, _ in self.asked}).values_list("name", "pk"))
+        evictable = evictable_on(node for node, *_ in self.asked)
+        for node_name, source, revision, peers in self.asked:
+            outbox.stage_weights(node_name, source, revision, peers, evictable.get(node_name, []))
+        ids = dict(Node.objects.filter(name__in={n for n, *_ in self.asked}).values_list("name", "pk"))
         rows = [
             WeightsStage(
-                node_id=ids[node_name], source=source, revision=DEFAULT_REVISION, state=StagingState.ASKED,
+                node_id=ids[node_name], source=source, revision=revision, state=StagingState.ASKED,
                 asked_at=now, updated_at=now, bytes_done=0, bytes_total=0, bytes_per_second=0.0, message="",
                 peers=[p.node for p in peers],
             )
-            for node_name, source, peers in self.asked
+            for node_name, source, revision, peers in self.asked
             if node_name in ids
         ]  # fmt: skip
         WeightsStage.objects.bulk_create(
@@ -201,10 +209,16 @@ class Stages:
         log.info(
             "staging: asked %s",
             ", ".join(
-                f"{node} for {source} ({' '.join(p.node for p in peers) or 'from the hub'})"
-                for node, source, peers in self.asked
+                f"{node} for {source}@{revision} ({' '.join(p.node for p in peers) or 'from the hub'})"
+                for node, source, revision, peers in self.asked
             ),
         )
+
+
+def revision_of(profile: Profile) -> str:
+    """The revision a profile's weights are staged at: the one its engine args pin (`--revision`), else the hub's
+    default branch."""
+    return pinned_revision(profile.engine, list(profile.engine_args or [])) or DEFAULT_REVISION
 
 
 def key_of(profile: Profile) -> str:

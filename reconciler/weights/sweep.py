@@ -7,9 +7,10 @@ edited, a removal the agent refused or lost. Every LLMGW_WEIGHTS_SWEEP_SECONDS
 (the first that long after the leader's first tick, so the nodes have reported
 their weights), inside the tick's fenced transaction:
 
-* a Weights row some profile or LoRA adapter uses (its source or path is its
-  weights key, nodewire.weights.disk.weights_key: the rule of weights_removal) has its
-  `unused_since` cleared; one no profile uses gets it set, once;
+* a Weights row in use (reconciler.weights.removal.in_use: a profile's, a LoRA
+  adapter's or a running engine's weights key is its source or its path, or,
+  for a path, one lies inside the other) has its `unused_since` cleared; one
+  not in use gets it set, once;
 * rows unused for LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS (and unchanged on disk as
   long: `seen_at`), with no remove_weights pending for them, get one, oldest
   first, at most LLMGW_WEIGHTS_SWEEP_BATCH a sweep. Their `unused_since` is set
@@ -18,7 +19,8 @@ their weights), inside the tick's fenced transaction:
 
 The commands are the tick's: stamped with its epoch, pending until acknowledged,
 made due when their node says hello. The agent deletes only strictly inside its
-weights root (nodewire/weights/disk.py). Five queries at most, whatever the fleet's size.
+weights root (nodewire/weights/disk.py). Eight queries at most, whatever the fleet's size (the Weights
+rows are read whole: paths cannot be matched in SQL).
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ import logging
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import CharField, Exists, OuterRef, Q, Value
+from django.db.models import CharField, Exists, OuterRef, Value
 from django.db.models.functions import Concat
 
 from inventory.models import Weights
 from reconciler.leadership.lease import Leadership
 from reconciler.models import PendingCommand
 from reconciler.outbox import NODE_SHARD_ID, WEIGHTS_SUBJECT_PREFIX, Outbox
-from reconciler.weights.removal import keys_in_use
+from reconciler.weights.removal import weights_in_use
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +54,17 @@ def swept(leadership: Leadership, now: datetime) -> None:
 
 
 def sweep_unused_weights(now: datetime, outbox: Outbox) -> int:
-    """Mark the weights no profile uses, and queue remove_weights for those unused past the grace period;
-    return how many were queued. At most five queries (see the module docstring)."""
-    used = keys_in_use()
-    in_use = Q(source__in=used) | Q(path__in=used)
-    Weights.objects.filter(in_use, unused_since__isnull=False).update(unused_since=None)
-    Weights.objects.filter(unused_since__isnull=True).exclude(in_use).update(unused_since=now)
+    """Mark the weights not in use, and queue remove_weights for those unused past the grace period; return how
+    many were queued. At most eight queries (see the module docstring)."""
+    rows = list(Weights.objects.values_list("pk", "source", "path", "unused_since"))
+    used, unused = weights_in_use((pk, source, path) for pk, source, path, _ in rows)
+    since = {pk: unused_since for pk, _, _, unused_since in rows}
+    again = [pk for pk in used if since[pk] is not None]
+    if again:
+        Weights.objects.filter(pk__in=again).update(unused_since=None)
+    newly = [pk for pk in unused if since[pk] is None]
+    if newly:
+        Weights.objects.filter(pk__in=newly).update(unused_since=now)
     # Every row with `unused_since` set is now unused.
     cutoff = now - timedelta(seconds=settings.LLMGW_WEIGHTS_SWEEP_GRACE_SECONDS)
     pending = PendingCommand.objects.filter(

@@ -72,6 +72,7 @@ def staging_fleet(
 ) -> Iterator[Fleet]:  # fmt: skip
     """The mock hub over `repos` (at `hub_rate` bytes a second for all), a control plane and router, and one agent
     per node (weights root `var/weights-<node>`, a weights server); yields once every node is ready."""
+    var.mkdir(parents=True, exist_ok=True)
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")} | {
         "LLMGW_HOME": str(var),

@@ -15,7 +15,8 @@ from huggingface_hub import hf_hub_download
 
 from agent.tests.weights.cache import hold, plan_of
 from agent.weights.peer_server import PeerServer, plan_on_disk
-from agent.weights.staging import Staging
+from agent.weights.staging import HubFile, Staging
+from agent.weights.transfer import Digest, TransferError
 from nodewire.weights.staging_messages import ServeWeights, StagePeer, StageWeights
 
 TICKET = "t" * 32
@@ -194,3 +195,27 @@ def test_a_cut_copy_resumes_from_its_partial_file(tmp_path, partial_bytes):
     assert first["bytes_done"] >= partial_bytes  # counted as done from the start: it is not fetched again
     assert (blobs / shard.blob_name).read_bytes() == files[shard.name]
     assert not (blobs / f"{shard.blob_name}.partial").exists()
+
+
+def test_a_path_source_is_checked_where_it_is_and_never_copied(tmp_path):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+
+    async def scenario(source):
+        return await stage(tmp_path / "root", [], source=source)
+
+    sent = asyncio.run(scenario(str(tmp_path / "models" / "m")))
+    assert sent[-1]["state"] == "ready" and sent[-1]["path"] == str(tmp_path / "models" / "m")
+    assert "nothing copied" in sent[-1]["message"] and not (tmp_path / "root" / "hub").exists()
+    sent = asyncio.run(scenario(str(tmp_path / "models" / "gone")))
+    assert sent[-1]["state"] == "failed" and "does not exist on this node" in sent[-1]["message"]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "digest"),
+    [("../escape", "sha256", "a" * 64), ("/abs", "sha256", "a" * 64), ("a//b", "sha256", "a" * 64),
+     ("model.safetensors", "sha256", "../../x"), ("model.safetensors", "md5", "a" * 32),
+     ("config.json", "git-sha1", "A" * 40)],
+)  # fmt: skip
+def test_a_plan_naming_paths_outside_the_cache_or_digests_that_are_none_is_refused(name, kind, digest):
+    with pytest.raises(TransferError, match="refusing"):
+        HubFile(name, 1, Digest(kind, digest))

@@ -8,6 +8,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from agentlink.services import on_staging_status
+from catalog.engine_flags import pinned_revision
 from inventory.choices import StagingState
 from inventory.models import Node, Weights, WeightsStage
 from inventory.services import record_weights
@@ -202,3 +203,46 @@ def test_a_holder_is_copied_from_but_never_by_more_than_the_copies_it_may_serve(
     run_tick()
     (stage,) = [c for c in inbox() if c["type"] == "stage_weights"]
     assert [p["node"] for p in stage["peers"]] == ["gpu-1"]
+
+
+def test_a_path_source_is_checked_on_its_node_not_copied_and_a_missing_path_fails_there(run_tick, agent_inbox):
+    node = staging_node()
+    holder = serving_node("gpu-9")  # holds the path too: it is still not a peer, nothing is copied
+    inbox = agent_inbox("gpu-a")
+    model = make_model("local", engine="vllm")
+    model.source = "/models/local"
+    model.save(update_fields=["source"])
+    Weights.objects.create(node=holder, source="/models/local", path="/models/local", size_bytes=1,
+                           seen_at=timezone.now())  # fmt: skip
+    holder.gpus.all().delete()
+    run_tick()
+    (stage,) = [c for c in inbox() if c["type"] == "stage_weights"]
+    assert (stage["source"], stage["peers"]) == ("/models/local", [])
+    report(node, "/models/local", "failed", message="/models/local does not exist on this node")
+    run_tick()
+    replica = Replica.objects.get(model=model)
+    assert replica.state == ReplicaState.FAILED and "does not exist on this node" in replica.last_error
+
+
+def test_the_revision_the_engine_args_pin_is_the_one_staged(run_tick, agent_inbox):
+    staging_node()
+    inbox = agent_inbox("gpu-a")
+    make_model("pinned", engine="vllm", engine_args=["--revision=0123abcd", "--max-model-len", "4096"])
+    run_tick()
+    (stage,) = [c for c in inbox() if c["type"] == "stage_weights"]
+    assert stage["revision"] == "0123abcd"
+    assert WeightsStage.objects.get().revision == "0123abcd"
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "revision"),
+    [
+        ("vllm", ["--revision", "v2"], "v2"),
+        ("vllm", ["--revision=v1", "--revision=v3"], "v3"),  # the last one wins, as the engine's parser takes it
+        ("sglang", ["--revision", "abc"], "abc"),
+        ("vllm", ["--tokenizer-revision", "t"], None),
+        ("llamacpp", ["--revision", "x"], None),
+    ],
+)
+def test_a_pinned_revision_is_read_from_the_engine_args_as_the_engine_reads_it(engine, args, revision):
+    assert pinned_revision(engine, args) == revision

@@ -132,9 +132,9 @@ def test_a_sweep_costs_the_same_queries_for_2_or_20_nodes(nodes, settings, djang
         hold(node, "org/old", unused_since=now - DAY)
         hold(node, "org/back", unused_since=now - DAY / 2)  # used again from now on
     make_model("back", min_replicas=0)
-    with transaction.atomic(), django_assert_num_queries(6):
-        # The profiles' keys; used again cleared; newly unused marked; the due ones; their grace started
-        # again; (the outbox) the pending rows.
+    with transaction.atomic(), django_assert_num_queries(8):
+        # The profiles' keys; the running engines' sources; the rows (paths are compared in Python); used again
+        # cleared; newly unused marked; the due ones; their grace started again; (the outbox) the pending rows.
         outbox = Outbox(1, now)
         assert sweep_unused_weights(now, outbox) == nodes
         outbox.send_on_commit()
