@@ -105,7 +105,8 @@ def _related(a: str, b: str) -> bool:
 def weights_in_use(rows) -> tuple[set[int], set[int]]:
     """Of Weights `rows` (pk, source, path), the pks in use and those not (the catalog read once: two queries)."""
     keys = keys_in_use()
-    used, unused = set(), set()
+    used: set[int] = set()
+    unused: set[int] = set()
     for pk, source, path in rows:
         (used if in_use(source, path, keys) else unused).add(pk)
     return used, unused
