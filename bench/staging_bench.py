@@ -10,7 +10,8 @@ clients together, a model of `--size` bytes of random safetensors. In one run:
    (`prefetch_nodes: 3`): the other two copy from the first at once, each at its peer rate; the hub's bytes;
 3. `cold start, staged`: model B, on no node, wanted by two nodes at once (min 2), a streamed request sent at
    the same moment: seconds to its first token, and until both replicas serve; the hub's bytes;
-4. `cold start, engines download`: the same on a fresh fleet with staging off (LLMGW_STAGE_ENGINES empty) and
+4. `resume`: model C staged from the hub on one node, whose agent is killed about halfway and started again;
+5. `cold start, engines download`: the same as 3 on a fresh fleet with staging off (LLMGW_STAGE_ENGINES empty) and
    each engine downloading B itself before serving (the mock engine's --download-weights, as vLLM does).
 
     .venv/bin/python bench/staging_bench.py [--size 2e9] [--files 4] [--hub-rate 50e6] [--keep DIR]
@@ -126,6 +127,34 @@ def hub_once(fleet: Fleet, size: int) -> dict:
     }
 
 
+def fetching(fleet: Fleet, source: str, past: int) -> tuple[str, int] | None:
+    """A node fetching `source` with more than `past` bytes done, and how many (read from the database)."""
+    with sqlite3.connect(f"file:{fleet.var / 'llmgw.sqlite3'}?mode=ro", uri=True, timeout=30) as db:
+        row = db.execute(
+            "SELECT n.name, s.bytes_done FROM inventory_weightsstage s JOIN inventory_node n ON n.id = s.node_id "
+            "WHERE s.source = ? AND s.state = 'fetching' AND s.bytes_done > ?",
+            (source, past),
+        ).fetchone()
+    return (row[0], row[1]) if row else None
+
+
+def resume(fleet: Fleet, size: int) -> dict:
+    """Model c staged from the hub on one node whose agent is killed (SIGKILL) about halfway and started again:
+    asked for again once quiet (LLMGW_STAGE_STALL_SECONDS), the stage resumes from its partial files."""
+    fleet.apply(catalog({"c": PROFILE.format(min=1, extra="")}))
+    node, done = wait_until(lambda: fetching(fleet, "org/c", size // 2), 1800, 0.5, describe=fleet.log)
+    killed = time.monotonic()
+    fleet.agents[node].kill()
+    fleet.agents[node].wait(10)
+    fleet.start_agent(node)
+    ready = wait_until(lambda: ready_stages(fleet, "org/c"), 1800, 1.0, describe=fleet.log)
+    hub_bytes = sum(n for path, n in fleet.hub_stats()["served"].items() if path.startswith("org/c/"))
+    return {
+        "node": node, "killed_at_bytes": done, "ready_after_kill_seconds": time.monotonic() - killed,
+        "message": ready[0]["message"], "hub_bytes": hub_bytes, "model_bytes": size,
+    }  # fmt: skip
+
+
 def cold_start(fleet: Fleet, profile: str) -> dict:
     """Model b wanted by two nodes, a streamed request at once: seconds to its first token and to both serving."""
     started = time.monotonic()
@@ -164,13 +193,16 @@ def main() -> None:
     repos = work / "repos"
     size = int(args.size)
     results: dict = {"size_bytes": size, "hub_rate_MBps": args.hub_rate / 1e6}
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         made = make_safetensors_repo(repos, f"org/{name}", size, files=args.files, seed=ord(name))
         size_on_disk = sum(p.stat().st_size for p in made.iterdir())
     results["model_bytes"] = size_on_disk
     results["loopback"] = loopback(repos / "org" / "a", work)
     # The tick and the heartbeats at their defaults, as deployed (the tests' fleets run them faster).
-    fleet_env = {"LLMGW_ACTIVATION_TIMEOUT_SECONDS": "3600", "LLMGW_TICK_SECONDS": "2", "LLMGW_HEARTBEAT_SECONDS": "5"}
+    fleet_env = {
+        "LLMGW_ACTIVATION_TIMEOUT_SECONDS": "3600", "LLMGW_TICK_SECONDS": "2", "LLMGW_HEARTBEAT_SECONDS": "5",
+        "LLMGW_STAGE_STALL_SECONDS": "10",  # the killed agent's stage is asked for again 10 s after its last report
+    }  # fmt: skip
     print(json.dumps({"loopback": results["loopback"]}), flush=True)
     try:
         with staging_fleet(work / "staged", repos, NODES, hub_rate=args.hub_rate, env=fleet_env) as fleet:
@@ -178,6 +210,8 @@ def main() -> None:
             print(json.dumps({"hub_once": results["hub_once"]}), flush=True)
             results["cold_start_staged"] = cold_start(fleet, PROFILE.format(min=2, extra=""))
             print(json.dumps({"cold_start_staged": results["cold_start_staged"]}), flush=True)
+            results["resume"] = resume(fleet, size_on_disk)
+            print(json.dumps({"resume": results["resume"]}), flush=True)
         baseline_env = {**fleet_env, "LLMGW_STAGE_ENGINES": ""}
         with staging_fleet(work / "downloads", repos, NODES, hub_rate=args.hub_rate, env=baseline_env) as fleet:
             download = PROFILE.format(min=2, extra=', engine_args: ["--download-weights", "org/b"]')

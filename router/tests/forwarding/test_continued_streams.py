@@ -223,7 +223,8 @@ def test_a_stream_its_engine_aborts_for_a_forced_sleep_goes_on_from_another_repl
     rows = [{"url": sleepy.url, "priority": 1}, {"url": healthy.url, "priority": 0}]
     hub.publish_endpoints(make_table(rows, {MODEL: {"token_ids": token_ids}}))
     router = start_router(flush_seconds=3600)
-    body = request_body(CHAT, stream_options={"include_usage": True})
+    # 60 tokens at 30 ms: the sleep, asked after 5 words, lands well before the answer ends even on a loaded machine.
+    body = request_body(CHAT, stream_options={"include_usage": True}, max_tokens=60)
     events, slept = [], None
     with httpx.stream("POST", router.url + CHAT, json=body, headers=auth, timeout=20) as response:
         for line in response.iter_lines():
