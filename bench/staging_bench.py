@@ -10,7 +10,8 @@ clients together, a model of `--size` bytes of random safetensors. In one run:
    (`prefetch_nodes: 3`): the other two copy from the first at once, each at its peer rate; the hub's bytes;
 3. `cold start, staged`: model B, on no node, wanted by two nodes at once (min 2), a streamed request sent at
    the same moment: seconds to its first token, and until both replicas serve; the hub's bytes;
-4. `resume`: model C staged from the hub on one node, whose agent is killed about halfway and started again;
+4. `resume`: model C staged from the hub on one node (prefetched), whose agent is killed about halfway and
+   started again;
 5. `cold start, engines download`: the same as 3 on a fresh fleet with staging off (LLMGW_STAGE_ENGINES empty) and
    each engine downloading B itself before serving (the mock engine's --download-weights, as vLLM does).
 
@@ -141,7 +142,8 @@ def fetching(fleet: Fleet, source: str, past: int) -> tuple[str, int] | None:
 def resume(fleet: Fleet, size: int) -> dict:
     """Model c staged from the hub on one node whose agent is killed (SIGKILL) about halfway and started again:
     asked for again once quiet (LLMGW_STAGE_STALL_SECONDS), the stage resumes from its partial files."""
-    fleet.apply(catalog({"c": PROFILE.format(min=1, extra="")}))
+    # Prefetched (no replica: every GPU serves a or b by now), so it is staged on the first node by name.
+    fleet.apply(catalog({"c": PROFILE.format(min=0, extra=", prefetch_nodes: 1")}))
     node, done = wait_until(lambda: fetching(fleet, "org/c", size // 2), 1800, 0.5, describe=fleet.log)
     killed = time.monotonic()
     fleet.agents[node].kill()

@@ -224,7 +224,10 @@ class MockHub:
                 if cut_after is not None and sent + len(chunk) > cut_after:
                     chunk = chunk[: cut_after - sent]
                 await self._bucket.take(len(chunk), faults.bytes_per_second)
-                await response.write(bytes(chunk))
+                try:
+                    await response.write(bytes(chunk))
+                except ConnectionResetError:  # the client went away (killed, or it cut the download itself)
+                    return
                 sent += len(chunk)
                 position += len(chunk)
                 self.served[stats_key] += len(chunk)
