@@ -322,6 +322,7 @@ class EngineProcess:
         args: tuple = (),
         env: dict[str, str] | None = None,
     ):
+        self._chosen_port = port is None
         self.port = port or free_port()
         self.token_delay_ms = token_delay_ms
         self.args = args  # more of its flags (python -m mockengine --help)
@@ -333,12 +334,26 @@ class EngineProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> EngineProcess:
-        argv = [sys.executable, "-m", "mockengine", "--port", str(self.port), "--model", MODEL]
-        argv += ["--token-delay-ms", str(self.token_delay_ms), *self.args]
-        env = {**os.environ, "VLLM_API_KEY": self.api_key or "", **self.env}
-        self.process = subprocess.Popen(argv, cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_until(self._answers, timeout=10, interval=0.05, describe=self._describe)
+    def start(self, attempts: int = 3) -> EngineProcess:
+        """Start it and wait until it answers. A port another process took between `free_port` and the engine's
+        bind (other workers' servers bind port 0 in the same range) is given up for another, when it was chosen
+        here."""
+        chosen_here = self._chosen_port
+        for attempt in range(attempts):
+            argv = [sys.executable, "-m", "mockengine", "--port", str(self.port), "--model", MODEL]
+            argv += ["--token-delay-ms", str(self.token_delay_ms), *self.args]
+            env = {**os.environ, "VLLM_API_KEY": self.api_key or "", **self.env}
+            self.process = subprocess.Popen(
+                argv, cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+            try:
+                wait_until(self._answers, timeout=10, interval=0.05, describe=self._describe)
+                return self
+            except AssertionError:
+                stderr = self.process.stderr.read().decode(errors="replace") if self.process.poll() is not None else ""
+                if not chosen_here or "address already in use" not in stderr or attempt == attempts - 1:
+                    raise
+                self.port = free_port()
         return self
 
     def _answers(self) -> bool:
