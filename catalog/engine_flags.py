@@ -69,6 +69,17 @@ def _flag_name(engine: str, arg: str) -> tuple[str, str, bool]:
     return name, value, bool(equals)
 
 
+def _last_value(engine: str, args: list[str], flag: str) -> str | None:
+    """The value `args` give `flag` (`--flag value` or `--flag=value`, in any spelling the engine takes); the
+    last one given wins, as the engine's parser takes it."""
+    found = None
+    for i, arg in enumerate(args):
+        name, value, inline = _flag_name(engine, arg)
+        if name == flag:
+            found = value if inline else (args[i + 1] if i + 1 < len(args) else None)
+    return found
+
+
 # The engines that order their own waiting requests by a request's `priority` field when started with
 # `--scheduling-policy priority` (vLLM's SchedulerConfig.policy; the mock engine takes the same flag).
 PRIORITY_ENGINES = ("vllm", "mock")
@@ -79,12 +90,7 @@ def schedules_by_priority(engine: str, args: list[str]) -> bool:
     the engine takes; the last one given wins, as its parser takes it)."""
     if engine not in PRIORITY_ENGINES:
         return False
-    policy = None
-    for i, arg in enumerate(args):
-        name, value, inline = _flag_name(engine, arg)
-        if name == "--scheduling-policy":
-            policy = value if inline else (args[i + 1] if i + 1 < len(args) else None)
-    return policy == "priority"
+    return _last_value(engine, args, "--scheduling-policy") == "priority"
 
 
 def pinned_revision(engine: str, args: list[str]) -> str | None:
@@ -92,12 +98,7 @@ def pinned_revision(engine: str, args: list[str]) -> str | None:
     SGLang both take; the last one given wins), or None: the default branch. Staging fetches that revision."""
     if engine not in ("vllm", "sglang", "mock"):
         return None
-    revision = None
-    for i, arg in enumerate(args):
-        name, value, inline = _flag_name(engine, arg)
-        if name == "--revision":
-            revision = value if inline else (args[i + 1] if i + 1 < len(args) else None)
-    return revision or None
+    return _last_value(engine, args, "--revision") or None
 
 
 # The flag each engine takes for the requests it runs at once, as a profile's max_concurrency is passed. llama.cpp's

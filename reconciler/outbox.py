@@ -35,6 +35,7 @@ from nodewire.protocol import (
     REMOVE_WEIGHTS,
     SERVE_WEIGHTS,
     STAGE_WEIGHTS,
+    Command,
     DrainShard,
     RemoveWeights,
     ServeWeights,
@@ -147,18 +148,7 @@ def record_pending(built: list[tuple[str, dict]], now: datetime) -> None:
     )
 
 
-_Command = (
-    StartShard
-    | StopShard
-    | DrainShard
-    | SleepShard
-    | WakeShard
-    | RemoveWeights
-    | StageWeights
-    | ServeWeights
-    | LoadAdapter
-    | UnloadAdapter
-)
+_Command = Command  # every command the agent protocol defines (nodewire.protocol)
 
 
 # The epoch and command id a command is built with until it is sent: `send_on_commit` stamps both.
